@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""bench.py -- `make bench`: speed as ratios against baselines measured in the same run.
+
+Usage:
+  python tests/bench.py [ledger] [ask] [audit]     # default: all three
+  BENCH_LINES=200000 python tests/bench.py ledger  # smaller big-ledger (default 1,000,000)
+
+Each figure is a ratio of two medians taken in this run on this machine, so a noisy shared box
+moves both sides alike. Nothing here asserts a time; it prints what it measured.
+"""
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import reasoning_ledger as rl  # noqa: E402
+
+BENCH_DIR = ROOT / ".bench"
+BIG_LINES = int(os.environ.get("BENCH_LINES", "1000000"))
+PAYLOAD = {
+    "request_model": "vendor/free-model-7b", "response_model": "vendor/free-model-7b-0612",
+    "response_id": "chatcmpl-123", "system_fingerprint": "fp_44709d6fcb",
+    "base_url": "https://llm.example.net/v1", "server_address": "llm.example.net", "server_port": 443,
+    "stream": False, "attempt": 1,
+    "prompt_sha256": "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+    "prompt_chars": 512, "response_chars": 1800, "usage_reported": True, "usage_status": "complete",
+    "input_tokens": 130, "output_tokens": 450, "total_tokens": 580, "cached_input_tokens": None,
+    "reasoning_output_tokens": None, "est_input_tokens": 128, "est_output_tokens": 450,
+    "est_method": "chars/4", "latency_ms": 1234.5, "ttft_ms": None, "http_status": 200,
+    "finish_reason": "stop", "request_id": "req_abc", "ratelimit": {}, "error_type": None,
+    "error_message": None, "check": True, "check_detail": "matched /\\d+/",
+}
+
+
+def _median_time(fn, repeat):
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _line(name, ratio, target, note=""):
+    print(f"  {name:<62} {ratio:6.2f}   (target {target}){'  ' + note if note else ''}")
+
+
+# ----------------------------------------------------------------------------
+# The big ledger (built once, reused while its size matches)
+# ----------------------------------------------------------------------------
+
+def big_ledger(lines=BIG_LINES):
+    """A ledger of `lines` model_call events over ~30 days, written through the real writer."""
+    path = BENCH_DIR / f"big-{lines}.jsonl"
+    if path.exists():
+        return path
+    BENCH_DIR.mkdir(exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    if tmp.exists():
+        tmp.unlink()
+    print(f"  building a {lines:,}-line ledger at {path} (once) ...", flush=True)
+    models = ["vendor/free-model-7b", "vendor/coder-32b", "other/tiny-1b"]
+    with rl.Ledger(tmp, "bench", fsync=False, key=b"") as ledger:
+        for i in range(lines):
+            payload = dict(PAYLOAD)
+            payload["request_model"] = models[i % 3]
+            payload["latency_ms"] = 200.0 + (i * 7919) % 3000
+            payload["usage_reported"] = i % 10 != 0
+            ledger.append("model_call", payload)
+    # spread the events over 30 days by rewriting `at` would break the chain; the audit bench only
+    # needs the volume, so the dates stay as written.
+    tmp.rename(path)
+    return path
+
+
+# ----------------------------------------------------------------------------
+# Ledger
+# ----------------------------------------------------------------------------
+
+def bench_ledger():
+    print("ledger")
+    work = Path(tempfile.mkdtemp(dir=BENCH_DIR))
+    try:
+        ledger_path, raw_path = work / "ledger.jsonl", work / "raw.jsonl"
+        ledger = rl.Ledger(ledger_path, "bench", key=b"")
+        sample = rl._dumps(ledger.append("model_call", PAYLOAD)).encode() + b"\n"
+        raw_fd = os.open(str(raw_path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+        def raw_batch():
+            for _ in range(200):
+                os.write(raw_fd, sample)
+                os.fsync(raw_fd)
+
+        def ledger_batch():
+            for _ in range(200):
+                ledger.append("model_call", PAYLOAD)
+
+        raw_t, led_t = [], []
+        for _ in range(7):  # interleaved, so drift on a shared box hits both
+            raw_t.append(_median_time(raw_batch, 1))
+            led_t.append(_median_time(ledger_batch, 1))
+        os.close(raw_fd)
+        ledger.close()
+        raw_med, led_med = statistics.median(raw_t), statistics.median(led_t)
+        _line("append+fsync throughput vs raw os.write+os.fsync", raw_med / led_med, ">= 0.85",
+              f"{led_med / 200 * 1e6:.0f} us vs {raw_med / 200 * 1e6:.0f} us per line")
+
+        big = big_ledger()
+        small = work / "small.jsonl"
+        with rl.Ledger(small, "bench", key=b"") as seed:
+            seed.append("model_call", PAYLOAD)
+
+        def one_append(path):
+            def run():
+                with rl.Ledger(path, "bench", key=b"") as fresh:
+                    fresh.append("model_call", PAYLOAD)
+            return run
+
+        copy = work / "big.jsonl"
+        shutil.copyfile(big, copy)
+        big_t, small_t = [], []
+        for _ in range(5):
+            big_t.append(_median_time(one_append(copy), 40))
+            small_t.append(_median_time(one_append(small), 40))
+        ratio = statistics.median(big_t) / statistics.median(small_t)
+        _line(f"one append to a {BIG_LINES:,}-line ledger vs to a 1-line one", ratio, "<= 1.5")
+
+        def loads_pass():
+            loads = json.loads
+            with open(big, "rb") as handle:
+                for raw in handle:
+                    loads(raw)
+
+        def verify_pass():
+            rl.verify(big, key=b"")
+
+        base = _median_time(loads_pass, 3)
+        ver = _median_time(verify_pass, 3)
+        _line("verify throughput vs bare json.loads per line", base / ver, ">= 0.6",
+              f"{BIG_LINES / ver / 1e3:.0f}k lines/s")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------
+# ask.py
+# ----------------------------------------------------------------------------
+
+FLOOR_CLIENT = r'''
+import json, os, sys, urllib.request
+body = json.dumps({"model": os.environ["MODEL_ID"],
+                   "messages": [{"role": "user", "content": sys.stdin.read()}]}).encode()
+req = urllib.request.Request(os.environ["BASE_URL"].rstrip("/") + "/chat/completions", data=body,
+                             headers={"Content-Type": "application/json",
+                                      "Authorization": "Bearer " + os.environ["API_KEY"]})
+with urllib.request.urlopen(req, timeout=30) as resp:
+    print(json.loads(resp.read())["choices"][0]["message"]["content"])
+'''
+
+
+def _run_median(cmd, env, stdin, repeat):
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        subprocess.run(cmd, env=env, input=stdin, stdout=subprocess.DEVNULL, check=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_ask():
+    import fake_openai
+    print("ask.py (whole process, against the local fake server)")
+    work = Path(tempfile.mkdtemp(dir=BENCH_DIR))
+    server = fake_openai.start()
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+        env.update(BASE_URL=server.base_url, API_KEY="sk-bench-secret-000", MODEL_ID="fake-model",
+                   LEDGER=str(work / "runs.jsonl"))
+        prompt = b"What is 2 + 2? Answer with a number."
+        floor_script = work / "floor.py"
+        floor_script.write_text(FLOOR_CLIENT)
+        ask_cmd = [sys.executable, str(ROOT / "ask.py")]
+        floor_cmd = [sys.executable, str(floor_script)]
+        ask_t, floor_t = [], []
+        for _ in range(5):
+            ask_t.append(_run_median(ask_cmd, env, prompt, 5))
+            floor_t.append(_run_median(floor_cmd, env, prompt, 5))
+        a, f = statistics.median(ask_t), statistics.median(floor_t)
+        _line("python ask.py vs a bare urllib client (lower is better)", a / f, "<= 1.25",
+              f"{a * 1e3:.0f} ms vs {f * 1e3:.0f} ms")
+        curl = shutil.which("curl")
+        if curl:
+            body = json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": prompt.decode()}]})
+            curl_cmd = [curl, "-s", "-o", "/dev/null", "-H", "Content-Type: application/json",
+                        "-H", "Authorization: Bearer sk-bench-secret-000", "-d", body,
+                        server.base_url + "/chat/completions"]
+            c = _run_median(curl_cmd, env, b"", 15)
+            _line("python ask.py vs curl (information: interpreter start-up)", a / c, "report",
+                  f"{c * 1e3:.0f} ms for curl")
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------
+# audit.py
+# ----------------------------------------------------------------------------
+
+def _peak_rss_mib(cmd):
+    """Run cmd and return (seconds, peak RSS MiB of the child)."""
+    import resource
+    start = time.perf_counter()
+    subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)
+    elapsed = time.perf_counter() - start
+    return elapsed, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def bench_audit():
+    print("audit.py")
+    big = big_ledger()
+    loads_cmd = [sys.executable, "-c",
+                 "import json,sys\nfor l in open(sys.argv[1],'rb'): json.loads(l)", str(big)]
+    audit_cmd = [sys.executable, str(ROOT / "audit.py"), str(big)]
+    base_t, audit_t = [], []
+    peak = 0.0
+    for _ in range(3):
+        base_t.append(_peak_rss_mib(loads_cmd)[0])
+        elapsed, rss = _peak_rss_mib(audit_cmd)
+        audit_t.append(elapsed)
+        peak = max(peak, rss)
+    b, a = statistics.median(base_t), statistics.median(audit_t)
+    _line("audit.py vs a bare json.loads-per-line pass (lower is better)", a / b, "<= 1.5",
+          f"{a:.1f} s vs {b:.1f} s")
+    print(f"  {'audit.py peak RSS (MiB)':<62} {peak:6.0f}   (target < 200)")
+    jq = shutil.which("jq")
+    if jq:
+        jq_prog = ('[.[] | select(.kind=="model_call") | .payload] | group_by(.request_model, .base_url) '
+                   '| map({model: .[0].request_model, runs: length, ok: map(select(.error_type==null)) | length,'
+                   ' input: map(.input_tokens // 0) | add, latency: (map(.latency_ms) | sort)})')
+        jq_t = _peak_rss_mib([jq, "-s", jq_prog, str(big)])[0]
+        _line("audit.py vs the jq -s group_by one-liner (lower is better)", a / jq_t, "< 1",
+              f"{jq_t:.1f} s for jq")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    wanted = argv or ["ledger", "ask", "audit"]
+    BENCH_DIR.mkdir(exist_ok=True)
+    print(f"make bench: ratios of medians measured in this run (python {sys.version.split()[0]}, "
+          f"{os.cpu_count()} cpus)")
+    for name in wanted:
+        {"ledger": bench_ledger, "ask": bench_ask, "audit": bench_audit}[name]()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
