@@ -55,3 +55,7 @@ def all_bytes_under(directory):
 @pytest.fixture
 def env():
     return clean_env()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "real: talks to a real endpoint (REAL_BASE_URL, REAL_MODEL_ID)")

@@ -1,0 +1,245 @@
+#!/usr/bin/env python3
+"""fake_openai.py -- a scripted OpenAI-compatible server for tests (stdlib http.server, real socket).
+
+Usage:
+  python tests/fake_openai.py [PORT]            # serves the "ok" scenario until Ctrl-C
+  from fake_openai import start
+  server = start()                               # 127.0.0.1, port 0
+  server.queue("rate_limited", "ok")             # the next requests, in order; then "ok" again
+  ... server.base_url, server.requests, server.stop()
+
+Every scenario is one thing real endpoints do (wrong): see SCENARIOS below.
+"""
+
+import json
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+__version__ = "1.0.0"
+
+ANSWER = "The answer is 4."
+USAGE = {"prompt_tokens": 21, "completion_tokens": 6, "total_tokens": 27,
+         "prompt_tokens_details": {"cached_tokens": 3}, "completion_tokens_details": {"reasoning_tokens": 2}}
+MODELS = ["fake-model", "fake-model-large"]
+
+
+def _completion(model, answer=ANSWER, usage=USAGE, served=None, finish="stop"):
+    body = {"id": "chatcmpl-fake123", "object": "chat.completion", "created": 1764400000,
+            "model": served or model, "system_fingerprint": "fp_fake01",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": answer},
+                         "finish_reason": finish}]}
+    if usage is not None:
+        body["usage"] = usage
+    return body
+
+
+class Handler(BaseHTTPRequestHandler):
+    server_version = "fake-openai/1.0"
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    # -- plumbing ---------------------------------------------------------
+    def _send(self, status, body, content_type="application/json", headers=None):
+        data = body if isinstance(body, bytes) else (
+            json.dumps(body).encode() if not isinstance(body, str) else body.encode())
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("x-request-id", f"req_fake_{self.server.fake.count}")
+        self.send_header("x-ratelimit-remaining-requests", "99")
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, status, message, kind="invalid_request_error", headers=None):
+        self._send(status, {"error": {"message": message, "type": kind, "code": None}}, headers=headers)
+
+    def _sse(self, chunks, done=True, close_early=False):
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("x-request-id", f"req_fake_{self.server.fake.count}")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        for chunk in chunks:
+            self.wfile.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            self.wfile.flush()
+            time.sleep(0.01)
+        if close_early:
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True
+            return
+        if done:
+            self.wfile.write(b"data: [DONE]\n\n")
+        self.close_connection = True
+
+    def _chunks(self, model, answer=ANSWER, usage=True, finish=True):
+        base = {"id": "chatcmpl-fake123", "object": "chat.completion.chunk", "created": 1764400000,
+                "model": model, "system_fingerprint": "fp_fake01"}
+        pieces = [answer[i:i + 5] for i in range(0, len(answer), 5)]
+        out = [dict(base, choices=[{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                    "finish_reason": None}])]
+        for piece in pieces:
+            out.append(dict(base, choices=[{"index": 0, "delta": {"content": piece}, "finish_reason": None}]))
+        if finish:
+            out.append(dict(base, choices=[{"index": 0, "delta": {}, "finish_reason": "stop"}]))
+        if usage:
+            out.append(dict(base, choices=[], usage=USAGE))
+        return out
+
+    # -- routes -----------------------------------------------------------
+    def do_GET(self):
+        fake = self.server.fake
+        scenario, request = fake.next_request(self, None)
+        if not self.path.rstrip("/").endswith("/models"):
+            return self._error(404, f"no route {self.path}")
+        if scenario.get("name") == "http_401":
+            return self._error(401, "Incorrect API key provided", "invalid_api_key")
+        self._send(200, {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "fake"}
+                                                    for m in scenario.get("models", MODELS)]})
+
+    def do_POST(self):
+        fake = self.server.fake
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        scenario, request = fake.next_request(self, body)
+        if not self.path.rstrip("/").endswith("/chat/completions"):
+            return self._error(404, f"no route {self.path}")
+        if body is None:
+            return self._error(400, "body is not JSON")
+        model = body.get("model")
+        name = scenario.get("name", "ok")
+        answer = scenario.get("answer", ANSWER)
+        auth = self.headers.get("Authorization", "")
+        if fake.api_key and auth != f"Bearer {fake.api_key}":
+            return self._error(401, f"Incorrect API key provided: {auth[7:]}", "invalid_api_key")
+        if scenario.get("sleep"):
+            time.sleep(scenario["sleep"])
+        stream = bool(body.get("stream"))
+        if name == "reject_stream_options" and "stream_options" in body:
+            return self._error(400, "Unrecognized request argument supplied: stream_options")
+        if stream and name in ("ok", "reject_stream_options", "model_swap", "stream_no_usage", "sleepy"):
+            served = scenario.get("served", model)
+            include = (body.get("stream_options") or {}).get("include_usage") and name != "stream_no_usage"
+            return self._sse(self._chunks(served, answer, usage=include))
+        if name == "stream_truncated":
+            return self._sse(self._chunks(model, answer, usage=False, finish=False)[:3], close_early=True)
+        if name in ("ok", "sleepy"):
+            return self._send(200, _completion(model, answer))
+        if name == "no_usage":
+            return self._send(200, _completion(model, answer, usage=None))
+        if name == "partial_usage":
+            return self._send(200, _completion(model, answer, usage={"total_tokens": 30}))
+        if name == "zero_usage":
+            return self._send(200, _completion(model, answer, usage={"prompt_tokens": 0, "completion_tokens": 0,
+                                                                     "total_tokens": 0}))
+        if name == "model_swap":
+            return self._send(200, _completion(model, answer, served=scenario.get("served", "cheaper-model-q4")))
+        if name == "no_model_field":
+            completion = _completion(model, answer)
+            del completion["model"]
+            return self._send(200, completion)
+        if name == "http_401":
+            return self._error(401, f"Incorrect API key provided: {auth[7:]}", "invalid_api_key")
+        if name == "http_403":
+            return self._error(403, "Your account is not allowed to use this model", "permission_error")
+        if name == "http_404":
+            return self._error(404, f"The model `{model}` does not exist", "model_not_found")
+        if name == "rate_limited":
+            headers = {"Retry-After": str(scenario.get("retry_after", 0))}
+            if "retry_after_ms" in scenario:
+                headers = {"retry-after-ms": str(scenario["retry_after_ms"])}
+            return self._error(429, "Rate limit reached for requests", "rate_limit_error", headers=headers)
+        if name == "server_error":
+            return self._error(scenario.get("status", 500), "The server had an error", "server_error")
+        if name == "html_error":
+            page = "<html><head><title>502 Bad Gateway</title></head><body><h1>502 Bad Gateway</h1></body></html>"
+            return self._send(scenario.get("status", 502), page, "text/html")
+        if name == "html_200":
+            return self._send(200, "<!doctype html><html><head><title>Sign in</title></head><body>login</body>"
+                                   "</html>", "text/html")
+        if name == "not_json":
+            return self._send(200, "upstream said: OK", "text/plain")
+        if name == "no_choices":
+            return self._send(200, {"id": "x", "object": "chat.completion", "model": model})
+        if name == "error_in_200":
+            return self._send(200, {"error": {"message": "Provider returned error", "code": 502}})
+        if name == "empty_content":
+            return self._send(200, _completion(model, ""))
+        if name == "null_content":
+            return self._send(200, _completion(model, None))
+        if name == "drop":
+            self.close_connection = True
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return None
+        return self._error(500, f"unknown scenario {name}")
+
+
+class FakeServer:
+    def __init__(self, host="127.0.0.1", port=0, api_key=None):
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.httpd.fake = self
+        self.api_key = api_key
+        self.scenarios = []
+        self.requests = []
+        self.count = 0
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    @property
+    def base_url(self):
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+    def queue(self, *scenarios):
+        """The next requests get these scenarios in order (a name or a dict with "name")."""
+        with self.lock:
+            self.scenarios.extend({"name": s} if isinstance(s, str) else s for s in scenarios)
+        return self
+
+    def next_request(self, handler, body):
+        with self.lock:
+            self.count += 1
+            scenario = self.scenarios.pop(0) if self.scenarios else {"name": "ok"}
+            request = {"method": handler.command, "path": handler.path, "headers": dict(handler.headers),
+                       "body": body, "scenario": scenario.get("name")}
+            self.requests.append(request)
+        return scenario, request
+
+    def start(self):
+        self.thread.start()
+        return self
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def start(api_key=None):
+    return FakeServer(api_key=api_key).start()
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    server = FakeServer(port=int(argv[0]) if argv else 0)
+    print(f"fake OpenAI-compatible server at {server.base_url}", flush=True)
+    try:
+        server.httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
