@@ -25,7 +25,6 @@ import hmac
 import json
 import os
 import re
-import secrets
 import sys
 import time
 from pathlib import Path
@@ -57,28 +56,28 @@ _OUR_RUN_ID_RE = re.compile(r"\d{8}T\d{6}\.\d{6}Z-[0-9a-f]{8}\Z")
 _HEX64_RE = re.compile(r"[0-9a-f]{64}\Z")
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
 
-# Keys whose values are secrets wherever they appear in a payload.
-_SECRET_KEY_RE = re.compile(
-    r"(?:x[-_])?(?:api[-_]?key|apikey|authorization|proxy[-_]authorization|password|passwd"
-    r"|secret|.*[-_]secret|token|access[-_]token|refresh[-_]token|id[-_]token|session[-_]token"
-    r"|cookie|set[-_]cookie|private[-_]key)\Z",
-    re.IGNORECASE,
+# Keys whose values are secrets wherever they appear in a payload (compared lower-case, "-" as "_").
+_SECRET_KEYS = frozenset((
+    "api_key", "apikey", "x_api_key", "authorization", "proxy_authorization", "password", "passwd",
+    "secret", "token", "access_token", "refresh_token", "id_token", "session_token", "auth_token",
+    "cookie", "set_cookie", "private_key", "client_secret",
+))
+# Secret shapes masked inside any string: (trigger substrings, pattern, flags); group 1, when present,
+# is kept. One cheap trigger scan runs first, and a shape's regex is compiled only when a string could
+# hold it, so `python ask.py` does not pay for compiling nine patterns it will not need.
+_SECRET_SHAPES = (
+    (("PRIVATE KEY",), r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.S),
+    (("earer",), r"(\b[Bb]earer\s+)[A-Za-z0-9._~+/=-]{4,}", 0),
+    (("sk-",), r"\bsk-[A-Za-z0-9_-]{8,}", 0),
+    (("gh", "github_pat_"), r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", 0),
+    (("xox",), r"\bxox[abposr]-[A-Za-z0-9-]{8,}", 0),
+    (("AKIA", "ASIA"), r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", 0),
+    (("@",), r"\b([a-zA-Z][a-zA-Z0-9+.-]{0,31}://)[^\s/@:\"']{1,256}:[^\s/@\"']{1,256}(?=@)", 0),
+    (("=",), r"([?&;](?:api[-_]?key|key|token|access_token|auth|secret|password|sig|signature)=)[^&#\s\"']+",
+     re.I),
 )
-# Secret shapes masked inside any string.  Group 1, when present, is kept.
-_SECRET_SHAPES = [
-    re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.S),
-    re.compile(r"(\b[Bb]earer\s+)[A-Za-z0-9._~+/=-]{4,}"),
-    re.compile(r"\bsk-[A-Za-z0-9_-]{8,}"),
-    re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})"),
-    re.compile(r"\bxox[abposr]-[A-Za-z0-9-]{8,}"),
-    re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"),
-    re.compile(r"\b([a-zA-Z][a-zA-Z0-9+.-]{0,31}://)[^\s/@:\"']{1,256}:[^\s/@\"']{1,256}(?=@)"),
-    re.compile(r"([?&;](?:api[-_]?key|key|token|access_token|auth|secret|password|sig|signature)=)[^&#\s\"']+",
-               re.IGNORECASE),
-]
-_ANY_SECRET_SHAPE = re.compile("|".join(
-    f"(?{''.join(f for f, bit in (('i', re.I), ('s', re.S)) if p.flags & bit)}:{p.pattern})"
-    if p.flags & (re.I | re.S) else f"(?:{p.pattern})" for p in _SECRET_SHAPES))
+_SHAPE_TRIGGER = re.compile(r"PRIVATE KEY|[Bb]earer|sk-|gh[pousr]_|github_pat_|xox|AKIA|ASIA|://[^/\s]*@|[?&;][\w-]+=")
+_compiled_shapes = {}
 _SEQ_PREFIX_RE = re.compile(rb'\{"seq":([1-9][0-9]*),')
 
 
@@ -135,7 +134,7 @@ def utc_now():
 def new_run_id():
     """A run id that sorts by creation time and carries a random suffix."""
     now = datetime.datetime.now(datetime.timezone.utc)
-    return now.strftime("%Y%m%dT%H%M%S.%fZ") + "-" + secrets.token_hex(4)
+    return now.strftime("%Y%m%dT%H%M%S.%fZ") + "-" + os.urandom(4).hex()
 
 
 def _key_bytes(key):
@@ -193,9 +192,13 @@ def redact_text(text, values=None):
     for value in values:
         if value in text:
             text = text.replace(value, REDACTED)
-    if _ANY_SECRET_SHAPE.search(text):  # one pass for the common case: nothing to mask
-        for pattern in _SECRET_SHAPES:
-            text = pattern.sub(_mask, text)
+    if _SHAPE_TRIGGER.search(text):  # one cheap pass for the common case: nothing to mask
+        for triggers, src, flags in _SECRET_SHAPES:
+            if any(t in text for t in triggers):
+                pattern = _compiled_shapes.get(src)
+                if pattern is None:
+                    pattern = _compiled_shapes[src] = re.compile(src, flags)
+                text = pattern.sub(_mask, text)
     return text
 
 
@@ -203,10 +206,12 @@ _secret_key_cache = {}
 
 
 def is_secret_key(key):
-    """True when a payload key names a secret (api_key, Authorization, *_secret, token, cookie...)."""
+    """True when a payload key names a secret (api_key, Authorization, *_secret, token, cookie...).
+    Counts such as input_tokens are not secrets."""
     found = _secret_key_cache.get(key)
     if found is None:
-        found = bool(_SECRET_KEY_RE.match(key))
+        low = key.lower().replace("-", "_")
+        found = low in _SECRET_KEYS or low.endswith("_secret") or low.startswith("x_") and low[2:] in _SECRET_KEYS
         if len(_secret_key_cache) < 4096:
             _secret_key_cache[key] = found
     return found

@@ -97,7 +97,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         fake = self.server.fake
         scenario, request = fake.next_request(self, None)
-        if not self.path.rstrip("/").endswith("/models"):
+        if not self.path.split("?")[0].rstrip("/").endswith("/models"):
             return self._error(404, f"no route {self.path}")
         if scenario.get("name") == "http_401":
             return self._error(401, "Incorrect API key provided", "invalid_api_key")
@@ -113,7 +113,7 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             body = None
         scenario, request = fake.next_request(self, body)
-        if not self.path.rstrip("/").endswith("/chat/completions"):
+        if not self.path.split("?")[0].rstrip("/").endswith("/chat/completions"):
             return self._error(404, f"no route {self.path}")
         if body is None:
             return self._error(400, "body is not JSON")
