@@ -461,9 +461,7 @@ def _retryable(failure):
 
 def _open_ledger(ledger, api_key):
     if isinstance(ledger, reasoning_ledger.Ledger):
-        if api_key and api_key not in ledger.extra_secrets:
-            ledger.extra_secrets += (api_key,)
-            ledger._secret_values = reasoning_ledger.secret_values(ledger.extra_secrets)
+        ledger.add_secret(api_key)
         return ledger, False
     run_id = os.environ.get("LEDGER_RUN_ID") or None
     return reasoning_ledger.Ledger(ledger, run_id, secrets=(api_key,)), True

@@ -224,8 +224,33 @@ class _BadValue(Exception):
 
 
 def _clean(value, values):
-    """Validate that `value` is plain JSON and return it redacted. Raises _BadValue."""
+    """Validate that `value` is plain JSON and return it redacted. Raises _BadValue.
+    Scalars inside containers are handled inline: this runs on every append."""
     kind = type(value)
+    if kind is dict:
+        out = {}
+        trigger, cache = _SHAPE_TRIGGER.search, _secret_key_cache
+        for k, v in value.items():
+            if type(k) is not str:
+                raise _BadValue(f"key {k!r} is a {type(k).__name__}; JSON keys must be strings")
+            secret = cache.get(k)
+            if secret is None:
+                secret = is_secret_key(k)
+            if secret and v is not None:
+                out[k] = REDACTED
+                continue
+            t = type(v)
+            if t is str:
+                out[k] = redact_text(v, values) if values or trigger(v) else v
+            elif t is int or t is bool or v is None:
+                out[k] = v
+            else:
+                try:
+                    out[k] = _clean(v, values)
+                except _BadValue as exc:
+                    exc.where.append(f".{k}")
+                    raise
+        return out
     if kind is str:
         return redact_text(value, values)
     if kind is int or kind is bool or value is None:
@@ -234,20 +259,6 @@ def _clean(value, values):
         if value != value or value in (_INF, -_INF):
             raise _BadValue(f"{value!r} is not valid JSON (NaN/Infinity)")
         return value
-    if kind is dict:
-        out = {}
-        for k, v in value.items():
-            if type(k) is not str:
-                raise _BadValue(f"key {k!r} is a {type(k).__name__}; JSON keys must be strings")
-            if v is not None and is_secret_key(k):
-                out[k] = REDACTED
-                continue
-            try:
-                out[k] = _clean(v, values)
-            except _BadValue as exc:
-                exc.where.append(f".{k}")
-                raise
-        return out
     if kind is list or kind is tuple:
         out = []
         for i, v in enumerate(value):
@@ -265,6 +276,62 @@ def _clean_payload(payload, values):
         return _clean(payload, values)
     except _BadValue as exc:
         raise PayloadError(f"payload{''.join(reversed(exc.where))}: {exc.reason}; nothing was written") from None
+    except RecursionError:
+        raise PayloadError("payload is circular or nested too deeply; nothing was written") from None
+
+
+_CONTAINERS = frozenset((dict, list, tuple))
+_STR_ONLY = {str}
+
+
+def _keys_are_strings(obj):
+    """json.dumps turns 1 or None keys into strings silently; the ledger refuses them."""
+    if type(obj) is dict:
+        if obj and set(map(type, obj)) != _STR_ONLY:
+            return False
+        values = obj.values()
+    else:
+        values = obj
+    if _CONTAINERS.isdisjoint(map(type, values)):
+        return True
+    return all(_keys_are_strings(v) for v in values if type(v) in _CONTAINERS)
+
+
+# Literal screens over a serialized payload: a superset of what is_secret_key() and _SECRET_SHAPES can
+# flag (every secret key name ends in one of these words; every shape needs one of these substrings).
+# Substring tests run at C speed; a hit only means the exact walk runs.
+_KEY_SUFFIXES = ('key":', 'authorization":', 'password":', 'passwd":', 'secret":', 'token":', 'cookie":')
+_SHAPE_LITERALS = ("PRIVATE KEY", "earer", "sk-", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_",
+                   "xox", "AKIA", "ASIA", "@", "=")
+
+
+def _may_hold_secret(text, values):
+    for literal in _SHAPE_LITERALS:
+        if literal in text:
+            return True
+    low = text.lower()
+    for suffix in _KEY_SUFFIXES:
+        if suffix in low:
+            return True
+    for value in values:
+        if value in text:
+            return True
+    return False
+
+
+def serialize_payload(payload, values=()):
+    """(json_text, payload_as_stored). The common case -- nothing to redact -- is one C-level dumps and
+    two scans of its output; anything suspicious takes the exact walk (_clean), which also names the
+    place of a bad value."""
+    try:
+        text = _dumps(payload)
+        fast = _keys_are_strings(payload) and not _may_hold_secret(text, values)
+    except (TypeError, ValueError, RecursionError):
+        fast = False
+    if fast:
+        return text, payload
+    clean = _clean_payload(payload, values)
+    return _dumps(clean), clean
 
 
 def redact(payload, extra_secrets=()):
@@ -347,10 +414,23 @@ class Ledger:
         self.fsync = fsync
         self.max_line_bytes = max_line_bytes
         self.extra_secrets = tuple(s for s in secrets if s)
-        self._secret_values = secret_values(self.extra_secrets)  # env read once, not per append
+        self._set_secret_values()
         self.head = None  # (seq, hash) of the last line this object wrote
         self._fd = None
         self._mode_checked = False
+
+    def _set_secret_values(self):
+        """Read the secret env values once (not per append), with their JSON-escaped forms for the
+        screen that runs over serialized payloads."""
+        self._secret_values = secret_values(self.extra_secrets)
+        escaped = {_dumps(v)[1:-1] for v in self._secret_values}
+        self._screen_values = tuple(set(self._secret_values) | escaped)
+
+    def add_secret(self, value):
+        """Mask this exact value too (an API key passed as an argument rather than in the env)."""
+        if value and value not in self.extra_secrets:
+            self.extra_secrets += (value,)
+            self._set_secret_values()
 
     # -- context manager -------------------------------------------------
     def __enter__(self):
@@ -403,7 +483,7 @@ class Ledger:
             payload = {}
         if type(payload) is not dict:
             raise PayloadError(f"payload must be a JSON object, not a {type(payload).__name__}")
-        clean = _clean_payload(payload, self._secret_values)
+        payload_json, clean = serialize_payload(payload, self._screen_values)
         fd = self._open()
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
@@ -413,7 +493,7 @@ class Ledger:
             end, last = _scan_tail(fd, size)
             if end != size:
                 end, last = self._recover_torn_tail(fd, size, end, last)
-            return self._write_event(fd, end, last, kind, clean)
+            return self._write_event(fd, end, last, kind, clean, payload_json)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
@@ -426,11 +506,12 @@ class Ledger:
                                                   "(run verify)")
         return int(match.group(1)) + 1, line_hash(last, self.key)
 
-    def _write_event(self, fd, size, last, kind, clean):
+    def _write_event(self, fd, size, last, kind, clean, payload_json):
         seq, prev = self._next(last)
-        event = {"seq": seq, "run_id": self.run_id, "kind": kind, "at": utc_now(), "payload": clean,
-                 "prev": prev}
-        raw = _dumps(event).encode("utf-8")
+        at = utc_now()
+        # run_id, kind, at and prev are validated plain ASCII: this is exactly what json.dumps would write
+        raw = ('{"seq":%d,"run_id":"%s","kind":"%s","at":"%s","payload":%s,"prev":"%s"}'
+               % (seq, self.run_id, kind, at, payload_json, prev)).encode("utf-8")
         if len(raw) + 1 > self.max_line_bytes:
             raise PayloadError(f"event is {len(raw) + 1} bytes, over the {self.max_line_bytes}-byte line limit; "
                                f"store large bodies with store_artifact()")
@@ -442,7 +523,7 @@ class Ledger:
             os.ftruncate(fd, size)  # never leave half a line behind us
             raise
         self.head = (seq, line_hash(raw, self.key))
-        return event
+        return {"seq": seq, "run_id": self.run_id, "kind": kind, "at": at, "payload": clean, "prev": prev}
 
     def _recover_torn_tail(self, fd, size, end, last):
         fragment = os.pread(fd, size - end, end)
@@ -458,8 +539,8 @@ class Ledger:
         os.ftruncate(fd, end)
         if self.fsync:
             os.fsync(fd)
-        self._write_event(fd, end, last, "ledger_recovered",
-                          {"offset": end, "length": len(fragment), "sha256": digest, "sidecar": sidecar.name})
+        recovered = {"offset": end, "length": len(fragment), "sha256": digest, "sidecar": sidecar.name}
+        self._write_event(fd, end, last, "ledger_recovered", recovered, _dumps(recovered))
         return _scan_tail(fd, os.fstat(fd).st_size)
 
     def decide(self, stage, decision, rationale, alternatives=(), **extra):
