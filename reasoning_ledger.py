@@ -405,7 +405,7 @@ class Ledger:
     every append takes an exclusive flock and derives seq and prev from the file itself."""
 
     def __init__(self, path, run_id=None, *, key=None, fsync=True, max_line_bytes=MAX_LINE_BYTES,
-                 secrets=()):
+                 secrets=(), clock=utc_now):
         self.path = Path(path)
         self.run_id = run_id or new_run_id()
         if not _RUN_ID_RE.match(self.run_id):
@@ -415,6 +415,7 @@ class Ledger:
         self.max_line_bytes = max_line_bytes
         self.extra_secrets = tuple(s for s in secrets if s)
         self._set_secret_values()
+        self.clock = clock  # returns `at`; replaceable for importing history and for tests
         self.head = None  # (seq, hash) of the last line this object wrote
         self._fd = None
         self._mode_checked = False
@@ -508,7 +509,9 @@ class Ledger:
 
     def _write_event(self, fd, size, last, kind, clean, payload_json):
         seq, prev = self._next(last)
-        at = utc_now()
+        at = self.clock()
+        if self.clock is not utc_now and not (type(at) is str and _AT_RE.match(at)):
+            raise LedgerError(f"clock returned {at!r}, not YYYY-MM-DDTHH:MM:SS.ffffffZ")
         # run_id, kind, at and prev are validated plain ASCII: this is exactly what json.dumps would write
         raw = ('{"seq":%d,"run_id":"%s","kind":"%s","at":"%s","payload":%s,"prev":"%s"}'
                % (seq, self.run_id, kind, at, payload_json, prev)).encode("utf-8")

@@ -1,0 +1,297 @@
+"""audit.py on ledgers with known answers, written by the real writer and ask.py's own code path."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+import ask
+import fake_openai
+import reasoning_ledger as rl
+from conftest import ROOT, clean_env, run_script
+
+KEY = "sk-audit-test-key-0001"
+DAY1, DAY2 = "2026-11-01", "2026-11-02"
+
+
+@pytest.fixture
+def server():
+    srv = fake_openai.start()
+    yield srv
+    srv.stop()
+
+
+def clock_for(day):
+    ticks = iter(range(10 ** 6))
+    return lambda: f"{day}T12:00:{next(ticks) % 60:02d}.000000Z"
+
+
+def calls(path, server, day, scenarios, model="fake-model", **kwargs):
+    """Run ask.ask() (the same code path as `python ask.py`) with the ledger's clock set to `day`."""
+    server.queue(*scenarios)
+    with rl.Ledger(path, f"r{day}", key=b"", clock=clock_for(day)) as ledger:
+        for _ in scenarios:
+            ask.ask("What is 2 + 2?", ledger=ledger, base_url=server.base_url, model=model, api_key=KEY, **kwargs)
+
+
+def audit(*args, cwd=None):
+    return run_script("audit.py", *args, cwd=cwd)
+
+
+def audit_json(*args):
+    proc = audit(*args, "--json")
+    assert proc.returncode in (0, 4), proc.err
+    return json.loads(proc.out)
+
+
+# ----------------------------------------------------------------------------
+# Columns with known answers
+# ----------------------------------------------------------------------------
+
+def test_reported_and_estimated_tokens_are_never_mixed(tmp_path, server):
+    ledger = tmp_path / "runs.jsonl"
+    calls(ledger, server, DAY1, ["ok", "ok", "no_usage", "zero_usage", "partial_usage", "server_error"])
+    data = audit_json(ledger)
+    (row,) = data["models"]
+    assert row["runs"] == 6 and row["ok"] == 5 and row["failed"] == 1
+    assert row["no_usage"] == 2  # absent and zero: spend that cannot be audited
+    assert row["input_tokens"] == 42 and row["output_tokens"] == 12  # 2 x (21, 6); partial has no in/out
+    assert row["usage_calls"] == 2
+    assert row["est_input_tokens"] == 6 * 4 and row["est_output_tokens"] == 5 * 4
+    assert row["errors"] == {"server_error": 1}
+    text = audit(ledger).out
+    assert "usage: 2 of 5 ok calls lacked usage" in text
+    assert "est_in~" in text and "never added in" in text
+
+
+def test_checks_and_retries_are_counted(tmp_path, server):
+    ledger = tmp_path / "runs.jsonl"
+    calls(ledger, server, DAY1, ["ok", "ok"], expect=r"\b4\b")
+    calls(ledger, server, DAY1, ["ok"], expect=r"\b5\b")
+    calls(ledger, server, DAY1, ["ok"])
+    server.queue("server_error", "ok")
+    with rl.Ledger(ledger, "retry", key=b"", clock=clock_for(DAY1)) as book:
+        ask.ask("q", ledger=book, base_url=server.base_url, model="fake-model", api_key=KEY, retries=1,
+                backoff=0.01)
+    (row,) = audit_json(ledger)["models"]
+    assert (row["runs"], row["ok"], row["checked"], row["passed"], row["retries"]) == (6, 5, 3, 2, 1)
+
+
+def test_json_matches_the_text_table(tmp_path, server):
+    ledger = tmp_path / "runs.jsonl"
+    calls(ledger, server, DAY1, ["ok", "no_usage", "http_404"])
+    calls(ledger, server, DAY2, ["ok", "ok"], model="fake-model-large")
+    data = audit_json(ledger, "--by", "day")
+    text = audit(ledger, "--by", "day").out.splitlines()
+    header = next(line for line in text if line.startswith("model "))
+    names = header.split()
+    for row in data["models"]:
+        line = next(l for l in text if l.startswith(row["request_model"] + " ") and row["day"] in l)
+        cells = dict(zip(names, line.split()))
+        for column in ("runs", "ok", "failed", "no_usage", "checked", "passed"):
+            assert int(cells[column].replace(",", "")) == row[column], column
+        assert cells["in_tok"] == (f"{row['input_tokens']:,}" if row["usage_calls"] else "-")
+
+
+def test_csv_has_one_row_per_group(tmp_path, server):
+    ledger = tmp_path / "runs.jsonl"
+    calls(ledger, server, DAY1, ["ok"])
+    calls(ledger, server, DAY2, ["ok"])
+    rows = audit(ledger, "--csv", "--by", "day").out.splitlines()
+    assert rows[0].startswith("request_model,base_url,day,runs,ok,failed,no_usage")
+    assert len(rows) == 3 and DAY1 in rows[1] and DAY2 in rows[2]
+
+
+def test_filters(tmp_path, server):
+    ledger = tmp_path / "runs.jsonl"
+    calls(ledger, server, DAY1, ["ok"])
+    calls(ledger, server, DAY2, ["ok", "ok"], model="other-model")
+    assert audit_json(ledger, "--since", DAY2)["summary"]["model_calls"] == 2
+    assert audit_json(ledger, "--until", DAY1)["summary"]["model_calls"] == 1
+    assert audit_json(ledger, "--model", "fake-model")["summary"]["model_calls"] == 1
+    assert audit(ledger, "--since", "not-a-date").returncode == 2
+
+
+# ----------------------------------------------------------------------------
+# Changes
+# ----------------------------------------------------------------------------
+
+def test_a_model_swapped_behind_the_name_shows_under_changes(tmp_path, server):
+    ledger = tmp_path / "runs.jsonl"
+    calls(ledger, server, DAY1, ["ok"] * 3)
+    calls(ledger, server, DAY2, ["model_swap"] * 3)
+    proc = audit(ledger)
+    assert proc.returncode == 0
+    assert re.search(rf"{DAY2}\s+fake-model @ \S+: response_model: new cheaper-model-q4; gone fake-model", proc.out)
+    assert audit(ledger, "--fail-on-change").returncode == 4
+    changes = audit_json(ledger)["changes"]
+    assert {"request_model": "fake-model", "base_url": server.base_url, "day": DAY2, "previous_day": DAY1,
+            "what": "response_model", "detail": "new cheaper-model-q4; gone fake-model"} in changes
+
+
+def test_a_latency_shift_is_flagged(tmp_path, server):
+    ledger = tmp_path / "runs.jsonl"
+    calls(ledger, server, DAY1, ["ok"] * 3)
+    calls(ledger, server, DAY2, [{"name": "sleepy", "sleep": 0.25}] * 3)
+    whats = {c["what"] for c in audit_json(ledger)["changes"]}
+    assert {"latency_p50", "latency_p95"} <= whats
+    # a generous threshold hides it
+    whats = {c["what"] for c in audit_json(ledger, "--latency-shift", "1000")["changes"]}
+    assert not whats & {"latency_p50", "latency_p95"}
+
+
+def test_usage_disappearing_error_jump_and_falling_pass_rate(tmp_path, server):
+    ledger = tmp_path / "runs.jsonl"
+    calls(ledger, server, DAY1, ["ok"] * 4, expect=r"\b4\b")
+    calls(ledger, server, DAY2, ["no_usage", "no_usage", "server_error", "server_error"], expect=r"\b5\b")
+    changes = {c["what"]: c["detail"] for c in audit_json(ledger)["changes"]}
+    assert changes["usage"] == "usage reported always -> never"
+    assert changes["error_rate"] == "0% -> 50% of calls failed"
+    assert changes["checks"] == "100% -> 0% of checks passed"
+
+
+def test_no_change_when_nothing_changed(tmp_path, server):
+    ledger = tmp_path / "runs.jsonl"
+    calls(ledger, server, DAY1, ["ok"] * 3)
+    calls(ledger, server, DAY2, ["ok"] * 3)
+    assert audit_json(ledger)["changes"] == []
+    assert audit(ledger, "--fail-on-change").returncode == 0
+
+
+def test_a_models_listing_that_changed(tmp_path, server):
+    ledger = tmp_path / "runs.jsonl"
+    for day, models in ((DAY1, ["a", "b"]), (DAY2, ["b", "c"])):
+        server.queue({"name": "ok", "models": models})
+        with rl.Ledger(ledger, "m", key=b"", clock=clock_for(day)) as book:
+            ask.list_models(ledger=book, base_url=server.base_url, api_key=KEY)
+    (change,) = audit_json(ledger)["changes"]
+    assert change["what"] == "models_list" and change["detail"] == "gained c; lost a"
+
+
+# ----------------------------------------------------------------------------
+# Verification first
+# ----------------------------------------------------------------------------
+
+def test_a_tampered_ledger_is_refused_and_named(tmp_path, server):
+    ledger = tmp_path / "runs.jsonl"
+    calls(ledger, server, DAY1, ["ok"] * 4)
+    lines = ledger.read_bytes().splitlines(keepends=True)
+    lines[1] = lines[1].replace(b'"input_tokens":21', b'"input_tokens":2')
+    ledger.write_bytes(b"".join(lines))
+    proc = audit(ledger)
+    assert proc.returncode == 1
+    assert "line 3: prev does not match line 2" in proc.out + proc.err
+    assert "Models" not in proc.out  # nothing audited
+    loose = audit(ledger, "--no-verify")
+    assert loose.returncode == 0 and "UNVERIFIED" in loose.out
+    assert audit_json(ledger, "--no-verify")["verified"] is False
+
+
+def test_a_torn_tail_is_a_warning(tmp_path, server):
+    ledger = tmp_path / "runs.jsonl"
+    calls(ledger, server, DAY1, ["ok"] * 2)
+    with open(ledger, "ab") as handle:
+        handle.write(b'{"seq":3,"run_id"')
+    proc = audit(ledger)
+    assert proc.returncode == 0
+    assert "warning:" in proc.out and "torn tail" in proc.out
+    assert audit_json(ledger)["summary"]["model_calls"] == 2
+
+
+def test_missing_path_is_a_usage_error(tmp_path):
+    proc = audit(tmp_path / "nope.jsonl")
+    assert proc.returncode == 2 and proc.err.startswith("error: ")
+
+
+# ----------------------------------------------------------------------------
+# Agent runs, discovery, HTML, the drill
+# ----------------------------------------------------------------------------
+
+def _agent_run(runs, server, outcome, denied=0):
+    run = rl.open_run(runs, key=b"")
+    run.decide("plan", "ask the model for a patch", "the test names the bug")
+    ask.ask("fix it", ledger=run.ledger, base_url=server.base_url, model="fake-model", api_key=KEY)
+    run.append("tool_call", {"tool": "pytest", "allowed": True, "returncode": 1})
+    for _ in range(denied):
+        run.append("tool_call", {"tool": "rm", "allowed": False})
+    run.append("judge_verdict", {"verdict": "reject", "rationale": "tests still fail"})
+    run.close(outcome)
+    return run
+
+
+def test_default_discovery_and_agent_runs_table(tmp_path, server):
+    calls(tmp_path / "runs.jsonl", server, DAY1, ["ok"])
+    first = _agent_run(tmp_path / "runs", server, "proposal_written", denied=2)
+    _agent_run(tmp_path / "runs", server, "budget_exhausted")
+    data = json.loads(audit("--json", cwd=tmp_path).out)
+    assert data["summary"]["model_calls"] == 3
+    assert len(data["ledgers"]) == 3
+    row = next(r for r in data["agent_runs"] if r["run_id"] == first.run_id)
+    assert row["outcome"] == "proposal_written" and row["judge_verdict"] == "reject"
+    assert (row["tool_calls_allowed"], row["tool_calls_denied"], row["model_calls"]) == (1, 2, 1)
+    assert row["input_tokens"] == 21 and row["output_tokens"] == 6
+    text = audit(cwd=tmp_path).out
+    assert "Agent runs: 2" in text and "budget_exhausted" in text
+
+
+def test_html_page_is_well_formed_with_one_latency_chart_per_model(tmp_path, server):
+    ledger = tmp_path / "runs.jsonl"
+    calls(ledger, server, DAY1, ["ok", "ok", "server_error"])
+    calls(ledger, server, DAY2, ["ok", "model_swap"], model="fake-model-large")
+    page = tmp_path / "report.html"
+    proc = audit(ledger, "--html", page)
+    assert proc.returncode == 0 and page.exists()
+
+    class Checker(HTMLParser):
+        VOID = {"meta", "br", "img", "link", "input", "hr", "line", "rect"}
+
+        def __init__(self):
+            super().__init__()
+            self.stack, self.charts, self.external = [], [], []
+
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            if tag == "svg" and "latency-histogram" in (attrs.get("class") or ""):
+                self.charts.append(attrs.get("data-model"))
+            if tag in ("script", "link", "img") or (attrs.get("src") or "").startswith("http"):
+                self.external.append(tag)
+            if tag not in self.VOID:
+                self.stack.append(tag)
+
+        def handle_startendtag(self, tag, attrs):
+            if tag == "svg" and "latency-histogram" in (dict(attrs).get("class") or ""):
+                self.charts.append(dict(attrs).get("data-model"))
+
+        def handle_endtag(self, tag):
+            if tag in self.VOID:
+                return
+            assert self.stack and self.stack[-1] == tag, (tag, self.stack[-5:])
+            self.stack.pop()
+
+    checker = Checker()
+    checker.feed(page.read_text(encoding="utf-8"))
+    checker.close()
+    assert checker.stack == [] and checker.external == []
+    assert sorted(checker.charts) == sorted(f"{m} @ {server.base_url}" for m in ("fake-model", "fake-model-large"))
+    assert page.read_text().count('class="calls-per-day"') == 1
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="needs make")
+def test_make_drill_runs_the_prompts_and_audits(tmp_path, server):
+    prompts = tmp_path / "prompts"
+    shutil.copytree(ROOT / "prompts", prompts)
+    env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="fake-model")
+    proc = subprocess.run(["make", "-s", "-C", str(ROOT), "drill", f"LEDGER={tmp_path / 'runs.jsonl'}",
+                           f"PROMPTS={prompts}"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    events = list(rl.read_events(tmp_path / "runs.jsonl"))
+    assert len(events) == 15
+    assert all(e["payload"]["check"] is not None and e["payload"]["temperature"] == 0 for e in events)
+    assert "fake-model" in proc.stdout and "Changes (day over day): 0" in proc.stdout
+    bodies = [r["body"]["messages"][0]["content"] for r in server.requests]
+    assert len(set(bodies)) == 3
