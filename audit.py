@@ -34,6 +34,7 @@ EXIT_OK, EXIT_INTEGRITY, EXIT_USAGE, EXIT_CHANGED = 0, 1, 2, 4
 DEFAULT_LATENCY_SHIFT = 0.5
 DEFAULT_RATE_JUMP = 0.2
 MIN_LATENCY_SAMPLES = 3
+DEFAULT_LATENCY_FLOOR_MS = 50.0
 NO_USAGE_STATUSES = ("absent", "zero", "malformed")
 
 MODEL_COLUMNS = ("request_model", "base_url", "day", "runs", "ok", "failed", "no_usage", "checked", "passed",
@@ -154,7 +155,6 @@ class Audit:
         self.listings = {}          # (base_url, day) -> (at, model_ids) of the day's last listing
         self.runs = {}              # run_id -> agent run summary
         self.ledgers = []           # {"path", "status", "lines", "reason"}
-        self.kinds = {}
 
     def add_file(self, path, verify=True):
         """Stream one ledger into the audit. Returns its status dict; raises IntegrityError /
@@ -194,11 +194,9 @@ class Audit:
 
     def _consume(self, events, agent_run, path):
         groups, since, until, only = self.groups, self.since, self.until, self.model
-        kinds = self.kinds
         run = None
         for event in events:
             kind = event["kind"]
-            kinds[kind] = kinds.get(kind, 0) + 1
             at = event["at"]
             if (since is not None and at < since) or (until is not None and at > until):
                 continue
@@ -266,7 +264,8 @@ class Audit:
         return [g.row(m, b, None) for (m, b), g in sorted(merged.items(), key=lambda kv: (str(kv[0][0]),
                                                                                            str(kv[0][1])))]
 
-    def changes(self, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAULT_RATE_JUMP):
+    def changes(self, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAULT_RATE_JUMP,
+                latency_floor=DEFAULT_LATENCY_FLOOR_MS):
         by_model = {}
         for (model, base, day), group in self.groups.items():
             by_model.setdefault((model, base), []).append((day, group))
@@ -274,7 +273,7 @@ class Audit:
         for (model, base), days in sorted(by_model.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
             days.sort(key=lambda item: item[0])
             for (prev_day, prev), (day, cur) in zip(days, days[1:]):
-                for what, detail in _compare_days(prev, cur, latency_shift, rate_jump):
+                for what, detail in _compare_days(prev, cur, latency_shift, rate_jump, latency_floor):
                     found.append({"request_model": model, "base_url": base, "day": day, "previous_day": prev_day,
                                   "what": what, "detail": detail})
         by_base = {}
@@ -333,7 +332,7 @@ def _usage_state(group):
     return "never" if group.no_usage == group.ok else "sometimes"
 
 
-def _compare_days(prev, cur, latency_shift, rate_jump):
+def _compare_days(prev, cur, latency_shift, rate_jump, latency_floor):
     """What differs from one day to the next for one model string."""
     for what, before, after in (("response_model", prev.response_models, cur.response_models),
                                 ("system_fingerprint", prev.fingerprints, cur.fingerprints)):
@@ -347,7 +346,7 @@ def _compare_days(prev, cur, latency_shift, rate_jump):
         a, b = sorted(prev.latencies), sorted(cur.latencies)
         for name, q in (("p50", 50), ("p95", 95)):
             old, new = percentile(a, q), percentile(b, q)
-            if old and abs(new - old) / old > latency_shift:
+            if old and abs(new - old) / old > latency_shift and abs(new - old) >= latency_floor:
                 yield f"latency_{name}", f"{_fmt_ms(old)} -> {_fmt_ms(new)} ms ({(new - old) / old:+.0%})"
     before, after = _usage_state(prev), _usage_state(cur)
     if before and after and before != after:
@@ -597,6 +596,8 @@ def _build_parser():
     p.add_argument("--fail-on-change", action="store_true", help="exit 4 when the Changes section is not empty")
     p.add_argument("--latency-shift", type=float, default=DEFAULT_LATENCY_SHIFT,
                    help="flag a p50/p95 move larger than this fraction (default 0.5)")
+    p.add_argument("--latency-floor", type=float, default=DEFAULT_LATENCY_FLOOR_MS, metavar="MS",
+                   help="never flag a latency move smaller than this many ms (default 50)")
     p.add_argument("--rate-jump", type=float, default=DEFAULT_RATE_JUMP,
                    help="flag an error rate rise or pass rate fall of this much (default 0.2)")
     return p
@@ -621,8 +622,8 @@ def main(argv=None):
     except SystemExit as exc:
         return EXIT_USAGE if exc.code else EXIT_OK
     try:
-        if args.latency_shift <= 0 or args.rate_jump <= 0:
-            raise AuditError("--latency-shift and --rate-jump must be positive")
+        if args.latency_shift <= 0 or args.rate_jump <= 0 or args.latency_floor < 0:
+            raise AuditError("--latency-shift and --rate-jump must be positive, --latency-floor not negative")
         since = rl._parse_time(args.since) if args.since else None
         until = rl._parse_time(args.until, end=True) if args.until else None
         audit, failures = run_audit(args.paths, verify=not args.no_verify, since=since, until=until,
@@ -646,7 +647,7 @@ def main(argv=None):
         print("warning: no ledgers found (looked for ./runs.jsonl and ./runs/*/events.jsonl)", file=sys.stderr)
     by_day = args.by == "day"
     rows = audit.model_rows(by_day)
-    changes = audit.changes(args.latency_shift, args.rate_jump)
+    changes = audit.changes(args.latency_shift, args.rate_jump, args.latency_floor)
     runs = audit.run_rows()
     verified = not args.no_verify
     try:

@@ -339,6 +339,7 @@ def redact(payload, extra_secrets=()):
     return _clean_payload(payload, secret_values(extra_secrets))
 
 
+_SCANNER = json.JSONDecoder().scan_once
 _ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 _dumps = _ENCODER.encode
 
@@ -680,6 +681,7 @@ def _line_error(path, lineno, body, event, expected_prev, run_id, key):
             json.loads(body)
         except ValueError as exc:
             return IntegrityError(path, lineno, f"broken JSON: {exc}")
+        return IntegrityError(path, lineno, "not in the ledger's compact form (white space around the JSON)")
     if type(event) is not dict:
         return IntegrityError(path, lineno, "line is not a JSON object")
     if tuple(event) != FIELDS:
@@ -719,7 +721,7 @@ def iter_lines(path, *, key=None, run_id=None):
     key = _key_bytes(key) if key is not None else key_from_env()
     if run_id is None:
         run_id = _expected_run_id(path)
-    loads, sha256, at_match, fields = json.loads, hashlib.sha256, _AT_RE.match, FIELDS
+    scan, sha256, at_match, fields = _SCANNER, hashlib.sha256, _AT_RE.match, FIELDS
     expected_prev = _genesis(key)
     good_kinds, last_rid = set(), None
     lineno = offset = 0
@@ -730,9 +732,13 @@ def iter_lines(path, *, key=None, run_id=None):
                 raise TornTailError(path, lineno, offset, len(raw), (lineno - 1, expected_prev))
             offset += len(raw)
             body = raw[:-1]
+            # The C scanner behind json.loads, called directly: no encoding sniffing, no wrappers.
             try:
-                event = loads(body)
-            except ValueError:
+                text = body.decode("utf-8")
+                event, end = scan(text, 0)
+                if end != len(text):
+                    event = None
+            except (ValueError, StopIteration):
                 event = None
             # One fast check per line; _line_error says exactly what is wrong when it fails.
             if (type(event) is not dict or tuple(event) != fields

@@ -573,3 +573,31 @@ def test_shipped_scripts_parse_as_python_3_9_and_import_only_the_stdlib():
                 [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
             for name in names:
                 assert name.split(".")[0] in std | local | {"__future__"}, f"{path.name} imports {name}"
+
+
+def test_nested_non_string_key_and_escaped_env_secret(tmp_path, monkeypatch):
+    path = tmp_path / "l.jsonl"
+    write(path, 1)
+    before = path.read_bytes()
+    with rl.Ledger(path, "r1", key=NO_KEY) as ledger:
+        with pytest.raises(rl.PayloadError, match=r"payload\.a\.b"):
+            ledger.append("note", {"a": {"b": {7: "int key"}}})
+        with pytest.raises(rl.PayloadError, match="circular"):
+            loop = {}
+            loop["self"] = loop
+            ledger.append("note", loop)
+    assert path.read_bytes() == before
+    monkeypatch.setenv("API_KEY", 'quo"te\\key-42')
+    with rl.Ledger(path, "r1", key=NO_KEY) as ledger:
+        event = ledger.append("note", {"msg": 'server said quo"te\\key-42'})
+    assert event["payload"]["msg"] == "server said [REDACTED]"
+    assert b"key-42" not in path.read_bytes()
+
+
+def test_whitespace_around_a_line_is_not_the_ledger_form(tmp_path):
+    path = tmp_path / "l.jsonl"
+    write(path, 2)
+    lines = _lines(path)
+    lines[1] = b" " + lines[1]
+    path.write_bytes(b"".join(lines))
+    assert "line 2: not in the ledger's compact form" in _verify_fails(path)
