@@ -365,26 +365,22 @@ def _compare_days(prev, cur, latency_shift, rate_jump, latency_floor):
 # Reports
 # ----------------------------------------------------------------------------
 
-def _table(headers, rows):
+def _table(headers, rows, text_columns):
+    """Aligned columns: the named text columns to the left, numbers to the right."""
     widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row)]
-    numeric = [all(_looks_numeric(row[i]) for row in rows) if rows else False for i in range(len(headers))]
     lines = []
     for row in [headers] + rows:
-        cells = [cell.rjust(w) if num else cell.ljust(w) for cell, w, num in zip(row, widths, numeric)]
+        cells = [cell.ljust(w) if h in text_columns else cell.rjust(w) for cell, w, h in zip(row, widths, headers)]
         lines.append("  ".join(cells).rstrip())
     return lines
-
-
-def _looks_numeric(cell):
-    return cell == "-" or cell.replace(",", "").replace(".", "").replace("s", "").isdigit()
 
 
 def _short_base(base_url):
     if not base_url:
         return "-"
-    return base_url[8:] if base_url.startswith("https://") else base_url
+    return base_url
 
 
 def render_text(audit, rows, changes, runs, verified, by_day):
@@ -401,19 +397,21 @@ def render_text(audit, rows, changes, runs, verified, by_day):
     out.append("")
     out.append("Models" + (" by day" if by_day else "") + " (request_model @ base_url)")
     headers = ["model", "base_url"] + (["day"] if by_day else []) + [
-        "runs", "ok", "failed", "no_usage", "checked", "passed", "in_tok", "out_tok", "est_in~", "est_out~",
-        "lat_min", "p50", "p95", "max", "retries", "served"]
+        "runs", "ok", "failed", "no_usage", "passed/checked", "in_tok", "out_tok", "est_in~", "est_out~",
+        "latency_ms min/p50/p95/max", "retries", "served"]
     body = []
     for r in rows:
+        latency = "/".join(_fmt_ms(r[k]) for k in ("latency_min_ms", "latency_p50_ms", "latency_p95_ms",
+                                                    "latency_max_ms"))
         body.append([str(r["request_model"]), _short_base(r["base_url"])] + ([r["day"]] if by_day else []) + [
             _fmt_int(r["runs"]), _fmt_int(r["ok"]), _fmt_int(r["failed"]), _fmt_int(r["no_usage"]),
-            _fmt_int(r["checked"]), _fmt_int(r["passed"]),
+            f"{r['passed']:,}/{r['checked']:,}" if r["checked"] else "-",
             _fmt_int(r["input_tokens"]) if r["usage_calls"] else "-",
             _fmt_int(r["output_tokens"]) if r["usage_calls"] else "-",
             _fmt_int(r["est_input_tokens"]), _fmt_int(r["est_output_tokens"]),
-            _fmt_ms(r["latency_min_ms"]), _fmt_ms(r["latency_p50_ms"]), _fmt_ms(r["latency_p95_ms"]),
-            _fmt_ms(r["latency_max_ms"]), _fmt_int(r["retries"]), _top(r["response_models"]) or "-"])
-    out += _table(headers, body) if body else ["(no model calls)"]
+            latency if r["latency_min_ms"] is not None else "-", _fmt_int(r["retries"]),
+            _top(r["response_models"]) or "-"])
+    out += _table(headers, body, {"model", "base_url", "day", "served"}) if body else ["(no model calls)"]
     measured = sum(r["usage_calls"] for r in rows)
     share = f"{measured / ok:.0%}" if ok else "-"
     out.append(f"usage: {no_usage:,} of {ok:,} ok calls lacked usage; in_tok/out_tok are what servers reported "
@@ -439,7 +437,7 @@ def render_text(audit, rows, changes, runs, verified, by_day):
                  _fmt_int(r["tool_calls_denied"]), _fmt_int(r["model_calls"]), _fmt_int(r["input_tokens"]),
                  _fmt_int(r["output_tokens"]), _fmt_int(r["est_input_tokens"] + r["est_output_tokens"])]
                 for r in runs]
-        out += _table(headers, body)
+        out += _table(headers, body, {"run", "outcome", "verdict"})
     return "\n".join(out) + "\n"
 
 
