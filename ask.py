@@ -640,11 +640,9 @@ def _err(message, secrets=()):
 
 
 def main(argv=None):
-    parser = _build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return EXIT_USAGE if exc.code else EXIT_OK
+    args, code = reasoning_ledger.parse_cli(_build_parser(), argv)
+    if args is None:
+        return code
     secrets = []
     try:
         base_url, model, api_key = settings_from_env(args.base_url, args.model)
@@ -678,9 +676,7 @@ def main(argv=None):
         _err(str(exc), secrets)
         return EXIT_USAGE
     except (reasoning_ledger.LedgerError, OSError) as exc:
-        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        where = f"{exc.filename}: " if isinstance(exc, OSError) and exc.filename else ""
-        _err(f"ledger or file: {where}{detail}", secrets)
+        _err(reasoning_ledger.error_text(exc), secrets)
         return EXIT_USAGE
     if args.json:
         print(json.dumps(record, ensure_ascii=False))

@@ -614,16 +614,14 @@ def run_audit(paths, *, verify=True, since=None, until=None, model=None):
 
 
 def main(argv=None):
-    parser = _build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return EXIT_USAGE if exc.code else EXIT_OK
+    args, code = rl.parse_cli(_build_parser(), argv)
+    if args is None:
+        return code
     try:
         if args.latency_shift <= 0 or args.rate_jump <= 0 or args.latency_floor < 0:
             raise AuditError("--latency-shift and --rate-jump must be positive, --latency-floor not negative")
-        since = rl._parse_time(args.since) if args.since else None
-        until = rl._parse_time(args.until, end=True) if args.until else None
+        since = rl.parse_time(args.since) if args.since else None
+        until = rl.parse_time(args.until, end=True) if args.until else None
         audit, failures = run_audit(args.paths, verify=not args.no_verify, since=since, until=until,
                                     model=args.model)
     except (AuditError, ValueError) as exc:
@@ -633,7 +631,7 @@ def main(argv=None):
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except OSError as exc:
-        print(f"error: {exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", file=sys.stderr)
+        print(f"error: {rl.error_text(exc)}", file=sys.stderr)
         return EXIT_USAGE
     if failures:
         for exc in failures:
@@ -661,7 +659,7 @@ def main(argv=None):
     except BrokenPipeError:
         return EXIT_OK
     except OSError as exc:
-        print(f"error: {exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}", file=sys.stderr)
+        print(f"error: {rl.error_text(exc)}", file=sys.stderr)
         return EXIT_USAGE
     if args.fail_on_change and changes:
         print(f"error: {len(changes)} change(s) found", file=sys.stderr)

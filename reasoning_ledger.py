@@ -840,7 +840,23 @@ def _err(message):
     print(f"error: {message}", file=sys.stderr)
 
 
-def _parse_time(text, end=False):
+def error_text(exc):
+    """One line for an error: 'path: No such file or directory' for OSError, str() otherwise."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
+    return str(exc)
+
+
+def parse_cli(parser, argv):
+    """(args, None), or (None, exit code) when argparse printed help (0) or a usage error (2).
+    Shared by the scripts so that every one of them exits 2 on bad usage."""
+    try:
+        return parser.parse_args(argv), None
+    except SystemExit as exc:
+        return None, (EXIT_USAGE if exc.code else EXIT_OK)
+
+
+def parse_time(text, end=False):
     """A date (YYYY-MM-DD) or ISO time -> the ledger's `at` string form for comparing."""
     text = text.strip()
     try:
@@ -893,7 +909,7 @@ def _cmd_verify(args):
             print(f"FAIL  {result}")
         else:
             worst = EXIT_USAGE
-            print(f"ERROR {path}: {result.strerror if isinstance(result, OSError) else result}")
+            print(f"ERROR {path}: {error_text(result)}")
     print(f"{valid}/{len(results)} ledgers valid")
     if worst == EXIT_USAGE:
         _err("some ledgers could not be read or need a key")
@@ -922,8 +938,8 @@ def _event_summary(event):
 
 
 def _cmd_report(args):
-    since = _parse_time(args.since) if args.since else None
-    until = _parse_time(args.until, end=True) if args.until else None
+    since = parse_time(args.since) if args.since else None
+    until = parse_time(args.until, end=True) if args.until else None
     out = sys.stdout
     for event, raw, _digest in iter_lines(args.path, key=_cli_key(args), run_id=None):
         if args.kind and event["kind"] not in args.kind:
@@ -1004,10 +1020,9 @@ def _build_parser():
 
 def main(argv=None):
     parser = _build_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:
-        return EXIT_USAGE if exc.code else EXIT_OK
+    args, code = parse_cli(parser, argv)
+    if args is None:
+        return code
     if not args.command:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
@@ -1028,7 +1043,7 @@ def main(argv=None):
     except BrokenPipeError:
         return EXIT_OK
     except OSError as exc:
-        _err(f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}")
+        _err(error_text(exc))
         return EXIT_USAGE
 
 
