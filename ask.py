@@ -510,10 +510,13 @@ def ask(prompt, *, ledger, base_url, model, api_key, system=None, max_tokens=Non
             if dropped_options:
                 record["stream_options_dropped"] = True
             text, failure = None, None
+            started = time.perf_counter()
             try:
                 text = _one_attempt(url, body, record, api_key=api_key, timeout=timeout, on_text=on_text)
             except _CallFailed as exc:
                 failure = exc
+                if record["latency_ms"] is None:  # failed before a response: time until the failure
+                    record["latency_ms"] = round((time.perf_counter() - started) * 1000, 1)
                 record["error_type"] = exc.error_type
                 record["error_message"] = reasoning_ledger.redact_text(
                     exc.message, reasoning_ledger.secret_values(secrets))[:MAX_ERROR_CHARS]
