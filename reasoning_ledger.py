@@ -63,20 +63,21 @@ _SECRET_KEYS = frozenset((
     "cookie", "set_cookie", "private_key", "client_secret",
 ))
 # Secret shapes masked inside any string: (trigger substrings, pattern, flags); group 1, when present,
-# is kept. One cheap trigger scan runs first, and a shape's regex is compiled only when a string could
-# hold it, so `python ask.py` does not pay for compiling nine patterns it will not need.
+# is kept. A shape's regex runs (and is compiled) only when a string holds one of its triggers, so the
+# common string costs a few substring tests and `python ask.py` compiles no pattern it does not need.
 _SECRET_SHAPES = (
     (("PRIVATE KEY",), r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.S),
     (("earer",), r"(\b[Bb]earer\s+)[A-Za-z0-9._~+/=-]{4,}", 0),
     (("sk-",), r"\bsk-[A-Za-z0-9_-]{8,}", 0),
-    (("gh", "github_pat_"), r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", 0),
+    (("ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_"),
+     r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", 0),
     (("xox",), r"\bxox[abposr]-[A-Za-z0-9-]{8,}", 0),
     (("AKIA", "ASIA"), r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", 0),
     (("@",), r"\b([a-zA-Z][a-zA-Z0-9+.-]{0,31}://)[^\s/@:\"']{1,256}:[^\s/@\"']{1,256}(?=@)", 0),
     (("=",), r"([?&;](?:api[-_]?key|key|token|access_token|auth|secret|password|sig|signature)=)[^&#\s\"']+",
      re.I),
 )
-_SHAPE_TRIGGER = re.compile(r"PRIVATE KEY|[Bb]earer|sk-|gh[pousr]_|github_pat_|xox|AKIA|ASIA|://[^/\s]*@|[?&;][\w-]+=")
+_SHAPE_LITERALS = tuple(t for triggers, _src, _flags in _SECRET_SHAPES for t in triggers)
 _compiled_shapes = {}
 _SEQ_PREFIX_RE = re.compile(rb'\{"seq":([1-9][0-9]*),')
 
@@ -185,6 +186,13 @@ def _mask(match):
     return (match.group(1) or "") + REDACTED if match.re.groups else REDACTED
 
 
+def _may_hold_shape(text):
+    for literal in _SHAPE_LITERALS:
+        if literal in text:
+            return True
+    return False
+
+
 def redact_text(text, values=None):
     """Mask secret shapes and known secret values inside one string."""
     if values is None:
@@ -192,7 +200,7 @@ def redact_text(text, values=None):
     for value in values:
         if value in text:
             text = text.replace(value, REDACTED)
-    if _SHAPE_TRIGGER.search(text):  # one cheap pass for the common case: nothing to mask
+    if _may_hold_shape(text):  # the common case: nothing to mask, no regex run
         for triggers, src, flags in _SECRET_SHAPES:
             if any(t in text for t in triggers):
                 pattern = _compiled_shapes.get(src)
@@ -229,7 +237,7 @@ def _clean(value, values):
     kind = type(value)
     if kind is dict:
         out = {}
-        trigger, cache = _SHAPE_TRIGGER.search, _secret_key_cache
+        trigger, cache = _may_hold_shape, _secret_key_cache
         for k, v in value.items():
             if type(k) is not str:
                 raise _BadValue(f"key {k!r} is a {type(k).__name__}; JSON keys must be strings")
@@ -297,18 +305,15 @@ def _keys_are_strings(obj):
     return all(_keys_are_strings(v) for v in values if type(v) in _CONTAINERS)
 
 
-# Literal screens over a serialized payload: a superset of what is_secret_key() and _SECRET_SHAPES can
-# flag (every secret key name ends in one of these words; every shape needs one of these substrings).
+# A literal screen over a serialized payload: a superset of what is_secret_key() can flag (every
+# secret key name ends in one of these words) and of the secret shapes (each needs its trigger).
 # Substring tests run at C speed; a hit only means the exact walk runs.
 _KEY_SUFFIXES = ('key":', 'authorization":', 'password":', 'passwd":', 'secret":', 'token":', 'cookie":')
-_SHAPE_LITERALS = ("PRIVATE KEY", "earer", "sk-", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_",
-                   "xox", "AKIA", "ASIA", "@", "=")
 
 
 def _may_hold_secret(text, values):
-    for literal in _SHAPE_LITERALS:
-        if literal in text:
-            return True
+    if _may_hold_shape(text):
+        return True
     low = text.lower()
     for suffix in _KEY_SUFFIXES:
         if suffix in low:
@@ -774,8 +779,8 @@ def read_events(path, *, key=None, run_id=None):
 class Verified:
     """The result of verify(): how many lines, and the head (seq, hash)."""
 
-    def __init__(self, path, count, head, torn=None):
-        self.path, self.count, self.head, self.torn = str(path), count, head, torn
+    def __init__(self, path, count, head):
+        self.path, self.count, self.head = str(path), count, head
 
     def head_text(self):
         return f"{self.head[0]} {self.head[1]}"
