@@ -637,6 +637,23 @@ def _build_parser():
     return p
 
 
+def _write_out(text):
+    """Write to stdout now. A reader that went away (`| head`) stops the printing, not the call:
+    the answer is still read to the end and recorded."""
+    if _stdout_closed:
+        return
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _stdout_closed.append(True)
+        devnull = os.open(os.devnull, os.O_WRONLY)  # so the interpreter's final flush does not fail
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+_stdout_closed = []
+
+
 def _err(message, secrets=()):
     print("error: " + reasoning_ledger.redact_text(message, reasoning_ledger.secret_values(secrets)),
           file=sys.stderr)
@@ -665,11 +682,7 @@ def main(argv=None):
         if not model:
             raise ConfigError("MODEL_ID is not set (export MODEL_ID=..., or pass --model); there is no default")
         prompt = _read_prompt(args.prompt_file)
-        on_text = None
-        if args.stream and not args.json:
-            def on_text(piece):
-                sys.stdout.write(piece)
-                sys.stdout.flush()
+        on_text = _write_out if args.stream and not args.json else None
         record = ask(prompt, ledger=ledger_path, base_url=base_url, model=model, api_key=api_key,
                      system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
                      stream=args.stream, retries=args.retries, timeout=args.timeout, expect=args.expect,
@@ -682,13 +695,10 @@ def main(argv=None):
         _err(reasoning_ledger.error_text(exc), secrets)
         return EXIT_USAGE
     if args.json:
-        print(json.dumps(record, ensure_ascii=False))
+        _write_out(json.dumps(record, ensure_ascii=False) + "\n")
     elif record["text"] and not record["error_type"]:
-        if args.stream:
-            sys.stdout.write("\n" if record["text"] and not record["text"].endswith("\n") else "")
-        else:
-            sys.stdout.write(record["text"] + ("" if record["text"].endswith("\n") else "\n"))
-    sys.stdout.flush()
+        ending = "" if record["text"].endswith("\n") else "\n"
+        _write_out(ending if args.stream else record["text"] + ending)
     if record["response_model"] and record["response_model"] != model:
         print(f"warning: asked for {model!r}, the server says it ran {record['response_model']!r}",
               file=sys.stderr)

@@ -413,3 +413,17 @@ def test_real_endpoint(tmp_path):
                                     API_KEY=os.environ.get("REAL_API_KEY", "none")), timeout=300)
     assert proc.returncode in (0, 3), proc.err
     assert run_script("reasoning_ledger.py", "verify", tmp_path / "runs.jsonl").returncode == 0
+
+
+@pytest.mark.parametrize("flags", [[], ["--stream"]])
+def test_a_reader_that_goes_away_does_not_turn_into_a_failure(server, tmp_path, flags):
+    import subprocess
+    import sys
+    from conftest import ROOT
+    env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="fake-model", LEDGER=tmp_path / "runs.jsonl")
+    script = f"echo hi | {sys.executable} {ROOT / 'ask.py'} {' '.join(flags)} | head -c 3; exit ${{PIPESTATUS[1]}}"
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == b"The" and b"Traceback" not in proc.stderr
+    (event,) = rl.read_events(tmp_path / "runs.jsonl")
+    assert event["payload"]["error_type"] is None and event["payload"]["response_chars"] == 16
