@@ -151,6 +151,26 @@ def parse_usage(usage):
     return fields
 
 
+def _ms_since(started):
+    return round((time.perf_counter() - started) * 1000, 1)
+
+
+def _record_headers(record, headers):
+    """request_id and the rate-limit headers, from a response or an HTTP error alike."""
+    if headers is not None:
+        record["request_id"] = headers.get("x-request-id") or headers.get("request-id")
+        record["ratelimit"] = _ratelimit(headers)
+
+
+def _record_failure(record, failure, secrets):
+    record["error_type"] = failure.error_type
+    record["error_message"] = reasoning_ledger.redact_text(
+        failure.message, reasoning_ledger.secret_values(secrets))[:MAX_ERROR_CHARS]
+    if failure.status is not None:
+        record["http_status"] = failure.status
+    _record_headers(record, failure.headers)
+
+
 def _ratelimit(headers):
     if headers is None:
         return {}
@@ -381,24 +401,15 @@ def _fill_from_completion(record, data):
     return content if isinstance(content, str) else ""
 
 
-def _one_attempt(url, body, record, *, api_key, timeout, on_text):
-    """Send once; fill `record`; return the answer text. Raises _CallFailed."""
-    started = time.perf_counter()
-    stream = body.get("stream", False)
+def _one_attempt(url, body, record, started, *, api_key, timeout, on_text):
+    """Send once; fill `record` (all but latency_ms); return the answer text. Raises _CallFailed."""
     response = _open(url, api_key=api_key, timeout=timeout, body=body)
     with response:
         record["http_status"] = response.status
-        record["request_id"] = response.headers.get("x-request-id") or response.headers.get("request-id")
-        record["ratelimit"] = _ratelimit(response.headers)
-        try:
-            if not stream:
-                data = _read_json(response)
-                record["latency_ms"] = round((time.perf_counter() - started) * 1000, 1)
-                return _fill_from_completion(record, data)
+        _record_headers(record, response.headers)
+        if body.get("stream"):
             return _read_stream(response, record, started, on_text)
-        finally:
-            if record["latency_ms"] is None:
-                record["latency_ms"] = round((time.perf_counter() - started) * 1000, 1)
+        return _fill_from_completion(record, _read_json(response))
 
 
 def _read_stream(response, record, started, on_text):
@@ -427,7 +438,7 @@ def _read_stream(response, record, started, on_text):
                 piece = (choice.get("delta") or {}).get("content")
                 if isinstance(piece, str) and piece:
                     if record["ttft_ms"] is None:
-                        record["ttft_ms"] = round((time.perf_counter() - started) * 1000, 1)
+                        record["ttft_ms"] = _ms_since(started)
                     parts.append(piece)
                     if on_text:
                         on_text(piece)
@@ -439,7 +450,6 @@ def _read_stream(response, record, started, on_text):
     except OSError as exc:
         raise _CallFailed("truncated_stream", f"stream broke off: {type(exc).__name__}", 200) from None
     finally:
-        record["latency_ms"] = round((time.perf_counter() - started) * 1000, 1)
         record["response_chars"] = sum(map(len, parts))
         record["est_output_tokens"] = estimate_tokens(record["response_chars"])
         record.update(parse_usage(usage))
@@ -512,25 +522,17 @@ def ask(prompt, *, ledger, base_url, model, api_key, system=None, max_tokens=Non
             text, failure = None, None
             started = time.perf_counter()
             try:
-                text = _one_attempt(url, body, record, api_key=api_key, timeout=timeout, on_text=on_text)
+                text = _one_attempt(url, body, record, started, api_key=api_key, timeout=timeout, on_text=on_text)
             except _CallFailed as exc:
                 failure = exc
-                if record["latency_ms"] is None:  # failed before a response: time until the failure
-                    record["latency_ms"] = round((time.perf_counter() - started) * 1000, 1)
-                record["error_type"] = exc.error_type
-                record["error_message"] = reasoning_ledger.redact_text(
-                    exc.message, reasoning_ledger.secret_values(secrets))[:MAX_ERROR_CHARS]
-                if exc.status is not None:
-                    record["http_status"] = exc.status
-                if exc.headers is not None:
-                    record["ratelimit"] = _ratelimit(exc.headers)
-                    record["request_id"] = exc.headers.get("x-request-id") or exc.headers.get("request-id")
+                _record_failure(record, exc, secrets)
+            record["latency_ms"] = _ms_since(started)  # to the end of the body, or to the failure
             if failure is None:
                 record["response_chars"] = len(text)
                 record["est_output_tokens"] = estimate_tokens(len(text))
                 if not text.strip():
                     failure = _CallFailed("empty_content", "HTTP 200 but the answer is empty", 200)
-                    record["error_type"], record["error_message"] = failure.error_type, failure.message
+                    _record_failure(record, failure, secrets)
                 else:
                     record["check"], record["check_detail"] = run_checks(
                         text, expect=expect, expect_json=expect_json, strict_model=strict_model,
@@ -564,14 +566,14 @@ def list_models(*, ledger, base_url, api_key, timeout=DEFAULT_TIMEOUT):
     """GET {base_url}/models; append one models_list event; return its record (model_ids sorted)."""
     request_base, recorded_base, host, port = split_base_url(base_url)
     record = {"base_url": recorded_base, "server_address": host, "server_port": port, "http_status": None,
-              "model_ids": None, "count": None, "latency_ms": None, "request_id": None,
+              "model_ids": None, "count": None, "latency_ms": None, "request_id": None, "ratelimit": {},
               "error_type": None, "error_message": None}
     started = time.perf_counter()
     try:
         response = _open(_endpoint(request_base, "/models"), api_key=api_key, timeout=timeout)
         with response:
             record["http_status"] = response.status
-            record["request_id"] = response.headers.get("x-request-id")
+            _record_headers(record, response.headers)
             data = _read_json(response)
         items = data.get("data")
         if not isinstance(items, list):
@@ -579,11 +581,8 @@ def list_models(*, ledger, base_url, api_key, timeout=DEFAULT_TIMEOUT):
         ids = sorted({item["id"] for item in items if isinstance(item, dict) and isinstance(item.get("id"), str)})
         record["model_ids"], record["count"] = ids, len(ids)
     except _CallFailed as exc:
-        record["error_type"] = exc.error_type
-        record["error_message"] = reasoning_ledger.redact_text(
-            exc.message, reasoning_ledger.secret_values([api_key]))[:MAX_ERROR_CHARS]
-        record["http_status"] = exc.status if exc.status is not None else record["http_status"]
-    record["latency_ms"] = round((time.perf_counter() - started) * 1000, 1)
+        _record_failure(record, exc, [api_key])
+    record["latency_ms"] = _ms_since(started)
     book, owned = _open_ledger(ledger, api_key)
     try:
         book.append("models_list", record)

@@ -233,32 +233,8 @@ class _BadValue(Exception):
 
 def _clean(value, values):
     """Validate that `value` is plain JSON and return it redacted. Raises _BadValue.
-    Scalars inside containers are handled inline: this runs on every append."""
+    Only the slow path runs this: serialize_payload() skips it when its screen finds nothing."""
     kind = type(value)
-    if kind is dict:
-        out = {}
-        trigger, cache = _may_hold_shape, _secret_key_cache
-        for k, v in value.items():
-            if type(k) is not str:
-                raise _BadValue(f"key {k!r} is a {type(k).__name__}; JSON keys must be strings")
-            secret = cache.get(k)
-            if secret is None:
-                secret = is_secret_key(k)
-            if secret and v is not None:
-                out[k] = REDACTED
-                continue
-            t = type(v)
-            if t is str:
-                out[k] = redact_text(v, values) if values or trigger(v) else v
-            elif t is int or t is bool or v is None:
-                out[k] = v
-            else:
-                try:
-                    out[k] = _clean(v, values)
-                except _BadValue as exc:
-                    exc.where.append(f".{k}")
-                    raise
-        return out
     if kind is str:
         return redact_text(value, values)
     if kind is int or kind is bool or value is None:
@@ -267,16 +243,30 @@ def _clean(value, values):
         if value != value or value in (_INF, -_INF):
             raise _BadValue(f"{value!r} is not valid JSON (NaN/Infinity)")
         return value
-    if kind is list or kind is tuple:
-        out = []
-        for i, v in enumerate(value):
-            try:
-                out.append(_clean(v, values))
-            except _BadValue as exc:
-                exc.where.append(f"[{i}]")
-                raise
-        return out
-    raise _BadValue(f"a {kind.__name__} is not a JSON type")
+    if kind is dict:
+        items = value.items()
+    elif kind is list or kind is tuple:
+        items = enumerate(value)
+    else:
+        raise _BadValue(f"a {kind.__name__} is not a JSON type")
+    out = {} if kind is dict else []
+    for k, v in items:
+        if kind is dict:
+            if type(k) is not str:
+                raise _BadValue(f"key {k!r} is a {type(k).__name__}; JSON keys must be strings")
+            if v is not None and is_secret_key(k):
+                out[k] = REDACTED
+                continue
+        try:
+            cleaned = _clean(v, values)
+        except _BadValue as exc:
+            exc.where.append(f".{k}" if kind is dict else f"[{k}]")
+            raise
+        if kind is dict:
+            out[k] = cleaned
+        else:
+            out.append(cleaned)
+    return out
 
 
 def _clean_payload(payload, values):
@@ -337,11 +327,6 @@ def serialize_payload(payload, values=()):
         return text, payload
     clean = _clean_payload(payload, values)
     return _dumps(clean), clean
-
-
-def redact(payload, extra_secrets=()):
-    """A redacted copy of a JSON-able payload, as the ledger would store it."""
-    return _clean_payload(payload, secret_values(extra_secrets))
 
 
 _SCANNER = json.JSONDecoder().scan_once

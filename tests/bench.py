@@ -61,7 +61,7 @@ def _line(name, ratio, target, note=""):
 # ----------------------------------------------------------------------------
 
 def big_ledger(lines=BIG_LINES):
-    """A ledger of `lines` model_call events over ~30 days, written through the real writer."""
+    """A ledger of `lines` model_call events for three model strings, written through the real writer."""
     path = BENCH_DIR / f"big-{lines}.jsonl"
     if path.exists():
         return path
@@ -78,8 +78,6 @@ def big_ledger(lines=BIG_LINES):
             payload["latency_ms"] = 200.0 + (i * 7919) % 3000
             payload["usage_reported"] = i % 10 != 0
             ledger.append("model_call", payload)
-    # spread the events over 30 days by rewriting `at` would break the chain; the audit bench only
-    # needs the volume, so the dates stay as written.
     tmp.rename(path)
     return path
 
