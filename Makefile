@@ -1,29 +1,37 @@
 # reasoning-ledger: everything runs with a bare python3; pytest is installed only for the tests.
+# The scripts live beside this Makefile; ledgers are read and written in the current directory, so
+# `make -f /opt/reasoning-ledger/Makefile audit` works from wherever your ledgers are.
+SHELL := /bin/sh
+export PATH ?= /usr/local/bin:/usr/bin:/bin
 PYTHON ?= python3
-LEDGER ?= runs.jsonl
+LEDGER ?= calls.jsonl
 RUNS   ?= runs
 DRILL_REPEAT ?= 5
-# The scripts live beside this Makefile; ledgers are read and written in the current directory,
-# so `make -f /opt/reasoning-ledger/Makefile audit` works from wherever your ledgers are.
+BENCH_LINES ?= 100000
 HERE := $(dir $(abspath $(lastword $(MAKEFILE_LIST))))
-VENV ?= $(HERE).venv
 PROMPTS ?= $(HERE)prompts
+# One venv per interpreter, so `make test PYTHON=python3.9` never reuses another Python's .venv.
+PY_TAG := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
+VENV ?= $(HERE).venv/py$(PY_TAG)
 
-.PHONY: test verify audit drill bench clean help
+.PHONY: help test verify audit drill demo bench clean
 
 help:
-	@echo "make test    install pytest into .venv if python3 lacks it, then run the tests"
+	@echo "make test    run the tests with PYTHON's pytest, or a venv per Python with pytest in it (PYTHON=python3.9)"
+	@echo "make demo    the whole agent loop against a local stand-in model, in a temp dir, in seconds"
 	@echo "make verify  verify $(LEDGER) and every run under $(RUNS)/"
-	@echo "make audit   what each model string did, day by day"
-	@echo "make drill   the same prompts $(DRILL_REPEAT)x each through ask.py, then the audit"
-	@echo "make bench   speed ratios against baselines measured in the same run"
+	@echo "make audit   what each model string did, day by day (AUDIT_ARGS=... for more)"
+	@echo "make drill   each prompts/*.txt $(DRILL_REPEAT)x through ask.py, then the audit; exit 1 if any call or check failed"
+	@echo "make bench   speed ratios against baselines measured in the same run (BENCH_LINES=1000000 for the full figures)"
+	@echo "make clean   remove venvs, caches and bench files"
 
-# Uses the python's own pytest when it has one; otherwise a local venv with pytest in it.
 test:
-	@if $(PYTHON) -c "import pytest" 2>/dev/null; then py="$(PYTHON)"; else \
-	  [ -x "$(VENV)/bin/python" ] || $(PYTHON) -m venv "$(VENV)" || exit 2; \
+	@[ -n "$(PY_TAG)" ] || { echo "make test: $(PYTHON) does not run" >&2; exit 2; }; \
+	if $(PYTHON) -c "import pytest" 2>/dev/null; then py="$(PYTHON)"; else \
+	  [ -x "$(VENV)/bin/python" ] && "$(VENV)/bin/python" -c "" 2>/dev/null || { rm -rf "$(VENV)"; $(PYTHON) -m venv "$(VENV)"; } || exit 2; \
 	  "$(VENV)/bin/python" -c "import pytest" 2>/dev/null || "$(VENV)/bin/python" -m pip install -q pytest || exit 2; \
 	  py="$(VENV)/bin/python"; fi; \
+	echo "make test: $$("$$py" --version 2>&1) ($$py)"; \
 	cd "$(HERE)" && "$$py" -m pytest -q tests $(PYTEST_ARGS)
 
 verify:
@@ -34,20 +42,29 @@ verify:
 audit:
 	$(PYTHON) $(HERE)audit.py --by day $(AUDIT_ARGS)
 
+# A configuration error (exit 2) stops the drill at once; failed calls and checks are counted, summed
+# up at the end, and make the drill exit 1, so cron sees them.
 drill:
-	@set -e; ls $(PROMPTS)/*.txt >/dev/null; \
+	@ls $(PROMPTS)/*.txt >/dev/null || exit 2; calls=0; failed=0; \
 	for prompt in $(PROMPTS)/*.txt; do \
 	  expect="$${prompt%.txt}.expect"; \
 	  for i in $$(seq $(DRILL_REPEAT)); do \
 	    if [ -f "$$expect" ]; then set -- --expect "$$(cat "$$expect")"; else set --; fi; \
-	    $(PYTHON) $(HERE)ask.py --ledger "$(LEDGER)" --temperature 0 "$$@" < "$$prompt" > /dev/null || \
-	      echo "drill: $$prompt run $$i exited $$?" >&2; \
+	    calls=$$((calls + 1)); \
+	    $(PYTHON) $(HERE)ask.py --ledger "$(LEDGER)" --temperature 0 "$$@" < "$$prompt" > /dev/null; rc=$$?; \
+	    if [ $$rc -eq 2 ]; then echo "drill: stopped: configuration error on $$prompt (see above)" >&2; exit 2; fi; \
+	    if [ $$rc -ne 0 ]; then failed=$$((failed + 1)); echo "drill: $$prompt run $$i exited $$rc" >&2; fi; \
 	  done; \
-	done
-	$(PYTHON) $(HERE)audit.py --by day "$(LEDGER)"
+	done; \
+	$(PYTHON) $(HERE)audit.py --by day "$(LEDGER)" || exit $$?; \
+	echo "drill: $$calls calls, $$failed failed (a failed call or check)"; \
+	[ $$failed -eq 0 ]
+
+demo:
+	@$(PYTHON) $(HERE)tests/demo.py
 
 bench:
-	$(PYTHON) $(HERE)tests/bench.py
+	BENCH_LINES=$(BENCH_LINES) $(PYTHON) $(HERE)tests/bench.py $(BENCH)
 
 clean:
-	cd "$(HERE)" && rm -rf .bench .pytest_cache tests/__pycache__ __pycache__
+	cd "$(HERE)" && rm -rf .venv .bench .pytest_cache tests/__pycache__ __pycache__

@@ -2,14 +2,14 @@
 """audit.py -- what each model string did, day by day, from verified ledgers only. Stdlib only.
 
 Usage:
-  python audit.py                          # ./runs.jsonl and ./runs/*/events.jsonl
-  python audit.py runs.jsonl runs/ --by day
+  python audit.py                          # ./calls.jsonl and ./runs/*/events.jsonl
+  python audit.py calls.jsonl runs/ --by day
   python audit.py --since 2026-11-01 --model my-model --fail-on-change   # exit 4 when something changed
   python audit.py --json > audit.json      # or --csv; --html report.html for a page with charts
   python audit.py --no-verify broken.jsonl # audit anyway, marked UNVERIFIED
 
 Exit codes: 0 ok, 1 a ledger failed verification (nothing audited), 2 usage or I/O error,
-4 changes found and --fail-on-change given.
+4 changes found and --fail-on-change given, 5 stdout could not be written.
 """
 
 import argparse
@@ -22,28 +22,45 @@ import os
 import sys
 from pathlib import Path
 
-import reasoning_ledger as rl
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the toolkit beside us, even under -I
+import ask  # noqa: E402  -- the model_call field list
+import reasoning_ledger as rl  # noqa: E402
 
-__version__ = "1.0.0"
+__version__ = "1.1.0"
+
+__all__ = ["Audit", "run_audit", "find_ledgers", "percentile", "compare_days", "model_call_view",
+           "render_text", "render_json", "render_csv", "render_html", "MODEL_COLUMNS", "AuditError"]
 
 # ----------------------------------------------------------------------------
 # Constants
 # ----------------------------------------------------------------------------
 
-EXIT_OK, EXIT_INTEGRITY, EXIT_USAGE, EXIT_CHANGED = 0, 1, 2, 4
+DEFAULT_LEDGERS = ("calls.jsonl", "runs.jsonl")  # runs.jsonl: ask.py's default before 1.1
+DEFAULT_RUNS = "runs"
 DEFAULT_LATENCY_SHIFT = 0.5
 DEFAULT_RATE_JUMP = 0.2
 MIN_LATENCY_SAMPLES = 3
 DEFAULT_LATENCY_FLOOR_MS = 50.0
 NO_USAGE_STATUSES = ("absent", "zero", "malformed")
+MAX_MODEL_STRINGS = 1000   # distinct (request_model, base_url) pairs kept apart; the rest share one row
+MAX_LABELS = 50            # distinct served models, fingerprints or error types kept per row
+OTHER = "(other)"
+MAX_CHART_MODELS = 8       # the HTML draws per-model charts for the busiest; the rest are summarised
 
-MODEL_COLUMNS = ("request_model", "base_url", "day", "runs", "ok", "failed", "no_usage", "checked", "passed",
-                 "input_tokens", "output_tokens", "usage_calls", "est_input_tokens", "est_output_tokens",
+MODEL_COLUMNS = ("request_model", "base_url", "day", "calls", "ok", "failed", "no_usage", "malformed", "checked",
+                 "passed", "input_tokens", "output_tokens", "usage_calls", "est_input_tokens", "est_output_tokens",
                  "latency_min_ms", "latency_p50_ms", "latency_p95_ms", "latency_max_ms", "retries",
                  "response_models", "system_fingerprints", "errors")
+RUN_COLUMNS = ("run_id", "started", "outcome", "judge_verdict", "steps", "tools_allowed", "tools_denied",
+               "model_calls", "input_tokens", "output_tokens", "est_tokens", "errors")
+# The model_call fields this audit reads, each checked against ask.py's definition of its types.
+_READ = ("request_model", "base_url", "attempt", "error_type", "usage_status", "usage_reported", "latency_ms",
+         "response_model", "system_fingerprint", "check", "input_tokens", "output_tokens", "est_input_tokens",
+         "est_output_tokens")
+_TYPES = {name: ask.MODEL_CALL_FIELDS[name] for name in _READ}
 
 
-class AuditError(Exception):
+class AuditError(rl.UsageError):
     """Bad arguments or unreadable input (exit 2)."""
 
 
@@ -57,6 +74,28 @@ def percentile(sorted_values, q):
         return None
     rank = max(1, int(math.ceil(q / 100.0 * len(sorted_values))))
     return sorted_values[rank - 1]
+
+
+def model_call_view(payload):
+    """(fields, malformed): the fields this audit reads from a model_call payload, each None unless it
+    has a type ask.py writes for it; malformed is True when a present field had another type. A payload
+    written by another tool is counted, never a crash."""
+    view, malformed = {}, False
+    for name, types in _TYPES.items():
+        value = payload.get(name)
+        if value is not None and type(value) not in types:
+            malformed, value = True, None
+        elif type(value) is float and not math.isfinite(value):
+            malformed, value = True, None
+        view[name] = value
+    return view, malformed
+
+
+def _count_label(counter, label):
+    """counter[label] += 1, with at most MAX_LABELS distinct labels (the rest under OTHER)."""
+    if label not in counter and len(counter) >= MAX_LABELS:
+        label = OTHER
+    counter[label] = counter.get(label, 0) + 1
 
 
 def _fmt_int(value):
@@ -74,11 +113,11 @@ def _top(counter):
 
 
 def find_ledgers(paths):
-    """Expand PATHs (files, directories, globs) into ledger files; default: ./runs.jsonl + ./runs/."""
+    """Expand PATHs (files, directories, globs) into ledger files; default: ./calls.jsonl + ./runs/."""
     if not paths:
-        found = [Path("runs.jsonl")] if Path("runs.jsonl").is_file() else []
-        if Path("runs").is_dir():
-            found += sorted(Path("runs").glob("*/" + rl.EVENTS_NAME))
+        found = [Path(name) for name in DEFAULT_LEDGERS if Path(name).is_file()]
+        if Path(DEFAULT_RUNS).is_dir():
+            found += sorted(Path(DEFAULT_RUNS).glob("*/" + rl.EVENTS_NAME))
         return found
     out = []
     for raw in paths:
@@ -108,41 +147,75 @@ def find_ledgers(paths):
 class Group:
     """Counters for one (request_model, base_url, day)."""
 
-    __slots__ = ("runs", "ok", "no_usage", "checked", "passed", "input_tokens", "output_tokens", "usage_calls",
-                 "est_input_tokens", "est_output_tokens", "latencies", "response_models", "fingerprints",
-                 "errors", "retries", "usage_reported")
+    COUNTS = ("calls", "ok", "no_usage", "malformed", "checked", "passed", "input_tokens", "output_tokens",
+              "usage_calls", "est_input_tokens", "est_output_tokens", "est_output_calls", "retries")
+    __slots__ = COUNTS + ("latencies", "response_models", "fingerprints", "errors")
 
     def __init__(self):
-        self.runs = self.ok = self.no_usage = self.checked = self.passed = 0
-        self.input_tokens = self.output_tokens = self.usage_calls = 0
-        self.est_input_tokens = self.est_output_tokens = self.retries = self.usage_reported = 0
+        for name in self.COUNTS:
+            setattr(self, name, 0)
         self.latencies = []
         self.response_models, self.fingerprints, self.errors = {}, {}, {}
 
+    def add(self, call, malformed):
+        """Count one model_call (its model_call_view)."""
+        self.calls += 1
+        self.malformed += malformed
+        if (call["attempt"] or 1) > 1:
+            self.retries += 1
+        measured = call["usage_reported"] is True and call["usage_status"] not in NO_USAGE_STATUSES
+        if call["error_type"] is None:
+            self.ok += 1
+            if call["latency_ms"] is not None:
+                self.latencies.append(call["latency_ms"])
+            if not measured:
+                self.no_usage += 1
+            _count_label(self.response_models, call["response_model"])
+            if call["system_fingerprint"] is not None:
+                _count_label(self.fingerprints, call["system_fingerprint"])
+            if call["check"] is not None:
+                self.checked += 1
+                self.passed += call["check"] is True
+        else:
+            _count_label(self.errors, call["error_type"])
+        if measured and (call["input_tokens"] is not None or call["output_tokens"] is not None):
+            self.usage_calls += 1
+            self.input_tokens += call["input_tokens"] or 0
+            self.output_tokens += call["output_tokens"] or 0
+        self.est_input_tokens += call["est_input_tokens"] or 0
+        if call["est_output_tokens"] is not None:
+            self.est_output_calls += 1
+            self.est_output_tokens += call["est_output_tokens"]
+
     def merge(self, other):
-        for name in ("runs", "ok", "no_usage", "checked", "passed", "input_tokens", "output_tokens",
-                     "usage_calls", "est_input_tokens", "est_output_tokens", "retries", "usage_reported"):
+        for name in self.COUNTS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.latencies.extend(other.latencies)
         for mine, theirs in ((self.response_models, other.response_models),
                              (self.fingerprints, other.fingerprints), (self.errors, other.errors)):
             for name, count in theirs.items():
+                if name not in mine and len(mine) >= MAX_LABELS:
+                    name = OTHER
                 mine[name] = mine.get(name, 0) + count
 
     def row(self, request_model, base_url, day):
+        """One row of the model table. A count that nothing reported is None (null), never 0."""
         lat = sorted(self.latencies)
         return {
             "request_model": request_model, "base_url": base_url, "day": day,
-            "runs": self.runs, "ok": self.ok, "failed": self.runs - self.ok, "no_usage": self.no_usage,
-            "checked": self.checked, "passed": self.passed,
-            "input_tokens": self.input_tokens, "output_tokens": self.output_tokens, "usage_calls": self.usage_calls,
-            "est_input_tokens": self.est_input_tokens, "est_output_tokens": self.est_output_tokens,
+            "calls": self.calls, "ok": self.ok, "failed": self.calls - self.ok, "no_usage": self.no_usage,
+            "malformed": self.malformed, "checked": self.checked,
+            "passed": self.passed if self.checked else None,
+            "input_tokens": self.input_tokens if self.usage_calls else None,
+            "output_tokens": self.output_tokens if self.usage_calls else None, "usage_calls": self.usage_calls,
+            "est_input_tokens": self.est_input_tokens if self.calls else None,
+            "est_output_tokens": self.est_output_tokens if self.est_output_calls else None,
             "latency_min_ms": lat[0] if lat else None, "latency_p50_ms": percentile(lat, 50),
             "latency_p95_ms": percentile(lat, 95), "latency_max_ms": lat[-1] if lat else None,
             "retries": self.retries,
             "response_models": dict(sorted(self.response_models.items(), key=lambda kv: str(kv[0]))),
             "system_fingerprints": dict(sorted(self.fingerprints.items(), key=lambda kv: str(kv[0]))),
-            "errors": dict(sorted(self.errors.items())),
+            "errors": dict(sorted(self.errors.items(), key=lambda kv: str(kv[0]))),
         }
 
 
@@ -152,6 +225,8 @@ class Audit:
     def __init__(self, since=None, until=None, model=None):
         self.since, self.until, self.model = since, until, model
         self.groups = {}            # (request_model, base_url, day) -> Group
+        self.model_strings = set()  # the (request_model, base_url) pairs kept apart
+        self.folded = 0             # calls counted under OTHER because there were too many model strings
         self.listings = {}          # (base_url, day) -> (at, model_ids) of the day's last listing
         self.runs = {}              # run_id -> agent run summary
         self.ledgers = []           # {"path", "status", "lines", "reason"}
@@ -179,80 +254,61 @@ class Audit:
 
     @staticmethod
     def _unverified(path, info):
-        count = 0
+        count = skipped = 0
         info["status"] = "unverified"
         with open(path, "rb") as handle:
             for raw in handle:
                 try:
                     event = json.loads(raw)
-                except ValueError:
-                    continue
-                if type(event) is dict and type(event.get("payload")) is dict and type(event.get("at")) is str:
+                except (ValueError, RecursionError):
+                    event = None
+                if (type(event) is dict and type(event.get("payload")) is dict and type(event.get("at")) is str
+                        and type(event.get("kind")) is str and type(event.get("run_id")) is str):
                     count += 1
                     info["lines"] = count
                     yield event
+                else:
+                    skipped += 1
+                    info["skipped"] = skipped
+
+    def _group(self, model, base, day):
+        key = (model, base)
+        if key not in self.model_strings:
+            if len(self.model_strings) >= MAX_MODEL_STRINGS:
+                self.folded += 1
+                model, base = OTHER, OTHER
+            else:
+                self.model_strings.add(key)
+        group = self.groups.get((model, base, day))
+        if group is None:
+            group = self.groups[(model, base, day)] = Group()
+        return group
 
     def _consume(self, events, agent_run, path):
-        groups, since, until, only = self.groups, self.since, self.until, self.model
+        since, until, only = self.since, self.until, self.model
         run = None
         for event in events:
-            kind = event["kind"]
-            at = event["at"]
+            kind, at, payload = event["kind"], event["at"], event["payload"]
             if (since is not None and at < since) or (until is not None and at > until):
                 continue
-            payload = event["payload"]
             if agent_run:
                 if run is None:
                     run = self.runs.setdefault(event["run_id"], _new_run(event["run_id"], str(path), at))
                 _run_event(run, kind, payload)
             if kind == "model_call":
-                request_model = payload.get("request_model")
-                if only is not None and request_model != only:
+                call, malformed = model_call_view(payload)
+                if only is not None and call["request_model"] != only:
                     continue
-                key = (request_model, payload.get("base_url"), at[:10])
-                group = groups.get(key)
-                if group is None:
-                    group = groups[key] = Group()
-                group.runs += 1
-                if (payload.get("attempt") or 1) > 1:
-                    group.retries += 1
-                error_type = payload.get("error_type")
-                status = payload.get("usage_status")
-                measured = payload.get("usage_reported") and status not in NO_USAGE_STATUSES
-                if error_type is None:
-                    group.ok += 1
-                    latency = payload.get("latency_ms")
-                    if latency is not None:
-                        group.latencies.append(latency)
-                    if not measured:
-                        group.no_usage += 1
-                    else:
-                        group.usage_reported += 1
-                    served = payload.get("response_model")
-                    group.response_models[served] = group.response_models.get(served, 0) + 1
-                    fingerprint = payload.get("system_fingerprint")
-                    if fingerprint is not None:
-                        group.fingerprints[fingerprint] = group.fingerprints.get(fingerprint, 0) + 1
-                    check = payload.get("check")
-                    if check is not None:
-                        group.checked += 1
-                        if check is True:
-                            group.passed += 1
-                else:
-                    group.errors[error_type] = group.errors.get(error_type, 0) + 1
-                if measured:
-                    inp, out = payload.get("input_tokens"), payload.get("output_tokens")
-                    if inp is not None or out is not None:
-                        group.usage_calls += 1
-                        group.input_tokens += inp or 0
-                        group.output_tokens += out or 0
-                group.est_input_tokens += payload.get("est_input_tokens") or 0
-                group.est_output_tokens += payload.get("est_output_tokens") or 0
-            elif kind == "models_list" and payload.get("model_ids") is not None:
-                key = (payload.get("base_url"), at[:10])
-                previous = self.listings.get(key)
-                if previous is None or previous[0] <= at:
-                    self.listings[key] = (at, list(payload["model_ids"]))
+                self._group(call["request_model"], call["base_url"], at[:10]).add(call, malformed)
+            elif kind == "models_list":
+                ids = payload.get("model_ids")
+                base = payload.get("base_url")
+                if type(ids) is list and type(base) is str and all(type(i) is str for i in ids):
+                    key = (base, at[:10])
+                    previous = self.listings.get(key)
+                    if (previous is None or previous[0] <= at) and (key in self.listings
+                                                                     or len(self.listings) < 100000):
+                        self.listings[key] = (at, ids[:10000])
 
     # -- results ---------------------------------------------------------
     def model_rows(self, by_day=False):
@@ -273,7 +329,7 @@ class Audit:
         for (model, base), days in sorted(by_model.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
             days.sort(key=lambda item: item[0])
             for (prev_day, prev), (day, cur) in zip(days, days[1:]):
-                for what, detail in _compare_days(prev, cur, latency_shift, rate_jump, latency_floor):
+                for what, detail in compare_days(prev, cur, latency_shift, rate_jump, latency_floor):
                     found.append({"request_model": model, "base_url": base, "day": day, "previous_day": prev_day,
                                   "what": what, "detail": detail})
         by_base = {}
@@ -291,7 +347,13 @@ class Audit:
         return found
 
     def run_rows(self):
-        return [dict(run) for _, run in sorted(self.runs.items())]
+        rows = []
+        for _, run in sorted(self.runs.items()):
+            row = {k: run[k] for k in RUN_COLUMNS}
+            if not run["usage_calls"]:
+                row["input_tokens"] = row["output_tokens"] = None
+            rows.append(row)
+        return rows
 
 
 def _group_sort(item):
@@ -300,28 +362,37 @@ def _group_sort(item):
 
 
 def _new_run(run_id, path, at):
-    return {"run_id": run_id, "path": path, "started": at, "outcome": "open", "judge_verdict": None,
-            "tool_calls_allowed": 0, "tool_calls_denied": 0, "model_calls": 0, "input_tokens": 0,
-            "output_tokens": 0, "est_input_tokens": 0, "est_output_tokens": 0, "decisions": 0, "errors": 0}
+    return {"run_id": run_id, "path": path, "started": at, "outcome": "open", "judge_verdict": None, "steps": 0,
+            "tools_allowed": 0, "tools_denied": 0, "model_calls": 0, "input_tokens": 0, "output_tokens": 0,
+            "usage_calls": 0, "est_tokens": 0, "errors": 0}
 
 
 def _run_event(run, kind, payload):
+    """Fold one event of an agent run (agent.py's vocabulary) into its summary row."""
     if kind == "model_call":
+        call, _malformed = model_call_view(payload)
         run["model_calls"] += 1
-        run["input_tokens"] += payload.get("input_tokens") or 0
-        run["output_tokens"] += payload.get("output_tokens") or 0
-        run["est_input_tokens"] += payload.get("est_input_tokens") or 0
-        run["est_output_tokens"] += payload.get("est_output_tokens") or 0
-        if payload.get("error_type"):
-            run["errors"] += 1
-    elif kind == "tool_call":
-        run["tool_calls_allowed" if payload.get("allowed") else "tool_calls_denied"] += 1
-    elif kind == "decision":
-        run["decisions"] += 1
+        if call["input_tokens"] is not None or call["output_tokens"] is not None:
+            run["usage_calls"] += 1
+            run["input_tokens"] += call["input_tokens"] or 0
+            run["output_tokens"] += call["output_tokens"] or 0
+        run["est_tokens"] += (call["est_input_tokens"] or 0) + (call["est_output_tokens"] or 0)
+        run["errors"] += call["error_type"] is not None
+    elif kind in ("model_proposed", "proposal_malformed"):
+        step = payload.get("step")
+        run["steps"] = max(run["steps"], step if type(step) is int else run["steps"] + 1)
+    elif kind == "tool_allowed":
+        run["tools_allowed"] += 1
+    elif kind == "tool_denied":
+        run["tools_denied"] += 1
     elif kind == "judge_verdict":
-        run["judge_verdict"] = payload.get("verdict")
+        verdict = payload.get("verdict")
+        run["judge_verdict"] = verdict if type(verdict) is str else None
+    elif kind == "error":
+        run["errors"] += 1
     elif kind == "run_closed":
-        run["outcome"] = payload.get("outcome") or "closed"
+        outcome = payload.get("outcome")
+        run["outcome"] = outcome if type(outcome) is str else "closed"
 
 
 def _usage_state(group):
@@ -332,8 +403,9 @@ def _usage_state(group):
     return "never" if group.no_usage == group.ok else "sometimes"
 
 
-def _compare_days(prev, cur, latency_shift, rate_jump, latency_floor):
-    """What differs from one day to the next for one model string."""
+def compare_days(prev, cur, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAULT_RATE_JUMP,
+                 latency_floor=DEFAULT_LATENCY_FLOOR_MS):
+    """What differs from one day (a Group) to the next for one model string: yields (what, detail)."""
     for what, before, after in (("response_model", prev.response_models, cur.response_models),
                                 ("system_fingerprint", prev.fingerprints, cur.fingerprints)):
         new = sorted(set(after) - set(before), key=str)
@@ -351,8 +423,8 @@ def _compare_days(prev, cur, latency_shift, rate_jump, latency_floor):
     before, after = _usage_state(prev), _usage_state(cur)
     if before and after and before != after:
         yield "usage", f"usage reported {before} -> {after}"
-    if prev.runs and cur.runs:
-        old_rate, new_rate = (prev.runs - prev.ok) / prev.runs, (cur.runs - cur.ok) / cur.runs
+    if prev.calls and cur.calls:
+        old_rate, new_rate = (prev.calls - prev.ok) / prev.calls, (cur.calls - cur.ok) / cur.calls
         if new_rate - old_rate >= rate_jump:
             yield "error_rate", f"{old_rate:.0%} -> {new_rate:.0%} of calls failed"
     if prev.checked and cur.checked:
@@ -362,11 +434,13 @@ def _compare_days(prev, cur, latency_shift, rate_jump, latency_floor):
 
 
 # ----------------------------------------------------------------------------
-# Reports
+# Reports: text, JSON, CSV
 # ----------------------------------------------------------------------------
 
 def _table(headers, rows, text_columns):
-    """Aligned columns: the named text columns to the left, numbers to the right."""
+    """Aligned columns: the named text columns to the left, numbers to the right. Cells are made
+    printable here, so a value from a ledger can neither forge a line nor drive the terminal."""
+    rows = [[rl.printable(cell) for cell in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row)]
@@ -377,37 +451,41 @@ def _table(headers, rows, text_columns):
     return lines
 
 
-def _short_base(base_url):
-    if not base_url:
-        return "-"
-    return base_url
+def _label(value):
+    return "-" if value is None else str(value)
 
 
 def render_text(audit, rows, changes, runs, verified, by_day):
     out = []
-    calls = sum(r["runs"] for r in rows)
+    calls = sum(r["calls"] for r in rows)
     ok = sum(r["ok"] for r in rows)
     no_usage = sum(r["no_usage"] for r in rows)
+    malformed = sum(r["malformed"] for r in rows)
     files = len(audit.ledgers)
-    torn = [l for l in audit.ledgers if l["status"] == "torn"]
     mark = "verified" if verified else "UNVERIFIED (--no-verify): the chain was not checked"
     out.append(f"audit: {files} ledger{'s' if files != 1 else ''}, {calls:,} model calls, {mark}")
-    for ledger in torn:
-        out.append(f"warning: {ledger['reason']}")
+    for ledger in audit.ledgers:
+        if ledger["status"] == "torn":
+            out.append(f"warning: {rl.printable(ledger['reason'])}")
+        if ledger.get("skipped"):
+            out.append(f"warning: {rl.printable(ledger['path'])}: {ledger['skipped']:,} lines are not ledger "
+                       f"events and were skipped")
+    if audit.folded:
+        out.append(f"warning: more than {MAX_MODEL_STRINGS:,} model strings; {audit.folded:,} calls are counted "
+                   f"under {OTHER}")
     out.append("")
     out.append("Models" + (" by day" if by_day else "") + " (request_model @ base_url)")
     headers = ["model", "base_url"] + (["day"] if by_day else []) + [
-        "runs", "ok", "failed", "no_usage", "passed/checked", "in_tok", "out_tok", "est_in~", "est_out~",
+        "calls", "ok", "failed", "no_usage", "passed/checked", "in_tok", "out_tok", "est_in~", "est_out~",
         "latency_ms min/p50/p95/max", "retries", "served"]
     body = []
     for r in rows:
         latency = "/".join(_fmt_ms(r[k]) for k in ("latency_min_ms", "latency_p50_ms", "latency_p95_ms",
                                                     "latency_max_ms"))
-        body.append([str(r["request_model"]), _short_base(r["base_url"])] + ([r["day"]] if by_day else []) + [
-            _fmt_int(r["runs"]), _fmt_int(r["ok"]), _fmt_int(r["failed"]), _fmt_int(r["no_usage"]),
+        body.append([_label(r["request_model"]), _label(r["base_url"])] + ([r["day"]] if by_day else []) + [
+            _fmt_int(r["calls"]), _fmt_int(r["ok"]), _fmt_int(r["failed"]), _fmt_int(r["no_usage"]),
             f"{r['passed']:,}/{r['checked']:,}" if r["checked"] else "-",
-            _fmt_int(r["input_tokens"]) if r["usage_calls"] else "-",
-            _fmt_int(r["output_tokens"]) if r["usage_calls"] else "-",
+            _fmt_int(r["input_tokens"]), _fmt_int(r["output_tokens"]),
             _fmt_int(r["est_input_tokens"]), _fmt_int(r["est_output_tokens"]),
             latency if r["latency_min_ms"] is not None else "-", _fmt_int(r["retries"]),
             _top(r["response_models"]) or "-"])
@@ -416,51 +494,70 @@ def render_text(audit, rows, changes, runs, verified, by_day):
     share = f"{measured / ok:.0%}" if ok else "-"
     out.append(f"usage: {no_usage:,} of {ok:,} ok calls lacked usage; in_tok/out_tok are what servers reported "
                f"and cover {measured:,} calls ({share}). est_in~/est_out~ are chars/4 estimates, never added in.")
+    if malformed:
+        out.append(f"malformed: {malformed:,} model_call payloads had fields of the wrong type (written by another "
+                   f"tool?); those fields were not counted")
     errors = {}
     for r in rows:
         for name, count in r["errors"].items():
             errors[name] = errors.get(name, 0) + count
     if errors:
-        out.append("errors: " + ", ".join(f"{name} {count:,}" for name, count in sorted(errors.items())))
+        out.append("errors: " + rl.printable(", ".join(f"{name} {count:,}" for name, count in sorted(errors.items()))))
     out.append("")
     out.append(f"Changes (day over day): {len(changes)}")
     for change in changes:
         who = change["request_model"] if change["request_model"] is not None else "(models list)"
-        out.append(f"  {change['day']}  {who} @ {_short_base(change['base_url'])}: {change['what']}: "
-                   f"{change['detail']}  (vs {change['previous_day']})")
+        out.append(rl.printable(f"  {change['day']}  {who} @ {_label(change['base_url'])}: {change['what']}: "
+                                f"{change['detail']}  (vs {change['previous_day']})"))
     if runs:
         out.append("")
         out.append(f"Agent runs: {len(runs)}")
-        headers = ["run", "outcome", "verdict", "tools_ok", "tools_denied", "model_calls", "in_tok", "out_tok",
-                   "est_tok~"]
-        body = [[r["run_id"], str(r["outcome"]), str(r["judge_verdict"] or "-"), _fmt_int(r["tool_calls_allowed"]),
-                 _fmt_int(r["tool_calls_denied"]), _fmt_int(r["model_calls"]), _fmt_int(r["input_tokens"]),
-                 _fmt_int(r["output_tokens"]), _fmt_int(r["est_input_tokens"] + r["est_output_tokens"])]
+        headers = ["run", "outcome", "verdict", "steps", "tools_ok", "tools_denied", "model_calls", "in_tok",
+                   "out_tok", "est_tok~"]
+        body = [[r["run_id"], _label(r["outcome"]), _label(r["judge_verdict"]), _fmt_int(r["steps"]),
+                 _fmt_int(r["tools_allowed"]), _fmt_int(r["tools_denied"]), _fmt_int(r["model_calls"]),
+                 _fmt_int(r["input_tokens"]), _fmt_int(r["output_tokens"]), _fmt_int(r["est_tokens"])]
                 for r in runs]
         out += _table(headers, body, {"run", "outcome", "verdict"})
     return "\n".join(out) + "\n"
 
 
 def render_json(audit, rows, changes, runs, verified, by_day):
-    calls = sum(r["runs"] for r in rows)
+    calls = sum(r["calls"] for r in rows)
     return json.dumps({
-        "version": 1, "verified": verified, "by": "day" if by_day else "model",
+        "version": 2, "verified": verified, "by": "day" if by_day else "model",
         "ledgers": audit.ledgers,
         "summary": {"model_calls": calls, "ok": sum(r["ok"] for r in rows),
-                    "no_usage": sum(r["no_usage"] for r in rows), "changes": len(changes), "agent_runs": len(runs)},
+                    "no_usage": sum(r["no_usage"] for r in rows), "malformed": sum(r["malformed"] for r in rows),
+                    "folded_calls": audit.folded, "changes": len(changes), "agent_runs": len(runs)},
         "models": rows, "changes": changes, "agent_runs": runs,
     }, ensure_ascii=False, indent=1) + "\n"
 
 
+_CSV_TRIGGERS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _csv_cell(value):
+    """A CSV cell. Text that a spreadsheet would run as a formula gets a leading ' (OWASP's advice);
+    numbers stay numbers, and null is an empty cell."""
+    if value is None:
+        return ""
+    if type(value) in (int, float):
+        return value
+    text = json.dumps(value, ensure_ascii=False, sort_keys=True) if isinstance(value, dict) else str(value)
+    return "'" + text if text.startswith(_CSV_TRIGGERS) else text
+
+
 def render_csv(rows, stream):
-    writer = csv.writer(stream, lineterminator="\n")
+    writer = csv.writer(stream, lineterminator="\r\n")  # RFC 4180; a CR or LF in a value is then quoted
     writer.writerow(MODEL_COLUMNS)
     for r in rows:
-        writer.writerow([json.dumps(r[c], ensure_ascii=False, sort_keys=True) if isinstance(r[c], dict)
-                         else ("" if r[c] is None else r[c]) for c in MODEL_COLUMNS])
+        writer.writerow([_csv_cell(r[c]) for c in MODEL_COLUMNS])
 
 
-# -- HTML --------------------------------------------------------------------
+# ----------------------------------------------------------------------------
+# Reports: HTML
+# ----------------------------------------------------------------------------
 
 def _svg_bars(title, labels, values, css_class, width=560, height=180, unit=""):
     esc = html.escape
@@ -506,11 +603,11 @@ def render_html(audit, rows, changes, runs, verified, by_day):
     esc = html.escape
     totals = {}
     for (model, base, _day), group in audit.groups.items():
-        totals.setdefault(f"{model} @ {_short_base(base)}", []).extend(group.latencies)
+        totals.setdefault(f"{model} @ {_label(base)}", []).extend(group.latencies)
     per_day = {}
     for (_model, _base, day), group in audit.groups.items():
         calls, reported, estimated = per_day.get(day, (0, 0, 0))
-        per_day[day] = (calls + group.runs, reported + group.input_tokens + group.output_tokens,
+        per_day[day] = (calls + group.calls, reported + group.input_tokens + group.output_tokens,
                         estimated + group.est_input_tokens + group.est_output_tokens)
     days = sorted(per_day)
     errors = {}
@@ -524,7 +621,7 @@ def render_html(audit, rows, changes, runs, verified, by_day):
            "th,td{border:1px solid #ccc;padding:3px 6px;text-align:right}th{background:#f0f0f0}"
            "td.t{text-align:left}.warn{color:#a40}.chart{display:inline-block;margin:0 1em 1em 0}</style>",
            "</head><body>", "<h1>reasoning-ledger audit</h1>",
-           f"<p>{len(audit.ledgers)} ledgers, {sum(r['runs'] for r in rows):,} model calls, "
+           f"<p>{len(audit.ledgers)} ledgers, {sum(r['calls'] for r in rows):,} model calls, "
            + ("verified." if verified else '<strong class="warn">UNVERIFIED</strong> (--no-verify).') + "</p>"]
     out.append("<h2>Models" + (" by day" if by_day else "") + "</h2><table><thead><tr>")
     cols = [c for c in MODEL_COLUMNS if by_day or c != "day"]
@@ -545,7 +642,7 @@ def render_html(audit, rows, changes, runs, verified, by_day):
     out.append(f"<h2>Changes ({len(changes)})</h2><ul>")
     for change in changes:
         out.append(f"<li>{esc(change['day'])} <b>{esc(str(change['request_model'] or '(models list)'))}</b> @ "
-                   f"{esc(_short_base(change['base_url']))}: {esc(change['what'])}: {esc(change['detail'])}</li>")
+                   f"{esc(_label(change['base_url']))}: {esc(change['what'])}: {esc(change['detail'])}</li>")
     out.append("</ul><h2>Latency per model</h2>")
     for model, latencies in sorted(totals.items()):
         out.append(f'<div class="chart"><h3>{esc(model)}</h3>{_latency_histogram(model, latencies)}</div>')
@@ -563,11 +660,9 @@ def render_html(audit, rows, changes, runs, verified, by_day):
     out.append(_svg_bars("errors by type", names, [errors[n] for n in names], "errors") if names else "<p>none</p>")
     if runs:
         out.append(f"<h2>Agent runs ({len(runs)})</h2><table><thead><tr>")
-        keys = ["run_id", "outcome", "judge_verdict", "tool_calls_allowed", "tool_calls_denied", "model_calls",
-                "input_tokens", "output_tokens", "est_input_tokens", "est_output_tokens"]
-        out.append("".join(f"<th>{esc(k)}</th>" for k in keys) + "</tr></thead><tbody>")
+        out.append("".join(f"<th>{esc(k)}</th>" for k in RUN_COLUMNS) + "</tr></thead><tbody>")
         for r in runs:
-            out.append("<tr>" + "".join(f"<td>{esc(str(r[k]))}</td>" for k in keys) + "</tr>")
+            out.append("<tr>" + "".join(f"<td>{esc(_label(r[k]))}</td>" for k in RUN_COLUMNS) + "</tr>")
         out.append("</tbody></table>")
     out.append("</body></html>")
     return "\n".join(out) + "\n"
@@ -578,9 +673,12 @@ def render_html(audit, rows, changes, runs, verified, by_day):
 # ----------------------------------------------------------------------------
 
 def _build_parser():
-    p = argparse.ArgumentParser(prog="audit.py", description="What each model string did, day by day.")
+    p = argparse.ArgumentParser(
+        prog="audit.py", description="What each model string did, day by day.",
+        epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHANGED, rl.EXIT_OUTPUT),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("paths", nargs="*", metavar="PATH", help="ledgers, directories or globs "
-                                                             "(default: runs.jsonl and runs/*/events.jsonl)")
+                                                             "(default: calls.jsonl and runs/*/events.jsonl)")
     p.add_argument("--version", action="version", version=__version__)
     p.add_argument("--by", choices=("model", "day"), default="model", help="one row per model, or per model and day")
     p.add_argument("--since", help="date (UTC) or ISO time")
@@ -613,58 +711,54 @@ def run_audit(paths, *, verify=True, since=None, until=None, model=None):
     return audit, failures
 
 
-def main(argv=None):
-    args, code = rl.parse_cli(_build_parser(), argv)
-    if args is None:
-        return code
-    try:
-        if args.latency_shift <= 0 or args.rate_jump <= 0 or args.latency_floor < 0:
-            raise AuditError("--latency-shift and --rate-jump must be positive, --latency-floor not negative")
-        since = rl.parse_time(args.since) if args.since else None
-        until = rl.parse_time(args.until, end=True) if args.until else None
-        audit, failures = run_audit(args.paths, verify=not args.no_verify, since=since, until=until,
-                                    model=args.model)
-    except (AuditError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except rl.KeyRequiredError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:
-        print(f"error: {rl.error_text(exc)}", file=sys.stderr)
-        return EXIT_USAGE
+def _run(args):
+    for name, value in (("--latency-shift", args.latency_shift), ("--rate-jump", args.rate_jump)):
+        if not (math.isfinite(value) and value > 0):
+            raise AuditError(f"{name} must be a positive number")
+    if not (math.isfinite(args.latency_floor) and args.latency_floor >= 0):
+        raise AuditError("--latency-floor must be a number of at least 0")
+    since = rl.parse_time(args.since) if args.since else None
+    until = rl.parse_time(args.until, end=True) if args.until else None
+    audit, failures = run_audit(args.paths, verify=not args.no_verify, since=since, until=until, model=args.model)
     if failures:
         for exc in failures:
-            print(f"FAIL  {exc}")
-        print(f"error: {len(failures)} ledger(s) failed verification; nothing was audited "
-              f"(--no-verify audits anyway, marked UNVERIFIED): {failures[0]}", file=sys.stderr)
-        return EXIT_INTEGRITY
+            rl.write_out(f"FAIL  {rl.printable(exc)}\n")
+        rl.error(f"{len(failures)} ledger(s) failed verification; nothing was audited "
+                 f"(--no-verify audits anyway, marked UNVERIFIED): {failures[0]}")
+        return rl.EXIT_FAILED
     if not audit.ledgers:
-        print("warning: no ledgers found (looked for ./runs.jsonl and ./runs/*/events.jsonl)", file=sys.stderr)
+        rl.warn("no ledgers found (looked for ./calls.jsonl and ./runs/*/events.jsonl)")
     by_day = args.by == "day"
     rows = audit.model_rows(by_day)
     changes = audit.changes(args.latency_shift, args.rate_jump, args.latency_floor)
     runs = audit.run_rows()
     verified = not args.no_verify
-    try:
-        if args.html:
-            Path(args.html).write_text(render_html(audit, rows, changes, runs, verified, by_day), encoding="utf-8")
-        if args.json:
-            sys.stdout.write(render_json(audit, rows, changes, runs, verified, by_day))
-        elif args.csv:
-            render_csv(rows, sys.stdout)
-        else:
-            sys.stdout.write(render_text(audit, rows, changes, runs, verified, by_day))
-        sys.stdout.flush()
-    except BrokenPipeError:
-        return EXIT_OK
-    except OSError as exc:
-        print(f"error: {rl.error_text(exc)}", file=sys.stderr)
-        return EXIT_USAGE
+    if args.html:
+        Path(args.html).write_text(render_html(audit, rows, changes, runs, verified, by_day), encoding="utf-8")
+    if args.json:
+        rl.write_out(render_json(audit, rows, changes, runs, verified, by_day))
+    elif args.csv:
+        render_csv(rows, _OutStream())
+    else:
+        rl.write_out(render_text(audit, rows, changes, runs, verified, by_day))
     if args.fail_on_change and changes:
-        print(f"error: {len(changes)} change(s) found", file=sys.stderr)
-        return EXIT_CHANGED
-    return EXIT_OK
+        rl.error(f"{len(changes)} change(s) found")
+        return rl.EXIT_CHANGED
+    return rl.EXIT_OK
+
+
+class _OutStream:
+    """A file-like object over write_out, for csv.writer."""
+
+    def write(self, text):
+        rl.write_out(text)
+
+
+def main(argv=None):
+    args, code = rl.parse_cli(_build_parser(), argv)
+    if args is None:
+        return code
+    return rl.run_cli(_run, args)
 
 
 if __name__ == "__main__":

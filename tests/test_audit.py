@@ -11,20 +11,11 @@ from pathlib import Path
 import pytest
 
 import ask
-import fake_openai
 import reasoning_ledger as rl
-from conftest import ROOT, clean_env, run_script
+from conftest import ROOT, clean_env, error_lines, run_script
 
 KEY = "sk-audit-test-key-0001"
 DAY1, DAY2 = "2026-11-01", "2026-11-02"
-
-
-@pytest.fixture
-def server():
-    srv = fake_openai.start()
-    yield srv
-    srv.stop()
-
 
 def clock_for(day):
     ticks = iter(range(10 ** 6))
@@ -58,7 +49,7 @@ def test_reported_and_estimated_tokens_are_never_mixed(tmp_path, server):
     calls(ledger, server, DAY1, ["ok", "ok", "no_usage", "zero_usage", "partial_usage", "server_error"])
     data = audit_json(ledger)
     (row,) = data["models"]
-    assert row["runs"] == 6 and row["ok"] == 5 and row["failed"] == 1
+    assert row["calls"] == 6 and row["ok"] == 5 and row["failed"] == 1
     assert row["no_usage"] == 2  # absent and zero: spend that cannot be audited
     assert row["input_tokens"] == 42 and row["output_tokens"] == 12  # 2 x (21, 6); partial has no in/out
     assert row["usage_calls"] == 2
@@ -79,7 +70,7 @@ def test_checks_and_retries_are_counted(tmp_path, server):
         ask.ask("q", ledger=book, base_url=server.base_url, model="fake-model", api_key=KEY, retries=1,
                 backoff=0.01)
     (row,) = audit_json(ledger)["models"]
-    assert (row["runs"], row["ok"], row["checked"], row["passed"], row["retries"]) == (6, 5, 3, 2, 1)
+    assert (row["calls"], row["ok"], row["checked"], row["passed"], row["retries"]) == (6, 5, 3, 2, 1)
 
 
 def test_json_matches_the_text_table(tmp_path, server):
@@ -93,10 +84,10 @@ def test_json_matches_the_text_table(tmp_path, server):
     for row in data["models"]:
         line = next(l for l in text if l.startswith(row["request_model"] + " ") and row["day"] in l)
         cells = dict(zip(names, line.split()))
-        for column in ("runs", "ok", "failed", "no_usage"):
+        for column in ("calls", "ok", "failed", "no_usage"):
             assert int(cells[column].replace(",", "")) == row[column], column
         assert cells["passed/checked"] == (f"{row['passed']}/{row['checked']}" if row["checked"] else "-")
-        assert cells["in_tok"] == (f"{row['input_tokens']:,}" if row["usage_calls"] else "-")
+        assert cells["in_tok"] == (f"{row['input_tokens']:,}" if row["input_tokens"] is not None else "-")
         assert cells["latency"].split("/")[1] == f"{row['latency_p50_ms']:.0f}"
 
 
@@ -105,7 +96,7 @@ def test_csv_has_one_row_per_group(tmp_path, server):
     calls(ledger, server, DAY1, ["ok"])
     calls(ledger, server, DAY2, ["ok"])
     rows = audit(ledger, "--csv", "--by", "day").out.splitlines()
-    assert rows[0].startswith("request_model,base_url,day,runs,ok,failed,no_usage")
+    assert rows[0].startswith("request_model,base_url,day,calls,ok,failed,no_usage,malformed")
     assert len(rows) == 3 and DAY1 in rows[1] and DAY2 in rows[2]
 
 
@@ -216,19 +207,24 @@ def test_missing_path_is_a_usage_error(tmp_path):
 # ----------------------------------------------------------------------------
 
 def _agent_run(runs, server, outcome, denied=0):
+    """A run in agent.py's vocabulary, written through the real writer and ask's own code path."""
     run = rl.open_run(runs, key=b"")
     run.decide("plan", "ask the model for a patch", "the test names the bug")
-    ask.ask("fix it", ledger=run.ledger, base_url=server.base_url, model="fake-model", api_key=KEY)
-    run.append("tool_call", {"tool": "pytest", "allowed": True, "returncode": 1})
+    ask.ask("fix it", ledger=run, base_url=server.base_url, model="fake-model", api_key=KEY)
+    run.append("model_proposed", {"step": 1, "tool": "run_tests", "args": {}})
+    run.append("tool_allowed", {"step": 1, "tool": "run_tests", "args": {}, "rule": "builtin.enabled"})
     for _ in range(denied):
-        run.append("tool_call", {"tool": "rm", "allowed": False})
-    run.append("judge_verdict", {"verdict": "reject", "rationale": "tests still fail"})
+        run.append("model_proposed", {"step": 2, "tool": "read_file", "args": {"path": "../../etc/passwd"}})
+        run.append("tool_denied", {"step": 2, "tool": "read_file", "args": {"path": "../../etc/passwd"},
+                                   "rule": "path.escape", "reason": "outside the repository"})
+    run.append("judge_verdict", {"verdict": "reject", "applies": True, "tests_passed": False,
+                                 "reason": "tests still fail"})
     run.close(outcome)
     return run
 
 
 def test_default_discovery_and_agent_runs_table(tmp_path, server):
-    calls(tmp_path / "runs.jsonl", server, DAY1, ["ok"])
+    calls(tmp_path / "calls.jsonl", server, DAY1, ["ok"])
     first = _agent_run(tmp_path / "runs", server, "proposal_written", denied=2)
     _agent_run(tmp_path / "runs", server, "budget_exhausted")
     data = json.loads(audit("--json", cwd=tmp_path).out)
@@ -236,7 +232,7 @@ def test_default_discovery_and_agent_runs_table(tmp_path, server):
     assert len(data["ledgers"]) == 3
     row = next(r for r in data["agent_runs"] if r["run_id"] == first.run_id)
     assert row["outcome"] == "proposal_written" and row["judge_verdict"] == "reject"
-    assert (row["tool_calls_allowed"], row["tool_calls_denied"], row["model_calls"]) == (1, 2, 1)
+    assert (row["tools_allowed"], row["tools_denied"], row["model_calls"], row["steps"]) == (1, 2, 1, 2)
     assert row["input_tokens"] == 21 and row["output_tokens"] == 6
     text = audit(cwd=tmp_path).out
     assert "Agent runs: 2" in text and "budget_exhausted" in text
@@ -289,12 +285,146 @@ def test_make_drill_runs_the_prompts_and_audits(tmp_path, server):
     prompts = tmp_path / "prompts"
     shutil.copytree(ROOT / "prompts", prompts)
     env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="fake-model")
-    proc = subprocess.run(["make", "-s", "-C", str(ROOT), "drill", f"LEDGER={tmp_path / 'runs.jsonl'}",
+    for answer in ("17 * 23 = 391", "def add(a, b):\n    return a + b", '{"name": "Ada", "age": 36}'):
+        server.queue(*[{"name": "ok", "answer": answer}] * 5)  # prompts run in name order, 5 times each
+    proc = subprocess.run(["make", "-s", "-C", str(ROOT), "drill", f"LEDGER={tmp_path / 'calls.jsonl'}",
                            f"PROMPTS={prompts}"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    events = list(rl.read_events(tmp_path / "runs.jsonl"))
+    events = list(rl.read_events(tmp_path / "calls.jsonl"))
     assert len(events) == 15
-    assert all(e["payload"]["check"] is not None and e["payload"]["temperature"] == 0 for e in events)
+    assert all(e["payload"]["check"] is True and e["payload"]["temperature"] == 0 for e in events)
     assert "fake-model" in proc.stdout and "Changes (day over day): 0" in proc.stdout
+    assert "drill: 15 calls, 0 failed" in proc.stdout
     bodies = [r["body"]["messages"][0]["content"] for r in server.requests]
     assert len(set(bodies)) == 3
+
+
+# ----------------------------------------------------------------------------
+# Ledgers written by another tool, or by an attacker
+# ----------------------------------------------------------------------------
+
+def _write(path, payloads, kind="model_call", day=DAY1, run_id="other-tool"):
+    with rl.Ledger(path, run_id, key=b"", clock=clock_for(day)) as ledger:
+        for payload in payloads:
+            ledger.append(kind, payload)
+
+
+MISTYPED = [
+    {"request_model": "m", "latency_ms": "fast"},
+    {"request_model": "m", "input_tokens": "12", "usage_reported": True, "usage_status": "complete"},
+    {"request_model": "m", "attempt": "2"},
+    {"request_model": "m", "check": "yes"},
+    {"request_model": "m", "error_type": 42},
+    {"request_model": "m", "usage_status": ["complete"], "usage_reported": "true"},
+    {"request_model": 5, "base_url": {"a": 1}},
+    {"request_model": "m", "response_model": ["x"], "system_fingerprint": 3},
+    {"request_model": "m", "est_input_tokens": 1.5, "est_output_tokens": "9"},
+    {"request_model": "m", "latency_ms": True},
+    {},
+]
+
+
+def test_payloads_of_the_wrong_type_are_counted_as_malformed_never_a_crash(tmp_path):
+    ledger = tmp_path / "calls.jsonl"
+    _write(ledger, MISTYPED)
+    runs = tmp_path / "runs"
+    run = rl.open_run(runs, key=b"")
+    for kind, payload in (("model_proposed", {"step": "one"}), ("judge_verdict", {"verdict": {"no": 1}}),
+                          ("tool_denied", []), ("model_call", {"input_tokens": "lots"})):
+        run.append(kind, payload if isinstance(payload, dict) else {"x": payload})
+    run.close("error")
+    run_dir = run.dir
+    (run_dir / "events.jsonl")  # the run, closed with a string outcome, is in the index too
+    for flags in ([], ["--json"], ["--csv"], ["--by", "day"], ["--html", tmp_path / "a.html"]):
+        proc = audit(ledger, runs, *flags)
+        assert proc.returncode == 0 and "Traceback" not in proc.err, (flags, proc.err)
+    data = audit_json(ledger, runs)
+    rows = {str(r["request_model"]): r for r in data["models"]}
+    assert sum(r["calls"] for r in rows.values()) == len(MISTYPED) + 1
+    assert data["summary"]["malformed"] == 11  # every payload above but {}, and the run's model_call
+    assert rows["m"]["latency_min_ms"] is None and rows["m"]["input_tokens"] is None
+    assert "malformed: 11 model_call payloads" in audit(ledger, runs).out
+
+
+def test_control_characters_from_a_ledger_are_escaped_in_text_output(tmp_path):
+    ledger = tmp_path / "calls.jsonl"
+    evil = "m\nforged line\r\x1b[31mred\x9b2J\u2028"
+    _write(ledger, [{"request_model": evil, "response_model": evil, "base_url": "http://h/\x1b]0;title\x07",
+                     "error_type": None, "latency_ms": 5.0},
+                    {"request_model": evil, "error_type": "bad\nerror", "latency_ms": 5.0}])
+    with rl.Ledger(ledger, "evil\x1b" if False else "evil", key=b"") as book:
+        book.decide("plan", evil, evil)
+    for proc in (audit(ledger), audit(ledger, "--by", "day"),
+                 run_script("reasoning_ledger.py", "report", ledger)):
+        assert proc.returncode == 0, proc.err
+        for char in "\r\x1b\x07\x9b\u2028":
+            assert char not in proc.out, (repr(char), proc.out)
+        assert "forged line" not in [line.strip() for line in proc.out.splitlines()]
+        assert "\\x1b[31m" in proc.out or "\\n" in proc.out
+    report = run_script("reasoning_ledger.py", "report", ledger).out.splitlines()
+    assert len(report) == 3  # one line per event, whatever the payload holds
+
+
+@pytest.mark.parametrize("name", ["=cmd|' /C calc'!A0", "+1+1", "-2+3", "@SUM(A1)", "\tx", "\rx"])
+def test_csv_cells_that_a_spreadsheet_would_run_are_neutralised(tmp_path, name):
+    ledger = tmp_path / "calls.jsonl"
+    _write(ledger, [{"request_model": name, "base_url": "=HYPERLINK(\"http://evil\")", "error_type": None,
+                     "latency_ms": 12.5, "est_input_tokens": 3, "est_output_tokens": 4}])
+    import csv
+    import io
+    rows = list(csv.DictReader(io.StringIO(audit(ledger, "--csv").out)))
+    (row,) = rows
+    assert row["request_model"] == "'" + name and row["base_url"].startswith("'=HYPERLINK")
+    assert row["calls"] == "1" and row["latency_p50_ms"] == "12.5" and row["est_output_tokens"] == "4"
+
+
+def test_a_missing_count_is_null_not_zero(tmp_path, server):
+    ledger = tmp_path / "calls.jsonl"
+    calls(ledger, server, DAY1, ["no_usage", "no_usage"])
+    (row,) = audit_json(ledger)["models"]
+    assert row["input_tokens"] is None and row["output_tokens"] is None and row["passed"] is None
+    assert row["checked"] == 0 and row["usage_calls"] == 0 and row["est_input_tokens"] == 8
+    import csv
+    import io
+    (cells,) = csv.DictReader(io.StringIO(audit(ledger, "--csv").out))
+    assert cells["input_tokens"] == "" and cells["passed"] == "" and cells["checked"] == "0"
+
+
+def test_very_many_model_strings_fold_into_one_row(tmp_path):
+    ledger = tmp_path / "calls.jsonl"
+    import audit as audit_module
+    n = audit_module.MAX_MODEL_STRINGS + 500
+    with rl.Ledger(ledger, "many", key=b"", fsync=False, clock=clock_for(DAY1)) as book:
+        for i in range(n):
+            book.append("model_call", {"request_model": f"model-{i}", "base_url": "http://h/v1", "error_type": None,
+                                       "latency_ms": 1.0, "response_model": f"served-{i}"})
+    data = audit_json(ledger)
+    assert len(data["models"]) == audit_module.MAX_MODEL_STRINGS + 1
+    assert data["summary"]["folded_calls"] == 500
+    other = next(r for r in data["models"] if r["request_model"] == "(other)")
+    assert other["calls"] == 500 and len(other["response_models"]) <= audit_module.MAX_LABELS + 1
+    assert "(other)" in audit(ledger).out and "are counted under (other)" in audit(ledger).err + audit(ledger).out
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="needs make")
+def test_make_drill_stops_at_a_configuration_error(tmp_path, server):
+    env = clean_env(BASE_URL=server.base_url, API_KEY=KEY)  # no MODEL_ID
+    proc = subprocess.run(["make", "-s", "-C", str(ROOT), "drill", f"LEDGER={tmp_path / 'calls.jsonl'}"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode != 0
+    assert len(error_lines(proc.stderr)) == 1 and "MODEL_ID is not set" in proc.stderr
+    assert "drill: stopped: configuration error" in proc.stderr
+    assert server.requests == []
+
+
+@pytest.mark.skipif(not shutil.which("make"), reason="needs make")
+def test_make_drill_sums_up_and_fails_when_a_call_or_check_failed(tmp_path, server):
+    prompts = tmp_path / "prompts"
+    shutil.copytree(ROOT / "prompts", prompts)
+    server.queue("server_error")  # one failed call among the 15
+    env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="fake-model")
+    proc = subprocess.run(["make", "-s", "-C", str(ROOT), "drill", f"LEDGER={tmp_path / 'calls.jsonl'}",
+                           f"PROMPTS={prompts}", "DRILL_REPEAT=1"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode != 0
+    assert "drill: 3 calls, 3 failed" in proc.stdout  # the server error, and two checks the fake cannot pass
