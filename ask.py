@@ -41,7 +41,7 @@ import reasoning_ledger as rl  # noqa: E402
 
 __version__ = "1.1.0"
 
-__all__ = ["chat", "ask", "list_models", "settings_from_env", "split_base_url", "parse_usage", "run_checks",
+__all__ = ["chat", "ask", "list_models", "settings_from_env", "split_base_url", "parse_usage", "run_checks", "retryable",
            "estimate_tokens", "retry_after_seconds", "ConfigError", "RecordError", "MODEL_CALL_FIELDS",
            "MODEL_CALL_OPTIONAL", "MODEL_CALL_SUMMARY", "DEFAULT_TIMEOUT", "DEFAULT_MAX_RESPONSE_BYTES",
            "DEFAULT_LEDGER"]
@@ -745,10 +745,10 @@ def _wait_before_retry(attempt, failure, backoff, max_wait):
     return min(max_wait, backoff * (2 ** (attempt - 1)) * random.uniform(0.5, 1.0))
 
 
-def _retryable(failure, printed):
-    if printed:  # a stream already on stdout is not sent twice
-        return False
-    return failure.error_type in RETRYABLE_ERRORS or failure.status in RETRYABLE_STATUS
+def retryable(record):
+    """Whether a failed attempt (its record) is worth retrying: a timeout, a dropped or cut answer, a busy
+    or broken server. A client error (bad key, unknown model, a malformed answer) is not."""
+    return record["error_type"] in RETRYABLE_ERRORS or record["http_status"] in RETRYABLE_STATUS
 
 
 def _ledger_for(ledger, api_key):
@@ -913,7 +913,7 @@ def _attempts(book, url, body, messages, model, recorded_base, host, port, optio
         if retry_options:
             record["retry_reason"] = "server rejected stream_options; retrying once without it"
             wait = 0.0
-        elif failure is not None and _retryable(failure, printer.printed) and attempt <= retries:
+        elif failure is not None and not printer.printed and retryable(record) and attempt <= retries:
             wait = _wait_before_retry(attempt, failure, backoff, max_wait)
             record["retry_in_s"] = round(wait, 3)
             record["retry_reason"] = f"{failure.error_type}: {record['error_message']}"[:MAX_ERROR_CHARS]

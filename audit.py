@@ -559,111 +559,694 @@ def render_csv(rows, stream):
 # Reports: HTML
 # ----------------------------------------------------------------------------
 
-def _svg_bars(title, labels, values, css_class, width=560, height=180, unit=""):
-    esc = html.escape
-    top = max(values) if values and max(values) > 0 else 1
-    n = max(1, len(values))
-    bar = (width - 60) / n
-    parts = [f'<svg class="{css_class}" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height + 40}" '
-             f'viewBox="0 0 {width} {height + 40}" role="img"><title>{esc(title)}</title>',
-             f'<line x1="50" y1="{height}" x2="{width - 5}" y2="{height}" stroke="#888"/>',
-             f'<text x="5" y="12" font-size="10">{esc(_fmt_int(top) if isinstance(top, int) else f"{top:.0f}")}'
-             f'{esc(unit)}</text>']
-    for i, (label, value) in enumerate(zip(labels, values)):
-        h = (value / top) * (height - 20) if top else 0
-        x = 50 + i * bar
-        parts.append(f'<rect x="{x + 1:.1f}" y="{height - h:.1f}" width="{max(bar - 2, 1):.1f}" height="{h:.1f}" '
-                     f'fill="#4a7bd0"><title>{esc(str(label))}: {esc(str(value))}</title></rect>')
-        if n <= 16 or i % max(1, n // 8) == 0:
-            parts.append(f'<text x="{x + bar / 2:.1f}" y="{height + 14}" font-size="9" text-anchor="middle">'
-                         f'{esc(str(label))}</text>')
+# One self-contained page: inline CSS and SVG, no script, nothing fetched. Every value that came from a
+# ledger goes through _e() (html.escape with quote=True), in text, SVG <title>/<text> and attributes alike;
+# colours, sizes and headings come from the constants here.
+
+_PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#000000", "#F0E442")  # Okabe-Ito
+_ERROR_PALETTE = ("#D55E00", "#E69F00", "#CC79A7", "#0072B2", "#56B4E9", "#009E73", "#000000", "#F0E442")
+_GREY = "#8c8c8c"
+_DASH = "\u2013"           # what a null (None) looks like on the page
+_MAX_TABLE_ROWS = 300      # rows of the models table; the rest are in --json / --csv
+_MAX_LIST_ROWS = 200       # changes, agent runs and ledgers listed
+_MAX_CELL_LABELS = 5       # served models, fingerprints or error types named in one table cell
+_MAX_CHART_DAYS = 120      # the per-day charts show the latest days
+_MARKER_DAYS = 45          # a dot (with a tooltip) on every day up to this many days
+_MAX_TEXT = 512            # a longer ledger string is cut on the page (ask.py cuts server strings there too)
+_CHART = (640, 290, (66, 14, 626, 232))     # width, height, plot box (left, top, right, bottom)
+_HIST = (440, 250, (56, 26, 428, 196))
+_MODEL_HEADINGS = {
+    "request_model": "Model (requested)", "base_url": "Endpoint", "day": "Day", "calls": "Calls", "ok": "OK",
+    "failed": "Failed", "no_usage": "No usage", "malformed": "Malformed", "checked": "Checked",
+    "passed": "Checks passed", "input_tokens": "Input tokens (reported)",
+    "output_tokens": "Output tokens (reported)", "usage_calls": "Calls with usage",
+    "est_input_tokens": "Input tokens (estimated)", "est_output_tokens": "Output tokens (estimated)",
+    "latency_min_ms": "Latency min (ms)", "latency_p50_ms": "Latency p50 (ms)",
+    "latency_p95_ms": "Latency p95 (ms)", "latency_max_ms": "Latency max (ms)", "retries": "Retries",
+    "response_models": "Served models", "system_fingerprints": "System fingerprints", "errors": "Errors by type"}
+_RUN_HEADINGS = {
+    "run_id": "Run", "started": "Started (UTC)", "outcome": "Outcome", "judge_verdict": "Judge verdict",
+    "steps": "Steps", "tools_allowed": "Tools allowed", "tools_denied": "Tools denied",
+    "model_calls": "Model calls", "input_tokens": "Input tokens (reported)",
+    "output_tokens": "Output tokens (reported)", "est_tokens": "Tokens (estimated)", "errors": "Errors"}
+_CHANGE_HEADINGS = {"day": "Day", "request_model": "Model (requested)", "base_url": "Endpoint",
+                    "what": "What changed", "detail": "Detail", "previous_day": "Compared with"}
+_LEDGER_HEADINGS = {"path": "Ledger", "status": "Status", "lines": "Events", "reason": "Note"}
+_WHAT = {"response_model": "Served model", "system_fingerprint": "System fingerprint",
+         "latency_p50": "Latency p50", "latency_p95": "Latency p95", "usage": "Usage reporting",
+         "error_rate": "Error rate", "checks": "Check pass rate", "models_list": "Models listed"}
+_TEXT_FIELDS = {"request_model", "base_url", "day", "response_models", "system_fingerprints", "errors", "run_id",
+                "started", "outcome", "judge_verdict", "what", "detail", "previous_day", "path", "status",
+                "reason"}
+_CSS = (
+    "body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:24px auto;max-width:1400px;"
+    "padding:0 24px;color:#1f2328;background:#fff;line-height:1.4}"
+    "h1{font-size:26px;margin:0 0 4px}h2{font-size:20px;margin:32px 0 8px;padding-top:8px;"
+    "border-top:1px solid #e3e3e3}h3{font-size:14px;margin:0 0 4px;font-weight:600;overflow-wrap:anywhere}"
+    ".sub{color:#555;margin:0 0 12px}.warn{color:#a33a00}.note{color:#555;font-size:13px;max-width:70em}"
+    "nav a{margin-right:14px;color:#0b5cad}"
+    ".cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(140px,1fr));gap:10px;margin:12px 0}"
+    ".card{border:1px solid #ddd;border-radius:8px;padding:8px 12px;background:#fafafa}"
+    ".card .k{font-size:12px;color:#555}.card .v{font-size:22px;font-weight:600;font-variant-numeric:tabular-nums}"
+    ".card .s{font-size:12px;color:#666}h3 .ep{display:block;font-weight:400;color:#555;font-size:12px}"
+    ".scroll{overflow:auto;max-width:100%;max-height:80vh;border:1px solid #ddd;border-radius:6px;margin:8px 0}"
+    "table{border-collapse:separate;border-spacing:0;font-size:13px;width:max-content;min-width:100%}"
+    "th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;vertical-align:top;"
+    "font-variant-numeric:tabular-nums;white-space:nowrap}"
+    "th{background:#f3f4f6;font-weight:600;position:sticky;top:0;white-space:normal;min-width:4em;"
+    "max-width:9em;vertical-align:bottom}"
+    "th:first-child,td:first-child{position:sticky;left:0;z-index:1;background:#fff;"
+    "border-right:1px solid #ddd;text-align:left}th:first-child{background:#f3f4f6;z-index:2}"
+    "td.t,th.t{text-align:left}td.w{white-space:normal;min-width:12em;max-width:28em;overflow-wrap:anywhere}"
+    "td:first-child{white-space:normal;min-width:10em;max-width:22em;overflow-wrap:anywhere}"
+    "td.null,td.zero{color:#aaa}td.bad{color:#a33a00;font-weight:600}tbody tr:hover td{background:#f6f8fa}"
+    ".key{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:6px;vertical-align:-1px;"
+    "-webkit-print-color-adjust:exact;print-color-adjust:exact}"
+    ".key.dash{background:repeating-linear-gradient(90deg,#8c8c8c 0 4px,#fff 4px 6px)!important}"
+    ".legend{list-style:none;padding:0;margin:6px 0 10px;display:flex;flex-wrap:wrap;gap:4px 18px;"
+    "font-size:13px}.legend li{overflow-wrap:anywhere}"
+    ".charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(460px,1fr));gap:18px 28px}"
+    ".hists{display:grid;grid-template-columns:repeat(auto-fill,minmax(360px,1fr));gap:18px 28px}"
+    "figure{margin:0;min-width:0}figcaption{font-size:12px;color:#555}"
+    "svg{max-width:100%;height:auto;display:block;overflow:visible}"
+    "svg text{font-size:11px;fill:#333}svg .ax{font-size:12px;fill:#444}svg .lbl{font-size:10px}"
+    "svg .gl{stroke:#e6e6e6}svg .axis{stroke:#888}svg .mark{stroke:#333;stroke-dasharray:4 3}"
+    "@media (max-width:560px){.charts,.hists{grid-template-columns:1fr}}"
+    "@media print{body{margin:0;max-width:none}.scroll{overflow:visible;max-height:none;border:0}nav{display:none}"
+    "figure,.card,tr{break-inside:avoid}th:first-child,td:first-child{position:static}}")
+
+
+def _e(value):
+    """A ledger value as HTML text or attribute (null as a dash), cut at _MAX_TEXT characters."""
+    if value is None:
+        return _DASH
+    text = str(value)
+    if len(text) > _MAX_TEXT:
+        text = text[:_MAX_TEXT] + "\u2026"
+    return html.escape(text, quote=True)
+
+
+def _model_label(model, base):
+    return f"{_label(model)} @ {_label(base)}"
+
+
+def _num(value):
+    """Page text for a count or a token sum: 1,234; null as a dash."""
+    if value is None:
+        return _DASH
+    return f"{value:,}" if isinstance(value, int) else f"{value:,.1f}"
+
+
+def _ms(value):
+    if value is None:
+        return _DASH
+    return f"{value:,.1f}" if value < 10 else f"{value:,.0f}"
+
+
+def _ms_text(value):
+    if value is None:
+        return _DASH
+    return f"{value / 1000:,.1f} s" if value >= 10000 else f"{value:,.0f} ms"
+
+
+def _short(value):
+    """An axis tick: 950, 1.2k, 3M, 2.5."""
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= div:
+            return f"{value / div:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def _pct(value):
+    return f"{value:.3g}%"
+
+
+def _is_date(day):
+    return len(day) == 10 and day[4] == day[7] == "-" and (day[:4] + day[5:7] + day[8:]).isdigit()
+
+
+def _short_day(day):
+    return day[5:] if _is_date(day) else day
+
+
+# -- which model strings get a colour ------------------------------------------
+
+def _chart_models(audit):
+    """(top, rest_label, totals): the MAX_CHART_MODELS busiest (model, base_url) pairs, in order, and the
+    label of the grey series that sums up the rest (None when there is no rest)."""
+    totals = {}
+    for (model, base, _day), group in audit.groups.items():
+        totals[(model, base)] = totals.get((model, base), 0) + group.calls
+    folded = (OTHER, OTHER) if audit.folded and (OTHER, OTHER) in totals else None
+    ranked = sorted((k for k in totals if k != folded), key=lambda k: (-totals[k], str(k[0]), str(k[1])))
+    top = ranked[:MAX_CHART_MODELS]
+    rest = ranked[MAX_CHART_MODELS:]
+    calls = sum(totals[k] for k in rest) + (totals[folded] if folded else 0)
+    if not rest and not folded:
+        return top, None, totals
+    many = f"{len(rest):,}{'+' if folded else ''}"
+    return top, f"{many} other model string{'' if many == '1' else 's'} ({calls:,} calls)", totals
+
+
+def _colours(top):
+    return {key: colour for key, colour in zip(top, _PALETTE)}
+
+
+def _key(colour, dashed=False):
+    return f'<span class="key{" dash" if dashed else ""}" style="background:{colour}"></span>'
+
+
+def _legend(top, rest_label, totals):
+    items = [f'<li data-model="{_e(_model_label(*key))}">{_key(colour)}{_e(_model_label(*key))} '
+             f'<span class="note">{totals[key]:,} calls</span></li>' for key, colour in zip(top, _PALETTE)]
+    if rest_label:
+        items.append(f'<li data-model="{_e(OTHER)}">{_key(_GREY, True)}{_e(rest_label)}</li>')
+    return '<ul class="legend">' + "".join(items) + "</ul>"
+
+
+# -- per-day data --------------------------------------------------------------
+
+def _chart_days(days):
+    """The x axis: every calendar day from the first to the last (at most _MAX_CHART_DAYS, the latest),
+    or the days as found when some are not dates (an unverified ledger)."""
+    import datetime
+    days = sorted(days)
+    try:
+        dates = [datetime.date.fromisoformat(d) for d in days if _is_date(d)]
+    except ValueError:
+        dates = []
+    if len(dates) != len(days) or not dates:
+        return days[-_MAX_CHART_DAYS:]
+    span = (dates[-1] - dates[0]).days
+    return [(dates[0] + datetime.timedelta(n)).isoformat() for n in range(max(0, span + 1 - _MAX_CHART_DAYS),
+                                                                          span + 1)]
+
+
+def _day_sums(audit, top):
+    """{series index: {day: [calls, ok, usage_calls, reported tokens, estimated tokens]}}; the rest of the
+    model strings share index len(top)."""
+    index = {key: i for i, key in enumerate(top)}
+    sums = {}
+    for (model, base, day), g in audit.groups.items():
+        slot = sums.setdefault(index.get((model, base), len(top)), {}).setdefault(day, [0, 0, 0, 0, 0])
+        for i, value in enumerate((g.calls, g.ok, g.usage_calls, g.input_tokens + g.output_tokens,
+                                   g.est_input_tokens + g.est_output_tokens)):
+            slot[i] += value
+    return sums
+
+
+def _series(sums, top, rest_label, days, pick):
+    """[(label, colour, dashed, [value or None per day])] with pick(calls, ok, usage_calls, reported, est)."""
+    out = []
+    for i, key in enumerate(top + ([None] if rest_label else [])):
+        label, colour = (_model_label(*key), _PALETTE[i]) if key else (rest_label, _GREY)
+        per_day = sums.get(i, {})
+        out.append((label, colour, key is None, [pick(*per_day.get(d, (0, 0, 0, 0, 0))) for d in days]))
+    return out
+
+
+# -- SVG pieces ----------------------------------------------------------------
+
+def _svg_open(css_class, title, width, height, attrs=""):
+    return (f'<svg class="{css_class}"{attrs} xmlns="http://www.w3.org/2000/svg" width="{width}" '
+            f'height="{height}" viewBox="0 0 {width} {height}" role="img"><title>{_e(title)}</title>')
+
+
+def _scale(top, integer=True, ticks=4):
+    """(step, ymax): a round tick step and the axis top that covers `top`."""
+    top = top if top and top > 0 else 1
+    mag = 10 ** math.floor(math.log10(top / ticks))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag * ticks >= top)
+    if integer:
+        step = max(1, math.ceil(step))
+    return step, step * math.ceil(top / step - 1e-9)
+
+
+def _y_axis(box, step, ymax, fmt, title):
+    left, top, right, bottom = box
+    parts = []
+    for i in range(int(round(ymax / step)) + 1):
+        y = bottom - (bottom - top) * i * step / ymax
+        parts.append(f'<line class="gl" x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}"/>'
+                     f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_e(fmt(i * step))}</text>')
+    parts.append(f'<text class="ax" text-anchor="middle" transform="translate(14 {(top + bottom) / 2:.0f}) '
+                 f'rotate(-90)">{_e(title)}</text>')
+    return "".join(parts)
+
+
+def _x_days(days, xs, box):
+    left, _top, right, bottom = box
+    every = max(1, math.ceil(len(days) / 12))
+    years = sorted({d[:4] for d in days if _is_date(d)})
+    parts = [f'<line class="axis" x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}"/>']
+    for i, (day, x) in enumerate(zip(days, xs)):
+        if i % every == 0:
+            parts.append(f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_e(_short_day(day))}</text>')
+    title = "day (UTC" + (", " + "\u2013".join(sorted({years[0], years[-1]})) if years else "") + ")"
+    parts.append(f'<text class="ax" x="{(left + right) / 2:.0f}" y="{bottom + 38}" text-anchor="middle">'
+                 f'{_e(title)}</text>')
+    return "".join(parts)
+
+
+def _xs(n, box):
+    left, _top, right, _bottom = box
+    band = (right - left) / max(n, 1)
+    return [left + band * (i + 0.5) for i in range(n)]
+
+
+def _line_chart(css_class, title, y_title, unit, days, series, integer=True, fmt=_short):
+    """One line per series over the days; a gap where a value is null (nothing to show), never a 0."""
+    width, height, box = _CHART
+    values = [v for _l, _c, _d, vals in series for v in vals if v is not None]
+    step, ymax = _scale(max(values, default=0), integer)
+    xs = _xs(len(days), box)
+    bottom, span = box[3], box[3] - box[1]
+    parts = [_svg_open(css_class, title, width, height), _y_axis(box, step, ymax, fmt, y_title),
+             _x_days(days, xs, box)]
+    for label, colour, dashed, vals in series:
+        points = [(x, bottom - span * v / ymax, day, v) for x, day, v in zip(xs, days, vals) if v is not None]
+        parts.append(f'<g class="series" data-series="{_e(label)}"><title>{_e(label)}</title>')
+        dash = ' stroke-dasharray="6 4"' if dashed else ""
+        for run in _stretches(xs, vals, bottom, span, ymax):
+            parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2.2" stroke-linejoin="round"'
+                         f'{dash} points="{run}"/>')
+        if len(days) <= _MARKER_DAYS or len(points) == 1:
+            for x, y, day, v in points:
+                value = _num(v) if integer else fmt(v)
+                parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.2" fill="{colour}" stroke="#fff" '
+                             f'stroke-width="1"><title>{_e(label)} \u00b7 {_e(day)}: {_e(value)} {_e(unit)}'
+                             "</title></circle>")
+        parts.append("</g>")
     parts.append("</svg>")
     return "".join(parts)
 
 
-def _latency_histogram(model, latencies, bins=24):
-    """Log-scale bins, so a cold-start hump stands apart from the warm one."""
+def _stretches(xs, vals, bottom, span, ymax):
+    """The points attribute of each stretch of consecutive non-null values."""
+    runs, current = [], []
+    for x, v in zip(xs, vals):
+        if v is None:
+            if len(current) > 1:
+                runs.append(" ".join(current))
+            current = []
+        else:
+            current.append(f"{x:.1f},{bottom - span * v / ymax:.1f}")
+    if len(current) > 1:
+        runs.append(" ".join(current))
+    return runs
+
+
+def _errors_chart(days, counts, types, colours):
+    """Stacked bars: one <g class="day"> per day, one rect per error type that happened that day."""
+    width, height, box = _CHART
+    left, top, right, bottom = box
+    totals = [sum(counts.get(d, {}).values()) for d in days]
+    step, ymax = _scale(max(totals, default=0))
+    xs = _xs(len(days), box)
+    bar = min((right - left) / max(len(days), 1) * 0.7, 56)
+    parts = [_svg_open("errors-per-day", "failed calls per day, by error type", width, height),
+             _y_axis(box, step, ymax, _short, "failed calls"), _x_days(days, xs, box)]
+    for day, x, total in zip(days, xs, totals):
+        parts.append(f'<g class="day" data-day="{_e(day)}">')
+        y = bottom
+        for name in types:
+            n = counts.get(day, {}).get(name)
+            if n:
+                h = (bottom - top) * n / ymax
+                y -= h
+                parts.append(f'<rect data-error-type="{_e(name)}" x="{x - bar / 2:.1f}" y="{y:.1f}" '
+                             f'width="{bar:.1f}" height="{h:.1f}" fill="{colours[name]}"><title>{_e(day)}: '
+                             f'{_e(name)} \u00d7 {n:,}</title></rect>')
+        if total and len(days) <= _MARKER_DAYS:
+            parts.append(f'<text class="lbl" x="{x:.1f}" y="{y - 4:.1f}" text-anchor="middle">{total:,}</text>')
+        parts.append("</g>")
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _log_bounds(low, high):
+    """Round 1-2-5 values around [low, high] for a log axis."""
+    def down(v):
+        k = 10 ** math.floor(math.log10(v))
+        return next(m * k for m in (5, 2, 1) if m * k <= v * (1 + 1e-9))
+
+    def up(v):
+        k = 10 ** math.floor(math.log10(v))
+        return next(m * k for m in (1, 2, 5, 10) if m * k >= v * (1 - 1e-9))
+    low, high = down(max(low, 1.0)), up(max(high, 1.0))
+    return (low, high) if high > low else (low, up(low * 1.5))
+
+
+def _log_ticks(low, high):
+    ticks = [m * 10 ** k for k in range(int(math.floor(math.log10(low))), int(math.ceil(math.log10(high))) + 1)
+             for m in (1, 2, 5)]
+    ticks = [t for t in ticks if low * (1 - 1e-9) <= t <= high * (1 + 1e-9)]
+    return ticks if len(ticks) <= 9 else [t for t in ticks if str(int(t)).startswith("1")]
+
+
+def _tick_ms(value):
+    return f"{value:g} ms" if value < 1000 else f"{value / 1000:g} s"
+
+
+def _latency_histogram(model, latencies, colour=_PALETTE[0], bins=32):
+    """Log-scale bins, so a cold-start hump stands apart from the warm one; p50 and p95 marked."""
+    width, height, box = _HIST
+    left, top, right, bottom = box
+    attrs = f' data-model="{_e(model)}"'
     if not latencies:
-        return f'<svg class="latency-histogram" data-model="{html.escape(model)}" width="1" height="1"></svg>'
-    low, high = max(min(latencies), 1.0), max(max(latencies), 1.0)
-    if high <= low:
-        high = low * 1.01
-    span = math.log10(high) - math.log10(low)
+        return (_svg_open("latency-histogram", f"latency of {model}: no successful calls", width, 40, attrs)
+                + '<text x="8" y="24">no successful call with a latency</text></svg>')
+    ordered = sorted(latencies)
+    low, high = _log_bounds(ordered[0], ordered[-1])
+    lo, span = math.log10(low), math.log10(high) - math.log10(low)
+
+    def x_of(value):
+        return left + (right - left) * (math.log10(max(value, 1.0)) - lo) / span
     counts = [0] * bins
-    for value in latencies:
-        i = int((math.log10(max(value, 1.0)) - math.log10(low)) / span * bins)
-        counts[min(max(i, 0), bins - 1)] += 1
-    labels = [f"{10 ** (math.log10(low) + span * (i + 0.5) / bins):.0f}ms" for i in range(bins)]
-    svg = _svg_bars(f"latency of {model} (ms, log scale)", labels, counts, "latency-histogram")
-    return svg.replace('class="latency-histogram"', f'class="latency-histogram" data-model="{html.escape(model)}"',
-                       1)
+    for value in ordered:
+        counts[min(max(int((math.log10(max(value, 1.0)) - lo) / span * bins), 0), bins - 1)] += 1
+    step, ymax = _scale(max(counts))
+    parts = [_svg_open("latency-histogram", f"latency of {model} (ms, log scale)", width, height, attrs),
+             _y_axis(box, step, ymax, _short, "ok calls"),
+             f'<line class="axis" x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}"/>']
+    bw = (right - left) / bins
+    for i, n in enumerate(counts):
+        if n:
+            h = (bottom - top) * n / ymax
+            a, b = (10 ** (lo + span * j / bins) for j in (i, i + 1))
+            parts.append(f'<rect x="{left + i * bw + 0.5:.1f}" y="{bottom - h:.1f}" width="{bw - 1:.1f}" '
+                         f'height="{h:.1f}" fill="{colour}"><title>{_ms_text(a)} \u2013 {_ms_text(b)}: '
+                         f'{n:,} calls</title></rect>')
+    for tick in _log_ticks(low, high):
+        parts.append(f'<text x="{x_of(tick):.1f}" y="{bottom + 15}" text-anchor="middle">{_tick_ms(tick)}</text>')
+    parts.append(f'<text class="ax" x="{(left + right) / 2:.0f}" y="{bottom + 36}" text-anchor="middle">'
+                 f'latency (ms, log scale)</text>')
+    for row, (name, q) in enumerate((("p50", 50), ("p95", 95))):
+        value = percentile(ordered, q)
+        x = x_of(value)
+        anchor, dx = ("end", -3) if x > right - 90 else ("start", 3)
+        parts.append(f'<line class="mark" x1="{x:.1f}" y1="{top - 12 + 12 * row}" x2="{x:.1f}" y2="{bottom}"/>'
+                     f'<text class="lbl" x="{x + dx:.1f}" y="{top - 4 + 12 * row}" text-anchor="{anchor}">'
+                     f'{name} {_ms_text(value)}</text>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+# -- tables --------------------------------------------------------------------
+
+def _th(field, headings):
+    cls = ' class="t"' if field in _TEXT_FIELDS else ""
+    return f'<th{cls} scope="col" data-field="{_e(field)}" title="{_e(field)}">{_e(headings.get(field, field))}</th>'
+
+
+def _td(field, value):
+    """One cell: counts with separators, ms as ms, label counts as 'name ×n', null as a dash."""
+    if value is None or value == {} or value == "":
+        return f'<td class="null{" t" if field in _TEXT_FIELDS else ""}">{_DASH}</td>'
+    if isinstance(value, dict):
+        ranked = sorted(value.items(), key=lambda kv: (-kv[1], str(kv[0])))
+        text = ", ".join(f"{_e(_label(name))}\u00a0\u00d7{count:,}" for name, count in ranked[:_MAX_CELL_LABELS])
+        more = len(ranked) - _MAX_CELL_LABELS
+        return f'<td class="t w">{text}{f" and {more:,} more" if more > 0 else ""}</td>'
+    if field == "started" and isinstance(value, str) and len(value) >= 19 and value[10:11] == "T":
+        return f'<td class="t" title="{_e(value)}">{_e(value[:10] + " " + value[11:19])}</td>'
+    if field.endswith("_ms"):
+        return f"<td>{_ms(value)}</td>"
+    if field in _TEXT_FIELDS:
+        return f'<td class="t">{_e(value)}</td>'
+    bad = ' class="bad"' if field in ("failed", "malformed", "tools_denied", "errors") and value else ""
+    return f"<td{bad}>{_num(value)}</td>"
+
+
+def _html_table(css_class, columns, headings, rows, first_cell=None):
+    out = [f'<div class="scroll"><table class="{css_class}"><thead><tr>'
+           + "".join(_th(c, headings) for c in columns) + "</tr></thead><tbody>"]
+    for row in rows:
+        cells = [first_cell(row) if first_cell else _td(columns[0], row[columns[0]])]
+        out.append("<tr>" + "".join(cells + [_td(c, row[c]) for c in columns[1:]]) + "</tr>")
+    out.append("</tbody></table></div>")
+    return "\n".join(out)
+
+
+def _model_cell(colours):
+    def cell(row):
+        key = (row["request_model"], row["base_url"])
+        return f'<td class="t">{_key(colours.get(key, _GREY))}{_e(_label(row["request_model"]))}</td>'
+    return cell
+
+
+def _models_section(rows, by_day, colours, totals):
+    cols = [c for c in MODEL_COLUMNS if by_day or c != "day"]
+    rank = {key: i for i, key in enumerate(sorted(totals, key=lambda k: (-totals[k], str(k[0]), str(k[1]))))}
+    ordered = sorted(range(len(rows)), key=lambda i: (rank.get((rows[i]["request_model"], rows[i]["base_url"]),
+                                                               len(rank)), i))
+    shown = [rows[i] for i in ordered[:_MAX_TABLE_ROWS]]
+    out = ["<h2 id=\"models\">Models" + (" by day" if by_day else "") + "</h2>",
+           '<p class="note">One row per model string (the model asked for, at its endpoint)'
+           + (" and day" if by_day else "") + ", busiest first. Reported tokens are what servers said; "
+           "estimated tokens are chars/4 and are never added to them. \u2013 means nothing was reported.</p>",
+           _html_table("models", cols, _MODEL_HEADINGS, shown, _model_cell(colours))]
+    if len(rows) > len(shown):
+        out.append(f'<p class="note">{len(rows) - len(shown):,} quieter rows are not shown here; '
+                   f"--json or --csv has every row.</p>")
+    return out
+
+
+# -- sections ------------------------------------------------------------------
+
+def _card(title, value, sub=""):
+    return (f'<div class="card"><div class="k">{_e(title)}</div><div class="v">{_e(value)}</div>'
+            f'<div class="s">{_e(sub)}</div></div>')
+
+
+def _summary_cards(audit, rows, changes, runs, days):
+    calls, ok = sum(r["calls"] for r in rows), sum(r["ok"] for r in rows)
+    measured = sum(r["usage_calls"] for r in rows)
+    reported = [sum(r[k] for r in rows if r[k] is not None) if measured else None
+                for k in ("input_tokens", "output_tokens")]
+    estimated = [sum(r[k] or 0 for r in rows) for k in ("est_input_tokens", "est_output_tokens")]
+    latencies = sorted(v for g in audit.groups.values() for v in g.latencies)
+    strings = f"{len(audit.model_strings):,}{'+' if audit.folded else ''} model strings"
+    return ['<div class="cards">',
+            _card("Model calls", f"{calls:,}", f"{strings} \u00b7 {len(days):,} days"),
+            _card("Failed", f"{calls - ok:,}", f"{(calls - ok) / calls:.1%} of calls" if calls else ""),
+            _card("No usage reported", f"{sum(r['no_usage'] for r in rows):,}", f"of {ok:,} ok calls"),
+            _card("Tokens reported", _short(sum(reported)) if measured else _DASH,
+                  f"{_num(reported[0])} in \u00b7 {_num(reported[1])} out \u00b7 from {measured:,} calls"),
+            _card("Tokens estimated", _short(sum(estimated)),
+                  f"chars/4: {estimated[0]:,} in \u00b7 {estimated[1]:,} out"),
+            _card("Latency p50", _ms_text(percentile(latencies, 50)),
+                  f"p95 {_ms_text(percentile(latencies, 95))} \u00b7 ok calls"),
+            _card("Changes", f"{len(changes):,}", "day over day"),
+            _card("Agent runs", f"{len(runs):,}", f"{sum(1 for r in runs if r['errors']):,} with errors"),
+            "</div>"]
+
+
+def _per_day_section(audit, top, rest_label, totals, days):
+    if not days:
+        return ['<h2 id="per-day">Per day</h2><p>No model calls.</p>']
+    sums = _day_sums(audit, top)
+
+    def series(pick):
+        return _series(sums, top, rest_label, days, pick)
+    charts = [
+        ("Calls per day", _line_chart("calls-per-day", "model calls per day, per model", "calls", "calls", days,
+                                      series(lambda c, o, u, r, e: c))),
+        ("Failed calls (% of calls)", _line_chart(
+            "error-rate-per-day", "share of calls that failed, per day and model", "% of calls failed", "of calls failed",
+            days, series(lambda c, o, u, r, e: 100.0 * (c - o) / c if c else None), integer=False, fmt=_pct)),
+        ("Tokens reported by servers (input + output)", _line_chart(
+            "tokens-per-day", "reported tokens per day, per model", "tokens (reported)", "tokens", days,
+            series(lambda c, o, u, r, e: r if u else None))),
+        ("Tokens estimated (chars/4, input + output)", _line_chart(
+            "est-tokens-per-day", "estimated tokens per day, per model", "tokens (estimated)", "tokens", days,
+            series(lambda c, o, u, r, e: e if c else None)))]
+    out = ['<h2 id="per-day">Per day, per model</h2>', _legend(top, rest_label, totals),
+           '<p class="note">A gap in a line: nothing to show that day (no calls, or no usage reported). '
+           "Reported and estimated tokens are separate charts and are never added together.</p>",
+           '<div class="charts">']
+    out += [f"<figure><h3>{_e(title)}</h3>{svg}</figure>" for title, svg in charts]
+    return out + ["</div>"]
+
+
+def _error_counts(audit, days, top):
+    """(by_day, by_series, totals): failed calls per day and error type, per chart series (the index in
+    `top`, the rest at len(top)) and error type, and per error type."""
+    index, shown_days = {key: i for i, key in enumerate(top)}, set(days)
+    by_day, by_series, totals = {}, {}, {}
+    for (model, base, day), group in audit.groups.items():
+        for name, n in group.errors.items():
+            totals[name] = totals.get(name, 0) + n
+            per = by_series.setdefault(index.get((model, base), len(top)), {})
+            per[name] = per.get(name, 0) + n
+            if day in shown_days:
+                per = by_day.setdefault(day, {})
+                per[name] = per.get(name, 0) + n
+    return by_day, by_series, totals
+
+
+def _fold_types(counts, rest, label):
+    """Move the counts of the error types in `rest` under one label, in place."""
+    for per in counts.values():
+        moved = sum(per.pop(name, 0) for name in rest)
+        if moved:
+            per[label] = moved
+
+
+def _errors_section(audit, days, top, rest_label):
+    by_day, by_series, totals = _error_counts(audit, days, top)
+    out = ['<h2 id="errors">Errors by day and type</h2>']
+    if not totals:
+        return out + ["<p>No failed calls.</p>"]
+    ranked = sorted(totals, key=lambda n: (-totals[n], str(n)))
+    types, rest = ranked[:len(_ERROR_PALETTE)], ranked[len(_ERROR_PALETTE):]
+    colours = dict(zip(types, _ERROR_PALETTE))
+    if rest:
+        label = f"{len(rest):,} other error types"
+        colours[label], totals[label] = _GREY, sum(totals[name] for name in rest)
+        _fold_types(by_day, rest, label)
+        _fold_types(by_series, rest, label)
+        types.append(label)
+    legend = "".join(f'<li data-error-type="{_e(t)}">{_key(colours[t])}{_e(t)} '
+                     f'<span class="note">{totals[t]:,}</span></li>' for t in types)
+    return out + [f'<ul class="legend">{legend}</ul>', '<div class="charts"><figure><h3>Failed calls per day, '
+                  "by error type (all models)</h3>" + _errors_chart(days, by_day, types, colours) + "</figure>"
+                  "<figure><h3>Failed calls by model and error type</h3>"
+                  + _errors_by_model_chart(audit, by_series, types, colours, top, rest_label) + "</figure></div>"]
+
+
+def _errors_by_model_chart(audit, by_series, types, colours, top, rest_label):
+    """One horizontal stacked bar per chart series: its failed calls, coloured by error type."""
+    calls, index = {}, {key: i for i, key in enumerate(top)}
+    for (model, base, _day), group in audit.groups.items():
+        i = index.get((model, base), len(top))
+        calls[i] = calls.get(i, 0) + group.calls
+    keys = top + ([None] if rest_label else [])
+    width, left, right, row = _CHART[0], 10, _CHART[0] - 150, 40
+    bottom = 8 + row * len(keys)
+    step, xmax = _scale(max((sum(by_series.get(i, {}).values()) for i in range(len(keys))), default=0))
+    parts = [_svg_open("errors-per-model", "failed calls per model, by error type", width, bottom + 44)]
+    for i in range(int(round(xmax / step)) + 1):
+        x = left + (right - left) * i * step / xmax
+        parts.append(f'<line class="gl" x1="{x:.1f}" y1="4" x2="{x:.1f}" y2="{bottom}"/>'
+                     f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_short(i * step)}</text>')
+    parts.append(f'<text class="ax" x="{(left + right) / 2:.0f}" y="{bottom + 38}" text-anchor="middle">'
+                 "failed calls</text>")
+    for i, key in enumerate(keys):
+        label = _model_label(*key) if key else rest_label
+        per, y, x = by_series.get(i, {}), 8 + i * row, left
+        parts.append(f'<g class="model" data-model="{_e(label if key else OTHER)}">'
+                     f'<rect x="{left}" y="{y + 3}" width="10" height="10" rx="2" '
+                     f'fill="{_PALETTE[i] if key else _GREY}"/><text x="{left + 15}" y="{y + 12}">{_e(label)}</text>')
+        for name in types:
+            if per.get(name):
+                w = (right - left) * per[name] / xmax
+                parts.append(f'<rect data-error-type="{_e(name)}" x="{x:.1f}" y="{y + 17}" width="{w:.1f}" '
+                             f'height="14" fill="{colours[name]}"><title>{_e(label)}: {_e(name)} \u00d7 '
+                             f"{per[name]:,}</title></rect>")
+                x += w
+        failed, n = sum(per.values()), calls.get(i, 0)
+        share = f" \u00b7 {failed / n:.1%} of {n:,} calls" if n else ""
+        parts.append(f'<text x="{x + 6:.1f}" y="{y + 28}">{failed:,}{share}</text></g>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def _latency_section(audit, top, rest_label):
+    latencies = {key: [] for key in top}
+    for (model, base, _day), group in audit.groups.items():
+        if (model, base) in latencies:
+            latencies[(model, base)].extend(group.latencies)
+    out = ['<h2 id="latency">Latency per model</h2>',
+           '<p class="note">Successful calls only, log-scale bins: a second hump to the right is usually cold '
+           "starts or queueing. Dashed lines mark p50 and p95.</p>", '<div class="hists">']
+    for key, colour in zip(top, _PALETTE):
+        label, ordered = _model_label(*key), sorted(latencies[key])
+        caption = (f"{len(ordered):,} ok calls \u00b7 p50 {_ms_text(percentile(ordered, 50))} \u00b7 p95 "
+                   f"{_ms_text(percentile(ordered, 95))} \u00b7 max {_ms_text(ordered[-1] if ordered else None)}")
+        out.append(f'<figure><h3>{_key(colour)}{_e(_label(key[0]))}<span class="ep">{_e(_label(key[1]))}</span>'
+                   f"</h3>{_latency_histogram(label, ordered, colour)}"
+                   f"<figcaption>{_e(caption)}</figcaption></figure>")
+    out.append("</div>")
+    if rest_label:
+        out.append(f'<p class="note">{_key(_GREY, True)}{_e(rest_label)}: no histogram (only the '
+                   f"{MAX_CHART_MODELS} busiest model strings get one).</p>")
+    return out
+
+
+def _changes_section(changes, colours):
+    out = [f'<h2 id="changes">Changes day over day ({len(changes):,})</h2>']
+    if not changes:
+        return out + ["<p>Nothing changed from one day to the next.</p>"]
+    head = "".join(_th(c, _CHANGE_HEADINGS) for c in _CHANGE_HEADINGS)
+    out.append(f'<div class="scroll"><table class="changes"><thead><tr>{head}</tr></thead><tbody>')
+    for c in changes[:_MAX_LIST_ROWS]:
+        model = (f'{_key(colours.get((c["request_model"], c["base_url"]), _GREY))}{_e(c["request_model"])}'
+                 if c["request_model"] is not None else "(models list)")
+        out.append(f'<tr><td class="t">{_e(c["day"])}</td><td class="t">{model}</td>{_td("base_url", c["base_url"])}'
+                   f'<td class="t" title="{_e(c["what"])}">{_e(_WHAT.get(c["what"], c["what"]))}</td>'
+                   f'<td class="t w">{_e(c["detail"])}</td>{_td("previous_day", c["previous_day"])}</tr>')
+    out.append("</tbody></table></div>")
+    if len(changes) > _MAX_LIST_ROWS:
+        out.append(f'<p class="note">{len(changes) - _MAX_LIST_ROWS:,} more changes: see the text report or '
+                   "--json.</p>")
+    return out
+
+
+def _runs_section(runs):
+    out = [f'<h2 id="runs">Agent runs ({len(runs):,})</h2>']
+    shown = runs[-_MAX_LIST_ROWS:]
+    if len(runs) > len(shown):
+        out.append(f'<p class="note">The latest {len(shown):,} runs; --json has all {len(runs):,}.</p>')
+    return out + [_html_table("runs", list(RUN_COLUMNS), _RUN_HEADINGS, shown)]
+
+
+def _ledgers_section(ledgers):
+    shown = ledgers[:_MAX_LIST_ROWS]
+    return [f'<h2 id="ledgers">Ledgers read ({len(ledgers):,})</h2><details><summary>show the list</summary>',
+            _html_table("ledgers", list(_LEDGER_HEADINGS), _LEDGER_HEADINGS, shown), "</details>"]
+
+
+def _warnings(audit, verified):
+    out = [] if verified else ['<p class="warn"><strong>UNVERIFIED</strong> (--no-verify): the hash chain was '
+                               "not checked; anything on this page may have been edited.</p>"]
+    for ledger in audit.ledgers[:_MAX_LIST_ROWS]:
+        if ledger["status"] == "torn":
+            out.append(f'<p class="warn">warning: {_e(ledger["reason"])}</p>')
+        if ledger.get("skipped"):
+            out.append(f'<p class="warn">warning: {_e(ledger["path"])}: {ledger["skipped"]:,} lines are not '
+                       "ledger events and were skipped</p>")
+    if audit.folded:
+        out.append(f'<p class="warn">warning: more than {MAX_MODEL_STRINGS:,} model strings; {audit.folded:,} '
+                   f"calls are counted under {_e(OTHER)}</p>")
+    return out
 
 
 def render_html(audit, rows, changes, runs, verified, by_day):
-    esc = html.escape
-    totals = {}
-    for (model, base, _day), group in audit.groups.items():
-        totals.setdefault(f"{model} @ {_label(base)}", []).extend(group.latencies)
-    per_day = {}
-    for (_model, _base, day), group in audit.groups.items():
-        calls, reported, estimated = per_day.get(day, (0, 0, 0))
-        per_day[day] = (calls + group.calls, reported + group.input_tokens + group.output_tokens,
-                        estimated + group.est_input_tokens + group.est_output_tokens)
-    days = sorted(per_day)
-    errors = {}
-    for group in audit.groups.values():
-        for name, count in group.errors.items():
-            errors[name] = errors.get(name, 0) + count
+    top, rest_label, totals = _chart_models(audit)
+    colours = _colours(top)
+    days = _chart_days({day for (_m, _b, day) in audit.groups})
+    calls = sum(r["calls"] for r in rows)
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-           "<title>reasoning-ledger audit</title>",
-           "<style>body{font-family:system-ui,sans-serif;margin:2em;color:#222}"
-           "table{border-collapse:collapse;font-size:13px;margin:1em 0}"
-           "th,td{border:1px solid #ccc;padding:3px 6px;text-align:right}th{background:#f0f0f0}"
-           "td.t{text-align:left}.warn{color:#a40}.chart{display:inline-block;margin:0 1em 1em 0}</style>",
-           "</head><body>", "<h1>reasoning-ledger audit</h1>",
-           f"<p>{len(audit.ledgers)} ledgers, {sum(r['calls'] for r in rows):,} model calls, "
-           + ("verified." if verified else '<strong class="warn">UNVERIFIED</strong> (--no-verify).') + "</p>"]
-    out.append("<h2>Models" + (" by day" if by_day else "") + "</h2><table><thead><tr>")
-    cols = [c for c in MODEL_COLUMNS if by_day or c != "day"]
-    out.append("".join(f"<th>{esc(c)}</th>" for c in cols) + "</tr></thead><tbody>")
-    for r in rows:
-        cells = []
-        for c in cols:
-            value = r[c]
-            text = _top(value) if isinstance(value, dict) else ("-" if value is None else str(value))
-            cells.append(f'<td class="t">{esc(text)}</td>' if c in ("request_model", "base_url", "day",
-                                                                     "response_models", "system_fingerprints",
-                                                                     "errors") else f"<td>{esc(text)}</td>")
-        out.append("<tr>" + "".join(cells) + "</tr>")
-    out.append("</tbody></table>")
-    no_usage = sum(r["no_usage"] for r in rows)
-    out.append(f"<p>{no_usage:,} of {sum(r['ok'] for r in rows):,} ok calls lacked usage. input/output tokens are "
-               "reported values; est_* are chars/4 estimates and are never added to them.</p>")
-    out.append(f"<h2>Changes ({len(changes)})</h2><ul>")
-    for change in changes:
-        out.append(f"<li>{esc(change['day'])} <b>{esc(str(change['request_model'] or '(models list)'))}</b> @ "
-                   f"{esc(_label(change['base_url']))}: {esc(change['what'])}: {esc(change['detail'])}</li>")
-    out.append("</ul><h2>Latency per model</h2>")
-    for model, latencies in sorted(totals.items()):
-        out.append(f'<div class="chart"><h3>{esc(model)}</h3>{_latency_histogram(model, latencies)}</div>')
-    out.append("<h2>Per day</h2>")
-    out.append('<div class="chart"><h3>calls</h3>'
-               + _svg_bars("calls per day", days, [per_day[d][0] for d in days], "calls-per-day") + "</div>")
-    out.append('<div class="chart"><h3>tokens reported</h3>'
-               + _svg_bars("reported tokens per day", days, [per_day[d][1] for d in days], "tokens-per-day")
-               + "</div>")
-    out.append('<div class="chart"><h3>tokens estimated (chars/4)</h3>'
-               + _svg_bars("estimated tokens per day", days, [per_day[d][2] for d in days], "est-tokens-per-day")
-               + "</div>")
-    out.append("<h2>Errors</h2>")
-    names = sorted(errors)
-    out.append(_svg_bars("errors by type", names, [errors[n] for n in names], "errors") if names else "<p>none</p>")
+           '<meta name="viewport" content="width=device-width, initial-scale=1">',
+           "<title>reasoning-ledger audit</title>", f"<style>{_CSS}</style>", "</head><body>",
+           "<h1>Model calls audit</h1>",
+           f'<p class="sub">{len(audit.ledgers):,} ledger{"s" if len(audit.ledgers) != 1 else ""}, '
+           f"{calls:,} model calls, " + ("verified (every hash chain checked)." if verified else
+                                         '<strong class="warn">UNVERIFIED</strong>.') + "</p>",
+           '<nav><a href="#models">Models</a><a href="#per-day">Per day</a><a href="#errors">Errors</a>'
+           '<a href="#latency">Latency</a><a href="#changes">Changes</a>'
+           + ('<a href="#runs">Agent runs</a>' if runs else "") + '<a href="#ledgers">Ledgers</a></nav>']
+    out += _warnings(audit, verified)
+    out += _summary_cards(audit, rows, changes, runs, days)
+    out += _models_section(rows, by_day, colours, totals)
+    out += _per_day_section(audit, top, rest_label, totals, days)
+    out += _errors_section(audit, days, top, rest_label)
+    out += _latency_section(audit, top, rest_label)
+    out += _changes_section(changes, colours)
     if runs:
-        out.append(f"<h2>Agent runs ({len(runs)})</h2><table><thead><tr>")
-        out.append("".join(f"<th>{esc(k)}</th>" for k in RUN_COLUMNS) + "</tr></thead><tbody>")
-        for r in runs:
-            out.append("<tr>" + "".join(f"<td>{esc(_label(r[k]))}</td>" for k in RUN_COLUMNS) + "</tr>")
-        out.append("</tbody></table>")
+        out += _runs_section(runs)
+    out += _ledgers_section(audit.ledgers)
     out.append("</body></html>")
     return "\n".join(out) + "\n"
 

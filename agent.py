@@ -1,0 +1,1950 @@
+#!/usr/bin/env python3
+"""agent.py -- the host of a coding agent. The model proposes, tools.json decides, a judge rules, and the
+patch goes to a file for a human: nothing is ever applied to your repository. Stdlib only.
+
+Usage:
+  python agent.py run --repo DIR [--ref REV] [--runs-dir DIR] [--tools FILE] [--max-steps N] [--max-wall-s S]
+  python agent.py runs [--runs-dir DIR]                  # one line per run: id, started, outcome, steps, tokens
+  python agent.py replay RUN_DIR [--tools OTHER.json]    # the same decisions again from the record, offline
+  python agent.py check-tools [FILE]                     # validate an allowlist (exit 0 valid, 2 not)
+  python agent.py judge RUN_DIR                          # the judge, as the host runs it: a separate process
+  python agent.py serve --repo DIR [--host H] [--port P] # the webhook daemon (see README.md)
+
+Settings: BASE_URL, API_KEY, MODEL_ID, as for ask.py. Exit codes of `run`: 0 no action needed, 8 a proposal
+waits for review, 3 the judge rejected the proposal, 7 budget exhausted, 1 error (the run is closed and
+recorded), 6 another run holds the repository's lock, 2 usage or configuration error (no run).
+"""
+
+import argparse
+import difflib
+import fcntl
+import hashlib
+import json
+import os
+import posixpath
+import re
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the toolkit beside us, even under -I
+import ask  # noqa: E402
+import reasoning_ledger as rl  # noqa: E402
+
+__version__ = "1.1.0"
+
+__all__ = ["Policy", "load_policy", "check_action", "parse_reply", "run_agent", "judge_run", "replay_run",
+           "list_runs", "snapshot", "PolicyError", "LockHeld", "OUTCOME_EXIT", "BUILTINS", "DEFAULT_BUDGET"]
+
+# ----------------------------------------------------------------------------
+# Constants
+# ----------------------------------------------------------------------------
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_TOOLS = HERE / "tools.json"
+DEFAULT_RUNS = "runs"
+PROPOSAL_NAME = "proposal.patch"
+BUILTINS = ("read_file", "list_files", "grep", "git_diff", "git_log", "run_tests", "propose_patch")
+HARD_DENY = (".git/",)  # denied whatever a tools.json says
+DEFAULT_DENY = (".git/", ".env*", "*.pem", "*.key", "id_*", "*.p12", "*.pfx", "*.keystore", "*.jks", ".ssh/",
+                ".aws/", ".gnupg/", ".netrc", ".npmrc", ".pypirc", "*secret*", "*credential*", "*.kdbx")
+DEFAULT_BUDGET = {"max_steps": 24, "max_model_calls": 40, "max_total_tokens": 300000, "max_wall_s": 900,
+                  "max_tokens_per_call": 2048, "call_timeout_s": 180, "max_context_chars": 60000}
+DEFAULT_CAPS = {"output_bytes": 16384, "timeout_s": 60}
+DEFAULT_TEST_PATHS = ("test_*.py", "*_test.py", "tests/", "test/", "*_spec.*", "spec/", "__tests__/", "*.test.*")
+MAX_TOOLS_FILE = 1024 * 1024
+MAX_PATH_CHARS = 1024
+MAX_PLUGIN_ARG_CHARS = 256
+MAX_TEXT_ARG_CHARS = 8000
+MAX_PATCH_BYTES = 256 * 1024
+MAX_GREP_PATTERN = 200
+MAX_ARTIFACT_BYTES = 8 * 1024 * 1024
+EXCERPT_BYTES = 2000
+CALL_RETRIES = 2
+GIT_ENV = {"GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1", "LC_ALL": "C"}
+OUTCOME_EXIT = {"no_action": rl.EXIT_OK, "proposal_accepted": rl.EXIT_PROPOSAL,
+                "proposal_rejected_by_judge": rl.EXIT_CHECK, "budget_exhausted": rl.EXIT_BUDGET,
+                "error": rl.EXIT_FAILED}
+# The host's decisions, as replay compares them (tool results and model calls are inputs, not decisions).
+DECISION_KINDS = ("model_proposed", "proposal_malformed", "tool_allowed", "tool_denied", "patch_rejected",
+                  "decision", "budget_exhausted")
+
+
+# ----------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------
+
+class PolicyError(rl.UsageError):
+    """tools.json is not valid. `.problems` lists every problem, each naming its place."""
+
+    def __init__(self, source, problems):
+        self.source, self.problems = str(source), list(problems)
+        super().__init__(f"{source}: {self.problems[0]}" + (f" (and {len(self.problems) - 1} more; run "
+                                                            f"agent.py check-tools)" if len(self.problems) > 1 else ""))
+
+
+class LockHeld(rl.LedgerError):
+    """Another run holds this repository's lock."""
+    exit_code = rl.EXIT_LOCKED
+
+
+class RepoError(rl.UsageError):
+    """The repository cannot be read as a git work tree (or --ref does not name a commit)."""
+
+
+class _Terminated(Exception):
+    """SIGTERM or SIGINT arrived: the run is closed as an error, and its child processes are killed."""
+
+
+# ----------------------------------------------------------------------------
+# Policy: tools.json
+# ----------------------------------------------------------------------------
+
+_NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
+_PLACEHOLDER_RE = re.compile(r"\{([a-z][a-z0-9_]{0,31})\}")
+
+
+def _glob_regex(pattern, ignore_case=False):
+    """A gitignore-like glob as a regex over a repository-relative POSIX path. Without '/', it matches any
+    path component (and everything below it); with '/', it is anchored at the root. '*' and '?' stay within
+    a component, '**' spans components, a trailing '/' names a directory."""
+    body = pattern.strip("/") if pattern.startswith("/") else pattern.rstrip("/")
+    anchored = "/" in pattern.rstrip("/")
+    out, i = [], 0
+    while i < len(body):
+        if body.startswith("**/", i):
+            out.append("(?:.*/)?")
+            i += 3
+        elif body.startswith("**", i):
+            out.append(".*")
+            i += 2
+        elif body[i] == "*":
+            out.append("[^/]*")
+            i += 1
+        elif body[i] == "?":
+            out.append("[^/]")
+            i += 1
+        elif body[i] == "[" and "]" in body[i + 2:]:
+            end = body.index("]", i + 2)
+            inner = body[i + 1:end]
+            out.append("[" + ("^" + re.escape(inner[1:]) if inner.startswith("!") else re.escape(inner)) + "]")
+            i = end + 1
+        else:
+            out.append(re.escape(body[i]))
+            i += 1
+    core = "".join(out)
+    regex = ("^" if anchored else "^(?:.*/)?") + core + "(?:/.*)?$"
+    return re.compile(regex, re.I if ignore_case else 0)
+
+
+class Plugin:
+    """A user-declared tool: an argv template whose {placeholders} are filled by arguments that must fully
+    match their regex. No shell, ever."""
+
+    def __init__(self, name, spec):
+        self.name = name
+        self.description = spec["description"]
+        self.argv = list(spec["argv"])
+        self.args = {arg: {"pattern": re.compile(a["pattern"]), "source": a["pattern"], "path": a.get("path", False)}
+                     for arg, a in spec["args"].items()}
+        self.timeout_s = spec.get("timeout_s")
+        self.output_bytes = spec.get("output_bytes")
+
+    def command(self, args):
+        return [_PLACEHOLDER_RE.sub(lambda m: args[m.group(1)], part) for part in self.argv]
+
+
+class Policy:
+    """A validated tools.json: which tools, which paths, the test command, budgets and caps."""
+
+    def __init__(self, data, text, source):
+        self.source, self.text = str(source), text
+        self.sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        self.version = data["version"]
+        self.test_command = list(data["test_command"])
+        self.test_timeout_s = data.get("test_timeout_s", 300)
+        self.builtins = frozenset(data.get("builtins", ()))
+        paths = data.get("paths", {})
+        self.allow = [(g, _glob_regex(g)) for g in paths.get("allow", ["**"])]
+        deny = list(paths.get("deny", DEFAULT_DENY))
+        self.deny = [(g, _glob_regex(g, ignore_case=True)) for g in list(HARD_DENY) + [d for d in deny
+                                                                                       if d not in HARD_DENY]]
+        self.budget = dict(DEFAULT_BUDGET, **data.get("budget", {}))
+        self.caps = dict(DEFAULT_CAPS, **data.get("caps", {}))
+        judge = data.get("judge", {})
+        self.test_paths = [(g, _glob_regex(g)) for g in judge.get("test_paths", DEFAULT_TEST_PATHS)]
+        self.allow_test_changes = judge.get("allow_test_changes", False)
+        self.plugins = {name: Plugin(name, spec) for name, spec in data.get("plugins", {}).items()}
+
+    def denied_by(self, path):
+        """The deny glob that matches `path`, or None."""
+        for glob, regex in self.deny:
+            if regex.match(path):
+                return glob
+        return None
+
+    def allowed_by(self, path):
+        for glob, regex in self.allow:
+            if regex.match(path):
+                return glob
+        return None
+
+    def is_test_path(self, path):
+        return any(regex.match(path) for _glob, regex in self.test_paths)
+
+    def enabled(self, tool):
+        return tool in self.builtins or tool in self.plugins
+
+
+def _problems(data):
+    """Every problem of a parsed tools.json, each naming its place."""
+    problems = []
+
+    def check_keys(where, obj, allowed, required=()):
+        if type(obj) is not dict:
+            problems.append(f"{where}: must be an object")
+            return False
+        for key in obj:
+            if key not in allowed:
+                near = difflib.get_close_matches(key, allowed, n=1)
+                problems.append(f"{where}.{key}: unknown key" + (f"; did you mean {near[0]!r}?" if near else
+                                                                  f"; known keys: {', '.join(allowed)}"))
+        for key in required:
+            if key not in obj:
+                problems.append(f"{where}.{key}: missing (required)")
+        return True
+
+    def number(where, value, minimum=0, integer=False):
+        ok = type(value) is int or (type(value) is float and not integer and value == value and abs(value) != float("inf"))
+        if not ok or value <= minimum:
+            problems.append(f"{where}: must be {'an integer' if integer else 'a number'} greater than {minimum}")
+
+    def strings(where, value, nonempty=True):
+        if type(value) is not list or not all(type(v) is str and v for v in value) or (nonempty and not value):
+            problems.append(f"{where}: must be a {'non-empty ' if nonempty else ''}list of non-empty strings")
+            return False
+        return True
+
+    top = ("version", "test_command", "test_timeout_s", "builtins", "paths", "budget", "caps", "judge", "plugins")
+    if not check_keys("tools.json", data, top, ("version", "test_command")):
+        return problems
+    if "version" in data and data["version"] != 1:
+        problems.append("tools.json.version: must be 1 (this agent.py reads version 1)")
+    if "test_command" in data:
+        strings("test_command", data["test_command"])
+    if "test_timeout_s" in data:
+        number("test_timeout_s", data["test_timeout_s"])
+    if "builtins" in data and strings("builtins", data["builtins"], nonempty=False):
+        for name in data["builtins"]:
+            if name not in BUILTINS:
+                near = difflib.get_close_matches(name, BUILTINS, n=1)
+                problems.append(f"builtins: unknown tool {name!r}" + (f"; did you mean {near[0]!r}?" if near else
+                                                                      f"; the built-ins are {', '.join(BUILTINS)}"))
+        if len(set(data["builtins"])) != len(data["builtins"]):
+            problems.append("builtins: a tool is listed twice")
+    if "paths" in data and check_keys("paths", data["paths"], ("allow", "deny")):
+        for key in ("allow", "deny"):
+            if key in data["paths"] and strings(f"paths.{key}", data["paths"][key], nonempty=False):
+                for glob in data["paths"][key]:
+                    if "\x00" in glob or ".." in glob.split("/"):
+                        problems.append(f"paths.{key}: {glob!r} is not a glob of repository paths")
+    if "budget" in data and check_keys("budget", data["budget"], tuple(DEFAULT_BUDGET)):
+        for key, value in data["budget"].items():
+            if key in DEFAULT_BUDGET:
+                number(f"budget.{key}", value, integer=key not in ("max_wall_s", "call_timeout_s"))
+    if "caps" in data and check_keys("caps", data["caps"], tuple(DEFAULT_CAPS)):
+        if "output_bytes" in data["caps"]:
+            number("caps.output_bytes", data["caps"]["output_bytes"], minimum=255, integer=True)
+        if "timeout_s" in data["caps"]:
+            number("caps.timeout_s", data["caps"]["timeout_s"])
+    if "judge" in data and check_keys("judge", data["judge"], ("test_paths", "allow_test_changes")):
+        if "test_paths" in data["judge"]:
+            strings("judge.test_paths", data["judge"]["test_paths"], nonempty=False)
+        if "allow_test_changes" in data["judge"] and type(data["judge"]["allow_test_changes"]) is not bool:
+            problems.append("judge.allow_test_changes: must be true or false")
+    if "plugins" in data and check_keys("plugins", data["plugins"], ()):
+        pass
+    for name, spec in (data.get("plugins") or {}).items() if type(data.get("plugins")) is dict else ():
+        _plugin_problems(name, spec, problems, check_keys, number, strings)
+    return problems
+
+
+def _plugin_problems(name, spec, problems, check_keys, number, strings):
+    where = f"plugins.{name}"
+    problems[:] = [p for p in problems if not p.startswith(f"plugins.{name}: unknown key")]
+    if not _NAME_RE.match(name):
+        problems.append(f"{where}: a tool name is [a-z][a-z0-9_]*, at most 32 characters")
+    if name in BUILTINS:
+        problems.append(f"{where}: {name!r} is a built-in; give the plugin another name")
+    if not check_keys(where, spec, ("description", "argv", "args", "timeout_s", "output_bytes"),
+                      ("description", "argv", "args")):
+        return
+    if "description" in spec and (type(spec["description"]) is not str or not spec["description"].strip()):
+        problems.append(f"{where}.description: must be a non-empty string (the model reads it)")
+    declared = {}
+    if "args" in spec and check_keys(f"{where}.args", spec["args"], ()):
+        problems[:] = [p for p in problems if not p.startswith(f"{where}.args.") or "unknown key" not in p]
+        for arg, arg_spec in spec["args"].items():
+            here = f"{where}.args.{arg}"
+            if not _NAME_RE.match(arg):
+                problems.append(f"{here}: an argument name is [a-z][a-z0-9_]*")
+            if not check_keys(here, arg_spec, ("pattern", "path"), ("pattern",)):
+                continue
+            if "pattern" in arg_spec:
+                if type(arg_spec["pattern"]) is not str or not arg_spec["pattern"]:
+                    problems.append(f"{here}.pattern: must be a regular expression")
+                else:
+                    try:
+                        re.compile(arg_spec["pattern"])
+                    except re.error as exc:
+                        problems.append(f"{here}.pattern: bad regex: {exc}")
+            if "path" in arg_spec and type(arg_spec["path"]) is not bool:
+                problems.append(f"{here}.path: must be true or false")
+            declared[arg] = arg_spec
+    if "argv" in spec and strings(f"{where}.argv", spec["argv"]):
+        used = set()
+        for i, part in enumerate(spec["argv"]):
+            names = _PLACEHOLDER_RE.findall(part)
+            if i == 0 and names:
+                problems.append(f"{where}.argv[0]: the program is fixed; it cannot be a placeholder")
+            if _PLACEHOLDER_RE.sub("", part).count("{") or _PLACEHOLDER_RE.sub("", part).count("}"):
+                problems.append(f"{where}.argv[{i}]: a brace that is not a {{placeholder}}")
+            for placeholder in names:
+                used.add(placeholder)
+                if placeholder not in declared and "args" in spec:
+                    problems.append(f"{where}.argv[{i}]: {{{placeholder}}} is not declared in args")
+        for arg in declared:
+            if arg not in used:
+                problems.append(f"{where}.args.{arg}: declared but not used in argv")
+    for key, integer, minimum in (("timeout_s", False, 0), ("output_bytes", True, 255)):
+        if key in spec:
+            number(f"{where}.{key}", spec[key], minimum=minimum, integer=integer)
+
+
+def _no_duplicate_keys(pairs):
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def load_policy(path):
+    """Read and validate a tools.json. Raises PolicyError with every problem; OSError when unreadable."""
+    path = Path(path)
+    with open(path, "rb") as handle:
+        raw = handle.read(MAX_TOOLS_FILE + 1)
+    if len(raw) > MAX_TOOLS_FILE:
+        raise PolicyError(path, [f"larger than {MAX_TOOLS_FILE} bytes"])
+    return policy_from_text(raw, path)
+
+
+def policy_from_text(raw, source):
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+        data = json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except UnicodeDecodeError as exc:
+        raise PolicyError(source, [f"not UTF-8 (byte {exc.start})"]) from None
+    except (ValueError, RecursionError) as exc:
+        raise PolicyError(source, [f"not valid JSON: {exc}"]) from None
+    problems = _problems(data)
+    if problems:
+        raise PolicyError(source, problems)
+    return Policy(data, text, source)
+
+
+# ----------------------------------------------------------------------------
+# Policy: checking a proposed action
+# ----------------------------------------------------------------------------
+
+_BUILTIN_ARGS = {
+    "read_file": {"path": ("path", True), "start_line": ("int", False), "end_line": ("int", False)},
+    "list_files": {"path": ("path", False)},
+    "grep": {"pattern": ("pattern", True), "path": ("path", False)},
+    "git_diff": {},
+    "git_log": {"n": ("int", False)},
+    "run_tests": {},
+    "propose_patch": {"patch": ("patch", True), "rationale": ("text", False), "alternatives": ("texts", False)},
+}
+
+
+class Verdict:
+    """The policy's answer for one action: allowed or not, the rule that decided, why, and how each path
+    resolved (recorded, so replay decides the same way without the tree)."""
+
+    def __init__(self, allowed, rule, reason, paths):
+        self.allowed, self.rule, self.reason, self.paths = allowed, rule, reason, paths
+
+
+class _Deny(Exception):
+    def __init__(self, rule, reason):
+        super().__init__(reason)
+        self.rule, self.reason = rule, reason
+
+
+def check_path(path, policy, resolve, paths, what="path"):
+    """Check one repository path; record its resolution in `paths`. Raises _Deny."""
+    if type(path) is not str or not path:
+        raise _Deny("args.type", f"{what} must be a non-empty string")
+    if "\x00" in path:
+        raise _Deny("path.nul", f"{what} contains a NUL byte")
+    if len(path) > MAX_PATH_CHARS:
+        raise _Deny("arg.too_long", f"{what} is longer than {MAX_PATH_CHARS} characters")
+    if path.startswith("-"):
+        raise _Deny("arg.option", f"{what} {path!r} starts with '-', which a program would read as an option")
+    if path.startswith(("/", "~", "\\")) or re.match(r"[A-Za-z]:[\\/]", path):
+        raise _Deny("path.absolute", f"{what} {path!r} is absolute; paths are relative to the repository root")
+    if ".." in re.split(r"[/\\]", path):
+        raise _Deny("path.dotdot", f"{what} {path!r} climbs with '..'; paths stay inside the repository")
+    norm = posixpath.normpath(path.replace("\\", "/"))
+    if norm in ("", "."):
+        norm = "."
+    glob = policy.denied_by(norm) if norm != "." else None
+    if glob:
+        raise _Deny("path.denied", f"{what} {path!r} matches the deny glob {glob!r}")
+    if path not in paths:
+        paths[path] = resolve(norm)
+    resolved = paths[path]
+    if resolved is None:
+        raise _Deny("path.escape", f"{what} {path!r} resolves outside the repository (a symlink?)")
+    glob = policy.denied_by(resolved) if resolved != "." else None
+    if glob:
+        raise _Deny("path.denied", f"{what} {path!r} resolves to {resolved!r}, which matches the deny glob {glob!r}")
+    if norm != "." and not policy.allowed_by(norm):
+        raise _Deny("path.not_allowed", f"{what} {path!r} matches no allow glob")
+    return norm
+
+
+def patch_files(patch):
+    """The repository paths a unified diff touches, and its problems (binary, symlink or submodule modes)."""
+    files, problems = [], []
+    for line in patch.splitlines():
+        if line.startswith(("--- ", "+++ ")):
+            name = _diff_path(line[4:])
+        elif line.startswith(("rename from ", "rename to ", "copy from ", "copy to ")):
+            name = _diff_path(line.split(" ", 2)[2], prefixed=False)
+        elif line.startswith("diff --git "):
+            parts = line[11:].split(" b/", 1)
+            name = _diff_path(parts[0]) if len(parts) == 2 else None
+            if name is not None and name not in files:
+                files.append(name)
+            name = _diff_path("b/" + parts[1]) if len(parts) == 2 else None
+        else:
+            if line.startswith("GIT binary patch") or (line.startswith("Binary files ") and " differ" in line):
+                problems.append(("patch.binary", "the patch changes a binary file; propose text changes only"))
+            if re.match(r"(new file |new |old |deleted file )?mode 1[26]0000", line) or re.match(
+                    r"index \S+ 1[26]0000", line):
+                problems.append(("patch.mode", "the patch creates a symlink or a submodule"))
+            continue
+        if name is not None and name not in files:
+            files.append(name)
+    return files, problems
+
+
+def _diff_path(text, prefixed=True):
+    text = text.split("\t")[0].rstrip("\r")
+    if text.startswith('"') and text.endswith('"') and len(text) > 1:
+        text = _unquote_c(text[1:-1])
+    if text == "/dev/null":
+        return None
+    if prefixed and text[:2] in ("a/", "b/"):
+        text = text[2:]
+    return text
+
+
+def _unquote_c(text):
+    raw = text.encode("latin-1", "backslashreplace").decode("unicode_escape").encode("latin-1", "replace")
+    return raw.decode("utf-8", "replace")
+
+
+def check_action(action, policy, resolve):
+    """Decide an action {tool, args} against the policy. Pure, given `resolve` (path -> resolved relative
+    path, or None outside the repository). Returns a Verdict."""
+    paths = {}
+    tool, args = action["tool"], action["args"]
+    try:
+        if not policy.enabled(tool):
+            known = tool in BUILTINS
+            raise _Deny("tool.unknown", f"{tool!r} is {'a built-in that this tools.json does not enable' if known else 'not a tool this host offers'}")
+        if tool in policy.plugins:
+            _check_plugin(policy.plugins[tool], args, policy, resolve, paths)
+            return Verdict(True, f"plugin.{tool}", f"plugin {tool} with arguments that match their patterns", paths)
+        _check_builtin(tool, args, policy, resolve, paths)
+    except _Deny as deny:
+        return Verdict(False, deny.rule, deny.reason, paths)
+    return Verdict(True, f"builtin.{tool}", f"{tool} is enabled and every path is allowed", paths)
+
+
+def _check_builtin(tool, args, policy, resolve, paths):
+    spec = _BUILTIN_ARGS[tool]
+    for name in args:
+        if name not in spec:
+            raise _Deny("args.unknown", f"{tool} takes no argument {name!r} (it takes: {', '.join(spec) or 'none'})")
+    for name, (kind, required) in spec.items():
+        if name not in args or args[name] is None:
+            if required:
+                raise _Deny("args.missing", f"{tool} needs the argument {name!r}")
+            continue
+        value = args[name]
+        if kind == "path":
+            check_path(value, policy, resolve, paths, what=name)
+        elif kind == "int":
+            if type(value) is not int or not 1 <= value <= 10 ** 7:
+                raise _Deny("args.type", f"{name} must be a positive integer")
+        elif kind in ("text", "pattern", "patch"):
+            limit = {"text": MAX_TEXT_ARG_CHARS, "pattern": MAX_GREP_PATTERN, "patch": MAX_PATCH_BYTES}[kind]
+            if type(value) is not str:
+                raise _Deny("args.type", f"{name} must be a string")
+            if len(value.encode("utf-8", "surrogatepass")) > limit:
+                raise _Deny("arg.too_long", f"{name} is longer than {limit} bytes")
+            if "\x00" in value:
+                raise _Deny("arg.nul", f"{name} contains a NUL byte")
+        elif kind == "texts":
+            if type(value) is not list or not all(type(v) is str and len(v) <= MAX_TEXT_ARG_CHARS for v in value) \
+                    or len(value) > 20:
+                raise _Deny("args.type", f"{name} must be a list of at most 20 strings")
+    if tool == "read_file" and args.get("start_line") and args.get("end_line") and args["end_line"] < args["start_line"]:
+        raise _Deny("args.type", "end_line is before start_line")
+    if tool == "grep":
+        try:
+            re.compile(args["pattern"])
+        except (re.error, RecursionError) as exc:
+            raise _Deny("args.type", f"pattern is not a regular expression: {exc}") from None
+    if tool == "propose_patch":
+        files, problems = patch_files(args["patch"])
+        if problems:
+            raise _Deny(*problems[0])
+        if not files:
+            raise _Deny("patch.no_files", "the patch names no file: send a unified diff (--- a/PATH, +++ b/PATH, @@ hunks)")
+        for name in files:
+            check_path(name, policy, resolve, paths, what="a file in the patch,")
+
+
+def _check_plugin(plugin, args, policy, resolve, paths):
+    for name in args:
+        if name not in plugin.args:
+            raise _Deny("args.unknown", f"{plugin.name} takes no argument {name!r} (it takes: "
+                                        f"{', '.join(plugin.args) or 'none'})")
+    for name, spec in plugin.args.items():
+        if name not in args:
+            raise _Deny("args.missing", f"{plugin.name} needs the argument {name!r}")
+        value = args[name]
+        if type(value) is not str:
+            raise _Deny("args.type", f"{name} must be a string")
+        if "\x00" in value:
+            raise _Deny("arg.nul", f"{name} contains a NUL byte")
+        if len(value) > MAX_PLUGIN_ARG_CHARS:
+            raise _Deny("arg.too_long", f"{name} is longer than {MAX_PLUGIN_ARG_CHARS} characters")
+        if value.startswith("-"):
+            raise _Deny("arg.option", f"{name} {value!r} starts with '-', which the program would read as an option")
+        if not spec["pattern"].fullmatch(value):
+            raise _Deny("arg.pattern", f"{name} {value!r} does not match {spec['source']!r}")
+        if spec["path"]:
+            check_path(value, policy, resolve, paths, what=name)
+
+
+# ----------------------------------------------------------------------------
+# The repository: read-only git, snapshots, secrets
+# ----------------------------------------------------------------------------
+
+def _git_env(extra=None):
+    env = _child_env()
+    env.update(GIT_ENV)
+    env.update(extra or {})
+    return env
+
+
+def git(repo, *args, input=None, check=True, timeout=120):
+    """A read-only git command in `repo` (no optional locks: never an index write). Returns stdout bytes."""
+    proc = subprocess.run(["git", "-c", "core.fsmonitor=false", "-c", "core.quotepath=false", "-C", str(repo),
+                           *args], input=input, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_git_env(),
+                          timeout=timeout)
+    if check and proc.returncode != 0:
+        raise RepoError(f"git {args[0]} in {repo}: {proc.stderr.decode('utf-8', 'replace').strip()[:300]}")
+    return proc.stdout
+
+
+def repo_root(path):
+    """The top of the git work tree holding `path`, resolved."""
+    path = Path(path)
+    if not path.is_dir():
+        raise RepoError(f"--repo {path}: not a directory")
+    top = git(path, "rev-parse", "--show-toplevel").decode("utf-8", "surrogateescape").strip()
+    return Path(top).resolve()
+
+
+def resolve_ref(repo, ref):
+    """The full commit id of REV, or HEAD's (None for a repository without commits)."""
+    proc = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{ref or 'HEAD'}^{{commit}}"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_git_env(), timeout=60)
+    if proc.returncode != 0:
+        if ref:
+            raise RepoError(f"--ref {ref}: not a commit in {repo}")
+        return None
+    return proc.stdout.decode().strip()
+
+
+def snapshot(repo, ref, dest):
+    """Copy the repository into `dest` without touching it: the tree at `ref`, or else the working tree as
+    the user has it (tracked and untracked files, ignored ones left out, uncommitted changes included).
+    `dest` becomes a git repository of its own with that content as its one commit. Returns the tree
+    digest: SHA-256 over every path, kind, mode and content, the same for the same content."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    if ref:
+        _snapshot_ref(repo, ref, dest)
+    else:
+        _snapshot_worktree(repo, dest)
+    digest = tree_digest(dest)
+    env = _git_env({"GIT_CEILING_DIRECTORIES": str(dest.parent), "GIT_AUTHOR_NAME": "agent.py",
+                    "GIT_AUTHOR_EMAIL": "agent@localhost", "GIT_COMMITTER_NAME": "agent.py",
+                    "GIT_COMMITTER_EMAIL": "agent@localhost", "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
+                    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"})
+    for args in (["init", "-q"], ["add", "-A", "-f"],
+                 ["-c", "commit.gpgsign=false", "-c", "core.hooksPath=/dev/null", "commit", "-q", "--no-verify",
+                  "--allow-empty", "-m", "baseline"]):
+        proc = subprocess.run(["git", "-C", str(dest), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env=env, timeout=300)
+        if proc.returncode != 0:
+            raise RepoError(f"git {args[0]} in the scratch copy: {proc.stderr.decode('utf-8', 'replace')[:300]}")
+    return digest
+
+
+def _snapshot_worktree(repo, dest):
+    listing = git(repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    for raw in sorted(set(listing.split(b"\0"))):
+        if not raw:
+            continue
+        rel = os.fsdecode(raw)
+        src, dst = Path(repo) / rel, dest / rel
+        try:
+            info = os.lstat(src)
+        except FileNotFoundError:
+            continue  # deleted in the working tree: as the user has it
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if stat.S_ISLNK(info.st_mode):
+            os.symlink(os.readlink(src), dst)
+        elif stat.S_ISREG(info.st_mode):
+            with open(src, "rb") as reader, open(dst, "wb") as writer:
+                while True:
+                    chunk = reader.read(1 << 20)
+                    if not chunk:
+                        break
+                    writer.write(chunk)
+            os.chmod(dst, 0o755 if info.st_mode & 0o111 else 0o644)
+
+
+def _snapshot_ref(repo, ref, dest):
+    entries = []
+    for record in git(repo, "ls-tree", "-r", "-z", ref).split(b"\0"):
+        if not record:
+            continue
+        meta, _, name = record.partition(b"\t")
+        mode, kind, sha = meta.split()
+        if kind == b"blob":
+            entries.append((mode.decode(), sha.decode(), os.fsdecode(name)))
+    if not entries:
+        return
+    batch = subprocess.Popen(["git", "-C", str(repo), "cat-file", "--batch"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env=_git_env())
+    feeder = threading.Thread(target=_feed, args=(batch.stdin, [sha for _m, sha, _n in entries]), daemon=True)
+    feeder.start()
+    try:
+        for mode, sha, name in entries:
+            header = batch.stdout.readline().split()
+            size = int(header[2])
+            content = batch.stdout.read(size)
+            batch.stdout.read(1)
+            if ".." in name.split("/") or name.startswith("/"):
+                continue
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if mode == "120000":
+                os.symlink(os.fsdecode(content), target)
+            else:
+                target.write_bytes(content)
+                os.chmod(target, 0o755 if mode == "100755" else 0o644)
+    finally:
+        feeder.join()
+        batch.stdout.close()
+        batch.wait()
+
+
+def _feed(stream, shas):
+    try:
+        for sha in shas:
+            stream.write(sha.encode() + b"\n")
+        stream.close()
+    except OSError:
+        pass
+
+
+def tree_digest(root):
+    """SHA-256 over the sorted (path, kind, mode, content digest) of every file under `root` but .git."""
+    digest = hashlib.sha256()
+    root = Path(root)
+    for path in sorted(_walk_files(root)):
+        full = root / path
+        info = os.lstat(full)
+        if stat.S_ISLNK(info.st_mode):
+            entry = f"link {path} {os.readlink(full)}"
+        else:
+            content = hashlib.sha256()
+            with open(full, "rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 20), b""):
+                    content.update(chunk)
+            entry = f"file {path} {'x' if info.st_mode & 0o111 else '-'} {content.hexdigest()}"
+        digest.update(entry.encode("utf-8", "surrogateescape") + b"\n")
+    return digest.hexdigest()
+
+
+def _walk_files(root):
+    for base, dirs, files in os.walk(root):
+        rel_base = os.path.relpath(base, root)
+        if rel_base == ".":
+            dirs[:] = [d for d in dirs if d != ".git"]
+        for name in files + [d for d in dirs if os.path.islink(os.path.join(base, d))]:
+            yield posixpath.normpath(posixpath.join(rel_base.replace(os.sep, "/"), name))
+
+
+def repo_secrets(repo):
+    """The values in the repository's .env* files (tracked, untracked or ignored), to mask everywhere."""
+    listing = git(repo, "ls-files", "-z", "--cached", "--others", "--", ":(glob,icase)**/.env*", check=False)
+    values = []
+    for raw in listing.split(b"\0")[:200]:
+        if not raw:
+            continue
+        try:
+            with open(Path(repo) / os.fsdecode(raw), "rb") as handle:
+                text = handle.read(256 * 1024).decode("utf-8", "replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
+            match = re.match(r"\s*(?:export\s+)?[A-Za-z_][A-Za-z0-9_.-]*\s*[=:]\s*(.*?)\s*$", line)
+            if match:
+                value = match.group(1)
+                if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                    value = value[1:-1]
+                if value:
+                    values.append(value)
+    return values
+
+
+def git_state(repo):
+    """What a run must leave unchanged: `git status --porcelain --ignored`, read without an index write."""
+    return git(repo, "status", "--porcelain=v1", "-z", "--ignored", "--untracked-files=all")
+
+
+# ----------------------------------------------------------------------------
+# Processes: argv only, a timeout, the whole process group killed, output capped
+# ----------------------------------------------------------------------------
+
+_SETTINGS = ("BASE_URL", "OPENAI_BASE_URL", "API_KEY", "OPENAI_API_KEY", "MODEL_ID", "LEDGER_KEY", "WEBHOOK_SECRET",
+             "WEBHOOK_SECRET_FILE", "READ_TOKEN", "CLICKHOUSE_PASSWORD", "LEDGER_SHIP_URL")
+
+
+def _child_env():
+    """The environment of every program the host runs: none of our settings and no variable named like a
+    secret, so code the model wrote never sees the API key."""
+    return {name: value for name, value in os.environ.items()
+            if name not in _SETTINGS and not rl.is_secret_key(name)}
+
+
+_CHILDREN = set()  # process groups running now, killed when the run is terminated
+
+
+class Output:
+    """A program's result: its exit code and output, capped (head and tail kept), with what was cut."""
+
+    def __init__(self, returncode, head, tail, size, duration_ms, timed_out=False, error=None):
+        self.returncode, self.head, self.tail, self.size = returncode, head, tail, size
+        self.duration_ms, self.timed_out, self.error = duration_ms, timed_out, error
+
+    def text(self, cap):
+        """Head and tail within `cap` bytes, saying how much was cut."""
+        data = self.head + self.tail
+        if self.size <= cap and len(data) == self.size:
+            return data.decode("utf-8", "replace")
+        half = cap // 2
+        body = self.head[:half].decode("utf-8", "replace") + f"\n[... {self.size - 2 * half:,} bytes cut ...]\n" + \
+            (self.head + self.tail)[-half:].decode("utf-8", "replace")
+        return body
+
+    def artifact_bytes(self):
+        data = self.head + self.tail
+        if len(data) < self.size:
+            return data[:len(self.head)] + f"\n[... {self.size - len(data):,} bytes not kept ...]\n".encode() + self.tail
+        return data
+
+
+def run_program(argv, cwd, timeout, env=None, input=None, keep=MAX_ARTIFACT_BYTES, tail_keep=65536):
+    """Run argv (no shell) in its own process group; kill the group on timeout. Output (stdout and stderr
+    together) is read as it comes: at most `keep` bytes of head and `tail_keep` of tail are held."""
+    started = time.monotonic()
+    try:
+        proc = subprocess.Popen(argv, cwd=str(cwd), stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+                                stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=env if env is not None else _child_env(),
+                                start_new_session=True, close_fds=True)
+    except OSError as exc:
+        return Output(None, f"cannot run {argv[0]}: {rl.error_text(exc)}".encode(), b"", 0,
+                      round((time.monotonic() - started) * 1000, 1), error=rl.error_text(exc))
+    _CHILDREN.add(proc.pid)
+    box = {"head": bytearray(), "tail": bytearray(), "size": 0}
+
+    def reader():
+        while True:
+            chunk = proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(65536)
+            if not chunk:
+                return
+            box["size"] += len(chunk)
+            room = keep - len(box["head"])
+            if room > 0:
+                box["head"] += chunk[:room]
+                chunk = chunk[room:]
+            if chunk:
+                box["tail"] += chunk
+                if len(box["tail"]) > tail_keep:
+                    del box["tail"][:-tail_keep]
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    if input is not None:
+        threading.Thread(target=_feed_stdin, args=(proc.stdin, input), daemon=True).start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        _kill_group(proc.pid)  # on a timeout, and any background child left holding the output open
+        proc.wait()
+        _CHILDREN.discard(proc.pid)
+    thread.join(5)
+    proc.stdout.close()
+    return Output(None if timed_out else proc.returncode, bytes(box["head"]), bytes(box["tail"]), box["size"],
+                  round((time.monotonic() - started) * 1000, 1), timed_out=timed_out)
+
+
+def _feed_stdin(stream, data):
+    try:
+        stream.write(data)
+        stream.close()
+    except OSError:
+        pass
+
+
+def _kill_group(pgid):
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# ----------------------------------------------------------------------------
+# Tools
+# ----------------------------------------------------------------------------
+
+GREP_SCRIPT = r"""
+import os, re, sys
+pattern = re.compile(sys.argv[1])
+limit = int(sys.argv[2])
+found = 0
+for rel in sys.stdin.read().split("\0"):
+    if not rel:
+        continue
+    try:
+        with open(rel, "rb") as handle:
+            data = handle.read(2 * 1024 * 1024)
+    except OSError:
+        continue
+    if b"\0" in data[:8192]:
+        continue
+    for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+        if pattern.search(line):
+            print(f"{rel}:{number}: {line[:300]}")
+            found += 1
+            if found >= limit:
+                print(f"[stopped after {limit} matches]")
+                sys.exit(0)
+sys.exit(0 if found else 1)
+"""
+
+
+class Workspace:
+    """The host's scratch copy of the repository, and the tools that run there."""
+
+    def __init__(self, repo, ref, root, policy, redactor):
+        self.repo, self.ref, self.root, self.policy, self.redactor = repo, ref, Path(root), policy, redactor
+
+    def resolve(self, rel):
+        root = os.path.realpath(self.root)
+        real = os.path.realpath(os.path.join(root, rel))
+        if real != root and not real.startswith(root + os.sep):
+            return None
+        return posixpath.normpath(os.path.relpath(real, root).replace(os.sep, "/"))
+
+    def run_tests(self, root=None, junit=None):
+        argv = list(self.policy.test_command)
+        if junit is not None and _is_pytest(argv):
+            argv += [f"--junitxml={junit}", "-p", "no:cacheprovider"]
+        return run_program(argv, root or self.root, self.policy.test_timeout_s)
+
+    def execute(self, tool, args):
+        """Run an allowed action. Returns an Output."""
+        started = time.monotonic()
+        if tool in self.policy.plugins:
+            plugin = self.policy.plugins[tool]
+            return run_program(plugin.command(args), self.root, plugin.timeout_s or self.policy.caps["timeout_s"])
+        if tool == "run_tests":
+            return self.run_tests()
+        if tool == "grep":
+            files = self._files(args.get("path") or ".")
+            if not files:
+                return _text_output(1, "no files to search", started)
+            return run_program([sys.executable, "-I", "-c", GREP_SCRIPT, args["pattern"], "500"], self.root,
+                               self.policy.caps["timeout_s"], env=dict(_child_env(), PYTHONIOENCODING="utf-8"),
+                               input="\0".join(files).encode("utf-8", "surrogateescape"))
+        if tool == "git_diff":
+            text = self._git_diff()
+            return _text_output(0, text or "(no changes)", started)
+        if tool == "git_log":
+            n = min(max(args.get("n") or 10, 1), 50)
+            out = git(self.repo, "log", f"-n{n}", "--no-color", "--date=short", "--format=%h %ad %an: %s",
+                      self.ref or "HEAD", check=False)
+            return _text_output(0, out.decode("utf-8", "replace") or "(no commits)", started)
+        if tool == "read_file":
+            return self._read_file(args, started)
+        if tool == "list_files":
+            return self._list_files(args.get("path") or ".", started)
+        raise ValueError(f"no such tool {tool!r}")  # check_action allows only known tools
+
+    def _read_file(self, args, started):
+        path = self.root / args["path"]
+        try:
+            with open(path, "rb") as handle:
+                data = handle.read(MAX_ARTIFACT_BYTES)
+        except IsADirectoryError:
+            return _text_output(1, f"{args['path']} is a directory; use list_files", started)
+        except OSError as exc:
+            return _text_output(1, f"{args['path']}: {exc.strerror}", started)
+        if b"\0" in data[:8192]:
+            return _text_output(1, f"{args['path']} is a binary file ({len(data)} bytes); not shown", started)
+        lines = data.decode("utf-8", "replace").splitlines()
+        first = args.get("start_line") or 1
+        last = min(args.get("end_line") or len(lines), len(lines))
+        width = len(str(last))
+        body = "\n".join(f"{n:>{width}}| {lines[n - 1]}" for n in range(first, last + 1))
+        return _text_output(0, body if lines else "(empty file)", started)
+
+    def _files(self, rel):
+        """Files under `rel` (a file or a directory), skipping denied paths and .git."""
+        base = self.root / rel
+        if base.is_file():
+            return [rel]
+        out = []
+        for path in sorted(_walk_files(base)):
+            full = posixpath.normpath(posixpath.join(rel, path))
+            if not self.policy.denied_by(full) and not os.path.islink(self.root / full):
+                out.append(full)
+            if len(out) >= 20000:
+                break
+        return out
+
+    def _list_files(self, rel, started):
+        if not (self.root / rel).exists():
+            return _text_output(1, f"{rel}: no such file or directory", started)
+        files = self._files(rel)
+        text = "\n".join(files[:2000]) + (f"\n[... {len(files) - 2000} more]" if len(files) > 2000 else "")
+        return _text_output(0, text or "(no files)", started)
+
+    def _git_diff(self):
+        """The change under review: uncommitted changes (or, with --ref, that commit's own change), with the
+        sections of denied files left out."""
+        if self.ref:
+            raw = git(self.repo, "show", "--no-color", "--format=", self.ref, check=False)
+        else:
+            raw = git(self.repo, "diff", "--no-color", "HEAD", check=False) if resolve_ref(self.repo, None) else b""
+        kept, skip = [], False
+        for section in re.split(rb"(?m)^(?=diff --git )", raw):
+            if section.startswith(b"diff --git "):
+                files, _problems = patch_files(section.decode("utf-8", "replace"))
+                skip = any(self.policy.denied_by(f) for f in files)
+            if not skip:
+                kept.append(section)
+        return b"".join(kept).decode("utf-8", "replace")
+
+
+def _is_pytest(argv):
+    names = [os.path.basename(a) for a in argv[:3]]
+    return "pytest" in names or "py.test" in names or (len(argv) >= 3 and argv[1] == "-m" and argv[2] == "pytest")
+
+
+def _text_output(code, text, started):
+    data = text.encode("utf-8", "replace")
+    return Output(code, data, b"", len(data), round((time.monotonic() - started) * 1000, 1))
+
+
+def junit_outcomes(path):
+    """{test id: passed|failed|error|skipped} from a JUnit XML file, or None when there is none."""
+    import xml.etree.ElementTree as ElementTree  # only when pytest ran
+    try:
+        tree = ElementTree.parse(str(path))
+    except (OSError, ElementTree.ParseError):
+        return None
+    outcomes = {}
+    for case in tree.iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        kinds = {child.tag for child in case}
+        outcomes[name] = ("failed" if "failure" in kinds else "error" if "error" in kinds
+                          else "skipped" if "skipped" in kinds else "passed")
+    return outcomes
+
+
+# ----------------------------------------------------------------------------
+# The action protocol
+# ----------------------------------------------------------------------------
+
+class Malformed(Exception):
+    """A reply that is neither a valid action nor a bare unified diff; `reason` goes back to the model."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+_FENCE_RE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.S)
+_TOOL_DOCS = {
+    "read_file": '{"path": "src/x.py", "start_line": 1, "end_line": 200}: a file with line numbers',
+    "list_files": '{"path": "src"}: the files under a directory (default: the whole repository)',
+    "grep": '{"pattern": "REGEX", "path": "src"}: matching lines, as path:line: text',
+    "git_diff": "{}: the change under review (uncommitted changes, or the commit given with --ref)",
+    "git_log": '{"n": 10}: recent commits',
+    "run_tests": "{}: run the test command and see its output",
+    "propose_patch": '{"patch": "UNIFIED DIFF", "rationale": "why this fixes it", "alternatives": ["what else you '
+                     'considered"]}: your final answer; a human reviews it',
+}
+
+
+def _looks_like_diff(text):
+    return text.lstrip().startswith("diff --git ") or bool(
+        re.search(r"(?m)^--- \S.*\n\+\+\+ \S.*\n@@ ", text))
+
+
+def _action(obj):
+    if type(obj) is not dict or "tool" not in obj:
+        return None
+    tool, args, reason = obj.get("tool"), obj.get("args", {}), obj.get("reason", "")
+    if type(tool) is not str or not tool or len(tool) > 64:
+        raise Malformed('"tool" must be a tool name (a short string)')
+    if args is None:
+        args = {}
+    if type(args) is not dict:
+        raise Malformed('"args" must be a JSON object')
+    return {"tool": tool, "args": args, "reason": reason if type(reason) is str else ""}
+
+
+def parse_reply(text):
+    """(action, form): one JSON object {"tool", "args", "reason"}, read even when fenced in a code block or
+    wrapped in prose; a reply that is only a unified diff (fenced or not) is propose_patch. Raises Malformed."""
+    stripped = text.strip()
+    if not stripped:
+        raise Malformed("the reply is empty")
+    decoder = json.JSONDecoder()
+    if stripped.startswith("{"):
+        try:
+            action = _action(json.loads(stripped))
+            if action:
+                return action, "json"
+        except (ValueError, RecursionError):
+            pass
+    for lang, block in _FENCE_RE.findall(text):
+        block = block.strip()
+        if block.startswith("{") and lang.lower() in ("", "json", "javascript", "js"):
+            try:
+                action = _action(json.loads(block))
+                if action:
+                    return action, "fenced_json"
+            except (ValueError, RecursionError):
+                continue
+    for match in list(re.finditer(r"\{", text))[:50]:
+        try:
+            obj, _end = decoder.raw_decode(text, match.start())
+        except (ValueError, RecursionError):
+            continue
+        action = _action(obj)
+        if action:
+            return action, "embedded_json"
+    fences = [block for lang, block in _FENCE_RE.findall(text) if _looks_like_diff(block)]
+    if len(fences) == 1 and not text.replace(fences[0], "").replace("```", "").strip(" \n\tdiffpatch"):
+        return {"tool": "propose_patch", "args": {"patch": fences[0].strip("\n") + "\n"}, "reason": ""}, "fenced_diff"
+    if _looks_like_diff(stripped) and not re.search(r"(?m)^```", stripped):
+        return {"tool": "propose_patch", "args": {"patch": stripped + "\n"}, "reason": ""}, "diff"
+    raise Malformed('no action found: answer with one JSON object {"tool": NAME, "args": {...}, "reason": TEXT}, '
+                    "or with a unified diff alone")
+
+
+def system_prompt(policy):
+    """What the model is told about the protocol and the tools tools.json enables."""
+    lines = ["You are a coding agent working through a host. You cannot change files and you cannot run "
+             "commands yourself: you ask the host for one action at a time, and it decides whether to run it. "
+             "Your goal is one patch that makes the failing tests pass without changing the tests.",
+             "",
+             "Answer every turn with exactly one JSON object and nothing else:",
+             '{"tool": "NAME", "args": {...}, "reason": "why this step"}',
+             "",
+             "Tools:"]
+    for tool in BUILTINS:
+        if tool in policy.builtins:
+            lines.append(f"- {tool} {_TOOL_DOCS[tool]}")
+    for name, plugin in sorted(policy.plugins.items()):
+        args = ", ".join(f'"{a}": "..."' for a in plugin.args)
+        lines.append(f"- {name} {{{args}}}: {plugin.description}")
+    lines += ["",
+              "Paths are relative to the repository root. Some paths are off limits (.git, .env files, keys) and "
+              f"outputs are cut at {policy.caps['output_bytes']} bytes. A patch is a unified diff against the "
+              "files as they are now (--- a/PATH, +++ b/PATH, @@ hunks). You may also answer with the diff alone."]
+    return "\n".join(lines)
+
+
+def first_prompt(tests_output, diff, budget):
+    return (f"The tests fail (exit {tests_output.returncode if not tests_output.timed_out else 'timeout'}). "
+            f"Their output, cut to the end that matters:\n\n{tests_output.text(6000)}\n\n"
+            f"The change under review (git diff):\n\n{diff[:6000] or '(no uncommitted changes)'}\n\n"
+            f"{_budget_line(budget)}\nPropose the next action. If you can already fix it, answer with propose_patch.")
+
+
+def _budget_line(budget):
+    return (f"Budget left: {budget['steps']} steps, {budget['model_calls']} model calls, {budget['tokens']:,} "
+            f"tokens, {budget['seconds']:.0f} seconds.")
+
+
+# ----------------------------------------------------------------------------
+# The host loop, shared by a live run and by replay
+# ----------------------------------------------------------------------------
+
+class _Stop(Exception):
+    """The loop ends here: outcome (budget_exhausted or error), and what to record."""
+
+    def __init__(self, outcome, kind, payload):
+        super().__init__(outcome)
+        self.outcome, self.kind, self.payload = outcome, kind, payload
+
+
+class Budget:
+    """What the run has spent: steps (model turns), model calls, tokens (reported where the server gave
+    them, else estimated, and which), and wall time."""
+
+    def __init__(self, limits):
+        self.limits = limits
+        self.steps = self.model_calls = self.tokens = 0
+        self.sources = set()
+
+    def add(self, call):
+        self.model_calls += call["attempts"]
+        self.tokens += call["tokens"]
+        self.sources.add(call["tokens_source"])
+
+    def source(self):
+        return "reported" if self.sources == {"reported"} else "estimated" if self.sources <= {"estimated"} else "mixed"
+
+    def snapshot(self, elapsed):
+        return {"steps": self.steps, "model_calls": self.model_calls, "tokens": self.tokens,
+                "tokens_source": self.source(), "elapsed_s": round(elapsed, 3)}
+
+    def exhausted(self, elapsed):
+        for name, used in (("max_steps", self.steps), ("max_model_calls", self.model_calls),
+                           ("max_total_tokens", self.tokens), ("max_wall_s", elapsed)):
+            if used >= self.limits[name]:
+                return name, used
+        return None
+
+    def left(self, elapsed):
+        limits = self.limits
+        return {"steps": limits["max_steps"] - self.steps, "model_calls": limits["max_model_calls"] - self.model_calls,
+                "tokens": max(0, limits["max_total_tokens"] - self.tokens),
+                "seconds": max(0.0, limits["max_wall_s"] - elapsed)}
+
+
+def _excerpt(text, limit=EXCERPT_BYTES):
+    data = text.encode("utf-8", "replace")
+    if len(data) <= limit:
+        return text
+    return "[...] " + data[-limit:].decode("utf-8", "ignore")
+
+
+def _fit(messages, limit):
+    """Keep the conversation within `limit` characters: old tool outputs are shortened first, then the oldest
+    exchanges dropped. Returns what changed, or None."""
+    size = sum(len(m["content"]) for m in messages)
+    if size <= limit:
+        return None
+    before, shortened, dropped = size, 0, 0
+    for message in messages[2:-2]:
+        if size <= limit:
+            break
+        if message["role"] == "user" and len(message["content"]) > 400:
+            cut = len(message["content"]) - 300
+            message["content"] = message["content"][:300] + f"\n[... {cut:,} characters of this old output shortened]"
+            size -= cut - 60
+            shortened += 1
+    while size > limit and len(messages) > 4:
+        removed = messages.pop(2)["content"], messages.pop(2)["content"]
+        size -= sum(map(len, removed))
+        dropped += 1
+    return {"before_chars": before, "after_chars": sum(len(m["content"]) for m in messages),
+            "outputs_shortened": shortened, "exchanges_dropped": dropped}
+
+
+def drive(world, policy, messages):
+    """The host's decisions, step by step: ask the model for one action, check it against the policy, record
+    the decision, act, and tell the model. `world` supplies the model's replies, path resolutions, tool
+    results, patch checks and the clock, and records events: a live run, or a replay of one.
+    Returns (outcome, patch check of the accepted proposal or None)."""
+    budget = Budget(policy.budget)
+    limits = dict(policy.budget)
+    while True:
+        elapsed = world.elapsed()
+        spent = budget.exhausted(elapsed)
+        if spent:
+            world.record("budget_exhausted", {"limit": spent[0], "used": spent[1], "max": limits[spent[0]],
+                                              "budget": budget.snapshot(elapsed)})
+            return "budget_exhausted", None
+        checked = budget.snapshot(elapsed)
+        budget.steps += 1
+        step = budget.steps
+        trimmed = _fit(messages, limits["max_context_chars"])
+        if trimmed:
+            world.record("context_trimmed", dict(trimmed, step=step))
+        try:
+            text, call = world.ask(step, messages, budget, limits)
+        finally:
+            budget.add(world.last_call)
+        feedback = _step(world, policy, step, text, call, checked, budget)
+        messages.append({"role": "assistant", "content": text})
+        if isinstance(feedback, dict):
+            return "proposal", feedback
+        messages.append({"role": "user", "content": feedback + "\n" + _budget_line(budget.left(world.elapsed()))})
+
+
+def _step(world, policy, step, text, call, checked, budget):
+    """One reply: returns what to tell the model, or the accepted patch check."""
+    try:
+        action, form = parse_reply(text)
+    except Malformed as bad:
+        world.record("proposal_malformed", {"step": step, "reason": bad.reason, "excerpt": _excerpt(text, 500),
+                                            "budget": checked, "call": call})
+        return (f"The host could not read your reply: {bad.reason}. Answer with one JSON object "
+                '{"tool": NAME, "args": {...}, "reason": TEXT}.')
+    tool, args = action["tool"], action["args"]
+    world.record("model_proposed", {"step": step, "form": form, "tool": tool, "args": args,
+                                    "reason": action["reason"], "budget": checked, "call": call})
+    verdict = check_action(action, policy, world.resolver(step))
+    common = {"step": step, "tool": tool, "args": args, "rule": verdict.rule, "reason": verdict.reason,
+              "paths": verdict.paths}
+    if not verdict.allowed:
+        world.record("tool_denied", common)
+        return f"Denied by the host: {tool}: {verdict.reason} (rule {verdict.rule}). Choose another action."
+    world.record("tool_allowed", common)
+    if tool == "propose_patch":
+        check = world.check_patch(step, args["patch"])
+        if not check["applies"]:
+            world.record("patch_rejected", {"step": step, "message": check["message"],
+                                            "patch_sha256": check["patch_sha256"]})
+            return (f"The patch does not apply (git apply --check): {check['message']}\nFix the patch against the "
+                    f"files as they are (read them again if needed) and propose it again.")
+        world.record("decision", {"stage": "proposal", "decision": "write proposal.patch for a human to review",
+                                  "rationale": args.get("rationale") or action["reason"] or "(none given)",
+                                  "alternatives": list(args.get("alternatives") or []), "step": step,
+                                  "patch_sha256": check["patch_sha256"], "proposal_sha256": check["proposal_sha256"],
+                                  "recount": check["recount"], "files": check["files"]})
+        return check
+    output = world.execute(step, tool, args)
+    cap = policy.plugins[tool].output_bytes if tool in policy.plugins and policy.plugins[tool].output_bytes \
+        else policy.caps["output_bytes"]
+    shown = world.record_result(step, tool, output, cap)
+    status = "timed out" if output.timed_out else f"exit {output.returncode}"
+    cut = f", {output.size:,} bytes, cut to {cap:,}" if output.size > cap else ""
+    return f"Result of {tool} ({status}{cut}):\n{shown}"
+
+
+class LiveWorld:
+    """A live run: the model through ask.chat(), tools in the scratch copy, everything onto the run's ledger."""
+
+    def __init__(self, run, workspace, settings, started):
+        self.run, self.ws, self.settings, self.started = run, workspace, settings, started
+        self.last_call = {"attempts": 0, "tokens": 0, "tokens_source": "estimated"}
+        self.context_shrunk = False
+
+    def elapsed(self):
+        return time.monotonic() - self.started
+
+    def record(self, kind, payload):
+        return self.run.append(kind, payload)
+
+    def resolver(self, step):
+        return self.ws.resolve
+
+    def ask(self, step, messages, budget, limits):
+        """One model turn through ask.chat(), retried within the wall budget. Raises _Stop."""
+        base_url, model, api_key = self.settings
+        self.last_call = call = {"attempts": 0, "tokens": 0, "tokens_source": "estimated", "latency_ms": 0.0}
+        sources = set()
+        for attempt in range(CALL_RETRIES + 1 + 1):
+            wall_left = limits["max_wall_s"] - self.elapsed()
+            if wall_left < 1:
+                raise _Stop("budget_exhausted", "budget_exhausted", {
+                    "limit": "max_wall_s", "used": round(self.elapsed(), 3), "max": limits["max_wall_s"],
+                    "budget": budget.snapshot(self.elapsed()), "during": "model call"})
+            timeout = min(limits["call_timeout_s"], wall_left)
+            record = ask.chat(messages, ledger=self.run, base_url=base_url, model=model, api_key=api_key,
+                              max_tokens=limits["max_tokens_per_call"], timeout=timeout, retries=0,
+                              max_response_bytes=ask.DEFAULT_MAX_RESPONSE_BYTES)
+            call["attempts"] += record["attempt"]
+            call["latency_ms"] = round(call["latency_ms"] + (record["latency_ms"] or 0), 1)
+            tokens, source = _call_tokens(record)
+            call["tokens"] += tokens
+            sources.add(source)
+            call["tokens_source"] = "reported" if sources == {"reported"} else (
+                "estimated" if sources == {"estimated"} else "mixed")
+            if not record["error_type"]:
+                call["reply_sha256"] = hashlib.sha256(record["text"].encode("utf-8", "surrogatepass")).hexdigest()
+                call["reply_artifact"] = self.run.store_artifact(record["text"])
+                return record["text"], dict(call)
+            if _context_too_long(record) and not self.context_shrunk:
+                self.context_shrunk = True
+                limits["max_context_chars"] = max(2000, limits["max_context_chars"] // 2)
+                trimmed = _fit(messages, limits["max_context_chars"]) or {}
+                self.run.append("context_shrunk", dict(trimmed, step=step, max_context_chars=limits["max_context_chars"],
+                                                       error_code=record["error_code"]))
+                continue
+            if record["error_type"] == "timeout" and self.elapsed() >= limits["max_wall_s"] - 1:
+                raise _Stop("budget_exhausted", "budget_exhausted", {
+                    "limit": "max_wall_s", "used": round(self.elapsed(), 3), "max": limits["max_wall_s"],
+                    "budget": budget.snapshot(self.elapsed()), "during": "model call"})
+            if not ask.retryable(record) or attempt >= CALL_RETRIES:
+                break
+            time.sleep(min(2.0 * (attempt + 1), max(0.0, limits["max_wall_s"] - self.elapsed() - 1)))
+        raise _Stop("error", "error", {"stage": "model", "message": f"the model endpoint failed: "
+                                                                    f"{record['error_type']}: {record['error_message']}",
+                                       "error_type": record["error_type"], "error_code": record["error_code"]})
+
+    def execute(self, step, tool, args):
+        return self.ws.execute(tool, args)
+
+    def record_result(self, step, tool, output, cap):
+        """tool_result: returncode, size, digest, a short excerpt and the full output as an artifact. Returns
+        the (masked) text the model is shown."""
+        full = output.artifact_bytes()
+        artifact = self.run.store_artifact(full)
+        shown = self.run.ledger.redactor.text(output.text(cap))
+        self.run.append("tool_result", {"step": step, "tool": tool, "returncode": output.returncode,
+                                        "timed_out": output.timed_out, "size": output.size,
+                                        "sha256": hashlib.sha256(full).hexdigest(), "truncated": output.size > cap,
+                                        "duration_ms": output.duration_ms, "output_artifact": artifact,
+                                        "excerpt": _excerpt(shown, 800)})
+        return shown
+
+    def check_patch(self, step, patch):
+        return check_patch(self.ws.root, patch, self.run.ledger.redactor)
+
+
+def _call_tokens(record):
+    """(tokens, source) of one model call: reported where the server gave them, else estimated."""
+    if record["total_tokens"] is not None:
+        return record["total_tokens"], "reported"
+    if record["input_tokens"] is not None and record["output_tokens"] is not None:
+        return record["input_tokens"] + record["output_tokens"], "reported"
+    return (record["est_input_tokens"] or 0) + (record["est_output_tokens"] or 0), "estimated"
+
+
+def _context_too_long(record):
+    if record["error_code"] in ("context_length_exceeded", "string_above_max_length", "context_window_exceeded"):
+        return True
+    return record["http_status"] in (400, 413, 422) and bool(re.search(
+        r"context.?length|maximum context|context window|too many tokens|prompt is too long|reduce the length",
+        record["error_message"] or "", re.I))
+
+
+def check_patch(scratch, patch, redactor):
+    """Does the patch apply to the baseline? Checked in a fresh clone of the scratch copy with
+    `git apply --check`, then `--recount` (small models miscount hunk lines). Returns what was found,
+    with the proposal as it will be written (git's own diff when --recount was needed)."""
+    patch_bytes = patch.encode("utf-8", "surrogateescape")
+    result = {"applies": False, "recount": False, "message": "", "files": patch_files(patch)[0],
+              "patch_sha256": hashlib.sha256(patch_bytes).hexdigest(), "proposal_sha256": None, "proposal": None}
+    with tempfile.TemporaryDirectory(prefix="agent-patch-") as work:
+        clone = Path(work) / "tree"
+        env = _git_env({"GIT_CEILING_DIRECTORIES": work})
+        subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(scratch), str(clone)], env=env, check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+        for flags in ([], ["--recount"]):
+            proc = subprocess.run(["git", "-C", str(clone), "apply", "--check", "--verbose", *flags, "-"],
+                                  input=patch_bytes, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                                  timeout=120)
+            if proc.returncode == 0:
+                break
+            if not result["message"]:
+                result["message"] = redactor.text(proc.stdout.decode("utf-8", "replace").strip())[-1500:]
+        if proc.returncode != 0:
+            return result
+        result["applies"], result["recount"] = True, bool(flags)
+        if flags:
+            subprocess.run(["git", "-C", str(clone), "apply", *flags, "-"], input=patch_bytes, env=env, check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
+            subprocess.run(["git", "-C", str(clone), "add", "-A"], env=env, check=True, timeout=120)
+            proposal = subprocess.run(["git", "-C", str(clone), "diff", "--cached", "--no-color"], env=env,
+                                      stdout=subprocess.PIPE, check=True, timeout=120).stdout
+        else:
+            proposal = patch_bytes
+    result["message"] = ""
+    result["proposal"] = proposal
+    result["proposal_sha256"] = hashlib.sha256(proposal).hexdigest()
+    return result
+
+
+# ----------------------------------------------------------------------------
+# A run: what cron calls
+# ----------------------------------------------------------------------------
+
+def _lock_dir():
+    base = Path(os.environ.get("AGENT_LOCK_DIR") or Path(tempfile.gettempdir()) / f"reasoning-ledger-locks-{os.getuid()}")
+    base.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(base)
+    if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid():
+        raise RepoError(f"{base}: the lock directory must be a directory of your own (not a symlink)")
+    return base
+
+
+def take_lock(repo, run_id):
+    """The repository's run lock: an flock held for the life of the run (released on exit or crash).
+    Raises LockHeld at once when another run holds it."""
+    path = _lock_dir() / (hashlib.sha256(str(repo).encode("utf-8", "surrogateescape")).hexdigest()[:32] + ".lock")
+    fd = os.open(str(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 300, 0).decode("utf-8", "replace").strip() or "unknown"
+        os.close(fd)
+        raise LockHeld(f"another run holds the lock for {repo} ({holder}); lock file {path}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} run {run_id} since {rl.utc_now()}\n".encode(), 0)
+    return fd
+
+
+def _on_signal(signum, _frame):
+    for pgid in list(_CHILDREN):
+        _kill_group(pgid)
+    raise _Terminated(f"terminated by signal {signum} ({signal.Signals(signum).name})")
+
+
+def run_agent(repo, *, settings, ref=None, runs_dir=DEFAULT_RUNS, tools=DEFAULT_TOOLS, max_steps=None,
+              max_wall_s=None, run_id=None, origin=None):
+    """One agent run on `repo`. Returns (outcome, run_id, proposal path or None). Raises PolicyError,
+    RepoError or LockHeld before a run is opened; after that every failure is recorded and closes the run."""
+    policy = load_policy(tools)
+    if max_steps is not None:
+        policy.budget["max_steps"] = max_steps
+    if max_wall_s is not None:
+        policy.budget["max_wall_s"] = max_wall_s
+    repo = repo_root(repo)
+    commit = resolve_ref(repo, ref)
+    run_id = run_id or rl.new_run_id()
+    lock = take_lock(repo, run_id)
+    try:
+        secrets = [settings[2]] + repo_secrets(repo)
+        run = rl.open_run(runs_dir, run_id=run_id, secrets=secrets)
+        started = time.monotonic()
+        scratch = Path(tempfile.mkdtemp(prefix=f"agent-{run.run_id}-"))
+        try:
+            outcome, proposal = _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origin or {})
+        except (Exception, _Terminated) as exc:  # the boundary: recorded as an event, then the run is closed
+            outcome, proposal = "error", None
+            trace = run.store_artifact(traceback.format_exc())
+            run.append("error", {"type": type(exc).__name__, "message": rl.error_text(exc)[:2000],
+                                 "traceback_artifact": trace})
+        finally:
+            _remove_tree(scratch)
+        summary = _closing_summary(run, outcome)
+        run.close(outcome, **summary)
+        return outcome, run.run_id, proposal
+    finally:
+        os.close(lock)
+
+
+def _closing_summary(run, outcome):
+    events = list(rl.read_events(run.ledger.path))
+    verdicts = [e["payload"] for e in events if e["kind"] == "judge_verdict"]
+    proposed = [e for e in events if e["kind"] in ("model_proposed", "proposal_malformed")]
+    return {"steps": len(proposed), "proposal": PROPOSAL_NAME if (run.dir / PROPOSAL_NAME).exists() else None,
+            "verdict": verdicts[-1].get("verdict") if verdicts else None}
+
+
+def _remove_tree(path):
+    import shutil  # only at the end of a run
+    for base, dirs, _files in os.walk(path):
+        for name in dirs:  # a test may have left a read-only directory behind
+            try:
+                os.chmod(os.path.join(base, name), 0o700)
+            except OSError:
+                pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origin):
+    base_url, model, _key = settings
+    tree = scratch / "tree"
+    digest = snapshot(repo, commit if ref else None, tree)
+    dirty = bool(git_state_short(repo)) if not ref else False
+    tools_ref = run.store_artifact(policy.text)
+    run.append("run_started", {
+        "repo": str(repo), "ref": ref, "commit": commit, "dirty": dirty, "tree_digest": digest,
+        "tools_path": policy.source, "tools_sha256": policy.sha256, "tools_artifact": tools_ref,
+        "model": model, "base_url": ask.split_base_url(base_url)[1], "budget": policy.budget,
+        "test_command": policy.test_command, "agent_version": __version__,
+        "python": sys.version.split()[0], **origin})
+    workspace = Workspace(repo, commit if ref else None, tree, policy, run.ledger.redactor)
+    baseline = _tests(run, workspace, "tests_run", scratch)
+    if baseline["passed"]:
+        run.decide("triage", "no action", "the tests pass", ["look for other work"])
+        return "no_action", None
+    diff = workspace._git_diff()
+    run.append("prompt_context", {"diff_artifact": run.store_artifact(diff), "diff_chars": len(diff)})
+    messages = [{"role": "system", "content": system_prompt(policy)},
+                {"role": "user", "content": run.ledger.redactor.text(first_prompt(
+                    baseline["output"], diff, Budget(policy.budget).left(0.0)))}]
+    world = LiveWorld(run, workspace, settings, started)
+    try:
+        outcome, check = drive(world, policy, messages)
+    except _Stop as stop:
+        run.append(stop.kind, stop.payload)
+        return stop.outcome, None
+    if outcome != "proposal":
+        return outcome, None
+    proposal = rl.Redactor(run.ledger.redactor.values).text(check["proposal"].decode("utf-8", "surrogateescape"))
+    path = run.dir / PROPOSAL_NAME  # after the decision that accepted it
+    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as handle:
+        handle.write(proposal)
+    verdict = _judge_in_child(run, policy)
+    return ("proposal_accepted" if verdict == "accept" else "proposal_rejected_by_judge"), path
+
+
+def git_state_short(repo):
+    return git(repo, "status", "--porcelain=v1", "-z", "--untracked-files=normal")
+
+
+def _tests(run, workspace, kind, scratch, root=None):
+    """Run the test command; record `kind` with the exit code, duration, output (artifact and excerpt) and,
+    for pytest, every test's outcome."""
+    junit = scratch / f"junit-{kind}-{time.monotonic_ns()}.xml"
+    output = workspace.run_tests(root=root, junit=junit)
+    outcomes = junit_outcomes(junit) if junit.exists() else None
+    payload = {"command": workspace.policy.test_command, "returncode": output.returncode,
+               "passed": output.returncode == 0, "timed_out": output.timed_out, "duration_ms": output.duration_ms,
+               "size": output.size, "output_artifact": run.store_artifact(output.artifact_bytes()),
+               "excerpt": _excerpt(run.ledger.redactor.text(output.text(EXCERPT_BYTES * 2)))}
+    if outcomes is not None:
+        payload["outcomes_artifact"] = run.store_artifact(json.dumps(outcomes, sort_keys=True, indent=0))
+        payload["counts"] = {k: sum(1 for v in outcomes.values() if v == k) for k in
+                             ("passed", "failed", "error", "skipped")}
+    run.append(kind, payload)
+    return dict(payload, output=output, outcomes=outcomes)
+
+
+def _judge_in_child(run, policy):
+    """The judge runs as its own process, reading only the run's ledger and artifacts."""
+    env = _child_env()
+    if os.environ.get(rl.KEY_ENV):
+        env[rl.KEY_ENV] = os.environ[rl.KEY_ENV]
+    argv = [sys.executable, str(Path(__file__).resolve()), "judge", str(run.dir.resolve())]
+    output = run_program(argv, HERE, policy.test_timeout_s + 300, env=env)
+    verdicts = [e["payload"] for e in rl.read_events(run.ledger.path) if e["kind"] == "judge_verdict"]
+    if not verdicts:
+        raise RuntimeError(f"the judge did not give a verdict (exit {output.returncode}): "
+                           f"{output.text(1000).strip()[-500:]}")
+    return verdicts[-1].get("verdict")
+
+
+# ----------------------------------------------------------------------------
+# The judge: reads only the run's ledger and artifacts, works in its own copy
+# ----------------------------------------------------------------------------
+
+def _artifact_text(run_dir, ref):
+    return (Path(run_dir) / ref["path"]).read_bytes().decode("utf-8", "replace")
+
+
+def judge_run(run_dir):
+    """Apply the run's proposal.patch in a throwaway copy of the repository, run the tests there, and answer:
+    do they pass now, did any test that passed before now fail (or vanish), did the patch touch test files?
+    Appends judge_verdict to the run and returns it."""
+    run_dir = Path(run_dir).resolve()
+    events = list(rl.read_events(run_dir / rl.EVENTS_NAME))
+    started = next(e["payload"] for e in events if e["kind"] == "run_started")
+    baseline = next(e["payload"] for e in events if e["kind"] == "tests_run")
+    decision = [e["payload"] for e in events if e["kind"] == "decision" and e["payload"].get("stage") == "proposal"][-1]
+    policy = policy_from_text(_artifact_text(run_dir, started["tools_artifact"]), "the run's tools.json")
+    before = json.loads(_artifact_text(run_dir, baseline["outcomes_artifact"])) if baseline.get("outcomes_artifact") \
+        else None
+    patch = (run_dir / PROPOSAL_NAME).read_bytes()
+    repo = Path(started["repo"])
+    verdict = {"verdict": "reject", "applies": False, "tests_passed": False, "reason": "", "touched_tests": [],
+               "newly_failing": [], "vanished": [], "still_failing": [], "comparison": "exit codes"}
+    ledger = rl.Ledger(run_dir / rl.EVENTS_NAME, run_dir.name, secrets=repo_secrets(repo))
+    files, _problems = patch_files(patch.decode("utf-8", "replace"))
+    verdict["touched_tests"] = [f for f in files if policy.is_test_path(f)]
+    with tempfile.TemporaryDirectory(prefix="agent-judge-") as work:
+        tree = Path(work) / "tree"
+        if hashlib.sha256(patch).hexdigest() != decision.get("proposal_sha256"):
+            verdict["reason"] = "proposal.patch is not the patch the decision accepted"
+        elif snapshot(repo, started["commit"] if started.get("ref") else None, tree) != started["tree_digest"]:
+            verdict["reason"] = "the repository changed since the run started; the judge cannot compare"
+        else:
+            env = _git_env({"GIT_CEILING_DIRECTORIES": work})
+            proc = subprocess.run(["git", "-C", str(tree), "apply", "-"], input=patch, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, env=env, timeout=120)
+            verdict["applies"] = proc.returncode == 0
+            if not verdict["applies"]:
+                verdict["reason"] = "the patch does not apply: " + proc.stdout.decode("utf-8", "replace")[-500:]
+            else:
+                junit = Path(work) / "junit.xml"
+                workspace = Workspace(repo, None, tree, policy, ledger.redactor)
+                output = workspace.run_tests(junit=junit)
+                after = junit_outcomes(junit) if junit.exists() else None
+                verdict.update(_compare(before, after, output))
+                verdict["output_artifact"] = ledger.store_artifact(output.artifact_bytes())
+                verdict["excerpt"] = _excerpt(ledger.redactor.text(output.text(EXCERPT_BYTES)), 800)
+                verdict["duration_ms"] = output.duration_ms
+                verdict["verdict"], verdict["reason"] = _rule(verdict, policy)
+    ledger.append("judge_verdict", verdict)
+    ledger.close()
+    return verdict
+
+
+def _compare(before, after, output):
+    found = {"tests_passed": output.returncode == 0, "returncode": output.returncode, "timed_out": output.timed_out}
+    if before is None or after is None:
+        return found
+    found["comparison"] = "per test (JUnit XML)"
+    found["newly_failing"] = sorted(t for t, o in before.items() if o == "passed" and after.get(t, "missing") in
+                                    ("failed", "error"))
+    found["vanished"] = sorted(t for t, o in before.items() if o in ("passed", "failed", "error") and
+                               after.get(t) in (None, "skipped"))
+    found["still_failing"] = sorted(t for t, o in after.items() if o in ("failed", "error"))
+    return found
+
+
+def _rule(verdict, policy):
+    if verdict["touched_tests"] and not policy.allow_test_changes:
+        return "reject", f"the patch changes test files ({', '.join(verdict['touched_tests'][:5])}); a fix must not"
+    if verdict["vanished"]:
+        return "reject", f"tests that ran before are gone or skipped: {', '.join(verdict['vanished'][:5])}"
+    if verdict["newly_failing"]:
+        return "reject", f"tests that passed before now fail: {', '.join(verdict['newly_failing'][:5])}"
+    if not verdict["tests_passed"]:
+        return "reject", ("the tests time out with the patch" if verdict.get("timed_out") else
+                          f"the tests still fail with the patch (exit {verdict.get('returncode')})")
+    return "accept", "the patch applies, the tests pass, no test that passed before fails, no test file changed"
+
+
+# ----------------------------------------------------------------------------
+# Replay: the same decisions from the record, with no model, no tool and no network
+# ----------------------------------------------------------------------------
+
+class _ReplayEnd(Exception):
+    """The recorded replies ran out."""
+
+
+class ReplayWorld:
+    """A recorded run as the host's world: replies, resolutions, results and clock come from the ledger;
+    what the host records is collected to compare."""
+
+    def __init__(self, run_dir, events):
+        self.run_dir, self.produced = Path(run_dir), []
+        self.replies, self.clock, self.paths, self.checks = [], [], {}, {}
+        self.last_call = {"attempts": 0, "tokens": 0, "tokens_source": "estimated"}
+        for event in events:
+            kind, payload = event["kind"], event["payload"]
+            if kind in ("model_proposed", "proposal_malformed"):
+                self.replies.append(payload)
+                self.clock.append(payload["budget"]["elapsed_s"])
+            elif kind == "budget_exhausted":
+                self.clock.append(payload["budget"]["elapsed_s"])
+            elif kind in ("tool_allowed", "tool_denied"):
+                self.paths.setdefault(payload["step"], {}).update(payload.get("paths") or {})
+            elif kind == "patch_rejected":
+                self.checks[payload["step"]] = {"applies": False, "message": payload["message"],
+                                                "patch_sha256": payload["patch_sha256"]}
+            elif kind == "decision" and payload.get("stage") == "proposal":
+                self.checks[payload["step"]] = {"applies": True, "recount": payload["recount"],
+                                                "files": payload["files"], "patch_sha256": payload["patch_sha256"],
+                                                "proposal_sha256": payload["proposal_sha256"], "message": ""}
+        self.steps = 0
+
+    def elapsed(self):
+        return self.clock[min(self.steps, len(self.clock) - 1)] if self.clock else 0.0
+
+    def record(self, kind, payload):
+        self.produced.append((kind, payload))
+
+    def resolver(self, step):
+        recorded = self.paths.get(step, {})
+
+        def resolve(norm):
+            for given, resolved in recorded.items():
+                if posixpath.normpath(given) == norm:
+                    return resolved
+            return norm  # not resolved in the recorded run: taken at its word
+        return resolve
+
+    def ask(self, step, messages, budget, limits):
+        if step > len(self.replies):
+            raise _ReplayEnd()
+        payload = self.replies[step - 1]
+        self.steps = step
+        call = payload["call"]
+        self.last_call = call
+        text = _artifact_text(self.run_dir, call["reply_artifact"])
+        return text, call
+
+    def execute(self, step, tool, args):
+        return _text_output(0, "(replayed: the recorded output is in the ledger)", time.monotonic())
+
+    def record_result(self, step, tool, output, cap):
+        return output.text(cap)
+
+    def check_patch(self, step, patch):
+        if step in self.checks:
+            return self.checks[step]
+        return {"applies": False, "message": "(not checked in the recorded run)", "patch_sha256": None,
+                "recount": False, "files": []}
+
+
+def _decision_key(kind, payload):
+    if kind in ("tool_allowed", "tool_denied"):
+        return (kind, payload["step"], payload["tool"], payload["rule"])
+    if kind == "model_proposed":
+        return (kind, payload["step"], payload["tool"])
+    if kind in ("proposal_malformed", "patch_rejected"):
+        return (kind, payload["step"])
+    if kind == "decision":
+        return (kind, payload.get("stage"), payload.get("proposal_sha256"))
+    return (kind, payload.get("limit"))
+
+
+def replay_run(run_dir, tools=None):
+    """Drive the host again from the recorded replies and results. Returns (divergences, flips): the first
+    divergence from the recorded decisions (empty when identical), and with `tools` each decision that
+    allowlist flips."""
+    run_dir = Path(run_dir)
+    events = list(rl.read_events(run_dir / rl.EVENTS_NAME))
+    started = next((e["payload"] for e in events if e["kind"] == "run_started"), None)
+    if started is None:
+        raise rl.UsageError(f"{run_dir}: no run_started event: not an agent run")
+    recorded_policy = policy_from_text(_artifact_text(run_dir, started["tools_artifact"]), "the run's tools.json")
+    policy = load_policy(tools) if tools else recorded_policy
+    if tools is None:
+        policy.budget = dict(started["budget"])
+    world = ReplayWorld(run_dir, events)
+    try:
+        drive(world, policy, [{"role": "system", "content": ""}, {"role": "user", "content": ""}])
+    except (_ReplayEnd, _Stop):
+        pass
+    recorded = [(e["seq"], _decision_key(e["kind"], e["payload"]), e) for e in events if e["kind"] in DECISION_KINDS]
+    produced = [_decision_key(k, p) for k, p in world.produced if k in DECISION_KINDS]
+    proposal = run_dir / PROPOSAL_NAME
+    divergences = []
+    for i, (seq, key, event) in enumerate(recorded):
+        got = produced[i] if i < len(produced) else None
+        if got != key:
+            divergences.append((seq, key, got))
+            break
+    else:
+        if len(produced) > len(recorded):
+            divergences.append((None, None, produced[len(recorded)]))
+    decided = [e["payload"] for _s, _k, e in recorded if e["kind"] == "decision"]
+    if decided and proposal.exists() and hashlib.sha256(proposal.read_bytes()).hexdigest() != decided[-1].get(
+            "proposal_sha256"):
+        divergences.append((None, ("proposal.patch", decided[-1].get("proposal_sha256")),
+                            ("proposal.patch", hashlib.sha256(proposal.read_bytes()).hexdigest())))
+    flips = []
+    if tools is not None:
+        by_step = {(k[0], k[1]): k for k in produced if k[0] in ("tool_allowed", "tool_denied")}
+        for seq, key, event in recorded:
+            if key[0] not in ("tool_allowed", "tool_denied"):
+                continue
+            step = key[1]
+            now = by_step.get(("tool_allowed", step)) or by_step.get(("tool_denied", step))
+            if now is None:
+                continue
+            if now[0] != key[0] or now[3] != key[3]:
+                p = event["payload"]
+                flips.append(f"seq {seq} step {step}: {p['tool']} {json.dumps(p['args'], ensure_ascii=False)[:120]}: "
+                             f"{'allowed' if key[0] == 'tool_allowed' else 'denied'} by {key[3]} -> "
+                             f"{'allowed' if now[0] == 'tool_allowed' else 'denied'} by {now[3]}")
+        recorded_budget = [k for _s, k, _e in recorded if k[0] == "budget_exhausted"]
+        produced_budget = [k for k in produced if k[0] == "budget_exhausted"]
+        if produced_budget != recorded_budget:
+            flips.append(f"budget: {recorded_budget[0][1] if recorded_budget else 'not exhausted'} -> "
+                         f"{produced_budget[0][1] if produced_budget else 'not exhausted'}")
+    return divergences, flips
+
+
+# ----------------------------------------------------------------------------
+# The record of runs
+# ----------------------------------------------------------------------------
+
+def list_runs(runs_dir):
+    """One row per run: id, started, outcome, steps, tokens (reported, else estimated~), and whether its
+    ledger verifies against the index."""
+    import audit  # its run summaries: one reader of the agent's events
+    runs_dir = Path(runs_dir)
+    status = {}
+    for path, result in rl.verify_runs(runs_dir):
+        if Path(path).name == rl.EVENTS_NAME:
+            status[Path(path).parent.name] = "ok" if isinstance(result, rl.Verified) else (
+                "FAIL" if isinstance(result, rl.IntegrityError) else "ERROR")
+    summary = audit.Audit()
+    for events in sorted(runs_dir.glob(f"*/{rl.EVENTS_NAME}")):
+        if status.get(events.parent.name) == "ok":
+            summary.add_file(events)
+    rows = {r["run_id"]: r for r in summary.run_rows()}
+    out = []
+    for run_id in sorted(status):
+        row = rows.get(run_id, {})
+        tokens = row.get("input_tokens")
+        tokens = (f"{tokens + (row.get('output_tokens') or 0):,}" if tokens is not None
+                  else f"{row['est_tokens']:,}~" if row.get("est_tokens") else "-")
+        out.append({"run_id": run_id, "started": row.get("started", "-"), "outcome": row.get("outcome", "-"),
+                    "steps": row.get("steps", "-"), "tokens": tokens, "verified": status[run_id]})
+    return out
+
+
+# ----------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------
+
+def _cmd_run(args):
+    settings = ask.settings_from_env()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, _on_signal)
+    origin = {k: v for k, v in (("delivery", args.delivery), ("event", args.event)) if v}
+    outcome, run_id, proposal = run_agent(args.repo, settings=settings, ref=args.ref, runs_dir=args.runs_dir,
+                                          tools=args.tools, max_steps=args.max_steps, max_wall_s=args.max_wall_s,
+                                          run_id=args.run_id, origin=origin)
+    rl.write_out(f"{run_id} {outcome} {proposal or '-'}\n")
+    return OUTCOME_EXIT[outcome]
+
+
+def _cmd_check_tools(args):
+    path = args.file or DEFAULT_TOOLS
+    try:
+        policy = load_policy(path)
+    except PolicyError as exc:
+        for problem in exc.problems:
+            rl.error(f"{path}: {problem}")
+        return rl.EXIT_USAGE
+    rl.write_out(f"ok    {path}  version {policy.version}, {len(policy.builtins)} built-ins, {len(policy.plugins)} "
+                 f"plugins, sha256 {policy.sha256}\n")
+    return rl.EXIT_OK
+
+
+def _cmd_judge(args):
+    verdict = judge_run(args.run_dir)
+    rl.write_out(f"{verdict['verdict']}: {verdict['reason']}\n")
+    return rl.EXIT_OK if verdict["verdict"] == "accept" else rl.EXIT_CHECK
+
+
+def _cmd_replay(args):
+    divergences, flips = replay_run(args.run_dir, args.tools)
+    if args.tools:
+        for line in flips:
+            rl.write_out(rl.printable(line) + "\n")
+        rl.write_out(f"{len(flips)} decision{'s' if len(flips) != 1 else ''} would change under {args.tools}\n")
+        return rl.EXIT_CHANGED if flips else rl.EXIT_OK
+    if not divergences:
+        rl.write_out("identical: the host makes the same decisions from the record\n")
+        return rl.EXIT_OK
+    seq, want, got = divergences[0]
+    rl.write_out(rl.printable(f"first divergence at seq {seq}: recorded {want}, replay {got}") + "\n")
+    return rl.EXIT_FAILED
+
+
+def _cmd_runs(args):
+    rows = list_runs(args.runs_dir)
+    for row in rows:
+        rl.write_out(rl.printable(f"{row['run_id']}  {row['started']}  {row['outcome']:<27} steps {row['steps']!s:<3} "
+                                  f"tokens {row['tokens']:<10} {row['verified']}") + "\n")
+    if not rows:
+        rl.write_out(f"no runs in {args.runs_dir}\n")
+    return rl.EXIT_FAILED if any(r["verified"] != "ok" for r in rows) else rl.EXIT_OK
+
+
+def _build_parser():
+    codes = (rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHECK, rl.EXIT_OUTPUT, rl.EXIT_LOCKED,
+             rl.EXIT_BUDGET, rl.EXIT_PROPOSAL)
+    parser = argparse.ArgumentParser(prog="agent.py", description="The host of a coding agent.",
+                                     epilog=rl.exit_codes_epilog(*codes),
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("run", help="one run on a repository: tests, then the model proposes until a patch or the budget")
+    p.add_argument("--repo", required=True, help="the git repository (never modified)")
+    p.add_argument("--ref", help="a commit to work on (default: the working tree, uncommitted changes included)")
+    p.add_argument("--runs-dir", default=DEFAULT_RUNS, help=f"where runs are recorded (default ./{DEFAULT_RUNS})")
+    p.add_argument("--tools", default=str(DEFAULT_TOOLS), help="the allowlist (default: tools.json beside agent.py)")
+    p.add_argument("--max-steps", type=int, help="override the budget's max_steps")
+    p.add_argument("--max-wall-s", type=float, help="override the budget's max_wall_s")
+    p.add_argument("--run-id", help=argparse.SUPPRESS)
+    p.add_argument("--delivery", help=argparse.SUPPRESS)
+    p.add_argument("--event", help=argparse.SUPPRESS)
+    p.set_defaults(func=_cmd_run)
+
+    p = sub.add_parser("runs", help="one line per run: id, started, outcome, steps, tokens, verified")
+    p.add_argument("--runs-dir", default=DEFAULT_RUNS)
+    p.set_defaults(func=_cmd_runs)
+
+    p = sub.add_parser("replay", help="the same decisions from the record; --tools: which would change")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--tools", help="another tools.json: list the decisions it would flip")
+    p.set_defaults(func=_cmd_replay)
+
+    p = sub.add_parser("check-tools", help="validate a tools.json (exit 0 valid, 2 not)")
+    p.add_argument("file", nargs="?", metavar="FILE")
+    p.set_defaults(func=_cmd_check_tools)
+
+    p = sub.add_parser("judge", help="judge a run's proposal.patch in a throwaway copy (the host runs this)")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.set_defaults(func=_cmd_judge)
+    return parser
+
+
+def main(argv=None):
+    parser = _build_parser()
+    args, code = rl.parse_cli(parser, argv)
+    if args is None:
+        return code
+    if not args.command:
+        parser.print_help(sys.stderr)
+        return rl.EXIT_USAGE
+    for name in ("max_steps",):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            rl.error(f"--{name.replace('_', '-')} must be at least 1")
+            return rl.EXIT_USAGE
+    if getattr(args, "max_wall_s", None) is not None and not (0 < args.max_wall_s < float("inf")):
+        rl.error("--max-wall-s must be a positive number")
+        return rl.EXIT_USAGE
+    return rl.run_cli(args.func, args, secrets=[os.environ.get("API_KEY") or ""])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
