@@ -1259,7 +1259,8 @@ def _step(world, policy, step, text, call, checked, budget):
             world.record("patch_rejected", {"step": step, "message": check["message"],
                                             "patch_sha256": check["patch_sha256"]})
             return (f"The patch does not apply (git apply --check): {check['message']}\nFix the patch against the "
-                    f"files as they are (read them again if needed) and propose it again.")
+                    f"files as they are (read them again if needed), with the context lines around each change as "
+                    f"`diff -u` writes them, and propose it again.")
         world.record("decision", {"stage": "proposal", "decision": "write proposal.patch for a human to review",
                                   "rationale": args.get("rationale") or action["reason"] or "(none given)",
                                   "alternatives": list(args.get("alternatives") or []), "step": step,
@@ -1332,8 +1333,9 @@ class LiveWorld:
             if not ask.retryable(record) or attempt >= CALL_RETRIES:
                 break
             time.sleep(min(2.0 * (attempt + 1), max(0.0, limits["max_wall_s"] - self.elapsed() - 1)))
+        code = f" ({record['error_code']})" if record["error_code"] else ""
         raise _Stop("error", "error", {"stage": "model", "message": f"the model endpoint failed: "
-                                                                    f"{record['error_type']}: {record['error_message']}",
+                                                                    f"{record['error_type']}{code}: {record['error_message']}",
                                        "error_type": record["error_type"], "error_code": record["error_code"]})
 
     def execute(self, step, tool, args):

@@ -230,6 +230,7 @@ class Audit:
         self.listings = {}          # (base_url, day) -> (at, model_ids) of the day's last listing
         self.runs = {}              # run_id -> agent run summary
         self.ledgers = []           # {"path", "status", "lines", "reason"}
+        self._indexes = {}          # runs/index.jsonl -> {run id: (head seq, head hash)}
 
     def add_file(self, path, verify=True):
         """Stream one ledger into the audit. Returns its status dict; raises IntegrityError /
@@ -242,15 +243,39 @@ class Audit:
         return info
 
     def _verified(self, path, info):
+        """The events of a verified ledger; a closed run is also checked against the head its index recorded,
+        so a run rewritten or cut after it closed is refused as `verify --all` refuses it."""
+        expect = self._index_head(path)
         count = 0
         try:
-            for event, _raw, _digest in rl.iter_lines(path):
+            for event, _raw, digest in rl.iter_lines(path):
                 count += 1
+                if expect and count == expect[0] and digest != expect[1]:
+                    raise rl.IntegrityError(path, count, "does not match the head recorded in index.jsonl: the run "
+                                                         "was rewritten after it closed")
                 yield event
+            if expect and count < expect[0]:
+                raise rl.IntegrityError(path, count + 1, f"truncated: index.jsonl records seq {expect[0]}, the run "
+                                                         f"ends at seq {count}")
         except rl.TornTailError as exc:
             info["status"], info["reason"] = "torn", str(exc)
         finally:
             info["lines"] = count
+
+    def _index_head(self, path):
+        """(seq, hash) that runs/index.jsonl recorded for the run at `path`, or None."""
+        if path.name != rl.EVENTS_NAME:
+            return None
+        index = path.parent.parent / rl.INDEX_NAME
+        if index not in self._indexes:
+            heads = {}
+            if index.is_file():
+                for event in rl.read_events(index, run_id=None):
+                    entry = event["payload"]
+                    if event["kind"] == "run_closed" and type(entry.get("run")) is str:
+                        heads[entry["run"]] = (entry.get("head_seq"), entry.get("head_hash"))
+            self._indexes[index] = heads
+        return self._indexes[index].get(path.parent.name)
 
     @staticmethod
     def _unverified(path, info):
@@ -411,15 +436,15 @@ def compare_days(prev, cur, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAU
         new = sorted(set(after) - set(before), key=str)
         gone = sorted(set(before) - set(after), key=str)
         if new or gone:
-            parts = ([f"new {', '.join(map(str, new))}"] if new else []) + (
-                [f"gone {', '.join(map(str, gone))}"] if gone else [])
+            parts = ([f"new {', '.join(map(_label, new))}"] if new else []) + (
+                [f"gone {', '.join(map(_label, gone))}"] if gone else [])
             yield what, "; ".join(parts)
     if len(prev.latencies) >= MIN_LATENCY_SAMPLES and len(cur.latencies) >= MIN_LATENCY_SAMPLES:
         a, b = sorted(prev.latencies), sorted(cur.latencies)
         for name, q in (("p50", 50), ("p95", 95)):
             old, new = percentile(a, q), percentile(b, q)
             if old and abs(new - old) / old > latency_shift and abs(new - old) >= latency_floor:
-                yield f"latency_{name}", f"{_fmt_ms(old)} -> {_fmt_ms(new)} ms ({(new - old) / old:+.0%})"
+                yield f"latency_{name}", f"{old:,.0f} -> {new:,.0f} ms ({(new - old) / old:+.0%})"
     before, after = _usage_state(prev), _usage_state(cur)
     if before and after and before != after:
         yield "usage", f"usage reported {before} -> {after}"
@@ -599,6 +624,7 @@ _TEXT_FIELDS = {"request_model", "base_url", "day", "response_models", "system_f
                 "started", "outcome", "judge_verdict", "what", "detail", "previous_day", "path", "status",
                 "reason"}
 _CSS = (
+    ":root{color-scheme:light}"
     "body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:24px auto;max-width:1400px;"
     "padding:0 24px;color:#1f2328;background:#fff;line-height:1.4}"
     "h1{font-size:26px;margin:0 0 4px}h2{font-size:20px;margin:32px 0 8px;padding-top:8px;"
@@ -628,7 +654,7 @@ _CSS = (
     ".charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(460px,1fr));gap:18px 28px}"
     ".hists{display:grid;grid-template-columns:repeat(auto-fill,minmax(360px,1fr));gap:18px 28px}"
     "figure{margin:0;min-width:0}figcaption{font-size:12px;color:#555}"
-    "svg{max-width:100%;height:auto;display:block;overflow:visible}"
+    "svg{max-width:100%;height:auto;display:block}"
     "svg text{font-size:11px;fill:#333}svg .ax{font-size:12px;fill:#444}svg .lbl{font-size:10px}"
     "svg .gl{stroke:#e6e6e6}svg .axis{stroke:#888}svg .mark{stroke:#333;stroke-dasharray:4 3}"
     "@media (max-width:560px){.charts,.hists{grid-template-columns:1fr}}"
@@ -644,6 +670,11 @@ def _e(value):
     if len(text) > _MAX_TEXT:
         text = text[:_MAX_TEXT] + "\u2026"
     return html.escape(text, quote=True)
+
+
+def _clip(text, limit=90):
+    """A label for one line of SVG text, which does not wrap."""
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
 
 
 def _model_label(model, base):
@@ -721,7 +752,7 @@ def _legend(top, rest_label, totals):
              f'<span class="note">{totals[key]:,} calls</span></li>' for key, colour in zip(top, _PALETTE)]
     if rest_label:
         items.append(f'<li data-model="{_e(OTHER)}">{_key(_GREY, True)}{_e(rest_label)}</li>')
-    return '<ul class="legend">' + "".join(items) + "</ul>"
+    return '<ul class="legend" data-legend="models">' + "".join(items) + "</ul>"
 
 
 # -- per-day data --------------------------------------------------------------
@@ -1053,8 +1084,9 @@ def _per_day_section(audit, top, rest_label, totals, days):
         ("Calls per day", _line_chart("calls-per-day", "model calls per day, per model", "calls", "calls", days,
                                       series(lambda c, o, u, r, e: c))),
         ("Failed calls (% of calls)", _line_chart(
-            "error-rate-per-day", "share of calls that failed, per day and model", "% of calls failed", "of calls failed",
-            days, series(lambda c, o, u, r, e: 100.0 * (c - o) / c if c else None), integer=False, fmt=_pct)),
+            "error-rate-per-day", "share of calls that failed, per day and model", "% of calls failed",
+            "of calls failed", days, series(lambda c, o, u, r, e: 100.0 * (c - o) / c if c else None),
+            integer=False, fmt=_pct)),
         ("Tokens reported by servers (input + output)", _line_chart(
             "tokens-per-day", "reported tokens per day, per model", "tokens (reported)", "tokens", days,
             series(lambda c, o, u, r, e: r if u else None))),
@@ -1109,7 +1141,7 @@ def _errors_section(audit, days, top, rest_label):
         types.append(label)
     legend = "".join(f'<li data-error-type="{_e(t)}">{_key(colours[t])}{_e(t)} '
                      f'<span class="note">{totals[t]:,}</span></li>' for t in types)
-    return out + [f'<ul class="legend">{legend}</ul>', '<div class="charts"><figure><h3>Failed calls per day, '
+    return out + [f'<ul class="legend" data-legend="error-types">{legend}</ul>', '<div class="charts"><figure><h3>Failed calls per day, '
                   "by error type (all models)</h3>" + _errors_chart(days, by_day, types, colours) + "</figure>"
                   "<figure><h3>Failed calls by model and error type</h3>"
                   + _errors_by_model_chart(audit, by_series, types, colours, top, rest_label) + "</figure></div>"]
@@ -1133,11 +1165,11 @@ def _errors_by_model_chart(audit, by_series, types, colours, top, rest_label):
     parts.append(f'<text class="ax" x="{(left + right) / 2:.0f}" y="{bottom + 38}" text-anchor="middle">'
                  "failed calls</text>")
     for i, key in enumerate(keys):
-        label = _model_label(*key) if key else rest_label
+        label, colour = (_model_label(*key), _PALETTE[i]) if key else (rest_label, _GREY)
         per, y, x = by_series.get(i, {}), 8 + i * row, left
         parts.append(f'<g class="model" data-model="{_e(label if key else OTHER)}">'
-                     f'<rect x="{left}" y="{y + 3}" width="10" height="10" rx="2" '
-                     f'fill="{_PALETTE[i] if key else _GREY}"/><text x="{left + 15}" y="{y + 12}">{_e(label)}</text>')
+                     f'<rect x="{left}" y="{y + 3}" width="10" height="10" rx="2" fill="{colour}"/>'
+                     f'<text x="{left + 15}" y="{y + 12}">{_e(_clip(label))}</text>')
         for name in types:
             if per.get(name):
                 w = (right - left) * per[name] / xmax
@@ -1183,7 +1215,7 @@ def _changes_section(changes, colours):
     for c in changes[:_MAX_LIST_ROWS]:
         model = (f'{_key(colours.get((c["request_model"], c["base_url"]), _GREY))}{_e(c["request_model"])}'
                  if c["request_model"] is not None else "(models list)")
-        out.append(f'<tr><td class="t">{_e(c["day"])}</td><td class="t">{model}</td>{_td("base_url", c["base_url"])}'
+        out.append(f'<tr>{_td("day", c["day"])}<td class="t">{model}</td>{_td("base_url", c["base_url"])}'
                    f'<td class="t" title="{_e(c["what"])}">{_e(_WHAT.get(c["what"], c["what"]))}</td>'
                    f'<td class="t w">{_e(c["detail"])}</td>{_td("previous_day", c["previous_day"])}</tr>')
     out.append("</tbody></table></div>")

@@ -57,8 +57,8 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
-    def _error(self, status, message, kind="invalid_request_error", headers=None):
-        self._send(status, {"error": {"message": message, "type": kind, "code": None}}, headers=headers)
+    def _error(self, status, message, kind="invalid_request_error", headers=None, code=None):
+        self._send(status, {"error": {"message": message, "type": kind, "code": code}}, headers=headers)
 
     def _sse(self, chunks, done=True, close_early=False):
         self.send_response(200)
@@ -155,6 +155,9 @@ class Handler(BaseHTTPRequestHandler):
             return self._error(403, "Your account is not allowed to use this model", "permission_error")
         if name == "http_404":
             return self._error(404, f"The model `{model}` does not exist", "model_not_found")
+        if name == "context_too_long":
+            return self._error(400, "This model's maximum context length is 4096 tokens. However, your messages "
+                                    "resulted in 9000 tokens.", code="context_length_exceeded")
         if name == "rate_limited":
             headers = {"Retry-After": str(scenario.get("retry_after", 0))}
             if "retry_after_ms" in scenario:

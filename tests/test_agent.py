@@ -1,0 +1,607 @@
+"""agent.py as a user runs it: real git repositories in temp dirs, the stand-in endpoint scripted per test,
+agent.py as a subprocess. The user's repository must come out of every run exactly as it went in."""
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import reasoning_ledger as rl
+from conftest import KEY, ROOT, all_bytes_under, clean_env, error_lines, run_script
+
+CALC = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
+TESTS = ("from calc import add, mul\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
+         "def test_mul():\n    assert mul(2, 3) == 6\n")
+def udiff(name, before, after):
+    """A unified diff as `diff -u` writes it (three lines of context)."""
+    import difflib
+    return "".join(difflib.unified_diff(before.splitlines(True), after.splitlines(True), f"a/{name}", f"b/{name}"))
+
+
+FIX = udiff("calc.py", CALC, CALC.replace("a - b", "a + b"))
+MISCOUNTED = FIX.replace("@@ -1,5 +1,5 @@", "@@ -1,9 +1,9 @@")
+DELETE_TEST = udiff("test_calc.py", TESTS, TESTS.replace("def test_add():\n    assert add(2, 3) == 5\n\n\n", ""))
+WEAKEN = udiff("test_calc.py", TESTS, TESTS.replace("assert add(2, 3) == 5", "assert add(2, 3) is not None"))
+STALE = "--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(x, y):\n-    return x - y\n+    return x + y\n"
+ENV_SECRET = "s3cr3t-env-value-0123456789"
+
+
+def tools_json(path, **changes):
+    """The shipped tools.json with the test command on this interpreter, plus `changes`."""
+    data = json.loads((ROOT / "tools.json").read_text())
+    data["test_command"] = [sys.executable, "-m", "pytest", "-q"]
+    for plugin in data["plugins"].values():
+        plugin["argv"] = [sys.executable if a == "python3" else a for a in plugin["argv"]]
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key].update(value)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data, indent=1))
+    return path
+
+
+def git(repo, *args):
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                          env=dict(clean_env(), GIT_OPTIONAL_LOCKS="0")).stdout
+
+
+def make_repo(root, calc=CALC, tests=TESTS, extra=None, commit=True):
+    root.mkdir(parents=True)
+    git(root, "init", "-q")
+    (root / "calc.py").write_text(calc)
+    (root / "test_calc.py").write_text(tests)
+    for name, text in (extra or {}).items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    if commit:
+        git(root, "add", "-A")
+        git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    return root
+
+
+def repo_state(repo):
+    """Every file under the repository, .git included: content, mode and mtime; then git status, read
+    without an index write."""
+    files = {}
+    for path in sorted(Path(repo).rglob("*")):
+        info = os.lstat(path)
+        content = path.read_bytes() if stat.S_ISREG(info.st_mode) else os.readlink(path) if stat.S_ISLNK(
+            info.st_mode) else None
+        files[str(path.relative_to(repo))] = (content, info.st_mode, info.st_mtime_ns)
+    return files, git(repo, "status", "--porcelain", "--ignored")
+
+
+def action(tool, **args):
+    return json.dumps({"tool": tool, "args": args, "reason": f"step {tool}"})
+
+
+def propose(patch, rationale="add must add"):
+    return action("propose_patch", patch=patch, rationale=rationale, alternatives=["rewrite add"])
+
+
+@pytest.fixture
+def agent(server, tmp_path):
+    """Run agent.py on a repository with scripted replies; returns (proc, run_dir, events)."""
+    runs = tmp_path / "runs"
+    tools = tools_json(tmp_path / "tools.json")
+
+    def run(repo, replies=(), *args, tools_file=None, env=None, timeout=180, check_untouched=True):
+        server.queue(*[r if isinstance(r, dict) else {"name": "ok", "answer": r} for r in replies])
+        before = repo_state(repo) if check_untouched else None
+        settings = dict(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model")
+        settings.update(env or {})
+        proc = run_script("agent.py", "run", "--repo", repo, "--runs-dir", runs, "--tools", tools_file or tools,
+                          *args, env=clean_env(**settings), timeout=timeout)
+        if check_untouched:
+            assert repo_state(repo) == before, "the run changed the user's repository"
+        assert "Traceback" not in proc.err, proc.err
+        line = proc.out.split()
+        run_dir = runs / line[0] if line else None
+        events = list(rl.read_events(run_dir / "events.jsonl")) if run_dir and run_dir.exists() else []
+        return proc, run_dir, events
+
+    run.runs, run.tools = runs, tools
+    return run
+
+
+def kinds(events):
+    return [e["kind"] for e in events if e["kind"] not in ("model_call", "tool_result", "context_trimmed")]
+
+
+def payload(events, kind):
+    return [e["payload"] for e in events if e["kind"] == kind]
+
+
+def _verifies(runs):
+    proc = run_script("reasoning_ledger.py", "verify", "--all", runs)
+    assert proc.returncode == 0, proc.out + proc.err
+
+
+def _replays(run_dir):
+    proc = run_script("agent.py", "replay", run_dir)
+    assert proc.returncode == 0 and proc.out.startswith("identical"), proc.out + proc.err
+
+
+# ----------------------------------------------------------------------------
+# The main job
+# ----------------------------------------------------------------------------
+
+def test_a_failing_repo_gets_a_proposal_that_the_judge_accepts(agent, tmp_path, server):
+    repo = make_repo(tmp_path / "repo")
+    proc, run_dir, events = agent(repo, [action("read_file", path="calc.py"), propose(FIX)])
+    assert proc.returncode == rl.EXIT_PROPOSAL == 8, proc.err
+    run_id, outcome, proposal = proc.out.split()
+    assert outcome == "proposal_accepted" and proposal == str(run_dir / "proposal.patch")
+    assert (run_dir / "proposal.patch").read_text() == FIX
+    assert kinds(events) == ["run_started", "tests_run", "prompt_context", "model_proposed", "tool_allowed",
+                             "model_proposed", "tool_allowed", "decision", "judge_verdict", "run_closed"]
+    started = payload(events, "run_started")[0]
+    assert started["repo"] == str(repo.resolve()) and started["dirty"] is False and started["model"] == "stand-in-model"
+    assert started["tools_sha256"] and started["commit"] == git(repo, "rev-parse", "HEAD").decode().strip()
+    tests_run = payload(events, "tests_run")[0]
+    assert tests_run["passed"] is False and tests_run["counts"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 0}
+    decision = payload(events, "decision")[0]
+    assert decision["stage"] == "proposal" and decision["rationale"] == "add must add"
+    assert decision["alternatives"] == ["rewrite add"] and decision["files"] == ["calc.py"]
+    assert [e["seq"] for e in events if e["kind"] == "decision"][0] < \
+        [e["seq"] for e in events if e["kind"] == "judge_verdict"][0]  # decided before the file was judged
+    verdict = payload(events, "judge_verdict")[0]
+    assert verdict["verdict"] == "accept" and verdict["applies"] and verdict["tests_passed"]
+    assert verdict["comparison"] == "per test (JUnit XML)" and verdict["newly_failing"] == []
+    assert payload(events, "run_closed")[0]["outcome"] == "proposal_accepted"
+    # every model call of the run is in the run's ledger, with all of ask.py's fields
+    calls = payload(events, "model_call")
+    assert len(calls) == 2 and all(c["max_tokens"] == 2048 and c["request_model"] == "stand-in-model" for c in calls)
+    first_prompt = server.requests[0]["body"]["messages"][1]["content"]
+    assert "assert add(2, 3) == 5" in first_prompt and "Budget left: 24 steps" in first_prompt
+    _verifies(agent.runs)
+    _replays(run_dir)
+
+
+def test_a_passing_repo_gets_no_action(agent, tmp_path, server):
+    repo = make_repo(tmp_path / "repo", calc=CALC.replace("a - b", "a + b"))
+    proc, run_dir, events = agent(repo)
+    assert proc.returncode == 0 and proc.out.split()[1:] == ["no_action", "-"]
+    assert kinds(events) == ["run_started", "tests_run", "decision", "run_closed"]
+    assert payload(events, "decision")[0]["decision"] == "no action" and server.requests == []
+    _verifies(agent.runs)
+
+
+def test_uncommitted_changes_are_the_tree_worked_on_and_ref_is_the_commit(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo", calc=CALC.replace("a - b", "a + b"))
+    (repo / "calc.py").write_text(CALC)  # the user's uncommitted change broke it
+    proc, run_dir, events = agent(repo, [propose(FIX)])
+    assert proc.returncode == 8, proc.err
+    assert payload(events, "run_started")[0]["dirty"] is True
+    diff = (run_dir / payload(events, "prompt_context")[0]["diff_artifact"]["path"]).read_text()
+    assert "-    return a + b" in diff and "+    return a - b" in diff
+    head = git(repo, "rev-parse", "HEAD").decode().strip()
+    proc, run_dir, events = agent(repo, [], "--ref", head)  # the commit itself passes
+    assert proc.returncode == 0 and proc.out.split()[1] == "no_action"
+    assert payload(events, "run_started")[0]["ref"] == head
+
+
+# ----------------------------------------------------------------------------
+# The judge
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("patch,words", [
+    (DELETE_TEST, "changes test files (test_calc.py)"),
+    (WEAKEN, "changes test files (test_calc.py)"),
+])
+def test_a_patch_that_deletes_or_weakens_the_failing_test_is_rejected(agent, tmp_path, patch, words):
+    repo = make_repo(tmp_path / "repo")
+    proc, run_dir, events = agent(repo, [propose(patch)])
+    assert proc.returncode == rl.EXIT_CHECK == 3, proc.err
+    assert proc.out.split()[1] == "proposal_rejected_by_judge"
+    verdict = payload(events, "judge_verdict")[0]
+    assert verdict["verdict"] == "reject" and words in verdict["reason"] and verdict["applies"] is True
+    _replays(run_dir)
+
+
+def test_the_judge_catches_vanished_tests_even_when_test_changes_are_allowed(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    tools = tools_json(tmp_path / "lenient.json", judge={"allow_test_changes": True})
+    proc, _run_dir, events = agent(repo, [propose(DELETE_TEST)], tools_file=tools)
+    verdict = payload(events, "judge_verdict")[0]
+    assert proc.returncode == 3 and "gone or skipped" in verdict["reason"]
+    assert verdict["vanished"] == ["test_calc::test_add"] and verdict["tests_passed"] is True
+
+
+def test_the_judge_catches_a_test_that_passed_before_and_fails_now(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    breaks_mul = udiff("calc.py", CALC, CALC.replace("a - b", "a + b").replace("a * b", "a + b"))
+    proc, _run_dir, events = agent(repo, [propose(breaks_mul)])
+    verdict = payload(events, "judge_verdict")[0]
+    assert proc.returncode == 3 and verdict["newly_failing"] == ["test_calc::test_mul"]
+
+
+# ----------------------------------------------------------------------------
+# Patches that do not apply
+# ----------------------------------------------------------------------------
+
+def test_a_patch_that_does_not_apply_is_rejected_and_fed_back(agent, tmp_path, server):
+    repo = make_repo(tmp_path / "repo")
+    proc, run_dir, events = agent(repo, [propose(STALE), propose(FIX)])
+    assert proc.returncode == 8, proc.err
+    rejected = payload(events, "patch_rejected")[0]
+    assert rejected["step"] == 1 and "patch failed" in rejected["message"]
+    told = server.requests[1]["body"]["messages"][-1]["content"]
+    assert told.startswith("The patch does not apply (git apply --check)") and "patch failed" in told
+    _replays(run_dir)
+
+
+def test_miscounted_hunks_are_fixed_with_recount_and_say_so(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    proc, run_dir, events = agent(repo, [propose(MISCOUNTED)])
+    assert proc.returncode == 8, proc.err
+    decision = payload(events, "decision")[0]
+    assert decision["recount"] is True
+    written = (run_dir / "proposal.patch").read_text()
+    assert "+    return a + b" in written and "@@ -1,9" not in written  # git's own, applicable diff
+    assert payload(events, "judge_verdict")[0]["verdict"] == "accept"
+
+
+# ----------------------------------------------------------------------------
+# The allowlist: denied or rejected with the rule named, and the run goes on
+# ----------------------------------------------------------------------------
+
+DENIALS = [
+    (action("read_file", path="../../etc/passwd"), "tool_denied", "path.dotdot"),
+    (action("read_file", path="/etc/passwd"), "tool_denied", "path.absolute"),
+    (action("read_file", path="escape/passwd"), "tool_denied", "path.escape"),
+    (action("read_file", path="link_to_env"), "tool_denied", "path.denied"),
+    (action("read_file", path=".env"), "tool_denied", "path.denied"),
+    (action("read_file", path="sub/.env.local"), "tool_denied", "path.denied"),
+    (action("read_file", path=".git/config"), "tool_denied", "path.denied"),
+    (action("read_file", path="-rf"), "tool_denied", "arg.option"),
+    (action("read_file", path="calc.py\x00.txt"), "tool_denied", "path.nul"),
+    (action("read_file", path="a" * 2000), "tool_denied", "arg.too_long"),
+    (action("list_files", path="~root"), "tool_denied", "path.absolute"),
+    (action("py_compile", path="calc.py; rm -rf /"), "tool_denied", "arg.pattern"),
+    (action("py_compile", path="calc.py && id"), "tool_denied", "arg.pattern"),
+    (action("py_compile", path="$(id).py"), "tool_denied", "arg.pattern"),
+    (action("py_compile", path="-c.py"), "tool_denied", "arg.option"),
+    (action("py_compile", path="notes.txt"), "tool_denied", "arg.pattern"),
+    (action("run_test", node_id="test_calc.py::test_add --pdb"), "tool_denied", "arg.pattern"),
+    (action("shell", cmd="cat /etc/passwd"), "tool_denied", "tool.unknown"),
+    (action("read_file", path="calc.py", mode="w"), "tool_denied", "args.unknown"),
+    (action("read_file"), "tool_denied", "args.missing"),
+    (action("read_file", path="calc.py", start_line="1"), "tool_denied", "args.type"),
+    (action("propose_patch", patch=FIX.replace("calc.py", "../outside.py")), "tool_denied", "path.dotdot"),
+    (action("propose_patch", patch=FIX.replace("calc.py", ".git/hooks/pre-commit")), "tool_denied", "path.denied"),
+    (action("propose_patch", patch="just words"), "tool_denied", "patch.no_files"),
+    (action("propose_patch", patch="diff --git a/l b/l\nnew file mode 120000\n--- /dev/null\n+++ b/l\n@@ -0,0 +1 @@\n"
+                                   "+/etc/passwd\n"), "tool_denied", "patch.mode"),
+    ("Sure! I will fix it now.", "proposal_malformed", None),
+    ('{"tool": 5, "args": {}}', "proposal_malformed", None),
+    ('{"tool": "read_file", "args": "calc.py"}', "proposal_malformed", None),
+]
+
+
+@pytest.mark.parametrize("reply,kind,rule", DENIALS, ids=[f"{i}-{d[2] or d[1]}" for i, d in enumerate(DENIALS)])
+def test_denied_actions_name_their_rule_and_the_run_goes_on(agent, tmp_path, server, reply, kind, rule):
+    repo = make_repo(tmp_path / "repo", extra={"sub/.env.local": "X=1\n"})
+    os.symlink("/etc", repo / "escape")
+    os.symlink(".env", repo / "link_to_env")
+    (repo / ".env").write_text(f"SECRET_TOKEN={ENV_SECRET}\n")
+    proc, run_dir, events = agent(repo, [reply, propose(FIX)])
+    assert proc.returncode == 8, proc.err  # the run went on to its proposal
+    first = [e for e in events if e["kind"] in ("tool_denied", "proposal_malformed")][0]
+    assert first["kind"] == kind
+    told = server.requests[1]["body"]["messages"][-1]["content"]
+    if rule:
+        assert first["payload"]["rule"] == rule and first["payload"]["reason"]
+        assert set(first["payload"]) >= {"tool", "args", "rule", "reason"}
+        assert told.startswith("Denied by the host") and f"(rule {rule})" in told
+    else:
+        assert told.startswith("The host could not read your reply")
+    assert ENV_SECRET.encode() not in all_bytes_under(agent.runs)
+    _replays(run_dir)
+
+
+def test_a_fenced_or_wrapped_action_and_a_bare_diff_are_read(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    replies = ["Let me look.\n```json\n" + action("read_file", path="calc.py") + "\n```",
+               "I will list: " + action("list_files") + " thanks",
+               "```diff\n" + FIX + "```"]
+    proc, run_dir, events = agent(repo, replies)
+    assert proc.returncode == 8, proc.err
+    assert [p["form"] for p in payload(events, "model_proposed")] == ["fenced_json", "embedded_json", "fenced_diff"]
+
+
+def test_read_only_tools_work_and_their_output_is_capped(agent, tmp_path, server):
+    big = "x = 1\n" * 20000
+    repo = make_repo(tmp_path / "repo", extra={"big.py": big})
+    replies = [action("read_file", path="calc.py", start_line=1, end_line=2), action("grep", pattern=r"return a \S b"),
+               action("list_files"), action("git_log", n=3), action("git_diff"), action("read_file", path="big.py"),
+               action("run_tests"), action("py_compile", path="calc.py"), action("run_test", node_id="test_calc.py::test_mul"),
+               propose(FIX)]
+    proc, run_dir, events = agent(repo, replies)
+    assert proc.returncode == 8, proc.err
+    results = payload(events, "tool_result")
+    assert [r["tool"] for r in results] == ["read_file", "grep", "list_files", "git_log", "git_diff", "read_file",
+                                            "run_tests", "py_compile", "run_test"]
+    shown = [r["body"]["messages"][-1]["content"] for r in server.requests[1:]]
+    assert "1| def add(a, b):" in shown[0] and "2|     return a - b" in shown[0]
+    assert "calc.py:2:     return a - b" in shown[1] and "calc.py:6:     return a * b" in shown[1]
+    assert "calc.py" in shown[2] and ".git" not in shown[2] and "init" in shown[3]
+    assert "bytes cut" in shown[5] and results[5]["truncated"] is True and results[5]["size"] > 100000
+    assert "1 failed, 1 passed" in shown[6] and results[6]["returncode"] == 1
+    assert results[7]["returncode"] == 0 and "1 passed" in shown[8]
+    full = (run_dir / results[5]["output_artifact"]["path"]).read_text()
+    assert full.count("x = 1") == 20000  # the whole output is kept as an artifact
+
+
+# ----------------------------------------------------------------------------
+# Budgets
+# ----------------------------------------------------------------------------
+
+def test_max_steps_ends_the_run_cleanly(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    proc, run_dir, events = agent(repo, [action("read_file", path="calc.py")] * 5, "--max-steps", "3")
+    assert proc.returncode == rl.EXIT_BUDGET == 7 and proc.out.split()[1] == "budget_exhausted"
+    (spent,) = payload(events, "budget_exhausted")
+    assert spent["limit"] == "max_steps" and spent["used"] == 3 and spent["max"] == 3
+    _verifies(agent.runs)
+    _replays(run_dir)
+
+
+def test_a_model_that_never_sends_valid_json_ends_in_budget_exhausted(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    proc, run_dir, events = agent(repo, ["I am thinking..."] * 4, "--max-steps", "4")
+    assert proc.returncode == 7 and len(payload(events, "proposal_malformed")) == 4
+    assert payload(events, "budget_exhausted")[0]["limit"] == "max_steps"
+    assert not payload(events, "error")
+    _verifies(agent.runs)
+
+
+@pytest.mark.parametrize("budget,limit,scenario,source", [
+    ({"max_model_calls": 2}, "max_model_calls", "ok", "reported"),
+    ({"max_total_tokens": 50}, "max_total_tokens", "ok", "reported"),
+    ({"max_total_tokens": 60}, "max_total_tokens", "no_usage", "estimated"),
+])
+def test_call_and_token_budgets(agent, tmp_path, budget, limit, scenario, source):
+    repo = make_repo(tmp_path / "repo")
+    tools = tools_json(tmp_path / "tight.json", budget=budget)
+    replies = [{"name": scenario, "answer": action("read_file", path="calc.py")}] * 5
+    proc, run_dir, events = agent(repo, replies, tools_file=tools)
+    assert proc.returncode == 7, proc.err
+    (spent,) = payload(events, "budget_exhausted")
+    assert spent["limit"] == limit and spent["budget"]["tokens_source"] == source
+    _replays(run_dir)
+
+
+def test_max_wall_s_holds_while_a_slow_model_is_answering(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    started = time.monotonic()
+    proc, run_dir, events = agent(repo, [{"name": "sleepy", "sleep": 30, "answer": propose(FIX)}],
+                                  "--max-wall-s", "3")
+    assert time.monotonic() - started < 20  # the model would have answered after 30 s
+    assert proc.returncode == 7, proc.err
+    (spent,) = payload(events, "budget_exhausted")
+    assert spent["limit"] == "max_wall_s" and spent["during"] == "model call"
+    (call,) = payload(events, "model_call")
+    assert call["error_type"] == "timeout"
+    _verifies(agent.runs)
+
+
+# ----------------------------------------------------------------------------
+# Failures end in a closed run that verifies
+# ----------------------------------------------------------------------------
+
+def test_a_server_that_is_down_ends_in_a_closed_error_run(agent, tmp_path):
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    repo = make_repo(tmp_path / "repo")
+    proc, run_dir, events = agent(repo, env={"BASE_URL": f"http://127.0.0.1:{port}/v1"})
+    assert proc.returncode == 1 and proc.out.split()[1] == "error"
+    (error,) = payload(events, "error")
+    assert "connection_refused" in error["message"]
+    assert len(payload(events, "model_call")) == 3  # retried within the budget, each attempt recorded
+    _verifies(agent.runs)
+
+
+def test_a_context_too_long_answer_shrinks_the_context_once_and_retries(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    proc, run_dir, events = agent(repo, [{"name": "context_too_long"}, propose(FIX)])
+    assert proc.returncode == 8, proc.err
+    (shrunk,) = payload(events, "context_shrunk")
+    assert shrunk["error_code"] == "context_length_exceeded" and shrunk["max_context_chars"] == 30000
+    assert payload(events, "model_call")[0]["error_code"] == "context_length_exceeded"
+    proc, _run_dir, events = agent(repo, [{"name": "context_too_long"}] * 2)
+    assert proc.returncode == 1 and "context_length_exceeded" in payload(events, "error")[0]["message"]
+
+
+def test_sigterm_closes_the_run_as_an_error_with_a_traceback(agent, tmp_path, server):
+    repo = make_repo(tmp_path / "repo")
+    server.queue({"name": "sleepy", "sleep": 20, "answer": propose(FIX)})
+    env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model")
+    proc = subprocess.Popen([sys.executable, str(ROOT / "agent.py"), "run", "--repo", str(repo), "--runs-dir",
+                             str(agent.runs), "--tools", str(agent.tools)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not server.requests:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1, err
+    run_dir = agent.runs / out.decode().split()[0]
+    events = list(rl.read_events(run_dir / "events.jsonl"))
+    (error,) = payload(events, "error")
+    assert error["type"] == "_Terminated" and "SIGTERM" in error["message"]
+    assert "Traceback" in (run_dir / error["traceback_artifact"]["path"]).read_text()
+    assert events[-1]["kind"] == "run_closed" and events[-1]["payload"]["outcome"] == "error"
+    _verifies(agent.runs)
+
+
+# ----------------------------------------------------------------------------
+# Locks and directories
+# ----------------------------------------------------------------------------
+
+def test_a_second_run_on_the_same_repo_exits_with_the_lock_code(agent, tmp_path, server):
+    repo = make_repo(tmp_path / "repo")
+    other = make_repo(tmp_path / "other")
+    server.queue({"name": "sleepy", "sleep": 4, "answer": propose(FIX)})
+    env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model")
+    first = subprocess.Popen([sys.executable, str(ROOT / "agent.py"), "run", "--repo", str(repo), "--runs-dir",
+                              str(agent.runs), "--tools", str(agent.tools)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not server.requests:
+        time.sleep(0.05)
+    second = run_script("agent.py", "run", "--repo", repo, "--runs-dir", agent.runs, "--tools", agent.tools, env=env)
+    assert second.returncode == rl.EXIT_LOCKED == 6 and second.out == ""
+    (line,) = error_lines(second.err)
+    assert "another run holds the lock" in line and str(repo.resolve()) in line
+    server.queue({"name": "ok", "answer": propose(FIX)})
+    third = run_script("agent.py", "run", "--repo", other, "--runs-dir", agent.runs, "--tools", agent.tools, env=env,
+                       timeout=120)  # a different repository is not locked out
+    out, err = first.communicate(timeout=120)
+    assert first.returncode == 8 and third.returncode == 8, (err, third.err)
+    assert out.split()[0] != third.out.split()[0]
+    assert len(list(agent.runs.glob("*/events.jsonl"))) == 2  # the locked-out run opened nothing
+    _verifies(agent.runs)
+
+
+# ----------------------------------------------------------------------------
+# Secrets
+# ----------------------------------------------------------------------------
+
+def test_a_secret_in_the_repos_env_never_reaches_the_ledger_or_the_model(agent, tmp_path, server):
+    repo = make_repo(tmp_path / "repo", extra={".env": f"SECRET_TOKEN={ENV_SECRET}\nPLAIN=hello\n"})
+    tools = tools_json(tmp_path / "leaky.json", plugins={
+        "show_env": {"description": "prints .env (a careless plugin)", "argv": ["cat", ".env"], "args": {}}})
+    proc, run_dir, events = agent(repo, [action("show_env"), action("grep", pattern="SECRET"), propose(FIX)],
+                                  tools_file=tools)
+    assert proc.returncode == 8, proc.err
+    assert payload(events, "tool_result")[0]["returncode"] == 0
+    assert ENV_SECRET.encode() not in all_bytes_under(agent.runs)
+    assert ENV_SECRET not in json.dumps(server.requests)  # the model was shown the masked output
+    assert KEY.encode() not in all_bytes_under(agent.runs)
+
+
+# ----------------------------------------------------------------------------
+# tools.json
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change,words", [
+    ({"bogus": 1}, "tools.json.bogus: unknown key"),
+    ({"budget": {"max_step": 3}}, "budget.max_step: unknown key; did you mean 'max_steps'?"),
+    ({"builtins": ["read_file", "write_file"]}, "builtins: unknown tool 'write_file'"),
+    ({"test_command": []}, "test_command: must be a non-empty list"),
+    ({"version": 2}, "version: must be 1"),
+    ({"plugins": {"x": {"description": "d", "argv": ["echo", "{a}"], "args": {"a": {"pattern": "(unclosed"}}}}},
+     "plugins.x.args.a.pattern: bad regex"),
+    ({"plugins": {"x": {"description": "d", "argv": ["echo", "{b}"], "args": {"a": {"pattern": "a"}}}}},
+     "{b} is not declared in args"),
+    ({"plugins": {"x": {"argv": ["echo"], "args": {}}}}, "plugins.x.description: missing (required)"),
+    ({"plugins": {"x": {"description": "d", "argv": ["{a}"], "args": {"a": {"pattern": "a"}}}}},
+     "argv[0]: the program is fixed"),
+    ({"plugins": {"read_file": {"description": "d", "argv": ["cat"], "args": {}}}}, "is a built-in"),
+    ({"plugins": {"x": {"description": "d", "argv": ["echo"], "args": {}, "timeout": 5}}},
+     "plugins.x.timeout: unknown key; did you mean 'timeout_s'?"),
+])
+def test_check_tools_names_each_problem_precisely(tmp_path, change, words):
+    path = tools_json(tmp_path / "t.json", **change)
+    proc = run_script("agent.py", "check-tools", path)
+    assert proc.returncode == 2 and words in proc.err, proc.err
+    assert all(line.startswith("error: ") for line in proc.err.splitlines())
+
+
+def test_check_tools_accepts_the_shipped_file_and_rejects_broken_json(tmp_path):
+    ok = run_script("agent.py", "check-tools")
+    assert ok.returncode == 0 and ok.out.startswith("ok    ") and "2 plugins" in ok.out
+    (tmp_path / "dup.json").write_text('{"version": 1, "version": 1, "test_command": ["x"]}')
+    assert "duplicate key 'version'" in run_script("agent.py", "check-tools", tmp_path / "dup.json").err
+    (tmp_path / "bad.json").write_text("{not json")
+    assert run_script("agent.py", "check-tools", tmp_path / "bad.json").returncode == 2
+
+
+def test_a_run_refuses_to_start_on_an_invalid_tools_json(agent, tmp_path, server):
+    repo = make_repo(tmp_path / "repo")
+    bad = tools_json(tmp_path / "bad.json", builtins=["rm_rf"])
+    proc, _run_dir, _events = agent(repo, [], tools_file=bad)
+    assert proc.returncode == 2 and "unknown tool 'rm_rf'" in proc.err and not agent.runs.exists()
+    assert server.requests == []
+
+
+def test_a_vendored_copy_finds_its_own_tools_json(tmp_path, server):
+    vendored = tmp_path / "vendor"
+    vendored.mkdir()
+    for name in ("reasoning_ledger.py", "ask.py", "audit.py", "agent.py"):
+        (vendored / name).write_bytes((ROOT / name).read_bytes())
+    tools_json(vendored / "tools.json")
+    repo = make_repo(tmp_path / "repo")
+    server.queue({"name": "ok", "answer": propose(FIX)})
+    env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model")
+    proc = subprocess.run([sys.executable, "-I", str(vendored / "agent.py"), "run", "--repo", str(repo)],
+                          capture_output=True, env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 8, proc.stderr
+    assert (tmp_path / "runs" / proc.stdout.decode().split()[0] / "proposal.patch").exists()
+
+
+# ----------------------------------------------------------------------------
+# Replay and the record of runs
+# ----------------------------------------------------------------------------
+
+def test_replay_with_a_stricter_tools_json_lists_each_flipped_decision(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    proc, run_dir, events = agent(repo, [action("read_file", path="calc.py"), action("list_files"),
+                                         action("read_file", path="../x"), propose(FIX)])
+    assert proc.returncode == 8
+    stricter = tools_json(tmp_path / "strict.json", builtins=["read_file", "propose_patch"],
+                          paths={"allow": ["**"], "deny": [".git/", "calc.py"]})
+    proc = run_script("agent.py", "replay", run_dir, "--tools", stricter)
+    assert proc.returncode == rl.EXIT_CHANGED == 4, proc.out + proc.err
+    lines = proc.out.splitlines()
+    assert any("step 1: read_file" in line and "allowed by builtin.read_file -> denied by path.denied" in line
+               for line in lines)
+    assert any("step 2: list_files" in line and "-> denied by tool.unknown" in line for line in lines)
+    assert any("step 4: propose_patch" in line and "-> denied by path.denied" in line for line in lines)
+    assert not any("step 3" in line for line in lines)  # denied before, denied now, by the same rule
+    assert lines[-1] == "3 decisions would change under " + str(stricter)
+    same = run_script("agent.py", "replay", run_dir, "--tools", agent.tools)
+    assert same.returncode == 0 and same.out.startswith("0 decisions")
+
+
+def test_replay_reports_the_first_divergence(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    proc, run_dir, events = agent(repo, [action("read_file", path="calc.py"), propose(FIX)])
+    ledger = run_dir / "events.jsonl"
+    lines = ledger.read_bytes().splitlines(keepends=True)
+    # a record whose recorded decision differs from what the host decides: re-chained, so it verifies
+    from conftest import chain
+    bodies = [json.loads(line) for line in lines]
+    for body in bodies:
+        if body["kind"] == "tool_allowed" and body["payload"]["step"] == 1:
+            body["payload"]["rule"] = "builtin.something_else"
+    ledger.write_bytes(chain([dict(b, prev=None) for b in bodies]))
+    proc = run_script("agent.py", "replay", run_dir)
+    assert proc.returncode == 1 and "first divergence at seq" in proc.out and "builtin.something_else" in proc.out
+
+
+def test_runs_lists_every_run_and_whether_it_verifies(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    agent(repo, [propose(FIX)])
+    agent(repo, ["not json"], "--max-steps", "1")
+    proc = run_script("agent.py", "runs", "--runs-dir", agent.runs)
+    assert proc.returncode == 0, proc.err
+    rows = proc.out.splitlines()
+    assert len(rows) == 2 and "proposal_accepted" in rows[0] and "budget_exhausted" in rows[1]
+    assert all(row.endswith("ok") for row in rows) and "steps 1" in rows[0] and "tokens 27" in rows[0]
+    events = next(p for p in agent.runs.glob("*/events.jsonl") if b'"outcome":"proposal_accepted"' in p.read_bytes())
+    events.write_bytes(events.read_bytes().replace(b'"outcome":"proposal_accepted"', b'"outcome":"no_action"'))
+    proc = run_script("agent.py", "runs", "--runs-dir", agent.runs)
+    assert proc.returncode == 1 and "FAIL" in proc.out
+    audit = run_script("audit.py", agent.runs, "--json")
+    assert audit.returncode == 1  # the audit refuses a tampered run too
