@@ -24,6 +24,7 @@ help:
 	@echo "make drill   each prompts/*.txt $(DRILL_REPEAT)x through ask.py, then the audit; exit 1 if any call or check failed"
 	@echo "make bench   speed ratios against baselines measured in the same run (BENCH_LINES=1000000 for the full figures)"
 	@echo "make clean   remove venvs, caches and bench files"
+	@echo "make help    this list"
 
 test:
 	@[ -n "$(PY_TAG)" ] || { echo "make test: $(PYTHON) does not run" >&2; exit 2; }; \

@@ -385,17 +385,15 @@ def run_checks(text, *, expect=None, expect_json=False, strict_model=False, requ
 
 class _Deadline:
     """The whole attempt's deadline. Socket timeouts bound each read; a server that trickles one byte
-    at a time passes every one of them, so a timer shuts the socket down when the deadline passes."""
+    at a time passes every one of them, so the watchdog shuts the socket down when the deadline passes."""
 
     def __init__(self, seconds):
         self.seconds = seconds
         self.at = time.monotonic() + seconds
-        self.expired = False
+        self.expired = self.cancelled = False
         self._sockets = []
         self._lock = threading.Lock()
-        self._timer = threading.Timer(seconds, self._expire)
-        self._timer.daemon = True
-        self._timer.start()
+        _watchdog().arm(self)
 
     def remaining(self):
         return max(0.001, self.at - time.monotonic())
@@ -407,14 +405,61 @@ class _Deadline:
                 _shutdown(sock)
         return sock
 
-    def _expire(self):
+    def expire(self):
         with self._lock:
+            if self.cancelled:
+                return
             self.expired = True
             for sock in self._sockets:
                 _shutdown(sock)
 
     def cancel(self):
-        self._timer.cancel()
+        with self._lock:
+            self.cancelled = True
+
+
+class _Watchdog:
+    """One thread for every deadline of the process (a thread per attempt costs more than a local call)."""
+
+    def __init__(self):
+        self._heap, self._count = [], 0
+        self._wake = threading.Condition()
+        threading.Thread(target=self._run, name="ask-deadlines", daemon=True).start()
+
+    def arm(self, deadline):
+        import heapq
+        with self._wake:
+            self._count += 1
+            heapq.heappush(self._heap, (deadline.at, self._count, deadline))
+            self._wake.notify()
+
+    def _run(self):
+        import heapq
+        while True:
+            with self._wake:
+                while self._heap and self._heap[0][2].cancelled:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._wake.wait()
+                    continue
+                due = self._heap[0][0] - time.monotonic()
+                if due > 0:
+                    self._wake.wait(due)
+                    continue
+                deadline = heapq.heappop(self._heap)[2]
+            deadline.expire()
+
+
+_watchdogs = []
+_watchdog_lock = threading.Lock()
+
+
+def _watchdog():
+    if not _watchdogs or os.getpid() != _watchdogs[0][0]:  # a forked child has no watchdog thread
+        with _watchdog_lock:
+            if not _watchdogs or os.getpid() != _watchdogs[0][0]:
+                _watchdogs[:] = [(os.getpid(), _Watchdog())]
+    return _watchdogs[0][1]
 
 
 def _shutdown(sock):
@@ -431,31 +476,54 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None
 
 
-def _watched(connection_class, deadline):
+_attempt = threading.local()  # the deadline of the attempt this thread is making
+
+
+def _watched(connection_class):
     def make(host, **kwargs):
         conn = connection_class(host, **kwargs)
-        create = conn._create_connection
+        create, deadline = conn._create_connection, _attempt.deadline
         conn._create_connection = lambda *args, **kw: deadline.watch(create(*args, **kw))
         return conn
     return make
 
 
 class _HTTPHandler(urllib.request.HTTPHandler):
-    def __init__(self, deadline):
-        super().__init__()
-        self.deadline = deadline
-
     def http_open(self, req):
-        return self.do_open(_watched(http.client.HTTPConnection, self.deadline), req)
+        return self.do_open(_watched(http.client.HTTPConnection), req)
 
 
 class _HTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self, deadline):
-        super().__init__()
-        self.deadline = deadline
+    def __init__(self):
+        super().__init__(context=_tls_context())
 
     def https_open(self, req):
-        return self.do_open(_watched(http.client.HTTPSConnection, self.deadline), req, context=self._context)
+        return self.do_open(_watched(http.client.HTTPSConnection), req, context=self._context)
+
+
+_tls_contexts = []
+
+
+def _tls_context():
+    """One default TLS context per process (certificate loading is the costly part of a handler)."""
+    if not _tls_contexts:
+        import ssl  # already loaded by urllib.request
+        _tls_contexts.append(ssl.create_default_context())
+    return _tls_contexts[0]
+
+
+def _opener():
+    """urllib's opener with only the handlers a call needs: proxies from the environment, HTTP and HTTPS
+    under the attempt's deadline, errors as exceptions, and no redirects. One per thread: building one
+    costs more than a call to a local server."""
+    opener = getattr(_attempt, "opener", None)
+    if opener is None:
+        opener = _attempt.opener = urllib.request.OpenerDirector()
+        for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(), _HTTPHandler(),
+                        _HTTPSHandler(), urllib.request.HTTPDefaultErrorHandler(), _NoRedirect(),
+                        urllib.request.HTTPErrorProcessor()):
+            opener.add_handler(handler)
+    return opener
 
 
 def _classify(exc, deadline):
@@ -488,9 +556,9 @@ def _open(url, *, api_key, deadline, body=None):
         data = json.dumps(body).encode("ascii")  # \\u escapes: any text, lone surrogates included, goes out
         headers["Content-Type"] = "application/json"
     request = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
-    opener = urllib.request.build_opener(_NoRedirect(), _HTTPHandler(deadline), _HTTPSHandler(deadline))
+    _attempt.deadline = deadline
     try:
-        return opener.open(request, timeout=deadline.remaining())
+        return _opener().open(request, timeout=deadline.remaining())
     except urllib.error.HTTPError as exc:
         try:
             raw = _read_body(exc, MAX_ERROR_BODY_BYTES, deadline, tolerant=True)

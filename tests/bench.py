@@ -2,11 +2,13 @@
 """bench.py -- `make bench`: speed as ratios against baselines measured in the same run.
 
 Usage:
-  python tests/bench.py [ledger] [ask] [audit]     # default: all three
-  BENCH_LINES=200000 python tests/bench.py ledger  # smaller big-ledger (default 1,000,000)
+  python tests/bench.py [ledger] [ask] [audit] [agent] [daemon] [ship]   # default: all of them
+  BENCH_LINES=1000000 python tests/bench.py                            # the full figures (default 100,000)
+  BENCH_KEEP=1 python tests/bench.py ledger                            # keep .bench/ (the big ledger) afterwards
 
 Each figure is a ratio of two medians taken in this run on this machine, so a noisy shared box
-moves both sides alike. Nothing here asserts a time; it prints what it measured.
+moves both sides alike. Nothing here asserts a time; it prints what it measured. The figures and what
+they mean are in tests/BENCH.md. The big files are removed at the end unless BENCH_KEEP=1.
 """
 
 import json
@@ -27,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import reasoning_ledger as rl  # noqa: E402
 
 BENCH_DIR = ROOT / ".bench"
-BIG_LINES = int(os.environ.get("BENCH_LINES", "1000000"))
+BIG_LINES = int(os.environ.get("BENCH_LINES", "100000"))
 PAYLOAD = {
     "request_model": "vendor/free-model-7b", "response_model": "vendor/free-model-7b-0612",
     "response_id": "chatcmpl-123", "system_fingerprint": "fp_44709d6fcb",
@@ -262,14 +264,115 @@ def bench_audit():
               f"{jq_t:.1f} s for jq")
 
 
+# ----------------------------------------------------------------------------
+# agent.py: the host's own overhead per step
+# ----------------------------------------------------------------------------
+
+BARE_LOOP = """
+import json, subprocess, sys, time, urllib.request
+url, steps = sys.argv[1], int(sys.argv[2])
+messages = [{"role": "system", "content": "s" * 2000}, {"role": "user", "content": "u" * 3000}]
+start = time.perf_counter()
+for step in range(steps):
+    body = json.dumps({"model": "stand-in-model", "messages": messages, "max_tokens": 2048}).encode()
+    request = urllib.request.Request(url + "/chat/completions", data=body, headers={
+        "Content-Type": "application/json", "Authorization": "Bearer k"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        reply = json.loads(response.read())["choices"][0]["message"]["content"]
+    output = subprocess.run(["true"], capture_output=True).stdout
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "Result: " + output.decode()}]
+print(time.perf_counter() - start)
+"""
+
+
+def _agent_repo(path):
+    path.mkdir()
+    (path / "test_x.py").write_text("import sys\nsys.exit(1)\n")
+    env = dict(os.environ, GIT_AUTHOR_NAME="b", GIT_AUTHOR_EMAIL="b@b", GIT_COMMITTER_NAME="b",
+               GIT_COMMITTER_EMAIL="b@b")
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "x"]):
+        subprocess.run(["git", "-C", str(path), *args], check=True, env=env)
+
+
+def bench_agent():
+    """Per step, the host (ask.chat with its ledger lines, the policy check, model_proposed, tool_allowed,
+    the tool run with its artifact and tool_result) against a bare loop making the same HTTP call and
+    running the same subprocess. Steps are timed as the difference of a long and a short run, so the
+    fixed cost of a run (the scratch copy, the baseline tests) drops out."""
+    import fake_openai
+    print("agent.py (per step: an instant stand-in model and a cheap tool)")
+    work = Path(tempfile.mkdtemp(dir=BENCH_DIR))
+    server = fake_openai.start()
+    try:
+        repo = work / "repo"
+        _agent_repo(repo)
+        tools = json.loads((ROOT / "tools.json").read_text())
+        tools["test_command"] = [sys.executable, "test_x.py"]
+        tools["plugins"] = {"noop": {"description": "does nothing", "argv": ["true"], "args": {}}}
+        (work / "tools.json").write_text(json.dumps(tools))
+        env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
+        env.update(BASE_URL=server.base_url, API_KEY="sk-bench-0000000000", MODEL_ID="stand-in-model")
+        reply = json.dumps({"tool": "noop", "args": {}, "reason": "bench"})
+
+        def host(steps):
+            server.queue(*[{"name": "ok", "answer": reply}] * steps)
+            start = time.perf_counter()
+            subprocess.run([sys.executable, str(ROOT / "agent.py"), "run", "--repo", str(repo), "--runs-dir",
+                            str(work / "runs"), "--tools", str(work / "tools.json"), "--max-steps", str(steps)],
+                           env=env, stdout=subprocess.DEVNULL, check=False)
+            return time.perf_counter() - start
+
+        def bare(steps):
+            server.queue(*[{"name": "ok", "answer": reply}] * steps)
+            out = subprocess.run([sys.executable, "-c", BARE_LOOP, server.base_url, str(steps)], env=env,
+                                 capture_output=True, text=True, check=True).stdout
+            return float(out)
+
+        few, many = 5, 5 + (60 if BIG_LINES >= 1000000 else 25)
+        host_t, bare_t = [], []
+        for _ in range(3):
+            host_t.append((host(many) - host(few)) / (many - few))
+            bare_t.append(bare(many) / many)
+        h, b = statistics.median(host_t), statistics.median(bare_t)
+        _line("host overhead per step vs a bare loop of the same calls (lower is better)", h / b, "<= 1.3",
+              f"{h * 1e3:.1f} ms vs {b * 1e3:.1f} ms a step")
+        started = time.perf_counter()
+        subprocess.run([sys.executable, str(ROOT / "tests" / "demo.py")], env={k: v for k, v in env.items() if k not in (
+            "BASE_URL", "API_KEY", "MODEL_ID")}, stdout=subprocess.DEVNULL, check=False)
+        _line("make demo, wall time in seconds (information)", time.perf_counter() - started, "< 10")
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def bench_module(name):
+    """A bench that lives in its own module (tests/bench_NAME.py), printed like the others."""
+    module = __import__(f"bench_{name}")
+    rows = module.bench(quick=BIG_LINES < 1000000)
+    for row in rows:
+        _line(*row)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    wanted = argv or ["ledger", "ask", "audit"]
+    benches = {"ledger": bench_ledger, "ask": bench_ask, "audit": bench_audit, "agent": bench_agent,
+               "daemon": lambda: bench_module("daemon"), "ship": lambda: bench_module("ship")}
+    wanted = argv or list(benches)
+    unknown = [name for name in wanted if name not in benches]
+    if unknown:
+        print(f"bench.py: unknown bench {', '.join(unknown)} (choose from {', '.join(benches)})", file=sys.stderr)
+        return 2
     BENCH_DIR.mkdir(exist_ok=True)
     print(f"make bench: ratios of medians measured in this run (python {sys.version.split()[0]}, "
-          f"{os.cpu_count()} cpus)")
-    for name in wanted:
-        {"ledger": bench_ledger, "ask": bench_ask, "audit": bench_audit}[name]()
+          f"{os.cpu_count()} cpus, {BIG_LINES:,} lines)")
+    try:
+        for name in wanted:
+            started = time.perf_counter()
+            benches[name]()
+            print(f"  ({name}: {time.perf_counter() - started:.0f} s)")
+    finally:
+        if not os.environ.get("BENCH_KEEP"):
+            shutil.rmtree(BENCH_DIR, ignore_errors=True)
     return 0
 
 

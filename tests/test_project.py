@@ -1,0 +1,144 @@
+"""Project rules: the README and the code say the same thing, the scripts keep their shape, the Makefile works
+the way the README says (cron's environment included), and shipped code is Python 3.9 and stdlib only."""
+
+import ast
+import importlib
+import inspect
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import ask
+import reasoning_ledger as rl
+from conftest import ROOT, clean_env, run_script
+
+SCRIPTS = ("reasoning_ledger.py", "ask.py", "audit.py", "agent.py")
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def _table_after(heading_words, first_column):
+    """The first-column cells of the first markdown table after the text `heading_words`."""
+    start = README.index(heading_words)
+    cells = []
+    for line in README[start:].splitlines()[1:]:
+        if line.startswith("|"):
+            cell = line.split("|")[1].strip()
+            if cell not in (first_column, "---") and not set(cell) <= set("-"):
+                cells.append(cell.strip("`"))
+        elif cells:
+            break
+    return cells
+
+
+def test_readme_lists_exactly_the_model_call_fields():
+    listed = _table_after("### The `model_call` event", "field")
+    assert listed == list(ask.MODEL_CALL_FIELDS)
+    optional = _table_after("Present only when they apply:", "field")
+    assert optional == list(ask.MODEL_CALL_OPTIONAL)
+
+
+def test_readme_exit_codes_are_the_one_table():
+    codes = [int(c) for c in _table_after("## Exit codes", "code")]
+    assert codes == sorted(rl.EXIT_CODES)
+
+
+def test_every_script_keeps_its_shape_and_its_all():
+    for name in SCRIPTS:
+        source = (ROOT / name).read_text(encoding="utf-8")
+        assert source.startswith("#!/usr/bin/env python3\n"), name
+        tree = ast.parse(source)
+        docstring = ast.get_docstring(tree)
+        assert docstring and "Usage:" in docstring, name
+        module = importlib.import_module(name[:-3])
+        assert re.fullmatch(r"\d+\.\d+\.\d+", module.__version__)
+        assert list(inspect.signature(module.main).parameters) == ["argv"]
+        assert source.rstrip().endswith('if __name__ == "__main__":\n    sys.exit(main())'), name
+        missing = [n for n in module.__all__ if not hasattr(module, n)]
+        assert missing == [], (name, missing)
+
+
+def test_shipped_code_parses_as_python_3_9_and_imports_only_the_stdlib():
+    local = {p.stem for p in ROOT.glob("*.py")}
+    std = set(getattr(sys, "stdlib_module_names", ()))  # Python 3.10+; on 3.9 only the syntax is held
+    shipped = sorted(ROOT.glob("*.py"))
+    for path in shipped + sorted((ROOT / "tests").glob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), feature_version=(3, 9))
+        if path not in shipped or not std:
+            continue
+        for node in ast.walk(tree):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            for module in names:
+                assert module.split(".")[0] in std | local | {"__future__"}, f"{path.name} imports {module}"
+
+
+def test_every_error_type_and_exit_code_of_the_help_is_documented():
+    for name in SCRIPTS:
+        proc = run_script(name, "--help")
+        assert proc.returncode == 0 and "exit codes:" in proc.out, name
+        for code in re.findall(r"^  (\d)  ", proc.out, re.M):
+            assert f"| {code} |" in README
+
+
+# ----------------------------------------------------------------------------
+# The Makefile
+# ----------------------------------------------------------------------------
+
+pytestmark_make = pytest.mark.skipif(not shutil.which("make"), reason="needs make")
+
+
+def _make(*args, env=None, cwd=None):
+    return subprocess.run(["make", "-s", "-f", str(ROOT / "Makefile"), *args], capture_output=True, text=True,
+                          env=env if env is not None else clean_env(), cwd=cwd, timeout=300)
+
+
+@pytestmark_make
+def test_make_help_lists_every_target():
+    targets = re.findall(r"^([a-z][a-z-]*):", (ROOT / "Makefile").read_text(), re.M)
+    phony = re.search(r"^\.PHONY: (.*)$", (ROOT / "Makefile").read_text(), re.M).group(1).split()
+    assert sorted(targets) == sorted(phony)
+    shown = _make("help").stdout
+    for target in targets:
+        assert f"make {target}" in shown, target
+
+
+@pytestmark_make
+@pytest.mark.parametrize("environ", [{}, {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "SHELL": "/bin/sh"}],
+                         ids=["env -i", "cron"])
+def test_make_audit_and_verify_work_in_crons_environment(tmp_path, environ):
+    if not shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin"):
+        pytest.skip("no python3 on the default PATH")
+    with rl.Ledger(tmp_path / "calls.jsonl", "cron", key=b"") as ledger:
+        ledger.append("model_call", {"request_model": "m", "base_url": "http://h/v1", "error_type": None})
+    audit = _make("audit", env=environ, cwd=tmp_path)
+    assert audit.returncode == 0, audit.stderr
+    assert "1 model calls" in audit.stdout
+    verify = _make("verify", env=environ, cwd=tmp_path)
+    assert verify.returncode == 0 and "1/1 ledgers valid" in verify.stdout, verify.stderr
+
+
+@pytestmark_make
+def test_make_test_keeps_one_venv_per_interpreter():
+    tag = "%d.%d" % sys.version_info[:2]
+    dry = _make("-n", "test", f"PYTHON={sys.executable}")
+    assert f".venv/py{tag}" in dry.stdout
+    assert "python3.9" not in dry.stdout
+
+
+@pytestmark_make
+def test_make_drill_target_and_bench_say_what_they_do():
+    shown = _make("help").stdout
+    assert "BENCH_LINES=1000000" in shown and "exit 1 if any call or check failed" in shown
+
+
+def test_the_readme_commands_exist():
+    for command in re.findall(r"python3 (\w+\.py) (\w[\w-]*)", README):
+        script, first = command
+        if script in SCRIPTS and first in ("run", "runs", "replay", "check-tools", "judge", "serve", "verify",
+                                           "head", "report", "append", "ship"):
+            proc = run_script(script, first, "--help")
+            assert proc.returncode == 0, (script, first, proc.err)
+    assert (ROOT / "prompts" / "arithmetic.txt").exists()  # the file the first commands use
