@@ -19,7 +19,7 @@ VENV ?= $(HERE).venv/py$(PY_TAG)
 help:
 	@echo "make test    run the tests with PYTHON's pytest, or a venv per Python with pytest in it (PYTHON=python3.9)"
 	@echo "make demo    the whole agent loop against a local stand-in model, in a temp dir, in seconds"
-	@echo "make verify  verify $(LEDGER) and every run under $(RUNS)/"
+	@echo "make verify  verify $(LEDGER), the daemon's $(RUNS)/daemon.jsonl and every run under $(RUNS)/"
 	@echo "make audit   what each model string did, day by day (AUDIT_ARGS=... for more)"
 	@echo "make drill   each prompts/*.txt $(DRILL_REPEAT)x through ask.py, then the audit; exit 1 if any call or check failed"
 	@echo "make bench   speed ratios against baselines measured in the same run (BENCH_LINES=1000000 for the full figures)"
@@ -36,7 +36,8 @@ test:
 	cd "$(HERE)" && "$$py" -m pytest -q tests $(PYTEST_ARGS)
 
 verify:
-	@set -- ; [ -f "$(LEDGER)" ] && set -- "$$@" "$(LEDGER)"; [ -d "$(RUNS)" ] && set -- "$$@" --all "$(RUNS)"; \
+	@set -- ; [ -f "$(LEDGER)" ] && set -- "$$@" "$(LEDGER)"; [ -f "$(RUNS)/daemon.jsonl" ] && set -- "$$@" "$(RUNS)/daemon.jsonl"; \
+	[ -d "$(RUNS)" ] && set -- "$$@" --all "$(RUNS)"; \
 	if [ $$# -eq 0 ]; then echo "nothing to verify: no $(LEDGER) and no $(RUNS)/"; exit 0; fi; \
 	$(PYTHON) $(HERE)reasoning_ledger.py verify "$$@"
 

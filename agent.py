@@ -16,14 +16,23 @@ recorded), 6 another run holds the repository's lock, 2 usage or configuration e
 """
 
 import argparse
+import base64
+import binascii
+import collections
 import difflib
 import fcntl
 import hashlib
+import hmac
+import html
+import ipaddress
 import json
 import os
 import posixpath
 import re
+import selectors
 import signal
+import socket
+import socketserver
 import stat
 import subprocess
 import sys
@@ -31,6 +40,7 @@ import tempfile
 import threading
 import time
 import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the toolkit beside us, even under -I
@@ -40,7 +50,8 @@ import reasoning_ledger as rl  # noqa: E402
 __version__ = "1.1.0"
 
 __all__ = ["Policy", "load_policy", "check_action", "parse_reply", "run_agent", "judge_run", "replay_run",
-           "list_runs", "snapshot", "PolicyError", "LockHeld", "OUTCOME_EXIT", "BUILTINS", "DEFAULT_BUDGET"]
+           "list_runs", "snapshot", "PolicyError", "LockHeld", "OUTCOME_EXIT", "BUILTINS", "DEFAULT_BUDGET",
+           "Daemon", "Refused", "authenticate", "verify_github", "verify_standard", "webhook_secrets", "timeline_html"]
 
 # ----------------------------------------------------------------------------
 # Constants
@@ -785,52 +796,99 @@ class Output:
 
 
 def run_program(argv, cwd, timeout, env=None, input=None, keep=MAX_ARTIFACT_BYTES, tail_keep=65536):
-    """Run argv (no shell) in its own process group; kill the group on timeout. Output (stdout and stderr
-    together) is read as it comes: at most `keep` bytes of head and `tail_keep` of tail are held."""
+    """Run argv (no shell) in its own process group; kill the group on timeout, and whatever it left running
+    once it exits. Output (stdout and stderr together) is read as it comes, in this thread: at most `keep`
+    bytes of head and `tail_keep` of tail are held."""
     started = time.monotonic()
+    deadline = started + timeout
     try:
         proc = subprocess.Popen(argv, cwd=str(cwd), stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, env=env if env is not None else _child_env(),
-                                start_new_session=True, close_fds=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=env if env is not None else _child_env(), start_new_session=True, close_fds=True)
     except OSError as exc:
         return Output(None, f"cannot run {argv[0]}: {rl.error_text(exc)}".encode(), b"", 0,
                       round((time.monotonic() - started) * 1000, 1), error=rl.error_text(exc))
     _CHILDREN.add(proc.pid)
-    box = {"head": bytearray(), "tail": bytearray(), "size": 0}
-
-    def reader():
-        while True:
-            chunk = proc.stdout.read1(65536) if hasattr(proc.stdout, "read1") else proc.stdout.read(65536)
-            if not chunk:
-                return
-            box["size"] += len(chunk)
-            room = keep - len(box["head"])
-            if room > 0:
-                box["head"] += chunk[:room]
-                chunk = chunk[room:]
-            if chunk:
-                box["tail"] += chunk
-                if len(box["tail"]) > tail_keep:
-                    del box["tail"][:-tail_keep]
-
-    thread = threading.Thread(target=reader, daemon=True)
-    thread.start()
     if input is not None:
         threading.Thread(target=_feed_stdin, args=(proc.stdin, input), daemon=True).start()
+    box = {"head": bytearray(), "tail": bytearray(), "size": 0}
     timed_out = False
     try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        timed_out = True
+        timed_out = _read_until_exit(proc, deadline, box, keep, tail_keep)
     finally:
         _kill_group(proc.pid)  # on a timeout, and any background child left holding the output open
         proc.wait()
+        _drain(proc.stdout.fileno(), box, keep, tail_keep)
+        proc.stdout.close()
         _CHILDREN.discard(proc.pid)
-    thread.join(5)
-    proc.stdout.close()
     return Output(None if timed_out else proc.returncode, bytes(box["head"]), bytes(box["tail"]), box["size"],
                   round((time.monotonic() - started) * 1000, 1), timed_out=timed_out)
+
+
+def _read_until_exit(proc, deadline, box, keep, tail_keep):
+    """Read the output until the program has exited and its output is closed, or until the program exits
+    while a background child still holds the output, or the deadline. Returns True on the deadline. On
+    Linux the program's exit wakes the same selector (a pidfd): no polling, no thread."""
+    fd = proc.stdout.fileno()
+    pidfd = _pidfd(proc.pid)
+    reading, exited = True, False
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ, "output")
+        if pidfd is not None:
+            selector.register(pidfd, selectors.EVENT_READ, "exit")
+        try:
+            while reading or not exited:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return True
+                events = selector.select(remaining if pidfd is not None else min(remaining, 0.05))
+                if pidfd is None and proc.poll() is not None:
+                    return False  # the rest of the output, if any, is drained after the group is gone
+                for key, _mask in events:
+                    if key.data == "exit":
+                        return False
+                    chunk = os.read(fd, 65536)
+                    if chunk:
+                        _keep(box, chunk, keep, tail_keep)
+                    else:
+                        reading = False
+                        selector.unregister(fd)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+    return False
+
+
+def _pidfd(pid):
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):  # not Linux, or a kernel before 5.3
+        return None
+
+
+def _drain(fd, box, keep, tail_keep):
+    """What is still in the pipe once the group is gone."""
+    os.set_blocking(fd, False)
+    try:
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return
+            _keep(box, chunk, keep, tail_keep)
+    except (BlockingIOError, OSError):
+        return
+
+
+def _keep(box, chunk, keep, tail_keep):
+    box["size"] += len(chunk)
+    room = keep - len(box["head"])
+    if room > 0:
+        box["head"] += chunk[:room]
+        chunk = chunk[room:]
+    if chunk:
+        box["tail"] += chunk
+        if len(box["tail"]) > tail_keep:
+            del box["tail"][:-tail_keep]
 
 
 def _feed_stdin(stream, data):
@@ -883,6 +941,7 @@ class Workspace:
 
     def __init__(self, repo, ref, root, policy, redactor):
         self.repo, self.ref, self.root, self.policy, self.redactor = repo, ref, Path(root), policy, redactor
+        self.env = _child_env()  # the environment does not change during a run
 
     def resolve(self, rel):
         root = os.path.realpath(self.root)
@@ -895,14 +954,15 @@ class Workspace:
         argv = list(self.policy.test_command)
         if junit is not None and _is_pytest(argv):
             argv += [f"--junitxml={junit}", "-p", "no:cacheprovider"]
-        return run_program(argv, root or self.root, self.policy.test_timeout_s)
+        return run_program(argv, root or self.root, self.policy.test_timeout_s, env=self.env)
 
     def execute(self, tool, args):
         """Run an allowed action. Returns an Output."""
         started = time.monotonic()
         if tool in self.policy.plugins:
             plugin = self.policy.plugins[tool]
-            return run_program(plugin.command(args), self.root, plugin.timeout_s or self.policy.caps["timeout_s"])
+            return run_program(plugin.command(args), self.root, plugin.timeout_s or self.policy.caps["timeout_s"],
+                               env=self.env)
         if tool == "run_tests":
             return self.run_tests()
         if tool == "grep":
@@ -910,7 +970,7 @@ class Workspace:
             if not files:
                 return _text_output(1, "no files to search", started)
             return run_program([sys.executable, "-I", "-c", GREP_SCRIPT, args["pattern"], "500"], self.root,
-                               self.policy.caps["timeout_s"], env=dict(_child_env(), PYTHONIOENCODING="utf-8"),
+                               self.policy.caps["timeout_s"], env=dict(self.env, PYTHONIOENCODING="utf-8"),
                                input="\0".join(files).encode("utf-8", "surrogateescape"))
         if tool == "git_diff":
             text = self._git_diff()
@@ -1034,7 +1094,9 @@ _TOOL_DOCS = {
 
 
 def _looks_like_diff(text):
-    return text.lstrip().startswith("diff --git ") or bool(
+    """Only a unified diff: it starts with its first file header and has a hunk."""
+    text = text.lstrip()
+    return (text.startswith("diff --git ") or text.startswith("--- ")) and bool(
         re.search(r"(?m)^--- \S.*\n\+\+\+ \S.*\n@@ ", text))
 
 
@@ -1830,6 +1892,1168 @@ def list_runs(runs_dir):
 
 
 # ----------------------------------------------------------------------------
+# The webhook daemon
+# ----------------------------------------------------------------------------
+#
+# `agent.py serve`: a webhook (GitHub, Standard Webhooks, or curl from cron) starts agent runs. The body is
+# read whole (Content-Length only, capped) and authenticated before it is parsed; an accepted delivery is
+# recorded, fsync'd, in RUNS/daemon.jsonl before the answer, with the run id it will run as; one worker runs
+# the queued runs one at a time, each as a child `agent.py run` in its own process group. The daemon's own
+# ledger says exactly which deliveries still need a run, so a restart (after a stop, or kill -9) picks them up.
+
+DAEMON_LEDGER = "daemon.jsonl"
+DAEMON_LOCK = "daemon.lock"
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_MAX_BODY = 5 * 1024 * 1024
+DEFAULT_QUEUE = 16
+DEFAULT_MAX_CONNECTIONS = 64
+DEFAULT_REQUEST_TIMEOUT_S = 10.0
+DEFAULT_GRACE_S = 30.0
+LISTEN_BACKLOG = 128
+SIGNATURE_TOLERANCE_S = 300   # Standard Webhooks: a webhook-timestamp more than 5 minutes off is refused
+KILL_MARGIN_S = 60            # a run is killed after max_wall_s + 2 x test_timeout_s + this
+TERMINATE_WAIT_S = 5          # SIGTERM to a run's process group, then SIGKILL this much later
+RESPONSE_GRACE_S = 2          # after the deadline, reads end at once; the socket closes this much later
+LINGER_S = 1.0                # an error answered before the body was read: unread input drained this long
+LINGER_BYTES = 64 * 1024      # ... and at most this much, so the client reads the answer, not a reset
+RETRY_AFTER_S = 30            # a full queue asks the sender to come back after this
+CONNECTION_EVENT_EVERY_S = 10  # connections over the cap: at most one connection_limit event this often
+MAX_SECRETS_FILE = 64 * 1024
+MAX_SIGNATURES = 16           # webhook-signature entries looked at
+MAX_EVENTS_SHOWN = 5000       # GET /runs/<id> shows at most this many events
+MAX_SHOWN_CHARS = 4000        # one value on the timeline page
+DAEMON_ENV = ("WEBHOOK_SECRET", "WEBHOOK_SECRET_FILE", "READ_TOKEN")  # never passed to a run
+
+_DELIVERY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
+_EVENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}\Z")
+_GITHUB_SIG_RE = re.compile(r"sha256=([0-9a-fA-F]{64})\Z")
+_TIMESTAMP_RE = re.compile(r"[0-9]{1,12}\Z")
+_LENGTH_RE = re.compile(r"[0-9]{1,15}\Z")
+_COMMIT_RE = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?\Z")
+_RUN_URL_RE = re.compile(r"/runs/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8})\Z")  # new_run_id()'s shape only
+_ARTIFACT_REF_RE = re.compile(r"artifacts/[0-9a-f]{64}\Z")
+_REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+            408: "Request Timeout", 411: "Length Required", 413: "Payload Too Large", 414: "URI Too Long",
+            415: "Unsupported Media Type", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
+            501: "Not Implemented", 503: "Service Unavailable", 505: "HTTP Version Not Supported"}
+
+
+class Refused(Exception):
+    """A request answered with an error status. `reason` is recorded (None: not a webhook rejection);
+    `message` is all the client reads."""
+
+    def __init__(self, status, reason, message, headers=None):
+        super().__init__(message)
+        self.status, self.reason, self.message, self.headers = status, reason, message, headers or {}
+
+
+class _TimedOut(Exception):
+    """The connection's deadline passed while its request was being read."""
+
+
+class Delivery:
+    """An authenticated delivery: where it came from (github, standard, unsigned), its id and event name."""
+
+    def __init__(self, source, delivery, event):
+        self.source, self.delivery, self.event = source, delivery, event
+
+
+# -- configuration -------------------------------------------------------------
+
+def webhook_secrets(environ=None):
+    """The webhook secrets: WEBHOOK_SECRET (one) and WEBHOOK_SECRET_FILE (one a line, white space inside a
+    secret kept, blank lines ignored), both when both are set: several secrets serve a rotation."""
+    env = os.environ if environ is None else environ
+    secrets = [env["WEBHOOK_SECRET"]] if env.get("WEBHOOK_SECRET") else []
+    name = env.get("WEBHOOK_SECRET_FILE")
+    if name:
+        try:
+            with open(name, "rb") as handle:
+                raw = handle.read(MAX_SECRETS_FILE + 1)
+        except OSError as exc:
+            raise rl.UsageError(f"WEBHOOK_SECRET_FILE: {rl.error_text(exc)}") from None
+        if len(raw) > MAX_SECRETS_FILE:
+            raise rl.UsageError(f"WEBHOOK_SECRET_FILE: larger than {MAX_SECRETS_FILE} bytes")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise rl.UsageError("WEBHOOK_SECRET_FILE: not UTF-8") from None
+        found = [line.rstrip("\r") for line in text.split("\n") if line.strip()]
+        if not found:
+            raise rl.UsageError("WEBHOOK_SECRET_FILE: holds no secret (one secret a line)")
+        secrets += found
+    return secrets
+
+
+def signing_keys(secrets):
+    """[(GitHub key, Standard Webhooks key)] for each secret: GitHub signs with the secret's bytes; a
+    Standard Webhooks secret `whsec_<base64>` signs with the decoded bytes (any other secret with its bytes)."""
+    keys = []
+    for secret in secrets:
+        if len(secret) < rl.MIN_SECRET_CHARS:  # too short to mask by value, and to resist guessing
+            raise rl.UsageError(f"a webhook secret must be at least {rl.MIN_SECRET_CHARS} characters")
+        raw = secret.encode("utf-8")
+        standard = raw
+        if secret.startswith("whsec_"):
+            try:
+                standard = base64.b64decode(secret[6:], validate=True)
+            except (binascii.Error, ValueError):
+                raise rl.UsageError("a whsec_ webhook secret must be base64 after the prefix "
+                                    "(the secret is not shown)") from None
+        keys.append((raw, standard))
+    return keys
+
+
+def is_loopback(host):
+    """True when every address `host` names is a loopback address."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError):
+        raise rl.UsageError(f"--host {rl.printable(host)}: cannot resolve that name") from None
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+# -- authentication: before the body is parsed ---------------------------------
+
+def verify_github(keys, body, header):
+    """X-Hub-Signature-256: sha256=<hex HMAC-SHA256(secret, raw body)>, compared in constant time against
+    every configured secret. Raises Refused(401)."""
+    match = _GITHUB_SIG_RE.match(header or "")
+    if not match:
+        raise Refused(401, "bad_signature_format", "the signature does not match")
+    given = bytes.fromhex(match.group(1))
+    matched = False
+    for key, _standard in keys:
+        matched |= hmac.compare_digest(hmac.new(key, body, hashlib.sha256).digest(), given)
+    if not matched:
+        raise Refused(401, "bad_signature", "the signature does not match")
+
+
+def verify_standard(keys, body, msg_id, timestamp, header, now=None):
+    """Standard Webhooks: HMAC-SHA256 over `id.timestamp.body`, base64, in `webhook-signature` as
+    space-separated `v1,<base64>` entries (one match is enough); the timestamp within 5 minutes of now.
+    Raises Refused(401)."""
+    if not msg_id or not timestamp or not header:
+        raise Refused(401, "missing_signature", "webhook-id, webhook-timestamp and webhook-signature are required")
+    if not _TIMESTAMP_RE.match(timestamp.strip()):
+        raise Refused(401, "bad_timestamp", "webhook-timestamp must be Unix seconds")
+    if abs((time.time() if now is None else now) - int(timestamp.strip())) > SIGNATURE_TOLERANCE_S:
+        raise Refused(401, "stale_timestamp", "webhook-timestamp is outside the tolerance")
+    signed = msg_id.encode("latin-1") + b"." + timestamp.encode("latin-1") + b"." + body
+    expected = [hmac.new(standard, signed, hashlib.sha256).digest() for _github, standard in keys]
+    matched = False
+    for entry in header.split()[:MAX_SIGNATURES]:
+        version, _, value = entry.partition(",")
+        if version != "v1":
+            continue
+        try:
+            given = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            continue
+        for digest in expected:
+            matched |= hmac.compare_digest(digest, given)
+    if not matched:
+        raise Refused(401, "bad_signature", "the signature does not match")
+
+
+def authenticate(keys, headers, body, now=None):
+    """Which scheme signed this request, checked over the raw body; its delivery id and event name (the
+    event of a Standard Webhooks message is read from the body later). Raises Refused."""
+    if not keys:  # only on loopback: nothing to check against
+        delivery = headers.get("X-GitHub-Delivery") or headers.get("webhook-id") or f"local-{os.urandom(8).hex()}"
+        return _checked(Delivery("unsigned", delivery.strip(), headers.get("X-GitHub-Event")))
+    if headers.get("X-Hub-Signature-256") is not None:
+        verify_github(keys, body, headers.get("X-Hub-Signature-256").strip())
+        delivery, event = headers.get("X-GitHub-Delivery"), headers.get("X-GitHub-Event")
+        if not delivery:
+            raise Refused(400, "missing_delivery", "X-GitHub-Delivery is required")
+        if not event:
+            raise Refused(400, "missing_event", "X-GitHub-Event is required")
+        return _checked(Delivery("github", delivery.strip(), event.strip()))
+    if headers.get("webhook-signature") is not None:
+        msg_id = headers.get("webhook-id")
+        verify_standard(keys, body, msg_id, headers.get("webhook-timestamp"), headers.get("webhook-signature"), now)
+        return _checked(Delivery("standard", msg_id.strip(), None))
+    raise Refused(401, "missing_signature", "a signature is required (X-Hub-Signature-256 or webhook-signature)")
+
+
+def _checked(found):
+    if not _DELIVERY_RE.match(found.delivery):
+        raise Refused(400, "bad_delivery", "the delivery id must be 1-128 of A-Z a-z 0-9 _ . : -")
+    if found.event is not None and not _EVENT_RE.match(found.event):
+        raise Refused(400, "bad_event", "the event name must be 1-64 of A-Z a-z 0-9 _ . : -")
+    return found
+
+
+def parse_body(headers, body):
+    """After a valid signature: the Content-Type must be JSON (else 415), the body a UTF-8 JSON object
+    (else 400). Returns the object."""
+    ctype = (headers.get("Content-Type") or "").lower().split(";")
+    params = [p.strip() for p in ctype[1:] if p.strip()]
+    if ctype[0].strip() != "application/json" or any(p.startswith("charset=") and p not in (
+            "charset=utf-8", 'charset="utf-8"') for p in params):
+        raise Refused(415, "wrong_content_type", "the body must be application/json (UTF-8)")
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Refused(400, "invalid_utf8", "the body is not UTF-8") from None
+    try:
+        payload = json.loads(text)
+    except (ValueError, RecursionError):
+        raise Refused(400, "invalid_json", "the body is not JSON") from None
+    if type(payload) is not dict:
+        raise Refused(400, "not_an_object", "the body must be a JSON object")
+    return payload
+
+
+def _event_name(found, payload):
+    if found.event:
+        return found.event
+    kind = payload.get("type")
+    if kind is None:
+        return "webhook"
+    if type(kind) is not str or not _EVENT_RE.match(kind):
+        raise Refused(400, "bad_event", "the body's type must be 1-64 of A-Z a-z 0-9 _ . : -")
+    return kind
+
+
+def _push_after(event, payload):
+    """The `after` commit of a GitHub push, when it is one."""
+    after = payload.get("after")
+    if event == "push" and type(after) is str and _COMMIT_RE.match(after) and after.strip("0"):
+        return after
+    return None
+
+
+# -- deadlines: the wall deadline of a whole request -----------------------------------
+
+class _ConnectionDeadline:
+    """The stdlib's socket timeout is per read; this is the wall deadline of a whole request, run by
+    ask.py's one timer thread. At the deadline the connection's reads end (the read side is shut, so the
+    handler can still answer 408); RESPONSE_GRACE_S later the whole socket is shut, in case the client does
+    not read the answer either."""
+
+    def __init__(self, sock, at):
+        self.at, self.sock, self.expired, self.done = at, sock, False, False
+        self.lock = threading.Lock()
+        self._timer = ask.call_at(at, self._end_reads)
+
+    def _end_reads(self):
+        with self.lock:
+            if self.done:
+                return
+            self.expired = True
+            _shut(self.sock, socket.SHUT_RD)
+            self._timer = ask.call_at(self.at + RESPONSE_GRACE_S, self._end_all)
+
+    def _end_all(self):
+        with self.lock:
+            if not self.done:
+                _shut(self.sock, socket.SHUT_RDWR)
+
+    def cancel(self):
+        with self.lock:  # never shut a socket after its handler let it go
+            self.done = True
+            self._timer.cancel()
+
+
+def _shut(sock, how):
+    try:
+        sock.shutdown(how)
+    except OSError:
+        pass
+
+
+# -- the HTTP side ---------------------------------------------------------------
+
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most `max_connections` at once (over the cap: a 503 written at once and
+    the connection closed), a listen backlog of 128, and a wall deadline on every connection."""
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+    block_on_close = False
+    allow_reuse_address = True
+
+    def __init__(self, address, app, max_connections):
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.app, self.max_connections = app, max_connections
+        self.active, self.idle = 0, threading.Condition()
+        super().__init__(address, _Handler)
+
+    def server_bind(self):
+        socketserver.TCPServer.server_bind(self)  # not HTTPServer's: no reverse DNS lookup at start
+        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+
+    def process_request(self, request, client_address):
+        with self.idle:
+            full = self.active >= self.max_connections
+            if not full:
+                self.active += 1
+        if full:
+            self.app.connection_refused(client_address[0])
+            _answer_busy(request)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except RuntimeError:  # no thread could be started
+            self._release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release()
+
+    def _release(self):
+        with self.idle:
+            self.active -= 1
+            self.idle.notify_all()
+
+    def wait_idle(self, timeout):
+        """Wait until no connection is being handled (or `timeout`). Returns True when idle."""
+        end = time.monotonic() + timeout
+        with self.idle:
+            while self.active > 0 and time.monotonic() < end:
+                self.idle.wait(max(0.0, end - time.monotonic()))
+            return self.active == 0
+
+    def handle_error(self, request, client_address):
+        exc = sys.exc_info()[1]  # socketserver would print a traceback: one line instead
+        self.app.log(f"error: connection from {client_address[0]}: {type(exc).__name__}")
+
+
+def _answer_busy(sock):
+    body = b'{"error": "too many connections; retry later"}\n'
+    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            f"Retry-After: 1\r\nConnection: close\r\n\r\n").encode()
+    try:
+        sock.settimeout(0.5)
+        sock.sendall(head + body)
+    except OSError:
+        pass
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """One request per connection, answered with JSON (or the timeline page), always `Connection: close`."""
+    protocol_version = "HTTP/1.1"
+    server_version = "agent.py-serve"
+    sys_version = ""
+    default_request_version = "HTTP/1.0"  # an answer to a request line that did not parse keeps its status line
+
+    def setup(self):
+        super().setup()
+        self.app = self.server.app
+        self.started = time.monotonic()
+        self.command, self.request_version = None, self.default_request_version
+        self.connection.settimeout(self.app.request_timeout + RESPONSE_GRACE_S)  # the wall deadline ends it first
+        self.deadline = _ConnectionDeadline(self.connection, self.started + self.app.request_timeout)
+        self.sent, self.delivery, self.claimed, self.stage = None, None, None, "request"
+        self.expect_continue = self.timed_out = self.body_read = False
+        self.route = "-"
+
+    def handle(self):
+        try:
+            self.handle_one_request()
+        except OSError:  # the client went away (a reset, a broken pipe): nothing to answer
+            self.close_connection = True
+        if (self.timed_out or self.deadline.expired) and self.sent is None:
+            self.app.record("webhook_timeout", {"remote": self.client_address[0], "stage": self.stage,
+                                                   "path": self.route, "delivery": self.claimed,
+                                                   "timeout_s": self.app.request_timeout})
+            self._reply(408, {"error": "the request took too long"})
+        if self.sent and self.sent[0] >= 400 and not self.body_read:
+            self._linger()
+
+    def _linger(self):
+        """Answered before the request was read to its end: stop writing, then read (and drop) what the
+        client is still sending, briefly, so that closing with unread input does not reset the connection
+        before the client has read the answer."""
+        end, drained = time.monotonic() + LINGER_S, 0
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            while drained < LINGER_BYTES and time.monotonic() < end:
+                self.connection.settimeout(max(0.01, end - time.monotonic()))
+                chunk = self.connection.recv(16384)
+                if not chunk:
+                    break
+                drained += len(chunk)
+        except OSError:
+            pass
+
+    def finish(self):
+        self.deadline.cancel()
+        try:
+            super().finish()
+        except OSError:
+            pass
+        status, size = self.sent or ("-", 0)
+        elapsed = (time.monotonic() - self.started) * 1000
+        self.app.log(f"{self.client_address[0]} {rl.printable(self.command or '-')} {self.route} {status} {size} "
+                        f"{elapsed:.1f} {self.delivery or '-'}")
+
+    # the base class's own logging and error pages: ours instead
+    def log_message(self, format, *args):
+        pass
+
+    def send_error(self, code, message=None, explain=None):
+        self.close_connection = True
+        if self.timed_out or self.deadline.expired:
+            return  # handle() answers 408 and records it
+        self._reply(int(code), {"error": _REASONS.get(int(code), "error")})
+
+    def handle_expect_100(self):
+        self.expect_continue = True  # 100 Continue only once the headers pass (no 100 before a 413)
+        return True
+
+    def do_GET(self):
+        self._route()
+
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = do_GET
+
+    def _route(self):
+        path = self.path.split("?", 1)[0]
+        self.route = rl.printable(self.app.redact(path[:200]))
+        if self.deadline.expired:  # the headers ended only because the deadline shut the reads
+            self.timed_out = True
+            return
+        webhook = path == "/webhook"
+        try:
+            if webhook:
+                self.claimed = _claimed_delivery(self.headers)
+                if self.command != "POST":
+                    raise Refused(405, None, "use POST", {"Allow": "POST"})
+                self._webhook()
+            elif path in ("/healthz", "/runs") or path.startswith("/runs/"):
+                if self.command != "GET":
+                    raise Refused(405, None, "use GET", {"Allow": "GET"})
+                self._read(path)
+            else:
+                raise Refused(404, None, "not found")
+        except Refused as refused:
+            self.close_connection = True
+            if webhook and refused.reason:
+                self.app.record("webhook_rejected", {"reason": refused.reason, "status": refused.status,
+                                                        "remote": self.client_address[0],
+                                                        "delivery": self.delivery or self.claimed})
+            self._reply(refused.status, {"error": refused.message}, headers=refused.headers)
+        except _TimedOut:
+            self.timed_out = True
+        except Exception as exc:  # the boundary: recorded, answered 500 without details
+            self.close_connection = True
+            self.app.record_error(f"{self.command} {self.route}", exc)
+            self._reply(500, {"error": "internal error"})
+
+    # -- POST /webhook ------------------------------------------------------
+    def _webhook(self):
+        body = self._read_body(self._content_length())
+        found = authenticate(self.app.keys, self.headers, body)
+        self.delivery = found.delivery
+        payload = parse_body(self.headers, body)
+        event = _event_name(found, payload)
+        status, answer, headers = self.app.accept(found, event, body, payload, self.client_address[0])
+        self._reply(status, answer, headers=headers)
+
+    def _content_length(self):
+        if self.headers.get("Transfer-Encoding") is not None:
+            raise Refused(411, "transfer_encoding", "send the body with Content-Length, without Transfer-Encoding")
+        values = self.headers.get_all("Content-Length") or []
+        if not values:
+            raise Refused(411, "missing_length", "Content-Length is required")
+        if len(values) > 1 or not _LENGTH_RE.match(values[0].strip()):
+            raise Refused(400, "bad_length", "Content-Length must be one decimal number")
+        length = int(values[0].strip())
+        if length > self.app.max_body:
+            raise Refused(413, "too_large", f"the body is larger than {self.app.max_body} bytes")
+        return length
+
+    def _read_body(self, length):
+        """Exactly `length` bytes, within the connection's deadline."""
+        self.stage = "body"
+        if self.expect_continue:
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        chunks, got = [], 0
+        while got < length:
+            remaining = self.deadline.at - time.monotonic()
+            if remaining <= 0 or self.deadline.expired:
+                raise _TimedOut()
+            self.connection.settimeout(remaining)
+            try:
+                chunk = self.rfile.read1(min(65536, length - got))
+            except socket.timeout:
+                raise _TimedOut() from None
+            if not chunk:
+                if self.deadline.expired:
+                    raise _TimedOut()
+                raise Refused(400, "incomplete_body", "the body is shorter than Content-Length")
+            chunks.append(chunk)
+            got += len(chunk)
+        self.stage, self.body_read = "processing", True
+        return b"".join(chunks)
+
+    # -- GET /healthz, /runs, /runs/<id> -----------------------------------
+    def _read(self, path):
+        allowed = self.app.read_allowed(self.headers.get("Authorization"))
+        if path == "/healthz":
+            return self._reply(200, self.app.health(detailed=allowed))
+        if not allowed:
+            self.app.record("read_rejected", {"remote": self.client_address[0], "path": self.route})
+            raise Refused(401, None, "a read token is required (Authorization: Bearer TOKEN)",
+                          {"WWW-Authenticate": 'Bearer realm="agent.py serve"'})
+        if path == "/runs":
+            return self._reply(200, {"runs": self.app.runs()})
+        match = _RUN_URL_RE.match(path)  # before the file system is touched
+        found = self.app.run_events(match.group(1)) if match else None
+        if found is None:
+            raise Refused(404, None, "no such run")
+        if "text/html" in (self.headers.get("Accept") or "").lower():
+            page = timeline_html(found, self.app.runs_dir / found["run_id"])
+            return self._reply(200, page.encode("utf-8"), "text/html; charset=utf-8")
+        return self._reply(200, found)
+
+    # -- answering ------------------------------------------------------------
+    def _reply(self, status, body, content_type="application/json", headers=None):
+        data = body if isinstance(body, bytes) else (json.dumps(body, ensure_ascii=False) + "\n").encode("utf-8")
+        self.stage = "response"
+        self.sent = (status, len(data))
+        self.close_connection = True
+        try:
+            self.send_response(status, _REASONS.get(status))
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("Cache-Control", "no-store")
+            self.send_header("X-Content-Type-Options", "nosniff")
+            if content_type.startswith("text/html"):
+                self.send_header("Content-Security-Policy", _PAGE_POLICY)
+            for name, value in (headers or {}).items():
+                self.send_header(name, value)
+            self.send_header("Connection", "close")
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(data)
+        except OSError:
+            pass  # the client went away; what was accepted is recorded already
+
+    def version_string(self):
+        return self.server_version
+
+    def send_response(self, code, message=None):
+        self.send_response_only(code, message)  # no log_request
+        self.send_header("Server", self.version_string())
+        self.send_header("Date", self.date_time_string())
+
+
+def _claimed_delivery(headers):
+    """The delivery id a request claims, for the record of a rejection (unauthenticated, so only its shape)."""
+    claimed = headers.get("X-GitHub-Delivery") or headers.get("webhook-id")
+    if claimed is None:
+        return None
+    claimed = claimed.strip()
+    return claimed if _DELIVERY_RE.match(claimed) else "(not a delivery id)"
+
+
+# -- the daemon ------------------------------------------------------------------
+
+class _Child:
+    """An `agent.py run` this daemon started."""
+
+    def __init__(self, proc):
+        self.proc, self.pid = proc, proc.pid
+
+    def wait(self, timeout):
+        try:
+            return True, self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False, None
+
+
+class _Orphan:
+    """A run started by an earlier daemon that died (kill -9): still running, not our child. Its exit code
+    is unknown; its run's ledger says how it ended."""
+
+    def __init__(self, pid, run_id):
+        self.pid, self.run_id = pid, run_id
+
+    def wait(self, timeout):
+        end = time.monotonic() + timeout
+        while _run_process_alive(self.pid, self.run_id):
+            if time.monotonic() >= end:
+                return False, None
+            time.sleep(0.1)
+        return True, None
+
+
+def _run_process_alive(pid, run_id):
+    """Is `pid` still the `agent.py run --run-id=RUN_ID` it was? (Linux: its command line; elsewhere the
+    pid alone.)"""
+    proc = Path(f"/proc/{pid}/cmdline")
+    if Path("/proc/self").exists():
+        try:
+            return f"--run-id={run_id}".encode() in proc.read_bytes().split(b"\0")
+        except OSError:
+            return False
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+def _find_run_process(run_id):
+    """The pid of a live `agent.py run --run-id=RUN_ID`, found through /proc (Linux), or None."""
+    if not Path("/proc/self").exists():
+        return None
+    wanted = f"--run-id={run_id}".encode()
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if wanted in argv and b"run" in argv:
+            return int(name)
+    return None
+
+
+def _signal_group(pid, signum):
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class Daemon:
+    """The webhook daemon: configuration, its ledger, the deliveries seen, the queue and the one worker."""
+
+    def __init__(self, repo, *, runs_dir=DEFAULT_RUNS, tools=DEFAULT_TOOLS, host=DEFAULT_HOST, port=DEFAULT_PORT,
+                 secrets=(), read_token=None, max_body=DEFAULT_MAX_BODY, queue=DEFAULT_QUEUE,
+                 max_connections=DEFAULT_MAX_CONNECTIONS, request_timeout=DEFAULT_REQUEST_TIMEOUT_S,
+                 grace_s=DEFAULT_GRACE_S, kill_after_s=None, fetch=False, extra_secrets=(), log=None):
+        _check_limits(port, max_body, queue, max_connections, request_timeout, grace_s, kill_after_s)
+        self.repo = repo_root(repo)
+        self.tools = Path(tools).resolve()
+        self.policy = load_policy(self.tools)
+        self.runs_dir = Path(runs_dir).resolve()
+        self.host, self.port = host, port
+        self.loopback = is_loopback(host)
+        if not self.loopback and not secrets:
+            raise rl.UsageError(f"refusing to listen on {rl.printable(host)}, which is not a loopback address, "
+                                f"without a webhook secret: set WEBHOOK_SECRET or WEBHOOK_SECRET_FILE")
+        if read_token is not None and len(read_token) < 16:
+            raise rl.UsageError("the read token (--read-token / READ_TOKEN) must be at least 16 characters")
+        self.keys = signing_keys(secrets)
+        self.read_token = read_token
+        self.token_required = bool(read_token) or not self.loopback
+        self.max_body, self.max_queue, self.max_connections = max_body, queue, max_connections
+        self.request_timeout, self.grace_s, self.fetch = float(request_timeout), float(grace_s), fetch
+        budget = self.policy.budget
+        self.kill_after_s = float(kill_after_s) if kill_after_s else (
+            budget["max_wall_s"] + 2 * self.policy.test_timeout_s + KILL_MARGIN_S)
+        self.secrets = [s for s in list(secrets) + [read_token] + list(extra_secrets) if s]
+        self.redactor = rl.Redactor(rl.secret_values(self.secrets))
+        self.log = log or (lambda line: None)
+        self.child_env = {k: v for k, v in os.environ.items() if k not in DAEMON_ENV}
+        self.deliveries = {}            # delivery id -> run id (None for a ping), from the ledger and since
+        self.queue = collections.deque()
+        self.cond = threading.Condition()
+        self.running = None             # the run id the worker is on
+        self.last_run = None            # the last run_finished payload
+        self.draining, self.stop_at = False, None
+        self.ledger = self.server = self.worker = self.serving = None
+        self.started_at, self._lock_fd = None, None
+        self._refused, self._refused_reported = 0, 0.0
+
+    # -- start and stop -----------------------------------------------------
+    def start(self):
+        """Take the runs directory's daemon lock, check the ledger, bind, record daemon_started, recover
+        what an earlier daemon left, and start serving. Returns the address (http://host:port)."""
+        self.runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._lock_fd = _daemon_lock(self.runs_dir)
+        try:
+            return self._start()
+        except Exception:  # not started: let go of the port and the lock, then the caller reports it
+            if self.server is not None:
+                self.server.server_close()
+            os.close(self._lock_fd)
+            raise
+
+    def _start(self):
+        path = self.runs_dir / DAEMON_LEDGER
+        if path.exists():
+            try:
+                rl.verify(path)
+            except rl.TornTailError:
+                pass  # a crash mid-append: the first append below moves the fragment aside and records it
+        self.server = _Server((self.host, self.port), self, self.max_connections)
+        host, port = self.server.server_address[:2]
+        address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        self.ledger = rl.Ledger(path, f"daemon-{rl.new_run_id()}", secrets=self.secrets)
+        self.started_at = time.monotonic()
+        self.record("daemon_started", {
+            "address": address, "pid": os.getpid(), "repo": str(self.repo), "runs_dir": str(self.runs_dir),
+            "tools": str(self.tools), "tools_sha256": self.policy.sha256, "secrets": len(self.keys),
+            "read_token": bool(self.read_token), "token_required": self.token_required, "max_body": self.max_body,
+            "queue": self.max_queue, "max_connections": self.max_connections, "backlog": LISTEN_BACKLOG,
+            "request_timeout_s": self.request_timeout, "grace_s": self.grace_s, "kill_after_s": self.kill_after_s,
+            "fetch": self.fetch, "agent_version": __version__, "python": sys.version.split()[0]})
+        self._recover()
+        self.worker = threading.Thread(target=self._work, name="worker", daemon=True)
+        self.worker.start()
+        self.serving = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="accept", daemon=True)
+        self.serving.start()
+        return address
+
+    def alive(self):
+        return self.serving is not None and self.serving.is_alive() and self.worker.is_alive()
+
+    def stop(self, signum=None):
+        """Stop accepting, let the requests in flight finish, give a run in progress `grace_s` and then
+        terminate it; queued deliveries stay recorded as received and not dispatched."""
+        with self.cond:
+            self.draining = True
+            self.stop_at = time.monotonic() + self.grace_s
+            self.cond.notify_all()
+        self.server.shutdown()
+        self.server.server_close()
+        self.server.wait_idle(self.request_timeout + RESPONSE_GRACE_S + 1)
+        self.worker.join(self.grace_s + 2 * TERMINATE_WAIT_S + 5)
+        with self.cond:
+            queued = [item["run_id"] for item in self.queue]
+        self.record("daemon_stopped", {"signal": signal.Signals(signum).name if signum else None,
+                                       "queued": queued, "uptime_s": round(time.monotonic() - self.started_at, 3)})
+        self.ledger.close()
+        os.close(self._lock_fd)
+
+    # -- recording ------------------------------------------------------------
+    def record(self, kind, payload):
+        return self.ledger.append(kind, payload)
+
+    def record_error(self, where, exc):
+        """An unexpected error at a boundary: an event with the traceback as an artifact, one stderr line."""
+        self.log(f"error: {where}: {type(exc).__name__} (recorded in {DAEMON_LEDGER})")
+        try:
+            trace = self.ledger.store_artifact(traceback.format_exc())
+            self.record("daemon_error", {"where": where, "type": type(exc).__name__,
+                                         "message": rl.error_text(exc)[:2000], "traceback_artifact": trace})
+        except (rl.LedgerError, OSError):
+            pass  # the ledger itself is what failed; the stderr line is all there is
+
+    def redact(self, text):
+        return self.redactor.text(text)
+
+    def connection_refused(self, remote):
+        """A connection over the cap: counted, and recorded at most once every few seconds."""
+        self._refused += 1
+        now = time.monotonic()
+        if now - self._refused_reported >= CONNECTION_EVENT_EVERY_S:
+            self._refused_reported, count, self._refused = now, self._refused, 0
+            self.record("connection_limit", {"refused": count, "max_connections": self.max_connections,
+                                             "remote": remote})
+        self.log(f"{remote} - - 503 0 0.0 - (over {self.max_connections} connections)")
+
+    # -- deliveries -------------------------------------------------------------
+    def accept(self, found, event, body, payload, remote):
+        """Record a delivery (fsync'd) and queue its run, or answer a redelivery with the run it already
+        has, or a full queue with 503. Returns (status, answer, headers)."""
+        digest = hashlib.sha256(body).hexdigest()
+        with self.cond:
+            known = self._known(found, event, remote, digest)
+        if known:
+            return known
+        artifact = self.ledger.store_artifact(body)  # outside the lock: content-addressed, fsync'd
+        after = _push_after(event, payload)
+        with self.cond:
+            known = self._known(found, event, remote, digest)  # again: the same delivery may have raced us
+            if known:
+                return known
+            ping = event == "ping"
+            run_id = None if ping else rl.new_run_id()
+            received = {"event": event, "delivery": found.delivery, "source": found.source, "run_id": run_id,
+                        "body_sha256": digest, "body_artifact": artifact, "body_bytes": len(body), "remote": remote}
+            if after:
+                received["after"] = after
+            self.record("webhook_received", received)
+            self.deliveries[found.delivery] = run_id
+            if run_id:
+                self.queue.append({"run_id": run_id, "delivery": found.delivery, "event": event, "after": after})
+                self.cond.notify_all()
+        return (200 if ping else 202), {"run_id": run_id, "delivery": found.delivery}, {}
+
+    def _known(self, found, event, remote, digest):
+        """The answer for a redelivery or a full queue, recorded; None for a delivery to accept. Holds cond."""
+        if found.delivery in self.deliveries:
+            run_id = self.deliveries[found.delivery]
+            self.record("webhook_duplicate", {"delivery": found.delivery, "event": event, "run_id": run_id,
+                                              "source": found.source, "remote": remote, "body_sha256": digest})
+            return 200, {"run_id": run_id, "delivery": found.delivery, "duplicate": True}, {}
+        if event != "ping" and len(self.queue) >= self.max_queue:
+            self.record("queue_full", {"delivery": found.delivery, "event": event, "queued": len(self.queue),
+                                       "max": self.max_queue, "remote": remote})
+            return 503, {"error": "the queue is full; retry later"}, {"Retry-After": str(RETRY_AFTER_S)}
+        return None
+
+    # -- the worker ---------------------------------------------------------------
+    def _work(self):
+        while True:
+            with self.cond:
+                while not self.queue and not self.draining:
+                    self.cond.wait(1.0)
+                if self.draining and not (self.queue and self.queue[0].get("pid")):
+                    return  # nothing new starts once stopping; an adopted run is still watched
+                item = self.queue.popleft()
+                self.running = item["run_id"]
+            try:
+                self._run(item)
+            except Exception as exc:  # the boundary: the worker goes on with the next delivery
+                self.record_error(f"run {item['run_id']}", exc)
+            finally:
+                with self.cond:
+                    self.running = None
+
+    def _run(self, item):
+        run_id, started = item["run_id"], time.monotonic()
+        tail = ""
+        if item.get("pid"):
+            code, how = self._watch(_Orphan(item["pid"], run_id))
+        else:
+            ref = self._choose_ref(item)
+            with self.cond:
+                if self.draining:  # stopping: it stays received and not dispatched, for the next start
+                    self.queue.appendleft(item)
+                    return
+            self.record("run_dispatched", {"run_id": run_id, "delivery": item["delivery"], "event": item["event"],
+                                           "ref": ref})
+            with tempfile.TemporaryFile() as output:
+                try:
+                    proc = subprocess.Popen(self._argv(item, ref), stdin=subprocess.DEVNULL, stdout=output,
+                                            stderr=subprocess.STDOUT, env=self.child_env, cwd=str(HERE),
+                                            start_new_session=True, close_fds=True)
+                except OSError as exc:
+                    code, how, tail = None, "error", f"cannot start agent.py run: {rl.error_text(exc)}"
+                else:
+                    code, how = self._watch(_Child(proc))
+                    if code not in OUTCOME_EXIT.values():
+                        output.seek(max(0, output.seek(0, os.SEEK_END) - 2000))
+                        tail = output.read().decode("utf-8", "replace")
+        run_outcome = self._closed_outcome(run_id)
+        outcome = how or ("locked" if code == rl.EXIT_LOCKED else run_outcome or (
+            "interrupted" if code is None else "usage_error" if code == rl.EXIT_USAGE else "error"))
+        finished = {"run_id": run_id, "delivery": item["delivery"], "exit_code": code, "outcome": outcome,
+                    "run_outcome": run_outcome, "duration_ms": round((time.monotonic() - started) * 1000, 1)}
+        if item.get("pid"):
+            finished["adopted_pid"] = item["pid"]
+        if tail:
+            finished["output_tail"] = tail
+        self.record("run_finished", finished)
+        with self.cond:
+            self.last_run = finished
+
+    def _argv(self, item, ref):
+        argv = [sys.executable, str(Path(__file__).resolve()), "run", "--repo", str(self.repo),
+                "--runs-dir", str(self.runs_dir), "--tools", str(self.tools), f"--run-id={item['run_id']}",
+                f"--delivery={item['delivery']}", f"--event={item['event']}"]
+        return argv + ([f"--ref={ref}"] if ref else [])
+
+    def _watch(self, process):
+        """Wait for a run: killed (with its process group) past its wall budget, terminated past the grace
+        period of a stop. Returns (exit code, None | "killed" | "terminated")."""
+        kill_at = time.monotonic() + self.kill_after_s
+        while True:
+            done, code = process.wait(0.2)
+            if done:
+                return code, None
+            with self.cond:
+                stop_at = self.stop_at
+            now = time.monotonic()
+            if now >= kill_at or (stop_at is not None and now >= stop_at):
+                return self._end(process), ("killed" if now >= kill_at else "terminated")
+
+    @staticmethod
+    def _end(process):
+        """SIGTERM to the run's process group (the agent closes its run and kills its tools), SIGKILL after
+        a few seconds."""
+        _signal_group(process.pid, signal.SIGTERM)
+        done, code = process.wait(TERMINATE_WAIT_S)
+        if not done:
+            _signal_group(process.pid, signal.SIGKILL)
+            done, code = process.wait(TERMINATE_WAIT_S)
+        return code
+
+    def _choose_ref(self, item):
+        """A push's `after` commit when the repository has it (read-only `git cat-file -e`); else None: the
+        run works on the repository as it is (HEAD and the working tree)."""
+        if self.fetch:
+            self._git_fetch(item)
+        after = item.get("after")
+        if after and subprocess.run(["git", "-C", str(self.repo), "cat-file", "-e", f"{after}^{{commit}}"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_git_env(),
+                                    timeout=60).returncode == 0:
+            return after
+        return None
+
+    def _git_fetch(self, item):
+        """--fetch: `git fetch` in the repository, the one git command the daemon runs that writes there."""
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(["git", "-C", str(self.repo), "fetch", "--quiet", "--no-recurse-submodules"],
+                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  env=_git_env(), timeout=300)
+            code, output = proc.returncode, proc.stdout.decode("utf-8", "replace")[-1000:]
+        except subprocess.TimeoutExpired:
+            code, output = None, "git fetch timed out after 300 s"
+        self.record("git_fetch", {"run_id": item["run_id"], "delivery": item["delivery"], "returncode": code,
+                                  "duration_ms": round((time.monotonic() - started) * 1000, 1), "output": output})
+
+    def _closed_outcome(self, run_id):
+        """The outcome the run recorded when it closed, or None."""
+        path = self.runs_dir / run_id / rl.EVENTS_NAME
+        outcome = None
+        try:
+            for event in rl.read_events(path):
+                if event["kind"] == "run_closed":
+                    outcome = event["payload"].get("outcome")
+        except (rl.LedgerError, OSError):
+            return outcome
+        return outcome
+
+    # -- restart ---------------------------------------------------------------------
+    def _recover(self):
+        """Rebuild the delivery -> run map from daemon.jsonl and finish what an earlier daemon left: a
+        delivery received but never dispatched is queued again; a dispatched run that has not finished is
+        adopted while its process still runs, recorded as finished when its run closed, queued again when
+        its run directory was never made, and recorded as interrupted otherwise."""
+        received, dispatched, finished = {}, set(), set()
+        for event in rl.read_events(self.ledger.path, run_id=None):
+            kind, payload = event["kind"], event["payload"]
+            if kind == "webhook_received" and type(payload.get("delivery")) is str:
+                self.deliveries[payload["delivery"]] = payload.get("run_id")
+                if type(payload.get("run_id")) is str:
+                    received[payload["run_id"]] = payload
+            elif kind == "run_dispatched":
+                dispatched.add(payload.get("run_id"))
+            elif kind == "run_finished":
+                finished.add(payload.get("run_id"))
+                self.last_run = payload
+        summary = {"requeued": [], "adopted": [], "finished": [], "interrupted": []}
+        adopted, requeued = [], []
+        for run_id, payload in received.items():
+            if run_id in finished:
+                continue
+            item = {"run_id": run_id, "delivery": payload["delivery"], "event": payload.get("event") or "webhook",
+                    "after": payload.get("after")}
+            pid = _find_run_process(run_id) if run_id in dispatched else None
+            if run_id not in dispatched or (pid is None and not (self.runs_dir / run_id).exists()):
+                requeued.append(item)
+                summary["requeued"].append(run_id)
+            elif pid is not None:
+                adopted.append(dict(item, pid=pid))
+                summary["adopted"].append(run_id)
+            else:
+                outcome = self._closed_outcome(run_id)
+                summary["finished" if outcome else "interrupted"].append(run_id)
+                self.record("run_finished", {"run_id": run_id, "delivery": payload["delivery"], "exit_code": None,
+                                             "outcome": outcome or "interrupted", "run_outcome": outcome,
+                                             "recovered": True})
+        self.queue.extend(adopted + requeued)
+        if any(summary.values()):
+            self.record("daemon_recovered", summary)
+
+    # -- reading ------------------------------------------------------------------------
+    def read_allowed(self, authorization):
+        """Bearer token check for the read endpoints (not needed on loopback without a token)."""
+        if not self.token_required:
+            return True
+        if not self.read_token or not authorization:
+            return False
+        scheme, _, given = authorization.strip().partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "replace"),
+                                                                   self.read_token.encode("utf-8"))
+
+    def health(self, detailed):
+        if not detailed:
+            return {"ok": True}
+        with self.cond:
+            return {"ok": True, "queued": len(self.queue), "running": self.running, "last_run": self.last_run,
+                    "deliveries": len(self.deliveries), "draining": self.draining,
+                    "uptime_s": round(time.monotonic() - self.started_at, 3), "version": __version__}
+
+    def runs(self):
+        """GET /runs: list_runs' rows, with the head the index anchored and the delivery that asked."""
+        heads = {}
+        index = self.runs_dir / rl.INDEX_NAME
+        try:
+            for event in rl.read_events(index, run_id=None) if index.exists() else ():
+                entry = event["payload"]
+                if event["kind"] == "run_closed" and type(entry.get("run")) is str:
+                    heads[entry["run"]] = f"{entry.get('head_seq')}:{entry.get('head_hash')}"
+        except (rl.LedgerError, OSError):
+            pass  # list_runs says which runs do not verify
+        with self.cond:
+            origin = {run_id: delivery for delivery, run_id in self.deliveries.items() if run_id}
+        rows = list_runs(self.runs_dir)
+        for row in rows:
+            row["head"] = heads.get(row["run_id"])
+            row["delivery"] = origin.get(row["run_id"])
+        return rows
+
+    def run_events(self, run_id):
+        """GET /runs/<id>: the run's events as far as they verify, and whether they all do; None when
+        there is no such run. `run_id` has been checked against new_run_id()'s shape."""
+        path = self.runs_dir / run_id / rl.EVENTS_NAME
+        if not path.is_file():
+            return None
+        events, problem, truncated = [], None, False
+        try:
+            for event in rl.read_events(path):
+                if len(events) >= MAX_EVENTS_SHOWN:
+                    truncated = True
+                    break
+                events.append(event)
+        except rl.IntegrityError as exc:
+            problem = f"line {exc.line}: {exc.reason}" if exc.line else exc.reason
+        except (rl.LedgerError, OSError) as exc:
+            problem = type(exc).__name__
+        return {"run_id": run_id, "verified": problem is None, "problem": problem, "truncated": truncated,
+                "events": events}
+
+
+def _check_limits(port, max_body, queue, max_connections, request_timeout, grace_s, kill_after_s):
+    for name, value, low in (("--max-body", max_body, 1), ("--queue", queue, 1),
+                             ("--max-connections", max_connections, 1)):
+        if value < low:
+            raise rl.UsageError(f"{name} must be at least {low}")
+    if not 0 <= port <= 65535:
+        raise rl.UsageError("--port must be between 0 and 65535")
+    for name, value in (("--request-timeout", request_timeout), ("--kill-after-s", kill_after_s)):
+        if value is not None and not 0 < value < float("inf"):
+            raise rl.UsageError(f"{name} must be a positive number")
+    if not 0 <= grace_s < float("inf"):
+        raise rl.UsageError("--grace-s must be zero or more")
+
+
+def _daemon_lock(runs_dir):
+    """One daemon per runs directory (two would both pick up the same unfinished deliveries)."""
+    path = runs_dir / DAEMON_LOCK
+    fd = os.open(str(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
+        os.close(fd)
+        raise LockHeld(f"another daemon serves {runs_dir} ({holder}); lock file {path}") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} since {rl.utc_now()}\n".encode(), 0)
+    return fd
+
+
+# -- the timeline page ------------------------------------------------------------------
+
+_TIMELINE_FIELDS = {
+    "run_started": ("repo", "ref", "commit", "dirty", "delivery", "event", "model", "base_url"),
+    "tests_run": ("passed", "returncode", "timed_out", "counts", "excerpt"),
+    "prompt_context": ("diff_chars",),
+    "decision": ("stage", "decision", "rationale", "alternatives", "files"),
+    "model_call": ("request_model", "response_model", "http_status", "latency_ms", "total_tokens", "error_type",
+                   "error_message"),
+    "model_proposed": ("step", "form", "tool", "args", "reason"),
+    "proposal_malformed": ("step", "reason", "excerpt"),
+    "tool_allowed": ("step", "tool", "rule", "reason"),
+    "tool_denied": ("step", "tool", "rule", "reason"),
+    "tool_result": ("step", "tool", "returncode", "timed_out", "size", "excerpt"),
+    "patch_rejected": ("step", "message"),
+    "judge_verdict": ("verdict", "reason", "applies", "tests_passed", "touched_tests", "newly_failing", "vanished",
+                      "excerpt"),
+    "budget_exhausted": ("limit", "used", "max"),
+    "context_trimmed": ("step", "before_chars", "after_chars"),
+    "error": ("type", "message"),
+    "run_closed": ("outcome", "steps", "proposal", "verdict"),
+}
+_PAGE_POLICY = ("default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; "
+                "frame-ancestors 'none'")
+_HIGHLIGHT = {"decision": "decision", "tool_allowed": "allowed", "tool_denied": "denied", "judge_verdict": "verdict",
+              "error": "denied", "proposal_malformed": "denied", "patch_rejected": "denied", "run_closed": "verdict"}
+_PAGE_STYLE = ("body{font:14px/1.45 system-ui,sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse;"
+               "width:100%}td,th{border-bottom:1px solid #ddd;padding:.35em .5em;vertical-align:top;text-align:left}"
+               "th{background:#f4f4f4}pre{white-space:pre-wrap;word-break:break-word;margin:0;font:12px/1.4 "
+               "ui-monospace,monospace}dt{font-weight:600;color:#555}dd{margin:0 0 .3em 1em}"
+               ".decision{background:#eef6ff}.allowed{background:#effaef}.denied{background:#fff0f0}"
+               ".verdict{background:#fff8e6}.bad{color:#a00;font-weight:600}")
+
+
+def _shown(value):
+    text = value if type(value) is str else json.dumps(value, ensure_ascii=False)
+    if len(text) > MAX_SHOWN_CHARS:
+        text = text[:MAX_SHOWN_CHARS] + f"\n[... {len(text) - MAX_SHOWN_CHARS:,} more characters]"
+    return html.escape(text, quote=True)
+
+
+def _reply_excerpt(run_dir, payload):
+    """The model's reply behind a model_proposed event (its artifact, checked to be one), cut short."""
+    ref = (payload.get("call") or {}).get("reply_artifact") if type(payload.get("call")) is dict else None
+    if type(ref) is not dict or type(ref.get("path")) is not str or not _ARTIFACT_REF_RE.match(ref["path"]):
+        return None
+    try:
+        with open(run_dir / ref["path"], "rb") as handle:
+            return handle.read(MAX_SHOWN_CHARS).decode("utf-8", "replace")
+    except OSError:
+        return None
+
+
+def timeline_html(found, run_dir):
+    """A readable page of one run: each decision, tool call and verdict. Every value that comes from a
+    ledger or an artifact is HTML-escaped."""
+    esc = html.escape
+    rows = []
+    for event in found["events"]:
+        kind, payload = event["kind"], event["payload"]
+        fields = [(name, payload[name]) for name in _TIMELINE_FIELDS.get(kind, ()) if payload.get(name) not in (
+            None, "", [], {})]
+        if kind == "model_proposed":
+            reply = _reply_excerpt(run_dir, payload)
+            if reply is not None:
+                fields.append(("reply", reply))
+        if kind not in _TIMELINE_FIELDS:
+            fields = [("payload", payload)]
+        detail = "".join(f"<dt>{esc(name)}</dt><dd><pre>{_shown(value)}</pre></dd>" for name, value in fields)
+        css = _HIGHLIGHT.get(kind, "")
+        rows.append(f"<tr class=\"{css}\"><td>{_shown(event['seq'])}</td><td>{_shown(event['at'])}</td>"
+                    f"<td>{_shown(kind)}</td><td><dl>{detail}</dl></td></tr>")
+    status = ("verified" if found["verified"] else
+              f"<span class=\"bad\">does not verify: {_shown(found['problem'])}</span>")
+    more = f" (the first {len(found['events'])} events)" if found["truncated"] else ""
+    return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>run {_shown(found['run_id'])}</title><style>{_PAGE_STYLE}</style></head><body>"
+            f"<h1>run {_shown(found['run_id'])}</h1><p>{len(found['events'])} events{more}, {status}</p>"
+            "<table><thead><tr><th>seq</th><th>at</th><th>kind</th><th>what</th></tr></thead><tbody>"
+            + "".join(rows) + "</tbody></table></body></html>\n")
+
+
+# -- the command ------------------------------------------------------------------------
+
+_LOG_LOCK = threading.Lock()
+
+
+def _stderr_line(line):
+    """One access-log (or error) line on stderr; a closed stderr never stops the daemon."""
+    try:
+        with _LOG_LOCK:
+            sys.stderr.write(rl.printable(line) + "\n")
+            sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+# ----------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------
 
@@ -1889,6 +3113,37 @@ def _cmd_runs(args):
     return rl.EXIT_FAILED if any(r["verified"] != "ok" for r in rows) else rl.EXIT_OK
 
 
+def _cmd_serve(args):
+    secrets = webhook_secrets()
+    settings = ask.settings_from_env()  # every run needs them: refuse to start without, not fail each run
+    token = args.read_token or os.environ.get("READ_TOKEN") or None
+    daemon = Daemon(args.repo, runs_dir=args.runs_dir, tools=args.tools, host=args.host, port=args.port,
+                    secrets=secrets, read_token=token, max_body=args.max_body, queue=args.queue,
+                    max_connections=args.max_connections, request_timeout=args.request_timeout,
+                    grace_s=args.grace_s, kill_after_s=args.kill_after_s, fetch=args.fetch,
+                    extra_secrets=[settings[2]], log=_stderr_line)
+    received = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda number, _frame: received.append(number))
+    address = daemon.start()
+    if not daemon.keys:
+        rl.warn("no webhook secret (WEBHOOK_SECRET, WEBHOOK_SECRET_FILE): unsigned deliveries are accepted; "
+                "this is allowed on a loopback address only")
+    if daemon.token_required and not token:
+        rl.warn("no read token (READ_TOKEN): /runs and /runs/<id> answer 401 to everyone")
+    try:
+        rl.write_out(f"serving on {address}\n")
+    except rl.OutputError:
+        pass  # the address is in the daemon_started event too
+    while not received and daemon.alive():
+        time.sleep(0.1)
+    daemon.stop(received[0] if received else None)
+    if not received:
+        rl.error("the daemon's accept loop or worker stopped unexpectedly; see daemon_error events")
+        return rl.EXIT_FAILED
+    return rl.EXIT_OK
+
+
 def _build_parser():
     codes = (rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHECK, rl.EXIT_OUTPUT, rl.EXIT_LOCKED,
              rl.EXIT_BUDGET, rl.EXIT_PROPOSAL)
@@ -1926,6 +3181,31 @@ def _build_parser():
     p = sub.add_parser("judge", help="judge a run's proposal.patch in a throwaway copy (the host runs this)")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.set_defaults(func=_cmd_judge)
+
+    p = sub.add_parser("serve", help="the webhook daemon: signed deliveries start runs, one at a time (README.md)")
+    p.add_argument("--repo", required=True, help="the git repository runs work on (never modified; --fetch fetches)")
+    p.add_argument("--host", default=DEFAULT_HOST,
+                   help=f"address to listen on (default {DEFAULT_HOST}; any other needs a webhook secret)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"(default {DEFAULT_PORT}; 0: any free port)")
+    p.add_argument("--runs-dir", default=DEFAULT_RUNS, help="where runs and daemon.jsonl are recorded")
+    p.add_argument("--tools", default=str(DEFAULT_TOOLS), help="the allowlist every run uses")
+    p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, metavar="BYTES",
+                   help=f"larger bodies get 413 unread (default {DEFAULT_MAX_BODY})")
+    p.add_argument("--queue", type=int, default=DEFAULT_QUEUE, metavar="N",
+                   help=f"deliveries waiting for the worker; more get 503 (default {DEFAULT_QUEUE})")
+    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
+                   help=f"connections handled at once; more get 503 (default {DEFAULT_MAX_CONNECTIONS})")
+    p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, metavar="S",
+                   help=f"wall deadline of a whole request, headers and body (default {DEFAULT_REQUEST_TIMEOUT_S:g})")
+    p.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S, metavar="S",
+                   help=f"on SIGTERM/SIGINT, a run in progress gets this long before it is terminated "
+                        f"(default {DEFAULT_GRACE_S:g})")
+    p.add_argument("--kill-after-s", type=float, metavar="S",
+                   help=f"kill a run after this long (default: tools.json's max_wall_s + 2 x test_timeout_s + "
+                        f"{KILL_MARGIN_S})")
+    p.add_argument("--fetch", action="store_true", help="git fetch in the repository before each run")
+    p.add_argument("--read-token", help="bearer token for /runs (prefer READ_TOKEN: arguments show in ps)")
+    p.set_defaults(func=_cmd_serve)
     return parser
 
 

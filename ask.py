@@ -42,6 +42,7 @@ import reasoning_ledger as rl  # noqa: E402
 __version__ = "1.1.0"
 
 __all__ = ["chat", "ask", "list_models", "settings_from_env", "split_base_url", "parse_usage", "run_checks", "retryable",
+           "call_at",
            "estimate_tokens", "retry_after_seconds", "ConfigError", "RecordError", "MODEL_CALL_FIELDS",
            "MODEL_CALL_OPTIONAL", "MODEL_CALL_SUMMARY", "DEFAULT_TIMEOUT", "DEFAULT_MAX_RESPONSE_BYTES",
            "DEFAULT_LEDGER"]
@@ -178,7 +179,7 @@ def split_base_url(base_url):
 
 def _safe_url(url):
     """A URL fit for an error message: no query, fragment or credentials."""
-    return rl.redact_text(re.split(r"[?#]", url, 1)[0])
+    return rl.redact_text(re.split(r"[?#]", url, maxsplit=1)[0])
 
 
 def _endpoint(request_base, suffix):
@@ -385,7 +386,7 @@ def run_checks(text, *, expect=None, expect_json=False, strict_model=False, requ
 
 class _Deadline:
     """The whole attempt's deadline. Socket timeouts bound each read; a server that trickles one byte
-    at a time passes every one of them, so the watchdog shuts the socket down when the deadline passes."""
+    at a time passes every one of them, so the socket is shut down when the deadline passes."""
 
     def __init__(self, seconds):
         self.seconds = seconds
@@ -393,7 +394,7 @@ class _Deadline:
         self.expired = self.cancelled = False
         self._sockets = []
         self._lock = threading.Lock()
-        _watchdog().arm(self)
+        self._timer = call_at(self.at, self.expire)
 
     def remaining(self):
         return max(0.001, self.at - time.monotonic())
@@ -416,22 +417,35 @@ class _Deadline:
     def cancel(self):
         with self._lock:
             self.cancelled = True
+        self._timer.cancel()
 
 
-class _Watchdog:
-    """One thread for every deadline of the process (a thread per attempt costs more than a local call)."""
+class _Timer:
+    __slots__ = ("fn", "cancelled")
+
+    def __init__(self, fn):
+        self.fn, self.cancelled = fn, False
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Timers:
+    """One thread that calls every function scheduled with call_at(), at its time."""
 
     def __init__(self):
         self._heap, self._count = [], 0
         self._wake = threading.Condition()
-        threading.Thread(target=self._run, name="ask-deadlines", daemon=True).start()
+        threading.Thread(target=self._run, name="call-at", daemon=True).start()
 
-    def arm(self, deadline):
+    def call_at(self, at, fn):
         import heapq
+        timer = _Timer(fn)
         with self._wake:
             self._count += 1
-            heapq.heappush(self._heap, (deadline.at, self._count, deadline))
+            heapq.heappush(self._heap, (at, self._count, timer))
             self._wake.notify()
+        return timer
 
     def _run(self):
         import heapq
@@ -446,20 +460,23 @@ class _Watchdog:
                 if due > 0:
                     self._wake.wait(due)
                     continue
-                deadline = heapq.heappop(self._heap)[2]
-            deadline.expire()
+                timer = heapq.heappop(self._heap)[2]
+            if not timer.cancelled:
+                timer.fn()
 
 
-_watchdogs = []
-_watchdog_lock = threading.Lock()
+_timers = []
+_timers_lock = threading.Lock()
 
 
-def _watchdog():
-    if not _watchdogs or os.getpid() != _watchdogs[0][0]:  # a forked child has no watchdog thread
-        with _watchdog_lock:
-            if not _watchdogs or os.getpid() != _watchdogs[0][0]:
-                _watchdogs[:] = [(os.getpid(), _Watchdog())]
-    return _watchdogs[0][1]
+def call_at(at, fn):
+    """Call fn() when time.monotonic() reaches `at`, from the process's one timer thread (a thread per
+    deadline costs more than a call to a local server). Returns a handle with cancel()."""
+    if not _timers or os.getpid() != _timers[0][0]:  # a forked child has no timer thread
+        with _timers_lock:
+            if not _timers or os.getpid() != _timers[0][0]:
+                _timers[:] = [(os.getpid(), _Timers())]
+    return _timers[0][1].call_at(at, fn)
 
 
 def _shutdown(sock):
