@@ -614,10 +614,7 @@ def snapshot(repo, ref, dest):
     else:
         _snapshot_worktree(repo, dest)
     digest = tree_digest(dest)
-    env = _git_env({"GIT_CEILING_DIRECTORIES": str(dest.parent), "GIT_AUTHOR_NAME": "agent.py",
-                    "GIT_AUTHOR_EMAIL": "agent@localhost", "GIT_COMMITTER_NAME": "agent.py",
-                    "GIT_COMMITTER_EMAIL": "agent@localhost", "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
-                    "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"})
+    env = _scratch_git_env(dest.parent)
     for args in (["init", "-q"], ["add", "-A", "-f"],
                  ["-c", "commit.gpgsign=false", "-c", "core.hooksPath=/dev/null", "commit", "-q", "--no-verify",
                   "--allow-empty", "-m", "baseline"]):
@@ -626,6 +623,15 @@ def snapshot(repo, ref, dest):
         if proc.returncode != 0:
             raise RepoError(f"git {args[0]} in the scratch copy: {proc.stderr.decode('utf-8', 'replace')[:300]}")
     return digest
+
+
+def _scratch_git_env(ceiling):
+    """git in a scratch copy: no walking up out of it, none of the user's global or system config (no
+    filter, hook or fsmonitor runs), and a fixed identity and date."""
+    return _git_env({"GIT_CEILING_DIRECTORIES": str(ceiling), "GIT_CONFIG_GLOBAL": os.devnull,
+                     "GIT_AUTHOR_NAME": "agent.py", "GIT_AUTHOR_EMAIL": "agent@localhost",
+                     "GIT_COMMITTER_NAME": "agent.py", "GIT_COMMITTER_EMAIL": "agent@localhost",
+                     "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"})
 
 
 def _snapshot_worktree(repo, dest):
@@ -1029,9 +1035,11 @@ class Workspace:
         """The change under review: uncommitted changes (or, with --ref, that commit's own change), with the
         sections of denied files left out."""
         if self.ref:
-            raw = git(self.repo, "show", "--no-color", "--format=", self.ref, check=False)
+            raw = git(self.repo, "show", "--no-color", "--no-ext-diff", "--no-textconv", "--format=", self.ref,
+                      check=False)
         else:
-            raw = git(self.repo, "diff", "--no-color", "HEAD", check=False) if resolve_ref(self.repo, None) else b""
+            raw = git(self.repo, "diff", "--no-color", "--no-ext-diff", "--no-textconv", "HEAD",
+                      check=False) if resolve_ref(self.repo, None) else b""
         kept, skip = [], False
         for section in re.split(rb"(?m)^(?=diff --git )", raw):
             if section.startswith(b"diff --git "):
@@ -1446,7 +1454,7 @@ def check_patch(scratch, patch, redactor):
               "patch_sha256": hashlib.sha256(patch_bytes).hexdigest(), "proposal_sha256": None, "proposal": None}
     with tempfile.TemporaryDirectory(prefix="agent-patch-") as work:
         clone = Path(work) / "tree"
-        env = _git_env({"GIT_CEILING_DIRECTORIES": work})
+        env = _scratch_git_env(work)
         subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(scratch), str(clone)], env=env, check=True,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
         for flags in ([], ["--recount"]):
@@ -1671,7 +1679,7 @@ def judge_run(run_dir):
         elif snapshot(repo, started["commit"] if started.get("ref") else None, tree) != started["tree_digest"]:
             verdict["reason"] = "the repository changed since the run started; the judge cannot compare"
         else:
-            env = _git_env({"GIT_CEILING_DIRECTORIES": work})
+            env = _scratch_git_env(work)
             proc = subprocess.run(["git", "-C", str(tree), "apply", "-"], input=patch, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, env=env, timeout=120)
             verdict["applies"] = proc.returncode == 0
@@ -2136,39 +2144,32 @@ def _push_after(event, payload):
 
 class _ConnectionDeadline:
     """The stdlib's socket timeout is per read; this is the wall deadline of a whole request, run by
-    ask.py's one timer thread. At the deadline the connection's reads end (the read side is shut, so the
+    reasoning_ledger.py's one timer thread. At the deadline the connection's reads end (the read side is shut, so the
     handler can still answer 408); RESPONSE_GRACE_S later the whole socket is shut, in case the client does
     not read the answer either."""
 
     def __init__(self, sock, at):
         self.at, self.sock, self.expired, self.done = at, sock, False, False
         self.lock = threading.Lock()
-        self._timer = ask.call_at(at, self._end_reads)
+        self._timer = rl.call_at(at, self._end_reads)
 
     def _end_reads(self):
         with self.lock:
             if self.done:
                 return
             self.expired = True
-            _shut(self.sock, socket.SHUT_RD)
-            self._timer = ask.call_at(self.at + RESPONSE_GRACE_S, self._end_all)
+            rl.shut(self.sock, socket.SHUT_RD)
+            self._timer = rl.call_at(self.at + RESPONSE_GRACE_S, self._end_all)
 
     def _end_all(self):
         with self.lock:
             if not self.done:
-                _shut(self.sock, socket.SHUT_RDWR)
+                rl.shut(self.sock)
 
     def cancel(self):
         with self.lock:  # never shut a socket after its handler let it go
             self.done = True
             self._timer.cancel()
-
-
-def _shut(sock, how):
-    try:
-        sock.shutdown(how)
-    except OSError:
-        pass
 
 
 # -- the HTTP side ---------------------------------------------------------------

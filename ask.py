@@ -30,7 +30,6 @@ import random
 import re
 import socket
 import sys
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -42,7 +41,6 @@ import reasoning_ledger as rl  # noqa: E402
 __version__ = "1.1.0"
 
 __all__ = ["chat", "ask", "list_models", "settings_from_env", "split_base_url", "parse_usage", "run_checks", "retryable",
-           "call_at",
            "estimate_tokens", "retry_after_seconds", "ConfigError", "RecordError", "MODEL_CALL_FIELDS",
            "MODEL_CALL_OPTIONAL", "MODEL_CALL_SUMMARY", "DEFAULT_TIMEOUT", "DEFAULT_MAX_RESPONSE_BYTES",
            "DEFAULT_LEDGER"]
@@ -384,165 +382,6 @@ def run_checks(text, *, expect=None, expect_json=False, strict_model=False, requ
 # Transport: no redirects, one deadline for the whole attempt, bounded reads
 # ----------------------------------------------------------------------------
 
-class _Deadline:
-    """The whole attempt's deadline. Socket timeouts bound each read; a server that trickles one byte
-    at a time passes every one of them, so the socket is shut down when the deadline passes."""
-
-    def __init__(self, seconds):
-        self.seconds = seconds
-        self.at = time.monotonic() + seconds
-        self.expired = self.cancelled = False
-        self._sockets = []
-        self._lock = threading.Lock()
-        self._timer = call_at(self.at, self.expire)
-
-    def remaining(self):
-        return max(0.001, self.at - time.monotonic())
-
-    def watch(self, sock):
-        with self._lock:
-            self._sockets.append(sock)
-            if self.expired:
-                _shutdown(sock)
-        return sock
-
-    def expire(self):
-        with self._lock:
-            if self.cancelled:
-                return
-            self.expired = True
-            for sock in self._sockets:
-                _shutdown(sock)
-
-    def cancel(self):
-        with self._lock:
-            self.cancelled = True
-        self._timer.cancel()
-
-
-class _Timer:
-    __slots__ = ("fn", "cancelled")
-
-    def __init__(self, fn):
-        self.fn, self.cancelled = fn, False
-
-    def cancel(self):
-        self.cancelled = True
-
-
-class _Timers:
-    """One thread that calls every function scheduled with call_at(), at its time."""
-
-    def __init__(self):
-        self._heap, self._count = [], 0
-        self._wake = threading.Condition()
-        threading.Thread(target=self._run, name="call-at", daemon=True).start()
-
-    def call_at(self, at, fn):
-        import heapq
-        timer = _Timer(fn)
-        with self._wake:
-            self._count += 1
-            heapq.heappush(self._heap, (at, self._count, timer))
-            self._wake.notify()
-        return timer
-
-    def _run(self):
-        import heapq
-        while True:
-            with self._wake:
-                while self._heap and self._heap[0][2].cancelled:
-                    heapq.heappop(self._heap)
-                if not self._heap:
-                    self._wake.wait()
-                    continue
-                due = self._heap[0][0] - time.monotonic()
-                if due > 0:
-                    self._wake.wait(due)
-                    continue
-                timer = heapq.heappop(self._heap)[2]
-            if not timer.cancelled:
-                timer.fn()
-
-
-_timers = []
-_timers_lock = threading.Lock()
-
-
-def call_at(at, fn):
-    """Call fn() when time.monotonic() reaches `at`, from the process's one timer thread (a thread per
-    deadline costs more than a call to a local server). Returns a handle with cancel()."""
-    if not _timers or os.getpid() != _timers[0][0]:  # a forked child has no timer thread
-        with _timers_lock:
-            if not _timers or os.getpid() != _timers[0][0]:
-                _timers[:] = [(os.getpid(), _Timers())]
-    return _timers[0][1].call_at(at, fn)
-
-
-def _shutdown(sock):
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    """A 3xx is an answer to record, never a request to repeat elsewhere with the key."""
-
-    def redirect_request(self, req, fp, code, msg, headers, newurl):
-        return None
-
-
-_attempt = threading.local()  # the deadline of the attempt this thread is making
-
-
-def _watched(connection_class):
-    def make(host, **kwargs):
-        conn = connection_class(host, **kwargs)
-        create, deadline = conn._create_connection, _attempt.deadline
-        conn._create_connection = lambda *args, **kw: deadline.watch(create(*args, **kw))
-        return conn
-    return make
-
-
-class _HTTPHandler(urllib.request.HTTPHandler):
-    def http_open(self, req):
-        return self.do_open(_watched(http.client.HTTPConnection), req)
-
-
-class _HTTPSHandler(urllib.request.HTTPSHandler):
-    def __init__(self):
-        super().__init__(context=_tls_context())
-
-    def https_open(self, req):
-        return self.do_open(_watched(http.client.HTTPSConnection), req, context=self._context)
-
-
-_tls_contexts = []
-
-
-def _tls_context():
-    """One default TLS context per process (certificate loading is the costly part of a handler)."""
-    if not _tls_contexts:
-        import ssl  # already loaded by urllib.request
-        _tls_contexts.append(ssl.create_default_context())
-    return _tls_contexts[0]
-
-
-def _opener():
-    """urllib's opener with only the handlers a call needs: proxies from the environment, HTTP and HTTPS
-    under the attempt's deadline, errors as exceptions, and no redirects. One per thread: building one
-    costs more than a call to a local server."""
-    opener = getattr(_attempt, "opener", None)
-    if opener is None:
-        opener = _attempt.opener = urllib.request.OpenerDirector()
-        for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(), _HTTPHandler(),
-                        _HTTPSHandler(), urllib.request.HTTPDefaultErrorHandler(), _NoRedirect(),
-                        urllib.request.HTTPErrorProcessor()):
-            opener.add_handler(handler)
-    return opener
-
-
 def _classify(exc, deadline):
     """(error_type, message) for a failure below a complete HTTP answer."""
     if deadline.expired:
@@ -573,9 +412,8 @@ def _open(url, *, api_key, deadline, body=None):
         data = json.dumps(body).encode("ascii")  # \\u escapes: any text, lone surrogates included, goes out
         headers["Content-Type"] = "application/json"
     request = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
-    _attempt.deadline = deadline
     try:
-        return _opener().open(request, timeout=deadline.remaining())
+        return rl.http_open(request, deadline)
     except urllib.error.HTTPError as exc:
         try:
             raw = _read_body(exc, MAX_ERROR_BODY_BYTES, deadline, tolerant=True)
@@ -964,7 +802,7 @@ def _attempts(book, url, body, messages, model, recorded_base, host, port, optio
         text, failure, problems = None, None, []
         printer = _Printer(on_text)
         started = time.perf_counter()
-        deadline = _Deadline(timeout)
+        deadline = rl.Deadline(timeout)
         try:
             text = _one_attempt(url, body, record, started, api_key=api_key, deadline=deadline, limit=limit,
                                 on_text=printer, problems=problems)
@@ -1044,7 +882,7 @@ def list_models(*, ledger, base_url, api_key, timeout=DEFAULT_TIMEOUT, max_respo
         except (rl.LedgerError, OSError) as exc:
             raise ConfigError(f"the ledger cannot take a line, so nothing was sent: {rl.error_text(exc)}") from None
         started = time.perf_counter()
-        deadline = _Deadline(timeout)
+        deadline = rl.Deadline(timeout)
         problems = []
         try:
             response = _open(_endpoint(request_base, "/models"), api_key=api_key, deadline=deadline)

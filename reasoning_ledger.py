@@ -6,6 +6,8 @@ Usage:
   python reasoning_ledger.py head PATH [--key-env NAME]
   python reasoning_ledger.py report PATH [--kind K] [--stage S] [--run R] [--since T] [--until T] [--json]
   python reasoning_ledger.py append PATH --kind K [--run-id R] [--payload JSON | < payload.json]
+  python reasoning_ledger.py ship PATH... [--all RUNS_DIR] --to URL     # or LEDGER_SHIP_URL; for cron
+  python reasoning_ledger.py verify --from URL [--ledger-id ID] [--expect-head SEQ:HASH]
 
 Library (copy this one file next to your code):
   from reasoning_ledger import Ledger, open_run, read_events, verify
@@ -17,9 +19,11 @@ Exit codes are shared by every script of the toolkit: see EXIT_CODES.
 """
 
 import argparse
+import contextlib
 import datetime
 import errno
 import fcntl
+import functools
 import hashlib
 import hmac
 import json
@@ -37,6 +41,9 @@ __all__ = [
     # the ledger
     "Ledger", "Run", "open_run", "store_artifact", "read_events", "iter_lines", "verify", "verify_runs",
     "Verified", "line_hash", "parse_head", "new_run_id", "utc_now", "key_from_env",
+    # shipping to ClickHouse
+    "ClickHouse", "ClickHouseError", "Shipped", "ship", "ship_targets", "ship_ddl", "verify_shipped",
+    "shipped_ledgers", "sql_string", "SHIP_COLUMNS", "SHIP_CALL_FIELDS",
     # redaction
     "Redactor", "redact_text", "secret_values", "is_secret_key", "REDACTED",
     # errors
@@ -46,6 +53,8 @@ __all__ = [
     "EXIT_CODES", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_CHECK", "EXIT_CHANGED", "EXIT_OUTPUT",
     "EXIT_LOCKED", "EXIT_BUDGET", "EXIT_PROPOSAL", "error", "warn", "write_out", "printable",
     "error_text", "run_cli", "parse_cli", "parse_time",
+    # HTTP without redirects, under one deadline
+    "http_open", "Deadline", "call_at", "shut",
     # format constants
     "FORMAT_VERSION", "FIELDS", "GENESIS", "MAX_LINE_BYTES", "MAX_DEPTH", "KEY_ENV", "INDEX_NAME",
     "EVENTS_NAME",
@@ -326,8 +335,8 @@ class Redactor:
     def __init__(self, values=()):
         self.values = tuple(sorted({v for v in values if isinstance(v, str) and len(v) >= MIN_SECRET_CHARS},
                                    key=len, reverse=True))  # longest first: a secret holding another goes whole
-        self._screen = None
         self._keys = {}
+        self._clean_keys = set()
 
     def key(self, name):
         """A payload key with secret values and shapes masked (keys repeat, so the answer is kept)."""
@@ -338,18 +347,35 @@ class Redactor:
                 self._keys[name] = masked
         return masked
 
-    def screen(self):
-        """One case-insensitive regex that finds every trigger and every secret value: the fast test."""
-        if self._screen is None:
-            self._screen = re.compile("|".join([re.escape(v) for v in self.values]
-                                               + [re.escape(t) for t in _TRIGGERS]), re.I)
-        return self._screen
+    def keys_clean(self, keys):
+        """True when no key in `keys` holds a secret value or shape (keys repeat: the answer is kept)."""
+        known = self._clean_keys
+        if known.issuperset(keys):
+            return True
+        for name in keys:
+            if name not in known:
+                if self.key(name) != name:
+                    return False
+                if len(known) < 4096:
+                    known.add(name)
+        return True
+
+    def may_hold(self, text):
+        """The fast screen: False when `text` holds no trigger of any shape (in any case) and no secret
+        value, so that masking could not change it. Substring tests on the lowered text (a case-insensitive
+        regex of the same words is ten times slower)."""
+        low = text.lower()
+        for trigger in _TRIGGERS:
+            if trigger in low:
+                return True
+        for value in self.values:
+            if value in text:
+                return True
+        return False
 
     def text(self, text):
         """`text` with every secret masked."""
-        if self.screen().search(text) is None:
-            return text
-        return self.exact(text)
+        return self.exact(text) if self.may_hold(text) else text
 
     def exact(self, text):
         """The masking itself, without the screen (the tests check that the screen never changes it)."""
@@ -382,75 +408,91 @@ class _BadValue(Exception):
         self.reason, self.where = reason, []
 
 
-def _clean(value, redactor, depth):
-    """Check that `value` is plain JSON within MAX_DEPTH and return a redacted copy. Raises _BadValue.
-    The one check for every payload: exact types only, so a Counter or an int key is refused every time."""
+def _check(value, depth, strings, keys):
+    """The one check for every payload: plain JSON within MAX_DEPTH, exact types only (so a Counter or an int
+    key is refused every time), whatever the payload holds. Collects the string values into `strings` and
+    the keys into `keys`. Returns True when a key names a secret. Raises _BadValue."""
     kind = type(value)
     if kind is dict:
         items = value.items()
     elif kind is list or kind is tuple:
         items = enumerate(value)
     else:
-        return _clean_scalar(value, redactor)
+        if kind is str:
+            strings.append(value)
+        else:
+            _check_scalar(value)
+        return False
     if depth > MAX_DEPTH:
         raise _BadValue(f"nested deeper than {MAX_DEPTH} levels (or circular)")
-    is_dict = kind is dict
-    out = {} if is_dict else []
-    text, mask_key = redactor.text, redactor.key
+    is_dict, secret, collect = kind is dict, False, strings.append
     for k, v in items:
         try:
             if is_dict:
                 if type(k) is not str:
                     raise _BadValue(f"key {k!r} is a {type(k).__name__}; JSON keys must be strings")
-                name = mask_key(k)
-                while name in out:  # two keys that mask to the same text both stay
-                    name += "~"
+                keys.append(k)
                 if v is not None and type(v) is not bool and is_secret_key(k):
-                    out[name] = REDACTED
-                    continue
+                    secret = True
             t = type(v)
             if t is str:
-                v = text(v)
+                collect(v)
             elif t is dict or t is list or t is tuple:
-                v = _clean(v, redactor, depth + 1)
+                secret = _check(v, depth + 1, strings, keys) or secret
             elif not (t is bool or v is None):
-                v = _clean_scalar(v, redactor)
+                _check_scalar(v)
         except _BadValue as exc:
             exc.where.append(f".{k}" if is_dict and type(k) is str else f"[{k!r}]")
             raise
-        if is_dict:
-            out[name] = v
-        else:
-            out.append(v)
-    return out
+    return secret
 
 
-def _clean_scalar(value, redactor):
+def _check_scalar(value):
     kind = type(value)
-    if kind is str:
-        return redactor.text(value)
     if kind is int:
         if not -_INT_LIMIT < value < _INT_LIMIT:
             raise _BadValue("an integer longer than 4300 digits cannot be read back on Python 3.11+")
-        return value
-    if kind is float:
+    elif kind is float:
         if value != value or value in (float("inf"), float("-inf")):
             raise _BadValue(f"{value!r} is not valid JSON (NaN/Infinity)")
-        return value
-    if kind is bool or value is None:
-        return value
-    raise _BadValue(f"a {kind.__name__} is not a JSON type")
+    elif not (kind is bool or value is None):
+        raise _BadValue(f"a {kind.__name__} is not a JSON type")
+
+
+def _clean(value, redactor):
+    """A copy of a checked payload with every secret masked: values under secret key names, and secret
+    values and shapes in every string, keys included."""
+    kind = type(value)
+    if kind is str:
+        return redactor.text(value)
+    if kind is dict:
+        out = {}
+        for k, v in value.items():
+            name = redactor.key(k)
+            while name in out:  # two keys that mask to the same text both stay
+                name += "~"
+            out[name] = REDACTED if v is not None and type(v) is not bool and is_secret_key(k) else _clean(v, redactor)
+        return out
+    if kind is list or kind is tuple:
+        return [_clean(v, redactor) for v in value]
+    return value
 
 
 def _clean_payload(payload, redactor):
-    """(payload_as_stored, its JSON text) or PayloadError naming the place."""
+    """(payload_as_stored, its JSON text) or PayloadError naming the place. The payload is checked once;
+    its strings are screened together, and only when the screen finds something (or a key names a
+    secret) is a masked copy made: the common payload is stored as it was given."""
+    strings, keys = [], []
     try:
-        clean = _clean(payload, redactor, 1)
+        secret_key = _check(payload, 1, strings, keys)
     except _BadValue as exc:
         where = list(reversed(exc.where))
         if len(where) > 8:
             where = where[:4] + ["…"] + where[-2:]
         raise PayloadError(f"payload{''.join(where)}: {exc.reason}; nothing was written") from None
+    clean = payload
+    if secret_key or not redactor.keys_clean(keys) or redactor.may_hold("\x00".join(strings)):
+        clean = _clean(payload, redactor)
     text = _dumps(clean)
     try:
         text.encode("utf-8")
@@ -981,19 +1023,30 @@ def iter_lines(path, *, key=None, run_id=None):
     key = _resolve_key(key)
     if run_id is None:
         run_id = _expected_run_id(path)
+    return _check_lines(path, _file_lines(path), key, run_id)
+
+
+@contextlib.contextmanager
+def _file_lines(path):
+    """The lines of a file, each read with a bounded readline (a C iterator: no cost per line)."""
+    with open(path, "rb") as handle:
+        yield iter(functools.partial(handle.readline, MAX_LINE_BYTES), b"")
+
+
+def _check_lines(path, source, key, run_id):
+    """The line checks behind iter_lines, on any source of raw lines: `source` is a context manager
+    giving an iterable of lines, each ending in b"\n" (the last one may not: a torn tail). A file
+    (iter_lines, ship) and the rows read back from ClickHouse (verify --from) go through this same
+    code. `key` is resolved (bytes or None)."""
     scan, dumps, sha256, fields = _SCANNER, _dumps, hashlib.sha256, FIELDS
     expected_prev = _genesis(key)
     good_kinds, last_rid = set(), None
     lineno = offset = 0
-    with open(path, "rb") as handle:
-        readline = handle.readline
-        while True:
-            raw = readline(MAX_LINE_BYTES)
-            if not raw:
-                return
+    with source as lines:
+        for raw in lines:
             lineno += 1
             if raw[-1:] != b"\n":
-                if len(raw) == MAX_LINE_BYTES:
+                if len(raw) >= MAX_LINE_BYTES:
                     raise IntegrityError(path, lineno, f"line is longer than the format's {MAX_LINE_BYTES}-byte "
                                                        f"limit (no writer of this format wrote it)")
                 raise TornTailError(path, lineno, offset, len(raw), (lineno - 1, expected_prev))
@@ -1109,6 +1162,876 @@ def verify_runs(runs_dir, *, key=None):
     for run_id in sorted(set(closed) - seen):
         missing = runs_dir / run_id / EVENTS_NAME
         yield missing, IntegrityError(missing, None, "closed in the index but its events.jsonl is missing")
+
+
+# ----------------------------------------------------------------------------
+# HTTP: never a redirect, one deadline for a whole request (ask.py, ship and the daemon use it)
+# ----------------------------------------------------------------------------
+
+class _Timer:
+    __slots__ = ("fn", "cancelled")
+
+    def __init__(self, fn):
+        self.fn, self.cancelled = fn, False
+
+    def cancel(self):
+        self.cancelled = True
+
+
+class _Timers:
+    """One thread that calls every function scheduled with call_at(), at its time."""
+
+    def __init__(self):
+        self._heap, self._count = [], 0
+        self._wake = threading.Condition()
+        threading.Thread(target=self._run, name="call-at", daemon=True).start()
+
+    def call_at(self, at, fn):
+        import heapq
+        timer = _Timer(fn)
+        with self._wake:
+            self._count += 1
+            heapq.heappush(self._heap, (at, self._count, timer))
+            self._wake.notify()
+        return timer
+
+    def _run(self):
+        import heapq
+        while True:
+            with self._wake:
+                while self._heap and self._heap[0][2].cancelled:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._wake.wait()
+                    continue
+                due = self._heap[0][0] - time.monotonic()
+                if due > 0:
+                    self._wake.wait(due)
+                    continue
+                timer = heapq.heappop(self._heap)[2]
+            if not timer.cancelled:
+                timer.fn()
+
+
+_timers = []
+_timers_lock = threading.Lock()
+
+
+def call_at(at, fn):
+    """Call fn() when time.monotonic() reaches `at`, from the process's one timer thread (a thread per
+    deadline costs more than a call to a local server). Returns a handle with cancel()."""
+    if not _timers or os.getpid() != _timers[0][0]:  # a forked child has no timer thread
+        with _timers_lock:
+            if not _timers or os.getpid() != _timers[0][0]:
+                _timers[:] = [(os.getpid(), _Timers())]
+    return _timers[0][1].call_at(at, fn)
+
+
+def shut(sock, how=None):
+    """Shut a socket down (both ways by default), whatever state it is in."""
+    import socket
+    try:
+        sock.shutdown(socket.SHUT_RDWR if how is None else how)
+    except OSError:
+        pass
+
+
+class Deadline:
+    """The deadline of a whole request, connect to last byte. Socket timeouts bound each read; a server
+    that trickles one byte at a time passes every one of them, so every socket watched is shut down when
+    the deadline passes. Deadline(None) has none."""
+
+    def __init__(self, seconds):
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds if seconds else None
+        self.expired = self.cancelled = False
+        self._sockets, self._lock = [], threading.Lock()
+        self._timer = call_at(self.at, self.expire) if seconds else None
+
+    def remaining(self):
+        return max(0.001, self.at - time.monotonic()) if self.at is not None else None
+
+    def watch(self, sock):
+        with self._lock:
+            self._sockets.append(sock)
+            if self.expired:
+                shut(sock)
+        return sock
+
+    def expire(self):
+        with self._lock:
+            if self.cancelled:
+                return
+            self.expired = True
+            for sock in self._sockets:
+                shut(sock)
+
+    def cancel(self):
+        with self._lock:
+            self.cancelled = True
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+_http = threading.local()  # this thread's opener, and the deadline of the request it is making
+
+
+def http_open(request, deadline, timeout=None):
+    """Open a urllib Request: proxies from the environment, never a redirect (a 3xx raises HTTPError, so a
+    key or password is never sent to another URL), every socket under `deadline`, each read under
+    `timeout` (default: the deadline's remaining time). Returns the response; raises what urllib raises.
+    One opener per thread: building one costs more than a call to a local server."""
+    opener = getattr(_http, "opener", None)
+    if opener is None:
+        opener = _http.opener = _build_opener()
+    _http.deadline = deadline
+    return opener.open(request, timeout=timeout if timeout is not None else deadline.remaining())
+
+
+def _build_opener():
+    import http.client
+    import urllib.request
+
+    class NoRedirect(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, req, fp, code, msg, headers, newurl):
+            return None
+
+    def watched(connection_class):
+        def make(host, **kwargs):
+            conn = connection_class(host, **kwargs)
+            create, deadline = conn._create_connection, _http.deadline
+            conn._create_connection = lambda *args, **kw: deadline.watch(create(*args, **kw))
+            return conn
+        return make
+
+    class Plain(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(watched(http.client.HTTPConnection), req)
+
+    class Secure(urllib.request.HTTPSHandler):
+        def __init__(self):
+            super().__init__(context=_tls_context())
+
+        def https_open(self, req):
+            return self.do_open(watched(http.client.HTTPSConnection), req, context=self._context)
+
+    opener = urllib.request.OpenerDirector()
+    for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(), Plain(), Secure(),
+                    urllib.request.HTTPDefaultErrorHandler(), NoRedirect(), urllib.request.HTTPErrorProcessor()):
+        opener.add_handler(handler)
+    return opener
+
+
+@functools.lru_cache(maxsize=None)
+def _tls_context():
+    """One default TLS context per process (loading the certificates is the costly part)."""
+    import ssl
+    return ssl.create_default_context()
+
+
+# ----------------------------------------------------------------------------
+# Shipping to ClickHouse
+# ----------------------------------------------------------------------------
+
+# `ship` sends the verified lines of ledgers to one ClickHouse table over its HTTP interface, and
+# `verify --from` reads them back. The table (ship_ddl()) holds each line exactly as written, with its
+# SHA-256, and typed columns for the model_call fields audit.py reads. ClickHouse is spoken with urllib
+# (imported when first needed, so `verify` and `append` start as fast as before).
+
+SHIP_URL_ENV = "LEDGER_SHIP_URL"
+SHIP_USER_ENV = "CLICKHOUSE_USER"
+SHIP_PASSWORD_ENV = "CLICKHOUSE_PASSWORD"
+SHIP_DATABASE = "reasoning_ledger"
+SHIP_TABLE = "ledger_lines"
+SHIP_BATCH_ROWS = 20000
+# A batch is one INSERT. ClickHouse writes an INSERT of fewer than min_insert_block_size_rows (1,048,576)
+# rows and bytes (256 MiB) as one part, all or nothing, so a batch cut short is never half stored.
+SHIP_BATCH_BYTES = 32 * 1024 * 1024
+SHIP_MAX_BATCH_ROWS = 1000000
+SHIP_TIMEOUT = 60.0     # seconds for one request, connect to last byte
+SHIP_DEADLINE = 600.0   # seconds for a whole `ship` run: no request or retry starts after it
+SHIP_RETRIES = 3        # after a connection error, a timeout or an HTTP 5xx; backoff 0.5, 1, 2 s
+SHIP_SPOOL_MEMORY = 64 * 1024 * 1024     # rows waiting for their ledger's check are kept in memory up to
+SHIP_SPOOL_MAX = 2 * 1024 * 1024 * 1024  # this, then in a temp file up to this (or half the free space)
+_SHIP_IN_LIST = 500     # ledger ids per state query (ClickHouse's max_query_size is 256 KiB)
+_NONE = type(None)
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
+_INT64 = 1 << 63
+
+# The model_call fields shipped as typed columns: (name, ClickHouse type, the JSON types ask.py writes
+# for it, whether audit.py reads it). A value of another type is shipped as NULL, and when audit.py
+# reads the field the row's `malformed` is 1: audit.model_call_view's rule, so SQL counts what the local
+# audit counts (tests/test_ship.py holds these types equal to ask.MODEL_CALL_FIELDS and audit._READ).
+# Integers are Int64, not UInt64, because model_call_view counts a negative one; an integer beyond
+# Int64 (or a latency beyond a double) cannot be stored and is shipped as NULL with `malformed` = 1.
+SHIP_CALL_FIELDS = (
+    ("request_model", "Nullable(String)", (str,), True),
+    ("response_model", "Nullable(String)", (str, _NONE), True),
+    ("base_url", "Nullable(String)", (str,), True),
+    ("attempt", "Nullable(Int64)", (int,), True),
+    ("error_type", "Nullable(String)", (str, _NONE), True),
+    ("usage_status", "Nullable(String)", (str,), True),
+    ("usage_reported", "Nullable(UInt8)", (bool,), True),
+    ("latency_ms", "Nullable(Float64)", (float, int, _NONE), True),
+    ("system_fingerprint", "Nullable(String)", (str, _NONE), True),
+    ("check", "Nullable(UInt8)", (bool, _NONE), True),
+    ("input_tokens", "Nullable(Int64)", (int, _NONE), True),
+    ("output_tokens", "Nullable(Int64)", (int, _NONE), True),
+    ("total_tokens", "Nullable(Int64)", (int, _NONE), False),
+    ("est_input_tokens", "Nullable(Int64)", (int,), True),
+    ("est_output_tokens", "Nullable(Int64)", (int, _NONE), True),
+)
+SHIP_COLUMNS = (
+    ("ledger_id", "String"),      # SHA-256 (hex) of the ledger's line 1, without its newline
+    ("host", "String"),           # the box that shipped the line
+    ("path", "String"),           # the ledger's absolute path on that box
+    ("seq", "UInt64"), ("run_id", "String"), ("kind", "String"),
+    ("at", "String"),             # exactly as in the line
+    ("at_time", "DateTime"),      # `at` in Unix seconds (0 outside 1970..2105; `at` stays exact)
+    ("raw", "String"),            # the exact line, without its newline: the chain is re-verified from it
+    ("line_sha256", "String"),    # hex SHA-256 of raw (plain SHA-256, for a keyed ledger too)
+    ("prev", "String"),
+    ("shipped_at", "DateTime"),
+) + tuple((name, kind) for name, kind, _types, _read in SHIP_CALL_FIELDS) + (
+    ("malformed", "UInt8"),       # model_call: a field audit.py reads had a type ask.py never writes
+)
+
+
+def ship_ddl(database=SHIP_DATABASE, table=SHIP_TABLE):
+    """The CREATE TABLE statement `ship` runs when the table is missing. One row per (ledger_id, seq):
+    shipping a line twice leaves one row once merged, and every read uses FINAL."""
+    columns = ",\n".join(f"    {name} {kind}" for name, kind in SHIP_COLUMNS)
+    return (f"CREATE TABLE IF NOT EXISTS {database}.{table} (\n{columns}\n) "
+            f"ENGINE = ReplacingMergeTree ORDER BY (ledger_id, seq)")
+
+
+class ClickHouseError(LedgerError):
+    """ClickHouse could not be reached or refused a request. A connection error, a timeout or an HTTP
+    5xx (after retries) exits 1: the next run resumes. A refusal to fix by hand (a redirect, 401/403,
+    another 4xx, a table of another shape) exits 2."""
+
+    def __init__(self, message, exit_code=EXIT_FAILED):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class _Transient(Exception):
+    """One attempt failed in a way worth retrying."""
+
+
+def sql_string(text):
+    """A ClickHouse string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _ship_url(url):
+    """(base URL, 'host:port' for messages). Refuses credentials, queries and fragments in the URL,
+    without echoing it: a URL shows in process lists, shell history and cron mail."""
+    import urllib.parse
+    if not url:
+        raise UsageError(f"no ClickHouse URL: pass --to URL or set {SHIP_URL_ENV} (e.g. http://127.0.0.1:8123)")
+    try:
+        parts = urllib.parse.urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        raise UsageError("the ClickHouse URL is not a valid URL (want http://HOST:PORT)") from None
+    if "@" in parts.netloc:
+        raise UsageError(f"the ClickHouse URL holds a user name or password; set {SHIP_USER_ENV} and "
+                         f"{SHIP_PASSWORD_ENV} instead (a URL shows in process lists and logs)")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError("the ClickHouse URL must be http://HOST[:PORT] or https://HOST[:PORT]")
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        raise UsageError("the ClickHouse URL must not carry a query or fragment; use --database and --table")
+    where = f"{parts.hostname}:{port or (443 if parts.scheme == 'https' else 80)}"
+    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}/", where
+
+
+def _ch_message(status, body):
+    """ClickHouse's error text, one short printable line: 'Code: 60, Table x.y doesn't exist.'"""
+    text = body.decode("utf-8", "replace").strip().splitlines()
+    text = text[0] if text else ""
+    match = re.match(r"Code: (\d+), e\.displayText\(\) = (?:DB::Exception: )?(.*?)(?:, e\.what\(\) = .*)?\Z", text)
+    if match:
+        text = f"Code: {match.group(1)}, {match.group(2)}"
+    return f"HTTP {status}: {printable(text[:300]) or 'no message'}"
+
+
+class ClickHouse:
+    """ClickHouse's HTTP interface, as `ship`, `verify --from` and `audit.py --from` use it: POST only,
+    user and password in the X-ClickHouse-User/-Key headers (from CLICKHOUSE_USER/CLICKHOUSE_PASSWORD),
+    never a redirect, a deadline per request, bounded retries with backoff."""
+
+    def __init__(self, url=None, *, database=SHIP_DATABASE, table=SHIP_TABLE, timeout=SHIP_TIMEOUT,
+                 deadline=None, retries=SHIP_RETRIES, environ=None):
+        env = os.environ if environ is None else environ
+        self.base, self.where = _ship_url(url if url is not None else env.get(SHIP_URL_ENV))
+        for what, name in (("--database", database), ("--table", table)):
+            if type(name) is not str or not _NAME_RE.match(name):
+                raise UsageError(f"{what}: want letters, digits and _ (a ClickHouse name), got {printable(name)!r}")
+        if not (timeout > 0 and retries >= 0 and (deadline is None or deadline > 0)):
+            raise UsageError("--timeout and --deadline must be positive numbers")
+        self.database, self.table = database, table
+        self.name = f"{database}.{table}"
+        self.timeout, self.retries = float(timeout), int(retries)
+        self.ends = time.monotonic() + deadline if deadline else None
+        self._headers = {"User-Agent": f"reasoning-ledger/{__version__}"}
+        user, password = env.get(SHIP_USER_ENV), env.get(SHIP_PASSWORD_ENV)
+        if user or password:
+            self._headers["X-ClickHouse-User"] = user or "default"
+            if password:
+                self._headers["X-ClickHouse-Key"] = password
+
+    # -- requests ----------------------------------------------------------
+    def query(self, sql, data=None, params=None, stream=False):
+        """Run one statement; return the answer's bytes (with `stream`, the response, to read and close).
+        Without `data` the SQL is the body; with it the SQL goes in ?query= and `data` (bytes) is the
+        body. Raises ClickHouseError."""
+        started, attempt = time.monotonic(), 0
+        while True:
+            attempt += 1
+            try:
+                return self._once(sql, data, params, stream)
+            except _Transient as exc:
+                delay = min(8.0, 0.5 * 2 ** (attempt - 1))
+                left = self.ends - time.monotonic() if self.ends else float("inf")
+                if attempt > self.retries or left < delay + 0.1:
+                    tries = f"{attempt} attempt{'s' if attempt != 1 else ''} in {time.monotonic() - started:.1f} s"
+                    raise ClickHouseError(f"ClickHouse at {self.where}: {exc} ({tries})") from None
+                time.sleep(delay)
+
+    def rows(self, sql, params=None):
+        """The answer of a SELECT as dicts (FORMAT JSONEachRow, 64-bit integers as numbers)."""
+        body = self.query(sql + " FORMAT JSONEachRow", params=dict(params or {}, wait_end_of_query=1,
+                                                                   output_format_json_quote_64bit_integers=0))
+        try:
+            return [json.loads(line) for line in body.decode("utf-8").splitlines() if line]
+        except ValueError as exc:
+            raise ClickHouseError(f"ClickHouse at {self.where}: an answer that is not JSON lines ({exc})",
+                                  EXIT_USAGE) from None
+
+    def stream(self, sql, params=None):
+        """A streamed answer (a response to read and close); socket timeouts bound each read, nothing
+        bounds the whole. wait_end_of_query makes the server finish the query before it answers, so an
+        error comes as an HTTP error, never cut into the rows."""
+        return self.query(sql, params=dict(params or {}, wait_end_of_query=1), stream=True)
+
+    def _remaining(self):
+        left = self.timeout
+        if self.ends is not None:
+            left = min(left, self.ends - time.monotonic())
+            if left <= 0:
+                raise ClickHouseError(f"ClickHouse at {self.where}: the --deadline passed; the next run resumes")
+        return left
+
+    def _once(self, sql, data, params, stream):
+        import http.client
+        import urllib.error
+        import urllib.parse
+        import urllib.request
+        query = dict(params or {})
+        if data is not None:
+            query["query"] = sql
+        url = self.base + ("?" + urllib.parse.urlencode(query) if query else "")
+        body = data if data is not None else sql.encode("utf-8")
+        request = urllib.request.Request(url, data=body, headers=self._headers, method="POST")
+        seconds = self._remaining()
+        deadline = Deadline(None if stream else seconds)
+        try:
+            response = http_open(request, deadline, timeout=seconds)
+            if stream:
+                return response
+            with response:
+                return response.read()
+        except urllib.error.HTTPError as exc:
+            try:
+                answer = exc.read(65536)
+            except (OSError, http.client.HTTPException):
+                answer = b""
+            finally:
+                exc.close()
+            if 300 <= exc.code < 400:
+                location = exc.headers.get("Location", "") if exc.headers else ""
+                host = urllib.parse.urlsplit(location).netloc.rpartition("@")[2][:200] or "(no Location)"
+                raise ClickHouseError(f"ClickHouse at {self.where}: HTTP {exc.code}: a redirect to "
+                                      f"{printable(host)} was not followed (the password is never sent to "
+                                      f"another URL; fix the URL)", EXIT_USAGE) from None
+            message = _ch_message(exc.code, answer)
+            if exc.code >= 500 or exc.code in (408, 429):
+                raise _Transient(message) from None
+            hint = (f" (check {SHIP_USER_ENV} / {SHIP_PASSWORD_ENV})" if exc.code in (401, 403) else "")
+            raise ClickHouseError(f"ClickHouse at {self.where}: {message}{hint}", EXIT_USAGE) from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+            if deadline.expired:
+                why = f"no complete answer within {seconds:.3g} s"
+            else:
+                reason = getattr(exc, "reason", exc) if isinstance(exc, urllib.error.URLError) else exc
+                why = error_text(reason) if isinstance(reason, OSError) else str(reason) or type(reason).__name__
+            raise _Transient(printable(why)) from None
+        finally:
+            deadline.cancel()
+
+    # -- the table -----------------------------------------------------------
+    def columns(self):
+        """{name: type} of the table; {} when it does not exist."""
+        rows = self.rows(f"SELECT name, type FROM system.columns WHERE database = {sql_string(self.database)} "
+                         f"AND table = {sql_string(self.table)}")
+        return {row["name"]: row["type"] for row in rows}
+
+    def ensure_table(self):
+        """Create the database and the table when missing; refuse a table of another shape."""
+        found = self.columns()
+        if not found:
+            self.query(f"CREATE DATABASE IF NOT EXISTS {self.database}")
+            self.query(ship_ddl(self.database, self.table))
+            found = self.columns()
+        for name, kind in SHIP_COLUMNS:
+            if found.get(name) != kind:
+                what = f"has {name} {found[name]}" if name in found else f"has no column {name}"
+                raise ClickHouseError(f"ClickHouse at {self.where}: table {self.name} {what}, want {kind}: it "
+                                      f"was not made by this tool (or by another version); pick another with "
+                                      f"--table", EXIT_USAGE)
+
+    def require_table(self):
+        """Raise (exit 2) when the table is missing: nothing was shipped to it yet."""
+        if not self.columns():
+            raise ClickHouseError(f"ClickHouse at {self.where}: no table {self.name} (nothing shipped to it "
+                                  f"yet?)", EXIT_USAGE)
+
+
+# -- ship ---------------------------------------------------------------------
+
+class Shipped:
+    """What `ship` did for one ledger: lines first..last sent (none when first > last), its head."""
+
+    def __init__(self, path, ledger_id, first, last, head, torn=None, more=0, resent=False):
+        self.path, self.ledger_id, self.first, self.last, self.head = str(path), ledger_id, first, last, head
+        self.torn, self.more, self.resent = torn, more, resent
+
+    @property
+    def sent(self):
+        return max(0, self.last - self.first + 1)
+
+    def text(self):
+        head = f"head {self.head[0]} {self.head[1]}"
+        if not self.sent:
+            return f"up to date {printable(self.path)}  {self.ledger_id[:12]}  {head}"
+        lines = "line" if self.sent == 1 else "lines"
+        what = f"{lines} re-sent" if self.resent else f"new {lines}"
+        more = f", {self.more:,} more next run" if self.more else ""
+        return (f"shipped {printable(self.path)}  {self.ledger_id[:12]}  {self.sent:,} {what} "
+                f"(seq {self.first}..{self.last}){more}  {head}")
+
+
+def _at_seconds(at, days={}):
+    """`at` as Unix seconds for a DateTime column (0 when it does not fit one)."""
+    base = days.get(at[:10])
+    if base is None:
+        base = (datetime.date(int(at[:4]), int(at[5:7]), int(at[8:10])).toordinal() - 719163) * 86400
+        if len(days) < 100000:
+            days[at[:10]] = base
+    seconds = base + int(at[11:13]) * 3600 + int(at[14:16]) * 60 + int(at[17:19])
+    return seconds if 0 <= seconds < 1 << 32 else 0
+
+
+_json_string = json.encoder.encode_basestring  # the C escaper behind json.dumps(ensure_ascii=False)
+_CALL_SPEC = tuple((f'"{name}":', name, types, read, kind == "Nullable(Float64)")
+                   for name, kind, types, read in SHIP_CALL_FIELDS)
+
+
+def _call_columns(payload):
+    """The typed model_call columns of a payload, as JSON members (the text between braces)."""
+    get, out, malformed = payload.get, [], False
+    for member, name, types, read, real in _CALL_SPEC:
+        value = get(name)
+        if value is None:
+            continue
+        t = type(value)
+        if t not in types:
+            malformed = malformed or read
+        elif t is str:
+            out.append(member + _json_string(value))
+        elif t is bool:
+            out.append(member + ("true" if value else "false"))
+        elif t is float:
+            out.append(member + repr(value))  # finite: a verified line holds no NaN or Infinity
+        elif -_INT64 <= value < _INT64:
+            out.append(member + (repr(float(value)) if real else repr(value)))
+        else:
+            malformed = malformed or read
+    out.append('"malformed":1' if malformed else '"malformed":0')
+    return ",".join(out)
+
+
+def _row(prefix, event, body, line_sha, shipped_at):
+    """One JSONEachRow row, newline included, for a verified line. The line is the writer's canonical
+    JSON, without control characters, so escaping \\ and " makes it a JSON string; run_id, kind, at and
+    prev are checked plain ASCII."""
+    text = ('%s,"seq":%d,"run_id":"%s","kind":"%s","at":"%s","at_time":%d,"prev":"%s","line_sha256":"%s",'
+            '"shipped_at":%d,' % (prefix, event["seq"], event["run_id"], event["kind"], event["at"],
+                                  _at_seconds(event["at"]), event["prev"], line_sha, shipped_at))
+    if event["kind"] == "model_call":
+        text += _call_columns(event["payload"]) + ","
+    return b"".join(((text + '"raw":"').encode("utf-8"), body.replace(b"\\", b"\\\\").replace(b'"', b'\\"'), b'"}\n'))
+
+
+def _spool_limit():
+    """How many bytes of rows one run spools: SHIP_SPOOL_MAX, or half the free space of the temp dir."""
+    import shutil
+    import tempfile
+    try:
+        free = shutil.disk_usage(tempfile.gettempdir()).free
+    except OSError:
+        free = 0
+    return max(SHIP_SPOOL_MEMORY, min(SHIP_SPOOL_MAX, free // 2))
+
+
+class _Batches:
+    """Rows waiting to be sent, cut into batches of bounded rows and bytes, in memory and then in a
+    temp file (a SpooledTemporaryFile), so a big first shipment needs no more memory than a small one."""
+
+    def __init__(self, rows, size, limit):
+        import tempfile
+        self.max_rows, self.max_bytes, self.limit = rows, size, limit
+        self.spool = tempfile.SpooledTemporaryFile(max_size=SHIP_SPOOL_MEMORY)
+        self.batches = []   # (offset, length, rows, first seq, last seq)
+        self.rows, self.size, self.first, self.last, self.total = [], 0, None, None, 0
+        self.full = False
+
+    def add(self, seq, row):
+        rows = self.rows
+        if not rows:
+            self.first = seq
+        rows.append(row)
+        self.size += len(row)
+        self.last = seq
+        if len(rows) >= self.max_rows or self.size >= self.max_bytes:
+            self.flush()
+
+    def flush(self):
+        if self.rows:
+            offset = self.spool.tell()
+            self.spool.writelines(self.rows)
+            self.batches.append((offset, self.size, len(self.rows), self.first, self.last))
+            self.total += self.size
+            self.full = self.total >= self.limit
+            self.rows, self.size = [], 0
+
+    def __iter__(self):
+        self.flush()
+        for offset, length, count, first, last in self.batches:
+            self.spool.seek(offset)
+            yield self.spool.read(length), count, first, last
+
+    def close(self):
+        self.spool.close()
+
+
+def _first_line_id(path):
+    """SHA-256 (hex) of line 1, or None when the file has no complete line yet."""
+    fd = os.open(str(path), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        first = _read_first_line(fd)
+    finally:
+        os.close(fd)
+    return hashlib.sha256(first).hexdigest() if first is not None else None
+
+
+def _server_heads(client, ids):
+    """{ledger_id: (max seq, line_sha256 at it, rows)} for the ledgers ClickHouse holds, in one query
+    per _SHIP_IN_LIST ledgers."""
+    heads, ids = {}, sorted(set(ids))
+    for i in range(0, len(ids), _SHIP_IN_LIST):
+        chunk = ", ".join(sql_string(x) for x in ids[i:i + _SHIP_IN_LIST])
+        for row in client.rows(f"SELECT ledger_id, max(seq) AS top, argMax(line_sha256, seq) AS sha, count() AS n "
+                               f"FROM {client.name} FINAL WHERE ledger_id IN ({chunk}) GROUP BY ledger_id"):
+            heads[row["ledger_id"]] = (row["top"], row["sha"], row["n"])
+    return heads
+
+
+def _index_heads(runs_dir, key):
+    """{run id: (seq, hash)} of the runs closed in RUNS_DIR/index.jsonl, as far as it verifies."""
+    heads, index = {}, Path(runs_dir) / INDEX_NAME
+    if index.exists():
+        try:
+            for event in read_events(index, key=key or b"", run_id=None):
+                entry = event["payload"]
+                if event["kind"] == "run_closed" and type(entry.get("run")) is str:
+                    heads[entry["run"]] = (entry.get("head_seq"), entry.get("head_hash"))
+        except (LedgerError, OSError):
+            pass  # shipping the index itself reports why
+    return heads
+
+
+def ship_targets(paths, runs_dir=None, key=None):
+    """[(path, expected head or None)]: the PATHs, then RUNS_DIR's index.jsonl and every run in it, a closed
+    run with the head its index entry recorded (as `verify --all` checks it)."""
+    targets = [(Path(p), None) for p in paths]
+    if runs_dir is not None:
+        runs_dir = Path(runs_dir)
+        heads = _index_heads(runs_dir, key)
+        if (runs_dir / INDEX_NAME).exists():
+            targets.append((runs_dir / INDEX_NAME, None))
+        seen = set()
+        for events in sorted(runs_dir.glob(f"*/{EVENTS_NAME}")):
+            seen.add(events.parent.name)
+            targets.append((events, heads.get(events.parent.name, None)))
+        for run_id in sorted(set(heads) - seen):
+            targets.append((runs_dir / run_id / EVENTS_NAME, heads[run_id]))
+    unique, named = [], {}
+    for path, expect in targets:  # a ledger named twice is shipped once, with the head its index records
+        real = os.path.realpath(path)
+        if real not in named:
+            named[real] = len(unique)
+            unique.append((path, expect))
+        elif expect is not None:
+            unique[named[real]] = (unique[named[real]][0], expect)
+    return unique
+
+
+def ship(targets, client, *, key=None, host=None, batch_rows=SHIP_BATCH_ROWS, batch_bytes=SHIP_BATCH_BYTES):
+    """Send the new verified lines of each ledger to ClickHouse. `targets` is [(path, expected head or
+    None)] (see ship_targets). Yields (path, Shipped or the error that stopped that ledger: an
+    IntegrityError, KeyRequiredError or OSError); nothing of a ledger that fails is sent. A
+    ClickHouseError (server down, refused) propagates: the next run resumes where this one stopped.
+    The ledgers are only ever read."""
+    import socket
+    key = _resolve_key(key)
+    host = host or socket.gethostname()
+    if not 0 < batch_rows <= SHIP_MAX_BATCH_ROWS:
+        raise UsageError(f"--batch-rows must be between 1 and {SHIP_MAX_BATCH_ROWS:,}")
+    client.ensure_table()
+    ids, results = {}, {}
+    for path, _expect in targets:
+        try:
+            ids[path] = _first_line_id(path)
+        except OSError as exc:
+            results[path] = _named(exc, path)
+    heads = _server_heads(client, [i for i in ids.values() if i])
+    for path, expect in targets:
+        if path in results:
+            yield path, results[path]
+            continue
+        try:
+            yield path, _ship_one(client, path, ids[path], heads.get(ids[path]), key, expect, host,
+                                  batch_rows, batch_bytes)
+        except (IntegrityError, KeyRequiredError, OSError) as exc:
+            yield path, _named(exc, path)
+
+
+def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, batch_bytes):
+    if expect and (type(expect[0]) is not int or type(expect[1]) is not str):
+        raise IntegrityError(path, None, "the index entry for this run has no valid head")
+    if ledger_id is None:
+        if expect and expect[0]:
+            raise IntegrityError(path, None, f"the index records seq {expect[0]} for this run, but it has no "
+                                             f"complete line")
+        return Shipped(path, "-" * 12, 1, 0, (0, _genesis(key)))
+    top, top_sha, rows = server or (0, None, 0)
+    resend = rows < top  # ClickHouse lost rows (deleted?): send them all again; FINAL keeps one of each
+    start = 0 if resend else top
+    batches = _Batches(batch_rows, batch_bytes, _spool_limit())
+    try:
+        head, torn, cut = _verify_for_ship(path, ledger_id, key, expect, top, top_sha, start, host, batches)
+        if head[0] < top:
+            raise IntegrityError(path, head[0] + 1, f"ClickHouse holds this ledger up to seq {top} but the file "
+                                                    f"ends at seq {head[0]}: it was cut or rewritten after it was "
+                                                    f"shipped; nothing was sent")
+        sent = 0
+        for data, count, _first, last in batches:
+            try:
+                client.query(f"INSERT INTO {client.name} FORMAT JSONEachRow", data=data)
+            except ClickHouseError as exc:
+                total = sum(batch[2] for batch in batches.batches)
+                exc.args = (f"{exc}; {sent:,} of {total:,} new lines of {path} were sent, the next run resumes "
+                            f"at seq {start + sent + 1}",)
+                raise
+            sent += count
+        last = cut[0] if cut else head[0]
+        return Shipped(path, ledger_id, start + 1, last if sent else start, head, torn,
+                       more=head[0] - last if cut else 0, resent=resend and sent > 0)
+    finally:
+        batches.close()
+
+
+def _verify_for_ship(path, ledger_id, key, expect, top, top_sha, start, host, batches):
+    """Verify the whole ledger (the same checks as verify) while spooling rows for the lines after `start`.
+    Returns (head, torn tail or None, (seq, hash) where the spool filled up or None)."""
+    sha256 = hashlib.sha256
+    prefix = '{"ledger_id":"%s","host":%s,"path":%s' % (ledger_id, _dumps(host), _dumps(os.path.abspath(path)))
+    shipped_at = int(time.time())
+    head, torn, cut = (0, _genesis(key)), None, None
+    lines = _check_lines(path, _file_lines(path), key, _expected_run_id(path))
+    try:
+        for event, body, digest in lines:
+            seq = event["seq"]
+            if seq == 1 and (sha256(body).hexdigest() if key else digest) != ledger_id:
+                raise IntegrityError(path, 1, "line 1 changed while it was being shipped (the file was replaced)")
+            if seq > start and cut is None:
+                if batches.full:
+                    cut = head
+                else:
+                    batches.add(seq, _row(prefix, event, body, sha256(body).hexdigest() if key else digest,
+                                          shipped_at))
+            if seq == top and (sha256(body).hexdigest() if key else digest) != top_sha:
+                raise IntegrityError(path, seq, "differs from the line ClickHouse holds at this seq: a fork or a "
+                                                "local rewrite; nothing was sent")
+            if expect and seq == expect[0] and digest != expect[1]:
+                raise IntegrityError(path, seq, "does not match the head recorded in index.jsonl: the run was "
+                                                "rewritten after it closed")
+            head = (seq, digest)
+    except TornTailError as exc:
+        torn = exc
+    if expect and head[0] < expect[0]:
+        raise IntegrityError(path, head[0] + 1, f"truncated: index.jsonl records seq {expect[0]}, the run ends at "
+                                                f"seq {head[0]}")
+    return head, torn, cut
+
+
+# -- verify --from ---------------------------------------------------------------
+
+_STORED_ROW_RE = re.compile(rb"([0-9a-f]{64})\t([0-9]{1,20})\t([0-9a-f]{64})\t")
+_LEDGER_ID_RE = re.compile(r"[0-9a-f]{1,64}\Z")
+
+
+def shipped_ledgers(client, condition=""):
+    """[{ledger_id, host, path, n, top}]: the ledgers in the table, by ledger_id; host and path are
+    those of the last line shipped. `condition` is a SQL WHERE clause (trusted text)."""
+    return client.rows(f"SELECT ledger_id, argMax(host, seq) AS last_host, argMax(path, seq) AS last_path, "
+                       f"count() AS n, max(seq) AS top FROM {client.name} FINAL {condition} GROUP BY ledger_id "
+                       f"ORDER BY ledger_id")
+
+
+def _ledger_condition(prefixes):
+    for prefix in prefixes:
+        if not _LEDGER_ID_RE.match(prefix):
+            raise UsageError(f"--ledger-id: want hex digits (a ledger_id or its start), got {printable(prefix)!r}")
+    if not prefixes:
+        return ""
+    return "WHERE " + " OR ".join(f"substring(ledger_id, 1, {len(p)}) = {sql_string(p)}" for p in prefixes)
+
+
+def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, condition=None):
+    """Re-verify shipped ledgers from the raw lines ClickHouse holds, line by line with the checks of
+    verify, and each row's line_sha256, seq and ledger_id against its line. Yields (ledger, result):
+    `ledger` a dict (ledger_id, last_host, last_path, n), `result` Verified, IntegrityError or
+    KeyRequiredError. `ledger_ids` are ids or their starts; `condition` a SQL WHERE clause instead.
+    Rows deleted at the end are found only against a head published elsewhere (`expect_head`)."""
+    import itertools
+    key = _resolve_key(key)
+    client.require_table()
+    where = condition if condition is not None else _ledger_condition(list(ledger_ids))
+    listed = {row["ledger_id"]: row for row in shipped_ledgers(client, where)}
+    for prefix in ledger_ids:
+        if not any(found.startswith(prefix) for found in listed):
+            yield ({"ledger_id": prefix, "last_host": None, "last_path": None, "n": 0},
+                   IntegrityError(f"clickhouse:{prefix}", None, "ClickHouse holds no line of this ledger (never "
+                                                                "shipped, or deleted)"))
+    if expect_head is not None and len(listed) != 1:
+        raise UsageError(f"--expect-head goes with exactly one ledger; {len(listed)} match")
+    response = client.stream(f"SELECT ledger_id, seq, line_sha256, raw FROM {client.name} FINAL {where} "
+                             f"ORDER BY ledger_id, seq FORMAT TSVRaw")
+    seen = set()
+    with response:
+        for ledger_id, rows in itertools.groupby(_stored_rows(response, client), key=lambda row: row[0]):
+            seen.add(ledger_id)
+            ledger = listed.get(ledger_id) or {"ledger_id": ledger_id, "last_host": None, "last_path": None,
+                                               "n": None}
+            yield ledger, _verify_stored(ledger, rows, key, expect_head)
+    for ledger_id in sorted(set(listed) - seen):
+        yield listed[ledger_id], IntegrityError(f"clickhouse:{ledger_id}", None, "its rows vanished while it was "
+                                                                               "being read")
+
+
+def _verify_stored(ledger, rows, key, expect):
+    name = f"clickhouse:{ledger['ledger_id']}"
+    sha256, current = hashlib.sha256, [None]
+    count, head = 0, (0, _genesis(key))
+    source = contextlib.nullcontext(_stored_lines(name, rows, current))
+    run_id = _expected_run_id(ledger["last_path"]) if ledger["last_path"] else None
+    try:
+        for event, body, digest in _check_lines(name, source, key, run_id):
+            seq = event["seq"]
+            line_sha = sha256(body).hexdigest() if key else digest
+            if line_sha != current[0]:
+                raise IntegrityError(name, seq, "line_sha256 is not the SHA-256 of the stored line (the row was "
+                                                "altered in ClickHouse)")
+            if seq == 1 and line_sha != ledger["ledger_id"]:
+                raise IntegrityError(name, 1, "ledger_id is not the SHA-256 of line 1 (the row was altered, or "
+                                              "filed under another ledger)")
+            if expect and seq == expect[0] and digest != expect[1]:
+                raise IntegrityError(name, seq, "does not match the expected head: the history up to the "
+                                                "published head was rewritten")
+            count, head = seq, (seq, digest)
+    except (IntegrityError, KeyRequiredError) as exc:
+        return exc
+    if expect:
+        if expect[0] == 0 and expect[1] != _genesis(key):
+            return IntegrityError(name, None, "the expected head is seq 0, but its hash is not this ledger's "
+                                              "genesis value (another key, or keyed vs unkeyed)")
+        if expect[0] > count:
+            return IntegrityError(name, count + 1, f"truncated: the expected head is seq {expect[0]} but "
+                                                   f"ClickHouse holds up to seq {count} (not shipped yet, or "
+                                                   f"deleted)")
+    return Verified(name, count, head)
+
+
+def _stored_lines(name, rows, current):
+    """The stored lines of one ledger, each with its newline, checked for seq continuity; `current[0]`
+    is the line_sha256 of the last one handed out."""
+    expected = 0
+    for _ledger_id, seq, sha, line in rows:
+        expected += 1
+        if seq is None:
+            raise IntegrityError(name, expected, sha)
+        if seq != expected:
+            raise IntegrityError(name, expected, f"missing from ClickHouse: the next row stored is seq {seq} "
+                                                 f"(a row was deleted)" if seq > expected else
+                                                 f"seq {seq} comes twice")
+        if len(line) > MAX_LINE_BYTES:
+            raise IntegrityError(name, seq, f"the stored line is longer than the format's {MAX_LINE_BYTES}-byte limit")
+        current[0] = sha
+        yield line
+
+
+def _stored_rows(response, client):
+    """(ledger_id, seq, line_sha256, line + newline) for each row of a TSVRaw answer. A row not in that
+    shape (a value altered to hold a tab or a newline) comes as (last ledger_id, None, reason, b"")."""
+    last = ""
+    for line in _answer_lines(response, client):
+        match = _STORED_ROW_RE.match(line) if line is not None else None
+        if match is None:
+            yield last, None, "a stored row is not in the expected shape (a value holds a newline?)", b""
+            continue
+        last = match.group(1).decode("ascii")
+        yield last, int(match.group(2)), match.group(3).decode("ascii"), line[match.end():]
+
+
+def _answer_lines(response, client, limit=MAX_LINE_BYTES + 256):
+    """The lines of a streamed answer, newline included; None for a line longer than `limit`."""
+    import http.client
+    rest, skipping = b"", False
+    while True:
+        try:
+            block = response.read(1 << 20)
+        except (OSError, http.client.HTTPException) as exc:
+            raise ClickHouseError(f"ClickHouse at {client.where}: the answer was cut short "
+                                  f"({printable(error_text(exc))})", EXIT_USAGE) from None
+        if not block:
+            break
+        parts = (rest + block).split(b"\n")
+        rest = parts.pop()
+        for part in parts:
+            if skipping:
+                skipping = False
+            else:
+                yield part + b"\n"
+        if len(rest) > limit:
+            if not skipping:
+                yield None
+            rest, skipping = b"", True
+    if rest and not skipping:
+        raise ClickHouseError(f"ClickHouse at {client.where}: the answer was cut short (it ends inside a row)",
+                              EXIT_USAGE)
 
 
 # ----------------------------------------------------------------------------
@@ -1240,6 +2163,8 @@ def _cli_key(args):
 
 
 def _cmd_verify(args):
+    if args.from_url is not None:
+        return _cmd_verify_from(args)
     key = _cli_key(args)
     expect = None
     if args.expect_head is not None:
@@ -1359,6 +2284,105 @@ def _cmd_append(args):
     return EXIT_OK
 
 
+def _still_growing(torn):
+    """True when the file grew past the torn tail since it was read: an append was in progress."""
+    try:
+        return os.path.getsize(torn.path) > torn.offset + torn.length
+    except OSError:
+        return False
+
+
+def _cmd_ship(args):
+    if not args.paths and not args.all:
+        raise UsageError("ship needs a PATH or --all RUNS_DIR")
+    if args.all and not Path(args.all).is_dir():
+        raise UsageError(f"--all: no such directory: {args.all}")
+    key = _cli_key(args)
+    client = ClickHouse(args.to, database=args.database, table=args.table, timeout=args.timeout,
+                        deadline=args.deadline)
+    targets = ship_targets(args.paths, args.all, key)
+    done = failed = broken = lines = 0
+    try:
+        for path, result in ship(targets, client, key=key, host=args.host, batch_rows=args.batch_rows):
+            done, failed, broken, lines = _ship_result(path, result, done, failed, broken, lines)
+    except ClickHouseError as exc:
+        if exc.exit_code == EXIT_FAILED and "resumes" not in str(exc):
+            exc.args = (f"{exc}; the next run resumes",)
+        raise
+    write_out(f"{done}/{len(targets)} ledgers shipped or up to date, {lines:,} new lines sent to "
+              f"{client.where} {client.name}\n")
+    if failed:
+        error(f"integrity check failed ({failed} ledger{'s' if failed != 1 else ''}); nothing of "
+              f"{'it' if failed == 1 else 'them'} was shipped")
+        return EXIT_FAILED
+    if broken:
+        error("some ledgers could not be read or need a key")
+        return EXIT_USAGE
+    return EXIT_OK
+
+
+def _ship_result(path, result, done, failed, broken, lines):
+    """Print one ledger's line of `ship`; returns the counters."""
+    if isinstance(result, Shipped):
+        done += 1
+        lines += result.sent
+        write_out(result.text() + "\n")
+        if result.torn and not _still_growing(result.torn):
+            warn(f"{result.torn}; the lines before it were shipped, the torn bytes were not (a crash, not "
+                 f"tampering)")
+    elif isinstance(result, IntegrityError):
+        failed += 1
+        write_out(f"FAIL  {printable(result)}\n")
+    else:
+        broken += 1
+        write_out(f"ERROR {printable(path)}: {printable(error_text(result))}\n")
+    return done, failed, broken, lines
+
+
+def _cmd_verify_from(args):
+    if args.paths or args.all:
+        raise UsageError("verify --from reads ClickHouse: it takes no PATH or --all")
+    key = _cli_key(args)
+    expect = parse_head(args.expect_head) if args.expect_head is not None else None
+    ids = [i.strip().lower() for i in args.ledger_id or ()]
+    if expect is not None and len(ids) != 1:
+        raise UsageError("--expect-head with --from goes with exactly one --ledger-id")
+    client = ClickHouse(args.from_url or None, database=args.database, table=args.table, timeout=args.timeout)
+    failed = broken = valid = total = 0
+    try:
+        for ledger, result in verify_shipped(client, ledger_ids=ids, key=key, expect_head=expect):
+            total += 1
+            where = (f"  {printable(ledger['last_host'])}:{printable(ledger['last_path'])}"
+                     if ledger["last_path"] is not None else "")
+            if isinstance(result, Verified):
+                valid += 1
+                write_out(f"ok    {result.path}  {result.count} lines  head {result.head_text()}{where}\n")
+            elif isinstance(result, IntegrityError):
+                failed += 1
+                write_out(f"FAIL  {printable(result)}{where}\n")
+            else:
+                broken += 1
+                write_out(f"ERROR clickhouse:{ledger['ledger_id']}: {printable(error_text(result))}\n")
+    except ClickHouseError as exc:
+        exc.exit_code = EXIT_USAGE  # ClickHouse could not be read: like a file that cannot be read
+        raise
+    write_out(f"{valid}/{total} ledgers valid in {client.where} {client.name}\n")
+    if failed:
+        error(f"integrity check failed ({failed} ledger{'s' if failed != 1 else ''} in ClickHouse)")
+        return EXIT_FAILED
+    if broken:
+        error("some ledgers could not be read or need a key")
+        return EXIT_USAGE
+    return EXIT_OK
+
+
+def _clickhouse_options(p, timeout):
+    p.add_argument("--database", default=SHIP_DATABASE, metavar="DB", help=f"default {SHIP_DATABASE}")
+    p.add_argument("--table", default=SHIP_TABLE, metavar="T", help=f"default {SHIP_TABLE}")
+    p.add_argument("--timeout", type=float, default=timeout, metavar="S",
+                   help=f"seconds for one request to ClickHouse (default {timeout:g})")
+
+
 def _build_parser():
     parser = argparse.ArgumentParser(prog="reasoning_ledger.py",
                                      description="Append-only, hash-chained JSONL ledger.",
@@ -1376,7 +2400,28 @@ def _build_parser():
     p.add_argument("paths", nargs="*", metavar="PATH")
     p.add_argument("--all", metavar="RUNS_DIR", help="also every run in RUNS_DIR, against RUNS_DIR/index.jsonl")
     p.add_argument("--expect-head", metavar="SEQ:HASH", help="a head published earlier (detects truncation)")
+    p.add_argument("--from", dest="from_url", nargs="?", const="", metavar="URL",
+                   help=f"re-verify the ledgers shipped to ClickHouse at URL (default ${SHIP_URL_ENV}) from the "
+                        f"lines stored there")
+    p.add_argument("--ledger-id", action="append", metavar="ID",
+                   help="with --from: only this ledger (its id, or the start of it; repeatable)")
+    _clickhouse_options(p, 300.0)
     p.set_defaults(func=_cmd_verify)
+
+    p = keyed(sub.add_parser("ship", help="send the verified lines of ledgers to ClickHouse (resumable; for cron)"))
+    p.add_argument("paths", nargs="*", metavar="PATH")
+    p.add_argument("--all", metavar="RUNS_DIR", help="also RUNS_DIR/index.jsonl and every run in RUNS_DIR")
+    p.add_argument("--to", metavar="URL", help=f"ClickHouse's HTTP interface, e.g. http://127.0.0.1:8123 (default "
+                                               f"${SHIP_URL_ENV}); user and password come from ${SHIP_USER_ENV} and "
+                                               f"${SHIP_PASSWORD_ENV}, never from the URL")
+    _clickhouse_options(p, SHIP_TIMEOUT)
+    p.add_argument("--batch-rows", type=int, default=SHIP_BATCH_ROWS, metavar="N",
+                   help=f"lines per INSERT (default {SHIP_BATCH_ROWS:,}; a batch is also cut at "
+                        f"{SHIP_BATCH_BYTES >> 20} MiB)")
+    p.add_argument("--deadline", type=float, default=SHIP_DEADLINE, metavar="S",
+                   help=f"seconds for the whole run; the next run resumes (default {SHIP_DEADLINE:g})")
+    p.add_argument("--host", help="host name recorded with each line (default: this machine's)")
+    p.set_defaults(func=_cmd_ship)
 
     p = keyed(sub.add_parser("head", help="print the anchor 'SEQ HASH' of a verified ledger"))
     p.add_argument("path", metavar="PATH")
@@ -1409,8 +2454,8 @@ def main(argv=None):
     if not args.command:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    if args.command == "verify" and not args.paths and not args.all:
-        error("verify needs a PATH or --all RUNS_DIR")
+    if args.command == "verify" and not args.paths and not args.all and args.from_url is None:
+        error("verify needs a PATH, --all RUNS_DIR or --from URL")
         return EXIT_USAGE
     return run_cli(args.func, args)
 

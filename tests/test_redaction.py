@@ -14,10 +14,17 @@ VALUES = (ENV_SECRET, 'quo"te\\slash-secret-99')
 
 
 class Exact(rl.Redactor):
-    """The same masking without the screen: what the screen must never differ from."""
+    """The same masking without the screens: every payload takes the exact walk, every string the exact
+    masking. What the screens must never differ from."""
 
     def text(self, text):
         return self.exact(text)
+
+    def may_hold(self, text):
+        return True  # nothing is skipped
+
+    def keys_clean(self, keys):
+        return False
 
 
 def stored(payload, values=VALUES):
@@ -198,9 +205,9 @@ def test_the_screen_agrees_with_the_exact_masking_on_generated_payloads():
 def test_every_rule_needs_the_screen_to_let_it_through():
     """Each rule's example alone reaches the exact masking: a trigger missing from the screen would let it
     pass unmasked, and this test would say which."""
-    screen = rl.Redactor(VALUES).screen()
+    redactor = rl.Redactor(VALUES)
     for text, secret, _kept in SHAPE_CASES:
-        assert screen.search(text), f"the screen misses {text!r}"
+        assert redactor.may_hold(text), f"the screen misses {text!r}"
         assert secret not in rl.Redactor(VALUES).text(text)
     for name in SECRET_NAMES:
         assert rl.is_secret_key(name)
