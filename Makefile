@@ -33,7 +33,7 @@ test:
 	  "$(VENV)/bin/python" -c "import pytest" 2>/dev/null || "$(VENV)/bin/python" -m pip install -q pytest || exit 2; \
 	  py="$(VENV)/bin/python"; fi; \
 	echo "make test: $$("$$py" --version 2>&1) ($$py)"; \
-	cd "$(HERE)" && "$$py" -m pytest -q tests $(PYTEST_ARGS)
+	cd "$(HERE)" && "$$py" -m pytest -q -rs tests $(PYTEST_ARGS)
 
 verify:
 	@set -- ; [ -f "$(LEDGER)" ] && set -- "$$@" "$(LEDGER)"; [ -f "$(RUNS)/daemon.jsonl" ] && set -- "$$@" "$(RUNS)/daemon.jsonl"; \

@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import html
 import ipaddress
+import itertools
 import json
 import os
 import posixpath
@@ -68,7 +69,9 @@ DEFAULT_DENY = (".git/", ".env*", "*.pem", "*.key", "id_*", "*.p12", "*.pfx", "*
 DEFAULT_BUDGET = {"max_steps": 24, "max_model_calls": 40, "max_total_tokens": 300000, "max_wall_s": 900,
                   "max_tokens_per_call": 2048, "call_timeout_s": 180, "max_context_chars": 60000}
 DEFAULT_CAPS = {"output_bytes": 16384, "timeout_s": 60}
-DEFAULT_TEST_PATHS = ("test_*.py", "*_test.py", "tests/", "test/", "*_spec.*", "spec/", "__tests__/", "*.test.*")
+DEFAULT_TEST_PATHS = ("test_*.py", "*_test.py", "tests/", "test/", "*_spec.*", "spec/", "__tests__/", "*.test.*",
+                      "conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "noxfile.py",
+                      "sitecustomize.py", "usercustomize.py", "*.pth")
 MAX_TOOLS_FILE = 1024 * 1024
 MAX_PATH_CHARS = 1024
 MAX_PLUGIN_ARG_CHARS = 256
@@ -107,6 +110,11 @@ class LockHeld(rl.LedgerError):
 
 class RepoError(rl.UsageError):
     """The repository cannot be read as a git work tree (or --ref does not name a commit)."""
+
+
+class TestCommandError(rl.UsageError):
+    """The test command cannot run here (not found, not executable, pytest missing or misconfigured): no
+    model can fix that, so the run ends as an error before any model call."""
 
 
 class _Terminated(Exception):
@@ -450,8 +458,8 @@ def patch_files(patch):
         else:
             if line.startswith("GIT binary patch") or (line.startswith("Binary files ") and " differ" in line):
                 problems.append(("patch.binary", "the patch changes a binary file; propose text changes only"))
-            if re.match(r"(new file |new |old |deleted file )?mode 1[26]0000", line) or re.match(
-                    r"index \S+ 1[26]0000", line):
+            if re.match(r"(new file |new |old |deleted file )?mode\s+\+?0*1[26]0000", line) or re.match(
+                    r"index \S+ 0*1[26]0000", line):
                 problems.append(("patch.mode", "the patch creates a symlink or a submodule"))
             continue
         if name is not None and name not in files:
@@ -461,6 +469,7 @@ def patch_files(patch):
 
 def _diff_path(text, prefixed=True):
     text = text.split("\t")[0].rstrip("\r")
+    text = re.sub(r" +[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9:.]+( [+-][0-9]{4})?\Z", "", text)  # diff -u's timestamp
     if text.startswith('"') and text.endswith('"') and len(text) > 1:
         text = _unquote_c(text[1:-1])
     if text == "/dev/null":
@@ -635,30 +644,103 @@ def _scratch_git_env(ceiling):
 
 
 def _snapshot_worktree(repo, dest):
+    """The working tree's files as they are on disk. A path with a symlink among its parents is skipped:
+    it would be read from outside the repository (and written outside the copy)."""
     listing = git(repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    files, links, plain = [], [], set()
     for raw in sorted(set(listing.split(b"\0"))):
-        if not raw:
-            continue
         rel = os.fsdecode(raw)
-        src, dst = Path(repo) / rel, dest / rel
+        if not rel or not _plain_parents(repo, rel, plain):
+            continue
+        src = os.path.join(repo, rel)
         try:
             info = os.lstat(src)
         except FileNotFoundError:
             continue  # deleted in the working tree: as the user has it
-        dst.parent.mkdir(parents=True, exist_ok=True)
         if stat.S_ISLNK(info.st_mode):
-            os.symlink(os.readlink(src), dst)
+            links.append((rel, os.readlink(src)))
         elif stat.S_ISREG(info.st_mode):
-            with open(src, "rb") as reader, open(dst, "wb") as writer:
-                while True:
-                    chunk = reader.read(1 << 20)
-                    if not chunk:
-                        break
+            files.append((rel, info.st_mode & 0o111))
+    for rel, executable in files:
+        try:
+            reader_fd = os.open(os.path.join(repo, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone, or replaced by a symlink, since it was listed
+        with os.fdopen(reader_fd, "rb") as reader:
+            if not stat.S_ISREG(os.fstat(reader_fd).st_mode):  # still a plain file once opened
+                continue
+            fd = _create(dest, rel, executable)
+            if fd is None:
+                continue
+            with os.fdopen(fd, "wb") as writer:
+                for chunk in iter(lambda: reader.read(1 << 20), b""):
                     writer.write(chunk)
-            os.chmod(dst, 0o755 if info.st_mode & 0o111 else 0o644)
+    for rel, target in links:  # last: no file above is ever written through one of them
+        _link(dest, rel, target)
+
+
+def _plain_parents(root, rel, plain):
+    """True when every parent of `rel` under `root` is a real directory (not a symlink). `plain` caches
+    the directories already seen to be."""
+    parts = rel.split("/")
+    if rel.startswith("/") or ".." in parts:
+        return False
+    current = ""
+    for part in parts[:-1]:
+        current = f"{current}/{part}" if current else part
+        if current in plain:
+            continue
+        try:
+            if not stat.S_ISDIR(os.lstat(os.path.join(root, current)).st_mode):
+                return False
+        except OSError:
+            return False
+        plain.add(current)
+    return True
+
+
+def _parent_dir(dest, rel):
+    """dest/rel's parent, made as plain directories; None when a path is not one (a symlink, a file) or
+    `rel` is not a plain relative path. Nothing is ever made or written through a symlink."""
+    parts = rel.split("/")
+    if not parts[-1] or rel.startswith("/") or ".." in parts:
+        return None
+    current = str(dest)
+    for part in parts[:-1]:
+        current = os.path.join(current, part)
+        try:
+            os.mkdir(current, 0o755)
+        except FileExistsError:
+            if not stat.S_ISDIR(os.lstat(current).st_mode):
+                return None
+    return current
+
+
+def _create(dest, rel, executable):
+    """Open dest/rel for writing, never through a symlink; a path that already exists (a second entry for
+    it) is left alone. Returns an fd or None."""
+    parent = _parent_dir(dest, rel)
+    if parent is None:
+        return None
+    try:
+        return os.open(os.path.join(parent, rel.rsplit("/", 1)[-1]), os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                       | os.O_NOFOLLOW | os.O_CLOEXEC, 0o755 if executable else 0o644)
+    except (FileExistsError, IsADirectoryError, NotADirectoryError):
+        return None
+
+
+def _link(dest, rel, target):
+    parent = _parent_dir(dest, rel)
+    if parent is not None:
+        try:
+            os.symlink(target, os.path.join(parent, rel.rsplit("/", 1)[-1]))
+        except (FileExistsError, IsADirectoryError, NotADirectoryError):
+            pass
 
 
 def _snapshot_ref(repo, ref, dest):
+    """The tree of commit `ref`, from git's object store. Symlinks are made after every file, and nothing
+    is written through one: a tree that holds both a symlink `d` and a file `d/x` cannot write outside."""
     entries = []
     for record in git(repo, "ls-tree", "-r", "-z", ref).split(b"\0"):
         if not record:
@@ -673,25 +755,26 @@ def _snapshot_ref(repo, ref, dest):
                              stdout=subprocess.PIPE, env=_git_env())
     feeder = threading.Thread(target=_feed, args=(batch.stdin, [sha for _m, sha, _n in entries]), daemon=True)
     feeder.start()
+    links = []
     try:
         for mode, sha, name in entries:
             header = batch.stdout.readline().split()
             size = int(header[2])
             content = batch.stdout.read(size)
             batch.stdout.read(1)
-            if ".." in name.split("/") or name.startswith("/"):
-                continue
-            target = dest / name
-            target.parent.mkdir(parents=True, exist_ok=True)
             if mode == "120000":
-                os.symlink(os.fsdecode(content), target)
-            else:
-                target.write_bytes(content)
-                os.chmod(target, 0o755 if mode == "100755" else 0o644)
+                links.append((name, os.fsdecode(content)))
+                continue
+            fd = _create(dest, name, mode == "100755")
+            if fd is not None:
+                with os.fdopen(fd, "wb") as writer:
+                    writer.write(content)
     finally:
         feeder.join()
         batch.stdout.close()
         batch.wait()
+    for name, target in links:
+        _link(dest, name, target)
 
 
 def _feed(stream, shas):
@@ -738,20 +821,36 @@ def repo_secrets(repo):
     for raw in listing.split(b"\0")[:200]:
         if not raw:
             continue
-        try:
-            with open(Path(repo) / os.fsdecode(raw), "rb") as handle:
-                text = handle.read(256 * 1024).decode("utf-8", "replace")
-        except OSError:
-            continue
-        for line in text.splitlines():
-            match = re.match(r"\s*(?:export\s+)?[A-Za-z_][A-Za-z0-9_.-]*\s*[=:]\s*(.*?)\s*$", line)
-            if match:
-                value = match.group(1)
-                if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
-                    value = value[1:-1]
-                if value:
-                    values.append(value)
-    return values
+        text = _read_plain_file(Path(repo) / os.fsdecode(raw), 256 * 1024)
+        for line in (text or b"").decode("utf-8", "replace").splitlines():
+            match = _ENV_LINE_RE.match(line)
+            if not match:
+                continue
+            quoted = match.group(1) if match.group(1) is not None else match.group(2)
+            if quoted is not None:
+                values.append(quoted.strip())
+            else:  # unquoted: `a#b` is one value, ` # note` a comment; both readings are masked
+                bare = match.group(3).strip()
+                values += [bare, re.split(r"\s#", bare, 1)[0].strip()]
+    return [value for value in dict.fromkeys(values) if value]
+
+
+# KEY=value, export KEY="value", KEY: 'value', with an optional trailing # comment after the quotes.
+_ENV_LINE_RE = re.compile(r"""\s*(?:export\s+)?[A-Za-z_][A-Za-z0-9_.-]*\s*[=:]\s*"""
+                          r"""(?:"((?:[^"\\]|\\.)*)"\s*(?:#.*)?|'([^']*)'\s*(?:#.*)?|(.*))$""")
+
+
+def _read_plain_file(path, limit):
+    """Up to `limit` bytes of a regular file, or None: never blocks on a FIFO, never follows a final
+    symlink to a device."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return handle.read(limit)
 
 
 def git_state(repo):
@@ -769,9 +868,22 @@ _SETTINGS = ("BASE_URL", "OPENAI_BASE_URL", "API_KEY", "OPENAI_API_KEY", "MODEL_
 
 def _child_env():
     """The environment of every program the host runs: none of our settings and no variable named like a
-    secret, so code the model wrote never sees the API key."""
+    secret, so code the model wrote never sees the API key in its environment."""
     return {name: value for name, value in os.environ.items()
-            if name not in _SETTINGS and not rl.is_secret_key(name)}
+            if name not in _SETTINGS and not rl.is_secret_env_name(name)}
+
+
+def _no_dumps():
+    """Make this process undumpable (Linux): its /proc/<pid>/environ and memory are then closed to other
+    processes of the same user, so a test or a patch the host runs cannot read the API key from its
+    parent. (Root can still read them; run the agent as an unprivileged user.)"""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes  # only for this one call
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        pass
 
 
 _CHILDREN = set()  # process groups running now, killed when the run is terminated
@@ -1144,7 +1256,7 @@ def parse_reply(text):
                     return action, "fenced_json"
             except (ValueError, RecursionError):
                 continue
-    for match in list(re.finditer(r"\{", text))[:50]:
+    for match in itertools.islice(re.finditer(r"\{", text), 50):
         try:
             obj, _end = decoder.raw_decode(text, match.start())
         except (ValueError, RecursionError):
@@ -1314,6 +1426,12 @@ def _step(world, policy, step, text, call, checked, budget):
         return (f"The host could not read your reply: {bad.reason}. Answer with one JSON object "
                 '{"tool": NAME, "args": {...}, "reason": TEXT}.')
     tool, args = action["tool"], action["args"]
+    problem = rl.payload_problem({"args": args, "reason": action["reason"]})
+    if problem:  # nested too deep, a lone surrogate, too large: it could not be recorded, so it is not an action
+        world.record("proposal_malformed", {"step": step, "reason": f"the action cannot be recorded: {problem}",
+                                            "excerpt": _excerpt(text, 500), "budget": checked, "call": call})
+        return (f"The host could not record your action ({problem}). Answer with one plain JSON object "
+                '{"tool": NAME, "args": {...}, "reason": TEXT}.')
     world.record("model_proposed", {"step": step, "form": form, "tool": tool, "args": args,
                                     "reason": action["reason"], "budget": checked, "call": call})
     verdict = check_action(action, policy, world.resolver(step))
@@ -1425,7 +1543,7 @@ class LiveWorld:
         return shown
 
     def check_patch(self, step, patch):
-        return check_patch(self.ws.root, patch, self.run.ledger.redactor)
+        return check_patch(self.ws.root, patch, self.run.ledger.redactor, self.ws.policy, self.ws.resolve)
 
 
 def _call_tokens(record):
@@ -1445,10 +1563,33 @@ def _context_too_long(record):
         record["error_message"] or "", re.I))
 
 
-def check_patch(scratch, patch, redactor):
+def git_reading(tree, patch_bytes, flags, env):
+    """What git itself reads in a patch, in `tree`: the paths it touches (`--numstat -z`) and whether it
+    makes a symlink or a submodule (`--summary`). Our own parse (patch_files) is a first check; this is
+    the one the host's path rules and the judge trust, since git is what applies the patch."""
+    def run(*args):
+        return subprocess.run(["git", "-C", str(tree), "apply", *args, *flags, "-"], input=patch_bytes,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, timeout=120).stdout
+    fields, paths, i = run("--numstat", "-z").split(b"\0"), [], 0
+    while i < len(fields):
+        parts = fields[i].split(b"\t", 2)
+        i += 1
+        if len(parts) < 3:
+            continue
+        if parts[2]:
+            paths.append(os.fsdecode(parts[2]))
+        else:  # a rename or copy: the old and the new path follow
+            paths += [os.fsdecode(f) for f in fields[i:i + 2]]
+            i += 2
+    special = re.search(rb"\b1[26]0000\b", run("--summary")) is not None
+    return list(dict.fromkeys(paths)), special
+
+
+def check_patch(scratch, patch, redactor, policy=None, resolve=None):
     """Does the patch apply to the baseline? Checked in a fresh clone of the scratch copy with
-    `git apply --check`, then `--recount` (small models miscount hunk lines). Returns what was found,
-    with the proposal as it will be written (git's own diff when --recount was needed)."""
+    `git apply --check`, then `--recount` (small models miscount hunk lines), and every path git reads in
+    it is held to the path rules. Returns what was found, with the proposal as it will be written (git's
+    own diff when --recount was needed)."""
     patch_bytes = patch.encode("utf-8", "surrogateescape")
     result = {"applies": False, "recount": False, "message": "", "files": patch_files(patch)[0],
               "patch_sha256": hashlib.sha256(patch_bytes).hexdigest(), "proposal_sha256": None, "proposal": None}
@@ -1467,7 +1608,12 @@ def check_patch(scratch, patch, redactor):
                 result["message"] = redactor.text(proc.stdout.decode("utf-8", "replace").strip())[-1500:]
         if proc.returncode != 0:
             return result
-        result["applies"], result["recount"] = True, bool(flags)
+        files, special = git_reading(clone, patch_bytes, flags, env)
+        refusal = _refuse_git_reading(files, special, policy, resolve)
+        if refusal:
+            result["message"] = refusal
+            return result
+        result["applies"], result["recount"], result["files"] = True, bool(flags), files
         if flags:
             subprocess.run(["git", "-C", str(clone), "apply", *flags, "-"], input=patch_bytes, env=env, check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
@@ -1480,6 +1626,20 @@ def check_patch(scratch, patch, redactor):
     result["proposal"] = proposal
     result["proposal_sha256"] = hashlib.sha256(proposal).hexdigest()
     return result
+
+
+def _refuse_git_reading(files, special, policy, resolve):
+    """Why the paths and modes git reads in a patch are refused, or None."""
+    if special:
+        return "git reads this patch as making a symlink or a submodule (rule patch.mode)"
+    if not files:
+        return "git reads no file in this patch (rule patch.no_files)"
+    for name in files if policy is not None else ():
+        try:
+            check_path(name, policy, resolve, {}, what="a file in the patch,")
+        except _Deny as deny:
+            return f"git reads this patch as touching {name!r}: {deny.reason} (rule {deny.rule})"
+    return None
 
 
 # ----------------------------------------------------------------------------
@@ -1562,11 +1722,13 @@ def _closing_summary(run, outcome):
 def _remove_tree(path):
     import shutil  # only at the end of a run
     for base, dirs, _files in os.walk(path):
-        for name in dirs:  # a test may have left a read-only directory behind
-            try:
-                os.chmod(os.path.join(base, name), 0o700)
-            except OSError:
-                pass
+        for name in dirs:  # a test may have left a read-only directory behind (never chmod through a link)
+            full = os.path.join(base, name)
+            if not os.path.islink(full):
+                try:
+                    os.chmod(full, 0o700)
+                except OSError:
+                    pass
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -1584,6 +1746,10 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
         "python": sys.version.split()[0], **origin})
     workspace = Workspace(repo, commit if ref else None, tree, policy, run.ledger.redactor)
     baseline = _tests(run, workspace, "tests_run", scratch)
+    broken = _test_command_broken(policy.test_command, baseline)
+    if broken:
+        raise TestCommandError(f"the test command {' '.join(policy.test_command)!r} cannot run: {broken}; fix "
+                               f"test_command in {policy.source}")
     if baseline["passed"]:
         run.decide("triage", "no action", "the tests pass", ["look for other work"])
         return "no_action", None
@@ -1631,13 +1797,33 @@ def _tests(run, workspace, kind, scratch, root=None):
     return dict(payload, output=output, outcomes=outcomes)
 
 
+# pytest's own exit codes for "nothing was tested": internal error, usage error, no tests collected
+_PYTEST_BROKEN = {3: "pytest had an internal error", 4: "pytest was called wrongly (exit 4)",
+                  5: "pytest collected no tests (exit 5)"}
+
+
+def _test_command_broken(command, baseline):
+    """Why the baseline test run shows the command itself cannot run (None when it ran and tested)."""
+    output = baseline["output"]
+    if output.error:
+        return output.error
+    if baseline["outcomes"]:
+        return None  # tests ran: whatever failed is the model's to fix
+    if output.returncode in (126, 127):
+        return f"exit {output.returncode} (not executable or not found)"
+    if not any("pytest" in part for part in command):
+        return None
+    if output.returncode == 1 and re.search(r"No module named '?pytest'?\s*$", output.text(4096)):
+        return "No module named pytest (install it for this interpreter, or change test_command)"
+    return _PYTEST_BROKEN.get(output.returncode)
+
+
 def _judge_in_child(run, policy):
-    """The judge runs as its own process, reading only the run's ledger and artifacts."""
-    env = _child_env()
-    if os.environ.get(rl.KEY_ENV):
-        env[rl.KEY_ENV] = os.environ[rl.KEY_ENV]
-    argv = [sys.executable, str(Path(__file__).resolve()), "judge", str(run.dir.resolve())]
-    output = run_program(argv, HERE, policy.test_timeout_s + 300, env=env)
+    """The judge runs as its own process, reading only the run's ledger and artifacts. The ledger key and
+    the values to mask reach it on stdin, never in its environment, where a test could read them."""
+    given = json.dumps({"key": os.environ.get(rl.KEY_ENV) or None, "secrets": list(run.ledger.redactor.values)})
+    argv = [sys.executable, str(Path(__file__).resolve()), "judge", str(run.dir.resolve()), "--from-host"]
+    output = run_program(argv, HERE, policy.test_timeout_s + 300, env=_child_env(), input=given.encode("utf-8"))
     verdicts = [e["payload"] for e in rl.read_events(run.ledger.path) if e["kind"] == "judge_verdict"]
     if not verdicts:
         raise RuntimeError(f"the judge did not give a verdict (exit {output.returncode}): "
@@ -1653,15 +1839,20 @@ def _artifact_text(run_dir, ref):
     return (Path(run_dir) / ref["path"]).read_bytes().decode("utf-8", "replace")
 
 
-def judge_run(run_dir):
+def judge_run(run_dir, *, key=None, secrets=()):
     """Apply the run's proposal.patch in a throwaway copy of the repository, run the tests there, and answer:
     do they pass now, did any test that passed before now fail (or vanish), did the patch touch test files?
     Appends judge_verdict to the run and returns it."""
     run_dir = Path(run_dir).resolve()
-    events = list(rl.read_events(run_dir / rl.EVENTS_NAME))
+    events = list(rl.read_events(run_dir / rl.EVENTS_NAME, key=key))
+    decisions = [e["payload"] for e in events if e["kind"] == "decision" and e["payload"].get("stage") == "proposal"]
+    if not decisions:
+        raise rl.UsageError(f"{run_dir}: the run has no accepted proposal to judge")
+    if any(e["kind"] == "run_closed" for e in events):
+        raise rl.UsageError(f"{run_dir}: the run is closed; its verdict is in its ledger")
     started = next(e["payload"] for e in events if e["kind"] == "run_started")
     baseline = next(e["payload"] for e in events if e["kind"] == "tests_run")
-    decision = [e["payload"] for e in events if e["kind"] == "decision" and e["payload"].get("stage") == "proposal"][-1]
+    decision = decisions[-1]
     policy = policy_from_text(_artifact_text(run_dir, started["tools_artifact"]), "the run's tools.json")
     before = json.loads(_artifact_text(run_dir, baseline["outcomes_artifact"])) if baseline.get("outcomes_artifact") \
         else None
@@ -1669,9 +1860,7 @@ def judge_run(run_dir):
     repo = Path(started["repo"])
     verdict = {"verdict": "reject", "applies": False, "tests_passed": False, "reason": "", "touched_tests": [],
                "newly_failing": [], "vanished": [], "still_failing": [], "comparison": "exit codes"}
-    ledger = rl.Ledger(run_dir / rl.EVENTS_NAME, run_dir.name, secrets=repo_secrets(repo))
-    files, _problems = patch_files(patch.decode("utf-8", "replace"))
-    verdict["touched_tests"] = [f for f in files if policy.is_test_path(f)]
+    ledger = rl.Ledger(run_dir / rl.EVENTS_NAME, run_dir.name, key=key, secrets=list(secrets) + repo_secrets(repo))
     with tempfile.TemporaryDirectory(prefix="agent-judge-") as work:
         tree = Path(work) / "tree"
         if hashlib.sha256(patch).hexdigest() != decision.get("proposal_sha256"):
@@ -1680,10 +1869,14 @@ def judge_run(run_dir):
             verdict["reason"] = "the repository changed since the run started; the judge cannot compare"
         else:
             env = _scratch_git_env(work)
+            files, special = git_reading(tree, patch, [], env)
+            verdict["touched_tests"] = [f for f in files if policy.is_test_path(f)]
             proc = subprocess.run(["git", "-C", str(tree), "apply", "-"], input=patch, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, env=env, timeout=120)
-            verdict["applies"] = proc.returncode == 0
-            if not verdict["applies"]:
+            verdict["applies"] = proc.returncode == 0 and not special
+            if special:
+                verdict["reason"] = "git reads the patch as making a symlink or a submodule"
+            elif not verdict["applies"]:
                 verdict["reason"] = "the patch does not apply: " + proc.stdout.decode("utf-8", "replace")[-500:]
             else:
                 junit = Path(work) / "junit.xml"
@@ -1702,6 +1895,8 @@ def judge_run(run_dir):
 
 def _compare(before, after, output):
     found = {"tests_passed": output.returncode == 0, "returncode": output.returncode, "timed_out": output.timed_out}
+    if before is not None and after is None:
+        found["results_missing"] = True  # per-test results before, none now: pytest was stopped or bypassed
     if before is None or after is None:
         return found
     found["comparison"] = "per test (JUnit XML)"
@@ -1715,7 +1910,11 @@ def _compare(before, after, output):
 
 def _rule(verdict, policy):
     if verdict["touched_tests"] and not policy.allow_test_changes:
-        return "reject", f"the patch changes test files ({', '.join(verdict['touched_tests'][:5])}); a fix must not"
+        return "reject", (f"the patch changes test files or test configuration "
+                          f"({', '.join(verdict['touched_tests'][:5])}); a fix must not")
+    if verdict.get("results_missing"):
+        return "reject", ("the tests gave per-test results before the patch and none with it: the patch stops "
+                          "or bypasses the test runner")
     if verdict["vanished"]:
         return "reject", f"tests that ran before are gone or skipped: {', '.join(verdict['vanished'][:5])}"
     if verdict["newly_failing"]:
@@ -1891,12 +2090,20 @@ def list_runs(runs_dir):
     out = []
     for run_id in sorted(status):
         row = rows.get(run_id, {})
-        tokens = row.get("input_tokens")
-        tokens = (f"{tokens + (row.get('output_tokens') or 0):,}" if tokens is not None
-                  else f"{row['est_tokens']:,}~" if row.get("est_tokens") else "-")
-        out.append({"run_id": run_id, "started": row.get("started", "-"), "outcome": row.get("outcome", "-"),
-                    "steps": row.get("steps", "-"), "tokens": tokens, "verified": status[run_id]})
+        reported = row.get("input_tokens")
+        tokens, source = ((reported + (row.get("output_tokens") or 0), "reported") if reported is not None
+                          else (row["est_tokens"], "estimated") if row.get("est_tokens") else (None, None))
+        out.append({"run_id": run_id, "started": row.get("started"), "outcome": row.get("outcome"),
+                    "steps": row.get("steps"), "tokens": tokens, "tokens_source": source,
+                    "verified": status[run_id]})
     return out
+
+
+def _tokens_cell(row):
+    """Reported tokens as 1,234; estimated ones as 1,234~; none as -."""
+    if row["tokens"] is None:
+        return "-"
+    return f"{row['tokens']:,}" + ("~" if row["tokens_source"] == "estimated" else "")
 
 
 # ----------------------------------------------------------------------------
@@ -1927,6 +2134,8 @@ LINGER_S = 1.0                # an error answered before the body was read: unre
 LINGER_BYTES = 64 * 1024      # ... and at most this much, so the client reads the answer, not a reset
 RETRY_AFTER_S = 30            # a full queue asks the sender to come back after this
 CONNECTION_EVENT_EVERY_S = 10  # connections over the cap: at most one connection_limit event this often
+REJECTIONS_PER_S, REJECTIONS_BURST = 5, 50  # webhook_rejected/read_rejected events: an unauthenticated flood
+                                            # must not grow the ledger without bound
 MAX_SECRETS_FILE = 64 * 1024
 MAX_SIGNATURES = 16           # webhook-signature entries looked at
 MAX_EVENTS_SHOWN = 5000       # GET /runs/<id> shows at most this many events
@@ -2342,9 +2551,9 @@ class _Handler(BaseHTTPRequestHandler):
         except Refused as refused:
             self.close_connection = True
             if webhook and refused.reason:
-                self.app.record("webhook_rejected", {"reason": refused.reason, "status": refused.status,
-                                                        "remote": self.client_address[0],
-                                                        "delivery": self.delivery or self.claimed})
+                self.app.record_rejected("webhook_rejected", {
+                    "reason": refused.reason, "status": refused.status, "remote": self.client_address[0],
+                    "delivery": self.delivery or self.claimed})
             self._reply(refused.status, {"error": refused.message}, headers=refused.headers)
         except _TimedOut:
             self.timed_out = True
@@ -2406,7 +2615,7 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/healthz":
             return self._reply(200, self.app.health(detailed=allowed))
         if not allowed:
-            self.app.record("read_rejected", {"remote": self.client_address[0], "path": self.route})
+            self.app.record_rejected("read_rejected", {"remote": self.client_address[0], "path": self.route})
             raise Refused(401, None, "a read token is required (Authorization: Bearer TOKEN)",
                           {"WWW-Authenticate": 'Bearer realm="agent.py serve"'})
         if path == "/runs":
@@ -2572,6 +2781,9 @@ class Daemon:
         self.ledger = self.server = self.worker = self.serving = None
         self.started_at, self._lock_fd = None, None
         self._refused, self._refused_reported = 0, 0.0
+        self.bodies = {}                # GitHub body sha256 -> (delivery, run id): GitHub does not sign the id
+        self._rejections = {"tokens": float(REJECTIONS_BURST), "at": time.monotonic(), "unrecorded": 0,
+                            "lock": threading.Lock()}
 
     # -- start and stop -----------------------------------------------------
     def start(self):
@@ -2594,7 +2806,10 @@ class Daemon:
                 rl.verify(path)
             except rl.TornTailError:
                 pass  # a crash mid-append: the first append below moves the fragment aside and records it
-        self.server = _Server((self.host, self.port), self, self.max_connections)
+        try:
+            self.server = _Server((self.host, self.port), self, self.max_connections)
+        except OSError as exc:
+            raise rl.UsageError(f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}") from None
         host, port = self.server.server_address[:2]
         address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         self.ledger = rl.Ledger(path, f"daemon-{rl.new_run_id()}", secrets=self.secrets)
@@ -2649,6 +2864,21 @@ class Daemon:
         except (rl.LedgerError, OSError):
             pass  # the ledger itself is what failed; the stderr line is all there is
 
+    def record_rejected(self, kind, payload):
+        """A rejection event, at most REJECTIONS_PER_S a second after a burst of REJECTIONS_BURST; the ones
+        over that are counted, and the count goes into the next one recorded (`unrecorded_before`)."""
+        bucket = self._rejections
+        with bucket["lock"]:
+            now = time.monotonic()
+            bucket["tokens"] = min(REJECTIONS_BURST, bucket["tokens"] + (now - bucket["at"]) * REJECTIONS_PER_S)
+            bucket["at"] = now
+            if bucket["tokens"] < 1:
+                bucket["unrecorded"] += 1
+                return
+            bucket["tokens"] -= 1
+            unrecorded, bucket["unrecorded"] = bucket["unrecorded"], 0
+        self.record(kind, dict(payload, unrecorded_before=unrecorded) if unrecorded else payload)
+
     def redact(self, text):
         return self.redactor.text(text)
 
@@ -2685,18 +2915,29 @@ class Daemon:
                 received["after"] = after
             self.record("webhook_received", received)
             self.deliveries[found.delivery] = run_id
+            if found.source == "github" and run_id:
+                self.bodies[digest] = (found.delivery, run_id)
             if run_id:
                 self.queue.append({"run_id": run_id, "delivery": found.delivery, "event": event, "after": after})
                 self.cond.notify_all()
         return (200 if ping else 202), {"run_id": run_id, "delivery": found.delivery}, {}
 
     def _known(self, found, event, remote, digest):
-        """The answer for a redelivery or a full queue, recorded; None for a delivery to accept. Holds cond."""
-        if found.delivery in self.deliveries:
-            run_id = self.deliveries[found.delivery]
-            self.record("webhook_duplicate", {"delivery": found.delivery, "event": event, "run_id": run_id,
-                                              "source": found.source, "remote": remote, "body_sha256": digest})
-            return 200, {"run_id": run_id, "delivery": found.delivery, "duplicate": True}, {}
+        """The answer for a redelivery or a full queue, recorded; None for a delivery to accept. Holds cond.
+        GitHub signs the body but not the delivery id, so a signed body seen before is the same delivery
+        whatever id it now claims: a captured request cannot be replayed into new runs."""
+        first = None
+        if found.source == "github" and event != "ping" and digest in self.bodies:
+            first = self.bodies[digest][0]
+        if found.delivery in self.deliveries or first is not None:
+            original = found.delivery if found.delivery in self.deliveries else first
+            run_id = self.deliveries[original]
+            record = {"delivery": found.delivery, "event": event, "run_id": run_id, "source": found.source,
+                      "remote": remote, "body_sha256": digest}
+            if original != found.delivery:
+                record["same_body_as"] = original
+            self.record("webhook_duplicate", record)
+            return 200, {"run_id": run_id, "delivery": original, "duplicate": True}, {}
         if event != "ping" and len(self.queue) >= self.max_queue:
             self.record("queue_full", {"delivery": found.delivery, "event": event, "queued": len(self.queue),
                                        "max": self.max_queue, "remote": remote})
@@ -2838,6 +3079,8 @@ class Daemon:
             kind, payload = event["kind"], event["payload"]
             if kind == "webhook_received" and type(payload.get("delivery")) is str:
                 self.deliveries[payload["delivery"]] = payload.get("run_id")
+                if payload.get("source") == "github" and payload.get("run_id") and payload.get("body_sha256"):
+                    self.bodies[payload["body_sha256"]] = (payload["delivery"], payload["run_id"])
                 if type(payload.get("run_id")) is str:
                     received[payload["run_id"]] = payload
             elif kind == "run_dispatched":
@@ -3059,6 +3302,7 @@ def _stderr_line(line):
 # ----------------------------------------------------------------------------
 
 def _cmd_run(args):
+    _no_dumps()
     settings = ask.settings_from_env()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _on_signal)
@@ -3066,8 +3310,28 @@ def _cmd_run(args):
     outcome, run_id, proposal = run_agent(args.repo, settings=settings, ref=args.ref, runs_dir=args.runs_dir,
                                           tools=args.tools, max_steps=args.max_steps, max_wall_s=args.max_wall_s,
                                           run_id=args.run_id, origin=origin)
+    why = _why_it_ended(Path(args.runs_dir) / run_id, outcome) if outcome in ("error", "budget_exhausted") else None
+    if why:
+        (rl.error if outcome == "error" else rl.warn)(why)
     rl.write_out(f"{run_id} {outcome} {proposal or '-'}\n")
     return OUTCOME_EXIT[outcome]
+
+
+def _why_it_ended(run_dir, outcome):
+    """One stderr line for a run that ended in an error or an exhausted budget, from its own ledger."""
+    try:
+        events = list(rl.read_events(run_dir / rl.EVENTS_NAME))
+    except (rl.LedgerError, OSError):
+        return None
+    kind = "error" if outcome == "error" else "budget_exhausted"
+    found = [e["payload"] for e in events if e["kind"] == kind]
+    if not found:
+        return None
+    if kind == "error":
+        return rl.printable(f"run {run_dir.name}: {found[-1].get('type')}: {found[-1].get('message')}")[:500]
+    spent = found[-1]
+    return rl.printable(f"run {run_dir.name}: budget exhausted: {spent.get('limit')} "
+                        f"({spent.get('used')} of {spent.get('max')})")
 
 
 def _cmd_check_tools(args):
@@ -3084,7 +3348,12 @@ def _cmd_check_tools(args):
 
 
 def _cmd_judge(args):
-    verdict = judge_run(args.run_dir)
+    _no_dumps()
+    key, secrets = None, ()
+    if args.from_host:  # agent.py run hands over the ledger key and the values to mask on stdin
+        given = json.loads(sys.stdin.buffer.read() or b"{}")
+        key, secrets = (given.get("key") or "").encode("utf-8"), given.get("secrets") or ()
+    verdict = judge_run(args.run_dir, key=key, secrets=secrets)
     rl.write_out(f"{verdict['verdict']}: {verdict['reason']}\n")
     return rl.EXIT_OK if verdict["verdict"] == "accept" else rl.EXIT_CHECK
 
@@ -3107,14 +3376,16 @@ def _cmd_replay(args):
 def _cmd_runs(args):
     rows = list_runs(args.runs_dir)
     for row in rows:
-        rl.write_out(rl.printable(f"{row['run_id']}  {row['started']}  {row['outcome']:<27} steps {row['steps']!s:<3} "
-                                  f"tokens {row['tokens']:<10} {row['verified']}") + "\n")
+        steps = "-" if row["steps"] is None else row["steps"]
+        rl.write_out(rl.printable(f"{row['run_id']}  {row['started'] or '-'}  {row['outcome'] or '-':<27} "
+                                  f"steps {steps!s:<3} tokens {_tokens_cell(row):<10} {row['verified']}") + "\n")
     if not rows:
         rl.write_out(f"no runs in {args.runs_dir}\n")
     return rl.EXIT_FAILED if any(r["verified"] != "ok" for r in rows) else rl.EXIT_OK
 
 
 def _cmd_serve(args):
+    _no_dumps()
     secrets = webhook_secrets()
     settings = ask.settings_from_env()  # every run needs them: refuse to start without, not fail each run
     token = args.read_token or os.environ.get("READ_TOKEN") or None
@@ -3146,11 +3417,10 @@ def _cmd_serve(args):
 
 
 def _build_parser():
-    codes = (rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHECK, rl.EXIT_OUTPUT, rl.EXIT_LOCKED,
-             rl.EXIT_BUDGET, rl.EXIT_PROPOSAL)
-    parser = argparse.ArgumentParser(prog="agent.py", description="The host of a coding agent.",
-                                     epilog=rl.exit_codes_epilog(*codes),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    codes = (rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHECK, rl.EXIT_CHANGED, rl.EXIT_OUTPUT,
+             rl.EXIT_LOCKED, rl.EXIT_BUDGET, rl.EXIT_PROPOSAL)
+    parser = rl.ArgumentParser(prog="agent.py", description="The host of a coding agent.",
+                               epilog=rl.exit_codes_epilog(*codes), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -3181,6 +3451,7 @@ def _build_parser():
 
     p = sub.add_parser("judge", help="judge a run's proposal.patch in a throwaway copy (the host runs this)")
     p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--from-host", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_judge)
 
     p = sub.add_parser("serve", help="the webhook daemon: signed deliveries start runs, one at a time (README.md)")

@@ -932,7 +932,7 @@ def _read_prompt(source):
 
 
 def _build_parser():
-    p = argparse.ArgumentParser(
+    p = rl.ArgumentParser(
         prog="ask.py", description="One OpenAI-compatible call, one ledger line per attempt.",
         epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHECK, rl.EXIT_OUTPUT),
         formatter_class=argparse.RawDescriptionHelpFormatter)

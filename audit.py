@@ -258,6 +258,9 @@ class Audit:
             if expect and count < expect[0]:
                 raise rl.IntegrityError(path, count + 1, f"truncated: index.jsonl records seq {expect[0]}, the run "
                                                          f"ends at seq {count}")
+            if expect and count > expect[0]:
+                raise rl.IntegrityError(path, expect[0] + 1, f"{count - expect[0]} line(s) after the run closed at "
+                                                             f"seq {expect[0]} (nothing is written to a closed run)")
         except rl.TornTailError as exc:
             info["status"], info["reason"] = "torn", str(exc)
         finally:
@@ -677,7 +680,7 @@ def render_text(audit, rows, changes, runs, verified, by_day):
     measured = sum(r["usage_calls"] for r in rows)
     share = f"{measured / ok:.0%}" if ok else "-"
     out.append(f"usage: {no_usage:,} of {ok:,} ok calls lacked usage; in_tok/out_tok are what servers reported "
-               f"and cover {measured:,} calls ({share}). est_in~/est_out~ are chars/4 estimates, never added in.")
+               f"and cover {measured:,} call{'' if measured == 1 else 's'} ({share}). est_in~/est_out~ are chars/4 estimates, never added in.")
     if malformed:
         out.append(f"malformed: {malformed:,} model_call payloads had fields of the wrong type (written by another "
                    f"tool?); those fields were not counted")
@@ -1447,7 +1450,7 @@ def render_html(audit, rows, changes, runs, verified, by_day):
 # ----------------------------------------------------------------------------
 
 def _build_parser():
-    p = argparse.ArgumentParser(
+    p = rl.ArgumentParser(
         prog="audit.py", description="What each model string did, day by day.",
         epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHANGED, rl.EXIT_OUTPUT),
         formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1513,7 +1516,8 @@ def _run(args):
                  f"(--no-verify audits anyway, marked UNVERIFIED): {failures[0]}")
         return rl.EXIT_FAILED
     if not audit.ledgers:
-        rl.warn("no ledgers found (looked for ./calls.jsonl and ./runs/*/events.jsonl)" if args.from_url is None
+        where = ", ".join(map(str, args.paths)) if args.paths else "./calls.jsonl and ./runs/*/events.jsonl"
+        rl.warn(f"no ledgers found (looked in {where})" if args.from_url is None
                 else "no ledgers found in ClickHouse (nothing shipped in that time range)")
     by_day = args.by == "day"
     rows = audit.model_rows(by_day)

@@ -45,14 +45,15 @@ __all__ = [
     "ClickHouse", "ClickHouseError", "Shipped", "ship", "ship_targets", "ship_ddl", "verify_shipped",
     "shipped_ledgers", "sql_string", "SHIP_COLUMNS", "SHIP_CALL_FIELDS",
     # redaction
-    "Redactor", "redact_text", "secret_values", "is_secret_key", "REDACTED",
+    "Redactor", "redact_text", "secret_values", "is_secret_key", "is_secret_env_name", "REDACTED",
+    "payload_problem",
     # errors
     "LedgerError", "UsageError", "PayloadError", "KeyRequiredError", "IntegrityError", "TornTailError",
     "OutputError",
     # the command line, shared by the toolkit's scripts
     "EXIT_CODES", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_CHECK", "EXIT_CHANGED", "EXIT_OUTPUT",
     "EXIT_LOCKED", "EXIT_BUDGET", "EXIT_PROPOSAL", "error", "warn", "write_out", "printable",
-    "error_text", "run_cli", "parse_cli", "parse_time",
+    "error_text", "run_cli", "parse_cli", "parse_time", "ArgumentParser",
     # HTTP without redirects, under one deadline
     "http_open", "Deadline", "call_at", "shut",
     # format constants
@@ -92,7 +93,7 @@ EXIT_CODES = {
     EXIT_FAILED: "failed: integrity failure (verify, audit, ship), failed call (ask), error outcome (agent)",
     EXIT_USAGE: "usage, configuration or I/O error; nothing was done",
     EXIT_CHECK: "answer received but a check failed (ask); proposal rejected by the judge (agent)",
-    EXIT_CHANGED: "changes found with --fail-on-change (audit)",
+    EXIT_CHANGED: "changes found: audit --fail-on-change; decisions another tools.json flips (agent replay)",
     EXIT_OUTPUT: "stdout could not be written; the result was recorded",
     EXIT_LOCKED: "another run holds the repository's lock (agent)",
     EXIT_BUDGET: "budget exhausted (agent)",
@@ -239,7 +240,8 @@ def parse_head(text):
 # token_count end in other words and stay.
 _SECRET_WORDS = frozenset(("token", "secret", "password", "passwd", "passphrase", "credential", "credentials",
                            "apikey", "session", "cookie", "authorization"))
-_SECRET_PAIRS = frozenset((("api", "key"), ("private", "key"), ("access", "key")))
+_SECRET_PAIRS = frozenset((("api", "key"), ("private", "key"), ("access", "key"), ("secret", "key"),
+                           ("signing", "key"), ("encryption", "key"), ("master", "key"), ("client", "key")))
 # Query and fragment parameters that carry a secret although their names end in another word.
 _SECRET_PARAMS = frozenset(("key", "code", "sig", "signature", "auth", "pwd", "pass"))
 _AUTH_SCHEMES = frozenset(("bearer", "basic"))
@@ -387,12 +389,22 @@ class Redactor:
         return text
 
 
+def is_secret_env_name(name):
+    """An environment variable's name that names a secret: as is_secret_key, and also any name ending in
+    KEY or DSN (STRIPE_KEY, SENTRY_DSN) or holding WEBHOOK (SLACK_WEBHOOK_URL): in an environment these
+    are secrets far more often than in a payload, where `key` alone is a common field."""
+    if is_secret_key(name):
+        return True
+    segments = [s.lower() for s in _SEGMENT_RE.split(name) if s]
+    return bool(segments) and (segments[-1] in ("key", "dsn") or "webhook" in segments)
+
+
 def secret_values(extra=()):
     """The exact secret strings to mask: our env vars, every env var whose name names a secret
-    (GITHUB_TOKEN, DB_PASSWORD...), those listed in LEDGER_REDACT_ENV, and `extra`."""
+    (GITHUB_TOKEN, DB_PASSWORD, STRIPE_KEY...), those listed in LEDGER_REDACT_ENV, and `extra`."""
     listed = {n.strip() for n in os.environ.get(REDACT_ENV_LIST, "").split(",") if n.strip()}
     values = {value for name, value in os.environ.items()
-              if name in SECRET_ENV_VARS or name in listed or is_secret_key(name)}
+              if name in SECRET_ENV_VARS or name in listed or is_secret_env_name(name)}
     values.update(v for v in extra if v)
     return sorted((v for v in values if len(v) >= MIN_SECRET_CHARS), key=len, reverse=True)
 
@@ -500,6 +512,18 @@ def _clean_payload(payload, redactor):
         raise PayloadError(f"payload holds a lone surrogate ({text[exc.start:exc.end]!a}), which is not "
                            f"UTF-8; nothing was written") from None
     return clean, text
+
+
+def payload_problem(payload, limit=MAX_LINE_BYTES // 2):
+    """Why `payload` could not be written as an event's payload (not plain JSON, nested too deep, a lone
+    surrogate, over `limit` bytes of JSON), or None. Lets a caller decide before it records."""
+    try:
+        _clean, text = _clean_payload(payload, Redactor())
+    except PayloadError as exc:
+        return str(exc).replace("; nothing was written", "")
+    if len(text.encode("utf-8")) > limit:
+        return f"payload is larger than {limit} bytes of JSON"
+    return None
 
 
 _SCANNER = json.JSONDecoder().scan_once
@@ -612,7 +636,10 @@ class Ledger:
     def __init__(self, path, run_id=None, *, key=None, fsync=True, max_line_bytes=MAX_LINE_BYTES,
                  secrets=(), clock=utc_now):
         self.path = Path(path)
-        self.run_id = run_id or new_run_id()
+        own = _expected_run_id(self.path)  # runs/<run id>/events.jsonl holds that run's lines only
+        if own and run_id and run_id != own:
+            raise UsageError(f"{self.path} holds run {own}'s events only; not {printable(run_id)!r}")
+        self.run_id = run_id or own or new_run_id()
         if type(self.run_id) is not str or not _RUN_ID_RE.match(self.run_id):
             raise UsageError(f"bad run id {printable(self.run_id)!r}: letters, digits and _.:- only, at most 128")
         if not 0 < max_line_bytes <= MAX_LINE_BYTES:
@@ -680,7 +707,7 @@ class Ledger:
             return
         match = _PREV_SUFFIX_RE.search(first)
         if not match or not _SEQ_PREFIX_RE.match(first):
-            raise IntegrityError(self.path, 1, "line 1 is not a ledger line; refusing to append")
+            raise IntegrityError(self.path, 1, "not a ledger line; refusing to append")
         prev = match.group(1).decode()
         if prev == GENESIS and self.key:
             raise UsageError(f"{self.path}: ledger is not keyed but a key was given ({KEY_ENV}); "
@@ -1156,7 +1183,12 @@ def verify_runs(runs_dir, *, key=None):
                 if type(seq) is not int or type(digest) is not str:
                     raise IntegrityError(index_path, None, f"the entry for run {run_id} has no valid head")
                 expect = (seq, digest)
-            yield events, verify(events, key=key, expect_head=expect)
+            result = verify(events, key=key, expect_head=expect)
+            if expect and result.count > expect[0]:
+                raise IntegrityError(events, expect[0] + 1, f"{result.count - expect[0]} line(s) after the run "
+                                                            f"closed at seq {expect[0]} (nothing is written to a "
+                                                            f"closed run)")
+            yield events, result
         except (LedgerError, OSError) as exc:
             yield events, exc
     for run_id in sorted(set(closed) - seen):
@@ -2079,6 +2111,9 @@ def write_out(text):
     OutputError; later writes are dropped, and the interpreter's last flush cannot fail."""
     if _stdout_dead:
         raise OutputError(_stdout_dead[0])
+    if sys.stdout is None:  # started with stdout closed (>&-)
+        _stdout_dead.append("stdout is closed")
+        raise OutputError(_stdout_dead[0])
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -2119,6 +2154,14 @@ def run_cli(command, args, secrets=()):
         return 130
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse, with a usage error as the toolkit's one `error: …` line (and a pointer to --help)."""
+
+    def error(self, message):
+        error(f"{self.prog}: {message} (see {self.prog} --help)")
+        raise SystemExit(EXIT_USAGE)
+
+
 def parse_cli(parser, argv):
     """(args, None), or (None, exit code) when argparse printed help (0) or a usage error (2)."""
     try:
@@ -2132,9 +2175,17 @@ def exit_codes_epilog(*codes):
     return "exit codes:\n" + "\n".join(f"  {c}  {EXIT_CODES[c]}" for c in codes)
 
 
-def parse_time(text, end=False):
-    """A date (YYYY-MM-DD) or ISO time -> the ledger's `at` string form for comparing."""
+def parse_time(text, end=False, now=None):
+    """A date (YYYY-MM-DD), an ISO time, `today`, `yesterday`, or an age (`36h`, `7d`: that long before now)
+    -> the ledger's `at` string form for comparing. `end` makes a day its last microsecond."""
     text = text.strip()
+    now = now or datetime.datetime.now(datetime.timezone.utc)
+    if text in ("today", "yesterday"):
+        text = (now - datetime.timedelta(days=1 if text == "yesterday" else 0)).strftime("%Y-%m-%d")
+    age = re.fullmatch(r"([0-9]{1,5})([hd])", text)
+    if age:
+        hours = int(age.group(1)) * (24 if age.group(2) == "d" else 1)
+        return (now - datetime.timedelta(hours=hours)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     try:
         if re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text):
             day = datetime.datetime.strptime(text, "%Y-%m-%d")
@@ -2146,13 +2197,18 @@ def parse_time(text, end=False):
             if moment.tzinfo is None:
                 moment = moment.replace(tzinfo=datetime.timezone.utc)
     except ValueError:
-        raise UsageError(f"not a date or ISO time: {printable(text)!r}") from None
+        raise UsageError(f"not a date, an ISO time, today, yesterday or an age like 7d: {printable(text)!r}") \
+            from None
     return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 # ----------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------
+
+def _lines(count):
+    return f"{count} line{'' if count == 1 else 's'}"
+
 
 def _cli_key(args):
     """The key named by --key-env (b"" for explicitly unkeyed when LEDGER_KEY is unset)."""
@@ -2185,13 +2241,14 @@ def _cmd_verify(args):
     for path, result in results:
         if isinstance(result, Verified):
             valid += 1
-            write_out(f"ok    {printable(path)}  {result.count} lines  head {result.head_text()}\n")
+            write_out(f"ok    {printable(path)}  {_lines(result.count)}  head {result.head_text()}\n")
         elif isinstance(result, IntegrityError):
             failed += 1
             write_out(f"FAIL  {printable(result)}\n")
         else:
             broken += 1
-            write_out(f"ERROR {printable(path)}: {printable(error_text(result))}\n")
+            text = error_text(result)
+            write_out(f"ERROR {printable(text if text.startswith(str(path)) else f'{path}: {text}')}\n")
     write_out(f"{valid}/{len(results)} ledgers valid\n")
     if failed:  # an integrity failure outranks a file that could not be read
         error(f"integrity check failed ({failed} ledger{'s' if failed != 1 else ''})")
@@ -2210,7 +2267,8 @@ def _cmd_head(args):
 
 # Payload fields that report shows on an event's line, for the kinds this toolkit writes. model_call's
 # come from ask.py, their owner, when ask.py is beside this file.
-_REPORT_FIELDS = ("stage", "decision", "outcome", "tool", "rule", "verdict", "reason", "error_type", "error")
+_REPORT_FIELDS = ("stage", "decision", "outcome", "tool", "rule", "verdict", "reason", "limit", "error_type", "error",
+                  "message")
 
 
 def _report_fields():
@@ -2356,7 +2414,7 @@ def _cmd_verify_from(args):
                      if ledger["last_path"] is not None else "")
             if isinstance(result, Verified):
                 valid += 1
-                write_out(f"ok    {result.path}  {result.count} lines  head {result.head_text()}{where}\n")
+                write_out(f"ok    {result.path}  {_lines(result.count)}  head {result.head_text()}{where}\n")
             elif isinstance(result, IntegrityError):
                 failed += 1
                 write_out(f"FAIL  {printable(result)}{where}\n")
@@ -2384,7 +2442,7 @@ def _clickhouse_options(p, timeout):
 
 
 def _build_parser():
-    parser = argparse.ArgumentParser(prog="reasoning_ledger.py",
+    parser = ArgumentParser(prog="reasoning_ledger.py",
                                      description="Append-only, hash-chained JSONL ledger.",
                                      epilog=exit_codes_epilog(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_OUTPUT),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

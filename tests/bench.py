@@ -144,10 +144,23 @@ def bench_ledger():
         def verify_pass():
             rl.verify(big, key=b"")
 
+        def floor_pass():  # what the format's strictness needs at the least: parse, re-encode, hash
+            loads, sha256 = json.loads, __import__("hashlib").sha256
+            dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode
+            with open(big, "rb") as handle:
+                for raw in handle:
+                    body = raw[:-1]
+                    text = body.decode("utf-8")
+                    dumps(loads(text)) == text
+                    sha256(body).hexdigest()
+
         base = _median_time(loads_pass, 3)
         ver = _median_time(verify_pass, 3)
+        floor = _median_time(floor_pass, 3)
         _line("verify throughput vs bare json.loads per line", base / ver, ">= 0.6",
               f"{BIG_LINES / ver / 1e3:.0f}k lines/s")
+        _line("verify throughput vs bare parse + re-encode + sha256 per line", floor / ver, "(info)",
+              "the least the v1 strictness costs")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

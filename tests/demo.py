@@ -108,8 +108,9 @@ def main(argv=None):
         _section(f"python3 reasoning_ledger.py verify --all {runs}")
         verified = _run(ROOT / "reasoning_ledger.py", "verify", "--all", runs, env=env)
         print(verified.stdout.rstrip())
-        print(f"\ndone in {time.monotonic() - started:.1f} s; the files stay in {work} (the run's ledger, artifacts "
-              f"and proposal.patch) -- look, then rm -rf it")
+        kept = "the run's ledger, artifacts and proposal.patch" if (run_dir / "proposal.patch").exists() else \
+            "the run's ledger and artifacts; this run ended without a proposal"
+        print(f"\ndone in {time.monotonic() - started:.1f} s; the files stay in {work} ({kept}) -- look, then rm -rf it")
         return 0 if ok and verified.returncode == 0 and (real or proc.returncode == 8) else 1
     finally:
         if server is not None:

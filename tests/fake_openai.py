@@ -234,9 +234,18 @@ def start(api_key=None):
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    server = FakeServer(port=int(argv[0]) if argv else 0)
-    print(f"fake OpenAI-compatible server at {server.base_url}", flush=True)
+    import argparse
+    parser = argparse.ArgumentParser(prog="fake_openai.py", description="A stand-in OpenAI-compatible endpoint "
+                                     "on 127.0.0.1 that answers every chat call with the 'ok' scenario.")
+    parser.add_argument("port", nargs="?", type=int, default=0, help="the port (default: any free one)")
+    args = parser.parse_args(argv)
+    try:
+        server = FakeServer(port=args.port)
+    except OSError as exc:
+        print(f"error: cannot listen on 127.0.0.1:{args.port}: {exc.strerror}", file=sys.stderr)
+        return 2
+    print(f"fake OpenAI-compatible server at {server.base_url} (any API_KEY, any MODEL_ID; Ctrl-C stops it)",
+          flush=True)
     try:
         server.httpd.serve_forever()
     except KeyboardInterrupt:

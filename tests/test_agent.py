@@ -188,14 +188,68 @@ def test_uncommitted_changes_are_the_tree_worked_on_and_ref_is_the_commit(agent,
     assert payload(events, "run_started")[0]["ref"] == head
 
 
+def test_a_tracked_directory_replaced_by_a_symlink_out_is_never_written_through(agent, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "x.txt").write_text("precious data outside the repository\n")
+    repo = make_repo(tmp_path / "repo", extra={"d/x.txt": "tracked\n"})
+    (repo / "d" / "x.txt").unlink()
+    (repo / "d").rmdir()
+    os.symlink(outside, repo / "d")
+    proc, _run_dir, _events = agent(repo, [propose(FIX)])
+    assert proc.returncode == 8, proc.err
+    assert sorted(os.listdir(outside)) == ["x.txt"]
+    assert (outside / "x.txt").read_text() == "precious data outside the repository\n"
+
+
+def test_a_commit_whose_tree_holds_a_symlink_and_a_directory_of_one_name_writes_nothing_outside(agent, tmp_path):
+    """A crafted tree (a fetched commit, a push's `after`): d -> outside, and a directory d/ with a file."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    repo = make_repo(tmp_path / "repo")
+
+    def git_in(*args, data):
+        return subprocess.run(["git", "-C", str(repo), *args], input=data, capture_output=True, check=True,
+                              env=clean_env()).stdout.decode().strip()
+    link = git_in("hash-object", "-w", "--stdin", data=str(outside).encode())
+    planted = git_in("hash-object", "-w", "--stdin", data=b"planted = True\n")
+    sub = git_in("mktree", data=f"100644 blob {planted}\tplanted.py\n".encode())
+    entries = git(repo, "ls-tree", "HEAD").decode() + f"120000 blob {link}\td\n040000 tree {sub}\td\n"
+    tree = git_in("mktree", "--missing", data=entries.encode())
+    commit = git_in("-c", "user.name=t", "-c", "user.email=t@t", "commit-tree", tree, "-m", "crafted", "-p", "HEAD",
+                    data=b"")
+    proc, _run_dir, _events = agent(repo, [propose(FIX)], "--ref", commit)
+    assert "Traceback" not in proc.err
+    assert os.listdir(outside) == []
+
+
+def test_an_env_file_that_is_a_named_pipe_does_not_hang_the_run(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    os.mkfifo(tmp_path / "env.fifo")
+    os.symlink(tmp_path / "env.fifo", repo / ".env")
+    proc, _run_dir, _events = agent(repo, [propose(FIX)], timeout=60)
+    assert proc.returncode == 8, proc.err
+
+
 # ----------------------------------------------------------------------------
 # The judge
 # ----------------------------------------------------------------------------
 
+CONFTEST = udiff("conftest.py", "", "import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
+                 "def pytest_runtest_makereport(item, call):\n    outcome = yield\n"
+                 "    outcome.get_result().outcome = 'passed'\n").replace("--- a/conftest.py", "--- /dev/null")
+TIMESTAMPED = WEAKEN.replace("--- a/test_calc.py", "--- a/test_calc.py\t2026-11-30 01:02:03.000000000 +0000").replace(
+    "+++ b/test_calc.py", "+++ b/test_calc.py\t2026-11-30 01:02:04.000000000 +0000")
+
+
 @pytest.mark.parametrize("patch,words", [
-    (DELETE_TEST, "changes test files (test_calc.py)"),
-    (WEAKEN, "changes test files (test_calc.py)"),
-])
+    (DELETE_TEST, "changes test files or test configuration (test_calc.py)"),
+    (WEAKEN, "changes test files or test configuration (test_calc.py)"),
+    (TIMESTAMPED, "changes test files or test configuration (test_calc.py)"),
+    (CONFTEST, "changes test files or test configuration (conftest.py)"),
+    (udiff("pytest.ini", "", "[pytest]\naddopts = -p no:python\n").replace("--- a/pytest.ini", "--- /dev/null"),
+     "changes test files or test configuration (pytest.ini)"),
+], ids=["delete", "weaken", "timestamped-header", "root-conftest", "pytest-ini"])
 def test_a_patch_that_deletes_or_weakens_the_failing_test_is_rejected(agent, tmp_path, patch, words):
     repo = make_repo(tmp_path / "repo")
     proc, run_dir, events = agent(repo, [propose(patch)])
@@ -213,6 +267,26 @@ def test_the_judge_catches_vanished_tests_even_when_test_changes_are_allowed(age
     verdict = payload(events, "judge_verdict")[0]
     assert proc.returncode == 3 and "gone or skipped" in verdict["reason"]
     assert verdict["vanished"] == ["test_calc::test_add"] and verdict["tests_passed"] is True
+
+
+def test_a_patch_that_stops_the_test_runner_is_rejected_even_though_pytest_exits_0(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    cheat = udiff("calc.py", CALC, "import os, sys\nif 'pytest' in sys.modules:\n    os._exit(0)\n" + CALC)
+    proc, run_dir, events = agent(repo, [propose(cheat)])
+    verdict = payload(events, "judge_verdict")[0]
+    assert proc.returncode == 3 and verdict["verdict"] == "reject", verdict
+    assert verdict["results_missing"] is True and "stops or bypasses the test runner" in verdict["reason"]
+
+
+def test_the_judge_command_refuses_a_run_without_a_proposal_or_already_closed(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo")
+    _proc, accepted, _events = agent(repo, [propose(FIX)])
+    _proc, nothing, _events = agent(repo, ["not json"], "--max-steps", "1")
+    for run_dir, words in ((accepted, "the run is closed"), (nothing, "has no accepted proposal")):
+        before = (run_dir / "events.jsonl").read_bytes()
+        proc = run_script("agent.py", "judge", run_dir)
+        assert proc.returncode == 2 and words in error_lines(proc.err)[0], proc.err
+        assert (run_dir / "events.jsonl").read_bytes() == before
 
 
 def test_the_judge_catches_a_test_that_passed_before_and_fails_now(agent, tmp_path):
@@ -280,7 +354,11 @@ DENIALS = [
     (action("propose_patch", patch="just words"), "tool_denied", "patch.no_files"),
     (action("propose_patch", patch="diff --git a/l b/l\nnew file mode 120000\n--- /dev/null\n+++ b/l\n@@ -0,0 +1 @@\n"
                                    "+/etc/passwd\n"), "tool_denied", "patch.mode"),
+    (action("propose_patch", patch="diff --git a/l b/l\nnew file mode 0120000\n--- /dev/null\n+++ b/l\n@@ -0,0 +1 @@\n"
+                                   "+/etc/passwd\n"), "tool_denied", "patch.mode"),
     ("Sure! I will fix it now.", "proposal_malformed", None),
+    ('{"tool": "read_file", "args": {"path": "calc.py", "x": ' + "[" * 100 + "]" * 100 + "}}",
+     "proposal_malformed", None),
     ('{"tool": 5, "args": {}}', "proposal_malformed", None),
     ('{"tool": "read_file", "args": "calc.py"}', "proposal_malformed", None),
 ]
@@ -302,7 +380,7 @@ def test_denied_actions_name_their_rule_and_the_run_goes_on(agent, tmp_path, ser
         assert set(first["payload"]) >= {"tool", "args", "rule", "reason"}
         assert told.startswith("Denied by the host") and f"(rule {rule})" in told
     else:
-        assert told.startswith("The host could not read your reply")
+        assert told.startswith(("The host could not read your reply", "The host could not record your action"))
     assert ENV_SECRET.encode() not in all_bytes_under(agent.runs)
     _replays(run_dir)
 
@@ -350,6 +428,7 @@ def test_max_steps_ends_the_run_cleanly(agent, tmp_path):
     assert proc.returncode == rl.EXIT_BUDGET == 7 and proc.out.split()[1] == "budget_exhausted"
     (spent,) = payload(events, "budget_exhausted")
     assert spent["limit"] == "max_steps" and spent["used"] == 3 and spent["max"] == 3
+    assert proc.err.splitlines() == [f"warning: run {run_dir.name}: budget exhausted: max_steps (3 of 3)"]
     _verifies(agent.runs)
     _replays(run_dir)
 
@@ -407,7 +486,30 @@ def test_a_server_that_is_down_ends_in_a_closed_error_run(agent, tmp_path):
     assert proc.returncode == 1 and proc.out.split()[1] == "error"
     (error,) = payload(events, "error")
     assert "connection_refused" in error["message"]
+    (line,) = error_lines(proc.err)
+    assert line.startswith(f"error: run {run_dir.name}: ") and "connection_refused" in line
     assert len(payload(events, "model_call")) == 3  # retried within the budget, each attempt recorded
+    _verifies(agent.runs)
+
+
+@pytest.mark.parametrize("command,words", [
+    (["definitely-not-a-program-0123"], "cannot run"),
+    ([sys.executable, "-m", "pytest", "-q", "--no-such-option"], "pytest was called wrongly (exit 4)"),
+    ([sys.executable, "-m", "pytest", "-q", "no_such_dir/"], "pytest was called wrongly (exit 4)"),
+    ([sys.executable, "-m", "pytest", "-q", "-k", "no_test_has_this_name"], "pytest collected no tests (exit 5)"),
+    ([sys.executable, "-I", "-c", "import sys; print('No module named pytest', file=sys.stderr); sys.exit(1)",
+      "pytest"], "No module named pytest"),
+], ids=["not-found", "bad-option", "bad-path", "no-tests", "no-pytest"])
+def test_a_test_command_that_cannot_run_ends_the_run_before_any_model_call(agent, tmp_path, server, command, words):
+    repo = make_repo(tmp_path / "repo")
+    tools = tools_json(tmp_path / "broken.json", test_command=command)
+    proc, run_dir, events = agent(repo, [propose(FIX)], tools_file=tools)
+    assert proc.returncode == 1 and proc.out.split()[1] == "error", proc.err
+    (error,) = payload(events, "error")
+    assert error["type"] == "TestCommandError" and words in error["message"], error
+    assert "fix test_command in" in error["message"] and server.requests == []
+    (line,) = error_lines(proc.err)
+    assert words in line
     _verifies(agent.runs)
 
 
@@ -599,6 +701,9 @@ def test_runs_lists_every_run_and_whether_it_verifies(agent, tmp_path):
     rows = proc.out.splitlines()
     assert len(rows) == 2 and "proposal_accepted" in rows[0] and "budget_exhausted" in rows[1]
     assert all(row.endswith("ok") for row in rows) and "steps 1" in rows[0] and "tokens 27" in rows[0]
+    import agent as agent_module
+    listed = agent_module.list_runs(agent.runs)
+    assert [(r["tokens"], r["tokens_source"]) for r in listed] == [(27, "reported"), (27, "reported")]
     events = next(p for p in agent.runs.glob("*/events.jsonl") if b'"outcome":"proposal_accepted"' in p.read_bytes())
     events.write_bytes(events.read_bytes().replace(b'"outcome":"proposal_accepted"', b'"outcome":"no_action"'))
     proc = run_script("agent.py", "runs", "--runs-dir", agent.runs)

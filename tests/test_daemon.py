@@ -550,6 +550,50 @@ def test_a_redelivery_gets_the_same_run_and_no_second_run_even_after_a_restart(s
     verifies(serve.runs)
 
 
+def test_a_captured_github_delivery_replayed_under_new_ids_starts_no_new_run(serve):
+    """GitHub signs the body, not X-GitHub-Delivery: a captured request sent again with fresh ids is the same
+    delivery, before and after a restart. A different body is a different delivery."""
+    daemon = serve()
+    body = push_body()
+    first = daemon.post(body, github_headers(body, delivery="orig-1"))
+    assert first.status == 202
+    run_id = first.json()["run_id"]
+    replayed = [daemon.post(body, github_headers(body, delivery=f"forged-{i}")) for i in range(3)]
+    assert [(a.status, a.json()["run_id"], a.json()["delivery"]) for a in replayed] == [(200, run_id, "orig-1")] * 3
+    daemon.finished([run_id])
+    assert daemon.stop() == 0
+    daemon = serve()
+    again = daemon.post(body, github_headers(body, delivery="forged-after-restart"))
+    assert again.status == 200 and again.json()["run_id"] == run_id
+    other = push_body(ref="refs/heads/other")
+    fresh = daemon.post(other, github_headers(other, delivery="forged-x"))
+    assert fresh.status == 202 and fresh.json()["run_id"] != run_id  # a new body is a new delivery
+    daemon.finished([fresh.json()["run_id"]])
+    same = [p for p in daemon.payloads("webhook_duplicate") if p.get("same_body_as") == "orig-1"]
+    assert len(same) == 4 and {p["run_id"] for p in same} == {run_id}
+    assert len([p for p in daemon.payloads("run_dispatched") if p["run_id"] == run_id]) == 1
+    assert daemon.stop() == 0
+    verifies(serve.runs)
+
+
+def test_a_flood_of_bad_signatures_is_counted_without_filling_the_ledger(serve):
+    daemon = serve()
+    body = push_body()
+    flood = 120
+    statuses = {daemon.post(body, github_headers(body, delivery=f"flood-{i}", secret="wrong")).status
+                for i in range(flood)}
+    assert statuses == {401}
+    time.sleep(1.0)  # the bucket refills: the next rejection is recorded with the count it stands for
+    assert daemon.post(body, github_headers(body, delivery="last", secret="wrong")).status == 401
+    rejected = daemon.payloads("webhook_rejected")
+    assert len(rejected) < flood and rejected[-1]["delivery"] == "last"
+    assert rejected[-1]["unrecorded_before"] > 0
+    assert len(rejected) + sum(r.get("unrecorded_before", 0) for r in rejected) == flood + 1  # none uncounted
+    assert daemon.get("/healthz").status == 200 and not daemon.events("webhook_received")
+    assert daemon.stop() == 0
+    verifies(serve.runs)
+
+
 def test_a_ping_is_answered_200_and_recorded_without_a_run(serve):
     daemon = serve()
     body = json.dumps({"zen": "Keep it logically awesome.", "hook_id": 1}).encode()
@@ -785,6 +829,7 @@ def test_read_endpoints_need_the_token_once_one_is_set_and_run_ids_are_checked(s
     assert [(r["run_id"], r["outcome"], r["delivery"], r["verified"]) for r in runs] == [
         (run_id, "no_action", "read-1", "ok")]
     assert re.fullmatch(r"[0-9]+:[0-9a-f]{64}", runs[0]["head"]) and runs[0]["started"].startswith("20")
+    assert runs[0]["tokens"] is None and runs[0]["tokens_source"] is None  # a passing repo: no model call
     events = daemon.get(f"/runs/{run_id}", bearer).json()
     assert events["verified"] and [e["kind"] for e in events["events"]][0] == "run_started"
     (serve.runs / "secret.txt").write_text("not for you")
@@ -903,6 +948,11 @@ def test_configuration_errors_stop_the_daemon_before_it_listens(serve, tmp_path)
     assert "at least 16 characters" in fails("--read-token", "short")
     assert "--queue must be at least 1" in fails("--queue", "0")
     assert "WEBHOOK_SECRET_FILE" in fails(env=dict(base, WEBHOOK_SECRET_FILE=str(tmp_path / "missing")))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in fails("--port", port)
     assert not (tmp_path / "cfg-runs" / "daemon.jsonl").exists()
     daemon = serve()  # one daemon per runs directory
     proc = run_script("agent.py", "serve", "--repo", serve.tmp / "repo", "--port", "0", "--runs-dir", serve.runs,

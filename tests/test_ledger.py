@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import reasoning_ledger as rl
-from conftest import ROOT, all_bytes_under, clean_env, lines_of, run_script
+from conftest import ROOT, all_bytes_under, chain, clean_env, event, lines_of, run_script
 
 NO_KEY = b""  # explicit "unkeyed", whatever LEDGER_KEY the test machine has
 
@@ -329,9 +329,18 @@ def test_appending_without_the_key_to_a_keyed_ledger_is_refused(tmp_path):
 def test_run_id_must_match_the_run_directory(tmp_path):
     run = rl.open_run(tmp_path / "runs", key=NO_KEY)
     run.append("note", {})
-    write(run.dir / "events.jsonl", 1, run_id="xyz")
+    path = run.dir / "events.jsonl"
+    before = path.read_bytes()
+    with pytest.raises(rl.UsageError, match="holds run .*'s events only; not 'xyz'"):
+        write(path, 1, run_id="xyz")
+    assert path.read_bytes() == before
+    with rl.Ledger(path, key=NO_KEY) as ledger:  # the run id defaults to the directory's
+        assert ledger.append("note", {})["run_id"] == run.run_id
+    # a forged line with another run id, chained correctly, is still caught on reading
+    forged = chain([event(1, run_id=run.run_id), event(2, run_id="xyz")])
+    path.write_bytes(forged)
     with pytest.raises(rl.IntegrityError, match="line 2: run_id 'xyz' differs"):
-        list(rl.read_events(run.dir / "events.jsonl"))
+        list(rl.read_events(path))
 
 
 # ----------------------------------------------------------------------------
@@ -508,6 +517,23 @@ def test_verify_all_catches_a_truncated_closed_run_and_a_missing_one(tmp_path):
     assert proc.returncode == 1 and "missing" in proc.out
 
 
+def test_verify_all_and_the_audit_catch_a_line_appended_after_a_run_closed(tmp_path):
+    runs = tmp_path / "runs"
+    run = rl.open_run(runs, key=NO_KEY)
+    run.append("note", {"a": 1})
+    run.close("no_action")
+    events = run.dir / "events.jsonl"
+    assert run_script("reasoning_ledger.py", "verify", "--all", runs).returncode == 0
+    added = run_script("reasoning_ledger.py", "append", events, "--kind", "note", env=clean_env(),
+                       input=b'{"late": true}')
+    assert added.returncode == 0, added.err  # the file alone takes it: its chain is whole
+    assert run_script("reasoning_ledger.py", "verify", events).returncode == 0
+    proc = run_script("reasoning_ledger.py", "verify", "--all", runs)
+    assert proc.returncode == 1 and "line 3: 1 line(s) after the run closed at seq 2" in proc.out, proc.out
+    audit = run_script("audit.py", runs)
+    assert audit.returncode == 1 and "after the run closed" in audit.err
+
+
 def test_run_directories_are_never_reused(tmp_path):
     runs = tmp_path / "runs"
     ids = {rl.open_run(runs, key=NO_KEY).run_id for _ in range(50)}
@@ -540,7 +566,9 @@ def test_report_filters_and_json_passthrough(tmp_path):
     assert len(run_script("reasoning_ledger.py", "report", path, "--run", "run-b").out.splitlines()) == 1
     assert run_script("reasoning_ledger.py", "report", path, "--since", "2999-01-01").out == ""
     assert len(run_script("reasoning_ledger.py", "report", path, "--until", "2999-01-01").out.splitlines()) == 4
-    assert run_script("reasoning_ledger.py", "report", path, "--since", "yesterday").returncode == 2
+    assert len(run_script("reasoning_ledger.py", "report", path, "--since", "yesterday").out.splitlines()) == 4
+    assert run_script("reasoning_ledger.py", "report", path, "--since", "1h").out.count("\n") == 4
+    assert run_script("reasoning_ledger.py", "report", path, "--since", "last week").returncode == 2
 
 
 def test_report_refuses_a_tampered_ledger(tmp_path):

@@ -4,6 +4,7 @@ the way the README says (cron's environment included), and shipped code is Pytho
 import ast
 import importlib
 import inspect
+import os
 import re
 import shutil
 import subprocess
@@ -142,3 +143,40 @@ def test_the_readme_commands_exist():
             proc = run_script(script, first, "--help")
             assert proc.returncode == 0, (script, first, proc.err)
     assert (ROOT / "prompts" / "arithmetic.txt").exists()  # the file the first commands use
+
+
+@pytest.mark.parametrize("how", ["closed", "broken pipe"])
+def test_an_unwritable_stdout_exits_5_with_one_error_line_and_the_call_still_recorded(tmp_path, server, how):
+    """`cmd >&-` and a pipe whose reader is gone: the result could not be shown; what was recorded stays."""
+    from conftest import KEY
+    ledger = tmp_path / "calls.jsonl"
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("hello\n")
+    env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model", LEDGER=str(ledger))
+    commands = [
+        ["ask.py", str(prompt)],
+        ["reasoning_ledger.py", "verify", str(ledger)],
+        ["reasoning_ledger.py", "report", str(ledger), "--json"],
+        ["audit.py", str(ledger), "--json"],
+        ["agent.py", "check-tools"],
+    ]
+    for command in commands:
+        argv = [sys.executable, str(ROOT / command[0]), *command[1:]]
+        if how == "closed":
+            proc = subprocess.run(["sh", "-c", 'exec "$@" >&-', "sh", *argv], stderr=subprocess.PIPE, env=env,
+                                  timeout=60)
+            lines = proc.stderr.decode().splitlines()
+            assert proc.returncode == rl.EXIT_OUTPUT == 5, (command, lines)
+            assert len(lines) == 1 and lines[0].startswith("error: stdout is closed"), (command, lines)
+        else:  # the reader is gone before the first write: every write fails with EPIPE
+            read_end, write_end = os.pipe()
+            os.close(read_end)
+            try:
+                proc = subprocess.run(argv, stdout=write_end, stderr=subprocess.PIPE, env=env, timeout=60)
+            finally:
+                os.close(write_end)
+            lines = proc.stderr.decode().splitlines()
+            assert proc.returncode == 5, (command, lines)
+            assert len(lines) == 1 and lines[0].startswith("error: "), (command, lines)
+    assert run_script("reasoning_ledger.py", "verify", ledger).returncode == 0
+    assert len(list(rl.read_events(ledger, run_id=None))) == 1  # the call was recorded all the same

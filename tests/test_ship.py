@@ -663,3 +663,20 @@ def test_a_full_spool_ships_what_it_holds_and_the_next_run_the_rest(clickhouse, 
     assert (third.sent, third.more, third.head[0]) == (1, 0, 7)
     assert counts(clickhouse, db) == (7, 7)
     assert {r["host"] for r in rows(clickhouse, f"SELECT host FROM {db}.ledger_lines")} == {"box"}
+
+
+def test_the_readme_table_and_its_sql_questions_work_on_a_shipped_fleet(clickhouse, db, fleet):
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert rl.ship_ddl() in readme  # the table the README shows is the one ship makes
+    section = readme[readme.index("**Three questions in SQL**"):]
+    block = section[section.index("```sql\n") + 7:section.index("\n```", section.index("```sql\n"))]
+    queries = [q.strip() for q in block.split(";") if q.strip()]
+    assert len(queries) == 3
+    ledger, other, runs = fleet
+    assert ship(clickhouse, db, ledger, other, "--all", runs).returncode == 0
+    answers = [rows(clickhouse, query.replace("reasoning_ledger.ledger_lines", f"{db}.ledger_lines"))
+               for query in queries]
+    served = {(r["request_model"], r["response_model"]) for r in answers[0]}
+    assert ("fake-model", "fake-model") in served and any(m != r for r, m in served if m)  # the swap shows
+    assert answers[1] and any(0 < r["no_usage_share"] < 1 for r in answers[1])
+    assert answers[2] == []  # everything was shipped just now

@@ -1,6 +1,7 @@
 """The pure functions, tested directly: usage parsing, checks, waits, URLs, percentiles, day comparison, the
 audit's view of a payload, CSV cells, printable text, times and heads, the agent's globs, paths, replies."""
 
+import datetime
 import math
 
 import pytest
@@ -171,7 +172,12 @@ def test_parse_time_and_head():
     assert rl.parse_time("2026-11-29") == "2026-11-29T00:00:00.000000Z"
     assert rl.parse_time("2026-11-29", end=True) == "2026-11-29T23:59:59.999999Z"
     assert rl.parse_time("2026-11-29T12:00:00+02:00") == "2026-11-29T10:00:00.000000Z"
-    for bad in ("yesterday", "2026-13-01", "٢٠٢٦-11-29"):
+    now = datetime.datetime(2026, 11, 30, 3, 0, tzinfo=datetime.timezone.utc)
+    assert rl.parse_time("today", now=now) == "2026-11-30T00:00:00.000000Z"
+    assert rl.parse_time("yesterday", end=True, now=now) == "2026-11-29T23:59:59.999999Z"
+    assert rl.parse_time("7d", now=now) == "2026-11-23T03:00:00.000000Z"
+    assert rl.parse_time("36h", now=now) == "2026-11-28T15:00:00.000000Z"
+    for bad in ("tomorrow", "7w", "-7d", "123456d", "2026-13-01", "٢٠٢٦-11-29"):
         with pytest.raises(rl.UsageError):
             rl.parse_time(bad)
     assert rl.parse_head("3 " + "A" * 64) == (3, "a" * 64)
@@ -295,3 +301,25 @@ def test_fit_shortens_old_outputs_first():
     assert change["outputs_shortened"] > 0 and change["after_chars"] <= 12000
     assert messages[-1]["content"] == "x" * 5000  # the newest output is kept whole
     assert math.isclose(sum(len(m["content"]) for m in messages), change["after_chars"])
+
+
+def test_repo_secrets_reads_dotenv_values_as_dotenv_does(tmp_path):
+    import subprocess
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".env").write_text(
+        "A=abc#def\nB=pa55 word # a note\nexport C=\"x y # z\" # c\nD: 'quoted'\nE=\n# F=commented\n"
+        "G = spaced-value  \n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / ".env.local").write_text("H=local-secret\n")
+    values = set(agent.repo_secrets(tmp_path))
+    assert {"abc#def", "pa55 word", "x y # z", "quoted", "spaced-value", "local-secret"} <= values
+    assert "commented" not in values and "" not in values and "abc" not in values
+
+
+@pytest.mark.parametrize("name,secret", [
+    ("API_KEY", True), ("STRIPE_KEY", True), ("SENTRY_DSN", True), ("SLACK_WEBHOOK_URL", True),
+    ("SECRET_KEY", True), ("DB_PASSWORD", True), ("GITHUB_TOKEN", True), ("AWS_SECRET_ACCESS_KEY", True),
+    ("PATH", False), ("HOME", False), ("KEYBOARD", False), ("MONKEY_BUSINESS", False), ("TOKENIZER_MODEL", False),
+])
+def test_secret_environment_names(name, secret):
+    assert rl.is_secret_env_name(name) is secret
