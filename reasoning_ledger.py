@@ -301,33 +301,40 @@ def _mask_assignment(m):
     return m.group(1) + m.group(2) + quote + REDACTED + quote
 
 
-# Secret shapes masked inside any string, each a (pattern, replacement). Order matters only in that
-# earlier masks are left alone by later ones.
+# Secret shapes masked inside any string, each (triggers, pattern, flags, replacement): a shape can only
+# change a string whose lower-cased text holds one of its triggers, so only those shapes are compiled and
+# run. Order matters only in that earlier masks are left alone by later ones.
+_SECRET_NAME_TRIGGERS = ("token", "secret", "pass", "credential", "key", "session", "cookie", "authorization")
 _SHAPES = (
-    (r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.S, REDACTED),
-    (r"(?i)\b((?:set-)?cookie|(?:proxy-)?authorization)([ \t]*:[ \t]*)(?!\[REDACTED\])\S[^\r\n]*", 0,
+    (("private key",), r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
+     re.S, REDACTED),
+    (("cookie", "authorization"),
+     r"(?i)\b((?:set-)?cookie|(?:proxy-)?authorization)([ \t]*:[ \t]*)(?!\[REDACTED\])\S[^\r\n]*", 0,
      lambda m: m.group(1) + m.group(2) + REDACTED),
-    (r"\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=-]+)", re.I, _mask_scheme),
-    (r"\bsk-[A-Za-z0-9_-]{8,}", 0, REDACTED),
-    (r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", 0, REDACTED),
-    (r"\bxox[abposr]-[A-Za-z0-9-]{8,}", 0, REDACTED),
-    (r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", 0, REDACTED),
-    (r"\b([a-zA-Z][a-zA-Z0-9+.-]{0,31}://)([^\s/?#\"'<>]+)@", 0, _mask_userinfo),
-    (r"([?&;#])([A-Za-z0-9_.\[\]-]{1,64})=([^&#\s\"'<>]+)", 0, _mask_param),
-    (r"\b([A-Za-z][A-Za-z0-9_.-]{0,63})([\"']?[ \t]*[:=][ \t]*)(?:\"([^\"\r\n]*)\"|'([^'\r\n]*)'|([^\s\"',;&]+))",
+    (("bearer", "basic"), r"\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=-]+)", re.I, _mask_scheme),
+    (("sk-",), r"\bsk-[A-Za-z0-9_-]{8,}", 0, REDACTED),
+    (("gh", "github_pat_"), r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", 0, REDACTED),
+    (("xox",), r"\bxox[abposr]-[A-Za-z0-9-]{8,}", 0, REDACTED),
+    (("akia", "asia"), r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", 0, REDACTED),
+    (("@",), r"\b([a-zA-Z][a-zA-Z0-9+.-]{0,31}://)([^\s/?#\"'<>]+)@", 0, _mask_userinfo),
+    (("=",), r"([?&;#])([A-Za-z0-9_.\[\]-]{1,64})=([^&#\s\"'<>]+)", 0, _mask_param),
+    (_SECRET_NAME_TRIGGERS,  # only a secret name's assignment is masked, and every such name holds one
+     r"\b([A-Za-z][A-Za-z0-9_.-]{0,63})([\"']?[ \t]*[:=][ \t]*)(?:\"([^\"\r\n]*)\"|'([^'\r\n]*)'|([^\s\"',;&]+))",
      0, _mask_assignment),
 )
-# Every shape above needs one of these (lower-case) substrings to match; a string without any of them,
-# and without a secret value, is left as it is without running a single shape.
-_TRIGGERS = ("cookie", "authorization", "bearer", "basic", "sk-", "gh", "xox", "akia", "asia",
-             "@", "=", "token", "secret", "pass", "credential", "key", "session")
-_compiled_shapes = []
+# The screen: a string holding none of these (lower-case) substrings, and no secret value, is left as it
+# is without running a single shape.
+_TRIGGERS = tuple(dict.fromkeys(t for triggers, _src, _flags, _repl in _SHAPES for t in triggers))
+_compiled_shapes = {}
 
 
-def _shapes():
-    if not _compiled_shapes:  # compiled on first use: `python ask.py` compiles none it does not need
-        _compiled_shapes.extend((re.compile(src, flags), repl) for src, flags, repl in _SHAPES)
-    return _compiled_shapes
+def _shape(index):
+    """Shape `index`, compiled on first use: `python ask.py` compiles only the ones its strings need."""
+    compiled = _compiled_shapes.get(index)
+    if compiled is None:
+        _triggers, src, flags, repl = _SHAPES[index]
+        compiled = _compiled_shapes[index] = (re.compile(src, flags), repl)
+    return compiled
 
 
 class Redactor:
@@ -377,15 +384,26 @@ class Redactor:
 
     def text(self, text):
         """`text` with every secret masked."""
-        return self.exact(text) if self.may_hold(text) else text
+        return self._mask(text, screened=True) if self.may_hold(text) else text
 
     def exact(self, text):
-        """The masking itself, without the screen (the tests check that the screen never changes it)."""
+        """The masking itself, every shape run, without a screen (the tests check that the screens never
+        change the result)."""
+        return self._mask(text, screened=False)
+
+    def _mask(self, text, screened):
         for value in self.values:
             if value in text:
                 text = text.replace(value, REDACTED)
-        for pattern, repl in _shapes():
-            text = pattern.sub(repl, text)
+        low = text.lower() if screened else None
+        for index, (triggers, _src, _flags, _repl) in enumerate(_SHAPES):
+            if screened and not any(trigger in low for trigger in triggers):
+                continue
+            pattern, repl = _shape(index)
+            masked = pattern.sub(repl, text)
+            if masked != text:
+                text = masked
+                low = text.lower() if screened else None
         return text
 
 
@@ -1341,11 +1359,8 @@ def _build_opener():
             return self.do_open(watched(http.client.HTTPConnection), req)
 
     class Secure(urllib.request.HTTPSHandler):
-        def __init__(self):
-            super().__init__(context=_tls_context())
-
-        def https_open(self, req):
-            return self.do_open(watched(http.client.HTTPSConnection), req, context=self._context)
+        def https_open(self, req):  # the context (the certificates: ~20 ms) only once an https URL is used
+            return self.do_open(watched(http.client.HTTPSConnection), req, context=_tls_context())
 
     opener = urllib.request.OpenerDirector()
     for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(), Plain(), Secure(),

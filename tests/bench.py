@@ -331,7 +331,7 @@ def bench_agent():
             start = time.perf_counter()
             subprocess.run([sys.executable, str(ROOT / "agent.py"), "run", "--repo", str(repo), "--runs-dir",
                             str(work / "runs"), "--tools", str(work / "tools.json"), "--max-steps", str(steps)],
-                           env=env, stdout=subprocess.DEVNULL, check=False)
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=False)
             return time.perf_counter() - start
 
         def bare(steps):

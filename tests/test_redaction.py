@@ -3,6 +3,7 @@ generated payloads that the fast screen never changes what the exact masking wou
 
 import json
 import random
+import re
 
 import pytest
 
@@ -92,6 +93,8 @@ SHAPE_CASES = [
     ("the key sk-proj-A1b2C3d4E5f6G7h8I9j0", "sk-proj-A1b2C3d4E5f6G7h8I9j0", "the key "),
     ("gh token ghp_abcdefghijklmnopqrstuvwxyz012345", "ghp_abcdefghijklmnopqrstuvwxyz012345", "gh token "),
     ("pat github_pat_11ABCDEFG0123456789_abcdefghij", "github_pat_11ABCDEFG0123456789_abcdefghij", "pat "),
+    ("fine-grained github_pat_11ABCDEF0123456789_ZZZZZZZZZZ", "github_pat_11ABCDEF0123456789_ZZZZZZZZZZ",
+     "fine-grained "),  # no incidental trigger letters: the screen must know github_pat_ itself
     ("slack xoxb-1234567890-abcdefijkl", "xoxb-1234567890-abcdefijkl", "slack "),
     ("aws AKIAIOSFODNN7EXAMPLE here", "AKIAIOSFODNN7EXAMPLE", " here"),
     ("-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjE\n-----END OPENSSH PRIVATE KEY-----",
@@ -203,14 +206,29 @@ def test_the_screen_agrees_with_the_exact_masking_on_generated_payloads():
 
 
 def test_every_rule_needs_the_screen_to_let_it_through():
-    """Each rule's example alone reaches the exact masking: a trigger missing from the screen would let it
-    pass unmasked, and this test would say which."""
+    """Each rule's example, and its secret standing alone, reaches the exact masking: a trigger missing from
+    the screen would let it pass unmasked, and this test would say which."""
     redactor = rl.Redactor(VALUES)
     for text, secret, _kept in SHAPE_CASES:
-        assert redactor.may_hold(text), f"the screen misses {text!r}"
+        for sample in (text, secret):
+            masked = rl.Redactor(VALUES).exact(sample)
+            if masked != sample:
+                assert redactor.may_hold(sample), f"the screen misses {sample!r}"
+                assert redactor.text(sample) == masked, sample
         assert secret not in rl.Redactor(VALUES).text(text)
     for name in SECRET_NAMES:
         assert rl.is_secret_key(name)
+
+
+def test_each_shape_runs_only_on_strings_holding_its_triggers_and_they_are_necessary():
+    """A shape's triggers gate it: for every example the shape alone would change, one of its triggers is
+    in the lower-cased text (so skipping the shape without one never changes the result)."""
+    for index, (triggers, src, flags, repl) in enumerate(rl._SHAPES):
+        pattern = re.compile(src, flags)
+        for text, secret, _kept in SHAPE_CASES:
+            for sample in (text, secret, text.upper(), text.lower()):
+                if pattern.sub(repl, sample) != sample:
+                    assert any(t in sample.lower() for t in triggers), (index, sample)
 
 
 # ----------------------------------------------------------------------------
