@@ -4,6 +4,7 @@ patch goes to a file for a human: nothing is ever applied to your repository. St
 
 Usage:
   python agent.py run --repo DIR [--ref REV] [--runs-dir DIR] [--tools FILE] [--max-steps N] [--max-wall-s S]
+                     [--ship-to URL]                    # URL: ClickHouse, to ship the closed run to
   python agent.py runs [--runs-dir DIR]                  # one line per run: id, started, outcome, steps, tokens
   python agent.py replay RUN_DIR [--tools OTHER.json]    # the same decisions again from the record, offline
   python agent.py check-tools [FILE]                     # validate an allowlist (exit 0 valid, 2 not)
@@ -73,6 +74,7 @@ DEFAULT_TEST_PATHS = ("test_*.py", "*_test.py", "tests/", "test/", "*_spec.*", "
                       "conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "noxfile.py",
                       "sitecustomize.py", "usercustomize.py", "*.pth")
 MAX_TOOLS_FILE = 1024 * 1024
+SHIP_RUN_DEADLINE_S = 120  # run --ship-to: the longest shipping may delay the end of a run
 MAX_PATH_CHARS = 1024
 MAX_PLUGIN_ARG_CHARS = 256
 MAX_TEXT_ARG_CHARS = 8000
@@ -2747,12 +2749,15 @@ class Daemon:
     def __init__(self, repo, *, runs_dir=DEFAULT_RUNS, tools=DEFAULT_TOOLS, host=DEFAULT_HOST, port=DEFAULT_PORT,
                  secrets=(), read_token=None, max_body=DEFAULT_MAX_BODY, queue=DEFAULT_QUEUE,
                  max_connections=DEFAULT_MAX_CONNECTIONS, request_timeout=DEFAULT_REQUEST_TIMEOUT_S,
-                 grace_s=DEFAULT_GRACE_S, kill_after_s=None, fetch=False, extra_secrets=(), log=None):
+                 grace_s=DEFAULT_GRACE_S, kill_after_s=None, fetch=False, extra_secrets=(), log=None, ship_to=None):
         _check_limits(port, max_body, queue, max_connections, request_timeout, grace_s, kill_after_s)
         self.repo = repo_root(repo)
         self.tools = Path(tools).resolve()
         self.policy = load_policy(self.tools)
         self.runs_dir = Path(runs_dir).resolve()
+        self.ship_to = ship_to
+        if ship_to:
+            rl.ClickHouse(ship_to)  # the URL's form is checked now, not once per run
         self.host, self.port = host, port
         self.loopback = is_loopback(host)
         if not self.loopback and not secrets:
@@ -3004,6 +3009,8 @@ class Daemon:
         argv = [sys.executable, str(Path(__file__).resolve()), "run", "--repo", str(self.repo),
                 "--runs-dir", str(self.runs_dir), "--tools", str(self.tools), f"--run-id={item['run_id']}",
                 f"--delivery={item['delivery']}", f"--event={item['event']}"]
+        if self.ship_to:
+            argv.append(f"--ship-to={self.ship_to}")
         return argv + ([f"--ref={ref}"] if ref else [])
 
     def _watch(self, process):
@@ -3304,6 +3311,8 @@ def _stderr_line(line):
 def _cmd_run(args):
     _no_dumps()
     settings = ask.settings_from_env()
+    if args.ship_to:
+        rl.ClickHouse(args.ship_to)  # a URL of the wrong form is exit 2 before the run
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _on_signal)
     origin = {k: v for k, v in (("delivery", args.delivery), ("event", args.event)) if v}
@@ -3313,8 +3322,24 @@ def _cmd_run(args):
     why = _why_it_ended(Path(args.runs_dir) / run_id, outcome) if outcome in ("error", "budget_exhausted") else None
     if why:
         (rl.error if outcome == "error" else rl.warn)(why)
+    if args.ship_to:  # bounded: a ClickHouse that hangs delays the run's exit by SHIP_RUN_DEADLINE_S at most
+        _ship_run(rl.ClickHouse(args.ship_to, timeout=30, deadline=SHIP_RUN_DEADLINE_S), Path(args.runs_dir), run_id)
     rl.write_out(f"{run_id} {outcome} {proposal or '-'}\n")
     return OUTCOME_EXIT[outcome]
+
+
+def _ship_run(client, runs_dir, run_id):
+    """Ship a closed run's ledger (checked against the head the index recorded) and the index. A failure is
+    one warning: the run's outcome stands, and `reasoning_ledger.py ship --all RUNS` sends it later."""
+    wanted = {runs_dir / rl.INDEX_NAME, runs_dir / run_id / rl.EVENTS_NAME}
+    try:
+        targets = [t for t in rl.ship_targets([], runs_dir) if t[0] in wanted]
+        failed = [(path, result) for path, result in rl.ship(targets, client) if not isinstance(result, rl.Shipped)]
+    except (rl.LedgerError, OSError) as exc:
+        failed = [(runs_dir / run_id, exc)]
+    for path, problem in failed:
+        rl.warn(rl.printable(f"run {run_id}: {path} not shipped to ClickHouse at {client.where}: "
+                             f"{rl.error_text(problem)}; `reasoning_ledger.py ship --all {runs_dir}` sends it later"))
 
 
 def _why_it_ended(run_dir, outcome):
@@ -3393,7 +3418,7 @@ def _cmd_serve(args):
                     secrets=secrets, read_token=token, max_body=args.max_body, queue=args.queue,
                     max_connections=args.max_connections, request_timeout=args.request_timeout,
                     grace_s=args.grace_s, kill_after_s=args.kill_after_s, fetch=args.fetch,
-                    extra_secrets=[settings[2]], log=_stderr_line)
+                    extra_secrets=[settings[2]], log=_stderr_line, ship_to=args.ship_to)
     received = []
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, _frame: received.append(number))
@@ -3434,6 +3459,8 @@ def _build_parser():
     p.add_argument("--run-id", help=argparse.SUPPRESS)
     p.add_argument("--delivery", help=argparse.SUPPRESS)
     p.add_argument("--event", help=argparse.SUPPRESS)
+    p.add_argument("--ship-to", metavar="URL", help="once the run is closed, ship its ledger and the index to "
+                   "ClickHouse at URL (as reasoning_ledger.py ship; CLICKHOUSE_USER/CLICKHOUSE_PASSWORD)")
     p.set_defaults(func=_cmd_run)
 
     p = sub.add_parser("runs", help="one line per run: id, started, outcome, steps, tokens, verified")
@@ -3476,6 +3503,7 @@ def _build_parser():
                    help=f"kill a run after this long (default: tools.json's max_wall_s + 2 x test_timeout_s + "
                         f"{KILL_MARGIN_S})")
     p.add_argument("--fetch", action="store_true", help="git fetch in the repository before each run")
+    p.add_argument("--ship-to", metavar="URL", help="each run ships its ledger and the index to ClickHouse at URL")
     p.add_argument("--read-token", help="bearer token for /runs (prefer READ_TOKEN: arguments show in ps)")
     p.set_defaults(func=_cmd_serve)
     return parser

@@ -947,6 +947,7 @@ def test_configuration_errors_stop_the_daemon_before_it_listens(serve, tmp_path)
     assert "BASE_URL" in fails(env=clean_env(WEBHOOK_SECRET=SECRET))
     assert "at least 16 characters" in fails("--read-token", "short")
     assert "--queue must be at least 1" in fails("--queue", "0")
+    assert "user name or password" in fails("--ship-to", "http://user:pw@127.0.0.1:8123")
     assert "WEBHOOK_SECRET_FILE" in fails(env=dict(base, WEBHOOK_SECRET_FILE=str(tmp_path / "missing")))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

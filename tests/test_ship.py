@@ -21,7 +21,7 @@ import ask
 import audit as audit_module
 import reasoning_ledger as rl
 from clickhouse_server import ClickHouse, skip_reason
-from conftest import ROOT, all_bytes_under, clean_env, error_lines, run_script
+from conftest import ROOT, all_bytes_under, clean_env, error_lines, lines_of, run_script
 
 KEY = "sk-ship-test-key-0001"
 DAY1, DAY2, DAY3 = "2026-11-01", "2026-11-02", "2026-11-03"
@@ -680,3 +680,45 @@ def test_the_readme_table_and_its_sql_questions_work_on_a_shipped_fleet(clickhou
     assert ("fake-model", "fake-model") in served and any(m != r for r, m in served if m)  # the swap shows
     assert answers[1] and any(0 < r["no_usage_share"] < 1 for r in answers[1])
     assert answers[2] == []  # everything was shipped just now
+
+
+def test_agent_run_ship_to_ships_the_closed_run_and_the_index(clickhouse, tmp_path, server):
+    from test_agent import FIX, make_repo, propose, tools_json
+    repo = make_repo(tmp_path / "repo")
+    tools = tools_json(tmp_path / "tools.json")
+    runs = tmp_path / "runs"
+    env = ch_env(clickhouse, BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model")
+    clickhouse.query("DROP DATABASE IF EXISTS reasoning_ledger")  # --ship-to uses the default database
+
+    def run(url):
+        server.queue({"name": "ok", "answer": propose(FIX)})
+        return run_script("agent.py", "run", "--repo", repo, "--runs-dir", runs, "--tools", tools, "--ship-to", url,
+                          env=env, timeout=300)
+
+    # a URL of the wrong form: exit 2 before anything is opened or asked
+    bad = run("http://user:pw@127.0.0.1:1")
+    assert bad.returncode == 2 and "user name or password" in error_lines(bad.err)[0] and not runs.exists()
+    assert server.requests == [] and "pw@" not in bad.err
+    # shipped: the run's ledger and the index, each proven by verify --from
+    proc = run(clickhouse.url)
+    assert proc.returncode == 8 and proc.err == "", proc.err
+    events = runs / proc.out.split()[0] / "events.jsonl"
+    mine = {ledger_id(events), ledger_id(runs / "index.jsonl")}
+    tops = {r["ledger_id"]: r["top"] for r in rows(clickhouse, "SELECT ledger_id, max(seq) AS top FROM "
+                                                               "reasoning_ledger.ledger_lines FINAL GROUP BY ledger_id")}
+    assert set(tops) == mine and tops[ledger_id(events)] == len(lines_of(events))
+    check = run_script("reasoning_ledger.py", "verify", "--from", clickhouse.url,
+                       *[arg for i in sorted(mine) for arg in ("--ledger-id", i)], env=ch_env(clickhouse))
+    assert check.returncode == 0 and check.out.count("ok    ") == 2, check.out + check.err
+    clickhouse.query("DROP DATABASE IF EXISTS reasoning_ledger")
+    # ClickHouse down: the run's outcome and exit stand; one warning a ledger says how it is shipped later
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    down = run(dead)
+    assert down.returncode == 8 and down.out.split()[1] == "proposal_accepted", down.err
+    warnings = down.err.splitlines()
+    assert warnings and all(w.startswith("warning: run ") and "not shipped to ClickHouse" in w and
+                            f"ship --all {runs}" in w for w in warnings), down.err
+    assert run_script("reasoning_ledger.py", "verify", "--all", runs).returncode == 0
