@@ -21,6 +21,7 @@ import base64
 import binascii
 import collections
 import difflib
+import errno
 import fcntl
 import hashlib
 import hmac
@@ -71,8 +72,8 @@ DEFAULT_BUDGET = {"max_steps": 24, "max_model_calls": 40, "max_total_tokens": 30
                   "max_tokens_per_call": 2048, "call_timeout_s": 180, "max_context_chars": 60000}
 DEFAULT_CAPS = {"output_bytes": 16384, "timeout_s": 60}
 DEFAULT_TEST_PATHS = ("test_*.py", "*_test.py", "tests/", "test/", "*_spec.*", "spec/", "__tests__/", "*.test.*",
-                      "conftest.py", "pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "noxfile.py",
-                      "sitecustomize.py", "usercustomize.py", "*.pth")
+                      "conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini",
+                      "setup.cfg", "pyproject.toml", "noxfile.py", "sitecustomize.py", "usercustomize.py", "*.pth")
 MAX_TOOLS_FILE = 1024 * 1024
 SHIP_RUN_DEADLINE_S = 120  # run --ship-to: the longest shipping may delay the end of a run
 MAX_PATH_CHARS = 1024
@@ -681,11 +682,24 @@ def _snapshot_worktree(repo, dest):
         _link(dest, rel, target)
 
 
+def _safe_rel(rel):
+    """A plain relative path git itself would check out: not absolute, no `..`, and no `.git` component
+    (in any case, or as `.git.`/`git~1`). A crafted commit can hold `.git` (a gitfile or a symlink to
+    another repository's .git); copied, it would turn the scratch copy's git commands on that repository."""
+    if not rel or rel.startswith("/"):
+        return False
+    for part in rel.split("/"):
+        folded = part.lower().rstrip(". ")
+        if part in ("", ".", "..") or folded in (".git", "git~1"):
+            return False
+    return True
+
+
 def _plain_parents(root, rel, plain):
     """True when every parent of `rel` under `root` is a real directory (not a symlink). `plain` caches
     the directories already seen to be."""
     parts = rel.split("/")
-    if rel.startswith("/") or ".." in parts:
+    if not _safe_rel(rel):
         return False
     current = ""
     for part in parts[:-1]:
@@ -705,7 +719,7 @@ def _parent_dir(dest, rel):
     """dest/rel's parent, made as plain directories; None when a path is not one (a symlink, a file) or
     `rel` is not a plain relative path. Nothing is ever made or written through a symlink."""
     parts = rel.split("/")
-    if not parts[-1] or rel.startswith("/") or ".." in parts:
+    if not _safe_rel(rel):
         return None
     current = str(dest)
     for part in parts[:-1]:
@@ -749,7 +763,7 @@ def _snapshot_ref(repo, ref, dest):
             continue
         meta, _, name = record.partition(b"\t")
         mode, kind, sha = meta.split()
-        if kind == b"blob":
+        if kind == b"blob" and _safe_rel(os.fsdecode(name)):
             entries.append((mode.decode(), sha.decode(), os.fsdecode(name)))
     if not entries:
         return
@@ -761,6 +775,8 @@ def _snapshot_ref(repo, ref, dest):
     try:
         for mode, sha, name in entries:
             header = batch.stdout.readline().split()
+            if len(header) != 3:
+                raise RepoError(f"{ref}: git cannot read object {sha} (a shallow or damaged repository)")
             size = int(header[2])
             content = batch.stdout.read(size)
             batch.stdout.read(1)
@@ -817,29 +833,52 @@ def _walk_files(root):
 
 
 def repo_secrets(repo):
-    """The values in the repository's .env* files (tracked, untracked or ignored), to mask everywhere."""
-    listing = git(repo, "ls-files", "-z", "--cached", "--others", "--", ":(glob,icase)**/.env*", check=False)
+    """The values in the repository's .env* files (and files under .env* directories; tracked, untracked
+    or ignored), to mask everywhere."""
+    listing = git(repo, "ls-files", "-z", "--cached", "--others", "--", ":(glob,icase)**/.env*",
+                  ":(glob,icase)**/.env*/**", check=False)
     values = []
-    for raw in listing.split(b"\0")[:200]:
-        if not raw:
-            continue
-        text = _read_plain_file(Path(repo) / os.fsdecode(raw), 256 * 1024)
-        for line in (text or b"").decode("utf-8", "replace").splitlines():
-            match = _ENV_LINE_RE.match(line)
-            if not match:
-                continue
-            quoted = match.group(1) if match.group(1) is not None else match.group(2)
-            if quoted is not None:
-                values.append(quoted.strip())
-            else:  # unquoted: `a#b` is one value, ` # note` a comment; both readings are masked
-                bare = match.group(3).strip()
-                values += [bare, re.split(r"\s#", bare, 1)[0].strip()]
+    for raw in list(dict.fromkeys(listing.split(b"\0")))[:200]:
+        if raw:
+            text = _read_plain_file(Path(repo) / os.fsdecode(raw), 256 * 1024)
+            values += dotenv_values((text or b"").decode("utf-8", "replace"))
     return [value for value in dict.fromkeys(values) if value]
 
 
-# KEY=value, export KEY="value", KEY: 'value', with an optional trailing # comment after the quotes.
-_ENV_LINE_RE = re.compile(r"""\s*(?:export\s+)?[A-Za-z_][A-Za-z0-9_.-]*\s*[=:]\s*"""
-                          r"""(?:"((?:[^"\\]|\\.)*)"\s*(?:#.*)?|'([^']*)'\s*(?:#.*)?|(.*))$""")
+_ENV_KEY_RE = re.compile(r"[ \t]*(?:export[ \t]+)?[A-Za-z_][A-Za-z0-9_.-]*[ \t]*[=:][ \t]*")
+_ENV_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "a": "\a", "b": "\b", "f": "\f", "v": "\v"}
+
+
+def dotenv_values(text):
+    """Every value a .env file sets, read the way dotenv reads it: `export`, `KEY: value`, quotes that
+    span lines, escapes in quotes, `# comments`. Each value is given raw and decoded (and each line of a
+    multi-line one), since either may be what a program prints."""
+    text = text.lstrip("\ufeff")
+    values, pos = [], 0
+    while pos < len(text):
+        end = text.find("\n", pos)
+        end = len(text) if end < 0 else end
+        match = _ENV_KEY_RE.match(text, pos, end)
+        if not match:
+            pos = end + 1
+            continue
+        start = match.end()
+        quote = text[start:start + 1]
+        if quote in ('"', "'"):
+            close = start + 1
+            while close < len(text) and text[close] != quote:
+                close += 2 if text[close] == "\\" else 1
+            raw = text[start + 1:close]
+            decoded = re.sub(r"\\(.)", lambda m: _ENV_ESCAPES.get(m.group(1), m.group(1)) if quote == '"'
+                             else m.group(1) if m.group(1) in "\\'" else m.group(0), raw, flags=re.S)
+            values += [raw, decoded] + [line.strip() for line in decoded.splitlines() if len(line.strip()) >= 8]
+            end = text.find("\n", close)
+            end = len(text) if end < 0 else end
+        else:  # unquoted: `a#b` is one value, ` # note` a comment; both readings are masked
+            bare = text[start:end].strip()
+            values += [bare, re.split(r"\s#", bare, 1)[0].strip()]
+        pos = end + 1
+    return [value.strip() for value in values if value.strip()]
 
 
 def _read_plain_file(path, limit):
@@ -894,9 +933,9 @@ _CHILDREN = set()  # process groups running now, killed when the run is terminat
 class Output:
     """A program's result: its exit code and output, capped (head and tail kept), with what was cut."""
 
-    def __init__(self, returncode, head, tail, size, duration_ms, timed_out=False, error=None):
+    def __init__(self, returncode, head, tail, size, duration_ms, timed_out=False, error=None, errno=None):
         self.returncode, self.head, self.tail, self.size = returncode, head, tail, size
-        self.duration_ms, self.timed_out, self.error = duration_ms, timed_out, error
+        self.duration_ms, self.timed_out, self.error, self.errno = duration_ms, timed_out, error, errno
 
     def text(self, cap):
         """Head and tail within `cap` bytes, saying how much was cut."""
@@ -927,7 +966,7 @@ def run_program(argv, cwd, timeout, env=None, input=None, keep=MAX_ARTIFACT_BYTE
                                 env=env if env is not None else _child_env(), start_new_session=True, close_fds=True)
     except OSError as exc:
         return Output(None, f"cannot run {argv[0]}: {rl.error_text(exc)}".encode(), b"", 0,
-                      round((time.monotonic() - started) * 1000, 1), error=rl.error_text(exc))
+                      round((time.monotonic() - started) * 1000, 1), error=rl.error_text(exc), errno=exc.errno)
     _CHILDREN.add(proc.pid)
     if input is not None:
         threading.Thread(target=_feed_stdin, args=(proc.stdin, input), daemon=True).start()
@@ -1165,8 +1204,15 @@ class Workspace:
 
 
 def _is_pytest(argv):
-    names = [os.path.basename(a) for a in argv[:3]]
-    return "pytest" in names or "py.test" in names or (len(argv) >= 3 and argv[1] == "-m" and argv[2] == "pytest")
+    """pytest run directly (`pytest`, `py.test`) or as `python [options] -m pytest`."""
+    if os.path.basename(argv[0]) in ("pytest", "py.test"):
+        return True
+    for index, arg in enumerate(argv[1:], 1):
+        if arg == "-m":
+            return argv[index + 1:index + 2] == ["pytest"]
+        if not arg.startswith("-"):
+            return False
+    return False
 
 
 def _text_output(code, text, started):
@@ -1565,26 +1611,39 @@ def _context_too_long(record):
         record["error_message"] or "", re.I))
 
 
+class GitReading:
+    """What git itself does with a patch: `paths` it touches (a rename as its old and its new path),
+    `added` (new paths), and `special` (a path that becomes a symlink or a submodule)."""
+
+    def __init__(self, paths, added, special):
+        self.paths, self.added, self.special = paths, added, special
+
+
 def git_reading(tree, patch_bytes, flags, env):
-    """What git itself reads in a patch, in `tree`: the paths it touches (`--numstat -z`) and whether it
-    makes a symlink or a submodule (`--summary`). Our own parse (patch_files) is a first check; this is
-    the one the host's path rules and the judge trust, since git is what applies the patch."""
-    def run(*args):
-        return subprocess.run(["git", "-C", str(tree), "apply", *args, *flags, "-"], input=patch_bytes,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, timeout=120).stdout
-    fields, paths, i = run("--numstat", "-z").split(b"\0"), [], 0
-    while i < len(fields):
-        parts = fields[i].split(b"\t", 2)
-        i += 1
-        if len(parts) < 3:
+    """Apply the patch to a throwaway copy of `tree`'s index (its HEAD the baseline) and read the result
+    with `git diff --raw --no-renames`. Our own parse (patch_files) is a first check; this is the one the
+    host's path rules and the judge trust, since git is what applies the patch. None: it does not apply."""
+    with tempfile.TemporaryDirectory(prefix="agent-index-") as scratch:
+        index_env = dict(env, GIT_INDEX_FILE=os.path.join(scratch, "index"))
+
+        def run(*args, data=None):
+            return subprocess.run(["git", "-C", str(tree), *args], input=data, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, env=index_env, timeout=120)
+        if run("read-tree", "HEAD").returncode or run("apply", "--cached", *flags, "-", data=patch_bytes).returncode:
+            return None
+        raw = run("diff", "--cached", "--raw", "-z", "--no-renames", "--no-ext-diff", "HEAD").stdout
+    fields = raw.split(b"\0")
+    paths, added, special = [], [], False
+    for meta, name in zip(fields[0::2], fields[1::2]):  # ":old_mode new_mode old_sha new_sha status", path
+        parts = meta.split()
+        if len(parts) < 5 or not meta.startswith(b":"):
             continue
-        if parts[2]:
-            paths.append(os.fsdecode(parts[2]))
-        else:  # a rename or copy: the old and the new path follow
-            paths += [os.fsdecode(f) for f in fields[i:i + 2]]
-            i += 2
-    special = re.search(rb"\b1[26]0000\b", run("--summary")) is not None
-    return list(dict.fromkeys(paths)), special
+        path = os.fsdecode(name)
+        paths.append(path)
+        if parts[4] == b"A":
+            added.append(path)
+        special = special or parts[1] in (b"120000", b"160000")
+    return GitReading(paths, added, special)
 
 
 def check_patch(scratch, patch, redactor, policy=None, resolve=None):
@@ -1610,12 +1669,12 @@ def check_patch(scratch, patch, redactor, policy=None, resolve=None):
                 result["message"] = redactor.text(proc.stdout.decode("utf-8", "replace").strip())[-1500:]
         if proc.returncode != 0:
             return result
-        files, special = git_reading(clone, patch_bytes, flags, env)
-        refusal = _refuse_git_reading(files, special, policy, resolve)
+        reading = git_reading(clone, patch_bytes, flags, env)
+        refusal = _refuse_git_reading(reading, policy, resolve)
         if refusal:
             result["message"] = refusal
             return result
-        result["applies"], result["recount"], result["files"] = True, bool(flags), files
+        result["applies"], result["recount"], result["files"] = True, bool(flags), reading.paths
         if flags:
             subprocess.run(["git", "-C", str(clone), "apply", *flags, "-"], input=patch_bytes, env=env, check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
@@ -1630,13 +1689,30 @@ def check_patch(scratch, patch, redactor, policy=None, resolve=None):
     return result
 
 
-def _refuse_git_reading(files, special, policy, resolve):
+def _shadows_a_module(path):
+    """A new top-level module or package (`pytest.py`, `iniconfig/__init__.py`) named like one Python could
+    already import: run from the repository's root, the tests would import it instead (pytest itself, or
+    one of its dependencies, rewritten to pass)."""
+    top = path.split("/")[0]
+    name = top[:-3] if "/" not in path and top.endswith(".py") else top if "/" in path else None
+    if not name or not name.isidentifier():
+        return False
+    if name in sys.builtin_module_names:
+        return True
+    import importlib.machinery
+    search = [p for p in sys.path if p and os.path.realpath(p) not in (str(HERE), os.path.realpath("."))]
+    return importlib.machinery.PathFinder.find_spec(name, search) is not None
+
+
+def _refuse_git_reading(reading, policy, resolve):
     """Why the paths and modes git reads in a patch are refused, or None."""
-    if special:
+    if reading is None:
+        return "git cannot apply this patch to the baseline's index"
+    if reading.special:
         return "git reads this patch as making a symlink or a submodule (rule patch.mode)"
-    if not files:
+    if not reading.paths:
         return "git reads no file in this patch (rule patch.no_files)"
-    for name in files if policy is not None else ():
+    for name in reading.paths if policy is not None else ():
         try:
             check_path(name, policy, resolve, {}, what="a file in the patch,")
         except _Deny as deny:
@@ -1799,25 +1875,32 @@ def _tests(run, workspace, kind, scratch, root=None):
     return dict(payload, output=output, outcomes=outcomes)
 
 
-# pytest's own exit codes for "nothing was tested": internal error, usage error, no tests collected
-_PYTEST_BROKEN = {3: "pytest had an internal error", 4: "pytest was called wrongly (exit 4)",
-                  5: "pytest collected no tests (exit 5)"}
+# Why a program cannot be started at all (a transient EAGAIN or ENOMEM is not among them)
+_CANNOT_START = (errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR, errno.EISDIR, errno.ELOOP)
 
 
 def _test_command_broken(command, baseline):
-    """Why the baseline test run shows the command itself cannot run (None when it ran and tested)."""
+    """Why the baseline test run shows the command itself cannot run (None when it ran and tested). Only
+    what no change to the repository can fix: a program that does not exist or cannot be executed, pytest
+    not installed, pytest called with arguments it rejects, or nothing to collect. A conftest.py that
+    fails to import (pytest's exit 4 too) is the repository's, and so the model's, to fix."""
     output = baseline["output"]
     if output.error:
-        return output.error
+        return output.error if output.errno in _CANNOT_START else None
     if baseline["outcomes"]:
         return None  # tests ran: whatever failed is the model's to fix
     if output.returncode in (126, 127):
         return f"exit {output.returncode} (not executable or not found)"
-    if not any("pytest" in part for part in command):
+    if not _is_pytest(command):
         return None
-    if output.returncode == 1 and re.search(r"No module named '?pytest'?\s*$", output.text(4096)):
+    text = output.text(8192)
+    if output.returncode == 1 and re.search(r"No module named '?pytest'?\s*$", text):
         return "No module named pytest (install it for this interpreter, or change test_command)"
-    return _PYTEST_BROKEN.get(output.returncode)
+    if output.returncode == 4 and "while loading conftest" not in text:
+        return "pytest was called wrongly (exit 4)"
+    if output.returncode == 5:
+        return "pytest collected no tests (exit 5)"
+    return None
 
 
 def _judge_in_child(run, policy):
@@ -1861,7 +1944,7 @@ def judge_run(run_dir, *, key=None, secrets=()):
     patch = (run_dir / PROPOSAL_NAME).read_bytes()
     repo = Path(started["repo"])
     verdict = {"verdict": "reject", "applies": False, "tests_passed": False, "reason": "", "touched_tests": [],
-               "newly_failing": [], "vanished": [], "still_failing": [], "comparison": "exit codes"}
+               "shadows": [], "newly_failing": [], "vanished": [], "still_failing": [], "comparison": "exit codes"}
     ledger = rl.Ledger(run_dir / rl.EVENTS_NAME, run_dir.name, key=key, secrets=list(secrets) + repo_secrets(repo))
     with tempfile.TemporaryDirectory(prefix="agent-judge-") as work:
         tree = Path(work) / "tree"
@@ -1871,8 +1954,10 @@ def judge_run(run_dir, *, key=None, secrets=()):
             verdict["reason"] = "the repository changed since the run started; the judge cannot compare"
         else:
             env = _scratch_git_env(work)
-            files, special = git_reading(tree, patch, [], env)
-            verdict["touched_tests"] = [f for f in files if policy.is_test_path(f)]
+            reading = git_reading(tree, patch, [], env) or GitReading([], [], False)
+            special = reading.special
+            verdict["touched_tests"] = [f for f in reading.paths if policy.is_test_path(f)]
+            verdict["shadows"] = [f for f in reading.added if _shadows_a_module(f)]
             proc = subprocess.run(["git", "-C", str(tree), "apply", "-"], input=patch, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, env=env, timeout=120)
             verdict["applies"] = proc.returncode == 0 and not special
@@ -1911,6 +1996,9 @@ def _compare(before, after, output):
 
 
 def _rule(verdict, policy):
+    if verdict.get("shadows"):
+        return "reject", (f"the patch adds {', '.join(verdict['shadows'][:5])}, named like a module Python can "
+                          f"already import: run from the repository, the tests would import it instead")
     if verdict["touched_tests"] and not policy.allow_test_changes:
         return "reject", (f"the patch changes test files or test configuration "
                           f"({', '.join(verdict['touched_tests'][:5])}); a fix must not")
@@ -2136,7 +2224,7 @@ LINGER_S = 1.0                # an error answered before the body was read: unre
 LINGER_BYTES = 64 * 1024      # ... and at most this much, so the client reads the answer, not a reset
 RETRY_AFTER_S = 30            # a full queue asks the sender to come back after this
 CONNECTION_EVENT_EVERY_S = 10  # connections over the cap: at most one connection_limit event this often
-REJECTIONS_PER_S, REJECTIONS_BURST = 5, 50  # webhook_rejected/read_rejected events: an unauthenticated flood
+REJECTIONS_PER_S, REJECTIONS_BURST = 5, 50  # webhook_rejected/_timeout, read_rejected: an unauthenticated flood
                                             # must not grow the ledger without bound
 MAX_SECRETS_FILE = 64 * 1024
 MAX_SIGNATURES = 16           # webhook-signature entries looked at
@@ -2478,9 +2566,9 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:  # the client went away (a reset, a broken pipe): nothing to answer
             self.close_connection = True
         if (self.timed_out or self.deadline.expired) and self.sent is None:
-            self.app.record("webhook_timeout", {"remote": self.client_address[0], "stage": self.stage,
-                                                   "path": self.route, "delivery": self.claimed,
-                                                   "timeout_s": self.app.request_timeout})
+            self.app.record_rejected("webhook_timeout", {
+                "remote": self.client_address[0], "stage": self.stage, "path": self.route,
+                "delivery": self.claimed, "timeout_s": self.app.request_timeout})
             self._reply(408, {"error": "the request took too long"})
         if self.sent and self.sent[0] >= 400 and not self.body_read:
             self._linger()
@@ -2850,8 +2938,11 @@ class Daemon:
         self.worker.join(self.grace_s + 2 * TERMINATE_WAIT_S + 5)
         with self.cond:
             queued = [item["run_id"] for item in self.queue]
+        with self._rejections["lock"]:
+            unrecorded, self._rejections["unrecorded"] = self._rejections["unrecorded"], 0
         self.record("daemon_stopped", {"signal": signal.Signals(signum).name if signum else None,
-                                       "queued": queued, "uptime_s": round(time.monotonic() - self.started_at, 3)})
+                                       "queued": queued, "uptime_s": round(time.monotonic() - self.started_at, 3),
+                                       "unrecorded_rejections": unrecorded})
         self.ledger.close()
         os.close(self._lock_fd)
 

@@ -223,6 +223,28 @@ def test_a_commit_whose_tree_holds_a_symlink_and_a_directory_of_one_name_writes_
     assert os.listdir(outside) == []
 
 
+@pytest.mark.parametrize("how", ["gitfile", "symlink", "uppercase"])
+def test_a_commit_holding_a_dot_git_entry_cannot_turn_git_on_another_repository(agent, tmp_path, how):
+    victim = make_repo(tmp_path / "victim")
+    before = (git(victim, "rev-parse", "HEAD"), (victim / ".git" / "index").read_bytes())
+    repo = make_repo(tmp_path / "repo")
+
+    def git_in(*args, data):
+        return subprocess.run(["git", "-C", str(repo), *args], input=data, capture_output=True, check=True,
+                              env=clean_env()).stdout.decode().strip()
+    if how == "symlink":
+        entry = f"120000 blob {git_in('hash-object', '-w', '--stdin', data=str(victim / '.git').encode())}\t.git"
+    else:
+        blob = git_in("hash-object", "-w", "--stdin", data=f"gitdir: {victim / '.git'}\n".encode())
+        entry = f"100644 blob {blob}\t{'.GIT' if how == 'uppercase' else '.git'}"
+    tree = git_in("mktree", "--missing", data=(git(repo, "ls-tree", "HEAD").decode() + entry + "\n").encode())
+    commit = git_in("-c", "user.name=t", "-c", "user.email=t@t", "commit-tree", tree, "-m", "crafted", "-p", "HEAD",
+                    data=b"")
+    proc, _run_dir, _events = agent(repo, [propose(FIX)], "--ref", commit)
+    assert proc.returncode == 8, proc.err
+    assert (git(victim, "rev-parse", "HEAD"), (victim / ".git" / "index").read_bytes()) == before
+
+
 def test_an_env_file_that_is_a_named_pipe_does_not_hang_the_run(agent, tmp_path):
     repo = make_repo(tmp_path / "repo")
     os.mkfifo(tmp_path / "env.fifo")
@@ -249,7 +271,14 @@ TIMESTAMPED = WEAKEN.replace("--- a/test_calc.py", "--- a/test_calc.py\t2026-11-
     (CONFTEST, "changes test files or test configuration (conftest.py)"),
     (udiff("pytest.ini", "", "[pytest]\naddopts = -p no:python\n").replace("--- a/pytest.ini", "--- /dev/null"),
      "changes test files or test configuration (pytest.ini)"),
-], ids=["delete", "weaken", "timestamped-header", "root-conftest", "pytest-ini"])
+    (udiff(".pytest.ini", "", "[pytest]\naddopts = -p no:python\n").replace("--- a/.pytest.ini", "--- /dev/null"),
+     "changes test files or test configuration (.pytest.ini)"),
+    ("diff --git a/test_calc.py b/docs/old.txt\nsimilarity index 100%\nrename from test_calc.py\n"
+     "rename to docs/old.txt\n", "changes test files or test configuration (test_calc.py)"),
+    (udiff("pytest.py", "", "import sys\nsys.exit(0)\n").replace("--- a/pytest.py", "--- /dev/null"),
+     "the patch adds pytest.py, named like a module Python can already import"),
+], ids=["delete", "weaken", "timestamped-header", "root-conftest", "pytest-ini", "dot-pytest-ini", "renamed-away",
+        "shadows-pytest"])
 def test_a_patch_that_deletes_or_weakens_the_failing_test_is_rejected(agent, tmp_path, patch, words):
     repo = make_repo(tmp_path / "repo")
     proc, run_dir, events = agent(repo, [propose(patch)])
@@ -276,6 +305,26 @@ def test_a_patch_that_stops_the_test_runner_is_rejected_even_though_pytest_exits
     verdict = payload(events, "judge_verdict")[0]
     assert proc.returncode == 3 and verdict["verdict"] == "reject", verdict
     assert verdict["results_missing"] is True and "stops or bypasses the test runner" in verdict["reason"]
+
+
+def test_a_conftest_that_fails_to_import_is_the_models_to_fix_not_a_broken_command(agent, tmp_path, server):
+    broken = CALC.replace("def add(a, b):", "def add(a, b)")
+    repo = make_repo(tmp_path / "repo", calc=broken, extra={"conftest.py": "import calc\n"})
+    fix = udiff("calc.py", broken, CALC.replace("a - b", "a + b"))
+    proc, run_dir, events = agent(repo, [propose(fix)])
+    assert proc.returncode == 8, proc.err
+    (baseline,) = payload(events, "tests_run")
+    assert baseline["returncode"] == 4 and len(server.requests) == 1
+    assert payload(events, "judge_verdict")[0]["verdict"] == "accept"
+
+
+def test_deleting_a_file_named_with_a_mode_like_number_is_not_a_mode_change(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo", extra={"weird-120000.txt": "x\n"})
+    gone = "diff --git a/weird-120000.txt b/weird-120000.txt\ndeleted file mode 100644\n--- a/weird-120000.txt\n" \
+           "+++ /dev/null\n@@ -1 +0,0 @@\n-x\n"
+    proc, _run_dir, events = agent(repo, [propose(FIX + gone)])
+    assert proc.returncode == 8, proc.err
+    assert not payload(events, "patch_rejected")
 
 
 def test_the_judge_command_refuses_a_run_without_a_proposal_or_already_closed(agent, tmp_path):
@@ -352,6 +401,8 @@ DENIALS = [
     (action("propose_patch", patch=FIX.replace("calc.py", "../outside.py")), "tool_denied", "path.dotdot"),
     (action("propose_patch", patch=FIX.replace("calc.py", ".git/hooks/pre-commit")), "tool_denied", "path.denied"),
     (action("propose_patch", patch="just words"), "tool_denied", "patch.no_files"),
+    (action("propose_patch", patch=FIX + "diff --git a/notes b/leak.txt\nsimilarity index 100%\nrename old .env\n"
+                                         "rename new leak.txt\n"), "patch_rejected", None),
     (action("propose_patch", patch="diff --git a/l b/l\nnew file mode 120000\n--- /dev/null\n+++ b/l\n@@ -0,0 +1 @@\n"
                                    "+/etc/passwd\n"), "tool_denied", "patch.mode"),
     (action("propose_patch", patch="diff --git a/l b/l\nnew file mode 0120000\n--- /dev/null\n+++ b/l\n@@ -0,0 +1 @@\n"
@@ -372,10 +423,13 @@ def test_denied_actions_name_their_rule_and_the_run_goes_on(agent, tmp_path, ser
     (repo / ".env").write_text(f"SECRET_TOKEN={ENV_SECRET}\n")
     proc, run_dir, events = agent(repo, [reply, propose(FIX)])
     assert proc.returncode == 8, proc.err  # the run went on to its proposal
-    first = [e for e in events if e["kind"] in ("tool_denied", "proposal_malformed")][0]
+    first = [e for e in events if e["kind"] in ("tool_denied", "proposal_malformed", "patch_rejected")][0]
     assert first["kind"] == kind
     told = server.requests[1]["body"]["messages"][-1]["content"]
-    if rule:
+    if kind == "patch_rejected":  # our parse passed it; git's own reading of the patch did not
+        assert "'.env'" in first["payload"]["message"] and "(rule path.denied)" in first["payload"]["message"]
+        assert "(rule path.denied)" in told
+    elif rule:
         assert first["payload"]["rule"] == rule and first["payload"]["reason"]
         assert set(first["payload"]) >= {"tool", "args", "rule", "reason"}
         assert told.startswith("Denied by the host") and f"(rule {rule})" in told
@@ -497,8 +551,7 @@ def test_a_server_that_is_down_ends_in_a_closed_error_run(agent, tmp_path):
     ([sys.executable, "-m", "pytest", "-q", "--no-such-option"], "pytest was called wrongly (exit 4)"),
     ([sys.executable, "-m", "pytest", "-q", "no_such_dir/"], "pytest was called wrongly (exit 4)"),
     ([sys.executable, "-m", "pytest", "-q", "-k", "no_test_has_this_name"], "pytest collected no tests (exit 5)"),
-    ([sys.executable, "-I", "-c", "import sys; print('No module named pytest', file=sys.stderr); sys.exit(1)",
-      "pytest"], "No module named pytest"),
+    ([sys.executable, "-S", "-m", "pytest", "-q"], "No module named pytest"),  # -S: no site-packages
 ], ids=["not-found", "bad-option", "bad-path", "no-tests", "no-pytest"])
 def test_a_test_command_that_cannot_run_ends_the_run_before_any_model_call(agent, tmp_path, server, command, words):
     repo = make_repo(tmp_path / "repo")

@@ -263,3 +263,22 @@ def test_error_and_warning_lines_are_masked(capsys, monkeypatch):
     rl.error("failed with stderr-key-0000111 and Bearer abcDEF123456ghiJKL\nsecond line")
     err = capsys.readouterr().err
     assert err == "error: failed with [REDACTED] and Bearer [REDACTED]\\nsecond line\n"
+
+
+def test_letters_a_case_insensitive_regex_folds_to_ascii_cannot_slip_past_the_screens():
+    """re.IGNORECASE takes a few non-ASCII letters for ASCII ones (`Cookıe:` matches the cookie shape). The
+    fold table is derived from re itself here, so a Python whose re folds more fails this test."""
+    import string
+    folds = {}
+    letters = {c: re.compile(c, re.I) for c in string.ascii_lowercase}
+    for point in range(128, 0x110000):
+        char = chr(point)
+        for letter, pattern in letters.items():
+            if pattern.fullmatch(char):
+                folds[char] = letter
+    assert folds and all(rl._screen_text(char) == letter for char, letter in folds.items())
+    redactor = rl.Redactor(VALUES)
+    for text, _secret, _kept in SHAPE_CASES:
+        for char, letter in folds.items():
+            for variant in (text.replace(letter, char), text.replace(letter.upper(), char)):
+                assert redactor.text(variant) == redactor.exact(variant), variant

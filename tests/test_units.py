@@ -311,9 +311,17 @@ def test_repo_secrets_reads_dotenv_values_as_dotenv_does(tmp_path):
         "G = spaced-value  \n")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / ".env.local").write_text("H=local-secret\n")
+    (tmp_path / ".env.prod").write_text(
+        '\ufeffBOM_TOKEN=bomsecret1234567\nESC_PASS="p4ss\\"word-XYZ123"\nSQ_PASS=\'it\\\'s-secret-9876\'\n'
+        'NL_KEY="line1-AAAAAAAA\\nline2-BBBBBBBB"\nMULTI="first-line-CCCCCCCC\nsecond-line-DDDDDDDD"\n')
+    (tmp_path / ".envs" / ".production").mkdir(parents=True)
+    (tmp_path / ".envs" / ".production" / ".django").write_text("DJANGO_SECRET_KEY=in-a-dotenv-directory-1\n")
     values = set(agent.repo_secrets(tmp_path))
     assert {"abc#def", "pa55 word", "x y # z", "quoted", "spaced-value", "local-secret"} <= values
     assert "commented" not in values and "" not in values and "abc" not in values
+    assert {"bomsecret1234567", 'p4ss"word-XYZ123', "it's-secret-9876", "line1-AAAAAAAA\nline2-BBBBBBBB",
+            "line2-BBBBBBBB", "first-line-CCCCCCCC\nsecond-line-DDDDDDDD", "second-line-DDDDDDDD",
+            "in-a-dotenv-directory-1"} <= values
 
 
 @pytest.mark.parametrize("name,secret", [
