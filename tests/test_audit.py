@@ -1,12 +1,10 @@
 """audit.py on ledgers with known answers, written by the real writer and ask.py's own code path."""
 
 import json
-import os
 import re
 import shutil
 import subprocess
 from html.parser import HTMLParser
-from pathlib import Path
 
 import pytest
 

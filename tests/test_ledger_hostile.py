@@ -2,7 +2,6 @@
 
 import collections
 import json
-import os
 import subprocess
 import sys
 import threading
