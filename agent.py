@@ -876,7 +876,7 @@ def dotenv_values(text):
             end = len(text) if end < 0 else end
         else:  # unquoted: `a#b` is one value, ` # note` a comment; both readings are masked
             bare = text[start:end].strip()
-            values += [bare, re.split(r"\s#", bare, 1)[0].strip()]
+            values += [bare, re.split(r"\s#", bare, maxsplit=1)[0].strip()]
         pos = end + 1
     return [value.strip() for value in values if value.strip()]
 
