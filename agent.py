@@ -1737,15 +1737,21 @@ def take_lock(repo, run_id):
     """The repository's run lock: an flock held for the life of the run (released on exit or crash).
     Raises LockHeld at once when another run holds it."""
     path = _lock_dir() / (hashlib.sha256(str(repo).encode("utf-8", "surrogateescape")).hexdigest()[:32] + ".lock")
+    return _hold_lock(path, f"another run holds the lock for {repo}", f"run {run_id} ")
+
+
+def _hold_lock(path, held_message, holder_note):
+    """Take an exclusive flock on path without waiting and write who holds it; returns the fd (kept open
+    for the holder's life). Raises LockHeld, naming the current holder, when another process holds it."""
     fd = os.open(str(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 300, 0).decode("utf-8", "replace").strip() or "unknown"
         os.close(fd)
-        raise LockHeld(f"another run holds the lock for {repo} ({holder}); lock file {path}") from None
+        raise LockHeld(f"{held_message} ({holder}); lock file {path}") from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} run {run_id} since {rl.utc_now()}\n".encode(), 0)
+    os.pwrite(fd, f"pid {os.getpid()} {holder_note}since {rl.utc_now()}\n".encode(), 0)
     return fd
 
 
@@ -3285,17 +3291,7 @@ def _check_limits(port, max_body, queue, max_connections, request_timeout, grace
 
 def _daemon_lock(runs_dir):
     """One daemon per runs directory (two would both pick up the same unfinished deliveries)."""
-    path = runs_dir / DAEMON_LOCK
-    fd = os.open(str(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip() or "unknown"
-        os.close(fd)
-        raise LockHeld(f"another daemon serves {runs_dir} ({holder}); lock file {path}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} since {rl.utc_now()}\n".encode(), 0)
-    return fd
+    return _hold_lock(runs_dir / DAEMON_LOCK, f"another daemon serves {runs_dir}", "")
 
 
 # -- the timeline page ------------------------------------------------------------------
