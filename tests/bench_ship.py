@@ -32,22 +32,10 @@ for entry in (str(ROOT), str(ROOT / "tests")):
         sys.path.insert(0, entry)
 
 import reasoning_ledger as rl  # noqa: E402
+from bench import PAYLOAD  # noqa: E402  (a model_call as ask.py writes it, ~1 KB a line)
 from clickhouse_server import ClickHouse, skip_reason  # noqa: E402
 
 QUICK_LINES = 100000
-PAYLOAD = {  # a model_call as ask.py writes it (~1 KB a line), as in tests/bench.py
-    "request_model": "vendor/free-model-7b", "response_model": "vendor/free-model-7b-0612",
-    "response_id": "chatcmpl-123", "system_fingerprint": "fp_44709d6fcb",
-    "base_url": "https://llm.example.net/v1", "server_address": "llm.example.net", "server_port": 443,
-    "stream": False, "attempt": 1,
-    "prompt_sha256": "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
-    "prompt_chars": 512, "response_chars": 1800, "usage_reported": True, "usage_status": "complete",
-    "input_tokens": 130, "output_tokens": 450, "total_tokens": 580, "cached_input_tokens": None,
-    "reasoning_output_tokens": None, "est_input_tokens": 128, "est_output_tokens": 450,
-    "est_method": "chars/4", "latency_ms": 1234.5, "ttft_ms": None, "http_status": 200,
-    "finish_reason": "stop", "request_id": "req_abc", "ratelimit": {}, "error_type": None,
-    "error_message": None, "check": True, "check_detail": "matched /\\d+/",
-}
 
 
 def _ledger(path, lines):
