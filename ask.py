@@ -111,10 +111,10 @@ class RecordError(rl.UsageError):
 class _CallFailed(Exception):
     """One attempt failed: carries what the ledger records about it."""
 
-    def __init__(self, error_type, message, status=None, headers=None, code=None, redirect_host=None):
+    def __init__(self, error_type, message, status=None, headers=None, code=None, redirect_host=None, body=None):
         super().__init__(message)
         self.error_type, self.message, self.status, self.headers = error_type, message, status, headers
-        self.code, self.redirect_host = code, redirect_host
+        self.code, self.redirect_host, self.body = code, redirect_host, body  # body: an HTTP error's, capped
 
 
 # ----------------------------------------------------------------------------
@@ -404,9 +404,9 @@ def _classify(exc, deadline):
     return "connection_error", f"{type(reason).__name__}: {reason}"
 
 
-def _open(url, *, api_key, deadline, body=None):
+def _open(url, *, api_key, deadline, body=None, accept="application/json"):
     """Send one request; return the response of a 2xx. Raises _CallFailed for anything else."""
-    headers = {"Authorization": f"Bearer {api_key}", "User-Agent": USER_AGENT, "Accept": "application/json"}
+    headers = {"Authorization": f"Bearer {api_key}", "User-Agent": USER_AGENT, "Accept": accept}
     data = None
     if body is not None:
         data = json.dumps(body).encode("ascii")  # \\u escapes: any text, lone surrogates included, goes out
@@ -427,7 +427,7 @@ def _open(url, *, api_key, deadline, body=None):
                               redirect_host=host) from None
         message, code = _error_from_body(raw, exc.headers.get("Content-Type", "") if exc.headers else "")
         raise _CallFailed(_error_type_for_status(exc.code), f"HTTP {exc.code}: {message or exc.reason}",
-                          exc.code, exc.headers, code=code) from None
+                          exc.code, exc.headers, code=code, body=raw) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         raise _CallFailed(*_classify(exc, deadline)) from None
 
@@ -521,16 +521,31 @@ def _new_record(model, recorded_base, host, port, stream, attempt, messages, opt
     return record
 
 
-def _fill_from_completion(record, data, problems, status, headers):
-    """Fill `record` from a chat.completion object and return the answer text."""
+def _fill_ids(record, data, problems):
+    """response_model, response_id and system_fingerprint from an answer object or stream chunk."""
+    for name, key in (("response_model", "model"), ("response_id", "id"), ("system_fingerprint", "system_fingerprint")):
+        value = _server_text(data.get(key), key, problems, MAX_FIELD_CHARS)
+        if value is not None:
+            record[name] = value
+
+
+def _fill_from_completion(record, data, problems, status, headers, state=None):
+    """Fill `record` from a chat.completion, text_completion, Responses API response or embedding list;
+    return the answer text. state["tools"] is set when the answer is tool calls."""
+    state = {} if state is None else state
     choices = data.get("choices")
-    if data.get("error") is not None and not choices:
+    if data.get("error") is not None and not choices and not data.get("output"):
         _api_error(data["error"], status, headers, f"HTTP {status} with an error body")
-    record["response_model"] = _server_text(data.get("model"), "model", problems, MAX_FIELD_CHARS)
-    record["response_id"] = _server_text(data.get("id"), "id", problems, MAX_FIELD_CHARS)
-    record["system_fingerprint"] = _server_text(data.get("system_fingerprint"), "system_fingerprint", problems,
-                                                MAX_FIELD_CHARS)
+    _fill_ids(record, data, problems)
     record.update(parse_usage(data.get("usage")))
+    if data.get("object") == "list" and isinstance(data.get("data"), list):  # embeddings: input tokens only
+        if record["input_tokens"] is not None and record["output_tokens"] is None:
+            record["usage_status"] = "complete"
+        state["tools"] = True  # an answer without text
+        return ""
+    if isinstance(data.get("output"), list):  # the Responses API
+        record["finish_reason"] = _server_text(data.get("status"), "status", problems, MAX_FIELD_CHARS)
+        return "".join(_output_text(item, state, problems) for item in data["output"])
     if not isinstance(choices, list) or not choices:
         raise _CallFailed("no_choices", f"HTTP {status} but the response has no choices", status, headers)
     choice = choices[0]
@@ -541,73 +556,80 @@ def _fill_from_completion(record, data, problems, status, headers):
                                            MAX_FIELD_CHARS)
     message = choice.get("message")
     if message is None:
-        return ""
+        return _server_text(choice.get("text"), "choices[0].text", problems) or ""
     if type(message) is not dict:
         problems.append(f"choices[0].message is a {type(message).__name__}, not an object")
         return ""
+    state["tools"] = bool(message.get("tool_calls") or message.get("function_call"))
     return _content_text(message.get("content"), "choices[0].message.content", problems)
 
 
-def _read_stream(response, record, started, on_text, limit, deadline, problems):
-    """Read server-sent events to [DONE]; return the text. Lines and the whole body are capped."""
-    parts, finished, done, usage, total = [], False, False, None, 0
+def _output_text(item, state, problems):
+    if type(item) is not dict:
+        problems.append(f"an output item is a {type(item).__name__}, not an object")
+        return ""
+    if item.get("type") != "message":
+        state["tools"] = state.get("tools") or item.get("type") == "function_call"
+        return ""
+    return _content_text(item.get("content"), "output[].content", problems)
+
+
+_RESPONSE_DONE = ("response.completed", "response.incomplete", "response.failed")
+
+
+def _sse_events(response, limit, deadline):
+    """Yield (raw, data) per server-sent event, split at blank lines (and after `data: [DONE]`): raw is the
+    event as sent, data its data: lines (None if none). Lines and the whole stream are capped."""
+    status, headers = response.status, response.headers
+    raw, data, total = [], [], 0
+    while True:
+        line = response.readline(MAX_SSE_LINE_BYTES + 1)
+        if not line:
+            if data:
+                yield b"".join(raw), b"\n".join(data)
+            return
+        total += len(line)
+        if total > limit or (len(line) > MAX_SSE_LINE_BYTES and not line.endswith(b"\n")):
+            raise _CallFailed("response_too_large", f"the stream is over the {limit}-byte limit or has a line "
+                                                    f"over {MAX_SSE_LINE_BYTES} bytes", status, headers)
+        if not line.endswith(b"\n"):
+            raise _CallFailed("truncated_stream", "the stream was cut in the middle of an event", status, headers)
+        raw.append(line)
+        line = line.rstrip(b"\r\n")
+        if line.startswith(b"data:"):
+            data.append(line[5:].strip())
+        if (not line or data[-1:] == [b"[DONE]"]) and (data or len(raw) > 1 or line):
+            yield b"".join(raw), (b"\n".join(data) if data else None)
+            raw, data = [], []
+        if deadline.expired:
+            raise _CallFailed(*_classify(None, deadline), status, headers)
+
+
+def _read_stream(response, record, started, on_text, limit, deadline, problems, relay=None, state=None):
+    """Read server-sent events to [DONE], a finish_reason, or the Responses API's response.completed;
+    return the text. `relay(raw, chunk)` gets each event as it arrives (the proxy)."""
+    parts, state = [], {} if state is None else state
     status, headers = response.status, response.headers
     try:
-        while True:
-            line = response.readline(MAX_SSE_LINE_BYTES + 1)
-            if not line:
-                break
-            total += len(line)
-            if total > limit or (len(line) > MAX_SSE_LINE_BYTES and not line.endswith(b"\n")):
-                raise _CallFailed("response_too_large", f"the stream is over the {limit}-byte limit or has a line "
-                                                        f"over {MAX_SSE_LINE_BYTES} bytes", status, headers)
-            if not line.endswith(b"\n"):
-                raise _CallFailed("truncated_stream", "the stream was cut in the middle of an event", status,
-                                  headers)
-            line = line.rstrip(b"\r\n")
-            if not line.startswith(b"data:"):
-                continue  # blank separators, ": keep-alive" comments, event:/id:/retry: fields
-            data = line[5:].strip()
+        for raw, data in _sse_events(response, limit, deadline):
+            chunk = None
+            if data is not None and data != b"[DONE]":
+                chunk = _parse_json(data, "stream chunk", problems, status, headers) if data[:1] == b"{" else None
+                if chunk is None:
+                    problems.append(f"a stream chunk is not a JSON object: {data[:80]!r}")
+            if relay is not None:
+                relay(raw, chunk)
             if data == b"[DONE]":
-                done = True
+                state["done"] = True
                 break
-            chunk = _parse_json(data, "stream chunk", problems, status, headers) if data[:1] == b"{" else None
-            if chunk is None:
-                problems.append(f"a stream chunk is not a JSON object: {data[:80]!r}")
-                continue
-            if chunk.get("error") is not None:
-                _api_error(chunk["error"], status, headers, "error in the stream")
-            for name, key in (("response_model", "model"), ("response_id", "id"),
-                              ("system_fingerprint", "system_fingerprint")):
-                value = _server_text(chunk.get(key), key, problems, MAX_FIELD_CHARS)
-                if value is not None:
-                    record[name] = value
-            if chunk.get("usage") is not None:
-                usage = chunk["usage"]
-            choices = chunk.get("choices") or []
-            if type(choices) is not list:
-                problems.append(f"a stream chunk's choices is a {type(choices).__name__}, not a list")
-                continue
-            for choice in choices:
-                if type(choice) is not dict:
-                    problems.append(f"a stream choice is a {type(choice).__name__}, not an object")
-                    continue
-                if choice.get("index", 0) != 0:
-                    continue
-                delta = choice.get("delta") or {}
-                if type(delta) is not dict:
-                    problems.append(f"a stream delta is a {type(delta).__name__}, not an object")
-                    continue
-                piece = _content_text(delta.get("content"), "delta.content", problems)
-                if piece:
-                    if record["ttft_ms"] is None:
-                        record["ttft_ms"] = _ms_since(started)
-                    parts.append(piece)
-                    on_text(piece)
-                if choice.get("finish_reason") is not None:
-                    record["finish_reason"] = _server_text(choice["finish_reason"], "finish_reason", problems,
-                                                           MAX_FIELD_CHARS)
-                    finished = True
+            piece = _take_chunk(record, chunk, state, problems, status, headers) if chunk else ""
+            if piece:
+                if record["ttft_ms"] is None:
+                    record["ttft_ms"] = _ms_since(started)
+                parts.append(piece)
+                on_text(piece)
+            if state.get("done"):
+                break
         if deadline.expired:
             raise _CallFailed(*_classify(None, deadline), status, headers)
     except (OSError, http.client.HTTPException) as exc:
@@ -615,30 +637,107 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems):
     finally:
         record["response_chars"] = sum(map(len, parts))
         record["est_output_tokens"] = estimate_tokens(record["response_chars"])
-        record.update(parse_usage(usage))
-    if not (done or finished):
+        record.update(parse_usage(state.get("usage")))
+    if not (state.get("done") or state.get("finished")):
         raise _CallFailed("truncated_stream", "the stream ended without a finish_reason or [DONE]", status, headers)
     return "".join(parts)
+
+
+def _take_chunk(record, chunk, state, problems, status, headers):
+    """One stream chunk (chat, completions or the Responses API) into record/state; returns its text."""
+    kind = chunk.get("type")
+    if chunk.get("error") is not None or kind == "error":
+        _api_error(chunk.get("error") or chunk, status, headers, "error in the stream")
+    if type(kind) is str and kind.startswith("response."):
+        item = chunk.get("item")
+        state["tools"] = state.get("tools") or (type(item) is dict and item.get("type") == "function_call")
+        if kind == "response.output_text.delta":
+            return _server_text(chunk.get("delta"), "delta", problems) or ""
+        response = chunk.get("response")
+        if type(response) is dict:
+            _fill_ids(record, response, problems)
+            state["usage"] = response.get("usage", state.get("usage"))
+            if kind in _RESPONSE_DONE:
+                record["finish_reason"] = _server_text(response.get("status"), "status", problems, MAX_FIELD_CHARS)
+                state["done"] = True
+            if kind == "response.failed":
+                _api_error(response.get("error"), status, headers, "the response failed")
+        return ""
+    _fill_ids(record, chunk, problems)
+    if chunk.get("usage") is not None:
+        state["usage"] = chunk["usage"]
+    choices = chunk.get("choices") or []
+    if type(choices) is not list:
+        problems.append(f"a stream chunk's choices is a {type(choices).__name__}, not a list")
+        return ""
+    pieces = []
+    for choice in choices:
+        if type(choice) is not dict:
+            problems.append(f"a stream choice is a {type(choice).__name__}, not an object")
+            continue
+        if choice.get("index", 0) != 0:
+            continue
+        delta = choice.get("delta") or {}
+        if type(delta) is not dict:
+            problems.append(f"a stream delta is a {type(delta).__name__}, not an object")
+            continue
+        state["tools"] = state.get("tools") or bool(delta.get("tool_calls") or delta.get("function_call"))
+        pieces.append(_content_text(delta.get("content", choice.get("text")), "delta.content", problems))
+        if choice.get("finish_reason") is not None:
+            record["finish_reason"] = _server_text(choice["finish_reason"], "finish_reason", problems,
+                                                   MAX_FIELD_CHARS)
+            state["finished"] = True
+    return "".join(pieces)
+
+
+def _took(response, record, problems, limit):
+    """The head of a 2xx answer into `record`: status, request id, rate limits; a body announced too large
+    raises."""
+    record["http_status"] = response.status
+    _fill_head(record, response.headers, problems)
+    declared = response.headers.get("Content-Length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _CallFailed("response_too_large", f"the body announces {declared} bytes, over the {limit}-byte "
+                                                f"limit (--max-response-bytes)", response.status, response.headers)
+
+
+def _fill_head(record, headers, problems):
+    record["request_id"] = _server_text(headers.get("x-request-id") or headers.get("request-id"),
+                                        "request-id header", problems, MAX_FIELD_CHARS)
+    record["ratelimit"] = _ratelimit(headers)
 
 
 def _one_attempt(url, body, record, started, *, api_key, deadline, limit, on_text, problems):
     """Send once; fill `record` (all but latency_ms); return the answer text. Raises _CallFailed."""
     response = _open(url, api_key=api_key, deadline=deadline, body=body)
     with response:
-        record["http_status"] = response.status
-        record["request_id"] = _server_text(response.headers.get("x-request-id") or response.headers.get(
-            "request-id"), "request-id header", problems, MAX_FIELD_CHARS)
-        record["ratelimit"] = _ratelimit(response.headers)
-        declared = response.headers.get("Content-Length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise _CallFailed("response_too_large", f"the body announces {declared} bytes, over the {limit}-byte "
-                                                    f"limit (--max-response-bytes)", response.status, response.headers)
+        _took(response, record, problems, limit)
         if body.get("stream"):
             return _read_stream(response, record, started, on_text, limit, deadline, problems)
         raw = _read_body(response, limit, deadline)
         data = _parse_json(raw, "body", problems, response.status, response.headers,
                            response.headers.get("Content-Type", ""))
         return _fill_from_completion(record, data, problems, response.status, response.headers)
+
+
+def _finish(record, started, text, failure, problems, redactor, answered=False):
+    """The finishing steps of every attempt, one-shot or proxied: latency, sizes, problems and the
+    failure, if any, into `record`. Returns the failure (None on success)."""
+    record["latency_ms"] = _ms_since(started)  # to the end of the body, or to the failure
+    if text is not None and not record["stream"]:
+        record["response_chars"] = len(text)
+        record["est_output_tokens"] = estimate_tokens(len(text))
+    if problems:
+        record["malformed"] = problems[:MAX_PROBLEMS]
+        if failure is None:
+            failure = _CallFailed("malformed_response", "the answer arrived but the body is malformed: "
+                                  + "; ".join(problems[:3]), record["http_status"])
+    if failure is None and not answered and not text.strip():
+        failure = _CallFailed("empty_content", f"HTTP {record['http_status']} but the answer is empty",
+                              record["http_status"])
+    if failure is not None:
+        _record_failure(record, failure, redactor)
+    return failure
 
 
 def _ms_since(started):
@@ -655,10 +754,13 @@ def _record_failure(record, failure, redactor):
     if failure.redirect_host:
         record["redirect_host"] = failure.redirect_host
     if failure.headers is not None:
-        problems = []
-        record["request_id"] = _server_text(failure.headers.get("x-request-id") or failure.headers.get(
-            "request-id"), "request-id header", problems, MAX_FIELD_CHARS)
-        record["ratelimit"] = _ratelimit(failure.headers)
+        _fill_head(record, failure.headers, [])
+
+
+def _options_rejected(failure, body):
+    """The one retry without stream_options, for a server that refuses them."""
+    return (failure is not None and "stream_options" in body and failure.status in (400, 422)
+            and "stream_options" in (failure.message or ""))
 
 
 def _wait_before_retry(attempt, failure, backoff, max_wait):
@@ -810,29 +912,15 @@ def _attempts(book, url, body, messages, model, recorded_base, host, port, optio
             failure = exc
         finally:
             deadline.cancel()
-        record["latency_ms"] = _ms_since(started)  # to the end of the body, or to the failure
-        if text is not None and not record["stream"]:
-            record["response_chars"] = len(text)
-            record["est_output_tokens"] = estimate_tokens(len(text))
-        if problems:
-            record["malformed"] = problems[:MAX_PROBLEMS]
-            if failure is None:
-                failure = _CallFailed("malformed_response", "the answer arrived but the body is malformed: "
-                                      + "; ".join(problems[:3]), record["http_status"])
-        if failure is None and not text.strip():
-            failure = _CallFailed("empty_content", f"HTTP {record['http_status']} but the answer is empty",
-                                  record["http_status"])
-        if failure is not None:
-            _record_failure(record, failure, redactor)
-        elif expect is not None or expect_json or strict_model:
+        failure = _finish(record, started, text, failure, problems, redactor)
+        if failure is None and (expect is not None or expect_json or strict_model):
             record["check"], record["check_detail"] = run_checks(
                 text, expect=expect, expect_json=expect_json, strict_model=strict_model,
                 request_model=model, response_model=record["response_model"])
         if text and store_text:
             record["response_artifact"] = book.store_artifact(text)
         wait = None
-        retry_options = (failure is not None and body.get("stream") and not dropped_options
-                         and failure.status in (400, 422) and "stream_options" in (failure.message or ""))
+        retry_options = _options_rejected(failure, body)
         if retry_options:
             record["retry_reason"] = "server rejected stream_options; retrying once without it"
             wait = 0.0
