@@ -7,6 +7,7 @@ Usage:
   python ask.py --expect-json --retries 3 < prompt.txt
   python ask.py --stream < prompt.txt             # print as it arrives; records time-to-first-token
   python ask.py --models                          # is my key and base URL right? lists the model ids
+  python ask.py proxy [--listen 127.0.0.1:8787]   # a recording proxy for any OpenAI client (docs/proxy.md)
 
 Settings (environment; flags override): BASE_URL (or OPENAI_BASE_URL), API_KEY (or OPENAI_API_KEY),
 MODEL_ID (--model). Optional: LEDGER (--ledger, default ./calls.jsonl), LEDGER_RUN_ID, LEDGER_KEY.
@@ -22,6 +23,7 @@ Library (the one code path for a model call; agent.py uses it):
 
 import argparse
 import hashlib
+import hmac
 import http.client
 import json
 import math
@@ -29,7 +31,9 @@ import os
 import random
 import re
 import socket
+import socketserver
 import sys
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -86,6 +90,7 @@ MODEL_CALL_OPTIONAL = {
     "system_sha256": (_S,), "prompt_artifact": (_D,), "system_artifact": (_D,), "messages_artifact": (_D,),
     "response_artifact": (_D,), "retry_in_s": (_F, _I), "retry_reason": (_S,), "stream_options_dropped": (_B,),
     "redirect_host": (_S,), "malformed": (_L,),
+    "route": (_S,), "client_address": (_S,), "user_agent": (_S, _N), "session": (_S, _N), "client_retry": (_I, _N),
 }
 # What `reasoning_ledger.py report` shows on a model_call's line.
 MODEL_CALL_SUMMARY = ("request_model", "response_model", "error_type")
@@ -789,6 +794,13 @@ def _ledger_for(ledger, api_key):
     raise TypeError(f"ledger must be a Ledger, a Run or a path, not a {type(ledger).__name__}")
 
 
+def _check_ledger(book):
+    try:
+        book.check()  # a ledger that cannot take the line costs no request
+    except (rl.LedgerError, OSError) as exc:
+        raise ConfigError(f"the ledger cannot take a line, so nothing was sent: {rl.error_text(exc)}") from None
+
+
 def _append(book, kind, record):
     try:
         book.append(kind, record)
@@ -867,10 +879,7 @@ def chat(messages, *, ledger, base_url, model, api_key, max_tokens=None, tempera
     options = {"temperature": temperature, "max_tokens": max_tokens}
     book, owned = _ledger_for(ledger, api_key)
     try:
-        try:
-            book.check()  # a ledger that cannot take the line costs no request
-        except (rl.LedgerError, OSError) as exc:
-            raise ConfigError(f"the ledger cannot take a line, so nothing was sent: {rl.error_text(exc)}") from None
+        _check_ledger(book)
         return _attempts(book, url, body, messages, model, recorded_base, host, port, options, api_key,
                          retries=retries, timeout=timeout, expect=expect, expect_json=expect_json,
                          strict_model=strict_model, store_text=store_text, backoff=backoff, max_wait=max_wait,
@@ -958,47 +967,485 @@ def ask(prompt, *, system=None, **kwargs):
 def list_models(*, ledger, base_url, api_key, timeout=DEFAULT_TIMEOUT, max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES):
     """GET {base_url}/models; append one models_list event; return its record (model_ids sorted)."""
     check_api_key(api_key)
-    request_base, recorded_base, host, port = split_base_url(base_url)
+    split = split_base_url(base_url)
     _check_number("timeout", timeout, above=0)
-    record = {"base_url": recorded_base, "server_address": host, "server_port": port, "http_status": None,
-              "model_ids": None, "count": None, "latency_ms": None, "request_id": None, "ratelimit": {},
-              "error_type": None, "error_code": None, "error_message": None}
     book, owned = _ledger_for(ledger, api_key)
     try:
-        try:
-            book.check()
-        except (rl.LedgerError, OSError) as exc:
-            raise ConfigError(f"the ledger cannot take a line, so nothing was sent: {rl.error_text(exc)}") from None
-        started = time.perf_counter()
-        deadline = rl.Deadline(timeout)
-        problems = []
-        try:
-            response = _open(_endpoint(request_base, "/models"), api_key=api_key, deadline=deadline)
-            with response:
-                record["http_status"] = response.status
-                record["ratelimit"] = _ratelimit(response.headers)
-                raw = _read_body(response, max_response_bytes, deadline)
-                data = _parse_json(raw, "body", problems, response.status, response.headers,
-                                   response.headers.get("Content-Type", ""))
-            items = data.get("data")
-            if not isinstance(items, list):
-                raise _CallFailed("invalid_json", "HTTP 200 but the body has no data list", 200)
-            ids = {_server_text(item.get("id"), "data[].id", problems, MAX_FIELD_CHARS)
-                   for item in items if isinstance(item, dict)}
-            ids.discard(None)
-            record["model_ids"], record["count"] = sorted(ids)[:10000], len(ids)
-            if problems:
-                record["malformed"] = problems[:MAX_PROBLEMS]
-        except _CallFailed as exc:
-            _record_failure(record, exc, book.redactor)
-        finally:
-            deadline.cancel()
-        record["latency_ms"] = _ms_since(started)
+        _check_ledger(book)
+        record = _models_call(book.redactor, split, api_key, timeout, max_response_bytes)[0]
         _append(book, "models_list", record)
     finally:
         if owned:
             book.close()
     return record
+
+
+def _models_call(redactor, split, api_key, timeout, limit):
+    """GET /models once: (record, raw body or None, failure or None, response headers or None)."""
+    request_base, recorded_base, host, port = split
+    record = {"base_url": recorded_base, "server_address": host, "server_port": port, "http_status": None,
+              "model_ids": None, "count": None, "latency_ms": None, "request_id": None, "ratelimit": {},
+              "error_type": None, "error_code": None, "error_message": None}
+    started, deadline = time.perf_counter(), rl.Deadline(timeout)
+    problems, raw, failure, headers = [], None, None, None
+    try:
+        response = _open(_endpoint(request_base, "/models"), api_key=api_key, deadline=deadline)
+        with response:
+            _took(response, record, problems, limit)
+            headers = response.headers
+            raw = _read_body(response, limit, deadline)
+            data = _parse_json(raw, "body", problems, response.status, headers, headers.get("Content-Type", ""))
+        items = data.get("data")
+        if not isinstance(items, list):
+            raise _CallFailed("invalid_json", "HTTP 200 but the body has no data list", 200)
+        ids = {_server_text(item.get("id"), "data[].id", problems, MAX_FIELD_CHARS)
+               for item in items if isinstance(item, dict)}
+        ids.discard(None)
+        record["model_ids"], record["count"] = sorted(ids)[:10000], len(ids)
+        if problems:
+            record["malformed"] = problems[:MAX_PROBLEMS]
+    except _CallFailed as exc:
+        failure, raw = exc, None
+        _record_failure(record, exc, redactor)
+    finally:
+        deadline.cancel()
+    record["latency_ms"] = _ms_since(started)
+    return record, raw, failure, headers
+
+
+# ----------------------------------------------------------------------------
+# The recording proxy: `ask.py proxy`, every upstream attempt of every client one model_call line
+# ----------------------------------------------------------------------------
+
+PROXY_ROUTES = {"/chat/completions": "POST", "/completions": "POST", "/responses": "POST", "/embeddings": "POST",
+                "/models": "GET"}
+PROXY_LISTEN = "127.0.0.1:8787"
+PROXY_TIMEOUT = 600.0          # an agent's long stream is one attempt: its deadline is longer than ask.py's
+PROXY_MAX_BODY = 32 * 1024 * 1024
+PROXY_READ_S = 30.0            # to read one request, head and body; cancelled once the body is in
+PROXY_IDLE_S = 15.0
+MAX_HEADER_CHARS = 200
+_PASS_BACK = ("content-type", "retry-after", "retry-after-ms", "x-request-id", "openai-processing-ms")
+_CALL_KEYS = ("tool_calls", "function_call", "arguments", "output")
+_WHOLE_ERRORS = ("api_error", "malformed_response", "empty_content")  # the stream ended by itself
+
+
+def _is_loopback(host):
+    import ipaddress
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def _json_text(value):
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+def _as_text(content):
+    """A client's content as text: a string, content parts (text kept, others such as images named), null."""
+    if content is None or type(content) is str:
+        return content or ""
+    if type(content) is not list:
+        return _json_text(content)
+    out = []
+    for part in content:
+        if type(part) is dict and type(part.get("text")) is str:
+            out.append(part["text"])
+        elif type(part) is dict:
+            out.append(f"[{str(part.get('type', 'part'))[:40]}]")
+        else:
+            out.append(part if type(part) is str else _json_text(part))
+    return "".join(out)
+
+
+def _client_messages(route, body):
+    """(messages, token_ids): what a client sent as [{role, content}] text, for the record's prompt fields,
+    and how many token ids a `prompt` or `input` given as token arrays holds."""
+    tokens, items = 0, []
+    if route == "/chat/completions":
+        items = body.get("messages") if type(body.get("messages")) is list else [body.get("messages")]
+    elif route == "/responses":
+        if body.get("instructions") is not None:
+            items.append({"role": "system", "content": body["instructions"]})
+        given = body.get("input")
+        items += given if type(given) is list else [{"role": "user", "content": given}]
+    else:
+        given = body.get("prompt" if route == "/completions" else "input")
+        given = given if type(given) is list else [given]
+        for one in [given] if given and all(type(x) is int for x in given) else given:
+            if type(one) is list and all(type(x) is int for x in one):
+                tokens += len(one)
+            else:
+                items.append({"role": "user", "content": one})
+    messages = []
+    for item in items:
+        if item is None:
+            continue
+        item = item if type(item) is dict else {"role": "user", "content": item}
+        kind = str(item.get("type", ""))
+        role = item.get("role") if type(item.get("role")) is str else "tool" if kind.endswith("_output") else (
+            "assistant")
+        calls = "".join(v if type(v) is str else _json_text(v) for k, v in item.items() if k in _CALL_KEYS)
+        messages.append({"role": "system" if role == "developer" else role[:40],
+                         "content": _as_text(item.get("content")) + calls})
+    return messages, tokens
+
+
+def _header_text(value):
+    return value[:MAX_HEADER_CHARS] if value else None
+
+
+def _passed_back(headers):
+    out = []
+    for name, value in headers.items() if headers is not None else ():
+        low = name.lower()
+        if low in _PASS_BACK or low.startswith("x-ratelimit-"):
+            out.append((name, re.sub(r"[\r\n]", " ", value)))
+    return out
+
+
+def _http_answer(status, body, headers=(), close=False, chunked=False):
+    """The bytes of one answer, head and body in one write (no Nagle delay between them)."""
+    head = [f"HTTP/1.1 {status} {http.client.responses.get(status, 'Status')}"]
+    head += [f"{name}: {value}" for name, value in headers]
+    if not any(name.lower() == "content-type" for name, _ in headers):
+        head.append("Content-Type: " + ("text/event-stream" if chunked else "application/json"))
+    head.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}")
+    if close:
+        head.append("Connection: close")
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1", "replace") + body
+
+
+def _error_json(message, code, kind="proxy_error"):
+    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+
+
+class _Proxy:
+    """What every connection shares: the settings, the one Ledger, and the state of a shutdown."""
+
+    def __init__(self, args, base_url, model, api_key, token, ledger_path):
+        self.split = split_base_url(base_url)
+        self.model, self.api_key, self.token = model, api_key, token
+        self.timeout, self.limit, self.idle_s = args.timeout, args.max_response_bytes, args.idle_timeout
+        self.verbose, self.secrets = args.verbose, [s for s in (api_key, token) if s]
+        self.book = _ledger_for(ledger_path, api_key)[0]
+        self.book.add_secret(token)
+        self.lock, self.idle, self.stopping = threading.Lock(), set(), False
+
+    def append(self, kind, record):
+        try:
+            _append(self.book, kind, record)
+        except RecordError as exc:  # the answer still goes to the client: a paid answer is never thrown away
+            self.log_error(str(exc))
+
+    def log_error(self, text):
+        rl.error(text, self.secrets)
+
+    def stop(self):
+        """New requests get 503; idle connections are closed at once."""
+        with self.lock:
+            self.stopping = True
+            for sock in self.idle:
+                rl.shut(sock)
+
+
+class _ProxyServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    """A thread per connection, at most `max_connections` (past that a 503 with Retry-After)."""
+    daemon_threads, block_on_close, allow_reuse_address, request_queue_size = True, False, True, 128
+
+    def __init__(self, address, app, max_connections):
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.app, self.max_connections, self.active, self.done = app, max_connections, 0, threading.Condition()
+        super().__init__(address, _ProxyHandler)
+
+    def process_request(self, request, client_address):
+        with self.done:
+            full = self.active >= self.max_connections
+            self.active += not full
+        if not full:
+            return super().process_request(request, client_address)
+        try:
+            request.settimeout(1.0)
+            request.sendall(_http_answer(503, _error_json("too many connections; retry later", "busy"),
+                                         [("Retry-After", "1")], close=True))
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.done:
+                self.active -= 1
+                self.done.notify_all()
+
+    def wait_idle(self, timeout):
+        end = time.monotonic() + timeout
+        with self.done:
+            while self.active and time.monotonic() < end:
+                self.done.wait(end - time.monotonic())
+
+    def handle_error(self, request, client_address):
+        self.app.log_error(f"connection from {client_address[0]}: {sys.exc_info()[1]!r}")
+
+
+class _ProxyHandler(socketserver.StreamRequestHandler):
+    """One client connection: requests in turn (keep-alive), each under a read deadline, then forwarded."""
+
+    def setup(self):
+        super().setup()
+        self.app = self.server.app
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each event goes out at once
+
+    def handle(self):
+        self.close = False
+        while not self.close and self._await_request():
+            self.deadline, self.status, self.started = rl.Deadline(PROXY_READ_S), None, time.perf_counter()
+            self.deadline.watch(self.connection)
+            self.connection.settimeout(PROXY_READ_S)
+            try:
+                self._one_request()
+            except OSError:  # the client went away: nothing to answer
+                return
+            finally:
+                self.deadline.cancel()
+
+    def _await_request(self):
+        """Wait up to the idle timeout for the next request; a shutdown closes an idle connection at once."""
+        with self.app.lock:
+            if self.app.stopping:
+                return False
+            self.app.idle.add(self.connection)
+        try:
+            self.connection.settimeout(self.app.idle_s)
+            return bool(self.rfile.peek(1))
+        except OSError:
+            return False
+        finally:
+            with self.app.lock:
+                self.app.idle.discard(self.connection)
+
+    def _one_request(self):
+        self.method, self.path = "-", "-"
+        try:
+            if not self._read_head():
+                self.close = True
+                return
+            self._route()
+        except _CallFailed as refused:  # refused before anything was sent upstream
+            self._error(refused.status, refused.message, refused.error_type, refused.headers or ())
+        if self.app.verbose:
+            print(rl.printable(f"proxy: {self.client_address[0]} {self.method} {self.path[:200]} {self.status} "
+                               f"{_ms_since(self.started)} ms"), file=sys.stderr, flush=True)
+
+    def _read_head(self):
+        line = self.rfile.readline(65537)
+        if not line:
+            return False
+        parts = line.decode("latin-1").split()
+        if len(line) > 65536 or len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
+            self.close = True
+            raise _CallFailed("invalid_request", "not an HTTP/1.x request line", 400)
+        self.method, self.path = parts[0], rl.redact_text(parts[1], self.app.secrets)
+        try:
+            self.headers = http.client.parse_headers(self.rfile)
+        except http.client.HTTPException:
+            self.close = True
+            raise _CallFailed("invalid_request", "the request headers are too long or too many", 431) from None
+        connection = (self.headers.get("Connection") or "").lower()
+        self.close = "close" in connection or (parts[2] == "HTTP/1.0" and "keep-alive" not in connection)
+        return True
+
+    def _route(self):
+        app, path = self.app, self.path.split("?", 1)[0]
+        route = path[3:].rstrip("/") if path.startswith("/v1/") else None
+        if app.stopping:
+            self.close = True
+            raise _CallFailed("unavailable", "the proxy is shutting down", 503, [("Retry-After", "1")])
+        if app.token:
+            given = (self.headers.get("Authorization") or "").encode("latin-1", "replace")
+            if not hmac.compare_digest(given, f"Bearer {app.token}".encode()):
+                raise _CallFailed("invalid_api_key", "the proxy token is required as the API key", 401)
+        else:
+            host = (self.headers.get("Host") or "").strip()
+            name = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
+            if not _is_loopback(name):
+                raise _CallFailed("forbidden", "Host must be a loopback name (set PROXY_TOKEN to serve others)", 403)
+        if route not in PROXY_ROUTES:
+            raise _CallFailed("not_found", f"no route {path[:200]}", 404)
+        if self.method != PROXY_ROUTES[route]:
+            raise _CallFailed("method_not_allowed", f"use {PROXY_ROUTES[route]}", 405,
+                              [("Allow", PROXY_ROUTES[route])])
+        raw = self._read_body() if self.method == "POST" else b""
+        self.deadline.cancel()  # the body is in: from here the upstream's deadline bounds the request
+        self.connection.settimeout(app.timeout + PROXY_READ_S)
+        return self._models() if route == "/models" else self._call(route, raw)
+
+    def _read_body(self):
+        length = self.headers.get("Content-Length") or ""
+        if self.headers.get("Transfer-Encoding") or not length.isdigit():
+            self.close = True
+            raise _CallFailed("length_required", "send the body with Content-Length", 411)
+        if int(length) > PROXY_MAX_BODY:
+            self.close = True
+            raise _CallFailed("request_too_large", f"the body is over {PROXY_MAX_BODY} bytes", 413)
+        if (self.headers.get("Expect") or "").lower() == "100-continue":
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        raw = self.rfile.read(int(length))
+        if len(raw) < int(length):
+            self.close = True
+            raise _CallFailed("incomplete_body", "the body is shorter than its Content-Length", 400)
+        return raw
+
+    # -- the call -----------------------------------------------------------
+    def _record(self, route, model, stream, attempt, messages, tokens, body):
+        number = body.get("temperature")
+        number = number if type(number) in (int, float) and math.isfinite(number) else None
+        limits = [body.get(k) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")]
+        limits = [n for n in limits if type(n) is int and 0 < n < 2 ** 63]
+        _request, recorded, host, port = self.app.split
+        record = _new_record(model, recorded, host, port, stream, attempt, messages,
+                             {"temperature": number, "max_tokens": limits[0] if limits else None})
+        if tokens:
+            record["est_input_tokens"] += tokens
+            record["est_method"] = EST_METHOD + " + token ids counted"
+        retry = self.headers.get("x-stainless-retry-count") or ""
+        record.update(route=route, client_address=self.client_address[0],
+                      user_agent=_header_text(self.headers.get("User-Agent")),
+                      session=_header_text(self.headers.get("X-Ledger-Session")),
+                      client_retry=int(retry) if retry.isdigit() and len(retry) < 10 else None)
+        return record
+
+    def _call(self, route, raw):
+        app, refused = self.app, None
+        try:
+            body = json.loads(raw.decode("utf-8"))
+            if type(body) is not dict:
+                raise ValueError("not a JSON object")
+            messages, tokens = _client_messages(route, body)
+        except (ValueError, RecursionError) as exc:
+            body, messages, tokens = {}, [], 0
+            refused = _CallFailed("invalid_request", f"the request body cannot be read: {str(exc)[:200]}")
+        model = body.get("model")
+        if refused is None and (type(model) is not str or not model):
+            refused = _CallFailed("model_missing", "the request has no model")
+        elif refused is None and app.model and model != app.model:
+            refused = _CallFailed("model_not_allowed", f"this proxy serves {app.model!r} only, not {model[:200]!r}")
+        model = model[:MAX_FIELD_CHARS] if type(model) is str and model else app.model or ""
+        stream = body.get("stream") is True and route != "/embeddings"
+        if refused is not None:  # recorded, with no HTTP status: nothing was sent
+            record = self._record(route, model, stream, 1, messages, tokens, body)
+            _finish(record, self.started, None, refused, [], app.book.redactor)
+            app.append("model_call", record)
+            return self._error(400, refused.message, refused.error_type, kind="invalid_request_error")
+        options = body.get("stream_options") if type(body.get("stream_options")) is dict else {}
+        injected = stream and route != "/responses" and options.get("include_usage") is not True
+        if injected:
+            body["stream_options"] = dict(options, include_usage=True)
+        for attempt in (1, 2):
+            record = self._record(route, model, stream, attempt, messages, tokens, body)
+            failure, state, out = self._attempt(route, body, record, _Relay(self, injected) if stream else None)
+            retry = attempt == 1 and not (out and out.began) and _options_rejected(failure, body)
+            if retry:
+                record["retry_reason"] = "server rejected stream_options; retrying once without it"
+                body.pop("stream_options")
+            elif attempt == 2:
+                record["stream_options_dropped"] = True
+            app.append("model_call", record)
+            if not retry:
+                return self._answer(record, failure, state, out)
+        return None
+
+    def _attempt(self, route, body, record, out):
+        """One upstream attempt, finished by the one-shot path's _finish: (failure, state, relay)."""
+        app, state, problems, text, failure = self.app, {}, [], None, None
+        started, deadline = time.perf_counter(), rl.Deadline(app.timeout)
+        try:
+            response = _open(_endpoint(app.split[0], route), api_key=app.api_key, deadline=deadline, body=body,
+                             accept="text/event-stream" if out else "application/json")
+            with response:
+                _took(response, record, problems, app.limit)
+                state["status"], state["headers"] = response.status, response.headers
+                if out is not None:
+                    out.headers = response.headers
+                if out is not None:
+                    text = _read_stream(response, record, started, lambda piece: None, app.limit, deadline, problems,
+                                        relay=out, state=state)
+                else:
+                    raw = _read_body(response, app.limit, deadline)
+                    data = _parse_json(raw, "body", problems, response.status, response.headers,
+                                       response.headers.get("Content-Type", ""))
+                    state["raw"] = raw
+                    text = _fill_from_completion(record, data, problems, response.status, response.headers, state)
+        except _CallFailed as exc:
+            failure = exc
+        finally:
+            deadline.cancel()
+        return _finish(record, started, text, failure, problems, app.book.redactor, state.get("tools")), state, out
+
+    def _answer(self, record, failure, state, out):
+        """Once the line is written: the stream's last event, the body as it came, the upstream's error, or 502."""
+        if out is not None and (out.began or failure is None):
+            return out.end(failure is None or failure.error_type in _WHOLE_ERRORS)
+        if "raw" in state:  # a body that parsed goes back as it is, whatever the record says of it
+            return self._send(state["status"], state["raw"], _passed_back(state["headers"]))
+        if failure.body is not None and failure.status >= 400:
+            body = failure.body.replace(self.app.api_key.encode(), rl.REDACTED.encode())
+            return self._send(failure.status, body, _passed_back(failure.headers))
+        return self._error(502, f"upstream: {record['error_message']}", record["error_type"])
+
+    def _models(self):
+        record, raw, failure, headers = _models_call(self.app.book.redactor, self.app.split, self.app.api_key,
+                                                     self.app.timeout, self.app.limit)
+        self.app.append("models_list", record)
+        return self._answer(record, failure, {"raw": raw, "status": 200, "headers": headers} if raw else {}, None)
+
+    # -- answers ------------------------------------------------------------
+    def _send(self, status, body, headers=(), chunked=False):
+        self.status = status
+        self.wfile.write(_http_answer(status, body, headers, close=self.close, chunked=chunked))
+
+    def _error(self, status, message, code, headers=(), kind="proxy_error"):
+        self._send(status, _error_json(message, code, kind), list(headers))
+
+
+class _Relay:
+    """A stream's events to the client as they arrive (chunked); the usage chunk the proxy asked for is
+    dropped, and the last event is held until the ledger line is written."""
+
+    def __init__(self, handler, injected):
+        self.handler, self.injected, self.began, self.held, self.headers = handler, injected, False, [], None
+
+    def __call__(self, raw, chunk):
+        if chunk is None and raw.rstrip().endswith(b"[DONE]") or chunk and chunk.get("type") in _RESPONSE_DONE:
+            self.held.append(raw)
+        elif not (self.injected and chunk and chunk.get("choices") == [] and chunk.get("usage") is not None):
+            self._write(raw)
+
+    def _write(self, raw):
+        try:
+            if not self.began:
+                self.began = True
+                self.handler._send(200, b"", _passed_back(self.headers), chunked=True)
+            if raw:
+                self.handler.wfile.write(b"%x\r\n%s\r\n" % (len(raw), raw))
+        except OSError:
+            self.handler.close = True
+            raise _CallFailed("client_gone", "the client closed the connection during the stream") from None
+
+    def end(self, whole):
+        """Send what was held; a whole stream ends cleanly, a broken one by closing the connection."""
+        try:
+            for raw in self.held:
+                self._write(raw)
+            self._write(b"")
+            if whole:
+                self.handler.wfile.write(b"0\r\n\r\n")
+        except (_CallFailed, OSError):
+            whole = False
+        self.handler.close = self.handler.close or not whole
 
 
 # ----------------------------------------------------------------------------
@@ -1125,6 +1572,65 @@ def _run(args):
     return rl.EXIT_OK
 
 
+def _proxy_parser():
+    p = rl.ArgumentParser(
+        prog="ask.py proxy", description="A recording OpenAI-compatible proxy: BASE_URL and API_KEY upstream "
+        "(MODEL_ID optional: pins the model; PROXY_TOKEN optional: the clients' key), one model_call line per "
+        "upstream attempt. See docs/proxy.md.",
+        epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_USAGE), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--listen", default=PROXY_LISTEN, metavar="HOST:PORT", help=f"default {PROXY_LISTEN}; port 0 "
+                   "picks a free one")
+    p.add_argument("--ledger", help=f"default $LEDGER, then ./{DEFAULT_LEDGER}")
+    p.add_argument("--max-connections", type=int, default=64, help="past this, 503 with Retry-After (default 64)")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds for requests in flight at SIGTERM (10)")
+    p.add_argument("--idle-timeout", type=float, default=PROXY_IDLE_S, help="keep-alive idle seconds (15)")
+    p.add_argument("--timeout", type=float, default=PROXY_TIMEOUT, help=f"seconds for a whole upstream attempt "
+                   f"({PROXY_TIMEOUT:g})")
+    p.add_argument("--max-response-bytes", type=int, default=DEFAULT_MAX_RESPONSE_BYTES)
+    p.add_argument("--verbose", action="store_true", help="one line per request on stderr")
+    return p
+
+
+def _run_proxy(args):
+    import signal
+    base_url, model, api_key = settings_from_env(need_model=False)
+    token = os.environ.get("PROXY_TOKEN") or None
+    if token is not None and not re.fullmatch(r"[\x21-\x7e]+", token):
+        raise ConfigError("PROXY_TOKEN must be printable ASCII without spaces (the token is not shown)")
+    for name, value, minimum in (("--max-connections", args.max_connections, 1), ("--grace", args.grace, 0),
+                                 ("--max-response-bytes", args.max_response_bytes, 1024)):
+        _check_number(name, value, minimum=minimum)
+    _check_number("--timeout", args.timeout, above=0)
+    _check_number("--idle-timeout", args.idle_timeout, above=0)
+    match = re.fullmatch(r"\[?([^\[\]]*?)\]?:([0-9]{1,5})", args.listen)
+    if not match or int(match.group(2)) > 65535:
+        raise ConfigError(f"--listen must be HOST:PORT, not {args.listen!r}")
+    host, port = match.group(1), int(match.group(2))
+    if token is None and not _is_loopback(host):
+        raise ConfigError(f"--listen {host}: set PROXY_TOKEN to listen on anything but loopback")
+    ledger_path = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
+    app = _Proxy(args, base_url, model, api_key, token, ledger_path)
+    _check_ledger(app.book)
+    try:
+        server = _ProxyServer((host, port), app, args.max_connections)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {args.listen}: {rl.error_text(exc)}") from None
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True).start()
+    shown = f"[{host}]" if ":" in host else host
+    rl.write_out(f"proxy: listening on http://{shown}:{server.server_address[1]}/v1 -> {app.split[1]} "
+                 f"(ledger {ledger_path})\n")
+    while not stop.wait(1.0):
+        pass
+    server.shutdown()  # no new connections; idle ones closed, new requests 503, those in flight get --grace
+    server.server_close()
+    app.stop()
+    server.wait_idle(args.grace)
+    return rl.EXIT_OK
+
+
 def _print_answer(record, args):
     if args.json:
         rl.write_out(json.dumps(record, ensure_ascii=False) + "\n")
@@ -1134,11 +1640,13 @@ def _print_answer(record, args):
 
 
 def main(argv=None):
-    args, code = rl.parse_cli(_build_parser(), argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    proxy = argv[:1] == ["proxy"]  # a prompt file named proxy is ./proxy
+    args, code = rl.parse_cli(_proxy_parser() if proxy else _build_parser(), argv[proxy:])
     if args is None:
         return code
-    secrets = [os.environ.get(name) for name in ("API_KEY", "OPENAI_API_KEY")]
-    return rl.run_cli(_run, args, secrets=[s for s in secrets if s])
+    secrets = [os.environ.get(name) for name in ("API_KEY", "OPENAI_API_KEY", "PROXY_TOKEN")]
+    return rl.run_cli(_run_proxy if proxy else _run, args, secrets=[s for s in secrets if s])
 
 
 if __name__ == "__main__":
