@@ -90,7 +90,7 @@ MODEL_CALL_OPTIONAL = {
     "system_sha256": (_S,), "prompt_artifact": (_D,), "system_artifact": (_D,), "messages_artifact": (_D,),
     "response_artifact": (_D,), "retry_in_s": (_F, _I), "retry_reason": (_S,), "stream_options_dropped": (_B,),
     "redirect_host": (_S,), "malformed": (_L,),
-    "route": (_S,), "client_address": (_S,), "user_agent": (_S, _N), "session": (_S, _N), "client_retry": (_I, _N),
+    "route": (_S,), "client_address": (_S,), "user_agent": (_S, _N), "session_id": (_S, _N), "client_retry": (_I, _N),
 }
 # What `reasoning_ledger.py report` shows on a model_call's line.
 MODEL_CALL_SUMMARY = ("request_model", "response_model", "error_type")
@@ -536,7 +536,7 @@ def _fill_ids(record, data, problems):
 
 def _fill_from_completion(record, data, problems, status, headers, state=None):
     """Fill `record` from a chat.completion, text_completion, Responses API response or embedding list;
-    return the answer text. state["tools"] is set when the answer is tool calls."""
+    return the answer text (None for embeddings). state["tools"] is set when the answer needs no text."""
     state = {} if state is None else state
     choices = data.get("choices")
     if data.get("error") is not None and not choices and not data.get("output"):
@@ -546,8 +546,8 @@ def _fill_from_completion(record, data, problems, status, headers, state=None):
     if data.get("object") == "list" and isinstance(data.get("data"), list):  # embeddings: input tokens only
         if record["input_tokens"] is not None and record["output_tokens"] is None:
             record["usage_status"] = "complete"
-        state["tools"] = True  # an answer without text
-        return ""
+        state["tools"] = True  # an answer, without text
+        return None
     if isinstance(data.get("output"), list):  # the Responses API
         record["finish_reason"] = _server_text(data.get("status"), "status", problems, MAX_FIELD_CHARS)
         return "".join(_output_text(item, state, problems) for item in data["output"])
@@ -1128,6 +1128,7 @@ class _Proxy:
         self.split = split_base_url(base_url)
         self.model, self.api_key, self.token = model, api_key, token
         self.timeout, self.limit, self.idle_s = args.timeout, args.max_response_bytes, args.idle_timeout
+        self.read_s = args.read_timeout
         self.verbose, self.secrets = args.verbose, [s for s in (api_key, token) if s]
         self.book = _ledger_for(ledger_path, api_key)[0]
         self.book.add_secret(token)
@@ -1202,9 +1203,9 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
     def handle(self):
         self.close = False
         while not self.close and self._await_request():
-            self.deadline, self.status, self.started = rl.Deadline(PROXY_READ_S), None, time.perf_counter()
+            self.deadline, self.status, self.started = rl.Deadline(self.app.read_s), None, time.perf_counter()
             self.deadline.watch(self.connection)
-            self.connection.settimeout(PROXY_READ_S)
+            self.connection.settimeout(self.app.read_s)
             try:
                 self._one_request()
             except OSError:  # the client went away: nothing to answer
@@ -1228,13 +1229,14 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
                 self.app.idle.discard(self.connection)
 
     def _one_request(self):
-        self.method, self.path = "-", "-"
+        self.method, self.path, self.body_read = "-", "-", False
         try:
             if not self._read_head():
                 self.close = True
                 return
             self._route()
         except _CallFailed as refused:  # refused before anything was sent upstream
+            self.close = self.close or (not self.body_read and (self.headers.get("Content-Length") or "0") != "0")
             self._error(refused.status, refused.message, refused.error_type, refused.headers or ())
         if self.app.verbose:
             print(rl.printable(f"proxy: {self.client_address[0]} {self.method} {self.path[:200]} {self.status} "
@@ -1279,8 +1281,9 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
             raise _CallFailed("method_not_allowed", f"use {PROXY_ROUTES[route]}", 405,
                               [("Allow", PROXY_ROUTES[route])])
         raw = self._read_body() if self.method == "POST" else b""
+        self.body_read = True
         self.deadline.cancel()  # the body is in: from here the upstream's deadline bounds the request
-        self.connection.settimeout(app.timeout + PROXY_READ_S)
+        self.connection.settimeout(app.timeout + app.read_s)
         return self._models() if route == "/models" else self._call(route, raw)
 
     def _read_body(self):
@@ -1314,7 +1317,7 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         retry = self.headers.get("x-stainless-retry-count") or ""
         record.update(route=route, client_address=self.client_address[0],
                       user_agent=_header_text(self.headers.get("User-Agent")),
-                      session=_header_text(self.headers.get("X-Ledger-Session")),
+                      session_id=_header_text(self.headers.get("X-Ledger-Session")),
                       client_retry=int(retry) if retry.isdigit() and len(retry) < 10 else None)
         return record
 
@@ -1420,7 +1423,7 @@ class _Relay:
 
     def __call__(self, raw, chunk):
         if chunk is None and raw.rstrip().endswith(b"[DONE]") or chunk and chunk.get("type") in _RESPONSE_DONE:
-            self.held.append(raw)
+            self.held.append(raw if raw.endswith((b"\n\n", b"\r\n\r\n")) else raw + b"\n")  # read at its line
         elif not (self.injected and chunk and chunk.get("choices") == [] and chunk.get("usage") is not None):
             self._write(raw)
 
@@ -1584,6 +1587,8 @@ def _proxy_parser():
     p.add_argument("--max-connections", type=int, default=64, help="past this, 503 with Retry-After (default 64)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds for requests in flight at SIGTERM (10)")
     p.add_argument("--idle-timeout", type=float, default=PROXY_IDLE_S, help="keep-alive idle seconds (15)")
+    p.add_argument("--read-timeout", type=float, default=PROXY_READ_S, help="seconds to read one request, head and "
+                   f"body ({PROXY_READ_S:g})")
     p.add_argument("--timeout", type=float, default=PROXY_TIMEOUT, help=f"seconds for a whole upstream attempt "
                    f"({PROXY_TIMEOUT:g})")
     p.add_argument("--max-response-bytes", type=int, default=DEFAULT_MAX_RESPONSE_BYTES)
@@ -1602,6 +1607,7 @@ def _run_proxy(args):
         _check_number(name, value, minimum=minimum)
     _check_number("--timeout", args.timeout, above=0)
     _check_number("--idle-timeout", args.idle_timeout, above=0)
+    _check_number("--read-timeout", args.read_timeout, above=0)
     match = re.fullmatch(r"\[?([^\[\]]*?)\]?:([0-9]{1,5})", args.listen)
     if not match or int(match.group(2)) > 65535:
         raise ConfigError(f"--listen must be HOST:PORT, not {args.listen!r}")

@@ -223,8 +223,9 @@ class Group:
 class Audit:
     """Everything the reports need, gathered in one pass over the events."""
 
-    def __init__(self, since=None, until=None, model=None):
+    def __init__(self, since=None, until=None, model=None, by_session=False):
         self.since, self.until, self.model = since, until, model
+        self.by_session = by_session  # the proxy's X-Ledger-Session in the day's place
         self.groups = {}            # (request_model, base_url, day) -> Group
         self.model_strings = set()  # the (request_model, base_url) pairs kept apart
         self.folded = 0             # calls counted under OTHER because there were too many model strings
@@ -328,7 +329,9 @@ class Audit:
                 call, malformed = model_call_view(payload)
                 if only is not None and call["request_model"] != only:
                     continue
-                self._group(call["request_model"], call["base_url"], at[:10]).add(call, malformed)
+                session = payload.get("session_id")
+                day = (session if type(session) is str else "-") if self.by_session else at[:10]
+                self._group(call["request_model"], call["base_url"], day).add(call, malformed)
             elif kind == "models_list":
                 ids = payload.get("model_ids")
                 base = payload.get("base_url")
@@ -1457,7 +1460,8 @@ def _build_parser():
     p.add_argument("paths", nargs="*", metavar="PATH", help="ledgers, directories or globs "
                                                              "(default: calls.jsonl and runs/*/events.jsonl)")
     p.add_argument("--version", action="version", version=__version__)
-    p.add_argument("--by", choices=("model", "day"), default="model", help="one row per model, or per model and day")
+    p.add_argument("--by", choices=("model", "day", "session"), default="model",
+                   help="one row per model, per model and day, or per model and proxy session (X-Ledger-Session)")
     p.add_argument("--since", help="date (UTC) or ISO time")
     p.add_argument("--until", help="date (inclusive) or ISO time")
     p.add_argument("--model", help="only this request_model")
@@ -1484,9 +1488,9 @@ def _build_parser():
     return p
 
 
-def run_audit(paths, *, verify=True, since=None, until=None, model=None):
+def run_audit(paths, *, verify=True, since=None, until=None, model=None, by_session=False):
     """Audit the given ledgers. Returns (audit, failures): failures lists the IntegrityErrors."""
-    audit = Audit(since=since, until=until, model=model)
+    audit = Audit(since=since, until=until, model=model, by_session=by_session)
     failures = []
     for path in find_ledgers(paths):
         try:
@@ -1508,7 +1512,7 @@ def _run(args):
         audit, failures = _run_remote(args, since, until)
     else:
         audit, failures = run_audit(args.paths, verify=not args.no_verify, since=since, until=until,
-                                    model=args.model)
+                                    model=args.model, by_session=args.by == "session")
     if failures:
         for exc in failures:
             rl.write_out(f"FAIL  {rl.printable(exc)}\n")
@@ -1519,9 +1523,11 @@ def _run(args):
         where = ", ".join(map(str, args.paths)) if args.paths else "./calls.jsonl and ./runs/*/events.jsonl"
         rl.warn(f"no ledgers found (looked in {where})" if args.from_url is None
                 else "no ledgers found in ClickHouse (nothing shipped in that time range)")
-    by_day = args.by == "day"
+    by_day = args.by != "model"  # by session: the session in the day column
     rows = audit.model_rows(by_day)
-    changes = audit.changes(args.latency_shift, args.rate_jump, args.latency_floor)
+    for row in rows if args.by == "session" else ():
+        row["session_id"] = row["day"]
+    changes = [] if args.by == "session" else audit.changes(args.latency_shift, args.rate_jump, args.latency_floor)
     runs = audit.run_rows()
     verified = not args.no_verify
     if args.html:
@@ -1541,6 +1547,8 @@ def _run(args):
 def _run_remote(args, since, until):
     if args.paths:
         raise AuditError("--from reads ClickHouse: it takes no PATH")
+    if args.by == "session":
+        raise AuditError("--by session reads ledgers: the shipped table has no session column")
     client = rl.ClickHouse(args.from_url or None, database=args.database, table=args.table, timeout=args.timeout)
     try:
         return remote_audit(client, since=since, until=until, model=args.model, verify=not args.no_verify)
