@@ -1,0 +1,243 @@
+"""`ask.py proxy` against hostile upstreams (the raw-socket server: every case a 502 and one line), hostile
+clients (caps, deadlines, idle keep-alive, the connection bound) and shutdown (SIGTERM, kill -9)."""
+
+import json
+import signal
+import socket
+import threading
+import time
+
+import pytest
+
+from conftest import run_script
+from fake_upstream import Upstream
+from proxy_helpers import Proxy, post
+from test_proxy import CHAT, calls
+
+HANG_GUARD_S = 60  # a hang guard only: every wait below ends on an event, never on a margin
+
+
+@pytest.fixture
+def upstream():
+    up = Upstream().start()
+    yield up
+    up.stop()
+
+
+@pytest.fixture
+def start(tmp_path):
+    started = []
+
+    def go(base_url, *args, **env):
+        proxy = Proxy(base_url, tmp_path / "calls.jsonl", *args, **env)
+        started.append(proxy)
+        return proxy
+    yield go
+    for proxy in started:
+        proxy.stop()
+
+
+# ----------------------------------------------------------------------------
+# Hostile upstreams: a 502 with an OpenAI-style error, and one line each
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scenario, error_type", [
+    ({"name": "redirect", "location": "http://elsewhere.example/v1/chat/completions"}, "redirect"),
+    ("garbage_status", "connection_error"),
+    ("empty_reply", "connection_error"),
+    ("reset", "connection_error"),
+    ({"name": "short_body", "content_length": 5000, "sent": 100}, "truncated_response"),
+    ({"name": "huge_body", "size": 10_000_000}, "response_too_large"),
+    ({"name": "json", "body": "<html><head><title>Sign in</title></head></html>"}, "html_response"),
+    ({"name": "json", "body": "upstream says OK"}, "invalid_json"),
+    ({"name": "trickle", "interval": 0.5, "total_seconds": 30}, "timeout"),
+    ({"name": "long_header", "size": 200_000}, "connection_error"),
+])
+def test_each_broken_upstream_is_a_502_and_one_line(start, hostile, scenario, error_type):
+    hostile.queue(scenario)
+    proxy = start(hostile.base_url, "--timeout", "2", "--max-response-bytes", "1048576")
+    response, raw = post(proxy.conn(), "/chat/completions", CHAT)
+    assert response.status == 502
+    error = json.loads(raw)["error"]
+    assert error["code"] == error_type and error["message"].startswith("upstream: ")
+    (line,) = calls(proxy.ledger)
+    assert line["error_type"] == error_type
+    if error_type == "redirect":
+        assert line["redirect_host"] == "elsewhere.example" and len(hostile.requests) == 1
+
+
+def test_an_upstream_error_page_passes_through_with_its_status(start, hostile):
+    page = "<html><head><title>503 Service Unavailable</title></head></html>"
+    hostile.queue({"name": "json", "status": 503, "body": page})
+    proxy = start(hostile.base_url)
+    response, raw = post(proxy.conn(), "/chat/completions", CHAT)
+    assert response.status == 503 and raw.decode() == page
+    assert calls(proxy.ledger)[0]["error_type"] == "server_error"
+
+
+def test_a_stream_cut_mid_event_after_relaying_began_is_truncated_stream(start, hostile):
+    first = b'data: {"model": "m", "choices": [{"index": 0, "delta": {"content": "Hi"}}]}\n\n'
+    hostile.queue({"name": "sse", "events": [first, b'data: {"model": "m", "choi'], "cut": True})
+    proxy = start(hostile.base_url)
+    conn = proxy.conn()
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=True)))
+    response = conn.getresponse()
+    assert response.status == 200 and b"Hi" in response.readline()
+    with pytest.raises(Exception) as broken:
+        response.read()
+    assert type(broken.value).__name__ == "IncompleteRead"
+    (line,) = calls(proxy.ledger)
+    assert line["error_type"] == "truncated_stream" and line["response_chars"] == 2
+
+
+# ----------------------------------------------------------------------------
+# Hostile clients
+# ----------------------------------------------------------------------------
+
+def _closed_by_peer(sock):
+    """Wait (under the hang guard) until the proxy closes `sock`; True when it did."""
+    sock.settimeout(HANG_GUARD_S)
+    try:
+        while sock.recv(65536):
+            pass
+        return True
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_a_body_over_the_cap_is_413_without_reading_it(start, upstream):
+    proxy = start(upstream.base_url)
+    conn = proxy.conn()
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Length", str(64 * 1024 * 1024))
+    conn.endheaders()
+    response = conn.getresponse()
+    assert response.status == 413 and response.getheader("Connection") == "close"
+    assert upstream.requests == [] and calls(proxy.ledger) == []
+
+
+@pytest.mark.parametrize("how", ["stalled head", "stalled body", "trickled head"])
+def test_a_slow_client_is_cut_at_the_read_deadline_and_holds_no_one_else(start, upstream, how):
+    proxy = start(upstream.base_url, "--read-timeout", "1")
+    sock = socket.create_connection(("127.0.0.1", proxy.port))
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n"
+    stop = threading.Event()
+    if how == "stalled head":
+        sock.sendall(head)
+    elif how == "stalled body":
+        sock.sendall(head + b"\r\n" + b"{" * 10)
+    else:  # one byte at a time: every read arrives in time, the whole request never does
+        def trickle():
+            for byte in head * 1000:
+                if stop.wait(0.05):
+                    return
+                try:
+                    sock.send(bytes([byte]))
+                except OSError:
+                    return
+        threading.Thread(target=trickle, daemon=True).start()
+    assert post(proxy.conn(), "/chat/completions", CHAT)[0].status == 200  # meanwhile, others are served
+    assert _closed_by_peer(sock)
+    stop.set()
+    assert len(calls(proxy.ledger)) == 1
+
+
+def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(start, upstream):
+    proxy = start(upstream.base_url, "--idle-timeout", "1")
+    sock = socket.create_connection(("127.0.0.1", proxy.port))
+    body = json.dumps(CHAT).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(body), body))
+    assert _closed_by_peer(sock)  # the answer, then the close
+
+
+def test_a_long_stream_is_not_cut_by_the_read_deadline(start, upstream):
+    upstream.queue("gated")
+    proxy = start(upstream.base_url, "--read-timeout", "1")
+    conn = proxy.conn()
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=True)))
+    response = conn.getresponse()
+    assert b"The an" in response.readline()
+    time.sleep(2.5)  # past the read deadline: it was cancelled once the body was in, so nothing is cut
+    upstream.gate.set()
+    assert response.read().endswith(b"data: [DONE]\n\n")
+    assert calls(proxy.ledger)[0]["error_type"] is None
+
+
+def test_past_max_connections_the_answer_is_503_with_retry_after(start, upstream):
+    proxy = start(upstream.base_url, "--max-connections", "2")
+    held = [proxy.conn() for _ in range(2)]
+    for conn in held:  # each one is being handled (idle between requests) by the time it answers
+        assert post(conn, "/chat/completions", CHAT)[0].status == 200
+    extra = proxy.conn()
+    extra.request("GET", "/v1/models")
+    response = extra.getresponse()
+    assert response.status == 503 and response.getheader("Retry-After") == "1"
+    assert json.loads(response.read())["error"]["code"] == "busy"
+    held[0].close()
+    for _ in range(HANG_GUARD_S * 10):  # the slot frees when the proxy sees the close
+        retry = proxy.conn()
+        retry.request("GET", "/v1/models")
+        if retry.getresponse().status == 200:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the slot never freed")
+
+
+# ----------------------------------------------------------------------------
+# Shutdown
+# ----------------------------------------------------------------------------
+
+def test_sigterm_closes_idle_connections_finishes_those_in_flight_and_exits_0(start, upstream):
+    upstream.queue("gated")
+    proxy = start(upstream.base_url, "--grace", str(HANG_GUARD_S))
+    idle = socket.create_connection(("127.0.0.1", proxy.port))
+    body = json.dumps(CHAT).encode()
+    idle.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s"
+                 % (len(body), body))
+    answer = b""
+    while b"The answer is 4." not in answer:
+        answer += idle.recv(65536)
+    busy = proxy.conn()
+    busy.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=True)))
+    response = busy.getresponse()
+    assert b"The an" in response.readline()
+    proxy.proc.send_signal(signal.SIGTERM)
+    assert _closed_by_peer(idle)  # at once, while the stream is still held by the gate
+    assert not upstream.gate.is_set() and proxy.proc.poll() is None
+    upstream.gate.set()
+    assert response.read().endswith(b"data: [DONE]\n\n")
+    code, out, err = proxy.stop()
+    assert code == 0 and err == "" and out == ""
+    assert [c["error_type"] for c in calls(proxy.ledger)] == [None, None]
+    assert run_script("reasoning_ledger.py", "verify", proxy.ledger).returncode == 0
+
+
+def test_kill_9_under_load_leaves_a_ledger_that_verifies(start, upstream):
+    proxy = start(upstream.base_url)
+    stop = threading.Event()
+
+    def client():
+        conn = proxy.conn(timeout=10)
+        while not stop.is_set():
+            try:
+                post(conn, "/chat/completions", dict(CHAT, stream=True))
+            except Exception:  # the proxy is killed under us: http.client raises what it raises
+                return
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for _ in range(HANG_GUARD_S * 20):
+        if proxy.ledger.exists() and len(proxy.ledger.read_bytes().splitlines()) >= 30:
+            break
+        time.sleep(0.05)
+    proxy.proc.kill()
+    proxy.proc.wait(HANG_GUARD_S)
+    stop.set()
+    for t in threads:
+        t.join(HANG_GUARD_S)
+    assert len(calls(proxy.ledger)) >= 30
+    assert run_script("reasoning_ledger.py", "verify", proxy.ledger).returncode == 0
