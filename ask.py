@@ -1130,8 +1130,8 @@ class _Proxy:
         self.timeout, self.limit, self.idle_s = args.timeout, args.max_response_bytes, args.idle_timeout
         self.read_s = args.read_timeout
         self.verbose, self.secrets = args.verbose, [s for s in (api_key, token) if s]
-        self.book = _ledger_for(ledger_path, api_key)[0]
-        self.book.add_secret(token)
+        self.book = rl.Ledger(ledger_path, os.environ.get("LEDGER_RUN_ID") or None, fsync=not args.no_fsync,
+                              secrets=self.secrets)
         self.lock, self.idle, self.stopping = threading.Lock(), set(), False
 
     def append(self, kind, record):
@@ -1592,6 +1592,8 @@ def _proxy_parser():
     p.add_argument("--timeout", type=float, default=PROXY_TIMEOUT, help=f"seconds for a whole upstream attempt "
                    f"({PROXY_TIMEOUT:g})")
     p.add_argument("--max-response-bytes", type=int, default=DEFAULT_MAX_RESPONSE_BYTES)
+    p.add_argument("--no-fsync", action="store_true", help="lines reach the kernel before the answer (kill -9 "
+                   "loses none) but are not forced to disk one by one")
     p.add_argument("--verbose", action="store_true", help="one line per request on stderr")
     return p
 

@@ -97,6 +97,7 @@ def _answer(route, model, scenario):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # head and body are two writes: no delayed-ACK wait between them
 
     def log_message(self, *args):
         pass

@@ -1,0 +1,125 @@
+"""bench_proxy.py -- what `ask.py proxy` adds to a call, against direct calls to the same instant local upstream,
+measured in the same run (`python tests/bench.py proxy`, part of `make bench`).
+
+Figures: the added latency per call (p50 and p99 of proxied minus direct, in ms), the added time to the first
+streamed event (p50, ms), and the throughput of 8 concurrent keep-alive clients as a ratio to direct.
+Targets (issue 19): p50 added <= 2 ms, TTFT added <= 5 ms, throughput >= 0.5x direct.
+"""
+
+import http.client
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from fake_upstream import Upstream
+from proxy_helpers import Proxy
+
+BODY = json.dumps({"model": "up-model", "messages": [{"role": "user", "content": "2+2?"}]}).encode()
+STREAM = json.dumps({"model": "up-model", "stream": True, "messages": [{"role": "user", "content": "2+2?"}]}).encode()
+
+
+def _call(conn, body=BODY):
+    conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    response.read()
+    assert response.status == 200, response.status
+
+
+def _latencies(ports, n):
+    """Per port, n call times in ms, the ports taken in turn so that the box's noise hits each alike."""
+    conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=60) for port in ports]
+    samples = [[] for _ in ports]
+    for i in range(n + 1):
+        for conn, out in zip(conns, samples):
+            started = time.perf_counter()
+            _call(conn)
+            if i:  # the first warms the connection, the proxy's thread and its opener
+                out.append((time.perf_counter() - started) * 1000)
+    return samples
+
+
+def _ttfts(ports, n):
+    """Per port, n times (ms) from sending a streamed request to reading its first text event."""
+    samples = [[] for _ in ports]
+    for i in range(n + 1):
+        for port, out in zip(ports, samples):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            started = time.perf_counter()
+            conn.request("POST", "/v1/chat/completions", body=STREAM, headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            while b'"content"' not in response.readline():
+                pass
+            if i:
+                out.append((time.perf_counter() - started) * 1000)
+            response.read()
+            conn.close()
+    return samples
+
+
+def _throughput(port, clients, per_client, fresh=False):
+    """Calls per second of `clients` threads; `fresh`: a new connection per call (what the proxy's
+    upstream side does: ask.py's transport sends Connection: close)."""
+    def client():
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        for _ in range(per_client):
+            _call(conn)
+            if fresh:
+                conn.close()
+        conn.close()
+    threads = [threading.Thread(target=client) for _ in range(clients)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return clients * per_client / (time.perf_counter() - started)
+
+
+def _p(samples, q):
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def bench(quick=True):
+    n, ttft_n, per_client = (300, 60, 40) if quick else (2000, 300, 200)
+    upstream = Upstream().start()
+    direct = int(upstream.base_url.split(":")[2].split("/")[0])
+    rows = []
+    try:
+        for label, args in (("", ()), (", --no-fsync", ("--no-fsync",))):
+            with tempfile.TemporaryDirectory() as tmp:
+                proxy = Proxy(upstream.base_url, Path(tmp) / "calls.jsonl", *args)
+                try:
+                    plain, proxied = _latencies((direct, proxy.port), n)
+                    ttft_plain, ttft_proxied = _ttfts((direct, proxy.port), ttft_n)
+                    rates = [(_throughput(direct, 8, per_client), _throughput(proxy.port, 8, per_client),
+                              _throughput(direct, 8, per_client, fresh=True)) for _ in range(3)]
+                finally:
+                    proxy.stop()
+            rate = statistics.median(p / d for d, p, _f in rates)
+            rows += [
+                (f"proxy{label}: added latency per call, p50 (ms)",
+                 statistics.median(proxied) - statistics.median(plain), "<= 2",
+                 f"direct {statistics.median(plain):.2f} ms"),
+                (f"proxy{label}: added latency per call, p99 (ms)", _p(proxied, 99) - _p(plain, 99), "report",
+                 f"direct {_p(plain, 99):.2f} ms"),
+                (f"proxy{label}: added streaming time to first event, p50 (ms)",
+                 statistics.median(ttft_proxied) - statistics.median(ttft_plain), "<= 5",
+                 f"direct {statistics.median(ttft_plain):.2f} ms"),
+                (f"proxy{label}: throughput, 8 keep-alive clients, vs direct", rate, ">= 0.5",
+                 f"{statistics.median(r[1] for r in rates):.0f} vs {statistics.median(r[0] for r in rates):.0f} "
+                 f"calls/s"),
+                (f"proxy{label}: the same vs direct with a new connection per call", statistics.median(
+                    p / f for _d, p, f in rates), "report", f"direct {statistics.median(r[2] for r in rates):.0f} "
+                 f"calls/s: the upstream's connection rate bounds both"),
+            ]
+    finally:
+        upstream.stop()
+    return rows
+
+if __name__ == "__main__":
+    for row in bench():
+        print("  %-62s %6.2f   (target %s)  %s" % row)
