@@ -712,17 +712,26 @@ def _fill_head(record, headers, problems):
     record["ratelimit"] = _ratelimit(headers)
 
 
-def _one_attempt(url, body, record, started, *, api_key, deadline, limit, on_text, problems):
-    """Send once; fill `record` (all but latency_ms); return the answer text. Raises _CallFailed."""
-    response = _open(url, api_key=api_key, deadline=deadline, body=body)
+def _one_attempt(url, body, record, started, *, api_key, deadline, limit, on_text, problems, relay=None,
+                 state=None):
+    """Send once; fill `record` (all but latency_ms); return the answer text. Raises _CallFailed. For the
+    proxy: `relay` gets a stream's events, `state` the answer's status, headers and (parsed) raw body."""
+    state = {} if state is None else state
+    stream = bool(body.get("stream"))
+    response = _open(url, api_key=api_key, deadline=deadline, body=body,
+                     accept="text/event-stream" if stream else "application/json")
     with response:
         _took(response, record, problems, limit)
-        if body.get("stream"):
-            return _read_stream(response, record, started, on_text, limit, deadline, problems)
+        state["status"], state["headers"] = response.status, response.headers
+        if stream:
+            if relay is not None:
+                relay.headers = response.headers
+            return _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state)
         raw = _read_body(response, limit, deadline)
         data = _parse_json(raw, "body", problems, response.status, response.headers,
                            response.headers.get("Content-Type", ""))
-        return _fill_from_completion(record, data, problems, response.status, response.headers)
+        state["raw"] = raw
+        return _fill_from_completion(record, data, problems, response.status, response.headers, state)
 
 
 def _finish(record, started, text, failure, problems, redactor, answered=False):
@@ -889,18 +898,21 @@ def chat(messages, *, ledger, base_url, model, api_key, max_tokens=None, tempera
             book.close()
 
 
+def _prompt_artifacts(book, messages):
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+    artifacts = {"prompt_artifact": book.store_artifact(users[-1] if users else "")}
+    if system:
+        artifacts["system_artifact"] = book.store_artifact(system)
+    if len(messages) > len(users[-1:]) + (1 if system else 0):
+        artifacts["messages_artifact"] = book.store_artifact(json.dumps(messages, ensure_ascii=False, indent=1))
+    return artifacts
+
+
 def _attempts(book, url, body, messages, model, recorded_base, host, port, options, api_key, *, retries,
               timeout, expect, expect_json, strict_model, store_text, backoff, max_wait, limit, on_text,
               on_retry, sleep):
-    artifacts = {}
-    if store_text:
-        users = [m["content"] for m in messages if m["role"] == "user"]
-        system = "\n".join(m["content"] for m in messages if m["role"] == "system")
-        artifacts["prompt_artifact"] = book.store_artifact(users[-1] if users else "")
-        if system:
-            artifacts["system_artifact"] = book.store_artifact(system)
-        if len(messages) > len(users[-1:]) + (1 if system else 0):
-            artifacts["messages_artifact"] = book.store_artifact(json.dumps(messages, ensure_ascii=False, indent=1))
+    artifacts = _prompt_artifacts(book, messages) if store_text else {}
     redactor = book.redactor
     attempt, dropped_options = 0, False
     while True:
@@ -1214,13 +1226,14 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
                 self.deadline.cancel()
 
     def _await_request(self):
-        """Wait up to the idle timeout for the next request; a shutdown closes an idle connection at once."""
+        """Wait up to the idle timeout for the next request; a shutdown closes an idle connection at once (a
+        request already sent gets its 503)."""
         with self.app.lock:
-            if self.app.stopping:
-                return False
-            self.app.idle.add(self.connection)
+            stopping = self.app.stopping
+            if not stopping:
+                self.app.idle.add(self.connection)
         try:
-            self.connection.settimeout(self.app.idle_s)
+            self.connection.settimeout(0.0 if stopping else self.app.idle_s)
             return bool(self.rfile.peek(1))
         except OSError:
             return False
@@ -1337,7 +1350,7 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         elif refused is None and app.model and model != app.model:
             refused = _CallFailed("model_not_allowed", f"this proxy serves {app.model!r} only, not {model[:200]!r}")
         model = model[:MAX_FIELD_CHARS] if type(model) is str and model else app.model or ""
-        stream = body.get("stream") is True and route != "/embeddings"
+        stream = bool(body.get("stream"))
         if refused is not None:  # recorded, with no HTTP status: nothing was sent
             record = self._record(route, model, stream, 1, messages, tokens, body)
             _finish(record, self.started, None, refused, [], app.book.redactor)
@@ -1366,22 +1379,9 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         app, state, problems, text, failure = self.app, {}, [], None, None
         started, deadline = time.perf_counter(), rl.Deadline(app.timeout)
         try:
-            response = _open(_endpoint(app.split[0], route), api_key=app.api_key, deadline=deadline, body=body,
-                             accept="text/event-stream" if out else "application/json")
-            with response:
-                _took(response, record, problems, app.limit)
-                state["status"], state["headers"] = response.status, response.headers
-                if out is not None:
-                    out.headers = response.headers
-                if out is not None:
-                    text = _read_stream(response, record, started, lambda piece: None, app.limit, deadline, problems,
-                                        relay=out, state=state)
-                else:
-                    raw = _read_body(response, app.limit, deadline)
-                    data = _parse_json(raw, "body", problems, response.status, response.headers,
-                                       response.headers.get("Content-Type", ""))
-                    state["raw"] = raw
-                    text = _fill_from_completion(record, data, problems, response.status, response.headers, state)
+            text = _one_attempt(_endpoint(app.split[0], route), body, record, started, api_key=app.api_key,
+                                deadline=deadline, limit=app.limit, on_text=lambda piece: None, problems=problems,
+                                relay=out, state=state)
         except _CallFailed as exc:
             failure = exc
         finally:
@@ -1632,9 +1632,9 @@ def _run_proxy(args):
                  f"(ledger {ledger_path})\n")
     while not stop.wait(1.0):
         pass
-    server.shutdown()  # no new connections; idle ones closed, new requests 503, those in flight get --grace
+    app.stop()  # idle connections closed, new requests 503; then no new connections; those in flight get --grace
+    server.shutdown()
     server.server_close()
-    app.stop()
     server.wait_idle(args.grace)
     return rl.EXIT_OK
 

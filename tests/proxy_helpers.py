@@ -29,8 +29,8 @@ class Proxy:
         return http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
 
     def stop(self, sig=signal.SIGTERM, timeout=60):
-        """Stop it; returns (exit code, rest of stdout, stderr)."""
-        if self.proc.poll() is None:
+        """Stop it (sig None: wait for it to exit); returns (exit code, rest of stdout, stderr)."""
+        if sig is not None and self.proc.poll() is None:
             os.kill(self.proc.pid, sig)
         out, err = self.proc.communicate(timeout=timeout)
         return self.proc.returncode, out.decode(), err.decode()

@@ -210,7 +210,7 @@ def test_sigterm_closes_idle_connections_finishes_those_in_flight_and_exits_0(st
     assert not upstream.gate.is_set() and proxy.proc.poll() is None
     upstream.gate.set()
     assert response.read().endswith(b"data: [DONE]\n\n")
-    code, out, err = proxy.stop()
+    code, out, err = proxy.stop(sig=None)
     assert code == 0 and err == "" and out == ""
     assert [c["error_type"] for c in calls(proxy.ledger)] == [None, None]
     assert run_script("reasoning_ledger.py", "verify", proxy.ledger).returncode == 0
@@ -241,3 +241,37 @@ def test_kill_9_under_load_leaves_a_ledger_that_verifies(start, upstream):
         t.join(HANG_GUARD_S)
     assert len(calls(proxy.ledger)) >= 30
     assert run_script("reasoning_ledger.py", "verify", proxy.ledger).returncode == 0
+
+
+def _wait_until_refused(port):
+    for _ in range(HANG_GUARD_S * 20):
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        except ConnectionRefusedError:
+            return
+        time.sleep(0.05)
+    pytest.fail("the proxy kept accepting")
+
+
+def test_after_sigterm_a_request_already_sent_behind_one_in_flight_gets_503(start, upstream):
+    upstream.queue("gated")
+    proxy = start(upstream.base_url, "--grace", str(HANG_GUARD_S))
+    sock = socket.create_connection(("127.0.0.1", proxy.port))
+    streamed, plain = json.dumps(dict(CHAT, stream=True)).encode(), json.dumps(CHAT).encode()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n"
+    sock.sendall(head % len(streamed) + streamed)
+    assert upstream.first_sent.wait(HANG_GUARD_S)
+    sock.sendall(head % len(plain) + plain)  # pipelined behind the stream in flight
+    proxy.proc.send_signal(signal.SIGTERM)
+    _wait_until_refused(proxy.port)  # the proxy has taken the signal: it stopped accepting
+    sock.settimeout(HANG_GUARD_S)
+    received = b""
+    upstream.gate.set()
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        received += chunk
+    assert b"data: [DONE]" in received and b"HTTP/1.1 503 " in received.split(b"data: [DONE]")[1]
+    assert proxy.stop(sig=None)[0] == 0  # signalled once only: a second SIGTERM could meet the exiting interpreter
+    assert len(calls(proxy.ledger)) == 1 and len(upstream.requests) == 1
