@@ -1183,43 +1183,55 @@ def verify(path, *, key=None, expect_head=None, run_id=None):
     return Verified(path, count, head)
 
 
+def index_heads(runs_dir, key=None):
+    """{run id: (seq, hash)} of the runs closed in RUNS_DIR/index.jsonl, read as far as it verifies (verifying
+    the index itself reports why it stops). A head that is not (int, str) stays as found: the run fails."""
+    heads, index = {}, Path(runs_dir) / INDEX_NAME
+    if index.exists():
+        try:
+            for event in read_events(index, key=key or b"", run_id=None):
+                entry = event["payload"]
+                if event["kind"] == "run_closed" and type(entry.get("run")) is str:
+                    heads[entry["run"]] = (entry.get("head_seq"), entry.get("head_hash"))
+        except (LedgerError, OSError):
+            pass
+    return heads
+
+
+def run_ledgers(runs_dir, key=None):
+    """[(path, expected head or None)]: RUNS_DIR/index.jsonl, then every run in it (a closed run with the head
+    its index entry recorded), then the runs the index names whose events.jsonl is missing."""
+    runs_dir = Path(runs_dir)
+    heads = index_heads(runs_dir, key)
+    found = [(runs_dir / INDEX_NAME, None)] if (runs_dir / INDEX_NAME).exists() else []
+    seen = set()
+    for events in sorted(runs_dir.glob(f"*/{EVENTS_NAME}")):
+        seen.add(events.parent.name)
+        found.append((events, heads.get(events.parent.name)))
+    return found + [(runs_dir / run_id / EVENTS_NAME, heads[run_id]) for run_id in sorted(set(heads) - seen)]
+
+
 def verify_runs(runs_dir, *, key=None):
     """Verify runs/index.jsonl and every runs/*/events.jsonl, checking closed runs against the index.
     Yields (path, Verified or an exception) for each, past any that cannot be read."""
-    runs_dir = Path(runs_dir)
-    index_path = runs_dir / INDEX_NAME
-    closed = {}
-    if index_path.exists():
+    for path, expect in run_ledgers(runs_dir, key):
         try:
-            for event in read_events(index_path, key=key, run_id=None):
-                if event["kind"] == "run_closed" and type(event["payload"].get("run")) is str:
-                    closed[event["payload"]["run"]] = event["payload"]
-            yield index_path, verify(index_path, key=key)
-        except (LedgerError, OSError) as exc:
-            yield index_path, exc
-    seen = set()
-    for events in sorted(runs_dir.glob(f"*/{EVENTS_NAME}")):
-        run_id = events.parent.name
-        seen.add(run_id)
-        entry = closed.get(run_id)
-        try:
-            expect = None
-            if entry:
-                seq, digest = entry.get("head_seq"), entry.get("head_hash")
-                if type(seq) is not int or type(digest) is not str:
-                    raise IntegrityError(index_path, None, f"the entry for run {run_id} has no valid head")
-                expect = (seq, digest)
-            result = verify(events, key=key, expect_head=expect)
+            if expect is not None and not path.exists():
+                raise IntegrityError(path, None, "closed in the index but its events.jsonl is missing")
+            result = verify(path, key=key, expect_head=_checked_head(expect, path))
             if expect and result.count > expect[0]:
-                raise IntegrityError(events, expect[0] + 1, f"{result.count - expect[0]} line(s) after the run "
-                                                            f"closed at seq {expect[0]} (nothing is written to a "
-                                                            f"closed run)")
-            yield events, result
+                raise IntegrityError(path, expect[0] + 1, f"{result.count - expect[0]} line(s) after the run "
+                                                          f"closed at seq {expect[0]} (nothing is written to a "
+                                                          f"closed run)")
+            yield path, result
         except (LedgerError, OSError) as exc:
-            yield events, exc
-    for run_id in sorted(set(closed) - seen):
-        missing = runs_dir / run_id / EVENTS_NAME
-        yield missing, IntegrityError(missing, None, "closed in the index but its events.jsonl is missing")
+            yield path, exc
+
+
+def _checked_head(expect, path):
+    if expect is not None and (type(expect[0]) is not int or type(expect[1]) is not str):
+        raise IntegrityError(path, None, "the index entry for this run has no valid head")
+    return expect
 
 
 # ----------------------------------------------------------------------------
@@ -1803,35 +1815,10 @@ def _server_heads(client, ids):
     return heads
 
 
-def _index_heads(runs_dir, key):
-    """{run id: (seq, hash)} of the runs closed in RUNS_DIR/index.jsonl, as far as it verifies."""
-    heads, index = {}, Path(runs_dir) / INDEX_NAME
-    if index.exists():
-        try:
-            for event in read_events(index, key=key or b"", run_id=None):
-                entry = event["payload"]
-                if event["kind"] == "run_closed" and type(entry.get("run")) is str:
-                    heads[entry["run"]] = (entry.get("head_seq"), entry.get("head_hash"))
-        except (LedgerError, OSError):
-            pass  # shipping the index itself reports why
-    return heads
-
-
 def ship_targets(paths, runs_dir=None, key=None):
     """[(path, expected head or None)]: the PATHs, then RUNS_DIR's index.jsonl and every run in it, a closed
     run with the head its index entry recorded (as `verify --all` checks it)."""
-    targets = [(Path(p), None) for p in paths]
-    if runs_dir is not None:
-        runs_dir = Path(runs_dir)
-        heads = _index_heads(runs_dir, key)
-        if (runs_dir / INDEX_NAME).exists():
-            targets.append((runs_dir / INDEX_NAME, None))
-        seen = set()
-        for events in sorted(runs_dir.glob(f"*/{EVENTS_NAME}")):
-            seen.add(events.parent.name)
-            targets.append((events, heads.get(events.parent.name, None)))
-        for run_id in sorted(set(heads) - seen):
-            targets.append((runs_dir / run_id / EVENTS_NAME, heads[run_id]))
+    targets = [(Path(p), None) for p in paths] + (run_ledgers(runs_dir, key) if runs_dir is not None else [])
     unique, named = [], {}
     for path, expect in targets:  # a ledger named twice is shipped once, with the head its index records
         real = os.path.realpath(path)
@@ -1874,8 +1861,7 @@ def ship(targets, client, *, key=None, host=None, batch_rows=SHIP_BATCH_ROWS, ba
 
 
 def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, batch_bytes):
-    if expect and (type(expect[0]) is not int or type(expect[1]) is not str):
-        raise IntegrityError(path, None, "the index entry for this run has no valid head")
+    expect = _checked_head(expect, path)
     if ledger_id is None:
         if expect and expect[0]:
             raise IntegrityError(path, None, f"the index records seq {expect[0]} for this run, but it has no "
