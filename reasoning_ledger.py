@@ -4,7 +4,7 @@
 Usage:
   python reasoning_ledger.py verify PATH... [--all RUNS_DIR] [--expect-head SEQ:HASH] [--key-env NAME]
   python reasoning_ledger.py head PATH [--key-env NAME]
-  python reasoning_ledger.py report PATH [--kind K] [--stage S] [--run R] [--since T] [--until T] [--json]
+  python reasoning_ledger.py report PATH... [--all RUNS_DIR] [--kind K] [--stage S] [--run R] [--since T] [--until T] [--json]
   python reasoning_ledger.py append PATH --kind K [--run-id R] [--payload JSON | < payload.json]
   python reasoning_ledger.py ship PATH... [--all RUNS_DIR] --to URL     # or LEDGER_SHIP_URL; for cron
   python reasoning_ledger.py verify --from URL [--ledger-id ID] [--expect-head SEQ:HASH]
@@ -1149,6 +1149,31 @@ def read_events(path, *, key=None, run_id=None):
         yield event
 
 
+def verified_events(path, *, key=None, expect=None, run_id=None):
+    """iter_lines() that also holds the ledger to a head published earlier, `expect` = (seq, hash): the line at
+    that seq must have that hash, and the ledger must reach it (seq 0: the genesis value of this key)."""
+    key = _resolve_key(key)
+    count = 0
+    for event, raw, digest in iter_lines(path, key=key or b"", run_id=run_id):
+        count = event["seq"]
+        if expect and count == expect[0] and digest != expect[1]:
+            raise IntegrityError(path, count, "does not match the expected head: the history up to "
+                                              "the published head was rewritten")
+        yield event, raw, digest
+    _reached(path, expect, count, key)
+
+
+def _reached(path, expect, count, key):
+    if not expect:
+        return
+    if expect[0] == 0 and expect[1] != _genesis(key):
+        raise IntegrityError(path, None, "the expected head is seq 0, but its hash is not this ledger's "
+                                         "genesis value (another key, or keyed vs unkeyed)")
+    if expect[0] > count:
+        raise IntegrityError(path, count + 1 if count else None,
+                             f"truncated: the expected head is seq {expect[0]} but the ledger ends at seq {count}")
+
+
 class Verified:
     """The result of verify(): how many lines, and the head (seq, hash)."""
 
@@ -1161,25 +1186,12 @@ class Verified:
 
 def verify(path, *, key=None, expect_head=None, run_id=None):
     """Verify a whole ledger; return Verified, or raise IntegrityError/KeyRequiredError.
-    `expect_head` = (seq, hash) published earlier: the file must still hold that exact line (seq 0: the
-    genesis value of this key, so an empty keyed ledger is told from an unkeyed one)."""
+    `expect_head` = (seq, hash) published earlier (see verified_events)."""
     key = _resolve_key(key)
     count, head = 0, (0, _genesis(key))
-    for event, _raw, digest in iter_lines(path, key=key or b"", run_id=run_id):
+    for event, _raw, digest in verified_events(path, key=key or b"", expect=expect_head, run_id=run_id):
         count = event["seq"]
         head = (count, digest)
-        if expect_head and count == expect_head[0] and digest != expect_head[1]:
-            raise IntegrityError(path, count, "does not match the expected head: the history up to "
-                                              "the published head was rewritten")
-    if expect_head:
-        want_seq, want_hash = expect_head
-        if want_seq == 0 and want_hash != _genesis(key):
-            raise IntegrityError(path, None, "the expected head is seq 0, but its hash is not this ledger's "
-                                             "genesis value (another key, or keyed vs unkeyed)")
-        if want_seq > count:
-            raise IntegrityError(path, count + 1 if count else None,
-                                 f"truncated: the expected head is seq {want_seq} but the ledger ends at "
-                                 f"seq {count}")
     return Verified(path, count, head)
 
 
@@ -2274,53 +2286,102 @@ def _cmd_head(args):
     return EXIT_OK
 
 
-# Payload fields that report shows on an event's line, for the kinds this toolkit writes. model_call's
-# come from ask.py, their owner, when ask.py is beside this file.
-_REPORT_FIELDS = ("stage", "decision", "outcome", "tool", "rule", "verdict", "reason", "limit", "error_type", "error",
-                  "message")
+# Payload fields that say what happened, shown on an event's line by `report`.
+_REPORT_FIELDS = ("stage", "decision", "outcome", "tool", "rule", "verdict", "reason", "limit", "request_model",
+                  "response_model", "error_type", "error_code", "error", "message")
+_ARTIFACT_RE = re.compile(r"artifacts/[0-9a-f]{64}\Z")
+_REPORT_LINE_CHARS = 120
 
 
-def _report_fields():
-    here = str(Path(__file__).resolve().parent)
-    if not (Path(here) / "ask.py").is_file():
-        return _REPORT_FIELDS
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    import ask  # only for its field names, and only here
-    summary = tuple(getattr(ask, "MODEL_CALL_SUMMARY", ()))
-    return summary + tuple(f for f in _REPORT_FIELDS if f not in summary)
+def _artifact(ledger_path, ref, limit=1 << 20):
+    """The text of an artifact a payload refers to ({"path": "artifacts/<sha256>"}), or None."""
+    if type(ref) is not dict or type(ref.get("path")) is not str or not _ARTIFACT_RE.match(ref["path"]):
+        return None
+    try:
+        with open(Path(ledger_path).parent / ref["path"], "rb") as handle:
+            return handle.read(limit).decode("utf-8", "replace")
+    except OSError:
+        return None
 
 
-def _event_summary(event, fields):
+def _first_line(text, limit=_REPORT_LINE_CHARS):
+    line = next((s.strip() for s in text.splitlines() if s.strip()), "")
+    return line if len(line) <= limit else line[:limit - 1] + "…"
+
+
+def _tests_meaning(path, payload):
+    """'tests passed (12 passed)' or 'tests FAILED (exit 1): test_a, test_b'."""
+    counts = payload.get("counts") if type(payload.get("counts")) is dict else {}
+    tally = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+    if payload.get("passed") is True:
+        return f"tests passed ({tally})" if tally else "tests passed"
+    why = "timed out" if payload.get("timed_out") else f"exit {payload.get('returncode')}"
+    try:
+        outcomes = json.loads(_artifact(path, payload.get("outcomes_artifact")) or "{}")
+    except ValueError:
+        outcomes = {}
+    failed = sorted(name for name, outcome in outcomes.items() if outcome in ("failed", "error")) \
+        if type(outcomes) is dict else []
+    shown = ", ".join(failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")
+    return f"tests FAILED ({why}{'; ' + tally if tally else ''})" + (f": {shown}" if shown else "")
+
+
+def _meaning(path, event):
+    """What a line means, beyond its fields: a failed check, a test run's result, a model reply's first line."""
+    payload, out = event["payload"], []
+    if payload.get("check") is False:
+        out.append(f"CHECK FAILED: {payload.get('check_detail') or 'no detail'}")
+    if event["kind"] == "tests_run":
+        out.append(_tests_meaning(path, payload))
+    call = payload.get("call") if type(payload.get("call")) is dict else {}
+    reply = _artifact(path, payload.get("response_artifact") or call.get("reply_artifact"))
+    if reply:
+        out.append(f"reply: {_first_line(reply)}")
+    return out
+
+
+def _event_summary(path, event):
     payload = event["payload"]
     parts = [event["at"], f"#{event['seq']}", event["kind"]]
-    for name in fields:
+    for name in _REPORT_FIELDS:
         value = payload.get(name)
         if value not in (None, "", [], {}):
             parts.append(f"{name}={value}")
+    parts.extend(_meaning(path, event))
     if payload.get("rationale"):
         parts.append(f"-- {payload['rationale']}")
     return "  ".join(printable(p) for p in parts)
 
 
+def _report_wanted(args, since, until):
+    def wanted(event):
+        return not ((args.kind and event["kind"] not in args.kind)
+                    or (args.stage and event["payload"].get("stage") != args.stage)
+                    or (args.run and not event["run_id"].startswith(args.run))
+                    or (since and event["at"] < since) or (until and event["at"] > until))
+    return wanted
+
+
 def _cmd_report(args):
-    since = parse_time(args.since) if args.since else None
-    until = parse_time(args.until, end=True) if args.until else None
-    fields = None
-    for event, raw, _digest in iter_lines(args.path, key=_cli_key(args), run_id=None):
-        if args.kind and event["kind"] not in args.kind:
-            continue
-        if args.stage and event["payload"].get("stage") != args.stage:
-            continue
-        if args.run and not event["run_id"].startswith(args.run):
-            continue
-        if (since and event["at"] < since) or (until and event["at"] > until):
-            continue
-        if args.json:
-            write_out(raw.decode("utf-8") + "\n")
-        else:
-            fields = fields or _report_fields()
-            write_out(_event_summary(event, fields) + "\n")
+    if not args.paths and not args.all:
+        raise UsageError("report needs a PATH or --all RUNS_DIR")
+    if args.all and not Path(args.all).is_dir():
+        raise UsageError(f"--all: no such directory: {args.all}")
+    wanted = _report_wanted(args, parse_time(args.since) if args.since else None,
+                            parse_time(args.until, end=True) if args.until else None)
+    key = _cli_key(args)
+    targets = [(Path(p), None) for p in args.paths] + (run_ledgers(args.all, key) if args.all else [])
+    try:
+        for path, expect in targets:
+            if len(targets) > 1 and not args.json:
+                write_out(f"== {printable(path)}\n")
+            for event, raw, _digest in verified_events(path, key=key, expect=expect, run_id=None):
+                if wanted(event):
+                    write_out(raw.decode("utf-8") + "\n" if args.json else _event_summary(path, event) + "\n")
+    except OutputError as exc:
+        if str(exc) == "stdout is closed":  # `report | head`: the reader has all it wanted
+            return EXIT_OK
+        raise
     return EXIT_OK
 
 
@@ -2494,8 +2555,9 @@ def _build_parser():
     p.add_argument("path", metavar="PATH")
     p.set_defaults(func=_cmd_head)
 
-    p = keyed(sub.add_parser("report", help="one readable line per event"))
-    p.add_argument("path", metavar="PATH")
+    p = keyed(sub.add_parser("report", help="one readable line per event: what it says and what it means"))
+    p.add_argument("paths", nargs="*", metavar="PATH")
+    p.add_argument("--all", metavar="RUNS_DIR", help="also RUNS_DIR/index.jsonl and every run in it")
     p.add_argument("--kind", action="append", help="only this kind (repeatable)")
     p.add_argument("--stage", help="only decisions of this stage")
     p.add_argument("--run", help="only this run id (or prefix)")
