@@ -158,8 +158,12 @@ class TornTailError(IntegrityError):
 
 
 class OutputError(LedgerError):
-    """stdout could not be written (closed, full, or unable to encode the text)."""
+    """stdout could not be written (closed, full, or unable to encode the text). `pipe`: its reader left."""
     exit_code = EXIT_OUTPUT
+
+    def __init__(self, message, pipe=False):
+        super().__init__(message)
+        self.pipe = pipe
 
 
 # ----------------------------------------------------------------------------
@@ -2124,17 +2128,17 @@ def warn(message, secrets=()):
     _say("warning", message, secrets)
 
 
-_stdout_dead = []
+_stdout_dead = []  # the OutputError that ended stdout: later writes raise it again
 
 
 def write_out(text):
     """Write text to stdout and flush. A stdout that is closed, full or cannot encode the text raises
     OutputError; later writes are dropped, and the interpreter's last flush cannot fail."""
     if _stdout_dead:
-        raise OutputError(_stdout_dead[0])
+        raise _stdout_dead[0]
     if sys.stdout is None:  # started with stdout closed (>&-)
-        _stdout_dead.append("stdout is closed")
-        raise OutputError(_stdout_dead[0])
+        _stdout_dead.append(OutputError("stdout is closed"))
+        raise _stdout_dead[0]
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -2142,14 +2146,14 @@ def write_out(text):
         reason = ("stdout is closed" if isinstance(exc, BrokenPipeError) else
                   f"stdout cannot encode the text as {sys.stdout.encoding}" if isinstance(exc, UnicodeEncodeError)
                   else f"cannot write to stdout: {error_text(exc)}")
-        _stdout_dead.append(reason)
+        _stdout_dead.append(OutputError(reason, pipe=isinstance(exc, BrokenPipeError)))
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
         except (OSError, ValueError):
             pass
-        raise OutputError(reason) from None
+        raise _stdout_dead[0] from None
 
 
 def error_text(exc):
@@ -2379,7 +2383,7 @@ def _cmd_report(args):
                 if wanted(event):
                     write_out(raw.decode("utf-8") + "\n" if args.json else _event_summary(path, event) + "\n")
     except OutputError as exc:
-        if str(exc) == "stdout is closed":  # `report | head`: the reader has all it wanted
+        if exc.pipe:  # `report | head`: the reader has all it wanted
             return EXIT_OK
         raise
     return EXIT_OK
