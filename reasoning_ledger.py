@@ -251,18 +251,10 @@ _SECRET_PARAMS = frozenset(("key", "code", "sig", "signature", "auth", "pwd", "p
 _AUTH_SCHEMES = frozenset(("bearer", "basic"))
 _SEGMENT_RE = re.compile(r"[_\-.]+|(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 
-_secret_key_cache = {}
-
-
 def is_secret_key(name):
     """True when a key name (a payload key, an env var, a query parameter) names a secret."""
-    found = _secret_key_cache.get(name)
-    if found is None:
-        segments = [s.lower() for s in _SEGMENT_RE.split(name) if s]
-        found = bool(segments) and (segments[-1] in _SECRET_WORDS or tuple(segments[-2:]) in _SECRET_PAIRS)
-        if len(_secret_key_cache) < 4096:
-            _secret_key_cache[name] = found
-    return found
+    segments = [s.lower() for s in _SEGMENT_RE.split(name) if s]
+    return bool(segments) and (segments[-1] in _SECRET_WORDS or tuple(segments[-2:]) in _SECRET_PAIRS)
 
 
 def _credential_like(text):
@@ -305,48 +297,28 @@ def _mask_assignment(m):
     return m.group(1) + m.group(2) + quote + REDACTED + quote
 
 
-# Secret shapes masked inside any string, each (triggers, pattern, flags, replacement): a shape can only
-# change a string whose lower-cased text holds one of its triggers, so only those shapes are compiled and
-# run. Order matters only in that earlier masks are left alone by later ones.
-_SECRET_NAME_TRIGGERS = ("token", "secret", "pass", "credential", "key", "session", "cookie", "authorization")
+# Secret shapes masked inside any string, as (pattern, flags, replacement), run in this order: a later shape
+# leaves an earlier one's mask alone.
 _SHAPES = (
-    (("private key",), r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
-     re.S, REDACTED),
-    (("cookie", "authorization"),
-     r"(?i)\b((?:set-)?cookie|(?:proxy-)?authorization)([ \t]*:[ \t]*)(?!\[REDACTED\])\S[^\r\n]*", 0,
+    (r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.S, REDACTED),
+    (r"(?i)\b((?:set-)?cookie|(?:proxy-)?authorization)([ \t]*:[ \t]*)(?!\[REDACTED\])\S[^\r\n]*", 0,
      lambda m: m.group(1) + m.group(2) + REDACTED),
-    (("bearer", "basic"), r"\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=-]+)", re.I, _mask_scheme),
-    (("sk-",), r"\bsk-[A-Za-z0-9_-]{8,}", 0, REDACTED),
-    (("gh", "github_pat_"), r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", 0, REDACTED),
-    (("xox",), r"\bxox[abposr]-[A-Za-z0-9-]{8,}", 0, REDACTED),
-    (("akia", "asia"), r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", 0, REDACTED),
-    (("@",), r"\b([a-zA-Z][a-zA-Z0-9+.-]{0,31}://)([^\s/?#\"'<>]+)@", 0, _mask_userinfo),
-    (("=",), r"([?&;#])([A-Za-z0-9_.\[\]-]{1,64})=([^&#\s\"'<>]+)", 0, _mask_param),
-    (_SECRET_NAME_TRIGGERS,  # only a secret name's assignment is masked, and every such name holds one
-     r"\b([A-Za-z][A-Za-z0-9_.-]{0,63})([\"']?[ \t]*[:=][ \t]*)(?:\"([^\"\r\n]*)\"|'([^'\r\n]*)'|([^\s\"',;&]+))",
-     0, _mask_assignment),
+    (r"\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=-]+)", re.I, _mask_scheme),
+    (r"\bsk-[A-Za-z0-9_-]{8,}", 0, REDACTED),
+    (r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", 0, REDACTED),
+    (r"\bxox[abposr]-[A-Za-z0-9-]{8,}", 0, REDACTED),
+    (r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", 0, REDACTED),
+    (r"\b([a-zA-Z][a-zA-Z0-9+.-]{0,31}://)([^\s/?#\"'<>]+)@", 0, _mask_userinfo),
+    (r"([?&;#])([A-Za-z0-9_.\[\]-]{1,64})=([^&#\s\"'<>]+)", 0, _mask_param),
+    (r"\b([A-Za-z][A-Za-z0-9_.-]{0,63})([\"']?[ \t]*[:=][ \t]*)(?:\"([^\"\r\n]*)\"|'([^'\r\n]*)'|([^\s\"',;&]+))", 0,
+     _mask_assignment),
 )
-# The screen: a string holding none of these (lower-case) substrings, and no secret value, is left as it
-# is without running a single shape.
-_TRIGGERS = tuple(dict.fromkeys(t for triggers, _src, _flags, _repl in _SHAPES for t in triggers))
-_compiled_shapes = {}
-# The letters outside ASCII that a case-insensitive regex takes for an ASCII one (`Cookıe`, `Baſic` match
-# the shapes); the screens fold them first, so a trigger is never missed (the tests derive this from re).
-_RE_FOLDS = str.maketrans({"\u0130": "i", "\u0131": "i", "\u017f": "s", "\u212a": "k"})
 
 
-def _screen_text(text):
-    """The text the screens look for triggers in: lower case, and folded the way re.IGNORECASE folds."""
-    return text.lower() if text.isascii() else text.translate(_RE_FOLDS).lower()
-
-
-def _shape(index):
-    """Shape `index`, compiled on first use: `python ask.py` compiles only the ones its strings need."""
-    compiled = _compiled_shapes.get(index)
-    if compiled is None:
-        _triggers, src, flags, repl = _SHAPES[index]
-        compiled = _compiled_shapes[index] = (re.compile(src, flags), repl)
-    return compiled
+@functools.lru_cache(maxsize=1)
+def _compiled_shapes():
+    """Compiled on first use: `ask.py --help` and `verify` never need them."""
+    return tuple((re.compile(src, flags), repl) for src, flags, repl in _SHAPES)
 
 
 class Redactor:
@@ -356,66 +328,14 @@ class Redactor:
     def __init__(self, values=()):
         self.values = tuple(sorted({v for v in values if isinstance(v, str) and len(v) >= MIN_SECRET_CHARS},
                                    key=len, reverse=True))  # longest first: a secret holding another goes whole
-        self._keys = {}
-        self._clean_keys = set()
-
-    def key(self, name):
-        """A payload key with secret values and shapes masked (keys repeat, so the answer is kept)."""
-        masked = self._keys.get(name)
-        if masked is None:
-            masked = self.text(name)
-            if len(self._keys) < 4096:
-                self._keys[name] = masked
-        return masked
-
-    def keys_clean(self, keys):
-        """True when no key in `keys` holds a secret value or shape (keys repeat: the answer is kept)."""
-        known = self._clean_keys
-        if known.issuperset(keys):
-            return True
-        for name in keys:
-            if name not in known:
-                if self.key(name) != name:
-                    return False
-                if len(known) < 4096:
-                    known.add(name)
-        return True
-
-    def may_hold(self, text):
-        """The fast screen: False when `text` holds no trigger of any shape (in any case) and no secret
-        value, so that masking could not change it. Substring tests on the lowered text (a case-insensitive
-        regex of the same words is ten times slower)."""
-        low = _screen_text(text)
-        for trigger in _TRIGGERS:
-            if trigger in low:
-                return True
-        for value in self.values:
-            if value in text:
-                return True
-        return False
 
     def text(self, text):
         """`text` with every secret masked."""
-        return self._mask(text, screened=True) if self.may_hold(text) else text
-
-    def exact(self, text):
-        """The masking itself, every shape run, without a screen (the tests check that the screens never
-        change the result)."""
-        return self._mask(text, screened=False)
-
-    def _mask(self, text, screened):
         for value in self.values:
             if value in text:
                 text = text.replace(value, REDACTED)
-        low = _screen_text(text) if screened else None
-        for index, (triggers, _src, _flags, _repl) in enumerate(_SHAPES):
-            if screened and not any(trigger in low for trigger in triggers):
-                continue
-            pattern, repl = _shape(index)
-            masked = pattern.sub(repl, text)
-            if masked != text:
-                text = masked
-                low = _screen_text(text) if screened else None
+        for pattern, repl in _compiled_shapes():
+            text = pattern.sub(repl, text)
         return text
 
 
@@ -450,43 +370,36 @@ class _BadValue(Exception):
         self.reason, self.where = reason, []
 
 
-def _check(value, depth, strings, keys):
-    """The one check for every payload: plain JSON within MAX_DEPTH, exact types only (so a Counter or an int
-    key is refused every time), whatever the payload holds. Collects the string values into `strings` and
-    the keys into `keys`. Returns True when a key names a secret. Raises _BadValue."""
+def _clean(value, redactor, depth=1):
+    """A copy of a payload with every secret masked (values under secret key names; secret values and
+    shapes in every string, keys included), checked on the way: plain JSON within MAX_DEPTH, exact types
+    only (a Counter or an int key is refused every time). Raises _BadValue."""
     kind = type(value)
-    if kind is dict:
-        items = value.items()
-    elif kind is list or kind is tuple:
-        items = enumerate(value)
-    else:
-        if kind is str:
-            strings.append(value)
-        else:
-            _check_scalar(value)
-        return False
+    if kind is str:
+        return redactor.text(value)
+    if kind is not dict and kind is not list and kind is not tuple:
+        _check_scalar(value)
+        return value
     if depth > MAX_DEPTH:
         raise _BadValue(f"nested deeper than {MAX_DEPTH} levels (or circular)")
-    is_dict, secret, collect = kind is dict, False, strings.append
+    items = value.items() if kind is dict else enumerate(value)
+    out = {} if kind is dict else []
     for k, v in items:
         try:
-            if is_dict:
-                if type(k) is not str:
-                    raise _BadValue(f"key {k!r} is a {type(k).__name__}; JSON keys must be strings")
-                keys.append(k)
-                if v is not None and type(v) is not bool and is_secret_key(k):
-                    secret = True
-            t = type(v)
-            if t is str:
-                collect(v)
-            elif t is dict or t is list or t is tuple:
-                secret = _check(v, depth + 1, strings, keys) or secret
-            elif not (t is bool or v is None):
-                _check_scalar(v)
+            if kind is not dict:
+                out.append(_clean(v, redactor, depth + 1))
+                continue
+            if type(k) is not str:
+                raise _BadValue(f"key {k!r} is a {type(k).__name__}; JSON keys must be strings")
+            name = redactor.text(k)
+            while name in out:  # two keys that mask to the same text both stay
+                name += "~"
+            masked = _clean(v, redactor, depth + 1)
+            out[name] = REDACTED if v is not None and type(v) is not bool and is_secret_key(k) else masked
         except _BadValue as exc:
-            exc.where.append(f".{k}" if is_dict and type(k) is str else f"[{k!r}]")
+            exc.where.append(f".{k}" if kind is dict and type(k) is str else f"[{k!r}]")
             raise
-    return secret
+    return out
 
 
 def _check_scalar(value):
@@ -501,40 +414,15 @@ def _check_scalar(value):
         raise _BadValue(f"a {kind.__name__} is not a JSON type")
 
 
-def _clean(value, redactor):
-    """A copy of a checked payload with every secret masked: values under secret key names, and secret
-    values and shapes in every string, keys included."""
-    kind = type(value)
-    if kind is str:
-        return redactor.text(value)
-    if kind is dict:
-        out = {}
-        for k, v in value.items():
-            name = redactor.key(k)
-            while name in out:  # two keys that mask to the same text both stay
-                name += "~"
-            out[name] = REDACTED if v is not None and type(v) is not bool and is_secret_key(k) else _clean(v, redactor)
-        return out
-    if kind is list or kind is tuple:
-        return [_clean(v, redactor) for v in value]
-    return value
-
-
 def _clean_payload(payload, redactor):
-    """(payload_as_stored, its JSON text) or PayloadError naming the place. The payload is checked once;
-    its strings are screened together, and only when the screen finds something (or a key names a
-    secret) is a masked copy made: the common payload is stored as it was given."""
-    strings, keys = [], []
+    """(payload_as_stored, its JSON text) or PayloadError naming the place."""
     try:
-        secret_key = _check(payload, 1, strings, keys)
+        clean = _clean(payload, redactor)
     except _BadValue as exc:
         where = list(reversed(exc.where))
         if len(where) > 8:
             where = where[:4] + ["…"] + where[-2:]
         raise PayloadError(f"payload{''.join(where)}: {exc.reason}; nothing was written") from None
-    clean = payload
-    if secret_key or not redactor.keys_clean(keys) or redactor.may_hold("\x00".join(strings)):
-        clean = _clean(payload, redactor)
     text = _dumps(clean)
     try:
         text.encode("utf-8")
