@@ -37,28 +37,14 @@ from pathlib import Path
 
 __version__ = "1.1.0"
 
+# What a vendoring script needs; the toolkit's own scripts also use the CLI kit below (error, write_out, ...).
 __all__ = [
-    # the ledger
-    "Ledger", "Run", "open_run", "store_artifact", "read_events", "iter_lines", "verify", "verify_runs",
-    "Verified", "line_hash", "parse_head", "new_run_id", "utc_now", "key_from_env",
-    # shipping to ClickHouse
-    "ClickHouse", "ClickHouseError", "Shipped", "ship", "ship_targets", "ship_ddl", "verify_shipped",
-    "shipped_ledgers", "sql_string", "SHIP_COLUMNS", "SHIP_CALL_FIELDS",
-    # redaction
-    "Redactor", "redact_text", "secret_values", "is_secret_key", "is_secret_env_name", "REDACTED",
-    "payload_problem",
-    # errors
+    "Ledger", "Run", "open_run", "store_artifact", "read_events", "iter_lines", "verified_events", "verify",
+    "verify_runs", "run_ledgers", "Verified", "line_hash", "parse_head", "new_run_id", "utc_now", "key_from_env",
+    "Redactor", "redact_text", "secret_values",
     "LedgerError", "UsageError", "PayloadError", "KeyRequiredError", "IntegrityError", "TornTailError",
-    "OutputError",
-    # the command line, shared by the toolkit's scripts
-    "EXIT_CODES", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_CHECK", "EXIT_CHANGED", "EXIT_OUTPUT",
-    "EXIT_LOCKED", "EXIT_BUDGET", "EXIT_PROPOSAL", "error", "warn", "write_out", "printable",
-    "error_text", "run_cli", "parse_cli", "parse_time", "ArgumentParser",
-    # HTTP without redirects, under one deadline
-    "http_open", "Deadline", "call_at", "shut",
-    # format constants
-    "FORMAT_VERSION", "FIELDS", "GENESIS", "MAX_LINE_BYTES", "MAX_DEPTH", "KEY_ENV", "INDEX_NAME",
-    "EVENTS_NAME",
+    "OutputError", "EXIT_CODES", "FORMAT_VERSION", "GENESIS", "MAX_LINE_BYTES", "KEY_ENV", "INDEX_NAME",
+    "EVENTS_NAME", "main",
 ]
 
 # ----------------------------------------------------------------------------
@@ -251,6 +237,7 @@ _SECRET_PARAMS = frozenset(("key", "code", "sig", "signature", "auth", "pwd", "p
 _AUTH_SCHEMES = frozenset(("bearer", "basic"))
 _SEGMENT_RE = re.compile(r"[_\-.]+|(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 
+@functools.lru_cache(maxsize=4096)  # payloads repeat their key names; this is most of an append's masking
 def is_secret_key(name):
     """True when a key name (a payload key, an env var, a query parameter) names a secret."""
     segments = [s.lower() for s in _SEGMENT_RE.split(name) if s]
@@ -301,7 +288,7 @@ def _mask_assignment(m):
 # leaves an earlier one's mask alone.
 _SHAPES = (
     (r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.S, REDACTED),
-    (r"(?i)\b((?:set-)?cookie|(?:proxy-)?authorization)([ \t]*:[ \t]*)(?!\[REDACTED\])\S[^\r\n]*", 0,
+    (r"\b((?:set-)?cookie|(?:proxy-)?authorization)([ \t]*:[ \t]*)(?!\[REDACTED\])\S[^\r\n]*", re.I,
      lambda m: m.group(1) + m.group(2) + REDACTED),
     (r"\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=-]+)", re.I, _mask_scheme),
     (r"\bsk-[A-Za-z0-9_-]{8,}", 0, REDACTED),
@@ -315,9 +302,22 @@ _SHAPES = (
 )
 
 
+# What every shape needs to match at all: ":", "=" or "@" (headers, assignments, URLs), its own literal
+# start, or for bearer/basic the word under the shape's own case folding. A string holding none of them is
+# left as it is without running a shape: substring tests cost a tenth of the shapes (tests/BENCH.md), and
+# tests/test_redaction.py holds this list to the shapes.
+_SCHEME_WORD = re.compile(r"b(?:earer|asic)\s", re.I)
+
+
+def _may_match(text):
+    return (":" in text or "=" in text or "@" in text or "-----BEGIN" in text or "sk-" in text or "gh" in text
+            or "github_pat_" in text or "xox" in text or "AKIA" in text or "ASIA" in text
+            or _SCHEME_WORD.search(text) is not None)
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled_shapes():
-    """Compiled on first use: `ask.py --help` and `verify` never need them."""
+    """Compiled on first use: `verify` never needs them."""
     return tuple((re.compile(src, flags), repl) for src, flags, repl in _SHAPES)
 
 
@@ -334,6 +334,8 @@ class Redactor:
         for value in self.values:
             if value in text:
                 text = text.replace(value, REDACTED)
+        if not _may_match(text):
+            return text
         for pattern, repl in _compiled_shapes():
             text = pattern.sub(repl, text)
         return text
@@ -382,22 +384,23 @@ def _clean(value, redactor, depth=1):
         return value
     if depth > MAX_DEPTH:
         raise _BadValue(f"nested deeper than {MAX_DEPTH} levels (or circular)")
-    items = value.items() if kind is dict else enumerate(value)
-    out = {} if kind is dict else []
-    for k, v in items:
+    is_dict = kind is dict
+    out = {} if is_dict else []
+    for k, v in (value.items() if is_dict else enumerate(value)):
         try:
-            if kind is not dict:
-                out.append(_clean(v, redactor, depth + 1))
+            t = type(v)
+            masked = v if v is None or t is bool else redactor.text(v) if t is str else _clean(v, redactor, depth + 1)
+            if not is_dict:
+                out.append(masked)
                 continue
             if type(k) is not str:
                 raise _BadValue(f"key {k!r} is a {type(k).__name__}; JSON keys must be strings")
             name = redactor.text(k)
             while name in out:  # two keys that mask to the same text both stay
                 name += "~"
-            masked = _clean(v, redactor, depth + 1)
-            out[name] = REDACTED if v is not None and type(v) is not bool and is_secret_key(k) else masked
+            out[name] = REDACTED if v is not None and t is not bool and is_secret_key(k) else masked
         except _BadValue as exc:
-            exc.where.append(f".{k}" if kind is dict and type(k) is str else f"[{k!r}]")
+            exc.where.append(f".{k}" if is_dict and type(k) is str else f"[{k!r}]")
             raise
     return out
 
@@ -869,15 +872,6 @@ def _expected_run_id(path):
     return None
 
 
-def _keyed_first_line(path, first_prev, key):
-    if first_prev == GENESIS:
-        if key:
-            raise IntegrityError(path, 1, "ledger is not keyed but a key was given: "
-                                          "a keyed ledger rewritten without its key looks like this")
-    elif not key:
-        raise KeyRequiredError(path)
-
-
 def _not_canonical(text):
     """Why a line that parses is still not what the writer writes."""
     def pairs(items):
@@ -907,57 +901,66 @@ def _not_canonical(text):
             "the writer writes)")
 
 
-def _line_error(path, lineno, body, event, canonical, expected_prev, run_id, key):
-    """The precise reason why a line failed the fast check in iter_lines."""
-    if event is None:
-        if not body.strip():
-            return IntegrityError(path, lineno, "blank line" if not body else "white space only")
-        if b"\x00" in body:
-            return IntegrityError(path, lineno, "NUL byte in line")
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            return IntegrityError(path, lineno, f"not UTF-8 (byte {exc.start})")
-        try:
-            json.loads(text)
-        except ValueError as exc:
-            return IntegrityError(path, lineno, f"broken JSON: {exc}")
-        except RecursionError:
-            return IntegrityError(path, lineno, "nested too deeply to read")
-        return IntegrityError(path, lineno, _not_canonical(text))
+def _unparsed(body):
+    """Why a line is not a JSON text the writer wrote, before any field is looked at."""
+    if not body.strip():
+        return "blank line" if not body else "white space only"
+    if b"\x00" in body:
+        return "NUL byte in line"
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return f"not UTF-8 (byte {exc.start})"
+    try:
+        json.loads(text)
+    except ValueError as exc:
+        return f"broken JSON: {exc}"
+    except RecursionError:
+        return "nested too deeply to read"
+    return _not_canonical(text)
+
+
+def _envelope_problem(event, lineno, run_id, known):
+    """Why a parsed line's envelope is not one the writer writes, or None."""
     if type(event) is not dict:
-        return IntegrityError(path, lineno, "line is not a JSON object")
+        return "line is not a JSON object"
     if tuple(event) != FIELDS:
         missing = [f for f in FIELDS if f not in event]
-        return IntegrityError(path, lineno, f"missing field {missing[0]!r}" if missing else
-                              f"fields must be exactly {', '.join(FIELDS)}, in that order")
-    seq, rid, kind, at, payload, prev = (event[f] for f in FIELDS)
+        return f"missing field {missing[0]!r}" if missing else f"fields must be exactly {', '.join(FIELDS)}, in that order"
+    seq, rid, kind, at, payload, prev = event.values()
     if type(seq) is not int:
-        return IntegrityError(path, lineno, f"seq is not an integer: {printable(seq)!r}")
+        return f"seq is not an integer: {printable(seq)!r}"
     if seq != lineno:
-        why = "duplicate or repeated seq" if seq < lineno else "gap in seq"
-        return IntegrityError(path, lineno, f"expected seq {lineno}, got {seq} ({why})")
-    if type(rid) is not str or not _RUN_ID_RE.match(rid):
-        return IntegrityError(path, lineno, f"bad run_id {printable(rid)!r}")
-    if run_id is not None and rid != run_id:
-        return IntegrityError(path, lineno, f"run_id {rid!r} differs from the run directory's {run_id!r}")
-    if type(kind) is not str or not _KIND_RE.match(kind):
-        return IntegrityError(path, lineno, f"bad kind {printable(kind)!r}")
+        return f"expected seq {lineno}, got {seq} ({'duplicate or repeated seq' if seq < lineno else 'gap in seq'})"
+    if (rid, kind) not in known:  # a ledger repeats a few run ids and kinds: each pair is checked once
+        if type(rid) is not str or not _RUN_ID_RE.match(rid):
+            return f"bad run_id {printable(rid)!r}"
+        if run_id is not None and rid != run_id:
+            return f"run_id {rid!r} differs from the run directory's {run_id!r}"
+        if type(kind) is not str or not _KIND_RE.match(kind):
+            return f"bad kind {printable(kind)!r}"
+        if len(known) < 4096:
+            known.add((rid, kind))
     if not _at_ok(at):
-        return IntegrityError(path, lineno, f"bad timestamp {printable(at)!r} (want a real UTC time as "
-                                            f"YYYY-MM-DDTHH:MM:SS.ffffffZ)")
+        return f"bad timestamp {printable(at)!r} (want a real UTC time as YYYY-MM-DDTHH:MM:SS.ffffffZ)"
     if type(payload) is not dict:
-        return IntegrityError(path, lineno, "payload is not a JSON object")
+        return "payload is not a JSON object"
     if type(prev) is not str:
-        return IntegrityError(path, lineno, "prev is not a string")
-    if not canonical:
-        return IntegrityError(path, lineno, _not_canonical(body.decode("utf-8")))
-    if lineno == 1:
-        _keyed_first_line(path, prev, key)  # raises KeyRequiredError / keyed-vs-unkeyed mismatch
-        return IntegrityError(path, 1, "prev is not the HMAC of the empty string under this key: "
-                                       "wrong key, or line 1 was rewritten")
-    return IntegrityError(path, lineno, f"prev does not match line {lineno - 1} "
-                                        f"(a line was changed, removed, inserted or reordered)")
+        return "prev is not a string"
+    return None
+
+
+def _chain_error(path, lineno, prev, key):
+    if lineno > 1:
+        return IntegrityError(path, lineno, f"prev does not match line {lineno - 1} "
+                                            f"(a line was changed, removed, inserted or reordered)")
+    if prev == GENESIS and key:
+        return IntegrityError(path, 1, "ledger is not keyed but a key was given: "
+                                       "a keyed ledger rewritten without its key looks like this")
+    if prev != GENESIS and not key:
+        return KeyRequiredError(path)
+    return IntegrityError(path, 1, "prev is not the HMAC of the empty string under this key: "
+                                   "wrong key, or line 1 was rewritten")
 
 
 def iter_lines(path, *, key=None, run_id=None):
@@ -983,9 +986,7 @@ def _check_lines(path, source, key, run_id):
     giving an iterable of lines, each ending in b"\n" (the last one may not: a torn tail). A file
     (iter_lines, ship) and the rows read back from ClickHouse (verify --from) go through this same
     code. `key` is resolved (bytes or None)."""
-    scan, dumps, sha256, fields = _SCANNER, _dumps, hashlib.sha256, FIELDS
-    expected_prev = _genesis(key)
-    good_kinds, last_rid = set(), None
+    expected_prev, known, sha256 = _genesis(key), set(), hashlib.sha256
     lineno = offset = 0
     with source as lines:
         for raw in lines:
@@ -997,42 +998,28 @@ def _check_lines(path, source, key, run_id):
                 raise TornTailError(path, lineno, offset, len(raw), (lineno - 1, expected_prev))
             offset += len(raw)
             body = raw[:-1]
-            # The C scanner behind json.loads, called directly; then the writer's own encoder must give
-            # back the very same text: no white space, escapes, duplicate keys or number forms of its own.
+            # Exactly the writer's bytes: the parsed line, encoded again by the writer's own encoder, must
+            # give back the same text (no white space, escapes, duplicate keys or number forms of its own).
             try:
                 text = body.decode("utf-8")
-                event, end = scan(text, 0)
-                canonical = end == len(text) and dumps(event) == text
+                event, end = _SCANNER(text, 0)
+                canonical = end == len(text) and _dumps(event) == text
             except (ValueError, StopIteration, RecursionError):
-                event, canonical = None, False
-            if (not canonical or type(event) is not dict or tuple(event) != fields
-                    or event["seq"] != lineno or type(event["seq"]) is not int
-                    or event["prev"] != expected_prev
-                    or type(event["payload"]) is not dict
-                    or not _at_ok(event["at"])
-                    or (event["kind"] not in good_kinds and not _remember(_kind_ok, event["kind"], good_kinds))
-                    or (event["run_id"] != last_rid and not _run_id_ok(event["run_id"], run_id))):
-                raise _line_error(path, lineno, body, event, canonical, expected_prev, run_id, key)
-            last_rid = event["run_id"]
+                raise IntegrityError(path, lineno, _unparsed(body)) from None
+            # The common good line passes this one test (verify's bench guard needs it inline); any other
+            # line is named by _envelope_problem, in the order of the format's rules.
+            if not (canonical and type(event) is dict and tuple(event) == FIELDS and event["seq"] == lineno
+                    and type(event["seq"]) is int and event["prev"] == expected_prev
+                    and (event["run_id"], event["kind"]) in known and type(event["payload"]) is dict
+                    and _at_ok(event["at"])):
+                problem = (_envelope_problem(event, lineno, run_id, known)
+                           or (None if canonical else _not_canonical(text)))
+                if problem:
+                    raise IntegrityError(path, lineno, problem)
+                if event["prev"] != expected_prev:
+                    raise _chain_error(path, lineno, event["prev"], key)
             expected_prev = (hmac.new(key, body, sha256) if key else sha256(body)).hexdigest()
             yield event, body, expected_prev
-
-
-def _remember(check, value, good):
-    if check(value):
-        if len(good) > 4096:
-            good.clear()
-        good.add(value)
-        return True
-    return False
-
-
-def _kind_ok(kind):
-    return type(kind) is str and bool(_KIND_RE.match(kind))
-
-
-def _run_id_ok(rid, run_id):
-    return type(rid) is str and bool(_RUN_ID_RE.match(rid)) and (run_id is None or rid == run_id)
 
 
 def read_events(path, *, key=None, run_id=None):
@@ -1045,17 +1032,22 @@ def verified_events(path, *, key=None, expect=None, run_id=None):
     """iter_lines() that also holds the ledger to a head published earlier, `expect` = (seq, hash): the line at
     that seq must have that hash, and the ledger must reach it (seq 0: the genesis value of this key)."""
     key = _resolve_key(key)
+    return _held_to(path, iter_lines(path, key=key or b"", run_id=run_id), expect, key)
+
+
+def _held_to(path, lines, expect, key, expected="the expected head is", ends="the ledger ends at"):
+    """The (event, raw, digest) of `lines`, held to the head `expect` (see verified_events)."""
     count = 0
-    for event, raw, digest in iter_lines(path, key=key or b"", run_id=run_id):
+    for event, raw, digest in lines:
         count = event["seq"]
         if expect and count == expect[0] and digest != expect[1]:
             raise IntegrityError(path, count, "does not match the expected head: the history up to "
                                               "the published head was rewritten")
         yield event, raw, digest
-    _reached(path, expect, count, key)
+    _reached(path, expect, count, key, expected, ends)
 
 
-def _reached(path, expect, count, key):
+def _reached(path, expect, count, key, expected="the expected head is", ends="the ledger ends at"):
     if not expect:
         return
     if expect[0] == 0 and expect[1] != _genesis(key):
@@ -1063,7 +1055,7 @@ def _reached(path, expect, count, key):
                                          "genesis value (another key, or keyed vs unkeyed)")
     if expect[0] > count:
         raise IntegrityError(path, count + 1 if count else None,
-                             f"truncated: the expected head is seq {expect[0]} but the ledger ends at seq {count}")
+                             f"truncated: {expected} seq {expect[0]} but {ends} seq {count}")
 
 
 class Verified:
@@ -1307,7 +1299,7 @@ def _tls_context():
 # `ship` sends the verified lines of ledgers to one ClickHouse table over its HTTP interface, and
 # `verify --from` reads them back. The table (ship_ddl()) holds each line exactly as written, with its
 # SHA-256, and typed columns for the model_call fields audit.py reads. ClickHouse is spoken with urllib
-# (imported when first needed, so `verify` and `append` start as fast as before).
+# (imported when first needed: `verify` and `append` never load the HTTP stack).
 
 SHIP_URL_ENV = "LEDGER_SHIP_URL"
 SHIP_USER_ENV = "CLICKHOUSE_USER"
@@ -1593,56 +1585,37 @@ class Shipped:
                 f"(seq {self.first}..{self.last}){more}  {head}")
 
 
-def _at_seconds(at, days={}):
+def _at_seconds(at):
     """`at` as Unix seconds for a DateTime column (0 when it does not fit one)."""
-    base = days.get(at[:10])
-    if base is None:
-        base = (datetime.date(int(at[:4]), int(at[5:7]), int(at[8:10])).toordinal() - 719163) * 86400
-        if len(days) < 100000:
-            days[at[:10]] = base
-    seconds = base + int(at[11:13]) * 3600 + int(at[14:16]) * 60 + int(at[17:19])
+    day = datetime.date(int(at[:4]), int(at[5:7]), int(at[8:10])).toordinal() - 719163
+    seconds = day * 86400 + int(at[11:13]) * 3600 + int(at[14:16]) * 60 + int(at[17:19])
     return seconds if 0 <= seconds < 1 << 32 else 0
 
 
-_json_string = json.encoder.encode_basestring  # the C escaper behind json.dumps(ensure_ascii=False)
-_CALL_SPEC = tuple((f'"{name}":', name, types, read, kind == "Nullable(Float64)")
-                   for name, kind, types, read in SHIP_CALL_FIELDS)
-
-
 def _call_columns(payload):
-    """The typed model_call columns of a payload, as JSON members (the text between braces)."""
-    get, out, malformed = payload.get, [], False
-    for member, name, types, read, real in _CALL_SPEC:
-        value = get(name)
+    """The typed model_call columns of a payload: a value of a type ask.py never writes is left out (NULL)
+    and, when audit.py reads that field, makes `malformed` 1."""
+    out, malformed = {}, False
+    for name, kind, types, read in SHIP_CALL_FIELDS:
+        value = payload.get(name)
         if value is None:
             continue
-        t = type(value)
-        if t not in types:
+        if type(value) not in types or (type(value) is int and not -_INT64 <= value < _INT64):
             malformed = malformed or read
-        elif t is str:
-            out.append(member + _json_string(value))
-        elif t is bool:
-            out.append(member + ("true" if value else "false"))
-        elif t is float:
-            out.append(member + repr(value))  # finite: a verified line holds no NaN or Infinity
-        elif -_INT64 <= value < _INT64:
-            out.append(member + (repr(float(value)) if real else repr(value)))
         else:
-            malformed = malformed or read
-    out.append('"malformed":1' if malformed else '"malformed":0')
-    return ",".join(out)
+            out[name] = float(value) if kind == "Nullable(Float64)" else value
+    out["malformed"] = int(malformed)
+    return out
 
 
-def _row(prefix, event, body, line_sha, shipped_at):
-    """One JSONEachRow row, newline included, for a verified line. The line is the writer's canonical
-    JSON, without control characters, so escaping \\ and " makes it a JSON string; run_id, kind, at and
-    prev are checked plain ASCII."""
-    text = ('%s,"seq":%d,"run_id":"%s","kind":"%s","at":"%s","at_time":%d,"prev":"%s","line_sha256":"%s",'
-            '"shipped_at":%d,' % (prefix, event["seq"], event["run_id"], event["kind"], event["at"],
-                                  _at_seconds(event["at"]), event["prev"], line_sha, shipped_at))
+def _row(base, event, body, line_sha, shipped_at):
+    """One JSONEachRow row, newline included, for a verified line."""
+    row = dict(base, seq=event["seq"], run_id=event["run_id"], kind=event["kind"], at=event["at"],
+               at_time=_at_seconds(event["at"]), prev=event["prev"], line_sha256=line_sha, shipped_at=shipped_at)
     if event["kind"] == "model_call":
-        text += _call_columns(event["payload"]) + ","
-    return b"".join(((text + '"raw":"').encode("utf-8"), body.replace(b"\\", b"\\\\").replace(b'"', b'\\"'), b'"}\n'))
+        row.update(_call_columns(event["payload"]))
+    row["raw"] = body.decode("utf-8")
+    return _dumps(row).encode("utf-8") + b"\n"
 
 
 def _spool_limit():
@@ -1801,34 +1774,28 @@ def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, ba
 def _verify_for_ship(path, ledger_id, key, expect, top, top_sha, start, host, batches):
     """Verify the whole ledger (the same checks as verify) while spooling rows for the lines after `start`.
     Returns (head, torn tail or None, (seq, hash) where the spool filled up or None)."""
-    sha256 = hashlib.sha256
-    prefix = '{"ledger_id":"%s","host":%s,"path":%s' % (ledger_id, _dumps(host), _dumps(os.path.abspath(path)))
+    base = {"ledger_id": ledger_id, "host": host, "path": os.path.abspath(path)}
     shipped_at = int(time.time())
     head, torn, cut = (0, _genesis(key)), None, None
-    lines = _check_lines(path, _file_lines(path), key, _expected_run_id(path))
+    lines = _held_to(path, _check_lines(path, _file_lines(path), key, _expected_run_id(path)), expect, key,
+                     "index.jsonl records", "the run ends at")
     try:
         for event, body, digest in lines:
-            seq = event["seq"]
-            if seq == 1 and (sha256(body).hexdigest() if key else digest) != ledger_id:
+            seq, line_sha = event["seq"], hashlib.sha256(body).hexdigest() if key else digest
+            if seq == 1 and line_sha != ledger_id:
                 raise IntegrityError(path, 1, "line 1 changed while it was being shipped (the file was replaced)")
             if seq > start and cut is None:
                 if batches.full:
                     cut = head
                 else:
-                    batches.add(seq, _row(prefix, event, body, sha256(body).hexdigest() if key else digest,
-                                          shipped_at))
-            if seq == top and (sha256(body).hexdigest() if key else digest) != top_sha:
+                    batches.add(seq, _row(base, event, body, line_sha, shipped_at))
+            if seq == top and line_sha != top_sha:
                 raise IntegrityError(path, seq, "differs from the line ClickHouse holds at this seq: a fork or a "
                                                 "local rewrite; nothing was sent")
-            if expect and seq == expect[0] and digest != expect[1]:
-                raise IntegrityError(path, seq, "does not match the head recorded in index.jsonl: the run was "
-                                                "rewritten after it closed")
             head = (seq, digest)
     except TornTailError as exc:
         torn = exc
-    if expect and head[0] < expect[0]:
-        raise IntegrityError(path, head[0] + 1, f"truncated: index.jsonl records seq {expect[0]}, the run ends at "
-                                                f"seq {head[0]}")
+        _reached(path, expect, head[0], key, "index.jsonl records", "the run ends at")
     return head, torn, cut
 
 
@@ -1889,34 +1856,24 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
 
 def _verify_stored(ledger, rows, key, expect):
     name = f"clickhouse:{ledger['ledger_id']}"
-    sha256, current = hashlib.sha256, [None]
-    count, head = 0, (0, _genesis(key))
+    current, count, head = [None], 0, (0, _genesis(key))
     source = contextlib.nullcontext(_stored_lines(name, rows, current))
     run_id = _expected_run_id(ledger["last_path"]) if ledger["last_path"] else None
+    lines = _held_to(name, _check_lines(name, source, key, run_id), expect, key,
+                     ends="ClickHouse holds up to")
     try:
-        for event, body, digest in _check_lines(name, source, key, run_id):
+        for event, body, digest in lines:
             seq = event["seq"]
-            line_sha = sha256(body).hexdigest() if key else digest
+            line_sha = hashlib.sha256(body).hexdigest() if key else digest
             if line_sha != current[0]:
                 raise IntegrityError(name, seq, "line_sha256 is not the SHA-256 of the stored line (the row was "
                                                 "altered in ClickHouse)")
             if seq == 1 and line_sha != ledger["ledger_id"]:
                 raise IntegrityError(name, 1, "ledger_id is not the SHA-256 of line 1 (the row was altered, or "
                                               "filed under another ledger)")
-            if expect and seq == expect[0] and digest != expect[1]:
-                raise IntegrityError(name, seq, "does not match the expected head: the history up to the "
-                                                "published head was rewritten")
             count, head = seq, (seq, digest)
     except (IntegrityError, KeyRequiredError) as exc:
         return exc
-    if expect:
-        if expect[0] == 0 and expect[1] != _genesis(key):
-            return IntegrityError(name, None, "the expected head is seq 0, but its hash is not this ledger's "
-                                              "genesis value (another key, or keyed vs unkeyed)")
-        if expect[0] > count:
-            return IntegrityError(name, count + 1, f"truncated: the expected head is seq {expect[0]} but "
-                                                   f"ClickHouse holds up to seq {count} (not shipped yet, or "
-                                                   f"deleted)")
     return Verified(name, count, head)
 
 
@@ -2131,6 +2088,38 @@ def _cli_key(args):
     return _key_bytes(value) or b""
 
 
+def _tally(results, good):
+    """Print one line per (path, result, suffix): `good(result)` for a Verified or Shipped, FAIL for an
+    integrity failure, ERROR for a ledger that could not be read. Returns {"ok", "fail", "error": count}."""
+    counts = {"ok": 0, "fail": 0, "error": 0}
+    for path, result, suffix in results:
+        if isinstance(result, (Verified, Shipped)):
+            state, line = "ok", good(result)
+        elif isinstance(result, IntegrityError):
+            state, line = "fail", f"FAIL  {printable(result)}"
+        else:
+            text = error_text(result)
+            state, line = "error", f"ERROR {printable(text if text.startswith(str(path)) else f'{path}: {text}')}"
+        counts[state] += 1
+        write_out(line + suffix + "\n")
+    return counts
+
+
+def _tally_exit(counts, inside="", after=""):
+    """An integrity failure (1) outranks a ledger that could not be read (2)."""
+    if counts["fail"]:
+        error(f"integrity check failed ({counts['fail']} ledger{'s' if counts['fail'] != 1 else ''}{inside}){after}")
+        return EXIT_FAILED
+    if counts["error"]:
+        error("some ledgers could not be read or need a key")
+        return EXIT_USAGE
+    return EXIT_OK
+
+
+def _verified_line(result):
+    return f"ok    {printable(result.path)}  {_lines(result.count)}  head {result.head_text()}"
+
+
 def _cmd_verify(args):
     if args.from_url is not None:
         return _cmd_verify_from(args)
@@ -2150,26 +2139,9 @@ def _cmd_verify(args):
             results.append((path, exc))
     if args.all:
         results.extend(verify_runs(args.all, key=key))
-    failed = broken = valid = 0
-    for path, result in results:
-        if isinstance(result, Verified):
-            valid += 1
-            write_out(f"ok    {printable(path)}  {_lines(result.count)}  head {result.head_text()}\n")
-        elif isinstance(result, IntegrityError):
-            failed += 1
-            write_out(f"FAIL  {printable(result)}\n")
-        else:
-            broken += 1
-            text = error_text(result)
-            write_out(f"ERROR {printable(text if text.startswith(str(path)) else f'{path}: {text}')}\n")
-    write_out(f"{valid}/{len(results)} ledgers valid\n")
-    if failed:  # an integrity failure outranks a file that could not be read
-        error(f"integrity check failed ({failed} ledger{'s' if failed != 1 else ''})")
-        return EXIT_FAILED
-    if broken:
-        error("some ledgers could not be read or need a key")
-        return EXIT_USAGE
-    return EXIT_OK
+    counts = _tally(((path, result, "") for path, result in results), _verified_line)
+    write_out(f"{counts['ok']}/{len(results)} ledgers valid\n")
+    return _tally_exit(counts)
 
 
 def _cmd_head(args):
@@ -2321,42 +2293,24 @@ def _cmd_ship(args):
     client = ClickHouse(args.to, database=args.database, table=args.table, timeout=args.timeout,
                         deadline=args.deadline)
     targets = ship_targets(args.paths, args.all, key)
-    done = failed = broken = lines = 0
+    sent = []
+
+    def shipped(result):
+        sent.append(result.sent)
+        if result.torn and not _still_growing(result.torn):
+            warn(f"{result.torn}; the lines before it were shipped, the torn bytes were not (a crash, not "
+                 f"tampering)")
+        return result.text()
     try:
-        for path, result in ship(targets, client, key=key, host=args.host, batch_rows=args.batch_rows):
-            done, failed, broken, lines = _ship_result(path, result, done, failed, broken, lines)
+        counts = _tally(((path, result, "") for path, result in ship(targets, client, key=key, host=args.host,
+                                                                      batch_rows=args.batch_rows)), shipped)
     except ClickHouseError as exc:
         if exc.exit_code == EXIT_FAILED and "resumes" not in str(exc):
             exc.args = (f"{exc}; the next run resumes",)
         raise
-    write_out(f"{done}/{len(targets)} ledgers shipped or up to date, {lines:,} new lines sent to "
+    write_out(f"{counts['ok']}/{len(targets)} ledgers shipped or up to date, {sum(sent):,} new lines sent to "
               f"{client.where} {client.name}\n")
-    if failed:
-        error(f"integrity check failed ({failed} ledger{'s' if failed != 1 else ''}); nothing of "
-              f"{'it' if failed == 1 else 'them'} was shipped")
-        return EXIT_FAILED
-    if broken:
-        error("some ledgers could not be read or need a key")
-        return EXIT_USAGE
-    return EXIT_OK
-
-
-def _ship_result(path, result, done, failed, broken, lines):
-    """Print one ledger's line of `ship`; returns the counters."""
-    if isinstance(result, Shipped):
-        done += 1
-        lines += result.sent
-        write_out(result.text() + "\n")
-        if result.torn and not _still_growing(result.torn):
-            warn(f"{result.torn}; the lines before it were shipped, the torn bytes were not (a crash, not "
-                 f"tampering)")
-    elif isinstance(result, IntegrityError):
-        failed += 1
-        write_out(f"FAIL  {printable(result)}\n")
-    else:
-        broken += 1
-        write_out(f"ERROR {printable(path)}: {printable(error_text(result))}\n")
-    return done, failed, broken, lines
+    return _tally_exit(counts, after=f"; nothing of {'it' if counts['fail'] == 1 else 'them'} was shipped")
 
 
 def _cmd_verify_from(args):
@@ -2368,32 +2322,21 @@ def _cmd_verify_from(args):
     if expect is not None and len(ids) != 1:
         raise UsageError("--expect-head with --from goes with exactly one --ledger-id")
     client = ClickHouse(args.from_url or None, database=args.database, table=args.table, timeout=args.timeout)
-    failed = broken = valid = total = 0
-    try:
+    found = []
+
+    def rows():
         for ledger, result in verify_shipped(client, ledger_ids=ids, key=key, expect_head=expect):
-            total += 1
-            where = (f"  {printable(ledger['last_host'])}:{printable(ledger['last_path'])}"
-                     if ledger["last_path"] is not None else "")
-            if isinstance(result, Verified):
-                valid += 1
-                write_out(f"ok    {result.path}  {_lines(result.count)}  head {result.head_text()}{where}\n")
-            elif isinstance(result, IntegrityError):
-                failed += 1
-                write_out(f"FAIL  {printable(result)}{where}\n")
-            else:
-                broken += 1
-                write_out(f"ERROR clickhouse:{ledger['ledger_id']}: {printable(error_text(result))}\n")
+            found.append(ledger)
+            shown = ledger["last_path"] is not None and isinstance(result, (Verified, IntegrityError))
+            where = f"  {printable(ledger['last_host'])}:{printable(ledger['last_path'])}" if shown else ""
+            yield f"clickhouse:{ledger['ledger_id']}", result, where
+    try:
+        counts = _tally(rows(), _verified_line)
     except ClickHouseError as exc:
         exc.exit_code = EXIT_USAGE  # ClickHouse could not be read: like a file that cannot be read
         raise
-    write_out(f"{valid}/{total} ledgers valid in {client.where} {client.name}\n")
-    if failed:
-        error(f"integrity check failed ({failed} ledger{'s' if failed != 1 else ''} in ClickHouse)")
-        return EXIT_FAILED
-    if broken:
-        error("some ledgers could not be read or need a key")
-        return EXIT_USAGE
-    return EXIT_OK
+    write_out(f"{counts['ok']}/{len(found)} ledgers valid in {client.where} {client.name}\n")
+    return _tally_exit(counts, inside=" in ClickHouse")
 
 
 def _clickhouse_options(p, timeout):
@@ -2443,6 +2386,12 @@ def _build_parser():
     p.add_argument("--host", help="host name recorded with each line (default: this machine's)")
     p.set_defaults(func=_cmd_ship)
 
+    _read_commands(sub, keyed)
+    return parser
+
+
+def _read_commands(sub, keyed):
+    """head, report and append."""
     p = keyed(sub.add_parser("head", help="print the anchor 'SEQ HASH' of a verified ledger"))
     p.add_argument("path", metavar="PATH")
     p.set_defaults(func=_cmd_head)
@@ -2464,7 +2413,6 @@ def _build_parser():
     p.add_argument("--run-id", help="default: $LEDGER_RUN_ID or a new id")
     p.add_argument("--payload", help="a JSON object (default: stdin when it is not a terminal)")
     p.set_defaults(func=_cmd_append)
-    return parser
 
 
 def main(argv=None):

@@ -226,3 +226,16 @@ def test_error_and_warning_lines_are_masked(capsys, monkeypatch):
     rl.error("failed with stderr-key-0000111 and Bearer abcDEF123456ghiJKL\nsecond line")
     err = capsys.readouterr().err
     assert err == "error: failed with [REDACTED] and Bearer [REDACTED]\\nsecond line\n"
+
+
+def test_the_prefilter_lets_through_every_string_a_shape_changes():
+    """rl._may_match is a necessary condition of every shape: wherever a shape alone changes a sample (the
+    rule examples, in upper and lower case, and with the letters re.IGNORECASE folds to ASCII), it says so."""
+    folds = {"i": "\u0131", "s": "\u017f", "k": "\u212a"}
+    for text, secret, _kept in SHAPE_CASES:
+        samples = {text, secret, text.upper(), text.lower()}
+        samples |= {sample.replace(a, b) for sample in list(samples) for a, b in folds.items()}
+        for sample in samples:
+            for pattern, repl in rl._compiled_shapes():
+                if pattern.sub(repl, sample) != sample:
+                    assert rl._may_match(sample), (pattern.pattern, sample)
