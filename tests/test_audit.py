@@ -76,17 +76,18 @@ def test_json_matches_the_text_table(tmp_path, server):
     calls(ledger, server, DAY1, ["ok", "no_usage", "http_404"])
     calls(ledger, server, DAY2, ["ok", "ok"], model="fake-model-large")
     data = audit_json(ledger, "--by", "day")
-    text = audit(ledger, "--by", "day").out.splitlines()
+    text = audit(ledger, "--by", "day", "--wide").out.splitlines()
     header = next(line for line in text if line.startswith("model "))
-    names = header.replace("latency_ms min/p50/p95/max", "latency").split()
+    names = header.split()
     for row in data["models"]:
         line = next(l for l in text if l.startswith(row["request_model"] + " ") and row["day"] in l)
         cells = dict(zip(names, line.split()))
         for column in ("calls", "ok", "failed", "no_usage"):
             assert int(cells[column].replace(",", "")) == row[column], column
-        assert cells["passed/checked"] == (f"{row['passed']}/{row['checked']}" if row["checked"] else "-")
+        assert cells["checks"] == (f"{row['passed']}/{row['checked']}" if row["checked"] else "-")
         assert cells["in_tok"] == (f"{row['input_tokens']:,}" if row["input_tokens"] is not None else "-")
-        assert cells["latency"].split("/")[1] == f"{row['latency_p50_ms']:.0f}"
+        for q in ("min", "p50", "p95", "max"):
+            assert cells[f"{q}_ms"] == f"{row[f'latency_{q}_ms']:,.0f}"
 
 
 def test_csv_has_one_row_per_group(tmp_path, server):
