@@ -728,20 +728,21 @@ def _endpoint_keys(rows, changes):
 
 def _model_table(rows, by_day, wide, endpoints):
     """The lines of the models table: every column whole with --wide; else endpoints as #n, min/max
-    latency and the ok count left to --wide, and names cut in the middle to fit TEXT_WIDTH."""
+    latency and the ok count left to --wide, and names cut in the middle to fit TEXT_WIDTH. The `at`
+    column appears when there is more than one endpoint."""
     if wide:
         columns = ["model", "base_url"] + (["day"] if by_day else []) + [
             "calls", "ok", "failed", "no_usage", "checks", "in_tok", "out_tok", "est_in~", "est_out~",
             "min_ms", "p50_ms", "p95_ms", "max_ms", "retries", "served"]
     else:
-        columns = ["model", "at"] + (["day"] if by_day else []) + [
-            "calls", "failed", "no_usage", "checks", "in_tok", "out_tok", "est_tok~", "p50_ms", "p95_ms"] + (
+        columns = ["model"] + (["at"] if len(endpoints) > 1 else []) + (["day"] if by_day else []) + [
+            "calls", "failed", "no_usage", "checks", "in_tok", "out_tok", "est~", "p50_ms", "p95_ms"] + (
             [] if by_day else ["retries"]) + ["served"]
     body = []
     for r in rows:
         est = None if r["est_input_tokens"] is None else r["est_input_tokens"] + (r["est_output_tokens"] or 0)
         cells = {"model": _label(r["request_model"]), "base_url": _label(r["base_url"]),
-                 "at": endpoints[r["base_url"]], "day": r["day"], "est_tok~": _fmt_tokens(est, wide),
+                 "at": endpoints[r["base_url"]], "day": r["day"], "est~": _fmt_tokens(est, wide),
                  "checks": f"{r['passed']:,}/{r['checked']:,}" if r["checked"] else "-",
                  "est_in~": _fmt_int(r["est_input_tokens"]), "est_out~": _fmt_int(r["est_output_tokens"]),
                  "in_tok": _fmt_tokens(r["input_tokens"], wide), "out_tok": _fmt_tokens(r["output_tokens"], wide),
@@ -836,7 +837,7 @@ def _text_notes(audit, rows):
     share = f"{measured / ok:.0%}" if ok else "-"
     out = [f"usage: {no_usage:,} of {ok:,} ok calls lacked usage; in_tok/out_tok are what servers reported and "
            f"cover {measured:,} call{'' if measured == 1 else 's'} ({share}).",
-           "est: est_* columns are chars/4 estimates, never added in."]
+           "est: est~ (est_in~ + est_out~) are chars/4 estimates, never added in."]
     if malformed:
         out.append(f"malformed: {malformed:,} model_call payloads had fields of the wrong type (written by another "
                    f"tool?); those fields were not counted")
@@ -1598,6 +1599,10 @@ def _warnings(audit, verified):
     if audit.folded:
         out.append(f'<p class="warn">warning: more than {MAX_MODEL_STRINGS:,} model strings; {audit.folded:,} '
                    f"calls are counted under {_e(OTHER)}</p>")
+    for item in audit.unlisted():
+        out.append(f'<p class="warn unlisted">not listed: {_e(item["request_model"])} @ {_e(item["base_url"])} '
+                   f'({item["calls"]:,} calls) is not in that endpoint\'s /models list of {_e(item["listed_at"][:10])}: '
+                   "a server that answers to any model name served it.</p>")
     return out
 
 

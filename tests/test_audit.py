@@ -284,17 +284,19 @@ def test_make_drill_runs_the_prompts_and_audits(tmp_path, server):
     prompts = tmp_path / "prompts"
     shutil.copytree(ROOT / "prompts", prompts)
     env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="fake-model")
+    server.queue("ok")  # the drill's first request: the /models list
     for answer in ("17 * 23 = 391", "def add(a, b):\n    return a + b", '{"name": "Ada", "age": 36}'):
         server.queue(*[{"name": "ok", "answer": answer}] * 5)  # prompts run in name order, 5 times each
     proc = subprocess.run(["make", "-s", "-C", str(ROOT), "drill", f"LEDGER={tmp_path / 'calls.jsonl'}",
                            f"PROMPTS={prompts}"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    events = list(rl.read_events(tmp_path / "calls.jsonl"))
+    listing, *events = rl.read_events(tmp_path / "calls.jsonl")
+    assert listing["kind"] == "models_list" and listing["payload"]["model_ids"] == ["fake-model", "fake-model-large"]
     assert len(events) == 15
     assert all(e["payload"]["check"] is True and e["payload"]["temperature"] == 0 for e in events)
     assert "fake-model" in proc.stdout and "Changes (day over day): 0" in proc.stdout
     assert "drill: 15 calls, 0 failed" in proc.stdout
-    bodies = [r["body"]["messages"][0]["content"] for r in server.requests]
+    bodies = [r["body"]["messages"][0]["content"] for r in server.requests[1:]]
     assert len(set(bodies)) == 3
 
 
@@ -413,14 +415,14 @@ def test_make_drill_stops_at_a_configuration_error(tmp_path, server):
     assert proc.returncode != 0
     assert len(error_lines(proc.stderr)) == 1 and "MODEL_ID is not set" in proc.stderr
     assert "drill: stopped: configuration error" in proc.stderr
-    assert server.requests == []
+    assert [r["method"] for r in server.requests] == ["GET"]  # the /models list; no model was asked
 
 
 @pytest.mark.skipif(not shutil.which("make"), reason="needs make")
 def test_make_drill_sums_up_and_fails_when_a_call_or_check_failed(tmp_path, server):
     prompts = tmp_path / "prompts"
     shutil.copytree(ROOT / "prompts", prompts)
-    server.queue("server_error")  # one failed call among the 15
+    server.queue("ok", "server_error")  # the /models list, then one failed call among the 3
     env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="fake-model")
     proc = subprocess.run(["make", "-s", "-C", str(ROOT), "drill", f"LEDGER={tmp_path / 'calls.jsonl'}",
                            f"PROMPTS={prompts}", "DRILL_REPEAT=1"], capture_output=True, text=True, env=env,
