@@ -96,7 +96,7 @@ def model_call_view(payload):
             malformed, value = True, None
         view[name] = value
     code = payload.get("error_code")
-    view["error_code"] = code if type(code) is str else None
+    view["error_code"] = code if type(code) is str and code else None
     return view, malformed
 
 
@@ -545,9 +545,10 @@ _SQL_COUNTS = (
     ("est_output_calls", "countIf(isNotNull(est_output_tokens))"),
     ("retries", "countIf(ifNull(attempt, 0) > 1)"),
 )
-# Group.add's error label, "error_type (error_code)", with the code read from the stored line.
-_SQL_ERROR_LABEL = ("if(JSONType(raw, 'payload', 'error_code') = 'String', concat(error_type, ' (', "
-                    "JSONExtractString(raw, 'payload', 'error_code'), ')'), error_type)")
+# Group.add's error label, "error_type (error_code)", with the code read from the stored line (the first
+# "error_code" key in it: the payload's own, since any quote inside a string value is escaped).
+_SQL_ERROR_LABEL = ("if(visitParamExtractString(raw, 'error_code') = '', error_type, concat(error_type, ' (', "
+                    "visitParamExtractString(raw, 'error_code'), ')'))")
 # Group's label counters: (attribute, the column counted, which calls).
 _SQL_LABELS = (("response_models", "response_model", _SQL_OK),
                ("fingerprints", "system_fingerprint", f"{_SQL_OK} AND isNotNull(system_fingerprint)"),

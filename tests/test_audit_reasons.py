@@ -17,6 +17,7 @@ import pytest
 import agent
 import reasoning_ledger as rl
 from conftest import ROOT, clean_env, run_script
+from test_ship import audit_from, clickhouse, db, ship  # noqa: F401  -- clickhouse and db are fixtures
 
 KEY = "sk-audit-reasons-key-0001"
 DAY1, DAY2 = "2026-11-01", "2026-11-02"
@@ -181,6 +182,19 @@ def test_a_model_the_endpoints_models_list_does_not_name_is_flagged(tmp_path, se
     page = tmp_path / "page.html"
     audit(ledger, "--html", page)
     assert f"not listed: gpt-4o @ {server.base_url}" in page.read_text(encoding="utf-8")
+
+
+def test_the_audit_from_clickhouse_shows_the_same_codes_and_reasons(clickhouse, db, tmp_path):  # noqa: F811
+    ledger = realistic(tmp_path)
+    runs = tmp_path / "runs"
+    agent_runs(runs)
+    proc = ship(clickhouse, db, ledger, "--all", runs)
+    assert proc.returncode == 0, proc.err
+    local = json.loads(audit(ledger, runs, "--json").out)
+    remote = json.loads(audit_from(clickhouse, db, "--json").out)
+    assert remote["models"] == local["models"] and remote["agent_runs"] == local["agent_runs"]
+    assert "http_error (context_length_exceeded)" in remote["models"][0]["errors"]
+    assert {r["why"] for r in remote["agent_runs"]} >= {"budget max_steps: 12 of 12", "no action: the tests pass"}
 
 
 # ----------------------------------------------------------------------------
