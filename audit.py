@@ -5,6 +5,7 @@ Usage:
   python audit.py                          # ./calls.jsonl and ./runs/*/events.jsonl
   python audit.py calls.jsonl runs/ --by day
   python audit.py --since 2026-11-01 --model my-model --fail-on-change   # exit 4 when something changed
+  python audit.py --wide                   # every column, names whole (default: fits 120 columns)
   python audit.py --json > audit.json      # or --csv; --html report.html for a page with charts
   python audit.py --no-verify broken.jsonl # audit anyway, marked UNVERIFIED
   python audit.py --from http://ch:8123 --by day   # every box's shipped ledgers (reasoning_ledger.py ship)
@@ -28,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the toolkit be
 import ask  # noqa: E402  -- the model_call field list
 import reasoning_ledger as rl  # noqa: E402
 
-__version__ = "1.1.0"
+__version__ = "1.2.0"
 
 __all__ = ["Audit", "run_audit", "find_ledgers", "percentile", "compare_days", "model_call_view",
            "render_text", "render_json", "render_csv", "render_html", "MODEL_COLUMNS", "AuditError", "remote_audit"]
