@@ -516,48 +516,10 @@ def compare_days(prev, cur, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAU
 # Reading back from ClickHouse
 # ----------------------------------------------------------------------------
 
-# `audit.py --from URL` fills the same Audit object from SQL over the lines every box shipped (see
-# `reasoning_ledger.py ship`), so the tables, the Changes and every renderer are the local audit's own.
-# The counters are computed per (request_model, base_url, day) in SQL, from the typed columns, which
-# `ship` fills with model_call_view's rule (a value of the wrong type is NULL, `malformed` says so).
-# Latencies come back whole, per group, for the percentiles, compare_days and the histograms. The few
-# models_list lines and the agent runs' events come back as raw lines and go through _consume and
-# _run_event, the local code. By default every ledger audited is re-verified from its stored lines first
-# (as `verify --from`), so "verified" means what it means locally.
-
-# `measured` in Group.add: usage reported and not one of NO_USAGE_STATUSES (a NULL status is measured).
-_SQL_MEASURED = ("(ifNull(usage_reported, 0) = 1 AND ifNull(usage_status, '') NOT IN ("
-                 + ", ".join(rl.sql_string(s) for s in NO_USAGE_STATUSES) + "))")
-_SQL_OK = "isNull(error_type)"
-_SQL_TOKENS = f"({_SQL_MEASURED} AND (isNotNull(input_tokens) OR isNotNull(output_tokens)))"
-# Group.COUNTS, in SQL (aliases differ from column names: ClickHouse aliases are global to a query).
-_SQL_COUNTS = (
-    ("calls", "count()"),
-    ("ok", f"countIf({_SQL_OK})"),
-    ("no_usage", f"countIf({_SQL_OK} AND NOT {_SQL_MEASURED})"),
-    ("malformed", "sum(malformed)"),
-    ("checked", f"countIf({_SQL_OK} AND isNotNull(check))"),
-    ("passed", f"countIf({_SQL_OK} AND ifNull(check, 0) = 1)"),
-    ("input_tokens", f"sumIf(ifNull(input_tokens, 0), {_SQL_TOKENS})"),
-    ("output_tokens", f"sumIf(ifNull(output_tokens, 0), {_SQL_TOKENS})"),
-    ("usage_calls", f"countIf({_SQL_TOKENS})"),
-    ("est_input_tokens", "sum(ifNull(est_input_tokens, 0))"),
-    ("est_output_tokens", "sum(ifNull(est_output_tokens, 0))"),
-    ("est_output_calls", "countIf(isNotNull(est_output_tokens))"),
-    ("retries", "countIf(ifNull(attempt, 0) > 1)"),
-)
-# Group.add's error label, "error_type (error_code)", with the code read from the stored line (the first
-# "error_code" key in it: the payload's own, since any quote inside a string value is escaped).
-_SQL_ERROR_LABEL = ("if(visitParamExtractString(raw, 'error_code') = '', error_type, concat(error_type, ' (', "
-                    "visitParamExtractString(raw, 'error_code'), ')'))")
-# Group's label counters: (attribute, the column counted, which calls).
-_SQL_LABELS = (("response_models", "response_model", _SQL_OK),
-               ("fingerprints", "system_fingerprint", f"{_SQL_OK} AND isNotNull(system_fingerprint)"),
-               ("errors", _SQL_ERROR_LABEL, "isNotNull(error_type)"))
-_RUN_KINDS = ("model_proposed", "proposal_malformed", "tool_allowed", "tool_denied", "judge_verdict", "error",
-              "run_closed", "budget_exhausted", "decision")
-_SQL_RUN_LEDGER = "path LIKE '%/" + rl.EVENTS_NAME + "'"
-
+# `audit.py --from URL` streams the lines every box shipped (`reasoning_ledger.py ship`) through the local
+# pass, ledger by ledger, so the counts, the Changes and every renderer are the local audit's own. By
+# default every ledger audited is re-verified from its stored lines first (as `verify --from`), so
+# "verified" means what it means locally.
 
 def _sql_range(since, until):
     """The --since/--until filter on `at`, compared as text like the local audit does."""
@@ -569,17 +531,21 @@ def _sql_range(since, until):
 def remote_audit(client, *, since=None, until=None, model=None, verify=True):
     """Audit the lines shipped to ClickHouse (an rl.ClickHouse). Returns (audit, failures) like run_audit:
     failures lists the IntegrityErrors of the re-verification (then nothing else was read)."""
+    import itertools
     audit = Audit(since=since, until=until, model=model)
     client.require_table()
     in_range = _sql_range(since, until)
     failures = _remote_ledgers(client, audit, in_range, verify)
     if failures:
         return audit, failures
-    models = f" AND request_model = {rl.sql_string(model)}" if model is not None else ""
-    calls = f"FROM {client.name} FINAL WHERE kind = 'model_call'{in_range}{models}"
-    _remote_groups(client, audit, calls)
-    _remote_listings(client, audit, in_range)
-    _remote_runs(client, audit, in_range)
+    response = client.stream(f"SELECT ledger_id, path, raw FROM {client.name} FINAL WHERE 1{in_range} "
+                             f"ORDER BY ledger_id, seq FORMAT JSONEachRow")
+    with response:
+        rows = (json.loads(line) for line in response if line.strip())
+        for _ledger, lines in itertools.groupby(rows, key=lambda row: row["ledger_id"]):
+            first = next(lines)
+            events = (json.loads(row["raw"]) for row in itertools.chain([first], lines))
+            audit._consume(events, first["path"].endswith("/" + rl.EVENTS_NAME), first["path"])
     return audit, []
 
 
@@ -605,73 +571,6 @@ def _remote_ledgers(client, audit, in_range, verify):
 
 def _remote_name(ledger):
     return f"clickhouse:{ledger['ledger_id'][:12]} {ledger['last_host']}:{ledger['last_path']}"
-
-
-def _remote_groups(client, audit, calls):
-    """audit.groups from two aggregate queries: counters and latencies, then the label counts."""
-    counts = ", ".join(f"{sql} AS g_{name}" for name, sql in _SQL_COUNTS)
-    rows = client.rows(f"SELECT request_model, base_url, substring(at, 1, 10) AS g_day, min(at) AS g_first, {counts}, "
-                       f"groupArrayIf(assumeNotNull(latency_ms), {_SQL_OK} AND isNotNull(latency_ms)) AS g_latencies "
-                       f"{calls} GROUP BY request_model, base_url, g_day")
-    groups, first_seen = {}, {}
-    for row in rows:
-        group = Group()
-        for name, _sql in _SQL_COUNTS:
-            setattr(group, name, row["g_" + name])
-        group.latencies = [float(x) for x in row["g_latencies"]]
-        key = (row["request_model"], row["base_url"], row["g_day"])
-        groups[key] = group
-        pair = key[:2]
-        first_seen[pair] = min(first_seen.get(pair, row["g_first"]), row["g_first"])
-    labels = " UNION ALL ".join(
-        f"SELECT request_model, base_url, substring(at, 1, 10) AS g_day, {rl.sql_string(attr)} AS g_what, "
-        f"{column} AS g_label, count() AS g_n, min(at) AS g_first {calls} AND {which} "
-        f"GROUP BY request_model, base_url, g_day, g_label" for attr, column, which in _SQL_LABELS)
-    for row in sorted(client.rows(labels), key=lambda r: (r["g_first"], str(r["g_label"]))):
-        group = groups.get((row["request_model"], row["base_url"], row["g_day"]))
-        if group is not None:  # a line shipped between the two queries may have no group yet
-            counter = getattr(group, row["g_what"])
-            label = row["g_label"] if row["g_label"] in counter or len(counter) < MAX_LABELS else OTHER
-            counter[label] = counter.get(label, 0) + row["g_n"]
-    # The first MAX_MODEL_STRINGS model strings seen (in time) keep their rows, as in the local pass; the
-    # calls of the rest are counted under OTHER.
-    by_pair = {}
-    for key in groups:
-        by_pair.setdefault(key[:2], []).append(key)
-    for pair in sorted(by_pair, key=lambda p: (first_seen[p], str(p[0]), str(p[1]))):
-        keep = pair in audit.model_strings or len(audit.model_strings) < MAX_MODEL_STRINGS
-        if keep:
-            audit.model_strings.add(pair)
-        for key in sorted(by_pair[pair], key=lambda k: k[2]):
-            group, target = groups[key], key if keep else (OTHER, OTHER, key[2])
-            if not keep:
-                audit.folded += group.calls
-            if target in audit.groups:
-                audit.groups[target].merge(group)
-            else:
-                audit.groups[target] = group
-
-
-def _remote_listings(client, audit, in_range):
-    """models_list lines, in time order, through the local pass."""
-    rows = client.rows(f"SELECT raw FROM {client.name} FINAL WHERE kind = 'models_list'{in_range} "
-                       f"ORDER BY at, ledger_id, seq")
-    audit._consume((json.loads(row["raw"]) for row in rows), False, "clickhouse")
-
-
-def _remote_runs(client, audit, in_range):
-    """The agent runs: one row per run id, then its events through _run_event, as the local pass does."""
-    runs = f"FROM {client.name} FINAL WHERE {_SQL_RUN_LEDGER}{in_range}"
-    for row in client.rows(f"SELECT run_id, min(at) AS g_started, argMin(path, at) AS g_path {runs} GROUP BY run_id"):
-        audit.runs[row["run_id"]] = _new_run(row["run_id"], row["g_path"], row["g_started"])
-    fields = ", ".join(("input_tokens", "output_tokens", "est_input_tokens", "est_output_tokens", "error_type"))
-    for row in client.rows(f"SELECT run_id, {fields} {runs} AND kind = 'model_call'"):
-        if row["run_id"] in audit.runs:
-            _run_event(audit.runs[row["run_id"]], "model_call", row)
-    kinds = ", ".join(rl.sql_string(k) for k in _RUN_KINDS)
-    for row in client.rows(f"SELECT run_id, kind, raw {runs} AND kind IN ({kinds}) ORDER BY path, ledger_id, seq"):
-        if row["run_id"] in audit.runs:
-            _run_event(audit.runs[row["run_id"]], row["kind"], json.loads(row["raw"])["payload"])
 
 
 # ----------------------------------------------------------------------------
