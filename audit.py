@@ -943,35 +943,47 @@ def _short_day(day):
 # -- which model strings get a colour ------------------------------------------
 
 def _chart_models(audit):
-    """(top, rest_label, totals): the MAX_CHART_MODELS busiest (model, base_url) pairs, in order, and the
-    label of the grey series that sums up the rest (None when there is no rest)."""
+    """(series, totals): the page's one model of the data. A series for each of the MAX_CHART_MODELS busiest
+    (model, base_url) pairs, in order, and a grey one summing up the rest (when there is a rest), each with
+    its calls, per-day sums [calls, ok, usage_calls, reported tokens, estimated tokens], errors by type and
+    ok latencies; totals counts the calls of every pair."""
     totals = {}
     for (model, base, _day), group in audit.groups.items():
         totals[(model, base)] = totals.get((model, base), 0) + group.calls
     folded = (OTHER, OTHER) if audit.folded and (OTHER, OTHER) in totals else None
     ranked = sorted((k for k in totals if k != folded), key=lambda k: (-totals[k], str(k[0]), str(k[1])))
-    top = ranked[:MAX_CHART_MODELS]
-    rest = ranked[MAX_CHART_MODELS:]
-    calls = sum(totals[k] for k in rest) + (totals[folded] if folded else 0)
-    if not rest and not folded:
-        return top, None, totals
-    many = f"{len(rest):,}{'+' if folded else ''}"
-    return top, f"{many} other model string{'' if many == '1' else 's'} ({calls:,} calls)", totals
-
-
-def _colours(top):
-    return {key: colour for key, colour in zip(top, _PALETTE)}
+    top, rest = ranked[:MAX_CHART_MODELS], ranked[MAX_CHART_MODELS:]
+    series = [{"key": key, "label": _model_label(*key), "colour": colour, "dashed": False}
+              for key, colour in zip(top, _PALETTE)]
+    if rest or folded:
+        many = f"{len(rest):,}{'+' if folded else ''}"
+        calls = sum(totals[k] for k in rest) + (totals[folded] if folded else 0)
+        series.append({"key": None, "colour": _GREY, "dashed": True,
+                       "label": f"{many} other model string{'' if many == '1' else 's'} ({calls:,} calls)"})
+    for one in series:
+        one.update(calls=0, days={}, errors={}, latencies=[])
+    index = {key: i for i, key in enumerate(top)}
+    for (model, base, day), g in audit.groups.items():
+        one = series[index.get((model, base), len(top))]
+        one["calls"] += g.calls
+        slot = one["days"].setdefault(day, [0, 0, 0, 0, 0])
+        for i, value in enumerate((g.calls, g.ok, g.usage_calls, g.input_tokens + g.output_tokens,
+                                   g.est_input_tokens + g.est_output_tokens)):
+            slot[i] += value
+        for name, n in g.errors.items():
+            one["errors"][name] = one["errors"].get(name, 0) + n
+        one["latencies"].extend(g.latencies)
+    return series, totals
 
 
 def _key(colour, dashed=False):
     return f'<span class="key{" dash" if dashed else ""}" style="background:{colour}"></span>'
 
 
-def _legend(top, rest_label, totals):
-    items = [f'<li data-model="{_e(_model_label(*key))}">{_key(colour)}{_e(_model_label(*key))} '
-             f'<span class="note">{totals[key]:,} calls</span></li>' for key, colour in zip(top, _PALETTE)]
-    if rest_label:
-        items.append(f'<li data-model="{_e(OTHER)}">{_key(_GREY, True)}{_e(rest_label)}</li>')
+def _legend(series):
+    items = [f'<li data-model="{_e(s["label"])}">{_key(s["colour"])}{_e(s["label"])} '
+             f'<span class="note">{s["calls"]:,} calls</span></li>' if s["key"] else
+             f'<li data-model="{_e(OTHER)}">{_key(_GREY, True)}{_e(s["label"])}</li>' for s in series]
     return '<ul class="legend" data-legend="models">' + "".join(items) + "</ul>"
 
 
@@ -991,29 +1003,6 @@ def _chart_days(days):
     span = (dates[-1] - dates[0]).days
     return [(dates[0] + datetime.timedelta(n)).isoformat() for n in range(max(0, span + 1 - _MAX_CHART_DAYS),
                                                                           span + 1)]
-
-
-def _day_sums(audit, top):
-    """{series index: {day: [calls, ok, usage_calls, reported tokens, estimated tokens]}}; the rest of the
-    model strings share index len(top)."""
-    index = {key: i for i, key in enumerate(top)}
-    sums = {}
-    for (model, base, day), g in audit.groups.items():
-        slot = sums.setdefault(index.get((model, base), len(top)), {}).setdefault(day, [0, 0, 0, 0, 0])
-        for i, value in enumerate((g.calls, g.ok, g.usage_calls, g.input_tokens + g.output_tokens,
-                                   g.est_input_tokens + g.est_output_tokens)):
-            slot[i] += value
-    return sums
-
-
-def _series(sums, top, rest_label, days, pick):
-    """[(label, colour, dashed, [value or None per day])] with pick(calls, ok, usage_calls, reported, est)."""
-    out = []
-    for i, key in enumerate(top + ([None] if rest_label else [])):
-        label, colour = (_model_label(*key), _PALETTE[i]) if key else (rest_label, _GREY)
-        per_day = sums.get(i, {})
-        out.append((label, colour, key is None, [pick(*per_day.get(d, (0, 0, 0, 0, 0))) for d in days]))
-    return out
 
 
 # -- SVG pieces ----------------------------------------------------------------
@@ -1294,29 +1283,29 @@ def _summary_cards(audit, rows, changes, runs, days):
             "</div>"]
 
 
-def _per_day_section(audit, top, rest_label, totals, days):
+def _per_day_section(series, days):
     if not days:
         return ['<h2 id="per-day">Per day</h2><p>No model calls.</p>']
-    sums = _day_sums(audit, top)
     if len(days) == 1:
-        return _one_day(sums, top, rest_label, totals, days[0])
+        return _one_day(series, days[0])
 
-    def series(pick):
-        return _series(sums, top, rest_label, days, pick)
+    def lines(pick):  # pick(calls, ok, usage_calls, reported, estimated) -> the value of one day, or None
+        return [(s["label"], s["colour"], s["dashed"], [pick(*s["days"].get(d, (0, 0, 0, 0, 0))) for d in days])
+                for s in series]
     charts = [
         ("Calls per day", _line_chart("calls-per-day", "model calls per day, per model", "calls", "calls", days,
-                                      series(lambda c, o, u, r, e: c))),
+                                      lines(lambda c, o, u, r, e: c))),
         ("Failed calls (% of calls)", _line_chart(
             "error-rate-per-day", "share of calls that failed, per day and model", "% of calls failed",
-            "of calls failed", days, series(lambda c, o, u, r, e: 100.0 * (c - o) / c if c else None),
+            "of calls failed", days, lines(lambda c, o, u, r, e: 100.0 * (c - o) / c if c else None),
             integer=False, fmt=_pct)),
         ("Tokens reported by servers (input + output)", _line_chart(
             "tokens-per-day", "reported tokens per day, per model", "tokens (reported)", "tokens", days,
-            series(lambda c, o, u, r, e: r if u else None))),
+            lines(lambda c, o, u, r, e: r if u else None))),
         ("Tokens estimated (chars/4, input + output)", _line_chart(
             "est-tokens-per-day", "estimated tokens per day, per model", "tokens (estimated)", "tokens", days,
-            series(lambda c, o, u, r, e: e if c else None)))]
-    out = ['<h2 id="per-day">Per day, per model</h2>', _legend(top, rest_label, totals),
+            lines(lambda c, o, u, r, e: e if c else None)))]
+    out = ['<h2 id="per-day">Per day, per model</h2>', _legend(series),
            '<p class="note">A gap in a line: nothing to show that day (no calls, or no usage reported). '
            "Reported and estimated tokens are separate charts and are never added together.</p>",
            '<div class="charts">']
@@ -1324,50 +1313,39 @@ def _per_day_section(audit, top, rest_label, totals, days):
     return out + ["</div>"]
 
 
-def _one_day(sums, top, rest_label, totals, day):
+def _one_day(series, day):
     """One day of data: its figures per model in a table, where the per-day charts would be one dot each."""
     head = "".join(f'<th scope="col">{_e(h)}</th>' for h in ("Model", "Calls", "Failed", "Tokens reported",
                                                             "Tokens estimated"))
     rows = []
-    for i, key in enumerate(top + ([None] if rest_label else [])):
-        label, colour = (_model_label(*key), _PALETTE[i]) if key else (rest_label, _GREY)
-        calls, ok, usage, reported, est = sums.get(i, {}).get(day, (0, 0, 0, 0, 0))
+    for s in series:
+        calls, ok, usage, reported, est = s["days"].get(day, (0, 0, 0, 0, 0))
         failed = f"{calls - ok:,} ({(calls - ok) / calls:.1%})" if calls else _DASH
-        rows.append(f'<tr><td class="t">{_key(colour, key is None)}{_e(label)}</td><td>{calls:,}</td>'
+        rows.append(f'<tr><td class="t">{_key(s["colour"], s["dashed"])}{_e(s["label"])}</td><td>{calls:,}</td>'
                     f"<td>{failed}</td><td>{_num(reported if usage else None)}</td><td>{est:,}</td></tr>")
-    return ['<h2 id="per-day">Per day, per model</h2>', _legend(top, rest_label, totals),
+    return ['<h2 id="per-day">Per day, per model</h2>', _legend(series),
             f'<p class="note one-day">One day of data ({_e(day)}): the per-day charts start with the second day. '
             "That day, per model:</p>",
             f'<div class="scroll"><table class="one-day"><thead><tr>{head}</tr></thead><tbody>'
             + "".join(rows) + "</tbody></table></div>"]
 
 
-def _error_counts(audit, days, top):
-    """(by_day, by_series, totals): failed calls per day and error type, per chart series (the index in
-    `top`, the rest at len(top)) and error type, and per error type."""
-    index, shown_days = {key: i for i, key in enumerate(top)}, set(days)
-    by_day, by_series, totals = {}, {}, {}
-    for (model, base, day), group in audit.groups.items():
-        for name, n in group.errors.items():
-            totals[name] = totals.get(name, 0) + n
-            per = by_series.setdefault(index.get((model, base), len(top)), {})
-            per[name] = per.get(name, 0) + n
-            if day in shown_days:
-                per = by_day.setdefault(day, {})
-                per[name] = per.get(name, 0) + n
-    return by_day, by_series, totals
-
-
 def _fold_types(counts, rest, label):
-    """Move the counts of the error types in `rest` under one label, in place."""
-    for per in counts.values():
+    """Move the counts of the error types in `rest` under one label, in each dict of `counts`."""
+    for per in counts:
         moved = sum(per.pop(name, 0) for name in rest)
         if moved:
             per[label] = moved
 
 
-def _errors_section(audit, days, top, rest_label):
-    by_day, by_series, totals = _error_counts(audit, days, top)
+def _errors_section(audit, days, series):
+    by_day, totals, shown = {}, {}, set(days)
+    for (_model, _base, day), group in audit.groups.items():
+        for name, n in group.errors.items():
+            totals[name] = totals.get(name, 0) + n
+            if day in shown:
+                per = by_day.setdefault(day, {})
+                per[name] = per.get(name, 0) + n
     out = ['<h2 id="errors">Errors by day and type</h2>']
     if not totals:
         return out + ["<p>No failed calls.</p>"]
@@ -1377,8 +1355,7 @@ def _errors_section(audit, days, top, rest_label):
     if rest:
         label = f"{len(rest):,} other error types"
         colours[label], totals[label] = _ERROR_GREY, sum(totals[name] for name in rest)
-        _fold_types(by_day, rest, label)
-        _fold_types(by_series, rest, label)
+        _fold_types(list(by_day.values()) + [s["errors"] for s in series], rest, label)
         types.append(label)
     legend = "".join(f'<li data-error-type="{_e(t)}">{_key(colours[t])}{_e(t)} '
                      f'<span class="note">{totals[t]:,}</span></li>' for t in types)
@@ -1386,19 +1363,14 @@ def _errors_section(audit, days, top, rest_label):
                + _errors_chart(days, by_day, types, colours) + "</figure>") if len(days) > 1 else ""
     return out + [f'<ul class="legend" data-legend="error-types">{legend}</ul>', '<div class="charts">' + per_day
                   + "<figure><h3>Failed calls by model and error type</h3>"
-                  + _errors_by_model_chart(audit, by_series, types, colours, top, rest_label) + "</figure></div>"]
+                  + _errors_by_model_chart(series, types, colours) + "</figure></div>"]
 
 
-def _errors_by_model_chart(audit, by_series, types, colours, top, rest_label):
+def _errors_by_model_chart(series, types, colours):
     """One horizontal stacked bar per chart series: its failed calls, coloured by error type."""
-    calls, index = {}, {key: i for i, key in enumerate(top)}
-    for (model, base, _day), group in audit.groups.items():
-        i = index.get((model, base), len(top))
-        calls[i] = calls.get(i, 0) + group.calls
-    keys = top + ([None] if rest_label else [])
     width, left, right, row = _CHART[0], 10, _CHART[0] - 150, 40
-    bottom = 8 + row * len(keys)
-    step, xmax = _scale(max((sum(by_series.get(i, {}).values()) for i in range(len(keys))), default=0))
+    bottom = 8 + row * len(series)
+    step, xmax = _scale(max((sum(s["errors"].values()) for s in series), default=0))
     parts = [_svg_open("errors-per-model", "failed calls per model, by error type", width, bottom + 44)]
     for i in range(int(round(xmax / step)) + 1):
         x = left + (right - left) * i * step / xmax
@@ -1406,11 +1378,10 @@ def _errors_by_model_chart(audit, by_series, types, colours, top, rest_label):
                      f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_short(i * step)}</text>')
     parts.append(f'<text class="ax" x="{(left + right) / 2:.0f}" y="{bottom + 38}" text-anchor="middle">'
                  "failed calls</text>")
-    for i, key in enumerate(keys):
-        label, colour = (_model_label(*key), _PALETTE[i]) if key else (rest_label, _GREY)
-        per, y, x = by_series.get(i, {}), 8 + i * row, left
-        parts.append(f'<g class="model" data-model="{_e(label if key else OTHER)}">'
-                     f'<rect x="{left}" y="{y + 3}" width="10" height="10" rx="2" fill="{colour}"/>'
+    for i, s in enumerate(series):
+        label, per, y, x = s["label"], s["errors"], 8 + i * row, left
+        parts.append(f'<g class="model" data-model="{_e(label if s["key"] else OTHER)}">'
+                     f'<rect x="{left}" y="{y + 3}" width="10" height="10" rx="2" fill="{s["colour"]}"/>'
                      f'<text x="{left + 15}" y="{y + 12}">{_e(_clip(label))}</text>')
         for name in types:
             if per.get(name):
@@ -1419,33 +1390,29 @@ def _errors_by_model_chart(audit, by_series, types, colours, top, rest_label):
                              f'height="14" fill="{colours[name]}"><title>{_e(label)}: {_e(name)} \u00d7 '
                              f"{per[name]:,}</title></rect>")
                 x += w
-        failed, n = sum(per.values()), calls.get(i, 0)
+        failed, n = sum(per.values()), s["calls"]
         share = f" \u00b7 {failed / n:.1%} of {n:,} calls" if n else ""
         parts.append(f'<text x="{x + 6:.1f}" y="{y + 28}">{failed:,}{share}</text></g>')
     parts.append("</svg>")
     return "".join(parts)
 
 
-def _latency_section(audit, top, rest_label):
-    latencies = {key: [] for key in top}
-    for (model, base, _day), group in audit.groups.items():
-        if (model, base) in latencies:
-            latencies[(model, base)].extend(group.latencies)
+def _latency_section(series):
     out = ['<h2 id="latency">Latency per model</h2>',
            '<p class="note">Successful calls only, log-scale bins: a second hump to the right is usually cold '
            "starts or queueing. Dashed lines mark p50 and p95.</p>", '<div class="hists">']
-    for key, colour in zip(top, _PALETTE):
-        label, ordered = _model_label(*key), sorted(latencies[key])
+    for s in series:
+        if s["key"] is None:
+            out.append("</div>")
+            return out + [f'<p class="note">{_key(_GREY, True)}{_e(s["label"])}: no histogram (only the '
+                          f"{MAX_CHART_MODELS} busiest model strings get one).</p>"]
+        ordered = sorted(s["latencies"])
         caption = (f"{len(ordered):,} ok calls \u00b7 p50 {_ms_text(percentile(ordered, 50))} \u00b7 p95 "
                    f"{_ms_text(percentile(ordered, 95))} \u00b7 max {_ms_text(ordered[-1] if ordered else None)}")
-        out.append(f'<figure><h3>{_key(colour)}{_e(_label(key[0]))}<span class="ep">{_e(_label(key[1]))}</span>'
-                   f"</h3>{_latency_histogram(label, ordered, colour)}"
+        out.append(f'<figure><h3>{_key(s["colour"])}{_e(_label(s["key"][0]))}<span class="ep">'
+                   f'{_e(_label(s["key"][1]))}</span></h3>{_latency_histogram(s["label"], ordered, s["colour"])}'
                    f"<figcaption>{_e(caption)}</figcaption></figure>")
-    out.append("</div>")
-    if rest_label:
-        out.append(f'<p class="note">{_key(_GREY, True)}{_e(rest_label)}: no histogram (only the '
-                   f"{MAX_CHART_MODELS} busiest model strings get one).</p>")
-    return out
+    return out + ["</div>"]
 
 
 def _changes_section(changes, colours):
@@ -1508,8 +1475,8 @@ def _warnings(audit, verified):
 
 
 def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_RUNS_URL):
-    top, rest_label, totals = _chart_models(audit)
-    colours = _colours(top)
+    series, totals = _chart_models(audit)
+    colours = {s["key"]: s["colour"] for s in series if s["key"]}
     days = _chart_days({day for (_m, _b, day) in audit.groups})
     calls = sum(r["calls"] for r in rows)
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
@@ -1525,9 +1492,9 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
     out += _warnings(audit, verified)
     out += _summary_cards(audit, rows, changes, runs, days)
     out += _models_section(rows, by_day, colours, totals)
-    out += _per_day_section(audit, top, rest_label, totals, days)
-    out += _errors_section(audit, days, top, rest_label)
-    out += _latency_section(audit, top, rest_label)
+    out += _per_day_section(series, days)
+    out += _errors_section(audit, days, series)
+    out += _latency_section(series)
     out += _changes_section(changes, colours)
     if runs:
         out += _runs_section(runs, runs_url)
