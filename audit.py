@@ -688,82 +688,88 @@ def _fold_lines(lines, limit):
 
 
 def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
-    out = _text_head(audit, rows, verified)
+    sums, warnings = _sums(rows), _warnings(audit)
+    files = len(audit.ledgers)
+    mark = "verified" if verified else "UNVERIFIED (--no-verify): the chain was not checked"
+    out = [f"audit: {files} ledger{'s' if files != 1 else ''}, {sums['calls']:,} model calls, {mark}"]
+    out += [line for line in warnings if line.startswith("warning:")] + [""]
     endpoints = _endpoint_keys(rows, changes)
     out.append("Models" + (" by day" if by_day else "") + " (request_model @ base_url)")
     table, cut = _model_table(rows, by_day, wide, endpoints) if rows else (["(no model calls)"], False)
     out += table
     if rows and not wide:
-        out += [f"at {key} = {rl.printable(_label(base))}" for base, key in endpoints.items() if base in
+        out += [f"at {key} = {_label(base)}" for base, key in endpoints.items() if base in
                 {r["base_url"] for r in rows}]
-    notes = [] if wide else ["served: = is the model asked for; latency in ms (ok calls); tokens from 10,000 on in k/M (3 digits); --wide shows exact "
-                             "tokens, min_ms, max_ms, ok, est_in~/est_out~" + (" and cut names whole" if cut else "")]
-    if cut:
-        notes[0] = f"{ELLIPSIS} marks a name cut in the middle to fit {TEXT_WIDTH} columns; " + notes[0]
-    out += notes + _text_notes(audit, rows)
-    out.append("")
-    out.append(f"Changes (day over day): {len(changes)}")
+    if not wide:
+        out.append((f"{ELLIPSIS} marks a name cut in the middle to fit {TEXT_WIDTH} columns; " if cut else "")
+                   + "served: = is the model asked for; latency in ms (ok calls); tokens from 10,000 on in k/M "
+                   "(3 digits); --wide shows exact tokens, min_ms, max_ms, ok, est_in~/est_out~"
+                   + (" and cut names whole" if cut else ""))
+    out += _text_notes(sums) + [line for line in warnings if not line.startswith("warning:")]
+    out += ["", f"Changes (day over day): {len(changes)}"]
     for change in changes:
         who = change["request_model"] if change["request_model"] is not None else "(models list)"
         where = _label(change["base_url"]) if wide else endpoints.get(change["base_url"], "-")
-        out.append(rl.printable(f"  {change['day']}  {who} @ {where}: {change['what']}: "
-                                f"{change['detail']}  (vs {change['previous_day']})"))
+        out.append(f"  {change['day']}  {who} @ {where}: {change['what']}: {change['detail']}  "
+                   f"(vs {change['previous_day']})")
     if runs:
-        out.append("")
-        out.append(f"Agent runs: {len(runs)}")
-        out += _runs_table(runs, wide)[0]
+        out += ["", f"Agent runs: {len(runs)}"] + _runs_table(runs, wide)[0]
+    out = [rl.printable(line) for line in out]  # nothing from a ledger may forge a line or drive the terminal
     return "\n".join(out if wide else _fold_lines(out, TEXT_WIDTH)) + "\n"
 
 
-def _text_head(audit, rows, verified):
-    calls = sum(r["calls"] for r in rows)
-    files = len(audit.ledgers)
-    mark = "verified" if verified else "UNVERIFIED (--no-verify): the chain was not checked"
-    out = [f"audit: {files} ledger{'s' if files != 1 else ''}, {calls:,} model calls, {mark}"]
+def _sums(rows):
+    """The models table summed, for the summaries of every report: its counts, and the error labels merged."""
+    sums = {k: sum(r[k] or 0 for r in rows) for k in ("calls", "ok", "no_usage", "malformed", "usage_calls",
+                                                       "input_tokens", "output_tokens", "est_input_tokens",
+                                                       "est_output_tokens")}
+    sums["errors"] = {}
+    for r in rows:
+        for name, count in r["errors"].items():
+            sums["errors"][name] = sums["errors"].get(name, 0) + count
+    return sums
+
+
+def _warnings(audit):
+    """The warnings of every report, as plain text: torn tails, lines skipped, model strings folded, and the
+    model strings an endpoint's /models list does not name."""
+    out = []
     for ledger in audit.ledgers:
         if ledger["status"] == "torn":
-            out.append(f"warning: {rl.printable(ledger['reason'])}")
+            out.append(f"warning: {ledger['reason']}")
         if ledger.get("skipped"):
-            out.append(f"warning: {rl.printable(ledger['path'])}: {ledger['skipped']:,} lines are not ledger "
-                       f"events and were skipped")
+            out.append(f"warning: {ledger['path']}: {ledger['skipped']:,} lines are not ledger events and were "
+                       "skipped")
     if audit.folded:
         out.append(f"warning: more than {MAX_MODEL_STRINGS:,} model strings; {audit.folded:,} calls are counted "
                    f"under {OTHER}")
-    return out + [""]
+    return out + [f"not listed: {item['request_model']} @ {item['base_url']} ({item['calls']:,} calls) is not in "
+                  f"that endpoint's /models list of {item['listed_at'][:10]}: a server that answers to any model "
+                  "name served it" for item in audit.unlisted()]
 
 
-def _text_notes(audit, rows):
-    ok, no_usage = sum(r["ok"] for r in rows), sum(r["no_usage"] for r in rows)
-    malformed, measured = sum(r["malformed"] for r in rows), sum(r["usage_calls"] for r in rows)
+def _text_notes(sums):
+    ok, measured = sums["ok"], sums["usage_calls"]
     share = f"{measured / ok:.0%}" if ok else "-"
-    out = [f"usage: {no_usage:,} of {ok:,} ok calls lacked usage; in_tok/out_tok are what servers reported and "
-           f"cover {measured:,} call{'' if measured == 1 else 's'} ({share}).",
+    out = [f"usage: {sums['no_usage']:,} of {ok:,} ok calls lacked usage; in_tok/out_tok are what servers reported "
+           f"and cover {measured:,} call{'' if measured == 1 else 's'} ({share}).",
            "est: est~ (est_in~ + est_out~) are chars/4 estimates, never added in."]
-    if malformed:
-        out.append(f"malformed: {malformed:,} model_call payloads had fields of the wrong type (written by another "
-                   f"tool?); those fields were not counted")
-    errors = {}
-    for r in rows:
-        for name, count in r["errors"].items():
-            errors[name] = errors.get(name, 0) + count
-    if errors:
-        out.append("errors: " + rl.printable(", ".join(f"{name} {count:,}" for name, count in sorted(errors.items()))))
-    for item in audit.unlisted():
-        out.append(rl.printable(f"not listed: {item['request_model']} @ {item['base_url']} ({item['calls']:,} calls) "
-                                f"is not in that endpoint's /models list of {item['listed_at'][:10]}: a server that "
-                                "answers to any model name served it"))
+    if sums["malformed"]:
+        out.append(f"malformed: {sums['malformed']:,} model_call payloads had fields of the wrong type (written by "
+                   f"another tool?); those fields were not counted")
+    if sums["errors"]:
+        out.append("errors: " + ", ".join(f"{name} {count:,}" for name, count in sorted(sums["errors"].items())))
     return out
 
 
 def render_json(audit, rows, changes, runs, verified, by_day):
-    calls, unlisted = sum(r["calls"] for r in rows), audit.unlisted()
+    sums, unlisted = _sums(rows), audit.unlisted()
     return json.dumps({
         "version": 2, "verified": verified, "by": "day" if by_day else "model",
         "ledgers": audit.ledgers,
-        "summary": {"model_calls": calls, "ok": sum(r["ok"] for r in rows),
-                    "no_usage": sum(r["no_usage"] for r in rows), "malformed": sum(r["malformed"] for r in rows),
-                    "folded_calls": audit.folded, "changes": len(changes), "agent_runs": len(runs),
-                    "unlisted": len(unlisted)},
+        "summary": {"model_calls": sums["calls"], "ok": sums["ok"], "no_usage": sums["no_usage"],
+                    "malformed": sums["malformed"], "folded_calls": audit.folded, "changes": len(changes),
+                    "agent_runs": len(runs), "unlisted": len(unlisted)},
         "models": rows, "changes": changes, "agent_runs": runs, "unlisted": unlisted,
     }, ensure_ascii=False, indent=1) + "\n"
 
@@ -1260,18 +1266,16 @@ def _card(title, value, sub=""):
             f'<div class="s">{_e(sub)}</div></div>')
 
 
-def _summary_cards(audit, rows, changes, runs, days):
-    calls, ok = sum(r["calls"] for r in rows), sum(r["ok"] for r in rows)
-    measured = sum(r["usage_calls"] for r in rows)
-    reported = [sum(r[k] for r in rows if r[k] is not None) if measured else None
-                for k in ("input_tokens", "output_tokens")]
-    estimated = [sum(r[k] or 0 for r in rows) for k in ("est_input_tokens", "est_output_tokens")]
+def _summary_cards(audit, sums, changes, runs, days):
+    calls, ok, measured = sums["calls"], sums["ok"], sums["usage_calls"]
+    reported = [sums[k] if measured else None for k in ("input_tokens", "output_tokens")]
+    estimated = [sums[k] for k in ("est_input_tokens", "est_output_tokens")]
     latencies = sorted(v for g in audit.groups.values() for v in g.latencies)
     strings = f"{len(audit.model_strings):,}{'+' if audit.folded else ''} model strings"
     return ['<div class="cards">',
             _card("Model calls", f"{calls:,}", f"{strings} \u00b7 {len(days):,} days"),
             _card("Failed", f"{calls - ok:,}", f"{(calls - ok) / calls:.1%} of calls" if calls else ""),
-            _card("No usage reported", f"{sum(r['no_usage'] for r in rows):,}", f"of {ok:,} ok calls"),
+            _card("No usage reported", f"{sums['no_usage']:,}", f"of {ok:,} ok calls"),
             _card("Tokens reported", _short(sum(reported)) if measured else _DASH,
                   f"{_num(reported[0])} in \u00b7 {_num(reported[1])} out \u00b7 from {measured:,} calls"),
             _card("Tokens estimated", _short(sum(estimated)),
@@ -1455,42 +1459,26 @@ def _ledgers_section(ledgers):
             _html_table("ledgers", list(_LEDGER_HEADINGS), _LEDGER_HEADINGS, shown), "</details>"]
 
 
-def _warnings(audit, verified):
-    out = [] if verified else ['<p class="warn"><strong>UNVERIFIED</strong> (--no-verify): the hash chain was '
-                               "not checked; anything on this page may have been edited.</p>"]
-    for ledger in audit.ledgers[:_MAX_LIST_ROWS]:
-        if ledger["status"] == "torn":
-            out.append(f'<p class="warn">warning: {_e(ledger["reason"])}</p>')
-        if ledger.get("skipped"):
-            out.append(f'<p class="warn">warning: {_e(ledger["path"])}: {ledger["skipped"]:,} lines are not '
-                       "ledger events and were skipped</p>")
-    if audit.folded:
-        out.append(f'<p class="warn">warning: more than {MAX_MODEL_STRINGS:,} model strings; {audit.folded:,} '
-                   f"calls are counted under {_e(OTHER)}</p>")
-    for item in audit.unlisted():
-        out.append(f'<p class="warn unlisted">not listed: {_e(item["request_model"])} @ {_e(item["base_url"])} '
-                   f'({item["calls"]:,} calls) is not in that endpoint\'s /models list of {_e(item["listed_at"][:10])}: '
-                   "a server that answers to any model name served it.</p>")
-    return out
-
-
 def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_RUNS_URL):
     series, totals = _chart_models(audit)
     colours = {s["key"]: s["colour"] for s in series if s["key"]}
     days = _chart_days({day for (_m, _b, day) in audit.groups})
-    calls = sum(r["calls"] for r in rows)
+    sums = _sums(rows)
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
            "<title>reasoning-ledger audit</title>", f"<style>{_CSS}</style>", "</head><body>",
            "<h1>Model calls audit</h1>",
            f'<p class="sub">{len(audit.ledgers):,} ledger{"s" if len(audit.ledgers) != 1 else ""}, '
-           f"{calls:,} model calls, " + ("verified (every hash chain checked)." if verified else
-                                         '<strong class="warn">UNVERIFIED</strong>.') + "</p>",
+           f"{sums['calls']:,} model calls, " + ("verified (every hash chain checked)." if verified else
+                                                '<strong class="warn">UNVERIFIED</strong>.') + "</p>",
            '<nav><a href="#models">Models</a><a href="#per-day">Per day</a><a href="#errors">Errors</a>'
            '<a href="#latency">Latency</a><a href="#changes">Changes</a>'
            + ('<a href="#runs">Agent runs</a>' if runs else "") + '<a href="#ledgers">Ledgers</a></nav>']
-    out += _warnings(audit, verified)
-    out += _summary_cards(audit, rows, changes, runs, days)
+    if not verified:
+        out.append('<p class="warn"><strong>UNVERIFIED</strong> (--no-verify): the hash chain was not checked; '
+                   "anything on this page may have been edited.</p>")
+    out += [f'<p class="warn">{_e(line)}</p>' for line in _warnings(audit)[:_MAX_LIST_ROWS]]
+    out += _summary_cards(audit, sums, changes, runs, days)
     out += _models_section(rows, by_day, colours, totals)
     out += _per_day_section(series, days)
     out += _errors_section(audit, days, series)
