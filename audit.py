@@ -818,7 +818,8 @@ _MARKER_DAYS = 45          # a dot (with a tooltip) on every day up to this many
 _MAX_TEXT = 512            # a longer ledger string is cut on the page (ask.py cuts server strings there too)
 _CHART = (640, 290, (66, 14, 626, 232))     # width, height, plot box (left, top, right, bottom)
 _HIST = (440, 250, (56, 26, 428, 196))
-_MODEL_HEADINGS = {
+# Headings for people; each <th> keeps its field name in data-field and title.
+_HEADINGS = {
     "request_model": "Model (requested)", "base_url": "Endpoint", "day": "Day", "calls": "Calls", "ok": "OK",
     "failed": "Failed", "no_usage": "No usage", "malformed": "Malformed", "checked": "Checked",
     "passed": "Checks passed", "input_tokens": "Input tokens (reported)",
@@ -826,13 +827,11 @@ _MODEL_HEADINGS = {
     "est_input_tokens": "Input tokens (estimated)", "est_output_tokens": "Output tokens (estimated)",
     "latency_min_ms": "Latency min (ms)", "latency_p50_ms": "Latency p50 (ms)",
     "latency_p95_ms": "Latency p95 (ms)", "latency_max_ms": "Latency max (ms)", "retries": "Retries",
-    "response_models": "Served models", "system_fingerprints": "System fingerprints", "errors": "Errors by type"}
-_RUN_HEADINGS = {
+    "response_models": "Served models", "system_fingerprints": "System fingerprints", "errors": "Errors",
     "run_id": "Run", "started": "Started (UTC)", "outcome": "Outcome", "judge_verdict": "Judge verdict",
-    "steps": "Steps", "tools_allowed": "Tools allowed", "tools_denied": "Tools denied",
-    "model_calls": "Model calls", "input_tokens": "Input tokens (reported)",
-    "output_tokens": "Output tokens (reported)", "est_tokens": "Tokens (estimated)", "errors": "Errors",
-    "why": "Why it ended"}
+    "steps": "Steps", "tools_allowed": "Tools allowed", "tools_denied": "Tools denied", "model_calls": "Model calls",
+    "est_tokens": "Tokens (estimated)", "why": "Why it ended", "what": "What changed", "detail": "Detail",
+    "previous_day": "Compared with", "path": "Ledger", "status": "Status", "lines": "Events", "reason": "Note"}
 # The page's tables lead with what is read first (latency, served models, errors, why a run ended), so a
 # narrow window scrolls only past the token counts; the other columns are in --json and --csv.
 _HTML_MODEL_COLUMNS = ("request_model", "base_url", "day", "calls", "failed", "latency_p50_ms", "latency_p95_ms",
@@ -840,9 +839,6 @@ _HTML_MODEL_COLUMNS = ("request_model", "base_url", "day", "calls", "failed", "l
                        "input_tokens", "output_tokens", "est_input_tokens", "est_output_tokens", "retries")
 _HTML_RUN_COLUMNS = ("run_id", "started", "outcome", "why", "judge_verdict", "steps", "tools_allowed",
                      "tools_denied", "model_calls", "input_tokens", "output_tokens", "est_tokens", "errors")
-_CHANGE_HEADINGS = {"day": "Day", "request_model": "Model (requested)", "base_url": "Endpoint",
-                    "what": "What changed", "detail": "Detail", "previous_day": "Compared with"}
-_LEDGER_HEADINGS = {"path": "Ledger", "status": "Status", "lines": "Events", "reason": "Note"}
 _WHAT = {"response_model": "Served model", "system_fingerprint": "System fingerprint",
          "latency_p50": "Latency p50", "latency_p95": "Latency p95", "usage": "Usage reporting",
          "error_rate": "Error rate", "checks": "Check pass rate", "models_list": "Models listed"}
@@ -850,42 +846,25 @@ _TEXT_FIELDS = {"request_model", "base_url", "day", "response_models", "system_f
                 "started", "outcome", "judge_verdict", "what", "detail", "previous_day", "path", "status",
                 "reason", "why"}
 _CSS = (
-    ":root{color-scheme:light}"
-    "body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:24px auto;max-width:1400px;"
-    "padding:0 24px;color:#1f2328;background:#fff;line-height:1.4}"
-    "h1{font-size:26px;margin:0 0 4px}h2{font-size:20px;margin:32px 0 8px;padding-top:8px;"
-    "border-top:1px solid #e3e3e3}h3{font-size:14px;margin:0 0 4px;font-weight:600;overflow-wrap:anywhere}"
-    ".sub{color:#555;margin:0 0 12px}.warn{color:#a33a00}.note{color:#555;font-size:13px;max-width:70em}"
-    "nav a{margin-right:14px;color:#0b5cad}"
-    ".cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(140px,1fr));gap:10px;margin:12px 0}"
-    ".card{border:1px solid #ddd;border-radius:8px;padding:8px 12px;background:#fafafa}"
-    ".card .k{font-size:12px;color:#555}.card .v{font-size:22px;font-weight:600;font-variant-numeric:tabular-nums}"
-    ".card .s{font-size:12px;color:#666}h3 .ep{display:block;font-weight:400;color:#555;font-size:12px}"
-    ".scroll{overflow:auto;max-width:100%;max-height:80vh;border:1px solid #ddd;border-radius:6px;margin:8px 0}"
+    "body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1400px;padding:0 24px;color:#1f2328;"
+    "line-height:1.4}h2{margin:32px 0 8px;padding-top:8px;border-top:1px solid #e3e3e3}"
+    "h3{font-size:14px;margin:0 0 4px;overflow-wrap:anywhere}h3 .ep{display:block;font-weight:400;font-size:12px}"
+    ".sub,.note,figcaption,.card .k,.card .s{color:#555;font-size:13px}.warn{color:#a33a00}nav a{margin-right:14px}"
+    ".cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(140px,1fr));gap:10px}"
+    ".card{border:1px solid #ddd;border-radius:8px;padding:8px 12px}.card .v{font-size:22px;font-weight:600}"
+    ".scroll{overflow:auto;max-height:80vh;border:1px solid #ddd;margin:8px 0}"
     "table{border-collapse:separate;border-spacing:0;font-size:13px;width:100%}"
-    "th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;vertical-align:top;"
-    "font-variant-numeric:tabular-nums;white-space:nowrap}"
-    "th{background:#f3f4f6;font-weight:600;position:sticky;top:0;white-space:normal;min-width:4em;"
-    "max-width:9em;vertical-align:bottom}"
-    "th:first-child,td:first-child{position:sticky;left:0;z-index:1;background:#fff;"
-    "border-right:1px solid #ddd;text-align:left}th:first-child{background:#f3f4f6;z-index:2}"
-    "td.t,th.t{text-align:left}td.w{white-space:normal;min-width:12em;max-width:28em;overflow-wrap:anywhere}"
-    "td:first-child{white-space:normal;min-width:10em;max-width:22em;overflow-wrap:anywhere}"
-    "td.null,td.zero{color:#aaa}td.bad{color:#a33a00;font-weight:600}tbody tr:hover td{background:#f6f8fa}"
-    ".key{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:6px;vertical-align:-1px;"
-    "-webkit-print-color-adjust:exact;print-color-adjust:exact}"
+    "th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;vertical-align:top;white-space:nowrap;"
+    "font-variant-numeric:tabular-nums}th{background:#f3f4f6;position:sticky;top:0;white-space:normal}"
+    "td.t,th.t,th:first-child,td:first-child{text-align:left}td.w,td:first-child{white-space:normal;"
+    "min-width:10em;max-width:28em;overflow-wrap:anywhere}td.null{color:#aaa}td.bad{color:#a33a00;font-weight:600}"
+    ".key{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:6px;print-color-adjust:exact}"
     ".key.dash{background:repeating-linear-gradient(90deg,#8c8c8c 0 4px,#fff 4px 6px)!important}"
-    ".legend{list-style:none;padding:0;margin:6px 0 10px;display:flex;flex-wrap:wrap;gap:4px 18px;"
-    "font-size:13px}.legend li{overflow-wrap:anywhere}"
-    ".charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(460px,1fr));gap:18px 28px}"
-    ".hists{display:grid;grid-template-columns:repeat(auto-fill,minmax(360px,1fr));gap:18px 28px}"
-    "figure{margin:0;min-width:0}figcaption{font-size:12px;color:#555}"
-    "svg{max-width:100%;height:auto;display:block}"
-    "svg text{font-size:11px;fill:#333}svg .ax{font-size:12px;fill:#444}svg .lbl{font-size:10px}"
-    "svg .gl{stroke:#e6e6e6}svg .axis{stroke:#888}svg .mark{stroke:#333;stroke-dasharray:4 3}"
-    "@media (max-width:560px){.charts,.hists{grid-template-columns:1fr}}"
-    "@media print{body{margin:0;max-width:none}.scroll{overflow:visible;max-height:none;border:0}nav{display:none}"
-    "figure,.card,tr{break-inside:avoid}th:first-child,td:first-child{position:static}}")
+    ".legend{list-style:none;padding:0;display:flex;flex-wrap:wrap;gap:4px 18px;font-size:13px}"
+    ".charts,.hists{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:18px 28px}"
+    "figure{margin:0;min-width:0}svg{max-width:100%;height:auto;display:block}svg text{font-size:11px;fill:#333}"
+    "svg .lbl{font-size:10px}svg .gl{stroke:#e6e6e6}svg .axis{stroke:#888}svg .mark{stroke:#333;"
+    "stroke-dasharray:4 3}")
 
 
 def _e(value):
@@ -1200,9 +1179,9 @@ def _latency_histogram(model, latencies, colour=_PALETTE[0], bins=32):
 
 # -- tables --------------------------------------------------------------------
 
-def _th(field, headings):
+def _th(field):
     cls = ' class="t"' if field in _TEXT_FIELDS else ""
-    return f'<th{cls} scope="col" data-field="{_e(field)}" title="{_e(field)}">{_e(headings.get(field, field))}</th>'
+    return f'<th{cls} scope="col" data-field="{_e(field)}" title="{_e(field)}">{_e(_HEADINGS.get(field, field))}</th>'
 
 
 def _td(field, value):
@@ -1219,23 +1198,27 @@ def _td(field, value):
     if field.endswith("_ms"):
         return f"<td>{_ms(value)}</td>"
     if field in _TEXT_FIELDS:
-        return f'<td class="t{" w" if field in ("why", "base_url") else ""}">{_e(value)}</td>'
+        return f'<td class="t{" w" if field in ("why", "base_url", "detail") else ""}">{_e(value)}</td>'
     bad = ' class="bad"' if field in ("failed", "malformed", "tools_denied", "errors") and value else ""
     return f"<td{bad}>{_num(value)}</td>"
 
 
-def _html_table(css_class, columns, headings, rows, first_cell=None):
+def _html_table(css_class, columns, rows, cells=None):
+    """A table of `rows` (dicts); `cells` maps a field to the function that draws its cell instead of _td."""
+    cells = cells or {}
     out = [f'<div class="scroll"><table class="{css_class}"><thead><tr>'
-           + "".join(_th(c, headings) for c in columns) + "</tr></thead><tbody>"]
+           + "".join(_th(c) for c in columns) + "</tr></thead><tbody>"]
     for row in rows:
-        cells = [first_cell(row) if first_cell else _td(columns[0], row[columns[0]])]
-        out.append("<tr>" + "".join(cells + [_td(c, row[c]) for c in columns[1:]]) + "</tr>")
+        out.append("<tr>" + "".join(cells[c](row) if c in cells else _td(c, row[c]) for c in columns) + "</tr>")
     out.append("</tbody></table></div>")
     return "\n".join(out)
 
 
 def _model_cell(colours):
+    """The model column: the model's colour key, and its name (a models_list change has none)."""
     def cell(row):
+        if row["request_model"] is None and "what" in row:
+            return '<td class="t">(models list)</td>'
         key = (row["request_model"], row["base_url"])
         return f'<td class="t">{_key(colours.get(key, _GREY))}{_e(_label(row["request_model"]))}</td>'
     return cell
@@ -1252,7 +1235,7 @@ def _models_section(rows, by_day, colours, totals):
            + (" and day" if by_day else "") + ", busiest first. Reported tokens are what servers said; "
            "estimated tokens are chars/4 and are never added to them. \u2013 means nothing was reported. "
            "OK calls, malformed payloads, minimum latency and fingerprints: --json or --csv.</p>",
-           _html_table("models", cols, _MODEL_HEADINGS, shown, _model_cell(colours))]
+           _html_table("models", cols, shown, {"request_model": _model_cell(colours)})]
     if len(rows) > len(shown):
         out.append(f'<p class="note">{len(rows) - len(shown):,} quieter rows are not shown here; '
                    f"--json or --csv has every row.</p>")
@@ -1423,15 +1406,9 @@ def _changes_section(changes, colours):
     out = [f'<h2 id="changes">Changes day over day ({len(changes):,})</h2>']
     if not changes:
         return out + ["<p>Nothing changed from one day to the next.</p>"]
-    head = "".join(_th(c, _CHANGE_HEADINGS) for c in _CHANGE_HEADINGS)
-    out.append(f'<div class="scroll"><table class="changes"><thead><tr>{head}</tr></thead><tbody>')
-    for c in changes[:_MAX_LIST_ROWS]:
-        model = (f'{_key(colours.get((c["request_model"], c["base_url"]), _GREY))}{_e(c["request_model"])}'
-                 if c["request_model"] is not None else "(models list)")
-        out.append(f'<tr>{_td("day", c["day"])}<td class="t">{model}</td>{_td("base_url", c["base_url"])}'
-                   f'<td class="t" title="{_e(c["what"])}">{_e(_WHAT.get(c["what"], c["what"]))}</td>'
-                   f'<td class="t w">{_e(c["detail"])}</td>{_td("previous_day", c["previous_day"])}</tr>')
-    out.append("</tbody></table></div>")
+    out.append(_html_table("changes", ("day", "request_model", "base_url", "what", "detail", "previous_day"),
+                           changes[:_MAX_LIST_ROWS], {"request_model": _model_cell(colours), "what": lambda c: (
+                               f'<td class="t" title="{_e(c["what"])}">{_e(_WHAT.get(c["what"], c["what"]))}</td>')}))
     if len(changes) > _MAX_LIST_ROWS:
         out.append(f'<p class="note">{len(changes) - _MAX_LIST_ROWS:,} more changes: see the text report or '
                    "--json.</p>")
@@ -1450,13 +1427,13 @@ def _runs_section(runs, runs_url):
         if not rl._OUR_RUN_ID_RE.match(row["run_id"]):
             return _td("run_id", row["run_id"])
         return f'<td class="t"><a href="{_e(runs_url + row["run_id"])}">{_e(row["run_id"])}</a></td>'
-    return out + [_html_table("runs", list(_HTML_RUN_COLUMNS), _RUN_HEADINGS, shown, run_cell)]
+    return out + [_html_table("runs", _HTML_RUN_COLUMNS, shown, {"run_id": run_cell})]
 
 
 def _ledgers_section(ledgers):
     shown = ledgers[:_MAX_LIST_ROWS]
     return [f'<h2 id="ledgers">Ledgers read ({len(ledgers):,})</h2><details><summary>show the list</summary>',
-            _html_table("ledgers", list(_LEDGER_HEADINGS), _LEDGER_HEADINGS, shown), "</details>"]
+            _html_table("ledgers", ["path", "status", "lines", "reason"], shown), "</details>"]
 
 
 def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_RUNS_URL):
