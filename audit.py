@@ -18,6 +18,8 @@ import argparse
 import csv
 import glob
 import html
+import io
+import itertools
 import json
 import math
 import os
@@ -31,14 +33,14 @@ import reasoning_ledger as rl  # noqa: E402
 
 __version__ = "1.2.0"
 
-__all__ = ["Audit", "run_audit", "find_ledgers", "percentile", "compare_days", "model_call_view",
-           "render_text", "render_json", "render_csv", "render_html", "MODEL_COLUMNS", "AuditError", "remote_audit"]
+__all__ = ["Audit", "AuditError", "run_audit", "remote_audit", "render_text", "render_json", "render_csv",
+           "render_html", "MODEL_COLUMNS"]
 
 # ----------------------------------------------------------------------------
 # Constants
 # ----------------------------------------------------------------------------
 
-DEFAULT_LEDGERS = ("calls.jsonl", "runs.jsonl")  # runs.jsonl: ask.py's default before 1.1
+DEFAULT_LEDGERS = ("calls.jsonl", "runs.jsonl")  # ask.py's default ledger, and the name it once had
 DEFAULT_RUNS = "runs"
 DEFAULT_RUNS_URL = "runs/"  # the HTML links run ids to this + id: `agent.py serve` shows a run's timeline at /runs/ID
 DEFAULT_LATENCY_SHIFT = 0.5
@@ -101,11 +103,11 @@ def model_call_view(payload):
     return view, malformed
 
 
-def _count_label(counter, label):
-    """counter[label] += 1, with at most MAX_LABELS distinct labels (the rest under OTHER)."""
+def _count_label(counter, label, n=1):
+    """counter[label] += n, with at most MAX_LABELS distinct labels (the rest under OTHER)."""
     if label not in counter and len(counter) >= MAX_LABELS:
         label = OTHER
-    counter[label] = counter.get(label, 0) + 1
+    counter[label] = counter.get(label, 0) + n
 
 
 def _fmt_int(value):
@@ -114,10 +116,7 @@ def _fmt_int(value):
 
 def _fmt_tokens(value, wide):
     """A token count: whole with --wide, else 3 significant digits from 10,000 on (12.3k, 4.94M)."""
-    if value is None or wide or value < 10000:
-        return _fmt_int(value)
-    return next(f"{value / div:.3g}{suffix}" for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k"))
-                if value >= div)
+    return _fmt_int(value) if value is None or wide or value < 10000 else _short(value)
 
 
 def _fmt_ms(value):
@@ -147,13 +146,10 @@ def find_ledgers(paths):
             if not matches:
                 raise AuditError(f"{raw}: no such file, directory or glob match")
             out += [Path(m) for m in matches if Path(m).is_file()]
-    seen, unique = set(), []
+    unique = {}  # a file named twice (or through a link) is read once
     for path in out:
-        key = os.path.realpath(path)
-        if key not in seen:
-            seen.add(key)
-            unique.append(path)
-    return unique
+        unique.setdefault(os.path.realpath(path), path)
+    return list(unique.values())
 
 
 # ----------------------------------------------------------------------------
@@ -211,9 +207,7 @@ class Group:
         for mine, theirs in ((self.response_models, other.response_models),
                              (self.fingerprints, other.fingerprints), (self.errors, other.errors)):
             for name, count in theirs.items():
-                if name not in mine and len(mine) >= MAX_LABELS:
-                    name = OTHER
-                mine[name] = mine.get(name, 0) + count
+                _count_label(mine, name, count)
 
     def row(self, request_model, base_url, day):
         """One row of the model table. A count that nothing reported is None (null), never 0."""
@@ -531,7 +525,6 @@ def _sql_range(since, until):
 def remote_audit(client, *, since=None, until=None, model=None, verify=True):
     """Audit the lines shipped to ClickHouse (an rl.ClickHouse). Returns (audit, failures) like run_audit:
     failures lists the IntegrityErrors of the re-verification (then nothing else was read)."""
-    import itertools
     audit = Audit(since=since, until=until, model=model)
     client.require_table()
     in_range = _sql_range(since, until)
@@ -788,11 +781,14 @@ def _csv_cell(value):
     return "'" + text if text.startswith(_CSV_TRIGGERS) else text
 
 
-def render_csv(rows, stream):
-    writer = csv.writer(stream, lineterminator="\r\n")  # RFC 4180; a CR or LF in a value is then quoted
+def render_csv(rows):
+    """The models table as CSV (RFC 4180: CRLF, a CR or LF in a value quoted)."""
+    stream = io.StringIO()
+    writer = csv.writer(stream, lineterminator="\r\n")
     writer.writerow(MODEL_COLUMNS)
     for r in rows:
         writer.writerow([_csv_cell(r[c]) for c in MODEL_COLUMNS])
+    return stream.getvalue()
 
 
 # ----------------------------------------------------------------------------
@@ -1067,17 +1063,12 @@ def _line_chart(css_class, title, y_title, unit, days, series, integer=True, fmt
 
 
 def _stretches(xs, vals, bottom, span, ymax):
-    """The points attribute of each stretch of consecutive non-null values."""
-    runs, current = [], []
-    for x, v in zip(xs, vals):
-        if v is None:
-            if len(current) > 1:
-                runs.append(" ".join(current))
-            current = []
-        else:
-            current.append(f"{x:.1f},{bottom - span * v / ymax:.1f}")
-    if len(current) > 1:
-        runs.append(" ".join(current))
+    """The points attribute of each stretch of two or more consecutive non-null values."""
+    runs = []
+    for present, points in itertools.groupby(zip(xs, vals), key=lambda point: point[1] is not None):
+        points = list(points)
+        if present and len(points) > 1:
+            runs.append(" ".join(f"{x:.1f},{bottom - span * v / ymax:.1f}" for x, v in points))
     return runs
 
 
@@ -1557,7 +1548,7 @@ def _run(args):
     if args.json:
         rl.write_out(render_json(audit, rows, changes, runs, verified, by_day))
     elif args.csv:
-        render_csv(rows, _OutStream())
+        rl.write_out(render_csv(rows))
     else:
         rl.write_out(render_text(audit, rows, changes, runs, verified, by_day, wide=args.wide))
     if args.fail_on_change and changes:
@@ -1575,13 +1566,6 @@ def _run_remote(args, since, until):
     except rl.ClickHouseError as exc:
         exc.exit_code = rl.EXIT_USAGE  # the input could not be read
         raise
-
-
-class _OutStream:
-    """A file-like object over write_out, for csv.writer."""
-
-    def write(self, text):
-        rl.write_out(text)
 
 
 def main(argv=None):
