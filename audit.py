@@ -68,6 +68,11 @@ _READ = ("request_model", "base_url", "attempt", "error_type", "usage_status", "
          "est_output_tokens")
 _TYPES = {name: ask.MODEL_CALL_FIELDS[name] for name in _READ}
 
+# agent.py's event kinds that the agent-runs table reads, in one place (docs/audit.md, "Agent runs"): a step
+# is a proposal, well formed or not; the why column's kinds are in _why.
+_STEP_KINDS = ("model_proposed", "proposal_malformed")
+_RUN_COUNTS = {"tool_allowed": "tools_allowed", "tool_denied": "tools_denied", "error": "errors"}
+
 
 class AuditError(rl.UsageError):
     """Bad arguments or unreadable input (exit 2)."""
@@ -431,18 +436,14 @@ def _run_event(run, kind, payload):
             run["output_tokens"] += call["output_tokens"] or 0
         run["est_tokens"] += (call["est_input_tokens"] or 0) + (call["est_output_tokens"] or 0)
         run["errors"] += call["error_type"] is not None
-    elif kind in ("model_proposed", "proposal_malformed"):
+    elif kind in _STEP_KINDS:
         step = payload.get("step")
         run["steps"] = max(run["steps"], step if type(step) is int else run["steps"] + 1)
-    elif kind == "tool_allowed":
-        run["tools_allowed"] += 1
-    elif kind == "tool_denied":
-        run["tools_denied"] += 1
+    elif kind in _RUN_COUNTS:
+        run[_RUN_COUNTS[kind]] += 1
     elif kind == "judge_verdict":
         verdict = payload.get("verdict")
         run["judge_verdict"] = verdict if type(verdict) is str else None
-    elif kind == "error":
-        run["errors"] += 1
     elif kind == "run_closed":
         outcome = payload.get("outcome")
         run["outcome"] = outcome if type(outcome) is str else "closed"
