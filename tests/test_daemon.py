@@ -753,8 +753,10 @@ def test_sigterm_during_load_loses_no_accepted_delivery_and_a_restart_runs_them_
 
 
 def test_kill_9_during_load_leaves_ledgers_that_verify_after_the_next_start(serve):
-    seconds = tools_json(serve.tmp / "seconds.json", "import time; time.sleep(6)")  # still running at restart
-    daemon = serve("--queue", 200, tools=seconds)
+    go = serve.tmp / "go"  # the run in progress at the kill is still running at the restart: it waits for this
+    waiting = tools_json(serve.tmp / "waiting.json",
+                         f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)")
+    daemon = serve("--queue", 200, tools=waiting)
     results, threads = _load_in_background(daemon, 400, "kill")
     wait_until("a run in progress and some accepted deliveries",
                 lambda: daemon.events("run_dispatched") and len(_accepted(list(results))) >= 10)
@@ -768,6 +770,7 @@ def test_kill_9_during_load_leaves_ledgers_that_verify_after_the_next_start(serv
     orphan = daemon.payloads("run_dispatched")[-1]["run_id"]
     daemon = serve("--queue", 200)  # recovers: adopts the orphan, queues the rest again
     recovered = daemon.payloads("daemon_recovered")[-1]
+    go.touch()
     if Path("/proc/self").exists():
         assert recovered["adopted"] == [orphan]
     finished = daemon.finished(received.values())
