@@ -470,6 +470,19 @@ def patch_files(patch):
     return files, problems
 
 
+def diff_section_files(section):
+    """Every path one section of git's output names (its header, ---/+++, rename and copy lines); empty
+    when none can be read, so that a section of a format not understood is left out, never shown."""
+    files, _problems = patch_files(section)
+    header = section.split("\n", 1)[0]
+    match = re.match(r"diff --(?:cc|combined) (.+)", header)
+    if match:
+        files.append(_diff_path(match.group(1), prefixed=False))
+    elif not header.startswith("diff --git "):
+        return []
+    return [f for f in files if f]
+
+
 def _diff_path(text, prefixed=True):
     text = text.split("\t")[0].rstrip("\r")
     text = re.sub(r" +[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9:.]+( [+-][0-9]{4})?\Z", "", text)  # diff -u's timestamp
@@ -832,16 +845,25 @@ def _walk_files(root):
             yield posixpath.normpath(posixpath.join(rel_base.replace(os.sep, "/"), name))
 
 
-def repo_secrets(repo):
+_ENV_PATHSPECS = (":(glob,icase)**/.env*", ":(glob,icase)**/.env*/**")
+
+
+def repo_secrets(repo, commit=None):
     """The values in the repository's .env* files (and files under .env* directories; tracked, untracked
-    or ignored), to mask everywhere."""
-    listing = git(repo, "ls-files", "-z", "--cached", "--others", "--", ":(glob,icase)**/.env*",
-                  ":(glob,icase)**/.env*/**", check=False)
+    or ignored), and in those of `commit` and its parents (what `git show` of it prints), to mask everywhere."""
+    listing = git(repo, "ls-files", "-z", "--cached", "--others", "--", *_ENV_PATHSPECS, check=False)
+    texts = [_read_plain_file(Path(repo) / os.fsdecode(raw), 256 * 1024)
+             for raw in list(dict.fromkeys(listing.split(b"\0")))[:200] if raw]
+    commits = git(repo, "rev-list", "--no-walk", f"{commit}", f"{commit}^@", check=False).split() if commit else []
+    for rev in commits[:16]:  # ls-tree takes no pathspec magic: every path, each component looked at
+        entries = (e.split(b"\t", 1) for e in git(repo, "ls-tree", "-r", "-z", rev.decode(), check=False).split(b"\0")
+                   if b"\t" in e)
+        blobs = [meta.split()[2].decode() for meta, path in entries if meta.split()[1:2] == [b"blob"] and
+                 any(part.lower().startswith(b".env") for part in path.split(b"/"))]
+        texts += [git(repo, "cat-file", "blob", blob, check=False)[:256 * 1024] for blob in blobs[:200]]
     values = []
-    for raw in list(dict.fromkeys(listing.split(b"\0")))[:200]:
-        if raw:
-            text = _read_plain_file(Path(repo) / os.fsdecode(raw), 256 * 1024)
-            values += dotenv_values((text or b"").decode("utf-8", "replace"))
+    for text in texts:
+        values += dotenv_values((text or b"").decode("utf-8", "replace"))
     return [value for value in dict.fromkeys(values) if value]
 
 
@@ -1164,14 +1186,18 @@ class Workspace:
         return _text_output(0, body if lines else "(empty file)", started)
 
     def _files(self, rel):
-        """Files under `rel` (a file or a directory), skipping denied paths and .git."""
+        """The files under `rel` (a file or a directory) that a tool may open: each held to the path rules
+        as read_file is, by the path it resolves to too (a symlinked directory leads elsewhere)."""
         base = self.root / rel
-        if base.is_file():
-            return [rel]
+        paths = [rel] if base.is_file() else (posixpath.normpath(posixpath.join(rel, p)) for p in sorted(
+            _walk_files(base)))
         out = []
-        for path in sorted(_walk_files(base)):
-            full = posixpath.normpath(posixpath.join(rel, path))
-            if not self.policy.denied_by(full) and not os.path.islink(self.root / full):
+        for full in paths:
+            try:
+                check_path(full, self.policy, self.resolve, {})
+            except _Deny:
+                continue
+            if not os.path.islink(self.root / full) or full == rel:
                 out.append(full)
             if len(out) >= 20000:
                 break
@@ -1193,12 +1219,10 @@ class Workspace:
         else:
             raw = git(self.repo, "diff", "--no-color", "--no-ext-diff", "--no-textconv", "HEAD",
                       check=False) if resolve_ref(self.repo, None) else b""
-        kept, skip = [], False
-        for section in re.split(rb"(?m)^(?=diff --git )", raw):
-            if section.startswith(b"diff --git "):
-                files, _problems = patch_files(section.decode("utf-8", "replace"))
-                skip = any(self.policy.denied_by(f) for f in files)
-            if not skip:
+        kept = []
+        for section in re.split(rb"(?m)^(?=diff )", raw):  # --git, --cc, --combined: every format git writes
+            files = diff_section_files(section.decode("utf-8", "replace"))
+            if files and not any(self.policy.denied_by(f) for f in files):
                 kept.append(section)
         return b"".join(kept).decode("utf-8", "replace")
 
@@ -1467,7 +1491,7 @@ def drive(world, policy, messages):
 def _step(world, policy, step, text, call, checked, budget):
     """One reply: returns what to tell the model, or the accepted patch check."""
     try:
-        action, form = parse_reply(text)
+        action, form = world.parse(step, text)
     except Malformed as bad:
         world.record("proposal_malformed", {"step": step, "reason": bad.reason, "excerpt": _excerpt(text, 500),
                                             "budget": checked, "call": call})
@@ -1492,8 +1516,11 @@ def _step(world, policy, step, text, call, checked, budget):
     if tool == "propose_patch":
         check = world.check_patch(step, args["patch"])
         if not check["applies"]:
-            world.record("patch_rejected", {"step": step, "message": check["message"],
-                                            "patch_sha256": check["patch_sha256"]})
+            rule = {"rule": check["rule"]} if check.get("rule") else {}
+            world.record("patch_rejected", dict({"step": step, "message": check["message"],
+                                                 "patch_sha256": check["patch_sha256"]}, **rule))
+            if rule:
+                return f"Refused by the host: {check['message']}. Propose the patch without it."
             return (f"The patch does not apply (git apply --check): {check['message']}\nFix the patch against the "
                     f"files as they are (read them again if needed), with the context lines around each change as "
                     f"`diff -u` writes them, and propose it again.")
@@ -1529,6 +1556,9 @@ class LiveWorld:
     def resolver(self, step):
         return self.ws.resolve
 
+    def parse(self, step, text):
+        return parse_reply(text)
+
     def ask(self, step, messages, budget, limits):
         """One model turn through ask.chat(), retried within the wall budget. Raises _Stop."""
         base_url, model, api_key = self.settings
@@ -1536,10 +1566,11 @@ class LiveWorld:
         sources = set()
         for attempt in range(CALL_RETRIES + 1 + 1):
             wall_left = limits["max_wall_s"] - self.elapsed()
-            if wall_left < 1:
+            if wall_left < 1:  # no call is made now: before the first one, the budget ran out before the model
                 raise _Stop("budget_exhausted", "budget_exhausted", {
                     "limit": "max_wall_s", "used": round(self.elapsed(), 3), "max": limits["max_wall_s"],
-                    "budget": budget.snapshot(self.elapsed()), "during": "model call"})
+                    "budget": budget.snapshot(self.elapsed()),
+                    "during": "model call" if attempt else "before model call"})
             timeout = min(limits["call_timeout_s"], wall_left)
             record = ask.chat(messages, ledger=self.run, base_url=base_url, model=model, api_key=api_key,
                               max_tokens=limits["max_tokens_per_call"], timeout=timeout, retries=0,
@@ -1570,8 +1601,9 @@ class LiveWorld:
                 break
             time.sleep(min(2.0 * (attempt + 1), max(0.0, limits["max_wall_s"] - self.elapsed() - 1)))
         code = f" ({record['error_code']})" if record["error_code"] else ""
-        raise _Stop("error", "error", {"stage": "model", "message": f"the model endpoint failed: "
-                                                                    f"{record['error_type']}{code}: {record['error_message']}",
+        raise _Stop("error", "error", {"type": "ModelEndpointError", "stage": "model",
+                                       "message": f"the model endpoint failed: {record['error_type']}{code}: "
+                                                  f"{record['error_message']}",
                                        "error_type": record["error_type"], "error_code": record["error_code"]})
 
     def execute(self, step, tool, args):
@@ -1623,7 +1655,7 @@ def git_reading(tree, patch_bytes, flags, env):
     """Apply the patch to a throwaway copy of `tree`'s index (its HEAD the baseline) and read the result
     with `git diff --raw --no-renames`. Our own parse (patch_files) is a first check; this is the one the
     host's path rules and the judge trust, since git is what applies the patch. None: it does not apply."""
-    with tempfile.TemporaryDirectory(prefix="agent-index-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="agent-index-", dir=Path(tree).parent) as scratch:
         index_env = dict(env, GIT_INDEX_FILE=os.path.join(scratch, "index"))
 
         def run(*args, data=None):
@@ -1654,7 +1686,12 @@ def check_patch(scratch, patch, redactor, policy=None, resolve=None):
     patch_bytes = patch.encode("utf-8", "surrogateescape")
     result = {"applies": False, "recount": False, "message": "", "files": patch_files(patch)[0],
               "patch_sha256": hashlib.sha256(patch_bytes).hexdigest(), "proposal_sha256": None, "proposal": None}
-    with tempfile.TemporaryDirectory(prefix="agent-patch-") as work:
+    if any(value in patch for value in redactor.values):  # the proposal is written as is: refuse, never mask
+        result["rule"] = "patch.secret"
+        result["message"] = ("the patch holds the value of a secret (from the environment or a .env file); a "
+                             "patch must not (rule patch.secret)")
+        return result
+    with tempfile.TemporaryDirectory(prefix="agent-patch-", dir=Path(scratch).parent) as work:
         clone = Path(work) / "tree"
         env = _scratch_git_env(work)
         subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(scratch), str(clone)], env=env, check=True,
@@ -1755,10 +1792,23 @@ def _hold_lock(path, held_message, holder_note):
     return fd
 
 
+_SIGNALS = {"armed": False, "noted": None}  # raise into the run only while armed; otherwise note the signal
+
+
 def _on_signal(signum, _frame):
+    """Kill the children, and end the run's work with _Terminated, once. While the run is being opened or
+    closed the signal is only noted, so that closing it (recording, removing temp dirs) is never cut short."""
     for pgid in list(_CHILDREN):
         _kill_group(pgid)
-    raise _Terminated(f"terminated by signal {signum} ({signal.Signals(signum).name})")
+    _SIGNALS["noted"] = _SIGNALS["noted"] or signum
+    if _SIGNALS["armed"]:
+        _SIGNALS["armed"] = False
+        raise _terminated()
+
+
+def _terminated(when=""):
+    signum = _SIGNALS["noted"]
+    return _Terminated(f"terminated by signal {signum} ({signal.Signals(signum).name}){when}")
 
 
 def run_agent(repo, *, settings, ref=None, runs_dir=DEFAULT_RUNS, tools=DEFAULT_TOOLS, max_steps=None,
@@ -1775,24 +1825,36 @@ def run_agent(repo, *, settings, ref=None, runs_dir=DEFAULT_RUNS, tools=DEFAULT_
     run_id = run_id or rl.new_run_id()
     lock = take_lock(repo, run_id)
     try:
-        secrets = [settings[2]] + repo_secrets(repo)
+        secrets = [settings[2]] + repo_secrets(repo, commit if ref else None)
         run = rl.open_run(runs_dir, run_id=run_id, secrets=secrets)
         started = time.monotonic()
-        scratch = Path(tempfile.mkdtemp(prefix=f"agent-{run.run_id}-"))
+        scratch = Path(tempfile.mkdtemp(prefix=f"agent-{run.run_id}-"))  # every temp dir of the run is in it
         try:
-            outcome, proposal = _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origin or {})
+            try:
+                _SIGNALS["armed"] = True
+                if _SIGNALS["noted"]:  # it came while the run was being opened
+                    raise _terminated()
+                outcome, proposal = _run_steps(run, repo, ref, commit, policy, settings, scratch, started,
+                                               origin or {})
+            finally:
+                _SIGNALS["armed"] = False
         except (Exception, _Terminated) as exc:  # the boundary: recorded as an event, then the run is closed
             outcome, proposal = "error", None
-            trace = run.store_artifact(traceback.format_exc())
-            run.append("error", {"type": type(exc).__name__, "message": rl.error_text(exc)[:2000],
-                                 "traceback_artifact": trace})
-        finally:
-            _remove_tree(scratch)
+            _record_error(run, exc, traceback.format_exc())
+        _remove_tree(scratch)
+        if _SIGNALS["noted"] and outcome != "error":
+            outcome, proposal = "error", None
+            _record_error(run, _terminated(" while the run was being closed"), "".join(traceback.format_stack()))
         summary = _closing_summary(run, outcome)
         run.close(outcome, **summary)
         return outcome, run.run_id, proposal
     finally:
         os.close(lock)
+
+
+def _record_error(run, exc, trace):
+    run.append("error", {"type": type(exc).__name__, "message": rl.error_text(exc)[:2000],
+                         "traceback_artifact": run.store_artifact(trace)})
 
 
 def _closing_summary(run, outcome):
@@ -1821,7 +1883,7 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
     tree = scratch / "tree"
     digest = snapshot(repo, commit if ref else None, tree)
     dirty = bool(git_state_short(repo)) if not ref else False
-    tools_ref = run.store_artifact(policy.text)
+    tools_ref = _exact_artifact(run, policy.text, "tools.json")
     run.append("run_started", {
         "repo": str(repo), "ref": ref, "commit": commit, "dirty": dirty, "tree_digest": digest,
         "tools_path": policy.source, "tools_sha256": policy.sha256, "tools_artifact": tools_ref,
@@ -1850,13 +1912,20 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
         return stop.outcome, None
     if outcome != "proposal":
         return outcome, None
-    proposal = rl.Redactor(run.ledger.redactor.values).text(check["proposal"].decode("utf-8", "surrogateescape"))
-    path = run.dir / PROPOSAL_NAME  # after the decision that accepted it
+    path = run.dir / PROPOSAL_NAME  # after the decision that accepted it: its exact bytes, never masked
     fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as handle:
-        handle.write(proposal)
-    verdict = _judge_in_child(run, policy)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(check["proposal"])
+    verdict = _judge_in_child(run, policy, scratch)
     return ("proposal_accepted" if verdict == "accept" else "proposal_rejected_by_judge"), path
+
+
+def _exact_artifact(run, text, what):
+    """Store text the host (or a human) will use again byte for byte, so never masked: masking a secret
+    shape would change what it means. A known secret value in it is refused instead of written."""
+    if any(value in text for value in run.ledger.redactor.values):
+        raise rl.UsageError(f"{what} holds the value of a secret (the value is not shown); it cannot be recorded")
+    return run.store_artifact(text, redact_secrets=False)
 
 
 def git_state_short(repo):
@@ -1909,12 +1978,14 @@ def _test_command_broken(command, baseline):
     return None
 
 
-def _judge_in_child(run, policy):
+def _judge_in_child(run, policy, scratch):
     """The judge runs as its own process, reading only the run's ledger and artifacts. The ledger key and
-    the values to mask reach it on stdin, never in its environment, where a test could read them."""
+    the values to mask reach it on stdin, never in its environment, where a test could read them. Its temp
+    dirs are in the run's scratch dir, removed with it even when the judge is killed."""
     given = json.dumps({"key": os.environ.get(rl.KEY_ENV) or None, "secrets": list(run.ledger.redactor.values)})
     argv = [sys.executable, str(Path(__file__).resolve()), "judge", str(run.dir.resolve()), "--from-host"]
-    output = run_program(argv, HERE, policy.test_timeout_s + 300, env=_child_env(), input=given.encode("utf-8"))
+    output = run_program(argv, HERE, policy.test_timeout_s + 300, env=dict(_child_env(), TMPDIR=str(scratch)),
+                         input=given.encode("utf-8"))
     verdicts = [e["payload"] for e in rl.read_events(run.ledger.path) if e["kind"] == "judge_verdict"]
     if not verdicts:
         raise RuntimeError(f"the judge did not give a verdict (exit {output.returncode}): "
@@ -1951,7 +2022,8 @@ def judge_run(run_dir, *, key=None, secrets=()):
     repo = Path(started["repo"])
     verdict = {"verdict": "reject", "applies": False, "tests_passed": False, "reason": "", "touched_tests": [],
                "shadows": [], "newly_failing": [], "vanished": [], "still_failing": [], "comparison": "exit codes"}
-    ledger = rl.Ledger(run_dir / rl.EVENTS_NAME, run_dir.name, key=key, secrets=list(secrets) + repo_secrets(repo))
+    ledger = rl.Ledger(run_dir / rl.EVENTS_NAME, run_dir.name, key=key, secrets=list(secrets) + repo_secrets(
+        repo, started["commit"] if started.get("ref") else None))
     with tempfile.TemporaryDirectory(prefix="agent-judge-") as work:
         tree = Path(work) / "tree"
         if hashlib.sha256(patch).hexdigest() != decision.get("proposal_sha256"):
@@ -2048,7 +2120,7 @@ class ReplayWorld:
                 self.paths.setdefault(payload["step"], {}).update(payload.get("paths") or {})
             elif kind == "patch_rejected":
                 self.checks[payload["step"]] = {"applies": False, "message": payload["message"],
-                                                "patch_sha256": payload["patch_sha256"]}
+                                                "patch_sha256": payload["patch_sha256"], "rule": payload.get("rule")}
             elif kind == "decision" and payload.get("stage") == "proposal":
                 self.checks[payload["step"]] = {"applies": True, "recount": payload["recount"],
                                                 "files": payload["files"], "patch_sha256": payload["patch_sha256"],
@@ -2080,6 +2152,14 @@ class ReplayWorld:
         self.last_call = call
         text = _artifact_text(self.run_dir, call["reply_artifact"])
         return text, call
+
+    def parse(self, step, text):
+        """The action as the live run read it: the reply is stored masked for humans, and masking can change
+        how a text parses (an `Authorization:` masks the rest of its line), so it is not parsed again."""
+        payload = self.replies[step - 1]
+        if "tool" not in payload:  # proposal_malformed
+            raise Malformed(payload["reason"])
+        return {"tool": payload["tool"], "args": payload["args"], "reason": payload["reason"]}, payload["form"]
 
     def execute(self, step, tool, args):
         return _text_output(0, "(replayed: the recorded output is in the ledger)", time.monotonic())
@@ -2246,10 +2326,12 @@ _LENGTH_RE = re.compile(r"[0-9]{1,15}\Z")
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?\Z")
 _RUN_URL_RE = re.compile(r"/runs/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8})\Z")  # new_run_id()'s shape only
 _ARTIFACT_REF_RE = re.compile(r"artifacts/[0-9a-f]{64}\Z")
-_REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+_HOST_RE = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9_.-]+))(?::[0-9]{1,5})?\Z")  # Host: name[:port], [v6][:port]
+_REASONS = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
             408: "Request Timeout", 411: "Length Required", 413: "Payload Too Large", 414: "URI Too Long",
-            415: "Unsupported Media Type", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
-            501: "Not Implemented", 503: "Service Unavailable", 505: "HTTP Version Not Supported"}
+            415: "Unsupported Media Type", 421: "Misdirected Request", 431: "Request Header Fields Too Large",
+            500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable",
+            505: "HTTP Version Not Supported"}
 
 
 class Refused(Exception):
@@ -2633,6 +2715,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         webhook = path == "/webhook"
         try:
+            self.app.check_host(self.headers)
             if webhook:
                 self.claimed = _claimed_delivery(self.headers)
                 if self.command != "POST":
@@ -2843,7 +2926,8 @@ class Daemon:
     def __init__(self, repo, *, runs_dir=DEFAULT_RUNS, tools=DEFAULT_TOOLS, host=DEFAULT_HOST, port=DEFAULT_PORT,
                  secrets=(), read_token=None, max_body=DEFAULT_MAX_BODY, queue=DEFAULT_QUEUE,
                  max_connections=DEFAULT_MAX_CONNECTIONS, request_timeout=DEFAULT_REQUEST_TIMEOUT_S,
-                 grace_s=DEFAULT_GRACE_S, kill_after_s=None, fetch=False, extra_secrets=(), log=None, ship_to=None):
+                 grace_s=DEFAULT_GRACE_S, kill_after_s=None, fetch=False, extra_secrets=(), log=None, ship_to=None,
+                 allow_hosts=()):
         _check_limits(port, max_body, queue, max_connections, request_timeout, grace_s, kill_after_s)
         self.repo = repo_root(repo)
         self.tools = Path(tools).resolve()
@@ -2854,6 +2938,12 @@ class Daemon:
             rl.ClickHouse(ship_to)  # the URL's form is checked now, not once per run
         self.host, self.port = host, port
         self.loopback = is_loopback(host)
+        self.allow_hosts = [h.strip().lower().rstrip(".") for h in allow_hosts]
+        bad = [h for h in self.allow_hosts if not re.fullmatch(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)*", h)]
+        if bad:
+            raise rl.UsageError(f"--allow-host {rl.printable(bad[0])}: not a host name")
+        self.allowed_hosts = set(self.allow_hosts) | {host.strip("[]").lower()} | (
+            {"localhost", "127.0.0.1", "::1"} if self.loopback else set())
         if not self.loopback and not secrets:
             raise rl.UsageError(f"refusing to listen on {rl.printable(host)}, which is not a loopback address, "
                                 f"without a webhook secret: set WEBHOOK_SECRET or WEBHOOK_SECRET_FILE")
@@ -2919,7 +3009,8 @@ class Daemon:
             "read_token": bool(self.read_token), "token_required": self.token_required, "max_body": self.max_body,
             "queue": self.max_queue, "max_connections": self.max_connections, "backlog": LISTEN_BACKLOG,
             "request_timeout_s": self.request_timeout, "grace_s": self.grace_s, "kill_after_s": self.kill_after_s,
-            "fetch": self.fetch, "agent_version": __version__, "python": sys.version.split()[0]})
+            "fetch": self.fetch, "allow_hosts": self.allow_hosts, "agent_version": __version__,
+            "python": sys.version.split()[0]})
         self._recover()
         self.worker = threading.Thread(target=self._work, name="worker", daemon=True)
         self.worker.start()
@@ -2984,6 +3075,31 @@ class Daemon:
     def redact(self, text):
         return self.redactor.text(text)
 
+    def check_host(self, headers):
+        """DNS rebinding: a page of another site, its name pointed at this address, reaches the daemon as
+        that site. Only a Host naming the listening address (or --allow-host) is answered, and a browser's
+        Origin must name one of them too. A client that sends no Host is not a browser. Raises Refused."""
+        host = headers.get("Host")
+        if host is not None and not self._names_us(host):
+            raise Refused(421, "bad_host", "the Host header does not name this daemon (see --allow-host)")
+        origin = headers.get("Origin")
+        if origin is not None and not (origin.lower().startswith(("http://", "https://")) and
+                                       self._names_us(origin.split("://", 1)[1].split("/", 1)[0])):
+            raise Refused(403, "bad_origin", "requests from this Origin are refused")
+
+    def _names_us(self, value):
+        match = _HOST_RE.match(value.strip().lower())
+        if not match:
+            return False
+        name = (match.group(1) or match.group(2)).rstrip(".")
+        if name in self.allowed_hosts:
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return self.host in ("0.0.0.0", "::", "")  # listening on every address: an address literal is no rebinding
+
     def connection_refused(self, remote):
         """A connection over the cap: counted, and recorded at most once every few seconds."""
         self._refused += 1
@@ -3017,7 +3133,7 @@ class Daemon:
                 received["after"] = after
             self.record("webhook_received", received)
             self.deliveries[found.delivery] = run_id
-            if found.source == "github" and run_id:
+            if found.source == "github":  # a ping's body too: the event name is not signed either
                 self.bodies[digest] = (found.delivery, run_id)
             if run_id:
                 self.queue.append({"run_id": run_id, "delivery": found.delivery, "event": event, "after": after})
@@ -3026,10 +3142,10 @@ class Daemon:
 
     def _known(self, found, event, remote, digest):
         """The answer for a redelivery or a full queue, recorded; None for a delivery to accept. Holds cond.
-        GitHub signs the body but not the delivery id, so a signed body seen before is the same delivery
-        whatever id it now claims: a captured request cannot be replayed into new runs."""
+        GitHub signs the body but not the delivery id or the event, so a signed body seen before (a ping's
+        too) is the same delivery whatever id and event it now claims: a capture cannot start new runs."""
         first = None
-        if found.source == "github" and event != "ping" and digest in self.bodies:
+        if found.source == "github" and digest in self.bodies:
             first = self.bodies[digest][0]
         if found.delivery in self.deliveries or first is not None:
             original = found.delivery if found.delivery in self.deliveries else first
@@ -3183,7 +3299,7 @@ class Daemon:
             kind, payload = event["kind"], event["payload"]
             if kind == "webhook_received" and type(payload.get("delivery")) is str:
                 self.deliveries[payload["delivery"]] = payload.get("run_id")
-                if payload.get("source") == "github" and payload.get("run_id") and payload.get("body_sha256"):
+                if payload.get("source") == "github" and payload.get("body_sha256"):
                     self.bodies[payload["body_sha256"]] = (payload["delivery"], payload["run_id"])
                 if type(payload.get("run_id")) is str:
                     received[payload["run_id"]] = payload
@@ -3440,7 +3556,8 @@ def _why_it_ended(run_dir, outcome):
     if not found:
         return None
     if kind == "error":
-        return rl.printable(f"run {run_dir.name}: {found[-1].get('type')}: {found[-1].get('message')}")[:500]
+        kind = found[-1].get("type") or found[-1].get("error_type")  # an older agent.py recorded error_type only
+        return rl.printable(f"run {run_dir.name}: {kind}: {found[-1].get('message')}")[:500]
     spent = found[-1]
     return rl.printable(f"run {run_dir.name}: budget exhausted: {spent.get('limit')} "
                         f"({spent.get('used')} of {spent.get('max')})")
@@ -3505,7 +3622,8 @@ def _cmd_serve(args):
                     secrets=secrets, read_token=token, max_body=args.max_body, queue=args.queue,
                     max_connections=args.max_connections, request_timeout=args.request_timeout,
                     grace_s=args.grace_s, kill_after_s=args.kill_after_s, fetch=args.fetch,
-                    extra_secrets=[settings[2]], log=_stderr_line, ship_to=args.ship_to)
+                    extra_secrets=[settings[2]], log=_stderr_line, ship_to=args.ship_to,
+                    allow_hosts=args.allow_host or ())
     received = []
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, _frame: received.append(number))
@@ -3592,6 +3710,7 @@ def _build_parser():
     p.add_argument("--fetch", action="store_true", help="git fetch in the repository before each run")
     p.add_argument("--ship-to", metavar="URL", help="each run ships its ledger and the index to ClickHouse at URL")
     p.add_argument("--read-token", help="bearer token for /runs (prefer READ_TOKEN: arguments show in ps)")
+    p.add_argument("--allow-host", action="append", metavar="NAME", help="a Host to answer too (repeatable)")
     p.set_defaults(func=_cmd_serve)
     return parser
 
