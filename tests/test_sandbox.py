@@ -19,7 +19,8 @@ import pytest
 
 import reasoning_ledger as rl
 from conftest import KEY, ROOT, all_bytes_under, clean_env, run_script
-from test_agent import CALC, TESTS, make_repo, propose, tools_json, udiff
+from test_agent import CALC, make_repo, propose, tools_json, udiff
+from test_daemon import serve  # noqa: F401 (fixture)
 
 UNITTESTS = ("import unittest\n\nfrom calc import add, mul\n\n\nclass CalcTest(unittest.TestCase):\n"
              "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n\n"
@@ -315,3 +316,21 @@ def test_check_tools_validates_the_new_keys(tmp_path):
     good = tools_json(tmp_path / "good.json", sandbox="required", caps={"cpu_s": 60, "open_files": 256},
                       judge={"known_answers": False, "tripwires_off": ["*"]})
     assert run_script("agent.py", "check-tools", good).returncode == 0
+
+
+def test_the_daemon_hands_a_run_its_keys_through_a_pipe_not_its_environment(serve):
+    from test_daemon import github_headers, push_body
+    from test_daemon import tools_json as daemon_tools
+    peek = ("import os; data = open('/proc/%d/environ' % os.getppid(), 'rb').read(); "
+            "print('KEY-IN-RUN-ENV', b'API_KEY=' in data)")
+    tools = daemon_tools(serve.tmp / "peek-tools.json", test_code=peek, sandbox="off")  # off: it sees the host
+    daemon = serve(tools=tools)
+    body = push_body()
+    run_id = daemon.post(body, github_headers(body, delivery="keys-1")).json()["run_id"]
+    finished = daemon.finished([run_id])[run_id]
+    assert finished["outcome"] == "no_action", finished  # the run had its key: without, it is a usage error
+    events = list(rl.read_events(serve.runs / run_id / "events.jsonl"))
+    tests_run = payloads(events, "tests_run")[0]
+    output = (serve.runs / run_id / tests_run["output_artifact"]["path"]).read_text()
+    assert "KEY-IN-RUN-ENV False" in output, output
+    daemon.stop()
