@@ -314,8 +314,10 @@ def test_a_sigterm_at_any_point_after_run_started_closes_the_run_and_removes_its
     env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model", TMPDIR=tmp,
                     PAUSE_EVENT=event or "-", PAUSE_SUBSTRING=(substring or "-").format(port=port),
                     PAUSE_DIR=pause_dir)
+    # The judge's test signals the pause through PAUSE_DIR, which a box hides: this point runs unboxed.
+    tools = tools_json(tmp_path / "unboxed.json", sandbox="off") if point == "judge-testing" else agent.tools
     proc = subprocess.Popen([sys.executable, str(pauser), str(ROOT / "agent.py"), "run", "--repo", str(repo),
-                             "--runs-dir", str(agent.runs), "--tools", str(agent.tools)], env=env,
+                             "--runs-dir", str(agent.runs), "--tools", str(tools)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     _wait_for(pause_dir / "at", proc, point)
     proc.send_signal(signal.SIGTERM)
