@@ -52,7 +52,7 @@ __all__ = [
     "OutputError",
     # the command line, shared by the toolkit's scripts
     "EXIT_CODES", "EXIT_OK", "EXIT_FAILED", "EXIT_USAGE", "EXIT_CHECK", "EXIT_CHANGED", "EXIT_OUTPUT",
-    "EXIT_LOCKED", "EXIT_BUDGET", "EXIT_PROPOSAL", "error", "warn", "write_out", "printable",
+    "EXIT_LOCKED", "EXIT_BUDGET", "EXIT_PROPOSAL", "EXIT_STUCK", "error", "warn", "write_out", "printable",
     "error_text", "run_cli", "parse_cli", "parse_time", "ArgumentParser",
     # HTTP without redirects, under one deadline
     "http_open", "Deadline", "call_at", "shut",
@@ -88,6 +88,7 @@ EXIT_OUTPUT = 5    # the result could not be written to stdout (closed, full, no
 EXIT_LOCKED = 6    # agent.py: another run holds the repository's lock
 EXIT_BUDGET = 7    # agent.py: the budget ran out before an accepted proposal
 EXIT_PROPOSAL = 8  # agent.py: a proposal was accepted by the judge and written for a human to review
+EXIT_STUCK = 9     # agent.py: the model sent the same reply (or the same unusable one) max_repeats times
 EXIT_CODES = {
     EXIT_OK: "ok",
     EXIT_FAILED: "failed: integrity failure (verify, audit, ship), failed call (ask), error outcome (agent)",
@@ -98,6 +99,7 @@ EXIT_CODES = {
     EXIT_LOCKED: "another run holds the repository's lock (agent)",
     EXIT_BUDGET: "budget exhausted (agent)",
     EXIT_PROPOSAL: "proposal accepted by the judge, waiting for review (agent)",
+    EXIT_STUCK: "the model repeated itself until the run stopped it (agent)",
 }
 
 _KIND_RE = re.compile(r"[a-z][a-z0-9_.]*\Z")
