@@ -25,6 +25,7 @@ ANSWER = "The answer is 4."
 USAGE = {"prompt_tokens": 21, "completion_tokens": 6, "total_tokens": 27,
          "prompt_tokens_details": {"cached_tokens": 3}, "completion_tokens_details": {"reasoning_tokens": 2}}
 MODELS = ["fake-model", "fake-model-large"]
+CLI_MODELS = ["stand-in-model"]  # what `python tests/fake_openai.py` lists: the MODEL_ID README.md uses
 GET_SCENARIOS = ("http_401",)  # what a GET /models takes from the queue; any other stays for the next chat call
 CHARS_PER_TOKEN = 3  # the windowed server's tokenizer: denser than the client's chars/4 estimate, as code is
 # What each server says when a request does not fit: (window, prompt tokens, max_tokens) -> (message, code);
@@ -230,17 +231,17 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class FakeServer:
-    def __init__(self, host="127.0.0.1", port=0, api_key=None):
+    def __init__(self, host="127.0.0.1", port=0, api_key=None, models=MODELS):
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
         self.httpd.fake = self
         self.api_key = api_key
+        self.models = models
         self.scenarios = []
         self.requests = []
         self.gets = []             # GET requests (the /models listing), kept apart from the chat calls
         self.window = None         # (tokens, "openai" | "vllm" | "llama.cpp"): enforce a context window
         self.prompt_tokens = []    # with a window: the prompt tokens the server counted in each chat call
-        self.models = MODELS
         self.count = 0
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -288,12 +289,12 @@ def main(argv=None):
     parser.add_argument("port", nargs="?", type=int, default=0, help="the port (default: any free one)")
     args = parser.parse_args(argv)
     try:
-        server = FakeServer(port=args.port)
+        server = FakeServer(port=args.port, models=CLI_MODELS)
     except OSError as exc:
         print(f"error: cannot listen on 127.0.0.1:{args.port}: {exc.strerror}", file=sys.stderr)
         return 2
-    print(f"fake OpenAI-compatible server at {server.base_url} (any API_KEY, any MODEL_ID; Ctrl-C stops it)",
-          flush=True)
+    print(f"fake OpenAI-compatible server at {server.base_url} (any API_KEY; it lists {', '.join(CLI_MODELS)} "
+          "but answers to any MODEL_ID; Ctrl-C stops it)", flush=True)
     try:
         server.httpd.serve_forever()
     except KeyboardInterrupt:
