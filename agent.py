@@ -2314,32 +2314,20 @@ def list_runs(runs_dir):
         reported = row.get("input_tokens")
         tokens, source = ((reported + (row.get("output_tokens") or 0), "reported") if reported is not None
                           else (row["est_tokens"], "estimated") if row.get("est_tokens") else (None, None))
-        why = run_reason(rl.read_events(runs_dir / run_id / rl.EVENTS_NAME), row["outcome"]) if row else ""
         out.append({"run_id": run_id, "started": row.get("started"), "outcome": row.get("outcome"),
                     "steps": row.get("steps"), "tokens": tokens, "tokens_source": source,
-                    "verified": status[run_id], "why": why})
+                    "verified": status[run_id], "why": row.get("why")})
     return out
 
 
-def run_reason(events, outcome):
-    """Why a run ended as it did, in a few words, from its events: the budget limit hit, the reply the model
-    repeated, the error's type, the judge's reason."""
-    last = {e["kind"]: e["payload"] for e in events}
-    got = last.get(outcome if outcome in ("budget_exhausted", "stuck", "error") else "judge_verdict") or {}
-    if outcome == "no_action":
-        return "the tests pass"
-    if not got:
-        return ""
-    if outcome == "budget_exhausted":
-        return f"{got.get('limit')} ({got.get('used')} of {got.get('max')})"
-    if outcome == "stuck":
-        unusable = str(got.get("unusable") or "").split(":")[0]
-        return f"the same {'unusable ' if unusable else ''}reply {got.get('repeats')} times" + (
-            f" ({unusable})" if unusable else "")
-    if outcome == "error":
-        code = got.get("error_code")
-        return f"{got.get('type') or got.get('error_type') or 'error'}" + (f" ({code})" if code else "")
-    return f"{got.get('verdict')}: {got.get('reason')}"
+def run_reason(events):
+    """Why a run ended, in a few words, as audit.py reads its events (one reader of the agent's events): the
+    budget limit hit, the reply the model repeated, the error's type, the judge's reason."""
+    import audit
+    why = None
+    for event in events:
+        why = audit.run_event_why(event["kind"], event["payload"]) or why
+    return why or ""
 
 
 def _tokens_cell(row):
@@ -3271,7 +3259,7 @@ class Daemon:
         """Why a run ended: from its own events when it closed itself, else from how the daemon ended it."""
         if run_outcome:
             try:
-                return run_reason(rl.read_events(self.runs_dir / run_id / rl.EVENTS_NAME), run_outcome)
+                return run_reason(rl.read_events(self.runs_dir / run_id / rl.EVENTS_NAME))
             except (rl.LedgerError, OSError) as exc:
                 return f"its ledger cannot be read: {type(exc).__name__}"
         lines = tail.strip().splitlines()
@@ -3549,7 +3537,7 @@ def timeline_html(found, run_dir):
     closed = ([e["payload"] for e in found["events"] if e["kind"] == "run_closed"] or [{}])[-1]
     outcome = closed.get("outcome") or "open (not closed yet)"
     summary = "".join(f"<dt>{name}</dt><dd>{_shown(value or '-')}</dd>" for name, value in (
-        ("outcome", outcome), ("why", run_reason(found["events"], outcome)), ("proposal", closed.get("proposal")),
+        ("outcome", outcome), ("why", run_reason(found["events"])), ("proposal", closed.get("proposal")),
         ("verdict", closed.get("verdict"))))
     return _page(f"run {found['run_id']}", f"<dl class=\"summary\">{summary}</dl><p>{len(found['events'])} events"
                  f"{more}, {status}</p><table><thead><tr><th>seq</th><th>at</th><th>kind</th><th>what</th></tr>"
@@ -3610,8 +3598,7 @@ def _cmd_run(args):
     if why:
         (rl.error if outcome == "error" else rl.warn)(why)
     if outcome == "stuck":
-        rl.warn(f"run {run_id}: stuck: " + run_reason(rl.read_events(Path(args.runs_dir) / run_id / rl.EVENTS_NAME),
-                                                       outcome))
+        rl.warn(f"run {run_id}: " + run_reason(rl.read_events(Path(args.runs_dir) / run_id / rl.EVENTS_NAME)))
     if args.ship_to:  # bounded: a ClickHouse that hangs delays the run's exit by SHIP_RUN_DEADLINE_S at most
         _ship_run(rl.ClickHouse(args.ship_to, timeout=30, deadline=SHIP_RUN_DEADLINE_S), Path(args.runs_dir), run_id)
     rl.write_out(f"{run_id} {outcome} {proposal or '-'}\n")

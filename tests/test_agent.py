@@ -479,7 +479,7 @@ def test_read_only_tools_work_and_their_output_is_capped(agent, tmp_path, server
 
 def test_max_steps_ends_the_run_cleanly(agent, tmp_path):
     repo = make_repo(tmp_path / "repo")
-    replies = [action("read_file", path="calc.py", start_line=i) for i in range(1, 6)]  # not a repeat: not stuck
+    replies = [action("read_file", path="calc.py", start_line=i) for i in range(1, 6)]  # no repeat: not stuck
     proc, run_dir, events = agent(repo, replies, "--max-steps", "3")
     assert proc.returncode == rl.EXIT_BUDGET == 7 and proc.out.split()[1] == "budget_exhausted"
     (spent,) = payload(events, "budget_exhausted")

@@ -47,10 +47,10 @@ def test_runs_has_headers_and_says_why_each_run_ended(agent, tmp_path):
     assert header.split() == ["RUN", "STARTED", "OUTCOME", "STEPS", "TOKENS", "VERIFIED", "WHY"]
     assert len(rows) == 4
     why = {row.split()[2]: row.split("  ok  ", 1)[1].strip() for row in rows}
-    assert why["proposal_accepted"].startswith("accept: ")
-    assert why["budget_exhausted"] == "max_steps (1 of 1)"
-    assert why["stuck"] == "the same unusable reply 3 times (no action found)"
-    assert why["error"] == "connection_refused"
+    assert why["proposal_accepted"].startswith("judge accept: ")
+    assert why["budget_exhausted"] == "budget max_steps: 1 of 1"
+    assert why["stuck"] == "stuck: the same unusable reply 3 times (no action found)"
+    assert why["error"] == "model: connection_refused"
     assert header.index("WHY") == rows[0].index(why[rows[0].split()[2]])  # the column lines up
 
 
@@ -88,7 +88,8 @@ def test_the_daemon_says_what_it_does_and_its_pages_say_why(serve):
         body = push_body(number=delivery)
         ids.append(daemon.post(body, github_headers(body, delivery=delivery)).json()["run_id"])
         said = _read_stdout(daemon.proc, f"run {ids[-1]} no_action")
-        assert said == [f"run {ids[-1]} started: push delivery {delivery}", f"run {ids[-1]} no_action: the tests pass"]
+        assert said == [f"run {ids[-1]} started: push delivery {delivery}",
+                        f"run {ids[-1]} no_action: no action: the tests pass"]
     assert daemon.get("/", {"Accept": "text/html"}).status == 401  # the same read token as /runs
     index = daemon.get("/", bearer)
     assert index.status == 200 and index.headers["content-type"].startswith("text/html")
@@ -100,7 +101,8 @@ def test_the_daemon_says_what_it_does_and_its_pages_say_why(serve):
     timeline = daemon.get(f"/runs/{ids[0]}", bearer).body.decode()
     summary = timeline[timeline.index('<dl class="summary">'):timeline.index("<table>")]
     parts = "".join(Page(summary).text)
-    assert "outcomeno_action" in parts and "whythe tests pass" in parts and "proposal-" in parts and "verdict-" in parts
+    assert "outcomeno_action" in parts and "whyno action: the tests pass" in parts
+    assert "proposal-" in parts and "verdict-" in parts
     idle = socket.create_connection(("127.0.0.1", daemon.port))  # a browser's preconnect: nothing sent
     idle.close()
     assert daemon.get("/healthz").status == 200
@@ -123,7 +125,7 @@ def test_the_summary_and_the_index_escape_every_value(tmp_path):
                                        "truncated": False}, tmp_path)
     parsed = Page(page)
     assert "script" not in parsed.tags and "b" not in parsed.tags
-    assert "reject: <script>alert(1)</script> changed" in "".join(parsed.text)
+    assert "judge reject: <script>alert(1)</script> changed" in "".join(parsed.text)
     rows = [{"run_id": "<i>r</i>", "started": None, "outcome": "error", "why": "<img src=x onerror=alert(1)>",
              "steps": 1, "tokens": None, "tokens_source": None, "verified": "ok"}]
     parsed = Page(agent_module.index_html(rows))
