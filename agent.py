@@ -2242,8 +2242,8 @@ def replay_run(run_dir, tools=None):
         raise rl.UsageError(f"{run_dir}: no run_started event: not an agent run")
     recorded_policy = policy_from_text(_artifact_text(run_dir, started["tools_artifact"]), "the run's tools.json")
     policy = load_policy(tools) if tools else recorded_policy
-    if tools is None:
-        policy.budget = dict(started["budget"])
+    if tools is None:  # a run recorded before max_repeats existed was never stopped for repeating itself
+        policy.budget = {**DEFAULT_BUDGET, "max_repeats": float("inf"), **started["budget"]}
     world = ReplayWorld(run_dir, events)
     try:
         drive(world, policy, [{"role": "system", "content": ""}, {"role": "user", "content": ""}])

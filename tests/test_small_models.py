@@ -101,3 +101,21 @@ def test_identical_actions_are_stopped_too_and_max_repeats_is_a_budget_key(agent
     assert checked.returncode == 2
     assert "budget.max_repeats: must be an integer greater than 2" in checked.err
     assert "budget.context_tokens: must be an integer greater than 255" in checked.err
+
+
+def test_a_run_recorded_before_max_repeats_existed_replays_identically(agent, tmp_path):
+    import json
+
+    from conftest import chain
+    repo = make_repo(tmp_path / "repo")
+    patient = tools_json(tmp_path / "patient.json", budget={"max_repeats": 9})
+    proc, run_dir, events = agent(repo, ["I am thinking..."] * 4, "--max-steps", "4", tools_file=patient)
+    assert proc.returncode == rl.EXIT_BUDGET, proc.err
+    ledger = run_dir / "events.jsonl"
+    bodies = [json.loads(line) for line in ledger.read_bytes().splitlines()]
+    for body in bodies:  # as an older agent.py recorded it: no max_repeats, no context_tokens
+        if body["kind"] == "run_started":
+            for key in ("max_repeats", "context_tokens"):
+                del body["payload"]["budget"][key]
+    ledger.write_bytes(chain([dict(b, prev=None) for b in bodies]))
+    _replays(run_dir)
