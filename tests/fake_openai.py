@@ -26,7 +26,8 @@ USAGE = {"prompt_tokens": 21, "completion_tokens": 6, "total_tokens": 27,
          "prompt_tokens_details": {"cached_tokens": 3}, "completion_tokens_details": {"reasoning_tokens": 2}}
 MODELS = ["fake-model", "fake-model-large"]
 CLI_MODELS = ["stand-in-model"]  # what `python tests/fake_openai.py` lists: the MODEL_ID README.md uses
-GET_SCENARIOS = ("http_401",)  # what a GET /models takes from the queue; any other stays for the next chat call
+GET_SCENARIOS = ("http_401",)  # a GET /models takes these, a bare "ok" or one with "models" from the queue;
+# any other scenario (an "ok" with its answer, say) stays for the next chat call
 CHARS_PER_TOKEN = 3  # the windowed server's tokenizer: denser than the client's chars/4 estimate, as code is
 # What each server says when a request does not fit: (window, prompt tokens, max_tokens) -> (message, code);
 # llama.cpp's error type is exceed_context_size_error, the others' invalid_request_error.
@@ -261,8 +262,9 @@ class FakeServer:
         get = handler.command == "GET"
         with self.lock:
             self.count += 1
-            mine = self.scenarios and (not get or self.scenarios[0].get("name") in GET_SCENARIOS
-                                       or "models" in self.scenarios[0])
+            head = self.scenarios[0] if self.scenarios else {}
+            mine = bool(head) and (not get or head.get("name") in GET_SCENARIOS or "models" in head
+                                   or head == {"name": "ok"})
             scenario = self.scenarios.pop(0) if mine else {"name": "ok"}
             request = {"method": handler.command, "path": handler.path, "headers": dict(handler.headers),
                        "body": body, "scenario": scenario.get("name")}
