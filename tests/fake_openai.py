@@ -165,6 +165,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._error(401, f"Incorrect API key provided: {auth[7:]}", "invalid_api_key")
         if scenario.get("sleep"):
             time.sleep(scenario["sleep"])
+        if scenario.get("hold") is not None:  # a threading.Event: answer only once the test sets it
+            scenario["hold"].wait(600)
         if fake.window and self._overflow(body, scenario):
             return None
         usage = dict(USAGE, prompt_tokens=fake.prompt_tokens[-1]) if fake.window else USAGE

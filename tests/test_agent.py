@@ -7,6 +7,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -258,9 +259,7 @@ def test_an_env_file_that_is_a_named_pipe_does_not_hang_the_run(agent, tmp_path)
 # The judge
 # ----------------------------------------------------------------------------
 
-CONFTEST = udiff("conftest.py", "", "import pytest\n\n\n@pytest.hookimpl(hookwrapper=True)\n"
-                 "def pytest_runtest_makereport(item, call):\n    outcome = yield\n"
-                 "    outcome.get_result().outcome = 'passed'\n").replace("--- a/conftest.py", "--- /dev/null")
+CONFTEST = udiff("conftest.py", "", "collect_ignore = ['test_calc.py']\n").replace("--- a/conftest.py", "--- /dev/null")
 TIMESTAMPED = WEAKEN.replace("--- a/test_calc.py", "--- a/test_calc.py\t2026-11-30 01:02:03.000000000 +0000").replace(
     "+++ b/test_calc.py", "+++ b/test_calc.py\t2026-11-30 01:02:04.000000000 +0000")
 
@@ -276,7 +275,7 @@ TIMESTAMPED = WEAKEN.replace("--- a/test_calc.py", "--- a/test_calc.py\t2026-11-
      "changes test files or test configuration (.pytest.ini)"),
     ("diff --git a/test_calc.py b/docs/old.txt\nsimilarity index 100%\nrename from test_calc.py\n"
      "rename to docs/old.txt\n", "changes test files or test configuration (test_calc.py)"),
-    (udiff("pytest.py", "", "import sys\nsys.exit(0)\n").replace("--- a/pytest.py", "--- /dev/null"),
+    (udiff("pytest.py", "", "passed = True\n").replace("--- a/pytest.py", "--- /dev/null"),
      "the patch adds pytest.py, named like a module Python can already import"),
 ], ids=["delete", "weaken", "timestamped-header", "root-conftest", "pytest-ini", "dot-pytest-ini", "renamed-away",
         "shadows-pytest"])
@@ -302,7 +301,8 @@ def test_the_judge_catches_vanished_tests_even_when_test_changes_are_allowed(age
 def test_a_patch_that_stops_the_test_runner_is_rejected_even_though_pytest_exits_0(agent, tmp_path):
     repo = make_repo(tmp_path / "repo")
     cheat = udiff("calc.py", CALC, "import os, sys\nif 'pytest' in sys.modules:\n    os._exit(0)\n" + CALC)
-    proc, run_dir, events = agent(repo, [propose(cheat)])
+    tools = tools_json(tmp_path / "no-checks.json", judge={"tripwires_off": ["*"], "known_answers": False})
+    proc, run_dir, events = agent(repo, [propose(cheat)], tools_file=tools)  # the exit-code path alone
     verdict = payload(events, "judge_verdict")[0]
     assert proc.returncode == 3 and verdict["verdict"] == "reject", verdict
     assert verdict["results_missing"] is True and "stops or bypasses the test runner" in verdict["reason"]
@@ -419,7 +419,10 @@ DENIALS = [
 @pytest.mark.parametrize("reply,kind,rule", DENIALS, ids=[f"{i}-{d[2] or d[1]}" for i, d in enumerate(DENIALS)])
 def test_denied_actions_name_their_rule_and_the_run_goes_on(agent, tmp_path, server, reply, kind, rule):
     repo = make_repo(tmp_path / "repo", extra={"sub/.env.local": "X=1\n"})
-    os.symlink("/etc", repo / "escape")
+    outside = tmp_path / "outside"  # not /etc: boxed, root has no capabilities and /etc has root-only dirs
+    outside.mkdir()
+    (outside / "passwd").write_text("root:x:0:0\n")
+    os.symlink(outside, repo / "escape")
     os.symlink(".env", repo / "link_to_env")
     (repo / ".env").write_text(f"SECRET_TOKEN={ENV_SECRET}\n")
     proc, run_dir, events = agent(repo, [reply, propose(FIX)])
@@ -515,17 +518,22 @@ def test_call_and_token_budgets(agent, tmp_path, budget, limit, scenario, source
     _replays(run_dir)
 
 
-def test_max_wall_s_holds_while_a_slow_model_is_answering(agent, tmp_path):
+def test_max_wall_s_holds_while_a_slow_model_is_answering(agent, tmp_path, server):
     repo = make_repo(tmp_path / "repo")
-    started = time.monotonic()
-    proc, run_dir, events = agent(repo, [{"name": "sleepy", "sleep": 30, "answer": propose(FIX)}],
-                                  "--max-wall-s", "3")
-    assert time.monotonic() - started < 20  # the model would have answered after 30 s
+    held = threading.Event()  # the model answers only once the run is over: the wall budget must end it
+    try:
+        proc, run_dir, events = agent(repo, [{"name": "sleepy", "hold": held, "answer": propose(FIX)}],
+                                      "--max-wall-s", "12")  # room for the probe and the boxed baseline run
+    finally:
+        held.set()
     assert proc.returncode == 7, proc.err
     (spent,) = payload(events, "budget_exhausted")
-    assert spent["limit"] == "max_wall_s" and spent["during"] == "model call"
-    (call,) = payload(events, "model_call")
-    assert call["error_type"] == "timeout"
+    assert spent["limit"] == "max_wall_s"
+    calls = payload(events, "model_call")
+    if server.requests:  # the usual case: the budget ran out while the model was answering
+        assert spent["during"] == "model call" and [c["error_type"] for c in calls] == ["timeout"]
+    else:  # a machine so loaded that the baseline tests spent it: the record must say so, not "model call"
+        assert spent.get("during") != "model call" and calls == []
     _verifies(agent.runs)
 
 
@@ -584,16 +592,20 @@ def test_a_context_too_long_answer_shrinks_the_context_once_and_retries(agent, t
 
 def test_sigterm_closes_the_run_as_an_error_with_a_traceback(agent, tmp_path, server):
     repo = make_repo(tmp_path / "repo")
-    server.queue({"name": "sleepy", "sleep": 20, "answer": propose(FIX)})
+    held = threading.Event()  # the model never answers before the signal
+    server.queue({"name": "sleepy", "hold": held, "answer": propose(FIX)})
     env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model")
     proc = subprocess.Popen([sys.executable, str(ROOT / "agent.py"), "run", "--repo", str(repo), "--runs-dir",
                              str(agent.runs), "--tools", str(agent.tools)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 240  # a hang guard
     while time.monotonic() < deadline and not server.requests:
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        held.set()
     assert proc.returncode == 1, err
     run_dir = agent.runs / out.decode().split()[0]
     events = list(rl.read_events(run_dir / "events.jsonl"))
@@ -611,15 +623,20 @@ def test_sigterm_closes_the_run_as_an_error_with_a_traceback(agent, tmp_path, se
 def test_a_second_run_on_the_same_repo_exits_with_the_lock_code(agent, tmp_path, server):
     repo = make_repo(tmp_path / "repo")
     other = make_repo(tmp_path / "other")
-    server.queue({"name": "sleepy", "sleep": 4, "answer": propose(FIX)})
+    held = threading.Event()  # the first run holds its lock, waiting for the model, until the second has run
+    server.queue({"name": "sleepy", "hold": held, "answer": propose(FIX)})
     env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model")
     first = subprocess.Popen([sys.executable, str(ROOT / "agent.py"), "run", "--repo", str(repo), "--runs-dir",
                               str(agent.runs), "--tools", str(agent.tools)], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 240  # a hang guard
     while time.monotonic() < deadline and not server.requests:
         time.sleep(0.05)
-    second = run_script("agent.py", "run", "--repo", repo, "--runs-dir", agent.runs, "--tools", agent.tools, env=env)
+    try:
+        second = run_script("agent.py", "run", "--repo", repo, "--runs-dir", agent.runs, "--tools", agent.tools,
+                            env=env)
+    finally:
+        held.set()
     assert second.returncode == rl.EXIT_LOCKED == 6 and second.out == ""
     (line,) = error_lines(second.err)
     assert "another run holds the lock" in line and str(repo.resolve()) in line
