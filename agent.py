@@ -5,15 +5,16 @@ patch goes to a file for a human: nothing is ever applied to your repository. St
 Usage:
   python agent.py run --repo DIR [--ref REV] [--runs-dir DIR] [--tools FILE] [--max-steps N] [--max-wall-s S]
                      [--ship-to URL]                    # URL: ClickHouse, to ship the closed run to
-  python agent.py runs [--runs-dir DIR]                  # one line per run: id, started, outcome, steps, tokens
+  python agent.py runs [--runs-dir DIR]                  # a table of runs: id, started, outcome, ..., why
   python agent.py replay RUN_DIR [--tools OTHER.json]    # the same decisions again from the record, offline
   python agent.py check-tools [FILE]                     # validate an allowlist (exit 0 valid, 2 not)
   python agent.py judge RUN_DIR                          # the judge, as the host runs it: a separate process
   python agent.py serve --repo DIR [--host H] [--port P] # the webhook daemon (see README.md)
 
 Settings: BASE_URL, API_KEY, MODEL_ID, as for ask.py. Exit codes of `run`: 0 no action needed, 8 a proposal
-waits for review, 3 the judge rejected the proposal, 7 budget exhausted, 1 error (the run is closed and
-recorded), 6 another run holds the repository's lock, 2 usage or configuration error (no run).
+waits for review, 3 the judge rejected the proposal, 7 budget exhausted, 9 stuck (the model sent the same reply,
+or the same unusable one, max_repeats times in a row), 1 error (the run is closed and recorded), 6 another run
+holds the repository's lock, 2 usage or configuration error (no run).
 """
 
 import sys
@@ -79,7 +80,9 @@ HARD_DENY = (".git/",)  # denied whatever a tools.json says
 DEFAULT_DENY = (".git/", ".env*", "*.pem", "*.key", "id_*", "*.p12", "*.pfx", "*.keystore", "*.jks", ".ssh/",
                 ".aws/", ".gnupg/", ".netrc", ".npmrc", ".pypirc", "*secret*", "*credential*", "*.kdbx")
 DEFAULT_BUDGET = {"max_steps": 24, "max_model_calls": 40, "max_total_tokens": 300000, "max_wall_s": 900,
-                  "max_tokens_per_call": 2048, "call_timeout_s": 180, "max_context_chars": 60000}
+                  "max_tokens_per_call": 2048, "call_timeout_s": 180, "max_context_chars": 60000,
+                  "context_tokens": None, "max_repeats": 3}
+BUDGET_MINIMUM = {"context_tokens": 255, "max_repeats": 2}  # greater than this (else 0); 3 repeats: 1 notice
 DEFAULT_CAPS = {"output_bytes": 16384, "timeout_s": 60, "cpu_s": 900, "address_space_bytes": 8 << 30,
                 "file_size_bytes": 1 << 30, "open_files": 4096, "processes": 4096}
 SANDBOX_MODES = ("auto", "required", "off")
@@ -102,10 +105,10 @@ CALL_RETRIES = 2
 GIT_ENV = {"GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1", "LC_ALL": "C"}
 OUTCOME_EXIT = {"no_action": rl.EXIT_OK, "proposal_accepted": rl.EXIT_PROPOSAL,
                 "proposal_rejected_by_judge": rl.EXIT_CHECK, "budget_exhausted": rl.EXIT_BUDGET,
-                "error": rl.EXIT_FAILED}
+                "stuck": rl.EXIT_STUCK, "error": rl.EXIT_FAILED}
 # The host's decisions, as replay compares them (tool results and model calls are inputs, not decisions).
 DECISION_KINDS = ("model_proposed", "proposal_malformed", "tool_allowed", "tool_denied", "patch_rejected",
-                  "decision", "budget_exhausted")
+                  "decision", "budget_exhausted", "stuck")
 
 
 # ----------------------------------------------------------------------------
@@ -299,8 +302,8 @@ def _problems(data):
                         problems.append(f"paths.{key}: {glob!r} is not a glob of repository paths")
     if "budget" in data and check_keys("budget", data["budget"], tuple(DEFAULT_BUDGET)):
         for key, value in data["budget"].items():
-            if key in DEFAULT_BUDGET:
-                number(f"budget.{key}", value, integer=key not in ("max_wall_s", "call_timeout_s"))
+            if key in DEFAULT_BUDGET and not (key == "context_tokens" and value is None):  # null: learned
+                number(f"budget.{key}", value, BUDGET_MINIMUM.get(key, 0), key not in ("max_wall_s", "call_timeout_s"))
     if "caps" in data and check_keys("caps", data["caps"], tuple(DEFAULT_CAPS)):
         if "output_bytes" in data["caps"]:
             number("caps.output_bytes", data["caps"]["output_bytes"], minimum=255, integer=True)
@@ -1651,11 +1654,11 @@ def _excerpt(text, limit=EXCERPT_BYTES):
 
 def _fit(messages, limit):
     """Keep the conversation within `limit` characters: old tool outputs are shortened first, then the oldest
-    exchanges dropped. Returns what changed, or None."""
+    exchanges dropped, then the longest messages left cut in their middle. Returns what changed, or None."""
     size = sum(len(m["content"]) for m in messages)
     if size <= limit:
         return None
-    before, shortened, dropped = size, 0, 0
+    before, shortened, dropped, cut_short = size, 0, 0, 0
     for message in messages[2:-2]:
         if size <= limit:
             break
@@ -1668,8 +1671,78 @@ def _fit(messages, limit):
         removed = messages.pop(2)["content"], messages.pop(2)["content"]
         size -= sum(map(len, removed))
         dropped += 1
-    return {"before_chars": before, "after_chars": sum(len(m["content"]) for m in messages),
-            "outputs_shortened": shortened, "exchanges_dropped": dropped}
+    for message in sorted(messages, key=lambda m: (m["role"] == "system", -len(m["content"]))):
+        excess, text = size - limit, message["content"]
+        if excess <= 0 or len(text) <= 400:
+            continue
+        keep = max(300, len(text) - excess - 80)  # the head says what it is; the tail of an output matters most
+        message["content"] = (text[:keep // 3] + f"\n[... {len(text) - keep:,} characters cut to fit the model's "
+                              f"context ...]\n" + text[len(text) - (keep - keep // 3):])
+        size += len(message["content"]) - len(text)
+        cut_short += 1
+    after = sum(len(m["content"]) for m in messages)
+    if after >= before:
+        return None  # nothing could be cut: no record that says otherwise
+    return {"before_chars": before, "after_chars": after, "outputs_shortened": shortened,
+            "exchanges_dropped": dropped, "messages_cut": cut_short}
+
+
+_WINDOW_RE = re.compile(r"maximum context length is ([0-9]+)|available context size \(([0-9]+)|n_ctx\D{1,4}([0-9]+)")
+_PROMPT_RE = re.compile(r"\(([0-9]+) in the messages|request has ([0-9]+) input tokens|messages resulted in ([0-9]+) "
+                        r"tokens|request \(([0-9]+) tokens\)|n_prompt_tokens\D{1,4}([0-9]+)")
+MAX_TOKEN_RATIO = 8.0  # server tokens per chars/4 estimate believed at most (CJK text is near 4)
+
+
+def overflow_sizes(message):
+    """(window, prompt tokens) a context_length_exceeded answer states, each None when it does not: the
+    wordings of OpenAI, vLLM and llama.cpp."""
+    found = []
+    for regex in (_WINDOW_RE, _PROMPT_RE):
+        match = regex.search(message or "")
+        found.append(int(next(g for g in match.groups() if g)) if match else None)
+    return tuple(found)
+
+
+class ContextPlan:
+    """What fits the model's window: the window in tokens (tools.json's context_tokens, the /models metadata
+    or what an overflow answer said, whichever is smallest), and the ratio of the server's token counts to
+    the chars/4 estimate, learned from the prompt_tokens it reports (1.2 until then: code tokenizes densely)."""
+    MARGIN = 0.10           # of the window, kept free for the estimate's error
+    PER_MESSAGE = 16        # tokens of chat template around each message
+
+    def __init__(self, window=None):
+        self.window, self.ratio, self.learned = None, 1.2, False
+        self.know(window)
+
+    def know(self, window):
+        if type(window) is int and window > 0:
+            self.window = min(self.window or window, window)
+
+    def learn(self, reported, estimated):
+        if reported and estimated:
+            ratio = min(MAX_TOKEN_RATIO, max(0.5, reported / estimated))
+            self.ratio = max(self.ratio, ratio) if self.learned else ratio
+            self.learned = True
+
+    def tokens(self, messages):
+        chars = sum(len(m["content"]) for m in messages)
+        return int(ask.estimate_tokens(chars) * self.ratio * 1.1) + self.PER_MESSAGE * len(messages)
+
+    def chars(self, limits, count):
+        """The most characters `count` messages may hold and still leave a reply room of a quarter of the
+        window (at most max_tokens_per_call)."""
+        if not self.window:
+            return limits["max_context_chars"]
+        room = min(limits["max_tokens_per_call"], max(128, self.window // 4))
+        prompt = self.window - int(self.window * self.MARGIN) - room - self.PER_MESSAGE * count
+        return max(0, min(limits["max_context_chars"], int(prompt * 4 / (self.ratio * 1.1))))
+
+    def max_tokens(self, limits, messages):
+        """The per-call cap, cut to what the window leaves after the messages."""
+        if not self.window:
+            return limits["max_tokens_per_call"]
+        free = self.window - int(self.window * self.MARGIN) - self.tokens(messages)
+        return max(16, min(limits["max_tokens_per_call"], free))
 
 
 def drive(world, policy, messages):
@@ -1679,6 +1752,7 @@ def drive(world, policy, messages):
     Returns (outcome, patch check of the accepted proposal or None)."""
     budget = Budget(policy.budget)
     limits = dict(policy.budget)
+    last, repeats = None, 0
     while True:
         elapsed = world.elapsed()
         spent = budget.exhausted(elapsed)
@@ -1689,9 +1763,7 @@ def drive(world, policy, messages):
         checked = budget.snapshot(elapsed)
         budget.steps += 1
         step = budget.steps
-        trimmed = _fit(messages, limits["max_context_chars"])
-        if trimmed:
-            world.record("context_trimmed", dict(trimmed, step=step))
+        world.fit(step, messages, limits)
         try:
             text, call = world.ask(step, messages, budget, limits)
         finally:
@@ -1700,7 +1772,25 @@ def drive(world, policy, messages):
         messages.append({"role": "assistant", "content": text})
         if isinstance(feedback, dict):
             return "proposal", feedback
+        key = _repeat_key(text)
+        repeats, last = (repeats + 1 if key == last else 1), key
+        if repeats >= limits["max_repeats"]:
+            world.record("stuck", {"step": step, "repeats": repeats, "unusable": key[1], "budget": checked})
+            return "stuck", None
+        if repeats == limits["max_repeats"] - 1:
+            feedback += (f"\nYou have sent the same {'unusable ' if key[1] else ''}reply {repeats} times in a row. "
+                         f"If the next one is the same again, the host ends the run: answer differently.")
         messages.append({"role": "user", "content": feedback + "\n" + _budget_line(budget.left(world.elapsed()))})
+
+
+def _repeat_key(text):
+    """(digest, None) of a reply the host could read, ("", reason) of one it could not: replies with the same
+    key are the same reply, or the same unusable one."""
+    try:
+        parse_reply(text)
+    except Malformed as bad:
+        return "", bad.reason
+    return hashlib.sha256(text.strip().encode("utf-8", "surrogatepass")).hexdigest(), None
 
 
 def _step(world, policy, step, text, call, checked, budget):
@@ -1760,10 +1850,28 @@ class LiveWorld:
     def __init__(self, run, workspace, settings, started):
         self.run, self.ws, self.settings, self.started = run, workspace, settings, started
         self.last_call = {"attempts": 0, "tokens": 0, "tokens_source": "estimated"}
-        self.context_shrunk = False
+        self.plan, self.shrunk_at = ContextPlan(workspace.policy.budget.get("context_tokens")), None
 
     def elapsed(self):
         return time.monotonic() - self.started
+
+    def fit(self, step, messages, limits):
+        trimmed = _fit(messages, self.plan.chars(limits, len(messages)))
+        if trimmed:
+            self.record("context_trimmed", dict(trimmed, step=step))
+
+    def _shrink(self, step, messages, limits, record, sent):
+        """After an overflow answer: know the window it states (or take half of what was sent as the window)
+        and the token ratio, then cut the messages and max_tokens until the request fits."""
+        window, prompt = overflow_sizes(record["error_message"])
+        self.plan.learn(prompt, record["est_input_tokens"])
+        before = sum(len(m["content"]) for m in messages)
+        self.plan.know(window or (self.plan.tokens(messages) + sent) // 2)
+        trimmed = _fit(messages, self.plan.chars(limits, len(messages))) or {}
+        self.record("context_shrunk", dict(
+            trimmed, step=step, error_code=record["error_code"], stated_window=window, stated_prompt_tokens=prompt,
+            window_tokens=self.plan.window, before_chars=before, after_chars=sum(len(m["content"]) for m in messages),
+            before_max_tokens=sent, after_max_tokens=self.plan.max_tokens(limits, messages)))
 
     def record(self, kind, payload):
         return self.run.append(kind, payload)
@@ -1787,8 +1895,9 @@ class LiveWorld:
                     "budget": budget.snapshot(self.elapsed()),
                     "during": "model call" if attempt else "before model call"})
             timeout = min(limits["call_timeout_s"], wall_left)
+            max_tokens = self.plan.max_tokens(limits, messages)
             record = ask.chat(messages, ledger=self.run, base_url=base_url, model=model, api_key=api_key,
-                              max_tokens=limits["max_tokens_per_call"], timeout=timeout, retries=0,
+                              max_tokens=max_tokens, timeout=timeout, retries=0,
                               max_response_bytes=ask.DEFAULT_MAX_RESPONSE_BYTES)
             call["attempts"] += record["attempt"]
             call["latency_ms"] = round(call["latency_ms"] + (record["latency_ms"] or 0), 1)
@@ -1798,15 +1907,13 @@ class LiveWorld:
             call["tokens_source"] = "reported" if sources == {"reported"} else (
                 "estimated" if sources == {"estimated"} else "mixed")
             if not record["error_type"]:
+                self.plan.learn(record["input_tokens"], record["est_input_tokens"])
                 call["reply_sha256"] = hashlib.sha256(record["text"].encode("utf-8", "surrogatepass")).hexdigest()
                 call["reply_artifact"] = self.run.store_artifact(record["text"])
                 return record["text"], dict(call)
-            if _context_too_long(record) and not self.context_shrunk:
-                self.context_shrunk = True
-                limits["max_context_chars"] = max(2000, limits["max_context_chars"] // 2)
-                trimmed = _fit(messages, limits["max_context_chars"]) or {}
-                self.run.append("context_shrunk", dict(trimmed, step=step, max_context_chars=limits["max_context_chars"],
-                                                       error_code=record["error_code"]))
+            if _context_too_long(record) and self.shrunk_at != step:  # a second one for this step is an error
+                self.shrunk_at = step
+                self._shrink(step, messages, limits, record, max_tokens)
                 continue
             if record["error_type"] == "timeout" and self.elapsed() >= limits["max_wall_s"] - 1:
                 raise _Stop("budget_exhausted", "budget_exhausted", {
@@ -1854,7 +1961,8 @@ def _context_too_long(record):
     if record["error_code"] in ("context_length_exceeded", "string_above_max_length", "context_window_exceeded"):
         return True
     return record["http_status"] in (400, 413, 422) and bool(re.search(
-        r"context.?length|maximum context|context window|too many tokens|prompt is too long|reduce the length",
+        r"context.?length|maximum context|context window|context size|too many tokens|prompt is too long|"
+        r"reduce the length",
         record["error_message"] or "", re.I))
 
 
@@ -2116,8 +2224,12 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
     baseline = _tests(run, workspace, "tests_run", scratch)
     broken = _test_command_broken(policy.test_command, baseline)
     if broken:
-        raise TestCommandError(f"the test command {' '.join(policy.test_command)!r} cannot run: {broken}; fix "
-                               f"test_command in {policy.source}")
+        import shutil  # only on this path: which program PATH gave (cron's PATH often finds another python3)
+        path = _child_env().get("PATH", os.defpath)
+        ran = shutil.which(policy.test_command[0], path=path) or "not found"
+        raise TestCommandError(f"the test command {' '.join(policy.test_command)!r} cannot run: {broken}; "
+                               f"{policy.test_command[0]} is {ran} on PATH={path}: fix test_command in "
+                               f"{policy.source} (or PATH)")
     if baseline["passed"]:
         run.decide("triage", "no action", "the tests pass", ["look for other work"])
         return "no_action", None
@@ -2127,6 +2239,8 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
                 {"role": "user", "content": run.ledger.redactor.text(first_prompt(
                     baseline["output"], diff, Budget(policy.budget).left(0.0)))}]
     world = LiveWorld(run, workspace, settings, started)
+    if policy.budget["context_tokens"] is None:
+        world.plan.know(_listed_window(run, settings, policy.budget["call_timeout_s"]))
     try:
         outcome, check = drive(world, policy, messages)
     except _Stop as stop:
@@ -2140,6 +2254,14 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
         handle.write(check["proposal"])
     verdict = _judge_in_child(run, policy, scratch, box)
     return ("proposal_accepted" if verdict == "accept" else "proposal_rejected_by_judge"), path
+
+
+def _listed_window(run, settings, timeout):
+    """The pinned model's context window as the endpoint's /models lists it, or None; the listing goes into
+    the run's ledger as a models_list event."""
+    base_url, model, api_key = settings
+    listed = ask.list_models(ledger=run, base_url=base_url, api_key=api_key, timeout=min(30, timeout))
+    return (listed.get("context_tokens") or {}).get(model)
 
 
 def _exact_artifact(run, text, what):
@@ -2735,6 +2857,9 @@ class ReplayWorld:
             return norm  # not resolved in the recorded run: taken at its word
         return resolve
 
+    def fit(self, step, messages, limits):
+        pass  # the recorded replies were what the model answered, whatever the messages held
+
     def ask(self, step, messages, budget, limits):
         if step > len(self.replies):
             raise _ReplayEnd()
@@ -2789,8 +2914,8 @@ def replay_run(run_dir, tools=None):
         raise rl.UsageError(f"{run_dir}: no run_started event: not an agent run")
     recorded_policy = policy_from_text(_artifact_text(run_dir, started["tools_artifact"]), "the run's tools.json")
     policy = load_policy(tools) if tools else recorded_policy
-    if tools is None:
-        policy.budget = dict(started["budget"])
+    if tools is None:  # a run recorded before max_repeats existed was never stopped for repeating itself
+        policy.budget = {**DEFAULT_BUDGET, "max_repeats": float("inf"), **started["budget"]}
     world = ReplayWorld(run_dir, events)
     try:
         drive(world, policy, [{"role": "system", "content": ""}, {"role": "user", "content": ""}])
@@ -2863,8 +2988,19 @@ def list_runs(runs_dir):
                           else (row["est_tokens"], "estimated") if row.get("est_tokens") else (None, None))
         out.append({"run_id": run_id, "started": row.get("started"), "outcome": row.get("outcome"),
                     "steps": row.get("steps"), "tokens": tokens, "tokens_source": source,
-                    "verified": status[run_id], "unboxed": _unboxed(runs_dir / run_id) is not None})
+                    "verified": status[run_id], "why": row.get("why"),
+                    "unboxed": _unboxed(runs_dir / run_id) is not None})
     return out
+
+
+def run_reason(events):
+    """Why a run ended, in a few words, as audit.py reads its events (one reader of the agent's events): the
+    budget limit hit, the reply the model repeated, the error's type, the judge's reason."""
+    import audit
+    why = None
+    for event in events:
+        why = audit.run_event_why(event["kind"], event["payload"]) or why
+    return why or ""
 
 
 def _tokens_cell(row):
@@ -3276,6 +3412,8 @@ class _Handler(BaseHTTPRequestHandler):
             super().finish()
         except OSError:
             pass
+        if not getattr(self, "raw_requestline", b""):
+            return  # nothing was sent (a browser's idle preconnect): no request to log; a timeout is an event
         status, size = self.sent or ("-", 0)
         elapsed = (time.monotonic() - self.started) * 1000
         self.app.log(f"{self.client_address[0]} {rl.printable(self.command or '-')} {self.route} {status} {size} "
@@ -3314,7 +3452,7 @@ class _Handler(BaseHTTPRequestHandler):
                 if self.command != "POST":
                     raise Refused(405, None, "use POST", {"Allow": "POST"})
                 self._webhook()
-            elif path in ("/healthz", "/runs") or path.startswith("/runs/"):
+            elif path in ("/", "/healthz", "/runs") or path.startswith("/runs/"):
                 if self.command != "GET":
                     raise Refused(405, None, "use GET", {"Allow": "GET"})
                 self._read(path)
@@ -3392,6 +3530,8 @@ class _Handler(BaseHTTPRequestHandler):
                           {"WWW-Authenticate": 'Bearer realm="agent.py serve"'})
         if path == "/runs":
             return self._reply(200, {"runs": self.app.runs()})
+        if path == "/":
+            return self._reply(200, index_html(self.app.runs()).encode("utf-8"), "text/html; charset=utf-8")
         match = _RUN_URL_RE.match(path)  # before the file system is touched
         found = self.app.run_events(match.group(1)) if match else None
         if found is None:
@@ -3520,7 +3660,7 @@ class Daemon:
                  secrets=(), read_token=None, max_body=DEFAULT_MAX_BODY, queue=DEFAULT_QUEUE,
                  max_connections=DEFAULT_MAX_CONNECTIONS, request_timeout=DEFAULT_REQUEST_TIMEOUT_S,
                  grace_s=DEFAULT_GRACE_S, kill_after_s=None, fetch=False, extra_secrets=(), log=None, ship_to=None,
-                 allow_hosts=()):
+                 say=None, allow_hosts=()):
         _check_limits(port, max_body, queue, max_connections, request_timeout, grace_s, kill_after_s)
         self.repo = repo_root(repo)
         self.tools = Path(tools).resolve()
@@ -3552,7 +3692,8 @@ class Daemon:
             budget["max_wall_s"] + 2 * self.policy.test_timeout_s + KILL_MARGIN_S)
         self.secrets = [s for s in list(secrets) + [read_token] + list(extra_secrets) if s]
         self.redactor = rl.Redactor(rl.secret_values(self.secrets))
-        self.log = log or (lambda line: None)
+        self.log = log or (lambda line: None)  # the access log and errors (stderr)
+        self._say = say or (lambda line: None)  # what the daemon does: serving, each run's start and end (stdout)
         self.child_env = {k: v for k, v in os.environ.items() if k not in DAEMON_ENV + PIPED_ENV}
         self.piped = json.dumps({k: os.environ[k] for k in PIPED_ENV if k in os.environ}).encode("utf-8")
         self.deliveries = {}            # delivery id -> run id (None for a ping), from the ledger and since
@@ -3606,6 +3747,7 @@ class Daemon:
             "fetch": self.fetch, "allow_hosts": self.allow_hosts, "agent_version": __version__,
             "python": sys.version.split()[0]})
         self._recover()
+        self.say(f"serving on {address}")  # before the worker can say a run started
         self.worker = threading.Thread(target=self._work, name="worker", daemon=True)
         self.worker.start()
         self.serving = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
@@ -3619,6 +3761,11 @@ class Daemon:
     def stop(self, signum=None):
         """Stop accepting, let the requests in flight finish, give a run in progress `grace_s` and then
         terminate it; queued deliveries stay recorded as received and not dispatched."""
+        with self.cond:
+            running, queued = self.running, len(self.queue)
+        self.say(f"draining{f' on {signal.Signals(signum).name}' if signum else ''}: no new run starts; "
+                 + (f"run {running} gets {self.grace_s:g} s to finish; " if running else "")
+                 + f"{queued} queued stay recorded for the next start")
         with self.cond:
             self.draining = True
             self.stop_at = time.monotonic() + self.grace_s
@@ -3668,6 +3815,9 @@ class Daemon:
 
     def redact(self, text):
         return self.redactor.text(text)
+
+    def say(self, line):
+        self._say(self.redact(line))
 
     def check_host(self, headers):
         """DNS rebinding: a page of another site, its name pointed at this address, reaches the daemon as
@@ -3787,6 +3937,8 @@ class Daemon:
                     return
             self.record("run_dispatched", {"run_id": run_id, "delivery": item["delivery"], "event": item["event"],
                                            "ref": ref})
+            self.say(f"run {run_id} started: {item['event']} delivery {item['delivery']}" + (
+                f" at {ref[:12]}" if ref else ""))
             with tempfile.TemporaryFile() as output:
                 try:
                     proc = subprocess.Popen(self._argv(item, ref), stdin=subprocess.PIPE, stdout=output,
@@ -3810,8 +3962,20 @@ class Daemon:
         if tail:
             finished["output_tail"] = tail
         self.record("run_finished", finished)
+        self.say(f"run {run_id} {outcome}: {self._why(run_id, run_outcome, how or outcome, tail) or '-'}")
         with self.cond:
             self.last_run = finished
+
+    def _why(self, run_id, run_outcome, how, tail):
+        """Why a run ended: from its own events when it closed itself, else from how the daemon ended it."""
+        if run_outcome:
+            try:
+                return run_reason(rl.read_events(self.runs_dir / run_id / rl.EVENTS_NAME))
+            except (rl.LedgerError, OSError) as exc:
+                return f"its ledger cannot be read: {type(exc).__name__}"
+        lines = tail.strip().splitlines()
+        return {"killed": f"killed after {self.kill_after_s:g} s", "terminated": "the daemon stopped",
+                "locked": "another run holds the repository's lock"}.get(how) or (lines[-1] if lines else "")
 
     def _argv(self, item, ref):
         argv = [sys.executable, str(Path(__file__).resolve()), "run", "--repo", str(self.repo),
@@ -4036,7 +4200,8 @@ _PAGE_STYLE = ("body{font:14px/1.45 system-ui,sans-serif;margin:1.5em;color:#222
                "th{background:#f4f4f4}pre{white-space:pre-wrap;word-break:break-word;margin:0;font:12px/1.4 "
                "ui-monospace,monospace}dt{font-weight:600;color:#555}dd{margin:0 0 .3em 1em}"
                ".decision{background:#eef6ff}.allowed{background:#effaef}.denied{background:#fff0f0}"
-               ".verdict{background:#fff8e6}.bad{color:#a00;font-weight:600}")
+               ".verdict{background:#fff8e6}.bad{color:#a00;font-weight:600}"
+               ".summary{display:grid;grid-template-columns:max-content auto;gap:.2em 1em}.summary dd{margin:0}")
 
 
 def _shown(value):
@@ -4080,11 +4245,33 @@ def timeline_html(found, run_dir):
     status = ("verified" if found["verified"] else
               f"<span class=\"bad\">does not verify: {_shown(found['problem'])}</span>")
     more = f" (the first {len(found['events'])} events)" if found["truncated"] else ""
+    closed = ([e["payload"] for e in found["events"] if e["kind"] == "run_closed"] or [{}])[-1]
+    outcome = closed.get("outcome") or "open (not closed yet)"
+    summary = "".join(f"<dt>{name}</dt><dd>{_shown(value or '-')}</dd>" for name, value in (
+        ("outcome", outcome), ("why", run_reason(found["events"])), ("proposal", closed.get("proposal")),
+        ("verdict", closed.get("verdict"))))
+    return _page(f"run {found['run_id']}", f"<dl class=\"summary\">{summary}</dl><p>{len(found['events'])} events"
+                 f"{more}, {status}</p><table><thead><tr><th>seq</th><th>at</th><th>kind</th><th>what</th></tr>"
+                 "</thead><tbody>" + "".join(rows) + "</tbody></table>")
+
+
+def index_html(rows):
+    """GET /: every run, newest first, with its outcome and why, linked to its timeline."""
+    names = ("run_id", "started", "outcome", "why", "steps", "tokens", "verified")
+    body = []
+    for row in sorted(rows, key=lambda r: r["run_id"], reverse=True):
+        shown = dict(row, tokens=_tokens_cell(row))
+        cells = "".join(f"<td>{_shown('-' if shown[name] in (None, '') else shown[name])}</td>" for name in names[1:])
+        body.append(f"<tr><td><a href=\"/runs/{_shown(row['run_id'])}\">{_shown(row['run_id'])}</a></td>{cells}</tr>")
+    head = "".join(f"<th>{name}</th>" for name in names)
+    return _page("runs", f"<p>{len(rows)} runs, newest first</p><table><thead><tr>{head}</tr></thead><tbody>"
+                 + "".join(body) + "</tbody></table>")
+
+
+def _page(title, body):
     return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>run {_shown(found['run_id'])}</title><style>{_PAGE_STYLE}</style></head><body>"
-            f"<h1>run {_shown(found['run_id'])}</h1><p>{len(found['events'])} events{more}, {status}</p>"
-            "<table><thead><tr><th>seq</th><th>at</th><th>kind</th><th>what</th></tr></thead><tbody>"
-            + "".join(rows) + "</tbody></table></body></html>\n")
+            f"<title>{_shown(title)}</title><style>{_PAGE_STYLE}</style></head><body>"
+            f"<h1>{_shown(title)}</h1>{body}</body></html>\n")
 
 
 # -- the command ------------------------------------------------------------------------
@@ -4092,12 +4279,13 @@ def timeline_html(found, run_dir):
 _LOG_LOCK = threading.Lock()
 
 
-def _stderr_line(line):
-    """One access-log (or error) line on stderr; a closed stderr never stops the daemon."""
+def _stderr_line(line, stream=None):
+    """One access-log (or error) line on stderr, or a line on `stream`; a closed one never stops the daemon."""
     try:
         with _LOG_LOCK:
-            sys.stderr.write(rl.printable(line) + "\n")
-            sys.stderr.flush()
+            stream = stream or sys.stderr
+            stream.write(rl.printable(line) + "\n")
+            stream.flush()
     except (OSError, ValueError):
         pass
 
@@ -4125,6 +4313,8 @@ def _cmd_run(args):
     why = _why_it_ended(Path(args.runs_dir) / run_id, outcome) if outcome in ("error", "budget_exhausted") else None
     if why:
         (rl.error if outcome == "error" else rl.warn)(why)
+    if outcome == "stuck":
+        rl.warn(f"run {run_id}: " + run_reason(rl.read_events(Path(args.runs_dir) / run_id / rl.EVENTS_NAME)))
     if args.ship_to:  # bounded: a ClickHouse that hangs delays the run's exit by SHIP_RUN_DEADLINE_S at most
         _ship_run(rl.ClickHouse(args.ship_to, timeout=30, deadline=SHIP_RUN_DEADLINE_S), Path(args.runs_dir), run_id)
     rl.write_out(f"{run_id} {outcome} {proposal or '-'}\n")
@@ -4216,11 +4406,14 @@ def _cmd_replay(args):
 
 def _cmd_runs(args):
     rows = list_runs(args.runs_dir)
+    line = "{:<32}  {:<27}  {:<26}  {:>5}  {:>10}  {:<11}  {}\n"
+    if rows:
+        rl.write_out(line.format("RUN", "STARTED", "OUTCOME", "STEPS", "TOKENS", "VERIFIED", "WHY"))
     for row in rows:
         steps = "-" if row["steps"] is None else row["steps"]
-        rl.write_out(rl.printable(f"{row['run_id']}  {row['started'] or '-'}  {row['outcome'] or '-':<27} "
-                                  f"steps {steps!s:<3} tokens {_tokens_cell(row):<10} {row['verified']}"
-                                  f"{'  unboxed' if row['unboxed'] else ''}") + "\n")
+        rl.write_out(rl.printable(line.format(row["run_id"], row["started"] or "-", row["outcome"] or "-", steps,
+                                              _tokens_cell(row), row["verified"] + (" unboxed" if row["unboxed"] else ""),
+                                              row["why"] or "-")[:-1]) + "\n")
     if not rows:
         rl.write_out(f"no runs in {args.runs_dir}\n")
     return rl.EXIT_FAILED if any(r["verified"] != "ok" for r in rows) else rl.EXIT_OK
@@ -4235,20 +4428,16 @@ def _cmd_serve(args):
                     max_connections=args.max_connections, request_timeout=args.request_timeout,
                     grace_s=args.grace_s, kill_after_s=args.kill_after_s, fetch=args.fetch,
                     extra_secrets=[settings[2]], log=_stderr_line, ship_to=args.ship_to,
-                    allow_hosts=args.allow_host or ())
+                    say=lambda line: _stderr_line(line, sys.stdout), allow_hosts=args.allow_host or ())
     received = []
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, _frame: received.append(number))
-    address = daemon.start()
+    daemon.start()
     if not daemon.keys:
         rl.warn("no webhook secret (WEBHOOK_SECRET, WEBHOOK_SECRET_FILE): unsigned deliveries are accepted; "
                 "this is allowed on a loopback address only")
     if daemon.token_required and not token:
-        rl.warn("no read token (READ_TOKEN): /runs and /runs/<id> answer 401 to everyone")
-    try:
-        rl.write_out(f"serving on {address}\n")
-    except rl.OutputError:
-        pass  # the address is in the daemon_started event too
+        rl.warn("no read token (READ_TOKEN): /, /runs and /runs/<id> answer 401 to everyone")
     while not received and daemon.alive():
         time.sleep(0.1)
     daemon.stop(received[0] if received else None)
@@ -4260,7 +4449,7 @@ def _cmd_serve(args):
 
 def _build_parser():
     codes = (rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHECK, rl.EXIT_CHANGED, rl.EXIT_OUTPUT,
-             rl.EXIT_LOCKED, rl.EXIT_BUDGET, rl.EXIT_PROPOSAL)
+             rl.EXIT_LOCKED, rl.EXIT_BUDGET, rl.EXIT_PROPOSAL, rl.EXIT_STUCK)
     parser = rl.ArgumentParser(prog="agent.py", description="The host of a coding agent.",
                                epilog=rl.exit_codes_epilog(*codes), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=__version__)
@@ -4281,7 +4470,7 @@ def _build_parser():
                    "ClickHouse at URL (as reasoning_ledger.py ship; CLICKHOUSE_USER/CLICKHOUSE_PASSWORD)")
     p.set_defaults(func=_cmd_run)
 
-    p = sub.add_parser("runs", help="one line per run: id, started, outcome, steps, tokens, verified")
+    p = sub.add_parser("runs", help="a table of runs: id, started, outcome, steps, tokens, verified, why")
     p.add_argument("--runs-dir", default=DEFAULT_RUNS)
     p.set_defaults(func=_cmd_runs)
 

@@ -977,7 +977,8 @@ def ask(prompt, *, system=None, **kwargs):
 
 
 def list_models(*, ledger, base_url, api_key, timeout=DEFAULT_TIMEOUT, max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES):
-    """GET {base_url}/models; append one models_list event; return its record (model_ids sorted)."""
+    """GET {base_url}/models; append one models_list event; return its record (model_ids sorted, and
+    context_tokens {id: window} for the models whose entry states a window)."""
     check_api_key(api_key)
     split = split_base_url(base_url)
     _check_number("timeout", timeout, above=0)
@@ -1014,6 +1015,10 @@ def _models_call(redactor, split, api_key, timeout, limit):
                for item in items if isinstance(item, dict)}
         ids.discard(None)
         record["model_ids"], record["count"] = sorted(ids)[:10000], len(ids)
+        windows = {item["id"]: _listed_window(item) for item in items if isinstance(item, dict)
+                   and item.get("id") in ids and _listed_window(item)}
+        if windows:
+            record["context_tokens"] = dict(sorted(windows.items())[:10000])
         if problems:
             record["malformed"] = problems[:MAX_PROBLEMS]
     except _CallFailed as exc:
@@ -1449,6 +1454,16 @@ class _Relay:
         except (_CallFailed, OSError):
             whole = False
         self.handler.close = self.handler.close or not whole
+
+
+def _listed_window(item):
+    """A model's context window in tokens as a /models entry states it: vLLM's max_model_len, llama.cpp's
+    meta.n_ctx_train, or context_length (OpenRouter, LM Studio); None when it states none."""
+    meta = item.get("meta") if isinstance(item.get("meta"), dict) else {}
+    for value in (item.get("max_model_len"), meta.get("n_ctx_train"), item.get("context_length")):
+        if type(value) is int and value > 0:
+            return value
+    return None
 
 
 # ----------------------------------------------------------------------------

@@ -450,12 +450,13 @@ def _run_event(run, kind, payload):
     elif kind == "run_closed":
         outcome = payload.get("outcome")
         run["outcome"] = outcome if type(outcome) is str else "closed"
-    run["why"] = _why(kind, payload) or run["why"]
+    run["why"] = run_event_why(kind, payload) or run["why"]
 
 
-def _why(kind, payload):
+def run_event_why(kind, payload):
     """How a run ended, in a few words, when this event of it says (the last one that says wins): the
-    budget limit hit, the endpoint's error type and code, the exception, the judge's reason, the triage."""
+    budget limit hit, the reply the model repeated, the endpoint's error type and code, the exception, the
+    judge's reason, the triage."""
     get = payload.get
     if kind == "budget_exhausted":
         return f"budget {get('limit')}: {get('used')} of {get('max')}"
@@ -466,6 +467,10 @@ def _why(kind, payload):
         return f"{get('type')}: {get('message')}"
     if kind == "judge_verdict":
         return f"judge {get('verdict')}: {get('reason')}"
+    if kind == "stuck":
+        unusable = str(get("unusable") or "").split(":")[0]
+        return f"stuck: the same {'unusable ' if unusable else ''}reply {get('repeats')} times" + (
+            f" ({unusable})" if unusable else "")
     if kind == "decision" and get("stage") == "triage":
         return f"{get('decision')}: {get('rationale')}"
     why = get("why") if kind == "run_closed" else None

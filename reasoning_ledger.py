@@ -74,6 +74,7 @@ EXIT_OUTPUT = 5    # the result could not be written to stdout (closed, full, no
 EXIT_LOCKED = 6    # agent.py: another run holds the repository's lock
 EXIT_BUDGET = 7    # agent.py: the budget ran out before an accepted proposal
 EXIT_PROPOSAL = 8  # agent.py: a proposal was accepted by the judge and written for a human to review
+EXIT_STUCK = 9     # agent.py: the model sent the same reply (or the same unusable one) max_repeats times
 EXIT_CODES = {
     EXIT_OK: "ok",
     EXIT_FAILED: "failed: integrity failure (verify, audit, ship), failed call (ask), error outcome (agent)",
@@ -84,6 +85,7 @@ EXIT_CODES = {
     EXIT_LOCKED: "another run holds the repository's lock (agent)",
     EXIT_BUDGET: "budget exhausted (agent)",
     EXIT_PROPOSAL: "proposal accepted by the judge, waiting for review (agent)",
+    EXIT_STUCK: "the model repeated itself until the run stopped it (agent)",
 }
 
 _KIND_RE = re.compile(r"[a-z][a-z0-9_.]*\Z")

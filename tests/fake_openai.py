@@ -7,6 +7,7 @@ Usage:
   server = start()                               # 127.0.0.1, port 0
   server.queue("rate_limited", "ok")             # the next requests, in order; then "ok" again
   ... server.base_url, server.requests, server.stop()
+  server.window = (2048, "llama.cpp")            # enforce a context window, refused in that server's words
 
 Every scenario is one thing real endpoints do (wrong): see SCENARIOS below.
 """
@@ -25,6 +26,21 @@ USAGE = {"prompt_tokens": 21, "completion_tokens": 6, "total_tokens": 27,
          "prompt_tokens_details": {"cached_tokens": 3}, "completion_tokens_details": {"reasoning_tokens": 2}}
 MODELS = ["fake-model", "fake-model-large"]
 CLI_MODELS = ["stand-in-model"]  # what `python tests/fake_openai.py` lists: the MODEL_ID README.md uses
+GET_SCENARIOS = ("http_401",)  # a GET /models takes these, a bare "ok" or one with "models" from the queue;
+# any other scenario (an "ok" with its answer, say) stays for the next chat call
+CHARS_PER_TOKEN = 3  # the windowed server's tokenizer: denser than the client's chars/4 estimate, as code is
+# What each server says when a request does not fit: (window, prompt tokens, max_tokens) -> (message, code);
+# llama.cpp's error type is exceed_context_size_error, the others' invalid_request_error.
+OVERFLOW = {
+    "openai": lambda w, p, m: ("This model's maximum context length is %d tokens. However, you requested %d tokens "
+                               "(%d in the messages, %d in the completion). Please reduce the length of the "
+                               "messages or completion." % (w, p + m, p, m), "context_length_exceeded"),
+    "vllm": lambda w, p, m: ("'max_tokens' or 'max_completion_tokens' is too large: %d. This model's maximum "
+                             "context length is %d tokens and your request has %d input tokens (%d > %d - %d)."
+                             % (m, w, p, m, w, p), None),
+    "llama.cpp": lambda w, p, m: ("request (%d tokens) exceeds the available context size (%d tokens)" % (p, w),
+                                  400),
+}
 
 
 def _completion(model, answer=ANSWER, usage=USAGE, served=None, finish="stop"):
@@ -102,8 +118,31 @@ class Handler(BaseHTTPRequestHandler):
             return self._error(404, f"no route {self.path}")
         if scenario.get("name") == "http_401":
             return self._error(401, "Incorrect API key provided", "invalid_api_key")
-        self._send(200, {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "fake"}
+        window, flavor = fake.window or (None, None)
+        meta = {"meta": {"n_ctx_train": window}} if flavor == "llama.cpp" else {"max_model_len": window} if (
+            flavor == "vllm") else {}
+        self._send(200, {"object": "list", "data": [dict({"id": m, "object": "model", "owned_by": "fake"}, **meta)
                                                     for m in scenario.get("models", fake.models)]})
+
+    def _overflow(self, body, scenario):
+        """Answer a request that does not fit the window (or any, for the "overflow" scenario) in the server's
+        words: True. The prompt's tokens are counted at CHARS_PER_TOKEN plus a few for each message's template;
+        a scripted answer refused that way is kept for the next call (the model never saw the request)."""
+        window, flavor = self.server.fake.window or (None, None)
+        forced = scenario.get("name") == "overflow"
+        messages = body.get("messages") or []
+        prompt = sum(-(-len(m.get("content") or "") // CHARS_PER_TOKEN) + 8 for m in messages)
+        wanted = body.get("max_tokens") or 0
+        self.server.fake.prompt_tokens.append(prompt)
+        if not window or (prompt + wanted <= window and not forced):
+            return False
+        if not forced:
+            with self.server.fake.lock:
+                self.server.fake.scenarios.insert(0, scenario)
+        message, code = OVERFLOW[flavor](window, prompt, wanted)
+        self._error(400, message, "exceed_context_size_error" if flavor == "llama.cpp" else "invalid_request_error",
+                    code=code)
+        return True
 
     def do_POST(self):
         fake = self.server.fake
@@ -128,6 +167,9 @@ class Handler(BaseHTTPRequestHandler):
             time.sleep(scenario["sleep"])
         if scenario.get("hold") is not None:  # a threading.Event: answer only once the test sets it
             scenario["hold"].wait(600)
+        if fake.window and self._overflow(body, scenario):
+            return None
+        usage = dict(USAGE, prompt_tokens=fake.prompt_tokens[-1]) if fake.window else USAGE
         stream = bool(body.get("stream"))
         if name == "reject_stream_options" and "stream_options" in body:
             return self._error(400, "Unrecognized request argument supplied: stream_options")
@@ -138,7 +180,7 @@ class Handler(BaseHTTPRequestHandler):
         if name == "stream_truncated":
             return self._sse(self._chunks(model, answer, usage=False, finish=False)[:3], close_early=True)
         if name in ("ok", "sleepy"):
-            return self._send(200, _completion(model, answer))
+            return self._send(200, _completion(model, answer, usage=usage))
         if name == "no_usage":
             return self._send(200, _completion(model, answer, usage=None))
         if name == "partial_usage":
@@ -200,6 +242,9 @@ class FakeServer:
         self.models = models
         self.scenarios = []
         self.requests = []
+        self.gets = []             # GET requests (the /models listing), kept apart from the chat calls
+        self.window = None         # (tokens, "openai" | "vllm" | "llama.cpp"): enforce a context window
+        self.prompt_tokens = []    # with a window: the prompt tokens the server counted in each chat call
         self.count = 0
         self.lock = threading.Lock()
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
@@ -216,12 +261,16 @@ class FakeServer:
         return self
 
     def next_request(self, handler, body):
+        get = handler.command == "GET"
         with self.lock:
             self.count += 1
-            scenario = self.scenarios.pop(0) if self.scenarios else {"name": "ok"}
+            head = self.scenarios[0] if self.scenarios else {}
+            mine = bool(head) and (not get or head.get("name") in GET_SCENARIOS or "models" in head
+                                   or head == {"name": "ok"})
+            scenario = self.scenarios.pop(0) if mine else {"name": "ok"}
             request = {"method": handler.command, "path": handler.path, "headers": dict(handler.headers),
                        "body": body, "scenario": scenario.get("name")}
-            self.requests.append(request)
+            (self.gets if get else self.requests).append(request)
         return scenario, request
 
     def start(self):

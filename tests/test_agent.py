@@ -113,7 +113,8 @@ def agent(server, tmp_path):
 
 
 def kinds(events):
-    return [e["kind"] for e in events if e["kind"] not in ("model_call", "tool_result", "context_trimmed")]
+    return [e["kind"] for e in events if e["kind"] not in ("model_call", "tool_result", "context_trimmed",
+                                                            "models_list")]
 
 
 def payload(events, kind):
@@ -481,7 +482,8 @@ def test_read_only_tools_work_and_their_output_is_capped(agent, tmp_path, server
 
 def test_max_steps_ends_the_run_cleanly(agent, tmp_path):
     repo = make_repo(tmp_path / "repo")
-    proc, run_dir, events = agent(repo, [action("read_file", path="calc.py")] * 5, "--max-steps", "3")
+    replies = [action("read_file", path="calc.py", start_line=i) for i in range(1, 6)]  # no repeat: not stuck
+    proc, run_dir, events = agent(repo, replies, "--max-steps", "3")
     assert proc.returncode == rl.EXIT_BUDGET == 7 and proc.out.split()[1] == "budget_exhausted"
     (spent,) = payload(events, "budget_exhausted")
     assert spent["limit"] == "max_steps" and spent["used"] == 3 and spent["max"] == 3
@@ -492,7 +494,8 @@ def test_max_steps_ends_the_run_cleanly(agent, tmp_path):
 
 def test_a_model_that_never_sends_valid_json_ends_in_budget_exhausted(agent, tmp_path):
     repo = make_repo(tmp_path / "repo")
-    proc, run_dir, events = agent(repo, ["I am thinking..."] * 4, "--max-steps", "4")
+    patient = tools_json(tmp_path / "patient.json", budget={"max_repeats": 5})  # 3 would end it as stuck
+    proc, run_dir, events = agent(repo, ["I am thinking..."] * 4, "--max-steps", "4", tools_file=patient)
     assert proc.returncode == 7 and len(payload(events, "proposal_malformed")) == 4
     assert payload(events, "budget_exhausted")[0]["limit"] == "max_steps"
     assert not payload(events, "error")
@@ -579,7 +582,9 @@ def test_a_context_too_long_answer_shrinks_the_context_once_and_retries(agent, t
     proc, run_dir, events = agent(repo, [{"name": "context_too_long"}, propose(FIX)])
     assert proc.returncode == 8, proc.err
     (shrunk,) = payload(events, "context_shrunk")
-    assert shrunk["error_code"] == "context_length_exceeded" and shrunk["max_context_chars"] == 30000
+    assert shrunk["error_code"] == "context_length_exceeded" and shrunk["stated_window"] == 4096
+    assert shrunk["before_max_tokens"] == 2048 > shrunk["after_max_tokens"]
+    assert shrunk["after_chars"] < shrunk["before_chars"]
     assert payload(events, "model_call")[0]["error_code"] == "context_length_exceeded"
     proc, _run_dir, events = agent(repo, [{"name": "context_too_long"}] * 2)
     assert proc.returncode == 1 and "context_length_exceeded" in payload(events, "error")[0]["message"]
@@ -768,9 +773,9 @@ def test_runs_lists_every_run_and_whether_it_verifies(agent, tmp_path):
     agent(repo, ["not json"], "--max-steps", "1")
     proc = run_script("agent.py", "runs", "--runs-dir", agent.runs)
     assert proc.returncode == 0, proc.err
-    rows = proc.out.splitlines()
+    rows = proc.out.splitlines()[1:]  # under a header line
     assert len(rows) == 2 and "proposal_accepted" in rows[0] and "budget_exhausted" in rows[1]
-    assert all(row.endswith("ok") for row in rows) and "steps 1" in rows[0] and "tokens 27" in rows[0]
+    assert all(row.split()[5] == "ok" for row in rows) and rows[0].split()[3:5] == ["1", "27"]
     import agent as agent_module
     listed = agent_module.list_runs(agent.runs)
     assert [(r["tokens"], r["tokens_source"]) for r in listed] == [(27, "reported"), (27, "reported")]
