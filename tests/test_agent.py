@@ -13,11 +13,10 @@ from pathlib import Path
 import pytest
 
 import reasoning_ledger as rl
-from conftest import KEY, ROOT, all_bytes_under, clean_env, error_lines, run_script
+from conftest import (CALC, KEY, ROOT, TESTS, all_bytes_under, clean_env, error_lines, git, make_repo, run_script,
+                      tools_json)
 
-CALC = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
-TESTS = ("from calc import add, mul\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
-         "def test_mul():\n    assert mul(2, 3) == 6\n")
+
 def udiff(name, before, after):
     """A unified diff as `diff -u` writes it (three lines of context)."""
     import difflib
@@ -30,40 +29,6 @@ DELETE_TEST = udiff("test_calc.py", TESTS, TESTS.replace("def test_add():\n    a
 WEAKEN = udiff("test_calc.py", TESTS, TESTS.replace("assert add(2, 3) == 5", "assert add(2, 3) is not None"))
 STALE = "--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(x, y):\n-    return x - y\n+    return x + y\n"
 ENV_SECRET = "s3cr3t-env-value-0123456789"
-
-
-def tools_json(path, **changes):
-    """The shipped tools.json with the test command on this interpreter, plus `changes`."""
-    data = json.loads((ROOT / "tools.json").read_text())
-    data["test_command"] = [sys.executable, "-m", "pytest", "-q"]
-    for plugin in data["plugins"].values():
-        plugin["argv"] = [sys.executable if a == "python3" else a for a in plugin["argv"]]
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
-            data[key].update(value)
-        else:
-            data[key] = value
-    path.write_text(json.dumps(data, indent=1))
-    return path
-
-
-def git(repo, *args):
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
-                          env=dict(clean_env(), GIT_OPTIONAL_LOCKS="0")).stdout
-
-
-def make_repo(root, calc=CALC, tests=TESTS, extra=None, commit=True):
-    root.mkdir(parents=True)
-    git(root, "init", "-q")
-    (root / "calc.py").write_text(calc)
-    (root / "test_calc.py").write_text(tests)
-    for name, text in (extra or {}).items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
-    if commit:
-        git(root, "add", "-A")
-        git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
-    return root
 
 
 def repo_state(repo):

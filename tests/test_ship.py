@@ -21,7 +21,8 @@ import ask
 import audit as audit_module
 import reasoning_ledger as rl
 from clickhouse_server import ClickHouse, skip_reason
-from conftest import ROOT, all_bytes_under, clean_env, error_lines, lines_of, run_script
+from conftest import (ROOT, all_bytes_under, clean_env, clock_for, error_lines, lines_of, make_repo, run_script,
+                      tools_json)
 
 KEY = "sk-ship-test-key-0001"
 DAY1, DAY2, DAY3 = "2026-11-01", "2026-11-02", "2026-11-03"
@@ -85,16 +86,6 @@ def counts(ch, db):
 
 def ledger_id(path):
     return hashlib.sha256(Path(path).read_bytes().split(b"\n", 1)[0]).hexdigest()
-
-
-def clock_for(day):
-    """The ledger's clock on `day`: one second later per line (the local audit reads lines in order)."""
-    ticks = iter(range(10 ** 6))
-
-    def clock():
-        tick = next(ticks)
-        return f"{day}T12:{tick // 60 % 60:02d}:{tick % 60:02d}.000000Z"
-    return clock
 
 
 def calls(path, server, day, scenarios, model="fake-model", **kwargs):
@@ -683,7 +674,7 @@ def test_the_readme_table_and_its_sql_questions_work_on_a_shipped_fleet(clickhou
 
 
 def test_agent_run_ship_to_ships_the_closed_run_and_the_index(clickhouse, tmp_path, server):
-    from test_agent import FIX, make_repo, propose, tools_json
+    from test_agent import FIX, propose
     repo = make_repo(tmp_path / "repo")
     tools = tools_json(tmp_path / "tools.json")
     runs = tmp_path / "runs"
