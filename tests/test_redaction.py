@@ -221,14 +221,23 @@ def test_every_rule_needs_the_screen_to_let_it_through():
 
 
 def test_each_shape_runs_only_on_strings_holding_its_triggers_and_they_are_necessary():
-    """A shape's triggers gate it: for every example the shape alone would change, one of its triggers is
-    in the lower-cased text (so skipping the shape without one never changes the result)."""
+    """A shape's triggers gate it, so they must be necessary: every string the shape alone would change holds
+    one of them, as the screen sees it. The strings are each example cut at every point from either end,
+    in three cases, so triggers are cut through while the rest of a secret's shape may still match."""
+    samples = set()
+    for text, secret, _kept in SHAPE_CASES:
+        for whole in (text, secret):
+            for cut in range(len(whole)):
+                samples.update((whole[cut:], whole[:len(whole) - cut]))
+    samples |= {s.upper() for s in samples} | {s.lower() for s in samples}
+    changed = 0
     for index, (triggers, src, flags, repl) in enumerate(rl._SHAPES):
         pattern = re.compile(src, flags)
-        for text, secret, _kept in SHAPE_CASES:
-            for sample in (text, secret, text.upper(), text.lower()):
-                if pattern.sub(repl, sample) != sample:
-                    assert any(t in sample.lower() for t in triggers), (index, sample)
+        for sample in samples:
+            if pattern.sub(repl, sample) != sample:
+                changed += 1
+                assert any(t in rl._screen_text(sample) for t in triggers), (index, sample)
+    assert changed > len(SHAPE_CASES) * 10  # the cuts reach matches beyond the examples themselves
 
 
 # ----------------------------------------------------------------------------
