@@ -612,6 +612,9 @@ def test_a_full_queue_answers_503_and_sigterm_terminates_the_run_after_its_grace
     bodies = [push_body(number=i) for i in range(3)]
     first = daemon.post(bodies[0], github_headers(bodies[0], delivery="q-0")).json()["run_id"]
     wait_until("the first run to be dispatched", lambda: daemon.events("run_dispatched"))
+    # in its 60 s test command: started and recorded, so the SIGTERM below finds a run that can close itself
+    ledger = serve.runs / first / "events.jsonl"
+    wait_until("the first run to record its start", lambda: ledger.exists() and ledger.stat().st_size > 0)
     second = daemon.post(bodies[1], github_headers(bodies[1], delivery="q-1"))
     third = daemon.post(bodies[2], github_headers(bodies[2], delivery="q-2"))
     assert second.status == 202 and third.status == 503 and third.headers["retry-after"] == "30"
