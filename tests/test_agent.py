@@ -341,66 +341,125 @@ def test_miscounted_hunks_are_fixed_with_recount_and_say_so(agent, tmp_path):
 # The allowlist: denied or rejected with the rule named, and the run goes on
 # ----------------------------------------------------------------------------
 
+RENAMES_ENV = FIX + "diff --git a/notes b/leak.txt\nsimilarity index 100%\nrename old .env\nrename new leak.txt\n"
+NESTED = '{"tool": "read_file", "args": {"path": "calc.py", "x": ' + "[" * 100 + "]" * 100 + "}}"
+# What check_action denies, and the rule it names. The paths resolve in a real tree (denial_tree):
+# escape -> /etc, link_to_env -> .env.
 DENIALS = [
-    (action("read_file", path="../../etc/passwd"), "tool_denied", "path.dotdot"),
-    (action("read_file", path="/etc/passwd"), "tool_denied", "path.absolute"),
-    (action("read_file", path="escape/passwd"), "tool_denied", "path.escape"),
-    (action("read_file", path="link_to_env"), "tool_denied", "path.denied"),
-    (action("read_file", path=".env"), "tool_denied", "path.denied"),
-    (action("read_file", path="sub/.env.local"), "tool_denied", "path.denied"),
-    (action("read_file", path=".git/config"), "tool_denied", "path.denied"),
-    (action("read_file", path="-rf"), "tool_denied", "arg.option"),
-    (action("read_file", path="calc.py\x00.txt"), "tool_denied", "path.nul"),
-    (action("read_file", path="a" * 2000), "tool_denied", "arg.too_long"),
-    (action("list_files", path="~root"), "tool_denied", "path.absolute"),
-    (action("py_compile", path="calc.py; rm -rf /"), "tool_denied", "arg.pattern"),
-    (action("py_compile", path="calc.py && id"), "tool_denied", "arg.pattern"),
-    (action("py_compile", path="$(id).py"), "tool_denied", "arg.pattern"),
-    (action("py_compile", path="-c.py"), "tool_denied", "arg.option"),
-    (action("py_compile", path="notes.txt"), "tool_denied", "arg.pattern"),
-    (action("run_test", node_id="test_calc.py::test_add --pdb"), "tool_denied", "arg.pattern"),
-    (action("shell", cmd="cat /etc/passwd"), "tool_denied", "tool.unknown"),
-    (action("read_file", path="calc.py", mode="w"), "tool_denied", "args.unknown"),
-    (action("read_file"), "tool_denied", "args.missing"),
-    (action("read_file", path="calc.py", start_line="1"), "tool_denied", "args.type"),
-    (action("propose_patch", patch=FIX.replace("calc.py", "../outside.py")), "tool_denied", "path.dotdot"),
-    (action("propose_patch", patch=FIX.replace("calc.py", ".git/hooks/pre-commit")), "tool_denied", "path.denied"),
-    (action("propose_patch", patch="just words"), "tool_denied", "patch.no_files"),
-    (action("propose_patch", patch=FIX + "diff --git a/notes b/leak.txt\nsimilarity index 100%\nrename old .env\n"
-                                         "rename new leak.txt\n"), "patch_rejected", None),
-    (action("propose_patch", patch="diff --git a/l b/l\nnew file mode 120000\n--- /dev/null\n+++ b/l\n@@ -0,0 +1 @@\n"
-                                   "+/etc/passwd\n"), "tool_denied", "patch.mode"),
-    (action("propose_patch", patch="diff --git a/l b/l\nnew file mode 0120000\n--- /dev/null\n+++ b/l\n@@ -0,0 +1 @@\n"
-                                   "+/etc/passwd\n"), "tool_denied", "patch.mode"),
-    ("Sure! I will fix it now.", "proposal_malformed", None),
-    ('{"tool": "read_file", "args": {"path": "calc.py", "x": ' + "[" * 100 + "]" * 100 + "}}",
-     "proposal_malformed", None),
-    ('{"tool": 5, "args": {}}', "proposal_malformed", None),
-    ('{"tool": "read_file", "args": "calc.py"}', "proposal_malformed", None),
+    (("read_file", {"path": "../../etc/passwd"}), "path.dotdot"),
+    (("read_file", {"path": "/etc/passwd"}), "path.absolute"),
+    (("read_file", {"path": "escape/passwd"}), "path.escape"),
+    (("read_file", {"path": "link_to_env"}), "path.denied"),
+    (("read_file", {"path": ".env"}), "path.denied"),
+    (("read_file", {"path": "sub/.env.local"}), "path.denied"),
+    (("read_file", {"path": ".git/config"}), "path.denied"),
+    (("read_file", {"path": "-rf"}), "arg.option"),
+    (("read_file", {"path": "calc.py\x00.txt"}), "path.nul"),
+    (("read_file", {"path": "a" * 2000}), "arg.too_long"),
+    (("list_files", {"path": "~root"}), "path.absolute"),
+    (("py_compile", {"path": "calc.py; rm -rf /"}), "arg.pattern"),
+    (("py_compile", {"path": "calc.py && id"}), "arg.pattern"),
+    (("py_compile", {"path": "$(id).py"}), "arg.pattern"),
+    (("py_compile", {"path": "-c.py"}), "arg.option"),
+    (("py_compile", {"path": "notes.txt"}), "arg.pattern"),
+    (("run_test", {"node_id": "test_calc.py::test_add --pdb"}), "arg.pattern"),
+    (("shell", {"cmd": "cat /etc/passwd"}), "tool.unknown"),
+    (("read_file", {"path": "calc.py", "mode": "w"}), "args.unknown"),
+    (("read_file", {}), "args.missing"),
+    (("read_file", {"path": "calc.py", "start_line": "1"}), "args.type"),
+    (("propose_patch", {"patch": FIX.replace("calc.py", "../outside.py")}), "path.dotdot"),
+    (("propose_patch", {"patch": FIX.replace("calc.py", ".git/hooks/pre-commit")}), "path.denied"),
+    (("propose_patch", {"patch": "just words"}), "patch.no_files"),
+    (("propose_patch", {"patch": "diff --git a/l b/l\nnew file mode 120000\n--- /dev/null\n+++ b/l\n@@ -0,0 +1 @@\n"
+                                 "+/etc/passwd\n"}), "patch.mode"),
+    (("propose_patch", {"patch": "diff --git a/l b/l\nnew file mode 0120000\n--- /dev/null\n+++ b/l\n@@ -0,0 +1 @@\n"
+                                 "+/etc/passwd\n"}), "patch.mode"),
+]
+# ...and what it allows, so a check_action that denies everything fails the table too.
+ALLOWED = [
+    (("read_file", {"path": "calc.py", "start_line": 1, "end_line": 2}), "builtin.read_file"),
+    (("list_files", {"path": "sub"}), "builtin.list_files"),
+    (("py_compile", {"path": "calc.py"}), "plugin.py_compile"),
+    (("run_test", {"node_id": "test_calc.py::test_add"}), "plugin.run_test"),
+    (("propose_patch", {"patch": FIX}), "builtin.propose_patch"),
+    (("propose_patch", {"patch": RENAMES_ENV}), "builtin.propose_patch"),  # git's reading refuses it: see below
 ]
 
 
-@pytest.mark.parametrize("reply,kind,rule", DENIALS, ids=[f"{i}-{d[2] or d[1]}" for i, d in enumerate(DENIALS)])
-def test_denied_actions_name_their_rule_and_the_run_goes_on(agent, tmp_path, server, reply, kind, rule):
-    repo = make_repo(tmp_path / "repo", extra={"sub/.env.local": "X=1\n"})
+@pytest.fixture(scope="module")
+def denial_tree(tmp_path_factory):
+    """(policy, resolve) of a run: the shipped tools.json, and a real scratch tree with links out and to .env."""
+    import agent as agent_module
+    root = tmp_path_factory.mktemp("denials")
+    repo = make_repo(root / "repo", extra={"sub/.env.local": "X=1\n"})
     os.symlink("/etc", repo / "escape")
     os.symlink(".env", repo / "link_to_env")
     (repo / ".env").write_text(f"SECRET_TOKEN={ENV_SECRET}\n")
-    proc, run_dir, events = agent(repo, [reply, propose(FIX)])
+    policy = agent_module.load_policy(tools_json(root / "tools.json"))
+    return policy, agent_module.Workspace(repo, None, repo, policy, rl.Redactor()).resolve, repo
+
+
+@pytest.mark.parametrize("call,rule", DENIALS + ALLOWED, ids=[f"{i}-{d[1]}" for i, d in enumerate(DENIALS + ALLOWED)])
+def test_check_action_names_the_rule_of_each_decision(denial_tree, call, rule):
+    import agent as agent_module
+    policy, resolve, _repo = denial_tree
+    verdict = agent_module.check_action({"tool": call[0], "args": call[1]}, policy, resolve)
+    assert (verdict.allowed, verdict.rule) == ((call, rule) in ALLOWED, rule), verdict.reason
+    assert verdict.reason
+
+
+@pytest.mark.parametrize("reply,words", [
+    ("Sure! I will fix it now.", "no action found"),
+    ('{"tool": 5, "args": {}}', "tool name"),
+    ('{"tool": "read_file", "args": "calc.py"}', "JSON object"),
+])
+def test_a_reply_that_is_no_action_is_malformed(reply, words):
+    import agent as agent_module
+    with pytest.raises(agent_module.Malformed, match=words):
+        agent_module.parse_reply(reply)
+
+
+def test_an_action_nested_too_deep_to_record_is_refused_before_the_policy_sees_it():
+    import agent as agent_module
+    action, _form = agent_module.parse_reply(NESTED)
+    assert "nested" in rl.payload_problem({"args": action["args"], "reason": action["reason"]})
+
+
+def test_a_patch_check_action_allows_is_refused_by_gits_own_reading_of_it(denial_tree, tmp_path):
+    """Our parse of RENAMES_ENV sees calc.py (and a made-up header); git reads a rename of .env. The
+    scratch copy a run checks patches in holds the user's .env, as this repository's commit does."""
+    import agent as agent_module
+    policy, resolve, _tree = denial_tree
+    repo = make_repo(tmp_path / "scratch", extra={".env": f"SECRET_TOKEN={ENV_SECRET}\n"})
+    check = agent_module.check_patch(repo, RENAMES_ENV, rl.Redactor(), policy, resolve)
+    assert check["applies"] is False
+    assert "'.env'" in check["message"] and "(rule path.denied)" in check["message"]
+    assert agent_module.check_patch(repo, FIX, rl.Redactor(), policy, resolve)["applies"] is True
+
+
+def test_each_kind_of_refusal_reaches_the_model_and_the_record_and_the_run_goes_on(agent, tmp_path, server):
+    """One run through the four ways the host refuses a reply: a denied action, a reply that is no action,
+    an action that cannot be recorded, and a patch git reads as touching .env."""
+    repo = make_repo(tmp_path / "repo")
+    (repo / ".env").write_text(f"SECRET_TOKEN={ENV_SECRET}\n")
+    proc, run_dir, events = agent(repo, [action("read_file", path=".env"), "Sure! I will fix it now.", NESTED,
+                                         propose(RENAMES_ENV), propose(FIX)])
     assert proc.returncode == 8, proc.err  # the run went on to its proposal
-    first = [e for e in events if e["kind"] in ("tool_denied", "proposal_malformed", "patch_rejected")][0]
-    assert first["kind"] == kind
-    told = server.requests[1]["body"]["messages"][-1]["content"]
-    if kind == "patch_rejected":  # our parse passed it; git's own reading of the patch did not
-        assert "'.env'" in first["payload"]["message"] and "(rule path.denied)" in first["payload"]["message"]
-        assert "(rule path.denied)" in told
-    elif rule:
-        assert first["payload"]["rule"] == rule and first["payload"]["reason"]
-        assert set(first["payload"]) >= {"tool", "args", "rule", "reason"}
-        assert told.startswith("Denied by the host") and f"(rule {rule})" in told
-    else:
-        assert told.startswith(("The host could not read your reply", "The host could not record your action"))
+    refused = [e for e in events if e["kind"] in ("tool_denied", "proposal_malformed", "patch_rejected")]
+    assert [e["kind"] for e in refused] == ["tool_denied", "proposal_malformed", "proposal_malformed",
+                                            "patch_rejected"]
+    assert [e["payload"]["step"] for e in refused] == [1, 2, 3, 4]
+    denied = refused[0]["payload"]
+    assert (denied["tool"], denied["args"], denied["rule"]) == ("read_file", {"path": ".env"}, "path.denied")
+    assert denied["reason"] and denied["paths"] == {}
+    told = [r["body"]["messages"][-1]["content"] for r in server.requests[1:]]
+    assert told[0].startswith("Denied by the host: read_file: ") and "(rule path.denied)" in told[0]
+    assert told[1].startswith("The host could not read your reply: no action found")
+    assert told[2].startswith("The host could not record your action (") and "nested" in told[2]
+    assert told[3].startswith("The patch does not apply") and "'.env'" in told[3] and "(rule path.denied)" in told[3]
+    assert "'.env'" in refused[3]["payload"]["message"]
     assert ENV_SECRET.encode() not in all_bytes_under(agent.runs)
+    assert ENV_SECRET not in json.dumps(server.requests)
     _replays(run_dir)
 
 
