@@ -1,6 +1,7 @@
 """agent.py as a user runs it: real git repositories in temp dirs, the stand-in endpoint scripted per test,
 agent.py as a subprocess. The user's repository must come out of every run exactly as it went in."""
 
+import hashlib
 import json
 import os
 import signal
@@ -142,8 +143,8 @@ def test_a_passing_repo_gets_no_action(agent, tmp_path, server):
 def test_uncommitted_changes_are_the_tree_worked_on_and_ref_is_the_commit(agent, tmp_path):
     repo = make_repo(tmp_path / "repo", calc=CALC.replace("a - b", "a + b"))
     (repo / "calc.py").write_text(CALC)  # the user's uncommitted change broke it
-    proc, run_dir, events = agent(repo, [propose(FIX)])
-    assert proc.returncode == 8, proc.err
+    proc, run_dir, events = agent(repo, [action("read_file", path="calc.py")], "--max-steps", "1")
+    assert proc.returncode == 7, proc.err  # the tree worked on fails: the model was asked
     assert payload(events, "run_started")[0]["dirty"] is True
     diff = (run_dir / payload(events, "prompt_context")[0]["diff_artifact"]["path"]).read_text()
     assert "-    return a + b" in diff and "+    return a - b" in diff
@@ -283,13 +284,17 @@ def test_a_conftest_that_fails_to_import_is_the_models_to_fix_not_a_broken_comma
     assert payload(events, "judge_verdict")[0]["verdict"] == "accept"
 
 
-def test_deleting_a_file_named_with_a_mode_like_number_is_not_a_mode_change(agent, tmp_path):
+def test_deleting_a_file_named_with_a_mode_like_number_is_not_a_mode_change(denial_tree, tmp_path):
+    import agent as agent_module
+    policy, _resolve, _tree = denial_tree
     repo = make_repo(tmp_path / "repo", extra={"weird-120000.txt": "x\n"})
     gone = "diff --git a/weird-120000.txt b/weird-120000.txt\ndeleted file mode 100644\n--- a/weird-120000.txt\n" \
            "+++ /dev/null\n@@ -1 +0,0 @@\n-x\n"
-    proc, _run_dir, events = agent(repo, [propose(FIX + gone)])
-    assert proc.returncode == 8, proc.err
-    assert not payload(events, "patch_rejected")
+    assert agent_module.patch_files(FIX + gone) == (["calc.py", "weird-120000.txt"], [])
+    resolve = agent_module.Workspace(repo, None, repo, policy, rl.Redactor()).resolve
+    assert agent_module.check_action({"tool": "propose_patch", "args": {"patch": FIX + gone}}, policy, resolve).allowed
+    check = agent_module.check_patch(repo, FIX + gone, rl.Redactor(), policy, resolve)
+    assert check["applies"] is True and sorted(check["files"]) == ["calc.py", "weird-120000.txt"], check
 
 
 def test_the_judge_command_refuses_a_run_without_a_proposal_or_already_closed(agent, tmp_path):
@@ -317,8 +322,8 @@ def test_the_judge_catches_a_test_that_passed_before_and_fails_now(agent, tmp_pa
 
 def test_a_patch_that_does_not_apply_is_rejected_and_fed_back(agent, tmp_path, server):
     repo = make_repo(tmp_path / "repo")
-    proc, run_dir, events = agent(repo, [propose(STALE), propose(FIX)])
-    assert proc.returncode == 8, proc.err
+    proc, run_dir, events = agent(repo, [propose(STALE), action("read_file", path="calc.py")], "--max-steps", "2")
+    assert proc.returncode == 7, proc.err  # the run went on after the rejection, to its step budget
     rejected = payload(events, "patch_rejected")[0]
     assert rejected["step"] == 1 and "patch failed" in rejected["message"]
     told = server.requests[1]["body"]["messages"][-1]["content"]
@@ -467,10 +472,12 @@ def test_a_fenced_or_wrapped_action_and_a_bare_diff_are_read(agent, tmp_path):
     repo = make_repo(tmp_path / "repo")
     replies = ["Let me look.\n```json\n" + action("read_file", path="calc.py") + "\n```",
                "I will list: " + action("list_files") + " thanks",
-               "```diff\n" + FIX + "```"]
-    proc, run_dir, events = agent(repo, replies)
-    assert proc.returncode == 8, proc.err
+               "```diff\n" + STALE + "```"]
+    proc, run_dir, events = agent(repo, replies, "--max-steps", "3")
+    assert proc.returncode == 7, proc.err
     assert [p["form"] for p in payload(events, "model_proposed")] == ["fenced_json", "embedded_json", "fenced_diff"]
+    assert [p["tool"] for p in payload(events, "model_proposed")] == ["read_file", "list_files", "propose_patch"]
+    assert payload(events, "patch_rejected")[0]["patch_sha256"] == hashlib.sha256(STALE.encode()).hexdigest()
 
 
 def test_read_only_tools_work_and_their_output_is_capped(agent, tmp_path, server):
@@ -478,13 +485,13 @@ def test_read_only_tools_work_and_their_output_is_capped(agent, tmp_path, server
     repo = make_repo(tmp_path / "repo", extra={"big.py": big})
     replies = [action("read_file", path="calc.py", start_line=1, end_line=2), action("grep", pattern=r"return a \S b"),
                action("list_files"), action("git_log", n=3), action("git_diff"), action("read_file", path="big.py"),
-               action("run_tests"), action("py_compile", path="calc.py"), action("run_test", node_id="test_calc.py::test_mul"),
-               propose(FIX)]
-    proc, run_dir, events = agent(repo, replies)
-    assert proc.returncode == 8, proc.err
+               action("run_tests"), action("py_compile", path="calc.py"),
+               action("run_test", node_id="test_calc.py::test_mul"), action("git_diff")]  # the last: to see run_test's
+    proc, run_dir, events = agent(repo, replies, "--max-steps", str(len(replies)))
+    assert proc.returncode == 7, proc.err
     results = payload(events, "tool_result")
     assert [r["tool"] for r in results] == ["read_file", "grep", "list_files", "git_log", "git_diff", "read_file",
-                                            "run_tests", "py_compile", "run_test"]
+                                            "run_tests", "py_compile", "run_test", "git_diff"]
     shown = [r["body"]["messages"][-1]["content"] for r in server.requests[1:]]
     assert "1| def add(a, b):" in shown[0] and "2|     return a - b" in shown[0]
     assert "calc.py:2:     return a - b" in shown[1] and "calc.py:6:     return a * b" in shown[1]
@@ -592,8 +599,10 @@ def test_a_test_command_that_cannot_run_ends_the_run_before_any_model_call(agent
 
 def test_a_context_too_long_answer_shrinks_the_context_once_and_retries(agent, tmp_path):
     repo = make_repo(tmp_path / "repo")
-    proc, run_dir, events = agent(repo, [{"name": "context_too_long"}, propose(FIX)])
-    assert proc.returncode == 8, proc.err
+    proc, run_dir, events = agent(repo, [{"name": "context_too_long"}, action("read_file", path="calc.py")],
+                                  "--max-steps", "1")
+    assert proc.returncode == 7, proc.err  # the retried call was answered; the step budget ended the run
+    assert payload(events, "model_proposed")[0]["tool"] == "read_file"
     (shrunk,) = payload(events, "context_shrunk")
     assert shrunk["error_code"] == "context_length_exceeded" and shrunk["max_context_chars"] == 30000
     assert payload(events, "model_call")[0]["error_code"] == "context_length_exceeded"
@@ -630,11 +639,11 @@ def test_sigterm_closes_the_run_as_an_error_with_a_traceback(agent, tmp_path, se
 def test_a_second_run_on_the_same_repo_exits_with_the_lock_code(agent, tmp_path, server):
     repo = make_repo(tmp_path / "repo")
     other = make_repo(tmp_path / "other")
-    server.queue({"name": "sleepy", "sleep": 4, "answer": propose(FIX)})
+    server.queue({"name": "sleepy", "sleep": 4, "answer": action("read_file", path="calc.py")})
     env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model")
     first = subprocess.Popen([sys.executable, str(ROOT / "agent.py"), "run", "--repo", str(repo), "--runs-dir",
-                              str(agent.runs), "--tools", str(agent.tools)], env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
+                              str(agent.runs), "--tools", str(agent.tools), "--max-steps", "1"], env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not server.requests:
         time.sleep(0.05)
@@ -642,11 +651,11 @@ def test_a_second_run_on_the_same_repo_exits_with_the_lock_code(agent, tmp_path,
     assert second.returncode == rl.EXIT_LOCKED == 6 and second.out == ""
     (line,) = error_lines(second.err)
     assert "another run holds the lock" in line and str(repo.resolve()) in line
-    server.queue({"name": "ok", "answer": propose(FIX)})
-    third = run_script("agent.py", "run", "--repo", other, "--runs-dir", agent.runs, "--tools", agent.tools, env=env,
-                       timeout=120)  # a different repository is not locked out
+    server.queue({"name": "ok", "answer": action("read_file", path="calc.py")})
+    third = run_script("agent.py", "run", "--repo", other, "--runs-dir", agent.runs, "--tools", agent.tools,
+                       "--max-steps", "1", env=env, timeout=120)  # a different repository is not locked out
     out, err = first.communicate(timeout=120)
-    assert first.returncode == 8 and third.returncode == 8, (err, third.err)
+    assert first.returncode == 7 and third.returncode == 7, (err, third.err)  # each ran to its step budget
     assert out.split()[0] != third.out.split()[0]
     assert len(list(agent.runs.glob("*/events.jsonl"))) == 2  # the locked-out run opened nothing
     _verifies(agent.runs)
@@ -691,10 +700,20 @@ def test_a_secret_in_the_repos_env_never_reaches_the_ledger_or_the_model(agent, 
      "plugins.x.timeout: unknown key; did you mean 'timeout_s'?"),
 ])
 def test_check_tools_names_each_problem_precisely(tmp_path, change, words):
-    path = tools_json(tmp_path / "t.json", **change)
+    import agent as agent_module
+    with pytest.raises(agent_module.PolicyError) as caught:
+        agent_module.load_policy(tools_json(tmp_path / "t.json", **change))
+    assert any(words in problem for problem in caught.value.problems), caught.value.problems
+
+
+def test_check_tools_says_every_problem_on_its_own_error_line(tmp_path):
+    path = tools_json(tmp_path / "t.json", bogus=1, version=2, budget={"max_step": 3})
     proc = run_script("agent.py", "check-tools", path)
-    assert proc.returncode == 2 and words in proc.err, proc.err
-    assert all(line.startswith("error: ") for line in proc.err.splitlines())
+    assert proc.returncode == 2 and proc.out == ""
+    lines = proc.err.splitlines()
+    assert len(lines) == 3 and all(line.startswith(f"error: {path}: ") for line in lines), lines
+    for words in ("tools.json.bogus: unknown key", "version: must be 1", "budget.max_step: unknown key"):
+        assert sum(words in line for line in lines) == 1, (words, lines)
 
 
 def test_check_tools_accepts_the_shipped_file_and_rejects_broken_json(tmp_path):
@@ -719,14 +738,14 @@ def test_a_vendored_copy_finds_its_own_tools_json(tmp_path, server):
     vendored.mkdir()
     for name in ("reasoning_ledger.py", "ask.py", "audit.py", "agent.py"):
         (vendored / name).write_bytes((ROOT / name).read_bytes())
-    tools_json(vendored / "tools.json")
+    tools_json(vendored / "tools.json", test_command=[sys.executable, "-c", "pass"])
     repo = make_repo(tmp_path / "repo")
-    server.queue({"name": "ok", "answer": propose(FIX)})
     env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model")
     proc = subprocess.run([sys.executable, "-I", str(vendored / "agent.py"), "run", "--repo", str(repo)],
                           capture_output=True, env=env, cwd=tmp_path, timeout=120)
-    assert proc.returncode == 8, proc.stderr
-    assert (tmp_path / "runs" / proc.stdout.decode().split()[0] / "proposal.patch").exists()
+    assert proc.returncode == 0, proc.stderr  # the vendored test command passes: shipped tools.json's would fail
+    events = list(rl.read_events(tmp_path / "runs" / proc.stdout.decode().split()[0] / "events.jsonl"))
+    assert payload(events, "run_started")[0]["tools_path"] == str((vendored / "tools.json").resolve())
 
 
 # ----------------------------------------------------------------------------
@@ -734,11 +753,14 @@ def test_a_vendored_copy_finds_its_own_tools_json(tmp_path, server):
 # ----------------------------------------------------------------------------
 
 def test_replay_with_a_stricter_tools_json_lists_each_flipped_decision(agent, tmp_path):
+    """A run of four steps (its tools.json says so) whose last is a proposal git cannot apply: the
+    decisions are all check_action's, and no judge is needed to have them."""
     repo = make_repo(tmp_path / "repo")
+    four = tools_json(tmp_path / "four.json", budget={"max_steps": 4})
     proc, run_dir, events = agent(repo, [action("read_file", path="calc.py"), action("list_files"),
-                                         action("read_file", path="../x"), propose(FIX)])
-    assert proc.returncode == 8
-    stricter = tools_json(tmp_path / "strict.json", builtins=["read_file", "propose_patch"],
+                                         action("read_file", path="../x"), propose(STALE)], tools_file=four)
+    assert proc.returncode == 7, proc.err
+    stricter = tools_json(tmp_path / "strict.json", builtins=["read_file", "propose_patch"], budget={"max_steps": 4},
                           paths={"allow": ["**"], "deny": [".git/", "calc.py"]})
     proc = run_script("agent.py", "replay", run_dir, "--tools", stricter)
     assert proc.returncode == rl.EXIT_CHANGED == 4, proc.out + proc.err
@@ -749,13 +771,14 @@ def test_replay_with_a_stricter_tools_json_lists_each_flipped_decision(agent, tm
     assert any("step 4: propose_patch" in line and "-> denied by path.denied" in line for line in lines)
     assert not any("step 3" in line for line in lines)  # denied before, denied now, by the same rule
     assert lines[-1] == "3 decisions would change under " + str(stricter)
-    same = run_script("agent.py", "replay", run_dir, "--tools", agent.tools)
+    same = run_script("agent.py", "replay", run_dir, "--tools", four)
     assert same.returncode == 0 and same.out.startswith("0 decisions")
 
 
 def test_replay_reports_the_first_divergence(agent, tmp_path):
     repo = make_repo(tmp_path / "repo")
-    proc, run_dir, events = agent(repo, [action("read_file", path="calc.py"), propose(FIX)])
+    proc, run_dir, events = agent(repo, [action("read_file", path="calc.py")], "--max-steps", "1")
+    assert proc.returncode == 7, proc.err
     ledger = run_dir / "events.jsonl"
     lines = ledger.read_bytes().splitlines(keepends=True)
     # a record whose recorded decision differs from what the host decides: re-chained, so it verifies
@@ -770,19 +793,19 @@ def test_replay_reports_the_first_divergence(agent, tmp_path):
 
 
 def test_runs_lists_every_run_and_whether_it_verifies(agent, tmp_path):
-    repo = make_repo(tmp_path / "repo")
-    agent(repo, [propose(FIX)])
-    agent(repo, ["not json"], "--max-steps", "1")
+    agent(make_repo(tmp_path / "passing", calc=CALC.replace("a - b", "a + b")))  # no model call
+    agent(make_repo(tmp_path / "repo"), ["not json"], "--max-steps", "1")
     proc = run_script("agent.py", "runs", "--runs-dir", agent.runs)
     assert proc.returncode == 0, proc.err
     rows = proc.out.splitlines()
-    assert len(rows) == 2 and "proposal_accepted" in rows[0] and "budget_exhausted" in rows[1]
-    assert all(row.endswith("ok") for row in rows) and "steps 1" in rows[0] and "tokens 27" in rows[0]
+    assert len(rows) == 2 and "no_action" in rows[0] and "budget_exhausted" in rows[1]
+    assert all(row.endswith("ok") for row in rows) and "steps 1" in rows[1] and "tokens 27" in rows[1]
+    assert "tokens -" in rows[0]
     import agent as agent_module
     listed = agent_module.list_runs(agent.runs)
-    assert [(r["tokens"], r["tokens_source"]) for r in listed] == [(27, "reported"), (27, "reported")]
-    events = next(p for p in agent.runs.glob("*/events.jsonl") if b'"outcome":"proposal_accepted"' in p.read_bytes())
-    events.write_bytes(events.read_bytes().replace(b'"outcome":"proposal_accepted"', b'"outcome":"no_action"'))
+    assert [(r["tokens"], r["tokens_source"]) for r in listed] == [(None, None), (27, "reported")]
+    events = next(p for p in agent.runs.glob("*/events.jsonl") if b'"outcome":"no_action"' in p.read_bytes())
+    events.write_bytes(events.read_bytes().replace(b'"outcome":"no_action"', b'"outcome":"proposal_accepted"'))
     proc = run_script("agent.py", "runs", "--runs-dir", agent.runs)
     assert proc.returncode == 1 and "FAIL" in proc.out
     audit = run_script("audit.py", agent.runs, "--json")
