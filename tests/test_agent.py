@@ -544,11 +544,12 @@ def test_call_and_token_budgets(agent, tmp_path, budget, limit, scenario, source
 
 
 def test_max_wall_s_holds_while_a_slow_model_is_answering(agent, tmp_path):
+    """The model would answer after 120 s; the run's wall budget of 10 s ends the call. The failing test
+    command is a quick one, so a loaded box does not spend the budget before the model is asked."""
     repo = make_repo(tmp_path / "repo")
-    started = time.monotonic()
-    proc, run_dir, events = agent(repo, [{"name": "sleepy", "sleep": 30, "answer": propose(FIX)}],
-                                  "--max-wall-s", "3")
-    assert time.monotonic() - started < 20  # the model would have answered after 30 s
+    quick = tools_json(tmp_path / "quick.json", test_command=[sys.executable, "-c", "raise SystemExit(1)"])
+    proc, run_dir, events = agent(repo, [{"name": "sleepy", "sleep": 120, "answer": propose(FIX)}],
+                                  "--max-wall-s", "10", tools_file=quick, timeout=100)
     assert proc.returncode == 7, proc.err
     (spent,) = payload(events, "budget_exhausted")
     assert spent["limit"] == "max_wall_s" and spent["during"] == "model call"
