@@ -91,8 +91,8 @@ def event(seq, payload=None, run_id="r1", kind="note", at="2026-11-29T12:00:00.0
 # Repositories and tools.json for agent runs
 # ----------------------------------------------------------------------------
 
-CALC = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
-TESTS = ("from calc import add, mul\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
+SAMPLE_CALC = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
+SAMPLE_TESTS = ("from calc import add, mul\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
          "def test_mul():\n    assert mul(2, 3) == 6\n")
 
 
@@ -101,7 +101,7 @@ def git(repo, *args):
                           env=dict(clean_env(), GIT_OPTIONAL_LOCKS="0"), timeout=120).stdout
 
 
-def make_repo(root, calc=CALC, tests=TESTS, extra=None, commit=True):
+def make_repo(root, calc=SAMPLE_CALC, tests=SAMPLE_TESTS, extra=None, commit=True):
     """A git repository with calc.py and test_calc.py (by default test_add fails), plus `extra` files."""
     root.mkdir(parents=True)
     git(root, "init", "-q")

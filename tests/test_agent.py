@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 import reasoning_ledger as rl
-from conftest import (CALC, KEY, ROOT, TESTS, all_bytes_under, clean_env, error_lines, git, make_repo, run_script,
-                      tools_json)
+from conftest import KEY, ROOT, all_bytes_under, clean_env, error_lines, git, make_repo, run_script, tools_json
+from conftest import SAMPLE_CALC as CALC, SAMPLE_TESTS as TESTS
 
 
 def udiff(name, before, after):

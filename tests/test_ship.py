@@ -20,8 +20,8 @@ import pytest
 import ask
 import reasoning_ledger as rl
 from clickhouse_server import ClickHouse, skip_reason
-from conftest import (CALC, ROOT, all_bytes_under, clean_env, clock_for, error_lines, lines_of, make_repo, run_script,
-                      tools_json)
+from conftest import (ROOT, SAMPLE_CALC, all_bytes_under, clean_env, clock_for, error_lines, lines_of, make_repo,
+                      run_script, tools_json)
 
 KEY = "sk-ship-test-key-0001"
 DAY1, DAY2, DAY3 = "2026-11-01", "2026-11-02", "2026-11-03"
@@ -690,7 +690,7 @@ def test_the_readme_table_and_its_sql_questions_work_on_a_shipped_fleet(clickhou
 def test_agent_run_ship_to_ships_the_closed_run_and_the_index(clickhouse, tmp_path, server):
     """Shipping follows the close whatever the outcome: a repository whose tests pass is a run of a few
     events with no model call and no judge, and it ships as any run does."""
-    repo = make_repo(tmp_path / "repo", calc=CALC.replace("a - b", "a + b"))
+    repo = make_repo(tmp_path / "repo", calc=SAMPLE_CALC.replace("a - b", "a + b"))
     tools = tools_json(tmp_path / "tools.json")
     runs = tmp_path / "runs"
     env = ch_env(clickhouse, BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model")
