@@ -21,7 +21,7 @@ help:
 	@echo "make demo    the whole agent loop against a local stand-in model, in a temp dir, in seconds"
 	@echo "make verify  verify $(LEDGER), the daemon's $(RUNS)/daemon.jsonl and every run under $(RUNS)/"
 	@echo "make audit   what each model string did, day by day (AUDIT_ARGS=... for more)"
-	@echo "make drill   each prompts/*.txt $(DRILL_REPEAT)x through ask.py, then the audit; exit 1 if any call or check failed"
+	@echo "make drill   the endpoint's /models list, each prompts/*.txt $(DRILL_REPEAT)x through ask.py, then the audit; exit 1 if any call or check failed"
 	@echo "make bench   speed ratios against baselines measured in the same run (BENCH_LINES=1000000 for the full figures)"
 	@echo "make clean   remove venvs, caches and bench files"
 	@echo "make help    this list"
@@ -33,7 +33,7 @@ test:
 	  "$(VENV)/bin/python" -c "import pytest" 2>/dev/null || "$(VENV)/bin/python" -m pip install -q pytest || exit 2; \
 	  py="$(VENV)/bin/python"; fi; \
 	echo "make test: $$("$$py" --version 2>&1) ($$py)"; \
-	cd "$(HERE)" && "$$py" -m pytest -q -rs tests $(PYTEST_ARGS)
+	cd "$(HERE)" && "$$py" -m pytest --no-header -rs tests $(PYTEST_ARGS)
 
 verify:
 	@set -- ; [ -f "$(LEDGER)" ] && set -- "$$@" "$(LEDGER)"; [ -f "$(RUNS)/daemon.jsonl" ] && set -- "$$@" "$(RUNS)/daemon.jsonl"; \
@@ -44,10 +44,14 @@ verify:
 audit:
 	$(PYTHON) $(HERE)audit.py --by day $(AUDIT_ARGS)
 
-# A configuration error (exit 2) stops the drill at once; failed calls and checks are counted, summed
-# up at the end, and make the drill exit 1, so cron sees them.
+# The drill first records the endpoint's /models list (some servers answer to any model name; the audit
+# flags a model the list does not name). A configuration error (exit 2) stops the drill at once; failed
+# calls and checks are counted, summed up at the end, and make the drill exit 1, so cron sees them.
 drill:
 	@ls $(PROMPTS)/*.txt >/dev/null || exit 2; calls=0; failed=0; \
+	$(PYTHON) $(HERE)ask.py --ledger "$(LEDGER)" --models > /dev/null; rc=$$?; \
+	if [ $$rc -eq 2 ]; then echo "drill: stopped: configuration error (see above)" >&2; exit 2; fi; \
+	if [ $$rc -ne 0 ]; then echo "drill: the /models list could not be recorded (exit $$rc)" >&2; fi; \
 	for prompt in $(PROMPTS)/*.txt; do \
 	  expect="$${prompt%.txt}.expect"; \
 	  for i in $$(seq $(DRILL_REPEAT)); do \

@@ -5,6 +5,7 @@ Usage:
   python audit.py                          # ./calls.jsonl and ./runs/*/events.jsonl
   python audit.py calls.jsonl runs/ --by day
   python audit.py --since 2026-11-01 --model my-model --fail-on-change   # exit 4 when something changed
+  python audit.py --wide                   # every column, names whole (default: fits 120 columns)
   python audit.py --json > audit.json      # or --csv; --html report.html for a page with charts
   python audit.py --no-verify broken.jsonl # audit anyway, marked UNVERIFIED
   python audit.py --from http://ch:8123 --by day   # every box's shipped ledgers (reasoning_ledger.py ship)
@@ -21,13 +22,14 @@ import json
 import math
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the toolkit beside us, even under -I
 import ask  # noqa: E402  -- the model_call field list
 import reasoning_ledger as rl  # noqa: E402
 
-__version__ = "1.1.0"
+__version__ = "1.2.0"
 
 __all__ = ["Audit", "run_audit", "find_ledgers", "percentile", "compare_days", "model_call_view",
            "render_text", "render_json", "render_csv", "render_html", "MODEL_COLUMNS", "AuditError", "remote_audit"]
@@ -38,6 +40,7 @@ __all__ = ["Audit", "run_audit", "find_ledgers", "percentile", "compare_days", "
 
 DEFAULT_LEDGERS = ("calls.jsonl", "runs.jsonl")  # runs.jsonl: ask.py's default before 1.1
 DEFAULT_RUNS = "runs"
+DEFAULT_RUNS_URL = "runs/"  # the HTML links run ids to this + id: `agent.py serve` shows a run's timeline at /runs/ID
 DEFAULT_LATENCY_SHIFT = 0.5
 DEFAULT_RATE_JUMP = 0.2
 MIN_LATENCY_SAMPLES = 3
@@ -47,13 +50,16 @@ MAX_MODEL_STRINGS = 1000   # distinct (request_model, base_url) pairs kept apart
 MAX_LABELS = 50            # distinct served models, fingerprints or error types kept per row
 OTHER = "(other)"
 MAX_CHART_MODELS = 8       # the HTML draws per-model charts for the busiest; the rest are summarised
+TEXT_WIDTH = 120           # the text report fits a terminal this wide, unless --wide
+MIN_CUT_WIDTH = 8          # a name is never cut narrower than this to fit
+ELLIPSIS = "\u2026"         # where a name was cut to fit
 
 MODEL_COLUMNS = ("request_model", "base_url", "day", "calls", "ok", "failed", "no_usage", "malformed", "checked",
                  "passed", "input_tokens", "output_tokens", "usage_calls", "est_input_tokens", "est_output_tokens",
                  "latency_min_ms", "latency_p50_ms", "latency_p95_ms", "latency_max_ms", "retries",
                  "response_models", "system_fingerprints", "errors")
 RUN_COLUMNS = ("run_id", "started", "outcome", "judge_verdict", "steps", "tools_allowed", "tools_denied",
-               "model_calls", "input_tokens", "output_tokens", "est_tokens", "errors")
+               "model_calls", "input_tokens", "output_tokens", "est_tokens", "errors", "why")
 # The model_call fields this audit reads, each checked against ask.py's definition of its types.
 _READ = ("request_model", "base_url", "attempt", "error_type", "usage_status", "usage_reported", "latency_ms",
          "response_model", "system_fingerprint", "check", "input_tokens", "output_tokens", "est_input_tokens",
@@ -80,7 +86,8 @@ def percentile(sorted_values, q):
 def model_call_view(payload):
     """(fields, malformed): the fields this audit reads from a model_call payload, each None unless it
     has a type ask.py writes for it; malformed is True when a present field had another type. A payload
-    written by another tool is counted, never a crash."""
+    written by another tool is counted, never a crash. error_code (which names an error beside its type) is
+    kept when it is a string and dropped otherwise, without counting the payload malformed."""
     view, malformed = {}, False
     for name, types in _TYPES.items():
         value = payload.get(name)
@@ -89,6 +96,8 @@ def model_call_view(payload):
         elif type(value) is float and not math.isfinite(value):
             malformed, value = True, None
         view[name] = value
+    code = payload.get("error_code")
+    view["error_code"] = code if type(code) is str and code else None
     return view, malformed
 
 
@@ -103,10 +112,16 @@ def _fmt_int(value):
     return "-" if value is None else f"{value:,}"
 
 
+def _fmt_tokens(value, wide):
+    """A token count: whole with --wide, else 3 significant digits from 10,000 on (12.3k, 4.94M)."""
+    if value is None or wide or value < 10000:
+        return _fmt_int(value)
+    return next(f"{value / div:.3g}{suffix}" for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k"))
+                if value >= div)
+
+
 def _fmt_ms(value):
-    if value is None:
-        return "-"
-    return f"{value / 1000:.1f}s" if value >= 10000 else f"{value:.0f}"
+    return "-" if value is None else f"{value:,.0f}"
 
 
 def _top(counter):
@@ -178,7 +193,8 @@ class Group:
                 self.checked += 1
                 self.passed += call["check"] is True
         else:
-            _count_label(self.errors, call["error_type"])
+            code = call["error_code"]
+            _count_label(self.errors, f"{call['error_type']} ({code})" if code is not None else call["error_type"])
         if measured and (call["input_tokens"] is not None or call["output_tokens"] is not None):
             self.usage_calls += 1
             self.input_tokens += call["input_tokens"] or 0
@@ -375,6 +391,20 @@ class Audit:
                                   "what": "models_list", "detail": "; ".join(parts)})
         return found
 
+    def unlisted(self):
+        """The model strings asked for at an endpoint whose latest recorded /models list (ask.py --models)
+        does not name them: a server that answers to any model name (llama.cpp does) served them anyway."""
+        latest = {}
+        for (base, _day), (at, ids) in self.listings.items():
+            if base not in latest or latest[base][0] < at:
+                latest[base] = (at, ids)
+        calls = {}
+        for (model, base, _day), group in self.groups.items():
+            calls[(model, base)] = calls.get((model, base), 0) + group.calls
+        return [{"request_model": model, "base_url": base, "calls": n, "listed_at": latest[base][0]}
+                for (model, base), n in sorted(calls.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1])))
+                if base in latest and model != OTHER and model not in latest[base][1]]
+
     def run_rows(self):
         rows = []
         for _, run in sorted(self.runs.items()):
@@ -393,7 +423,7 @@ def _group_sort(item):
 def _new_run(run_id, path, at):
     return {"run_id": run_id, "path": path, "started": at, "outcome": "open", "judge_verdict": None, "steps": 0,
             "tools_allowed": 0, "tools_denied": 0, "model_calls": 0, "input_tokens": 0, "output_tokens": 0,
-            "usage_calls": 0, "est_tokens": 0, "errors": 0}
+            "usage_calls": 0, "est_tokens": 0, "errors": 0, "why": None}
 
 
 def _run_event(run, kind, payload):
@@ -422,6 +452,26 @@ def _run_event(run, kind, payload):
     elif kind == "run_closed":
         outcome = payload.get("outcome")
         run["outcome"] = outcome if type(outcome) is str else "closed"
+    run["why"] = _why(kind, payload) or run["why"]
+
+
+def _why(kind, payload):
+    """How a run ended, in a few words, when this event of it says (the last one that says wins): the
+    budget limit hit, the endpoint's error type and code, the exception, the judge's reason, the triage."""
+    get = payload.get
+    if kind == "budget_exhausted":
+        return f"budget {get('limit')}: {get('used')} of {get('max')}"
+    if kind == "error" and get("error_type") is not None:
+        code = get("error_code")
+        return f"{get('stage') or 'model'}: {get('error_type')}" + (f" ({code})" if code else "")
+    if kind == "error":
+        return f"{get('type')}: {get('message')}"
+    if kind == "judge_verdict":
+        return f"judge {get('verdict')}: {get('reason')}"
+    if kind == "decision" and get("stage") == "triage":
+        return f"{get('decision')}: {get('rationale')}"
+    why = get("why") if kind == "run_closed" else None
+    return why if type(why) is str and why else None
 
 
 def _usage_state(group):
@@ -496,12 +546,16 @@ _SQL_COUNTS = (
     ("est_output_calls", "countIf(isNotNull(est_output_tokens))"),
     ("retries", "countIf(ifNull(attempt, 0) > 1)"),
 )
+# Group.add's error label, "error_type (error_code)", with the code read from the stored line (the first
+# "error_code" key in it: the payload's own, since any quote inside a string value is escaped).
+_SQL_ERROR_LABEL = ("if(visitParamExtractString(raw, 'error_code') = '', error_type, concat(error_type, ' (', "
+                    "visitParamExtractString(raw, 'error_code'), ')'))")
 # Group's label counters: (attribute, the column counted, which calls).
 _SQL_LABELS = (("response_models", "response_model", _SQL_OK),
                ("fingerprints", "system_fingerprint", f"{_SQL_OK} AND isNotNull(system_fingerprint)"),
-               ("errors", "error_type", "isNotNull(error_type)"))
+               ("errors", _SQL_ERROR_LABEL, "isNotNull(error_type)"))
 _RUN_KINDS = ("model_proposed", "proposal_malformed", "tool_allowed", "tool_denied", "judge_verdict", "error",
-              "run_closed")
+              "run_closed", "budget_exhausted", "decision")
 _SQL_RUN_LEDGER = "path LIKE '%/" + rl.EVENTS_NAME + "'"
 
 
@@ -624,33 +678,149 @@ def _remote_runs(client, audit, in_range):
 # Reports: text, JSON, CSV
 # ----------------------------------------------------------------------------
 
-def _table(headers, rows, text_columns):
+def _table(headers, rows, text_columns, cut=None, limit=None):
     """Aligned columns: the named text columns to the left, numbers to the right. Cells are made
-    printable here, so a value from a ledger can neither forge a line nor drive the terminal."""
+    printable here, so a value from a ledger can neither forge a line nor drive the terminal. With a
+    limit, the columns in `cut` ({column: "middle" or "end"}) are narrowed, in that order, each down to
+    MIN_CUT_WIDTH, until the table fits; a cell cut that way shows ELLIPSIS where text was left out.
+    Returns (lines, cut_any)."""
     rows = [[rl.printable(cell) for cell in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row)]
+    cut = cut or {}
+    over = sum(widths) + 2 * (len(widths) - 1) - limit if limit else 0
+    for name in cut:
+        i = headers.index(name)
+        spare = max(0, min(over, widths[i] - max(MIN_CUT_WIDTH, len(name))))
+        widths[i] -= spare
+        over -= spare
+    cut_any = False
     lines = []
     for row in [headers] + rows:
-        cells = [cell.ljust(w) if h in text_columns else cell.rjust(w) for cell, w, h in zip(row, widths, headers)]
+        cells = []
+        for cell, w, h in zip(row, widths, headers):
+            if len(cell) > w:
+                cell, cut_any = _elide(cell, w, cut[h]), True
+            cells.append(cell.ljust(w) if h in text_columns else cell.rjust(w))
         lines.append("  ".join(cells).rstrip())
-    return lines
+    return lines, cut_any
+
+
+def _elide(text, width, where="middle"):
+    """text in `width` characters, ELLIPSIS where the rest was left out (its middle, or its end)."""
+    if where == "end":
+        return text[:width - 1] + ELLIPSIS
+    head = width // 2
+    return text[:head] + ELLIPSIS + text[len(text) - (width - 1 - head):]
 
 
 def _label(value):
     return "-" if value is None else str(value)
 
 
-def render_text(audit, rows, changes, runs, verified, by_day):
+def _endpoint_keys(rows, changes):
+    """{base_url: "#n"}: the short name the narrow text table gives each endpoint, in order of appearance."""
+    keys = {}
+    for base in [r["base_url"] for r in rows] + [c["base_url"] for c in changes]:
+        if base not in keys:
+            keys[base] = f"#{len(keys) + 1}"
+    return keys
+
+
+def _model_table(rows, by_day, wide, endpoints):
+    """The lines of the models table: every column whole with --wide; else endpoints as #n, min/max
+    latency and the ok count left to --wide, and names cut in the middle to fit TEXT_WIDTH. The `at`
+    column appears when there is more than one endpoint."""
+    if wide:
+        columns = ["model", "base_url"] + (["day"] if by_day else []) + [
+            "calls", "ok", "failed", "no_usage", "checks", "in_tok", "out_tok", "est_in~", "est_out~",
+            "min_ms", "p50_ms", "p95_ms", "max_ms", "retries", "served"]
+    else:
+        columns = ["model"] + (["at"] if len(endpoints) > 1 else []) + (["day"] if by_day else []) + [
+            "calls", "failed", "no_usage", "checks", "in_tok", "out_tok", "est~", "p50_ms", "p95_ms"] + (
+            [] if by_day else ["retries"]) + ["served"]
+    body = []
+    for r in rows:
+        est = None if r["est_input_tokens"] is None else r["est_input_tokens"] + (r["est_output_tokens"] or 0)
+        cells = {"model": _label(r["request_model"]), "base_url": _label(r["base_url"]),
+                 "at": endpoints[r["base_url"]], "day": r["day"], "est~": _fmt_tokens(est, wide),
+                 "checks": f"{r['passed']:,}/{r['checked']:,}" if r["checked"] else "-",
+                 "est_in~": _fmt_int(r["est_input_tokens"]), "est_out~": _fmt_int(r["est_output_tokens"]),
+                 "in_tok": _fmt_tokens(r["input_tokens"], wide), "out_tok": _fmt_tokens(r["output_tokens"], wide),
+                 "served": _top(r["response_models"] if wide else {
+                     "=" if name == r["request_model"] else name: n for name, n in r["response_models"].items()})
+                 or "-"}
+        for name in ("calls", "ok", "failed", "no_usage", "retries"):
+            cells[name] = _fmt_int(r[name])
+        for name in ("min", "p50", "p95", "max"):
+            cells[f"{name}_ms"] = _fmt_ms(r[f"latency_{name}_ms"])
+        body.append([cells[c] for c in columns])
+    return _table(columns, body, {"model", "base_url", "at", "day", "served"},
+                  None if wide else {"served": "middle", "model": "middle"}, None if wide else TEXT_WIDTH)
+
+
+def _runs_table(runs, wide):
+    """The lines of the agent-runs table, `why` (how the run ended) last: cut at its end to fit unless --wide."""
+    columns = (["run", "outcome", "verdict", "steps", "tools_ok", "tools_denied", "model_calls", "in_tok",
+                "out_tok", "est_tok~", "why"] if wide else ["run", "outcome", "steps", "calls", "denied", "why"])
+    body = []
+    for r in runs:
+        cells = {"run": r["run_id"], "outcome": _label(r["outcome"]), "verdict": _label(r["judge_verdict"]),
+                 "why": _label(r["why"]), "calls": _fmt_int(r["model_calls"]), "denied": _fmt_int(r["tools_denied"])}
+        for name, key in (("steps", "steps"), ("tools_ok", "tools_allowed"), ("tools_denied", "tools_denied"),
+                          ("model_calls", "model_calls"), ("in_tok", "input_tokens"),
+                          ("out_tok", "output_tokens"), ("est_tok~", "est_tokens")):
+            cells[name] = _fmt_int(r[key])
+        body.append([cells[c] for c in columns])
+    return _table(columns, body, {"run", "outcome", "verdict", "why"}, None if wide else {"why": "end"},
+                  None if wide else TEXT_WIDTH)
+
+
+def _fold_lines(lines, limit):
+    """Each line of prose wrapped to `limit` columns, continued with an indent."""
     out = []
+    for line in lines:
+        if len(line) <= limit:
+            out.append(line)
+        else:
+            out += textwrap.wrap(line, limit, subsequent_indent="    ", break_on_hyphens=False) or [line[:limit]]
+    return out
+
+
+def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
+    out = _text_head(audit, rows, verified)
+    endpoints = _endpoint_keys(rows, changes)
+    out.append("Models" + (" by day" if by_day else "") + " (request_model @ base_url)")
+    table, cut = _model_table(rows, by_day, wide, endpoints) if rows else (["(no model calls)"], False)
+    out += table
+    if rows and not wide:
+        out += [f"at {key} = {rl.printable(_label(base))}" for base, key in endpoints.items() if base in
+                {r["base_url"] for r in rows}]
+    notes = [] if wide else ["served: = is the model asked for; latency in ms (ok calls); tokens from 10,000 on in k/M (3 digits); --wide shows exact "
+                             "tokens, min_ms, max_ms, ok, est_in~/est_out~" + (" and cut names whole" if cut else "")]
+    if cut:
+        notes[0] = f"{ELLIPSIS} marks a name cut in the middle to fit {TEXT_WIDTH} columns; " + notes[0]
+    out += notes + _text_notes(audit, rows)
+    out.append("")
+    out.append(f"Changes (day over day): {len(changes)}")
+    for change in changes:
+        who = change["request_model"] if change["request_model"] is not None else "(models list)"
+        where = _label(change["base_url"]) if wide else endpoints.get(change["base_url"], "-")
+        out.append(rl.printable(f"  {change['day']}  {who} @ {where}: {change['what']}: "
+                                f"{change['detail']}  (vs {change['previous_day']})"))
+    if runs:
+        out.append("")
+        out.append(f"Agent runs: {len(runs)}")
+        out += _runs_table(runs, wide)[0]
+    return "\n".join(out if wide else _fold_lines(out, TEXT_WIDTH)) + "\n"
+
+
+def _text_head(audit, rows, verified):
     calls = sum(r["calls"] for r in rows)
-    ok = sum(r["ok"] for r in rows)
-    no_usage = sum(r["no_usage"] for r in rows)
-    malformed = sum(r["malformed"] for r in rows)
     files = len(audit.ledgers)
     mark = "verified" if verified else "UNVERIFIED (--no-verify): the chain was not checked"
-    out.append(f"audit: {files} ledger{'s' if files != 1 else ''}, {calls:,} model calls, {mark}")
+    out = [f"audit: {files} ledger{'s' if files != 1 else ''}, {calls:,} model calls, {mark}"]
     for ledger in audit.ledgers:
         if ledger["status"] == "torn":
             out.append(f"warning: {rl.printable(ledger['reason'])}")
@@ -660,27 +830,16 @@ def render_text(audit, rows, changes, runs, verified, by_day):
     if audit.folded:
         out.append(f"warning: more than {MAX_MODEL_STRINGS:,} model strings; {audit.folded:,} calls are counted "
                    f"under {OTHER}")
-    out.append("")
-    out.append("Models" + (" by day" if by_day else "") + " (request_model @ base_url)")
-    headers = ["model", "base_url"] + (["day"] if by_day else []) + [
-        "calls", "ok", "failed", "no_usage", "passed/checked", "in_tok", "out_tok", "est_in~", "est_out~",
-        "latency_ms min/p50/p95/max", "retries", "served"]
-    body = []
-    for r in rows:
-        latency = "/".join(_fmt_ms(r[k]) for k in ("latency_min_ms", "latency_p50_ms", "latency_p95_ms",
-                                                    "latency_max_ms"))
-        body.append([_label(r["request_model"]), _label(r["base_url"])] + ([r["day"]] if by_day else []) + [
-            _fmt_int(r["calls"]), _fmt_int(r["ok"]), _fmt_int(r["failed"]), _fmt_int(r["no_usage"]),
-            f"{r['passed']:,}/{r['checked']:,}" if r["checked"] else "-",
-            _fmt_int(r["input_tokens"]), _fmt_int(r["output_tokens"]),
-            _fmt_int(r["est_input_tokens"]), _fmt_int(r["est_output_tokens"]),
-            latency if r["latency_min_ms"] is not None else "-", _fmt_int(r["retries"]),
-            _top(r["response_models"]) or "-"])
-    out += _table(headers, body, {"model", "base_url", "day", "served"}) if body else ["(no model calls)"]
-    measured = sum(r["usage_calls"] for r in rows)
+    return out + [""]
+
+
+def _text_notes(audit, rows):
+    ok, no_usage = sum(r["ok"] for r in rows), sum(r["no_usage"] for r in rows)
+    malformed, measured = sum(r["malformed"] for r in rows), sum(r["usage_calls"] for r in rows)
     share = f"{measured / ok:.0%}" if ok else "-"
-    out.append(f"usage: {no_usage:,} of {ok:,} ok calls lacked usage; in_tok/out_tok are what servers reported "
-               f"and cover {measured:,} call{'' if measured == 1 else 's'} ({share}). est_in~/est_out~ are chars/4 estimates, never added in.")
+    out = [f"usage: {no_usage:,} of {ok:,} ok calls lacked usage; in_tok/out_tok are what servers reported and "
+           f"cover {measured:,} call{'' if measured == 1 else 's'} ({share}).",
+           "est: est~ (est_in~ + est_out~) are chars/4 estimates, never added in."]
     if malformed:
         out.append(f"malformed: {malformed:,} model_call payloads had fields of the wrong type (written by another "
                    f"tool?); those fields were not counted")
@@ -690,34 +849,23 @@ def render_text(audit, rows, changes, runs, verified, by_day):
             errors[name] = errors.get(name, 0) + count
     if errors:
         out.append("errors: " + rl.printable(", ".join(f"{name} {count:,}" for name, count in sorted(errors.items()))))
-    out.append("")
-    out.append(f"Changes (day over day): {len(changes)}")
-    for change in changes:
-        who = change["request_model"] if change["request_model"] is not None else "(models list)"
-        out.append(rl.printable(f"  {change['day']}  {who} @ {_label(change['base_url'])}: {change['what']}: "
-                                f"{change['detail']}  (vs {change['previous_day']})"))
-    if runs:
-        out.append("")
-        out.append(f"Agent runs: {len(runs)}")
-        headers = ["run", "outcome", "verdict", "steps", "tools_ok", "tools_denied", "model_calls", "in_tok",
-                   "out_tok", "est_tok~"]
-        body = [[r["run_id"], _label(r["outcome"]), _label(r["judge_verdict"]), _fmt_int(r["steps"]),
-                 _fmt_int(r["tools_allowed"]), _fmt_int(r["tools_denied"]), _fmt_int(r["model_calls"]),
-                 _fmt_int(r["input_tokens"]), _fmt_int(r["output_tokens"]), _fmt_int(r["est_tokens"])]
-                for r in runs]
-        out += _table(headers, body, {"run", "outcome", "verdict"})
-    return "\n".join(out) + "\n"
+    for item in audit.unlisted():
+        out.append(rl.printable(f"not listed: {item['request_model']} @ {item['base_url']} ({item['calls']:,} calls) "
+                                f"is not in that endpoint's /models list of {item['listed_at'][:10]}: a server that "
+                                "answers to any model name served it"))
+    return out
 
 
 def render_json(audit, rows, changes, runs, verified, by_day):
-    calls = sum(r["calls"] for r in rows)
+    calls, unlisted = sum(r["calls"] for r in rows), audit.unlisted()
     return json.dumps({
         "version": 2, "verified": verified, "by": "day" if by_day else "model",
         "ledgers": audit.ledgers,
         "summary": {"model_calls": calls, "ok": sum(r["ok"] for r in rows),
                     "no_usage": sum(r["no_usage"] for r in rows), "malformed": sum(r["malformed"] for r in rows),
-                    "folded_calls": audit.folded, "changes": len(changes), "agent_runs": len(runs)},
-        "models": rows, "changes": changes, "agent_runs": runs,
+                    "folded_calls": audit.folded, "changes": len(changes), "agent_runs": len(runs),
+                    "unlisted": len(unlisted)},
+        "models": rows, "changes": changes, "agent_runs": runs, "unlisted": unlisted,
     }, ensure_ascii=False, indent=1) + "\n"
 
 
@@ -751,8 +899,11 @@ def render_csv(rows, stream):
 # colours, sizes and headings come from the constants here.
 
 _PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#000000", "#F0E442")  # Okabe-Ito
-_ERROR_PALETTE = ("#D55E00", "#E69F00", "#CC79A7", "#0072B2", "#56B4E9", "#009E73", "#000000", "#F0E442")
-_GREY = "#8c8c8c"
+# Error types get colours of their own, each far (CIE76 delta E >= 35) from every model colour, so a bar's
+# error type is never read as a model (tests/test_audit_reasons.py measures it on the page).
+_ERROR_PALETTE = ("#4B0092", "#661100", "#D41159", "#B2DF8A", "#00441B", "#33A02C")
+_GREY = "#8c8c8c"          # the model strings beyond MAX_CHART_MODELS
+_ERROR_GREY = "#d9d9d9"    # the error types beyond _ERROR_PALETTE
 _DASH = "\u2013"           # what a null (None) looks like on the page
 _MAX_TABLE_ROWS = 300      # rows of the models table; the rest are in --json / --csv
 _MAX_LIST_ROWS = 200       # changes, agent runs and ledgers listed
@@ -775,7 +926,15 @@ _RUN_HEADINGS = {
     "run_id": "Run", "started": "Started (UTC)", "outcome": "Outcome", "judge_verdict": "Judge verdict",
     "steps": "Steps", "tools_allowed": "Tools allowed", "tools_denied": "Tools denied",
     "model_calls": "Model calls", "input_tokens": "Input tokens (reported)",
-    "output_tokens": "Output tokens (reported)", "est_tokens": "Tokens (estimated)", "errors": "Errors"}
+    "output_tokens": "Output tokens (reported)", "est_tokens": "Tokens (estimated)", "errors": "Errors",
+    "why": "Why it ended"}
+# The page's tables lead with what is read first (latency, served models, errors, why a run ended), so a
+# narrow window scrolls only past the token counts; the other columns are in --json and --csv.
+_HTML_MODEL_COLUMNS = ("request_model", "base_url", "day", "calls", "failed", "latency_p50_ms", "latency_p95_ms",
+                       "latency_max_ms", "response_models", "errors", "no_usage", "checked", "passed",
+                       "input_tokens", "output_tokens", "est_input_tokens", "est_output_tokens", "retries")
+_HTML_RUN_COLUMNS = ("run_id", "started", "outcome", "why", "judge_verdict", "steps", "tools_allowed",
+                     "tools_denied", "model_calls", "input_tokens", "output_tokens", "est_tokens", "errors")
 _CHANGE_HEADINGS = {"day": "Day", "request_model": "Model (requested)", "base_url": "Endpoint",
                     "what": "What changed", "detail": "Detail", "previous_day": "Compared with"}
 _LEDGER_HEADINGS = {"path": "Ledger", "status": "Status", "lines": "Events", "reason": "Note"}
@@ -784,7 +943,7 @@ _WHAT = {"response_model": "Served model", "system_fingerprint": "System fingerp
          "error_rate": "Error rate", "checks": "Check pass rate", "models_list": "Models listed"}
 _TEXT_FIELDS = {"request_model", "base_url", "day", "response_models", "system_fingerprints", "errors", "run_id",
                 "started", "outcome", "judge_verdict", "what", "detail", "previous_day", "path", "status",
-                "reason"}
+                "reason", "why"}
 _CSS = (
     ":root{color-scheme:light}"
     "body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:24px auto;max-width:1400px;"
@@ -798,7 +957,7 @@ _CSS = (
     ".card .k{font-size:12px;color:#555}.card .v{font-size:22px;font-weight:600;font-variant-numeric:tabular-nums}"
     ".card .s{font-size:12px;color:#666}h3 .ep{display:block;font-weight:400;color:#555;font-size:12px}"
     ".scroll{overflow:auto;max-width:100%;max-height:80vh;border:1px solid #ddd;border-radius:6px;margin:8px 0}"
-    "table{border-collapse:separate;border-spacing:0;font-size:13px;width:max-content;min-width:100%}"
+    "table{border-collapse:separate;border-spacing:0;font-size:13px;width:100%}"
     "th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;vertical-align:top;"
     "font-variant-numeric:tabular-nums;white-space:nowrap}"
     "th{background:#f3f4f6;font-weight:600;position:sticky;top:0;white-space:normal;min-width:4em;"
@@ -1166,7 +1325,7 @@ def _td(field, value):
     if field.endswith("_ms"):
         return f"<td>{_ms(value)}</td>"
     if field in _TEXT_FIELDS:
-        return f'<td class="t">{_e(value)}</td>'
+        return f'<td class="t{" w" if field in ("why", "base_url") else ""}">{_e(value)}</td>'
     bad = ' class="bad"' if field in ("failed", "malformed", "tools_denied", "errors") and value else ""
     return f"<td{bad}>{_num(value)}</td>"
 
@@ -1189,7 +1348,7 @@ def _model_cell(colours):
 
 
 def _models_section(rows, by_day, colours, totals):
-    cols = [c for c in MODEL_COLUMNS if by_day or c != "day"]
+    cols = [c for c in _HTML_MODEL_COLUMNS if by_day or c != "day"]
     rank = {key: i for i, key in enumerate(sorted(totals, key=lambda k: (-totals[k], str(k[0]), str(k[1]))))}
     ordered = sorted(range(len(rows)), key=lambda i: (rank.get((rows[i]["request_model"], rows[i]["base_url"]),
                                                                len(rank)), i))
@@ -1197,7 +1356,8 @@ def _models_section(rows, by_day, colours, totals):
     out = ["<h2 id=\"models\">Models" + (" by day" if by_day else "") + "</h2>",
            '<p class="note">One row per model string (the model asked for, at its endpoint)'
            + (" and day" if by_day else "") + ", busiest first. Reported tokens are what servers said; "
-           "estimated tokens are chars/4 and are never added to them. \u2013 means nothing was reported.</p>",
+           "estimated tokens are chars/4 and are never added to them. \u2013 means nothing was reported. "
+           "OK calls, malformed payloads, minimum latency and fingerprints: --json or --csv.</p>",
            _html_table("models", cols, _MODEL_HEADINGS, shown, _model_cell(colours))]
     if len(rows) > len(shown):
         out.append(f'<p class="note">{len(rows) - len(shown):,} quieter rows are not shown here; '
@@ -1239,6 +1399,8 @@ def _per_day_section(audit, top, rest_label, totals, days):
     if not days:
         return ['<h2 id="per-day">Per day</h2><p>No model calls.</p>']
     sums = _day_sums(audit, top)
+    if len(days) == 1:
+        return _one_day(sums, top, rest_label, totals, days[0])
 
     def series(pick):
         return _series(sums, top, rest_label, days, pick)
@@ -1261,6 +1423,24 @@ def _per_day_section(audit, top, rest_label, totals, days):
            '<div class="charts">']
     out += [f"<figure><h3>{_e(title)}</h3>{svg}</figure>" for title, svg in charts]
     return out + ["</div>"]
+
+
+def _one_day(sums, top, rest_label, totals, day):
+    """One day of data: its figures per model in a table, where the per-day charts would be one dot each."""
+    head = "".join(f'<th scope="col">{_e(h)}</th>' for h in ("Model", "Calls", "Failed", "Tokens reported",
+                                                            "Tokens estimated"))
+    rows = []
+    for i, key in enumerate(top + ([None] if rest_label else [])):
+        label, colour = (_model_label(*key), _PALETTE[i]) if key else (rest_label, _GREY)
+        calls, ok, usage, reported, est = sums.get(i, {}).get(day, (0, 0, 0, 0, 0))
+        failed = f"{calls - ok:,} ({(calls - ok) / calls:.1%})" if calls else _DASH
+        rows.append(f'<tr><td class="t">{_key(colour, key is None)}{_e(label)}</td><td>{calls:,}</td>'
+                    f"<td>{failed}</td><td>{_num(reported if usage else None)}</td><td>{est:,}</td></tr>")
+    return ['<h2 id="per-day">Per day, per model</h2>', _legend(top, rest_label, totals),
+            f'<p class="note one-day">One day of data ({_e(day)}): the per-day charts start with the second day. '
+            "That day, per model:</p>",
+            f'<div class="scroll"><table class="one-day"><thead><tr>{head}</tr></thead><tbody>'
+            + "".join(rows) + "</tbody></table></div>"]
 
 
 def _error_counts(audit, days, top):
@@ -1297,15 +1477,16 @@ def _errors_section(audit, days, top, rest_label):
     colours = dict(zip(types, _ERROR_PALETTE))
     if rest:
         label = f"{len(rest):,} other error types"
-        colours[label], totals[label] = _GREY, sum(totals[name] for name in rest)
+        colours[label], totals[label] = _ERROR_GREY, sum(totals[name] for name in rest)
         _fold_types(by_day, rest, label)
         _fold_types(by_series, rest, label)
         types.append(label)
     legend = "".join(f'<li data-error-type="{_e(t)}">{_key(colours[t])}{_e(t)} '
                      f'<span class="note">{totals[t]:,}</span></li>' for t in types)
-    return out + [f'<ul class="legend" data-legend="error-types">{legend}</ul>', '<div class="charts"><figure><h3>Failed calls per day, '
-                  "by error type (all models)</h3>" + _errors_chart(days, by_day, types, colours) + "</figure>"
-                  "<figure><h3>Failed calls by model and error type</h3>"
+    per_day = ("<figure><h3>Failed calls per day, by error type (all models)</h3>"
+               + _errors_chart(days, by_day, types, colours) + "</figure>") if len(days) > 1 else ""
+    return out + [f'<ul class="legend" data-legend="error-types">{legend}</ul>', '<div class="charts">' + per_day
+                  + "<figure><h3>Failed calls by model and error type</h3>"
                   + _errors_by_model_chart(audit, by_series, types, colours, top, rest_label) + "</figure></div>"]
 
 
@@ -1387,12 +1568,19 @@ def _changes_section(changes, colours):
     return out
 
 
-def _runs_section(runs):
-    out = [f'<h2 id="runs">Agent runs ({len(runs):,})</h2>']
+def _runs_section(runs, runs_url):
+    out = [f'<h2 id="runs">Agent runs ({len(runs):,})</h2>',
+           f'<p class="note">A run id links to {_e(runs_url)}ID: the timeline agent.py serve shows '
+           "(--runs-url sets where).</p>"]
     shown = runs[-_MAX_LIST_ROWS:]
     if len(runs) > len(shown):
         out.append(f'<p class="note">The latest {len(shown):,} runs; --json has all {len(runs):,}.</p>')
-    return out + [_html_table("runs", list(RUN_COLUMNS), _RUN_HEADINGS, shown)]
+
+    def run_cell(row):  # only an id of agent.py's own shape becomes a link
+        if not rl._OUR_RUN_ID_RE.match(row["run_id"]):
+            return _td("run_id", row["run_id"])
+        return f'<td class="t"><a href="{_e(runs_url + row["run_id"])}">{_e(row["run_id"])}</a></td>'
+    return out + [_html_table("runs", list(_HTML_RUN_COLUMNS), _RUN_HEADINGS, shown, run_cell)]
 
 
 def _ledgers_section(ledgers):
@@ -1413,10 +1601,14 @@ def _warnings(audit, verified):
     if audit.folded:
         out.append(f'<p class="warn">warning: more than {MAX_MODEL_STRINGS:,} model strings; {audit.folded:,} '
                    f"calls are counted under {_e(OTHER)}</p>")
+    for item in audit.unlisted():
+        out.append(f'<p class="warn unlisted">not listed: {_e(item["request_model"])} @ {_e(item["base_url"])} '
+                   f'({item["calls"]:,} calls) is not in that endpoint\'s /models list of {_e(item["listed_at"][:10])}: '
+                   "a server that answers to any model name served it.</p>")
     return out
 
 
-def render_html(audit, rows, changes, runs, verified, by_day):
+def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_RUNS_URL):
     top, rest_label, totals = _chart_models(audit)
     colours = _colours(top)
     days = _chart_days({day for (_m, _b, day) in audit.groups})
@@ -1439,7 +1631,7 @@ def render_html(audit, rows, changes, runs, verified, by_day):
     out += _latency_section(audit, top, rest_label)
     out += _changes_section(changes, colours)
     if runs:
-        out += _runs_section(runs)
+        out += _runs_section(runs, runs_url)
     out += _ledgers_section(audit.ledgers)
     out.append("</body></html>")
     return "\n".join(out) + "\n"
@@ -1464,7 +1656,11 @@ def _build_parser():
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="machine-readable output, stable keys")
     out.add_argument("--csv", action="store_true", help="the model table as CSV")
+    p.add_argument("--wide", action="store_true", help=f"every column, names whole (default: fit {TEXT_WIDTH} columns)")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained page with charts")
+    p.add_argument("--runs-url", default=DEFAULT_RUNS_URL, metavar="URL",
+                   help="with --html: run ids link to URL + id, for example the daemon's "
+                        f"http://HOST:PORT/runs/ (default {DEFAULT_RUNS_URL!r}, relative to the page)")
     p.add_argument("--no-verify", action="store_true", help="audit without checking the chain (marked UNVERIFIED)")
     p.add_argument("--fail-on-change", action="store_true", help="exit 4 when the Changes section is not empty")
     p.add_argument("--latency-shift", type=float, default=DEFAULT_LATENCY_SHIFT,
@@ -1525,13 +1721,14 @@ def _run(args):
     runs = audit.run_rows()
     verified = not args.no_verify
     if args.html:
-        Path(args.html).write_text(render_html(audit, rows, changes, runs, verified, by_day), encoding="utf-8")
+        page = render_html(audit, rows, changes, runs, verified, by_day, runs_url=args.runs_url)
+        Path(args.html).write_text(page, encoding="utf-8")
     if args.json:
         rl.write_out(render_json(audit, rows, changes, runs, verified, by_day))
     elif args.csv:
         render_csv(rows, _OutStream())
     else:
-        rl.write_out(render_text(audit, rows, changes, runs, verified, by_day))
+        rl.write_out(render_text(audit, rows, changes, runs, verified, by_day, wide=args.wide))
     if args.fail_on_change and changes:
         rl.error(f"{len(changes)} change(s) found")
         return rl.EXIT_CHANGED

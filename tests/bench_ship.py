@@ -61,12 +61,11 @@ def _ledger(path, lines):
 
 def _rows_file(ledger, out):
     """The rows `ship` sends for this ledger, one JSON object a line: the floor's input."""
-    prefix = '{"ledger_id":"%s","host":%s,"path":%s' % (
-        rl._first_line_id(ledger), rl._dumps("bench"), rl._dumps(os.path.abspath(ledger)))
+    base = {"ledger_id": rl._first_line_id(ledger), "host": "bench", "path": os.path.abspath(ledger)}
     now = int(time.time())
     with open(out, "wb") as handle:
         for event, body, digest in rl.iter_lines(ledger, key=b""):
-            handle.write(rl._row(prefix, event, body, digest, now) + b"\n")
+            handle.write(rl._row(base, event, body, digest, now))
 
 
 def _timed(cmd, **kwargs):

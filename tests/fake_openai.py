@@ -24,6 +24,7 @@ ANSWER = "The answer is 4."
 USAGE = {"prompt_tokens": 21, "completion_tokens": 6, "total_tokens": 27,
          "prompt_tokens_details": {"cached_tokens": 3}, "completion_tokens_details": {"reasoning_tokens": 2}}
 MODELS = ["fake-model", "fake-model-large"]
+CLI_MODELS = ["stand-in-model"]  # what `python tests/fake_openai.py` lists: the MODEL_ID README.md uses
 
 
 def _completion(model, answer=ANSWER, usage=USAGE, served=None, finish="stop"):
@@ -102,7 +103,7 @@ class Handler(BaseHTTPRequestHandler):
         if scenario.get("name") == "http_401":
             return self._error(401, "Incorrect API key provided", "invalid_api_key")
         self._send(200, {"object": "list", "data": [{"id": m, "object": "model", "owned_by": "fake"}
-                                                    for m in scenario.get("models", MODELS)]})
+                                                    for m in scenario.get("models", fake.models)]})
 
     def do_POST(self):
         fake = self.server.fake
@@ -189,11 +190,12 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class FakeServer:
-    def __init__(self, host="127.0.0.1", port=0, api_key=None):
+    def __init__(self, host="127.0.0.1", port=0, api_key=None, models=MODELS):
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
         self.httpd.fake = self
         self.api_key = api_key
+        self.models = models
         self.scenarios = []
         self.requests = []
         self.count = 0
@@ -240,12 +242,12 @@ def main(argv=None):
     parser.add_argument("port", nargs="?", type=int, default=0, help="the port (default: any free one)")
     args = parser.parse_args(argv)
     try:
-        server = FakeServer(port=args.port)
+        server = FakeServer(port=args.port, models=CLI_MODELS)
     except OSError as exc:
         print(f"error: cannot listen on 127.0.0.1:{args.port}: {exc.strerror}", file=sys.stderr)
         return 2
-    print(f"fake OpenAI-compatible server at {server.base_url} (any API_KEY, any MODEL_ID; Ctrl-C stops it)",
-          flush=True)
+    print(f"fake OpenAI-compatible server at {server.base_url} (any API_KEY; it lists {', '.join(CLI_MODELS)} "
+          "but answers to any MODEL_ID; Ctrl-C stops it)", flush=True)
     try:
         server.httpd.serve_forever()
     except KeyboardInterrupt:

@@ -71,17 +71,18 @@ def test_json_matches_the_text_table(tmp_path, server):
     calls(ledger, server, DAY1, ["ok", "no_usage", "http_404"])
     calls(ledger, server, DAY2, ["ok", "ok"], model="fake-model-large")
     data = audit_json(ledger, "--by", "day")
-    text = audit(ledger, "--by", "day").out.splitlines()
+    text = audit(ledger, "--by", "day", "--wide").out.splitlines()
     header = next(line for line in text if line.startswith("model "))
-    names = header.replace("latency_ms min/p50/p95/max", "latency").split()
+    names = header.split()
     for row in data["models"]:
         line = next(l for l in text if l.startswith(row["request_model"] + " ") and row["day"] in l)
         cells = dict(zip(names, line.split()))
         for column in ("calls", "ok", "failed", "no_usage"):
             assert int(cells[column].replace(",", "")) == row[column], column
-        assert cells["passed/checked"] == (f"{row['passed']}/{row['checked']}" if row["checked"] else "-")
+        assert cells["checks"] == (f"{row['passed']}/{row['checked']}" if row["checked"] else "-")
         assert cells["in_tok"] == (f"{row['input_tokens']:,}" if row["input_tokens"] is not None else "-")
-        assert cells["latency"].split("/")[1] == f"{row['latency_p50_ms']:.0f}"
+        for q in ("min", "p50", "p95", "max"):
+            assert cells[f"{q}_ms"] == f"{row[f'latency_{q}_ms']:,.0f}"
 
 
 def test_csv_has_one_row_per_group(tmp_path, server):
@@ -254,17 +255,19 @@ def test_make_drill_runs_the_prompts_and_audits(tmp_path, server):
     prompts = tmp_path / "prompts"
     shutil.copytree(ROOT / "prompts", prompts)
     env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="fake-model")
+    server.queue("ok")  # the drill's first request: the /models list
     for answer in ("17 * 23 = 391", "def add(a, b):\n    return a + b", '{"name": "Ada", "age": 36}'):
         server.queue(*[{"name": "ok", "answer": answer}] * 5)  # prompts run in name order, 5 times each
     proc = subprocess.run(["make", "-s", "-C", str(ROOT), "drill", f"LEDGER={tmp_path / 'calls.jsonl'}",
                            f"PROMPTS={prompts}"], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    events = list(rl.read_events(tmp_path / "calls.jsonl"))
+    listing, *events = rl.read_events(tmp_path / "calls.jsonl")
+    assert listing["kind"] == "models_list" and listing["payload"]["model_ids"] == ["fake-model", "fake-model-large"]
     assert len(events) == 15
     assert all(e["payload"]["check"] is True and e["payload"]["temperature"] == 0 for e in events)
     assert "fake-model" in proc.stdout and "Changes (day over day): 0" in proc.stdout
     assert "drill: 15 calls, 0 failed" in proc.stdout
-    bodies = [r["body"]["messages"][0]["content"] for r in server.requests]
+    bodies = [r["body"]["messages"][0]["content"] for r in server.requests[1:]]
     assert len(set(bodies)) == 3
 
 
@@ -383,14 +386,14 @@ def test_make_drill_stops_at_a_configuration_error(tmp_path, server):
     assert proc.returncode != 0
     assert len(error_lines(proc.stderr)) == 1 and "MODEL_ID is not set" in proc.stderr
     assert "drill: stopped: configuration error" in proc.stderr
-    assert server.requests == []
+    assert [r["method"] for r in server.requests] == ["GET"]  # the /models list; no model was asked
 
 
 @pytest.mark.skipif(not shutil.which("make"), reason="needs make")
 def test_make_drill_sums_up_and_fails_when_a_call_or_check_failed(tmp_path, server):
     prompts = tmp_path / "prompts"
     shutil.copytree(ROOT / "prompts", prompts)
-    server.queue("server_error")  # one failed call among the 15
+    server.queue("ok", "server_error")  # the /models list, then one failed call among the 3
     env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="fake-model")
     proc = subprocess.run(["make", "-s", "-C", str(ROOT), "drill", f"LEDGER={tmp_path / 'calls.jsonl'}",
                            f"PROMPTS={prompts}", "DRILL_REPEAT=1"], capture_output=True, text=True, env=env,
