@@ -16,7 +16,17 @@ waits for review, 3 the judge rejected the proposal, 7 budget exhausted, 1 error
 recorded), 6 another run holds the repository's lock, 2 usage or configuration error (no run).
 """
 
+import sys
+
+if __name__ == "__main__" and sys.platform.startswith("linux"):  # first: /proc/PID/environ and mem closed early
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0 (closes nothing to root; docs/sandbox.md)
+    except (ImportError, OSError, AttributeError):
+        pass
+
 import argparse
+import ast
 import base64
 import binascii
 import collections
@@ -33,12 +43,12 @@ import os
 import posixpath
 import re
 import selectors
+import shutil
 import signal
 import socket
 import socketserver
 import stat
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -70,8 +80,13 @@ DEFAULT_DENY = (".git/", ".env*", "*.pem", "*.key", "id_*", "*.p12", "*.pfx", "*
                 ".aws/", ".gnupg/", ".netrc", ".npmrc", ".pypirc", "*secret*", "*credential*", "*.kdbx")
 DEFAULT_BUDGET = {"max_steps": 24, "max_model_calls": 40, "max_total_tokens": 300000, "max_wall_s": 900,
                   "max_tokens_per_call": 2048, "call_timeout_s": 180, "max_context_chars": 60000}
-DEFAULT_CAPS = {"output_bytes": 16384, "timeout_s": 60}
-DEFAULT_TEST_PATHS = ("test_*.py", "*_test.py", "tests/", "test/", "*_spec.*", "spec/", "__tests__/", "*.test.*",
+DEFAULT_CAPS = {"output_bytes": 16384, "timeout_s": 60, "cpu_s": 900, "address_space_bytes": 8 << 30,
+                "file_size_bytes": 1 << 30, "open_files": 4096, "processes": 4096}
+SANDBOX_MODES = ("auto", "required", "off")
+TRIPWIRES = ("tripwire.runner_internals", "tripwire.interpreter_state", "tripwire.exit_paths",
+             "tripwire.process_control", "tripwire.packaging_metadata", "tripwire.startup_hook")
+DEFAULT_TEST_PATHS = ("test_*.py", "*_test.py", "test*.py", "tests.py", "tests/", "test/", "*_spec.*", "spec/",
+                      "__tests__/", "*.test.*",
                       "conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini",
                       "setup.cfg", "pyproject.toml", "noxfile.py", "sitecustomize.py", "usercustomize.py", "*.pth")
 MAX_TOOLS_FILE = 1024 * 1024
@@ -200,8 +215,13 @@ class Policy:
         self.budget = dict(DEFAULT_BUDGET, **data.get("budget", {}))
         self.caps = dict(DEFAULT_CAPS, **data.get("caps", {}))
         judge = data.get("judge", {})
-        self.test_paths = [(g, _glob_regex(g)) for g in judge.get("test_paths", DEFAULT_TEST_PATHS)]
+        discovery = _runner_patterns(self.test_command)  # the runner's own, whatever tools.json lists
+        self.test_paths = [(g, _glob_regex(g)) for g in list(judge.get("test_paths", DEFAULT_TEST_PATHS)) + discovery]
         self.allow_test_changes = judge.get("allow_test_changes", False)
+        self.known_answers = judge.get("known_answers", True)
+        off = judge.get("tripwires_off", [])
+        self.tripwires = () if off == ["*"] else tuple(t for t in TRIPWIRES if t not in off)
+        self.sandbox = data.get("sandbox", "auto")
         self.plugins = {name: Plugin(name, spec) for name, spec in data.get("plugins", {}).items()}
 
     def denied_by(self, path):
@@ -253,7 +273,8 @@ def _problems(data):
             return False
         return True
 
-    top = ("version", "test_command", "test_timeout_s", "builtins", "paths", "budget", "caps", "judge", "plugins")
+    top = ("version", "test_command", "test_timeout_s", "builtins", "paths", "budget", "caps", "judge", "plugins",
+           "sandbox")
     if not check_keys("tools.json", data, top, ("version", "test_command")):
         return problems
     if "version" in data and data["version"] != 1:
@@ -285,16 +306,31 @@ def _problems(data):
             number("caps.output_bytes", data["caps"]["output_bytes"], minimum=255, integer=True)
         if "timeout_s" in data["caps"]:
             number("caps.timeout_s", data["caps"]["timeout_s"])
-    if "judge" in data and check_keys("judge", data["judge"], ("test_paths", "allow_test_changes")):
-        if "test_paths" in data["judge"]:
-            strings("judge.test_paths", data["judge"]["test_paths"], nonempty=False)
-        if "allow_test_changes" in data["judge"] and type(data["judge"]["allow_test_changes"]) is not bool:
-            problems.append("judge.allow_test_changes: must be true or false")
+    _box_problems(data, problems, check_keys, number, strings)
     if "plugins" in data and check_keys("plugins", data["plugins"], ()):
         pass
     for name, spec in (data.get("plugins") or {}).items() if type(data.get("plugins")) is dict else ():
         _plugin_problems(name, spec, problems, check_keys, number, strings)
     return problems
+
+
+def _box_problems(data, problems, check_keys, number, strings):
+    """The sandbox's keys: `sandbox`, the rlimits in `caps`, and the judge's."""
+    for key in ("cpu_s", "address_space_bytes", "file_size_bytes", "open_files", "processes"):
+        if type(data.get("caps")) is dict and key in data["caps"]:
+            number(f"caps.{key}", data["caps"][key], integer=True)
+    if "sandbox" in data and data["sandbox"] not in SANDBOX_MODES:
+        problems.append(f"sandbox: must be one of {', '.join(map(repr, SANDBOX_MODES))}")
+    judge_keys = ("test_paths", "allow_test_changes", "known_answers", "tripwires_off")
+    if "judge" in data and check_keys("judge", data["judge"], judge_keys):
+        if "test_paths" in data["judge"]:
+            strings("judge.test_paths", data["judge"]["test_paths"], nonempty=False)
+        for key in ("allow_test_changes", "known_answers"):
+            if key in data["judge"] and type(data["judge"][key]) is not bool:
+                problems.append(f"judge.{key}: must be true or false")
+        off = data["judge"].get("tripwires_off", [])
+        if strings("judge.tripwires_off", off, nonempty=False) and off != ["*"] and not set(off) <= set(TRIPWIRES):
+            problems.append(f"judge.tripwires_off: names from {', '.join(TRIPWIRES)}, or [\"*\"] for all")
 
 
 def _plugin_problems(name, spec, problems, check_keys, number, strings):
@@ -468,6 +504,19 @@ def patch_files(patch):
         if name is not None and name not in files:
             files.append(name)
     return files, problems
+
+
+def diff_section_files(section):
+    """Every path one section of git's output names (its header, ---/+++, rename and copy lines); empty
+    when none can be read, so that a section of a format not understood is left out, never shown."""
+    files, _problems = patch_files(section)
+    header = section.split("\n", 1)[0]
+    match = re.match(r"diff --(?:cc|combined) (.+)", header)
+    if match:
+        files.append(_diff_path(match.group(1), prefixed=False))
+    elif not header.startswith("diff --git "):
+        return []
+    return [f for f in files if f]
 
 
 def _diff_path(text, prefixed=True):
@@ -832,16 +881,25 @@ def _walk_files(root):
             yield posixpath.normpath(posixpath.join(rel_base.replace(os.sep, "/"), name))
 
 
-def repo_secrets(repo):
+_ENV_PATHSPECS = (":(glob,icase)**/.env*", ":(glob,icase)**/.env*/**")
+
+
+def repo_secrets(repo, commit=None):
     """The values in the repository's .env* files (and files under .env* directories; tracked, untracked
-    or ignored), to mask everywhere."""
-    listing = git(repo, "ls-files", "-z", "--cached", "--others", "--", ":(glob,icase)**/.env*",
-                  ":(glob,icase)**/.env*/**", check=False)
+    or ignored), and in those of `commit` and its parents (what `git show` of it prints), to mask everywhere."""
+    listing = git(repo, "ls-files", "-z", "--cached", "--others", "--", *_ENV_PATHSPECS, check=False)
+    texts = [_read_plain_file(Path(repo) / os.fsdecode(raw), 256 * 1024)
+             for raw in list(dict.fromkeys(listing.split(b"\0")))[:200] if raw]
+    commits = git(repo, "rev-list", "--no-walk", f"{commit}", f"{commit}^@", check=False).split() if commit else []
+    for rev in commits[:16]:  # ls-tree takes no pathspec magic: every path, each component looked at
+        entries = (e.split(b"\t", 1) for e in git(repo, "ls-tree", "-r", "-z", rev.decode(), check=False).split(b"\0")
+                   if b"\t" in e)
+        blobs = [meta.split()[2].decode() for meta, path in entries if meta.split()[1:2] == [b"blob"] and
+                 any(part.lower().startswith(b".env") for part in path.split(b"/"))]
+        texts += [git(repo, "cat-file", "blob", blob, check=False)[:256 * 1024] for blob in blobs[:200]]
     values = []
-    for raw in list(dict.fromkeys(listing.split(b"\0")))[:200]:
-        if raw:
-            text = _read_plain_file(Path(repo) / os.fsdecode(raw), 256 * 1024)
-            values += dotenv_values((text or b"").decode("utf-8", "replace"))
+    for text in texts:
+        values += dotenv_values((text or b"").decode("utf-8", "replace"))
     return [value for value in dict.fromkeys(values) if value]
 
 
@@ -914,20 +972,170 @@ def _child_env():
             if name not in _SETTINGS and not rl.is_secret_env_name(name)}
 
 
-def _no_dumps():
-    """Make this process undumpable (Linux): its /proc/<pid>/environ and memory are then closed to other
-    processes of the same user, so a test or a patch the host runs cannot read the API key from its
-    parent. (Root can still read them; run the agent as an unprivileged user.)"""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes  # only for this one call
+def _subreaper():
+    """Make this process a child subreaper (Linux): whatever a program it runs detaches (setsid, a double
+    fork) comes back to it as a child when its parent dies, so run_program can kill it."""
+    global _REAPING
+    if sys.platform.startswith("linux"):
+        import ctypes  # only for this one call
+        try:
+            _REAPING = ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+        except (OSError, AttributeError):
+            pass
+
+
+class SandboxError(rl.UsageError):
+    """"sandbox": "required" and bwrap does not work on this box."""
+
+
+class Sandbox:
+    """How the programs of a run are boxed: kind "bwrap", or "none" with the reason; the host paths the box
+    hides, and the rlimits every program gets either way."""
+
+    def __init__(self, kind, reason, hide, caps):
+        self.kind, self.reason, self.hide, self.caps = kind, reason, [str(p) for p in hide], caps
+        self.bwrap = shutil.which("bwrap") if kind == "bwrap" else None
+
+    def record(self):
+        return {"sandbox": self.kind, **({"sandbox_reason": self.reason} if self.kind == "none" else {})}
+
+    def limit(self):
+        """preexec_fn: the rlimits, in the child before it runs the program."""
+        import resource
+        for name, key in (("RLIMIT_CPU", "cpu_s"), ("RLIMIT_AS", "address_space_bytes"),
+                          ("RLIMIT_FSIZE", "file_size_bytes"), ("RLIMIT_NOFILE", "open_files"),
+                          ("RLIMIT_NPROC", "processes"), ("RLIMIT_CORE", None)):
+            which = getattr(resource, name)
+            _soft, hard = resource.getrlimit(which)
+            value = self.caps[key] if key else 0
+            value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+            resource.setrlimit(which, (value, value))
+
+    def wrap(self, program, argv, cwd, env, writable=()):
+        """bwrap's argv for `program` (resolved already): no network, its own pid namespace, the host read-only
+        with HOME, the repository, the runs and lock directories and the settings files hidden, private /tmp,
+        /var/tmp, /dev/shm and /run, the interpreter's tree visible again, and only cwd and `writable` written."""
+        args = [self.bwrap, "--die-with-parent", "--new-session", "--unshare-all", "--cap-drop", "ALL",
+                "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
+        for path in self.hide:
+            if os.path.isdir(path):
+                args += ["--tmpfs", path]
+            elif os.path.exists(path):
+                args += ["--ro-bind", "/dev/null", path]
+        for path in ("/tmp", "/var/tmp", "/dev/shm", "/run"):
+            args += ["--tmpfs", path]
+        for path in _program_roots(program, env, self.hide):
+            args += ["--ro-bind", path, path]
+        for path in [str(cwd)] + [str(p) for p in writable]:  # after the private /tmp: they usually live there
+            args += ["--bind", path, path]
+        return args + ["--chdir", str(cwd), "--", program] + list(argv[1:])
+
+
+def _hidden_paths(repo, runs_dir):
+    """What a boxed program must not see: HOME, the repository, the runs and lock directories, and every
+    file a setting names (WEBHOOK_SECRET_FILE and the like)."""
+    hidden = [os.path.expanduser("~"), repo, runs_dir, _lock_dir()]
+    hidden += [os.environ[n] for n in os.environ if n.endswith("_FILE") and os.path.isfile(os.environ[n])]
+    return [p for p in (os.path.realpath(h) for h in hidden if h) if p != "/"]  # HOME=/ hides nothing
+
+
+def _program_roots(program, env, hidden):
+    """The trees a program needs that the box hides: for one under HOME, the top directory under HOME it
+    lives in (a pyenv shim needs the whole pyenv root), for its real path and a venv's base interpreter too;
+    and ~/.local (user site-packages). Never the repository, the runs or the lock directory."""
+    home = os.path.realpath(os.path.expanduser("~"))
+    places = [os.path.dirname(program), os.path.dirname(os.path.realpath(program)), env.get("PYENV_ROOT") or ""]
+    cfg = Path(os.path.dirname(os.path.dirname(program))) / "pyvenv.cfg"
+    if cfg.is_file():
+        homes = [line.split("=", 1)[1].strip() for line in cfg.read_text("utf-8", "replace").splitlines()
+                 if line.split("=", 1)[0].strip() == "home" and "=" in line]
+        places += [os.path.realpath(h) for h in homes]
+    places.append(os.path.join(home, ".local"))
+    roots = []
+    for place in (os.path.realpath(p) for p in places if p and os.path.isdir(p)):
+        if not _under(place, home):
+            root = os.path.dirname(place) if _under(place, *hidden) else None
+        else:
+            root = os.path.join(home, os.path.relpath(place, home).split(os.sep)[0])
+        if root and root != home and not _under(root, *[h for h in hidden if h != home]) and root not in roots:
+            roots.append(root)
+    return roots
+
+
+def _under(path, *bases):
+    return any(path == b or path.startswith(b.rstrip(os.sep) + os.sep) for b in bases)
+
+
+def probe_sandbox(policy, hide):
+    """Once per run: does bwrap box a trivial command here? Returns a Sandbox, kind "none" with the reason
+    when it does not (require_box decides whether the run may go on)."""
+    if policy.sandbox == "off":
+        return Sandbox("none", 'tools.json sets "sandbox": "off"', hide, policy.caps)
+    box = Sandbox("bwrap", None, hide, policy.caps)
+    true = shutil.which("true")
+    if not box.bwrap or not true:
+        why = "bwrap is not installed (the Debian package bubblewrap)"
+    else:
+        with tempfile.TemporaryDirectory(prefix="agent-probe-") as cwd:
+            try:
+                proc = subprocess.run(box.wrap(true, [true], cwd, _child_env()), stdin=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+                why = None if proc.returncode == 0 else (
+                    f"bwrap does not work here (exit {proc.returncode}: "
+                    f"{proc.stdout.decode('utf-8', 'replace').strip()[:300]})")
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                why = f"bwrap does not work here: {rl.error_text(exc)}"
+    return box if why is None else Sandbox("none", why, hide, policy.caps)
+
+
+def require_box(box, policy):
+    """Raise SandboxError when tools.json requires bwrap and the probe found none."""
+    if box.kind == "none" and policy.sandbox == "required":
+        raise SandboxError(f'tools.json sets "sandbox": "required" but {box.reason}; install bubblewrap (apt-get '
+                           f'install bubblewrap) where user namespaces work, or set "sandbox": "auto" in tools.json')
+
+
+def _children():
+    """This process's children, from /proc (Linux); empty elsewhere."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
-    except (OSError, AttributeError):
-        pass
+        tasks = os.listdir(f"/proc/{os.getpid()}/task")
+    except OSError:
+        return set()
+    found = set()
+    for tid in tasks:
+        try:
+            with open(f"/proc/{os.getpid()}/task/{tid}/children") as handle:
+                found.update(int(pid) for pid in handle.read().split())
+        except OSError:
+            continue
+    return found
+
+
+def _kill_strays(known):
+    """Kill and reap every child not in `known`, round after round, until none is left: as a subreaper,
+    the host gets back whatever the program detached, whatever session or group it moved to, and a killed
+    stray's own children come back in turn. Returns how many were killed."""
+    killed = 0
+    for _round in range(1000):
+        strays = _children() - known
+        if not strays:
+            break
+        for pid in strays:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in strays:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
+        killed += len(strays)
+    return killed
 
 
 _CHILDREN = set()  # process groups running now, killed when the run is terminated
+_REAPING = False  # this process is a child subreaper: run_program kills what a program left behind
 
 
 class Output:
@@ -936,6 +1144,7 @@ class Output:
     def __init__(self, returncode, head, tail, size, duration_ms, timed_out=False, error=None, errno=None):
         self.returncode, self.head, self.tail, self.size = returncode, head, tail, size
         self.duration_ms, self.timed_out, self.error, self.errno = duration_ms, timed_out, error, errno
+        self.sandbox = None  # a boxed program's record: {"sandbox": "bwrap"} or "none" with its reason
 
     def text(self, cap):
         """Head and tail within `cap` bytes, saying how much was cut."""
@@ -954,34 +1163,60 @@ class Output:
         return data
 
 
-def run_program(argv, cwd, timeout, env=None, input=None, keep=MAX_ARTIFACT_BYTES, tail_keep=65536):
-    """Run argv (no shell) in its own process group; kill the group on timeout, and whatever it left running
-    once it exits. Output (stdout and stderr together) is read as it comes, in this thread: at most `keep`
-    bytes of head and `tail_keep` of tail are held."""
+def run_program(argv, cwd, timeout, env=None, input=None, keep=MAX_ARTIFACT_BYTES, tail_keep=65536, box=None,
+                writable=()):
+    """Run argv (no shell) in its own process group, with `box`'s rlimits and in its bwrap when it has one
+    (only the judge itself runs unboxed); kill the group on timeout, and whatever it left running once it
+    exits. Output (stdout and stderr together) is read as it comes, in this thread: at most `keep` bytes of
+    head and `tail_keep` of tail are held."""
     started = time.monotonic()
     deadline = started + timeout
+    env = env if env is not None else _child_env()
+    known = _children() if _REAPING else set()
     try:
-        proc = subprocess.Popen(argv, cwd=str(cwd), stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=env if env is not None else _child_env(), start_new_session=True, close_fds=True)
+        command = _boxed(argv, cwd, env, box, writable)
+        proc = subprocess.Popen(command, cwd=str(cwd),
+                                stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True, close_fds=True,
+                                preexec_fn=box.limit if box else None)
     except OSError as exc:
-        return Output(None, f"cannot run {argv[0]}: {rl.error_text(exc)}".encode(), b"", 0,
-                      round((time.monotonic() - started) * 1000, 1), error=rl.error_text(exc), errno=exc.errno)
+        failed = Output(None, f"cannot run {argv[0]}: {rl.error_text(exc)}".encode(), b"", 0,
+                        round((time.monotonic() - started) * 1000, 1), error=rl.error_text(exc), errno=exc.errno)
+        failed.sandbox = box.record() if box else None
+        return failed
     _CHILDREN.add(proc.pid)
     if input is not None:
         threading.Thread(target=_feed_stdin, args=(proc.stdin, input), daemon=True).start()
-    box = {"head": bytearray(), "tail": bytearray(), "size": 0}
+    held = {"head": bytearray(), "tail": bytearray(), "size": 0}
     timed_out = False
     try:
-        timed_out = _read_until_exit(proc, deadline, box, keep, tail_keep)
+        timed_out = _read_until_exit(proc, deadline, held, keep, tail_keep)
     finally:
         _kill_group(proc.pid)  # on a timeout, and any background child left holding the output open
         proc.wait()
-        _drain(proc.stdout.fileno(), box, keep, tail_keep)
+        _drain(proc.stdout.fileno(), held, keep, tail_keep)
         proc.stdout.close()
         _CHILDREN.discard(proc.pid)
-    return Output(None if timed_out else proc.returncode, bytes(box["head"]), bytes(box["tail"]), box["size"],
-                  round((time.monotonic() - started) * 1000, 1), timed_out=timed_out)
+        if _REAPING:
+            _kill_strays(known)
+    output = Output(None if timed_out else proc.returncode, bytes(held["head"]), bytes(held["tail"]), held["size"],
+                    round((time.monotonic() - started) * 1000, 1), timed_out=timed_out)
+    output.sandbox = box.record() if box else None
+    return output
+
+
+def _boxed(argv, cwd, env, box, writable):
+    """argv as run: wrapped in bwrap when the box has it, its program resolved first, so that a program that
+    does not exist or cannot run fails here as it would unboxed (not as bwrap's exit 1)."""
+    if box is None or box.kind != "bwrap":
+        return argv
+    program = os.path.join(str(cwd), argv[0]) if "/" in argv[0] else \
+        shutil.which(argv[0], path=env.get("PATH", os.defpath))
+    if not program or not os.path.exists(program):
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
+    if os.path.isdir(program) or not os.access(program, os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), argv[0])
+    return box.wrap(program, argv, cwd, env, writable)
 
 
 def _read_until_exit(proc, deadline, box, keep, tail_keep):
@@ -1098,8 +1333,9 @@ sys.exit(0 if found else 1)
 class Workspace:
     """The host's scratch copy of the repository, and the tools that run there."""
 
-    def __init__(self, repo, ref, root, policy, redactor):
+    def __init__(self, repo, ref, root, policy, redactor, box):
         self.repo, self.ref, self.root, self.policy, self.redactor = repo, ref, Path(root), policy, redactor
+        self.box = box  # every program run here: its rlimits, and its bwrap when it works
         self.env = _child_env()  # the environment does not change during a run
 
     def resolve(self, rel):
@@ -1113,7 +1349,8 @@ class Workspace:
         argv = list(self.policy.test_command)
         if junit is not None and _is_pytest(argv):
             argv += [f"--junitxml={junit}", "-p", "no:cacheprovider"]
-        return run_program(argv, root or self.root, self.policy.test_timeout_s, env=self.env)
+        return run_program(argv, root or self.root, self.policy.test_timeout_s, env=self.env, box=self.box,
+                           writable=[junit.parent] if junit is not None else ())
 
     def execute(self, tool, args):
         """Run an allowed action. Returns an Output."""
@@ -1121,7 +1358,7 @@ class Workspace:
         if tool in self.policy.plugins:
             plugin = self.policy.plugins[tool]
             return run_program(plugin.command(args), self.root, plugin.timeout_s or self.policy.caps["timeout_s"],
-                               env=self.env)
+                               env=self.env, box=self.box)
         if tool == "run_tests":
             return self.run_tests()
         if tool == "grep":
@@ -1130,7 +1367,7 @@ class Workspace:
                 return _text_output(1, "no files to search", started)
             return run_program([sys.executable, "-I", "-c", GREP_SCRIPT, args["pattern"], "500"], self.root,
                                self.policy.caps["timeout_s"], env=dict(self.env, PYTHONIOENCODING="utf-8"),
-                               input="\0".join(files).encode("utf-8", "surrogateescape"))
+                               input="\0".join(files).encode("utf-8", "surrogateescape"), box=self.box)
         if tool == "git_diff":
             text = self._git_diff()
             return _text_output(0, text or "(no changes)", started)
@@ -1164,14 +1401,18 @@ class Workspace:
         return _text_output(0, body if lines else "(empty file)", started)
 
     def _files(self, rel):
-        """Files under `rel` (a file or a directory), skipping denied paths and .git."""
+        """The files under `rel` (a file or a directory) that a tool may open: each held to the path rules
+        as read_file is, by the path it resolves to too (a symlinked directory leads elsewhere)."""
         base = self.root / rel
-        if base.is_file():
-            return [rel]
+        paths = [rel] if base.is_file() else (posixpath.normpath(posixpath.join(rel, p)) for p in sorted(
+            _walk_files(base)))
         out = []
-        for path in sorted(_walk_files(base)):
-            full = posixpath.normpath(posixpath.join(rel, path))
-            if not self.policy.denied_by(full) and not os.path.islink(self.root / full):
+        for full in paths:
+            try:
+                check_path(full, self.policy, self.resolve, {})
+            except _Deny:
+                continue
+            if not os.path.islink(self.root / full) or full == rel:
                 out.append(full)
             if len(out) >= 20000:
                 break
@@ -1193,12 +1434,10 @@ class Workspace:
         else:
             raw = git(self.repo, "diff", "--no-color", "--no-ext-diff", "--no-textconv", "HEAD",
                       check=False) if resolve_ref(self.repo, None) else b""
-        kept, skip = [], False
-        for section in re.split(rb"(?m)^(?=diff --git )", raw):
-            if section.startswith(b"diff --git "):
-                files, _problems = patch_files(section.decode("utf-8", "replace"))
-                skip = any(self.policy.denied_by(f) for f in files)
-            if not skip:
+        kept = []
+        for section in re.split(rb"(?m)^(?=diff )", raw):  # --git, --cc, --combined: every format git writes
+            files = diff_section_files(section.decode("utf-8", "replace"))
+            if files and not any(self.policy.denied_by(f) for f in files):
                 kept.append(section)
         return b"".join(kept).decode("utf-8", "replace")
 
@@ -1467,7 +1706,7 @@ def drive(world, policy, messages):
 def _step(world, policy, step, text, call, checked, budget):
     """One reply: returns what to tell the model, or the accepted patch check."""
     try:
-        action, form = parse_reply(text)
+        action, form = world.parse(step, text)
     except Malformed as bad:
         world.record("proposal_malformed", {"step": step, "reason": bad.reason, "excerpt": _excerpt(text, 500),
                                             "budget": checked, "call": call})
@@ -1492,8 +1731,11 @@ def _step(world, policy, step, text, call, checked, budget):
     if tool == "propose_patch":
         check = world.check_patch(step, args["patch"])
         if not check["applies"]:
-            world.record("patch_rejected", {"step": step, "message": check["message"],
-                                            "patch_sha256": check["patch_sha256"]})
+            rule = {"rule": check["rule"]} if check.get("rule") else {}
+            world.record("patch_rejected", dict({"step": step, "message": check["message"],
+                                                 "patch_sha256": check["patch_sha256"]}, **rule))
+            if rule:
+                return f"Refused by the host: {check['message']}. Propose the patch without it."
             return (f"The patch does not apply (git apply --check): {check['message']}\nFix the patch against the "
                     f"files as they are (read them again if needed), with the context lines around each change as "
                     f"`diff -u` writes them, and propose it again.")
@@ -1529,6 +1771,9 @@ class LiveWorld:
     def resolver(self, step):
         return self.ws.resolve
 
+    def parse(self, step, text):
+        return parse_reply(text)
+
     def ask(self, step, messages, budget, limits):
         """One model turn through ask.chat(), retried within the wall budget. Raises _Stop."""
         base_url, model, api_key = self.settings
@@ -1536,10 +1781,11 @@ class LiveWorld:
         sources = set()
         for attempt in range(CALL_RETRIES + 1 + 1):
             wall_left = limits["max_wall_s"] - self.elapsed()
-            if wall_left < 1:
+            if wall_left < 1:  # no call is made now: before the first one, the budget ran out before the model
                 raise _Stop("budget_exhausted", "budget_exhausted", {
                     "limit": "max_wall_s", "used": round(self.elapsed(), 3), "max": limits["max_wall_s"],
-                    "budget": budget.snapshot(self.elapsed()), "during": "model call"})
+                    "budget": budget.snapshot(self.elapsed()),
+                    "during": "model call" if attempt else "before model call"})
             timeout = min(limits["call_timeout_s"], wall_left)
             record = ask.chat(messages, ledger=self.run, base_url=base_url, model=model, api_key=api_key,
                               max_tokens=limits["max_tokens_per_call"], timeout=timeout, retries=0,
@@ -1570,8 +1816,9 @@ class LiveWorld:
                 break
             time.sleep(min(2.0 * (attempt + 1), max(0.0, limits["max_wall_s"] - self.elapsed() - 1)))
         code = f" ({record['error_code']})" if record["error_code"] else ""
-        raise _Stop("error", "error", {"stage": "model", "message": f"the model endpoint failed: "
-                                                                    f"{record['error_type']}{code}: {record['error_message']}",
+        raise _Stop("error", "error", {"type": "ModelEndpointError", "stage": "model",
+                                       "message": f"the model endpoint failed: {record['error_type']}{code}: "
+                                                  f"{record['error_message']}",
                                        "error_type": record["error_type"], "error_code": record["error_code"]})
 
     def execute(self, step, tool, args):
@@ -1587,7 +1834,7 @@ class LiveWorld:
                                         "timed_out": output.timed_out, "size": output.size,
                                         "sha256": hashlib.sha256(full).hexdigest(), "truncated": output.size > cap,
                                         "duration_ms": output.duration_ms, "output_artifact": artifact,
-                                        "excerpt": _excerpt(shown, 800)})
+                                        "excerpt": _excerpt(shown, 800), **(output.sandbox or {})})
         return shown
 
     def check_patch(self, step, patch):
@@ -1615,15 +1862,16 @@ class GitReading:
     """What git itself does with a patch: `paths` it touches (a rename as its old and its new path),
     `added` (new paths), and `special` (a path that becomes a symlink or a submodule)."""
 
-    def __init__(self, paths, added, special):
+    def __init__(self, paths, added, special, blobs=None):
         self.paths, self.added, self.special = paths, added, special
+        self.blobs = blobs or {}  # path -> (blob before, blob after), None where there is none
 
 
 def git_reading(tree, patch_bytes, flags, env):
     """Apply the patch to a throwaway copy of `tree`'s index (its HEAD the baseline) and read the result
     with `git diff --raw --no-renames`. Our own parse (patch_files) is a first check; this is the one the
     host's path rules and the judge trust, since git is what applies the patch. None: it does not apply."""
-    with tempfile.TemporaryDirectory(prefix="agent-index-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="agent-index-", dir=Path(tree).parent) as scratch:
         index_env = dict(env, GIT_INDEX_FILE=os.path.join(scratch, "index"))
 
         def run(*args, data=None):
@@ -1633,7 +1881,7 @@ def git_reading(tree, patch_bytes, flags, env):
             return None
         raw = run("diff", "--cached", "--raw", "-z", "--no-renames", "--no-ext-diff", "HEAD").stdout
     fields = raw.split(b"\0")
-    paths, added, special = [], [], False
+    paths, added, special, blobs = [], [], False, {}
     for meta, name in zip(fields[0::2], fields[1::2]):  # ":old_mode new_mode old_sha new_sha status", path
         parts = meta.split()
         if len(parts) < 5 or not meta.startswith(b":"):
@@ -1643,7 +1891,8 @@ def git_reading(tree, patch_bytes, flags, env):
         if parts[4] == b"A":
             added.append(path)
         special = special or parts[1] in (b"120000", b"160000")
-    return GitReading(paths, added, special)
+        blobs[path] = tuple(None if set(sha) == {48} else sha.decode() for sha in parts[2:4])  # 48: b"0"
+    return GitReading(paths, added, special, blobs)
 
 
 def check_patch(scratch, patch, redactor, policy=None, resolve=None):
@@ -1654,7 +1903,12 @@ def check_patch(scratch, patch, redactor, policy=None, resolve=None):
     patch_bytes = patch.encode("utf-8", "surrogateescape")
     result = {"applies": False, "recount": False, "message": "", "files": patch_files(patch)[0],
               "patch_sha256": hashlib.sha256(patch_bytes).hexdigest(), "proposal_sha256": None, "proposal": None}
-    with tempfile.TemporaryDirectory(prefix="agent-patch-") as work:
+    if any(value in patch for value in redactor.values):  # the proposal is written as is: refuse, never mask
+        result["rule"] = "patch.secret"
+        result["message"] = ("the patch holds the value of a secret (from the environment or a .env file); a "
+                             "patch must not (rule patch.secret)")
+        return result
+    with tempfile.TemporaryDirectory(prefix="agent-patch-", dir=Path(scratch).parent) as work:
         clone = Path(work) / "tree"
         env = _scratch_git_env(work)
         subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(scratch), str(clone)], env=env, check=True,
@@ -1671,6 +1925,10 @@ def check_patch(scratch, patch, redactor, policy=None, resolve=None):
             return result
         reading = git_reading(clone, patch_bytes, flags, env)
         refusal = _refuse_git_reading(reading, policy, resolve)
+        fired = tripwires(clone, reading, policy.tripwires, env) if policy is not None and not refusal else []
+        if fired:
+            refusal = (f"the patch trips {fired[0]['rule']} ({fired[0]['path']}: {fired[0]['what']}); a fix must "
+                       f"not need it: change the code without it (rule {fired[0]['rule']})")
         if refusal:
             result["message"] = refusal
             return result
@@ -1755,10 +2013,23 @@ def _hold_lock(path, held_message, holder_note):
     return fd
 
 
+_SIGNALS = {"armed": False, "noted": None}  # raise into the run only while armed; otherwise note the signal
+
+
 def _on_signal(signum, _frame):
+    """Kill the children, and end the run's work with _Terminated, once. While the run is being opened or
+    closed the signal is only noted, so that closing it (recording, removing temp dirs) is never cut short."""
     for pgid in list(_CHILDREN):
         _kill_group(pgid)
-    raise _Terminated(f"terminated by signal {signum} ({signal.Signals(signum).name})")
+    _SIGNALS["noted"] = _SIGNALS["noted"] or signum
+    if _SIGNALS["armed"]:
+        _SIGNALS["armed"] = False
+        raise _terminated()
+
+
+def _terminated(when=""):
+    signum = _SIGNALS["noted"]
+    return _Terminated(f"terminated by signal {signum} ({signal.Signals(signum).name}){when}")
 
 
 def run_agent(repo, *, settings, ref=None, runs_dir=DEFAULT_RUNS, tools=DEFAULT_TOOLS, max_steps=None,
@@ -1775,24 +2046,36 @@ def run_agent(repo, *, settings, ref=None, runs_dir=DEFAULT_RUNS, tools=DEFAULT_
     run_id = run_id or rl.new_run_id()
     lock = take_lock(repo, run_id)
     try:
-        secrets = [settings[2]] + repo_secrets(repo)
+        secrets = [settings[2]] + repo_secrets(repo, commit if ref else None)
         run = rl.open_run(runs_dir, run_id=run_id, secrets=secrets)
         started = time.monotonic()
-        scratch = Path(tempfile.mkdtemp(prefix=f"agent-{run.run_id}-"))
+        scratch = Path(tempfile.mkdtemp(prefix=f"agent-{run.run_id}-"))  # every temp dir of the run is in it
         try:
-            outcome, proposal = _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origin or {})
+            try:
+                _SIGNALS["armed"] = True
+                if _SIGNALS["noted"]:  # it came while the run was being opened
+                    raise _terminated()
+                outcome, proposal = _run_steps(run, repo, ref, commit, policy, settings, scratch, started,
+                                               origin or {})
+            finally:
+                _SIGNALS["armed"] = False
         except (Exception, _Terminated) as exc:  # the boundary: recorded as an event, then the run is closed
             outcome, proposal = "error", None
-            trace = run.store_artifact(traceback.format_exc())
-            run.append("error", {"type": type(exc).__name__, "message": rl.error_text(exc)[:2000],
-                                 "traceback_artifact": trace})
-        finally:
-            _remove_tree(scratch)
+            _record_error(run, exc, traceback.format_exc())
+        _remove_tree(scratch)
+        if _SIGNALS["noted"] and outcome != "error":
+            outcome, proposal = "error", None
+            _record_error(run, _terminated(" while the run was being closed"), "".join(traceback.format_stack()))
         summary = _closing_summary(run, outcome)
         run.close(outcome, **summary)
         return outcome, run.run_id, proposal
     finally:
         os.close(lock)
+
+
+def _record_error(run, exc, trace):
+    run.append("error", {"type": type(exc).__name__, "message": rl.error_text(exc)[:2000],
+                         "traceback_artifact": run.store_artifact(trace)})
 
 
 def _closing_summary(run, outcome):
@@ -1804,7 +2087,6 @@ def _closing_summary(run, outcome):
 
 
 def _remove_tree(path):
-    import shutil  # only at the end of a run
     for base, dirs, _files in os.walk(path):
         for name in dirs:  # a test may have left a read-only directory behind (never chmod through a link)
             full = os.path.join(base, name)
@@ -1821,14 +2103,16 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
     tree = scratch / "tree"
     digest = snapshot(repo, commit if ref else None, tree)
     dirty = bool(git_state_short(repo)) if not ref else False
-    tools_ref = run.store_artifact(policy.text)
+    tools_ref = _exact_artifact(run, policy.text, "tools.json")
+    box = probe_sandbox(policy, _hidden_paths(repo, run.dir.parent))
     run.append("run_started", {
         "repo": str(repo), "ref": ref, "commit": commit, "dirty": dirty, "tree_digest": digest,
         "tools_path": policy.source, "tools_sha256": policy.sha256, "tools_artifact": tools_ref,
         "model": model, "base_url": ask.split_base_url(base_url)[1], "budget": policy.budget,
         "test_command": policy.test_command, "agent_version": __version__,
-        "python": sys.version.split()[0], **origin})
-    workspace = Workspace(repo, commit if ref else None, tree, policy, run.ledger.redactor)
+        "python": sys.version.split()[0], **box.record(), **origin})
+    require_box(box, policy)
+    workspace = Workspace(repo, commit if ref else None, tree, policy, run.ledger.redactor, box)
     baseline = _tests(run, workspace, "tests_run", scratch)
     broken = _test_command_broken(policy.test_command, baseline)
     if broken:
@@ -1850,13 +2134,20 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
         return stop.outcome, None
     if outcome != "proposal":
         return outcome, None
-    proposal = rl.Redactor(run.ledger.redactor.values).text(check["proposal"].decode("utf-8", "surrogateescape"))
-    path = run.dir / PROPOSAL_NAME  # after the decision that accepted it
+    path = run.dir / PROPOSAL_NAME  # after the decision that accepted it: its exact bytes, never masked
     fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8", errors="surrogateescape") as handle:
-        handle.write(proposal)
-    verdict = _judge_in_child(run, policy)
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(check["proposal"])
+    verdict = _judge_in_child(run, policy, scratch, box)
     return ("proposal_accepted" if verdict == "accept" else "proposal_rejected_by_judge"), path
+
+
+def _exact_artifact(run, text, what):
+    """Store text the host (or a human) will use again byte for byte, so never masked: masking a secret
+    shape would change what it means. A known secret value in it is refused instead of written."""
+    if any(value in text for value in run.ledger.redactor.values):
+        raise rl.UsageError(f"{what} holds the value of a secret (the value is not shown); it cannot be recorded")
+    return run.store_artifact(text, redact_secrets=False)
 
 
 def git_state_short(repo):
@@ -1866,13 +2157,14 @@ def git_state_short(repo):
 def _tests(run, workspace, kind, scratch, root=None):
     """Run the test command; record `kind` with the exit code, duration, output (artifact and excerpt) and,
     for pytest, every test's outcome."""
-    junit = scratch / f"junit-{kind}-{time.monotonic_ns()}.xml"
+    junit = scratch / "out" / f"junit-{kind}-{time.monotonic_ns()}.xml"  # out/: the one host dir a box writes
+    junit.parent.mkdir(exist_ok=True)
     output = workspace.run_tests(root=root, junit=junit)
     outcomes = junit_outcomes(junit) if junit.exists() else None
     payload = {"command": workspace.policy.test_command, "returncode": output.returncode,
                "passed": output.returncode == 0, "timed_out": output.timed_out, "duration_ms": output.duration_ms,
                "size": output.size, "output_artifact": run.store_artifact(output.artifact_bytes()),
-               "excerpt": _excerpt(run.ledger.redactor.text(output.text(EXCERPT_BYTES * 2)))}
+               "excerpt": _excerpt(run.ledger.redactor.text(output.text(EXCERPT_BYTES * 2))), **output.sandbox}
     if outcomes is not None:
         payload["outcomes_artifact"] = run.store_artifact(json.dumps(outcomes, sort_keys=True, indent=0))
         payload["counts"] = {k: sum(1 for v in outcomes.values() if v == k) for k in
@@ -1909,12 +2201,16 @@ def _test_command_broken(command, baseline):
     return None
 
 
-def _judge_in_child(run, policy):
-    """The judge runs as its own process, reading only the run's ledger and artifacts. The ledger key and
-    the values to mask reach it on stdin, never in its environment, where a test could read them."""
-    given = json.dumps({"key": os.environ.get(rl.KEY_ENV) or None, "secrets": list(run.ledger.redactor.values)})
+def _judge_in_child(run, policy, scratch, box):
+    """The judge runs as its own process, unboxed (it writes the run's ledger), reading only the run's ledger
+    and artifacts; it boxes the tests as the host does. The ledger key, the values to mask and the host's
+    sandbox probe reach it on stdin, never in its environment, where a test could read them. Its temp dirs
+    are in the run's scratch dir, removed with it even when the judge is killed."""
+    given = json.dumps({"key": os.environ.get(rl.KEY_ENV) or None, "secrets": list(run.ledger.redactor.values),
+                        "sandbox": box.record()})
     argv = [sys.executable, str(Path(__file__).resolve()), "judge", str(run.dir.resolve()), "--from-host"]
-    output = run_program(argv, HERE, policy.test_timeout_s + 300, env=_child_env(), input=given.encode("utf-8"))
+    output = run_program(argv, HERE, policy.test_timeout_s + 300, env=dict(_child_env(), TMPDIR=str(scratch)),
+                         input=given.encode("utf-8"))
     verdicts = [e["payload"] for e in rl.read_events(run.ledger.path) if e["kind"] == "judge_verdict"]
     if not verdicts:
         raise RuntimeError(f"the judge did not give a verdict (exit {output.returncode}): "
@@ -1930,10 +2226,12 @@ def _artifact_text(run_dir, ref):
     return (Path(run_dir) / ref["path"]).read_bytes().decode("utf-8", "replace")
 
 
-def judge_run(run_dir, *, key=None, secrets=()):
-    """Apply the run's proposal.patch in a throwaway copy of the repository, run the tests there, and answer:
-    do they pass now, did any test that passed before now fail (or vanish), did the patch touch test files?
-    Appends judge_verdict to the run and returns it."""
+def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
+    """Apply the run's proposal.patch in a throwaway copy of the repository, run the tests there (boxed, with
+    known answers planted), and answer: do they pass now, did the runner tell the truth, did any test that
+    passed before now fail (or vanish), did the patch touch test files or trip a tripwire? `sandbox`: the
+    host's probe ({"sandbox": ..., "sandbox_reason": ...}); without it the judge probes. Appends
+    judge_verdict to the run and returns it."""
     run_dir = Path(run_dir).resolve()
     events = list(rl.read_events(run_dir / rl.EVENTS_NAME, key=key))
     decisions = [e["payload"] for e in events if e["kind"] == "decision" and e["payload"].get("stage") == "proposal"]
@@ -1949,9 +2247,15 @@ def judge_run(run_dir, *, key=None, secrets=()):
         else None
     patch = (run_dir / PROPOSAL_NAME).read_bytes()
     repo = Path(started["repo"])
-    verdict = {"verdict": "reject", "applies": False, "tests_passed": False, "reason": "", "touched_tests": [],
-               "shadows": [], "newly_failing": [], "vanished": [], "still_failing": [], "comparison": "exit codes"}
-    ledger = rl.Ledger(run_dir / rl.EVENTS_NAME, run_dir.name, key=key, secrets=list(secrets) + repo_secrets(repo))
+    hide = _hidden_paths(repo, run_dir.parent)
+    box = Sandbox(sandbox["sandbox"], sandbox.get("sandbox_reason"), hide, policy.caps) if sandbox else \
+        probe_sandbox(policy, hide)
+    require_box(box, policy)
+    verdict = {"verdict": "reject", "rule": None, "applies": False, "tests_passed": False, "reason": "",
+               "touched_tests": [], "shadows": [], "newly_failing": [], "vanished": [], "still_failing": [],
+               "comparison": "exit codes", "tripwires": [], **box.record()}
+    ledger = rl.Ledger(run_dir / rl.EVENTS_NAME, run_dir.name, key=key, secrets=list(secrets) + repo_secrets(
+        repo, started["commit"] if started.get("ref") else None))
     with tempfile.TemporaryDirectory(prefix="agent-judge-") as work:
         tree = Path(work) / "tree"
         if hashlib.sha256(patch).hexdigest() != decision.get("proposal_sha256"):
@@ -1959,35 +2263,62 @@ def judge_run(run_dir, *, key=None, secrets=()):
         elif snapshot(repo, started["commit"] if started.get("ref") else None, tree) != started["tree_digest"]:
             verdict["reason"] = "the repository changed since the run started; the judge cannot compare"
         else:
-            env = _scratch_git_env(work)
-            reading = git_reading(tree, patch, [], env) or GitReading([], [], False)
-            special = reading.special
-            verdict["touched_tests"] = [f for f in reading.paths if policy.is_test_path(f)]
-            verdict["shadows"] = [f for f in reading.added if _shadows_a_module(f)]
-            proc = subprocess.run(["git", "-C", str(tree), "apply", "-"], input=patch, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, env=env, timeout=120)
-            verdict["applies"] = proc.returncode == 0 and not special
-            if special:
-                verdict["reason"] = "git reads the patch as making a symlink or a submodule"
-            elif not verdict["applies"]:
-                verdict["reason"] = "the patch does not apply: " + proc.stdout.decode("utf-8", "replace")[-500:]
-            else:
-                junit = Path(work) / "junit.xml"
-                workspace = Workspace(repo, None, tree, policy, ledger.redactor)
-                output = workspace.run_tests(junit=junit)
-                after = junit_outcomes(junit) if junit.exists() else None
-                verdict.update(_compare(before, after, output))
-                verdict["output_artifact"] = ledger.store_artifact(output.artifact_bytes())
-                verdict["excerpt"] = _excerpt(ledger.redactor.text(output.text(EXCERPT_BYTES)), 800)
-                verdict["duration_ms"] = output.duration_ms
-                verdict["verdict"], verdict["reason"] = _rule(verdict, policy)
+            _judge_tree(Path(work), patch, policy, before, Workspace(repo, None, tree, policy, ledger.redactor, box),
+                        ledger, verdict)
     ledger.append("judge_verdict", verdict)
     ledger.close()
     return verdict
 
 
-def _compare(before, after, output):
-    found = {"tests_passed": output.returncode == 0, "returncode": output.returncode, "timed_out": output.timed_out}
+def _judge_tree(work, patch, policy, before, workspace, ledger, verdict):
+    """The judge's work in its copy: read the patch as git does, apply it, plant the known answers, run the
+    tests and rule. Fills `verdict`."""
+    tree, env = workspace.root, _scratch_git_env(work)
+    reading = git_reading(tree, patch, [], env) or GitReading([], [], False)
+    verdict["touched_tests"] = [f for f in reading.paths if policy.is_test_path(f)]
+    verdict["shadows"] = [f for f in reading.added if _shadows_a_module(f)]
+    verdict["tripwires"] = tripwires(tree, reading, policy.tripwires, env)
+    if len(policy.tripwires) < len(TRIPWIRES):
+        verdict["tripwires_off"] = [t for t in TRIPWIRES if t not in policy.tripwires]
+    proc = subprocess.run(["git", "-C", str(tree), "apply", "-"], input=patch, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, env=env, timeout=120)
+    verdict["applies"] = proc.returncode == 0 and not reading.special
+    if reading.special:
+        verdict["reason"] = "git reads the patch as making a symlink or a submodule"
+        return
+    if not verdict["applies"]:
+        verdict["reason"] = "the patch does not apply: " + proc.stdout.decode("utf-8", "replace")[-500:]
+        return
+    plants = plant_known_answers(tree, policy, before) if policy.known_answers else "off"
+    if isinstance(plants, KnownAnswers):
+        verdict["known_answers"] = "planted"
+    else:
+        verdict["known_answers"] = "off" if plants == "off" else "not planted"
+        if plants != "off":
+            verdict["known_answers_reason"] = plants
+        plants = None
+    junit = work / "out" / "junit.xml"  # out/: the one directory of the judge's that the box may write
+    junit.parent.mkdir()
+    output = workspace.run_tests(junit=junit)
+    after = junit_outcomes(junit) if junit.exists() else None
+    after, passed, subverted = plants.read(output, after) if plants else (after, None, None)
+    verdict.update(_compare(before, after, output, passed))
+    if subverted:
+        verdict["runner_subverted"] = subverted
+    text = output.artifact_bytes().decode("utf-8", "replace")
+    text = plants.label(text) if plants else text
+    verdict["output_artifact"] = ledger.store_artifact(text)
+    verdict["excerpt"] = _excerpt(ledger.redactor.text(text[:EXCERPT_BYTES // 2] + text[-EXCERPT_BYTES // 2:]
+                                                       if len(text) > EXCERPT_BYTES else text), 800)
+    verdict["duration_ms"] = output.duration_ms
+    verdict["verdict"], verdict["rule"], verdict["reason"] = _rule(verdict, policy)
+
+
+def _compare(before, after, output, passed=None):
+    """Before and after, per test where both have per-test results. `passed`: whether the tests pass, when
+    the known answers decided it (the planted failure makes the exit code 1 whatever the project's do)."""
+    found = {"tests_passed": output.returncode == 0 if passed is None else passed, "returncode": output.returncode,
+             "timed_out": output.timed_out}
     if before is not None and after is None:
         found["results_missing"] = True  # per-test results before, none now: pytest was stopped or bypassed
     if before is None or after is None:
@@ -2002,23 +2333,356 @@ def _compare(before, after, output):
 
 
 def _rule(verdict, policy):
+    """(verdict, rule, reason): the first rule that rejects, in this order, or accept."""
+    if verdict["tripwires"]:
+        first = verdict["tripwires"][0]
+        return "reject", first["rule"], f"the patch trips {first['rule']} ({first['path']}: {first['what']})"
     if verdict.get("shadows"):
-        return "reject", (f"the patch adds {', '.join(verdict['shadows'][:5])}, named like a module Python can "
-                          f"already import: run from the repository, the tests would import it instead")
+        return "reject", "judge.shadows_module", (
+            f"the patch adds {', '.join(verdict['shadows'][:5])}, named like a module Python can "
+            f"already import: run from the repository, the tests would import it instead")
     if verdict["touched_tests"] and not policy.allow_test_changes:
-        return "reject", (f"the patch changes test files or test configuration "
-                          f"({', '.join(verdict['touched_tests'][:5])}); a fix must not")
+        return "reject", "judge.test_changed", (f"the patch changes test files or test configuration "
+                                                f"({', '.join(verdict['touched_tests'][:5])}); a fix must not")
+    if verdict.get("runner_subverted"):
+        return "reject", "judge.runner_subverted", (f"the test runner did not report the judge's known answers "
+                                                    f"({verdict['runner_subverted']}): the patch subverts it")
     if verdict.get("results_missing"):
-        return "reject", ("the tests gave per-test results before the patch and none with it: the patch stops "
-                          "or bypasses the test runner")
+        return "reject", "judge.results_missing", (
+            "the tests gave per-test results before the patch and none with it: the patch stops "
+            "or bypasses the test runner")
     if verdict["vanished"]:
-        return "reject", f"tests that ran before are gone or skipped: {', '.join(verdict['vanished'][:5])}"
+        return "reject", "judge.tests_vanished", f"tests that ran before are gone or skipped: " \
+                                                 f"{', '.join(verdict['vanished'][:5])}"
     if verdict["newly_failing"]:
-        return "reject", f"tests that passed before now fail: {', '.join(verdict['newly_failing'][:5])}"
+        return "reject", "judge.newly_failing", f"tests that passed before now fail: " \
+                                                f"{', '.join(verdict['newly_failing'][:5])}"
     if not verdict["tests_passed"]:
-        return "reject", ("the tests time out with the patch" if verdict.get("timed_out") else
-                          f"the tests still fail with the patch (exit {verdict.get('returncode')})")
-    return "accept", "the patch applies, the tests pass, no test that passed before fails, no test file changed"
+        return "reject", "judge.tests_fail", ("the tests time out with the patch" if verdict.get("timed_out") else
+                                              f"the tests still fail with the patch (exit {verdict.get('returncode')})")
+    return "accept", None, "the patch applies, the tests pass, no test that passed before fails, no test file changed"
+
+
+# -- known answers: a test that must fail and one that must pass, planted in the judge's copy only -------
+
+_PYTEST_VALUE_OPTS = {"-p", "-c", "-o", "-W", "-r", "--rootdir", "--confcutdir", "--basetemp", "--tb", "--ignore",
+                      "--ignore-glob", "--junitxml", "--junit-xml", "--override-ini", "--import-mode", "--durations",
+                      "--color", "--capture", "--log-level", "--cov"}
+_DESELECTING = {"-k", "-m", "--lf", "--last-failed", "--deselect", "-x", "--exitfirst", "--maxfail", "--sw",
+                "--stepwise", "--random-order", "--random-order-bucket", "--random-order-seed", "-f", "--failfast",
+                "-p randomly", "-p random_order"}
+
+
+def _runner(argv):
+    """("pytest" | "unittest" | None, the arguments after the runner's name)."""
+    if _is_pytest(argv):
+        return "pytest", argv[argv.index("pytest") + 1:] if "pytest" in argv else argv[1:]
+    for index, arg in enumerate(argv[1:], 1):
+        if arg == "-m":
+            return ("unittest", argv[index + 2:]) if argv[index + 1:index + 2] == ["unittest"] else (None, [])
+        if not arg.startswith("-"):
+            break
+    return None, []
+
+
+def _unittest_discovery(args):
+    """(start directory, pattern, why nothing can be planted or None) of `python -m unittest ARGS`."""
+    start, pattern, rest = ".", "test*.py", list(args)
+    if rest[:1] == ["discover"]:
+        rest, positional, index = rest[1:], [], 0
+        while index < len(rest):
+            arg = rest[index]
+            if arg in ("-s", "--start-directory", "-p", "--pattern", "-t", "--top-level-directory", "-k"):
+                if arg in ("-s", "--start-directory"):
+                    start = rest[index + 1] if index + 1 < len(rest) else start
+                elif arg in ("-p", "--pattern"):
+                    pattern = rest[index + 1] if index + 1 < len(rest) else pattern
+                elif arg == "-k":
+                    return start, pattern, "-k can deselect the known answers"
+                index += 2
+                continue
+            if not arg.startswith("-"):
+                positional.append(arg)
+            elif arg in _DESELECTING:
+                return start, pattern, f"{arg} can stop the run before the known answers run"
+            index += 1
+        start, pattern = (positional + [start])[0], (positional[1:] + [pattern])[0]
+    elif any(not a.startswith("-") for a in rest):
+        return start, pattern, "the test command names test modules"
+    elif any(a in _DESELECTING or a == "-k" for a in rest):
+        return start, pattern, "the test command can deselect or stop before the known answers"
+    return start, pattern, None
+
+
+def _runner_patterns(argv):
+    """The test runner's own discovery patterns, which count as test files whatever tools.json lists."""
+    runner, args = _runner(argv)
+    if runner == "pytest":
+        return ["test_*.py", "*_test.py", "conftest.py"]
+    if runner == "unittest":
+        return ["test*.py", "tests.py", _unittest_discovery(args)[1]]
+    return []
+
+
+def _pytest_why_not(args, tree):
+    """Why nothing can be planted for `pytest ARGS` in `tree`, or None."""
+    index = 0
+    while index < len(args):
+        arg, option = args[index], args[index].split("=", 1)[0]
+        pair = f"{arg} {args[index + 1]}" if index + 1 < len(args) else arg
+        if option in _DESELECTING or pair in _DESELECTING:
+            return f"{option} can deselect the known answers or stop before they run"
+        if option in _PYTEST_VALUE_OPTS and "=" not in arg:
+            index += 2
+            continue
+        if not arg.startswith("-") and ("::" in arg or not (tree / arg).is_dir()):
+            return "the test command names test files, modules or node ids"
+        index += 1
+    return None
+
+
+class KnownAnswers:
+    """The planted tests of one judge run: their names, the token the passing one writes, how to read them."""
+
+    def __init__(self, runner, tag, token):
+        self.runner, self.tag, self.token = runner, tag, token
+        self.fail, self.ok = f"test_known_fail_{tag}", f"test_known_pass_{tag}"
+
+    def source(self):
+        half = len(self.token) // 2  # the token is never whole in the file: only the test's run writes it
+        write = f'os.write(1, ("\\\\nknown-answer-" + "{self.token[:half]}" + "{self.token[half:]}\\\\n").encode())'
+        if self.runner == "pytest":  # plain functions, the kind pytest collects from a test file
+            return (f"import os\n\n\ndef {self.fail}():\n    assert False, 'planted by the judge: must fail'\n\n\n"
+                    f"def {self.ok}():\n    {write}\n")
+        return (f"import os\nimport unittest\n\n\nclass KnownAnswer{self.tag}(unittest.TestCase):\n"
+                f"    def {self.fail}(self):\n        self.fail('planted by the judge: must fail')\n\n"
+                f"    def {self.ok}(self):\n        {write}\n")
+
+    def read(self, output, after):
+        """(per-test results less the plants, whether the project's tests pass, why the runner is not
+        believed or None)."""
+        if output.timed_out:
+            return after, False, None
+        text = (output.head + output.tail).decode("utf-8", "replace")
+        if self.runner == "pytest":
+            mine = {t: o for t, o in (after or {}).items() if t.endswith((f"::{self.fail}", f"::{self.ok}"))}
+            rest = None if after is None else {t: o for t, o in after.items() if t not in mine}
+            got = {t.rsplit("::", 1)[1]: o for t, o in mine.items()}
+            ok = got.get(self.fail) == "failed" and got.get(self.ok) == "passed" and output.returncode == 1
+            passed = ok and not any(o in ("failed", "error") for o in rest.values())
+            why = None if ok else f"planted failure {got.get(self.fail, 'missing')}, planted pass " \
+                                  f"{got.get(self.ok, 'missing')}, exit {output.returncode}"
+            return rest, passed, why
+        named = re.findall(r"(?m)^(?:FAIL|ERROR): (\S+)", text)
+        ran = re.search(r"(?m)^Ran \d+ tests? in ", text)
+        ok = named.count(self.fail) == 1 and f"known-answer-{self.token}" in text and ran and output.returncode == 1
+        why = None if ok else (f"planted failure {'reported' if self.fail in named else 'not reported'}, planted "
+                               f"pass {'ran' if f'known-answer-{self.token}' in text else 'did not run'}, "
+                               f"{'a' if ran else 'no'} Ran line, exit {output.returncode}")
+        return after, bool(ok) and named == [self.fail], why
+
+    def label(self, text):
+        """The planted lines, marked, so that a reader is not alarmed by a failure the patch did not cause."""
+        return re.sub(rf"(?m)^(?=.*(?:known_(?:fail|pass)_{self.tag}|known-answer-{self.token}|KnownAnswer{self.tag}))",
+                      "[planted by the judge] ", text)
+
+
+def plant_known_answers(tree, policy, before):
+    """Plant a must-fail and a must-pass test in the judge's copy, beside a test file the baseline collected
+    (pytest) or in unittest's start directory, named to match the runner's pattern. Returns KnownAnswers,
+    or why nothing can be planted."""
+    import fnmatch
+    runner, args = _runner(policy.test_command)
+    tag, token = os.urandom(6).hex(), os.urandom(12).hex()
+    plants = KnownAnswers(runner, tag, token)
+    if runner == "pytest":
+        why = _pytest_why_not(args, tree)
+        place = None if why else _collected_file(tree, before)
+        if why or place is None:
+            return why or "the baseline run collected no test file to plant beside"
+        base = os.path.basename(place)
+        name = f"test_zz_known_{tag}.py" if base.startswith("test") else f"zz_known_{tag}_test.py" \
+            if base.endswith("_test.py") else None
+        where = tree / os.path.dirname(place)
+    elif runner == "unittest":
+        start, pattern, why = _unittest_discovery(args)
+        if why:
+            return why
+        name = pattern.replace("*", f"_zz_known_{tag}", 1).replace("*", "").replace("?", "x")
+        name = name if fnmatch.fnmatch(name, pattern) and name.endswith(".py") and name[:-3].isidentifier() else None
+        where = tree / start
+    else:
+        return "the test runner is neither pytest nor unittest"
+    if name is None or not where.is_dir() or not _under(os.path.realpath(where), os.path.realpath(tree)):
+        return "no file name fits the runner's pattern for test files" if name is None else \
+            "the test directory is not inside the copy"
+    (where / name).write_text(plants.source(), encoding="utf-8")
+    return plants
+
+
+def _collected_file(tree, before):
+    """A test file the baseline run collected, from its JUnit class names (`tests.test_calc.TestX`)."""
+    for test_id in sorted(before or ()):
+        parts = test_id.split("::")[0].split(".")
+        for end in range(len(parts), 0, -1):
+            rel = "/".join(parts[:end]) + ".py"
+            if (tree / rel).is_file():
+                return rel
+    return None
+
+
+# -- tripwires: what a fix does not need, read from the patch (tripwires, not proof) --------------------
+
+_RUNNER_NAMES = {"_pytest", "pluggy", "TestResult", "TextTestResult", "TextTestRunner", "TestProgram"}
+_RUNNER_MODULES = {"_pytest", "pluggy", "unittest.runner", "unittest.result", "unittest.main"}
+_PROCESS_MODULES = {"signal", "_signal", "ctypes", "_ctypes", "pty"}
+_PROCESS_CALLS = {"fork", "forkpty", "setsid", "setpgrp", "setpgid", "kill", "killpg", "fork_exec"}
+_HOOK_ATTRS = {"meta_path", "path_hooks", "path_importer_cache", "settrace", "setprofile"}
+_MODULES_WRITES = {"update", "setdefault", "pop", "popitem", "clear", "__setitem__", "__delitem__"}
+
+
+def tripwires(tree, reading, enabled, env):
+    """Every enabled tripwire the patch fires: [{rule, path, what}], in TRIPWIRES order. Python files are
+    read with ast, and only what the patch adds counts (what the file already did before is the project's)."""
+    fired = []
+    for path in reading.paths:
+        parts, base = path.split("/"), path.rsplit("/", 1)[-1]
+        if any(p.endswith((".dist-info", ".egg-info")) for p in parts) or base == "entry_points.txt":
+            fired.append(("tripwire.packaging_metadata", path, "packaging metadata (a runner plug-in point)"))
+        if base.endswith(".pth") or any(p in ("sitecustomize.py", "usercustomize.py", "sitecustomize",
+                                               "usercustomize") for p in parts):
+            fired.append(("tripwire.startup_hook", path, "a file Python runs at start-up"))
+        old, new = reading.blobs.get(path, (None, None))
+        if new and path.endswith((".py", ".pyw")):
+            seen = collections.Counter(w[:2] for w in _py_tripwires(_blob(tree, old, env))) if old else {}
+            for rule, what, line in _py_tripwires(_blob(tree, new, env)):
+                if seen.get((rule, what)):
+                    seen[(rule, what)] -= 1
+                else:
+                    fired.append((rule, path, f"line {line}: {what}"))
+    fired = [f for f in fired if f[0] in enabled]
+    fired.sort(key=lambda f: TRIPWIRES.index(f[0]))
+    return [{"rule": r, "path": p, "what": w} for r, p, w in fired]
+
+
+def _blob(tree, sha, env):
+    return subprocess.run(["git", "-C", str(tree), "cat-file", "blob", sha], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, env=env, timeout=120).stdout
+
+
+def _dotted(node):
+    """`a.b.c` for a chain of attributes on a name, else None."""
+    names = []
+    while isinstance(node, ast.Attribute):
+        names.append(node.attr)
+        node = node.value
+    return ".".join([node.id] + names[::-1]) if isinstance(node, ast.Name) else None
+
+
+def _py_tripwires(source):
+    """[(rule, what, line)] in one Python file's source. See docs/sandbox.md for where each line is."""
+    try:
+        module = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []  # it does not compile: the tests say so
+    found = []
+    for node in ast.walk(module):
+        for rule, what in _node_tripwires(node):
+            found.append((rule, what, getattr(node, "lineno", 0)))
+    for node in _import_time(module.body):
+        call = node.func if isinstance(node, ast.Call) else node.exc if isinstance(node, ast.Raise) else None
+        name = _dotted(call.func if isinstance(call, ast.Call) else call) if call is not None else None
+        if name in ("sys.exit", "exit", "quit", "SystemExit", "unittest.main", "os.abort"):
+            found.append(("tripwire.exit_paths", f"{name} at import", node.lineno))
+    return found
+
+
+def _node_tripwires(node):
+    """The tripwires one ast node fires, whatever its place."""
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        base = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+        names = [base] if base else []
+        names += [f"{base}.{a.name}" if base else a.name for a in node.names]
+        for name in names:
+            top = name.split(".")[0]
+            if top in ("_pytest", "pluggy") or name in _RUNNER_MODULES or name.split(".")[-1] in _RUNNER_NAMES:
+                yield "tripwire.runner_internals", f"imports {name}"
+            elif top in _PROCESS_MODULES or name in {f"os.{c}" for c in _PROCESS_CALLS}:
+                yield "tripwire.process_control", f"imports {name}"
+            elif top == "atexit" or name in ("os._exit", "os.abort"):
+                yield "tripwire.exit_paths", f"imports {name}"
+            elif name in {f"sys.{a}" for a in _HOOK_ATTRS}:
+                yield "tripwire.interpreter_state", f"imports {name}"
+    elif isinstance(node, ast.Attribute):
+        name, root = _dotted(node) or node.attr, (_dotted(node) or "").split(".")[0]
+        if root in ("_pytest", "pluggy") or node.attr in _RUNNER_NAMES or (root == "unittest" and node.attr in
+                                                                             ("runner", "result")):
+            yield "tripwire.runner_internals", name
+        elif root in ("pytest", "unittest") and not isinstance(node.ctx, ast.Load):
+            yield "tripwire.runner_internals", f"assigns {name}"
+        if node.attr in _HOOK_ATTRS or (root in ("builtins", "__builtins__") and not isinstance(node.ctx, ast.Load)):
+            yield "tripwire.interpreter_state", name
+        if node.attr in ("_exit", "abort") and root == "os" or root == "atexit":
+            yield "tripwire.exit_paths", name
+        if node.attr in _PROCESS_CALLS and root in ("os", "pty") or root in _PROCESS_MODULES:
+            yield "tripwire.process_control", name
+    elif isinstance(node, ast.Subscript) and not isinstance(node.ctx, ast.Load):
+        if _dotted(node.value) in ("sys.modules", "__builtins__", "builtins.__dict__"):
+            yield "tripwire.interpreter_state", f"writes {_dotted(node.value)}[...]"
+    elif isinstance(node, ast.Call):
+        yield from _call_tripwires(node)
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("pytest_"):
+        yield "tripwire.runner_internals", f"defines the pytest hook {node.name}"
+    elif isinstance(node, ast.Name) and node.id == "pytest_plugins" and isinstance(node.ctx, ast.Store):
+        yield "tripwire.runner_internals", "sets pytest_plugins"
+    elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.match(r"_pytest(\.|$)", node.value):
+        yield "tripwire.runner_internals", f"names {node.value[:60]}"
+
+
+def _call_tripwires(node):
+    name = _dotted(node.func) or ""
+    if name.startswith("sys.modules.") and name.rsplit(".", 1)[1] in _MODULES_WRITES:
+        yield "tripwire.interpreter_state", f"calls {name}"
+    if name in ("setattr", "delattr") and node.args:
+        target = (_dotted(node.args[0]) or "").split(".")[0]
+        if target in ("sys", "builtins", "__builtins__"):
+            yield "tripwire.interpreter_state", f"{name} on {target}"
+        elif target in ("pytest", "unittest", "_pytest"):
+            yield "tripwire.runner_internals", f"{name} on {target}"
+    for keyword in node.keywords:
+        if keyword.arg in ("start_new_session", "preexec_fn", "process_group"):
+            yield "tripwire.process_control", f"{keyword.arg}="
+
+
+def _import_time(body):
+    """Calls and raises that run when the module is imported: module and class bodies, not function bodies,
+    and not under `if __name__ == "__main__":`."""
+    for stmt in body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(stmt, ast.If) and "__name__" in ast.dump(stmt.test) and "__main__" in ast.dump(stmt.test):
+            yield from _import_time(stmt.orelse)
+            continue
+        if isinstance(stmt, ast.Raise):
+            yield stmt
+        inner = [getattr(stmt, f, []) for f in ("body", "orelse", "finalbody", "handlers")]
+        nested = [s for block in inner for s in block if isinstance(s, ast.stmt)]
+        handlers = [s for block in inner for s in block if isinstance(s, ast.excepthandler)]
+        yield from _import_time(nested + [s for h in handlers for s in h.body])
+        for part in _shallow(stmt):
+            if isinstance(part, ast.Call):
+                yield part
+
+
+def _shallow(stmt):
+    """The expressions of a statement itself, not of its nested statements or any function or lambda."""
+    todo = [child for child in ast.iter_child_nodes(stmt) if not isinstance(child, (ast.stmt, ast.excepthandler))]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.Lambda, ast.FunctionDef)):
+            continue
+        yield node
+        todo.extend(ast.iter_child_nodes(node))
 
 
 # ----------------------------------------------------------------------------
@@ -2048,7 +2712,7 @@ class ReplayWorld:
                 self.paths.setdefault(payload["step"], {}).update(payload.get("paths") or {})
             elif kind == "patch_rejected":
                 self.checks[payload["step"]] = {"applies": False, "message": payload["message"],
-                                                "patch_sha256": payload["patch_sha256"]}
+                                                "patch_sha256": payload["patch_sha256"], "rule": payload.get("rule")}
             elif kind == "decision" and payload.get("stage") == "proposal":
                 self.checks[payload["step"]] = {"applies": True, "recount": payload["recount"],
                                                 "files": payload["files"], "patch_sha256": payload["patch_sha256"],
@@ -2080,6 +2744,14 @@ class ReplayWorld:
         self.last_call = call
         text = _artifact_text(self.run_dir, call["reply_artifact"])
         return text, call
+
+    def parse(self, step, text):
+        """The action as the live run read it: the reply is stored masked for humans, and masking can change
+        how a text parses (an `Authorization:` masks the rest of its line), so it is not parsed again."""
+        payload = self.replies[step - 1]
+        if "tool" not in payload:  # proposal_malformed
+            raise Malformed(payload["reason"])
+        return {"tool": payload["tool"], "args": payload["args"], "reason": payload["reason"]}, payload["form"]
 
     def execute(self, step, tool, args):
         return _text_output(0, "(replayed: the recorded output is in the ledger)", time.monotonic())
@@ -2191,7 +2863,7 @@ def list_runs(runs_dir):
                           else (row["est_tokens"], "estimated") if row.get("est_tokens") else (None, None))
         out.append({"run_id": run_id, "started": row.get("started"), "outcome": row.get("outcome"),
                     "steps": row.get("steps"), "tokens": tokens, "tokens_source": source,
-                    "verified": status[run_id]})
+                    "verified": status[run_id], "unboxed": _unboxed(runs_dir / run_id) is not None})
     return out
 
 
@@ -2237,6 +2909,7 @@ MAX_SIGNATURES = 16           # webhook-signature entries looked at
 MAX_EVENTS_SHOWN = 5000       # GET /runs/<id> shows at most this many events
 MAX_SHOWN_CHARS = 4000        # one value on the timeline page
 DAEMON_ENV = ("WEBHOOK_SECRET", "WEBHOOK_SECRET_FILE", "READ_TOKEN")  # never passed to a run
+PIPED_ENV = ("API_KEY", "OPENAI_API_KEY", rl.KEY_ENV)  # passed to a run on its stdin, not in its environment
 
 _DELIVERY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
 _EVENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}\Z")
@@ -2246,10 +2919,12 @@ _LENGTH_RE = re.compile(r"[0-9]{1,15}\Z")
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?\Z")
 _RUN_URL_RE = re.compile(r"/runs/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8})\Z")  # new_run_id()'s shape only
 _ARTIFACT_REF_RE = re.compile(r"artifacts/[0-9a-f]{64}\Z")
-_REASONS = {400: "Bad Request", 401: "Unauthorized", 404: "Not Found", 405: "Method Not Allowed",
+_HOST_RE = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9_.-]+))(?::[0-9]{1,5})?\Z")  # Host: name[:port], [v6][:port]
+_REASONS = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
             408: "Request Timeout", 411: "Length Required", 413: "Payload Too Large", 414: "URI Too Long",
-            415: "Unsupported Media Type", 431: "Request Header Fields Too Large", 500: "Internal Server Error",
-            501: "Not Implemented", 503: "Service Unavailable", 505: "HTTP Version Not Supported"}
+            415: "Unsupported Media Type", 421: "Misdirected Request", 431: "Request Header Fields Too Large",
+            500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable",
+            505: "HTTP Version Not Supported"}
 
 
 class Refused(Exception):
@@ -2633,6 +3308,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         webhook = path == "/webhook"
         try:
+            self.app.check_host(self.headers)
             if webhook:
                 self.claimed = _claimed_delivery(self.headers)
                 if self.command != "POST":
@@ -2843,7 +3519,8 @@ class Daemon:
     def __init__(self, repo, *, runs_dir=DEFAULT_RUNS, tools=DEFAULT_TOOLS, host=DEFAULT_HOST, port=DEFAULT_PORT,
                  secrets=(), read_token=None, max_body=DEFAULT_MAX_BODY, queue=DEFAULT_QUEUE,
                  max_connections=DEFAULT_MAX_CONNECTIONS, request_timeout=DEFAULT_REQUEST_TIMEOUT_S,
-                 grace_s=DEFAULT_GRACE_S, kill_after_s=None, fetch=False, extra_secrets=(), log=None, ship_to=None):
+                 grace_s=DEFAULT_GRACE_S, kill_after_s=None, fetch=False, extra_secrets=(), log=None, ship_to=None,
+                 allow_hosts=()):
         _check_limits(port, max_body, queue, max_connections, request_timeout, grace_s, kill_after_s)
         self.repo = repo_root(repo)
         self.tools = Path(tools).resolve()
@@ -2854,6 +3531,12 @@ class Daemon:
             rl.ClickHouse(ship_to)  # the URL's form is checked now, not once per run
         self.host, self.port = host, port
         self.loopback = is_loopback(host)
+        self.allow_hosts = [h.strip().lower().rstrip(".") for h in allow_hosts]
+        bad = [h for h in self.allow_hosts if not re.fullmatch(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)*", h)]
+        if bad:
+            raise rl.UsageError(f"--allow-host {rl.printable(bad[0])}: not a host name")
+        self.allowed_hosts = set(self.allow_hosts) | {host.strip("[]").lower()} | (
+            {"localhost", "127.0.0.1", "::1"} if self.loopback else set())
         if not self.loopback and not secrets:
             raise rl.UsageError(f"refusing to listen on {rl.printable(host)}, which is not a loopback address, "
                                 f"without a webhook secret: set WEBHOOK_SECRET or WEBHOOK_SECRET_FILE")
@@ -2870,7 +3553,8 @@ class Daemon:
         self.secrets = [s for s in list(secrets) + [read_token] + list(extra_secrets) if s]
         self.redactor = rl.Redactor(rl.secret_values(self.secrets))
         self.log = log or (lambda line: None)
-        self.child_env = {k: v for k, v in os.environ.items() if k not in DAEMON_ENV}
+        self.child_env = {k: v for k, v in os.environ.items() if k not in DAEMON_ENV + PIPED_ENV}
+        self.piped = json.dumps({k: os.environ[k] for k in PIPED_ENV if k in os.environ}).encode("utf-8")
         self.deliveries = {}            # delivery id -> run id (None for a ping), from the ledger and since
         self.queue = collections.deque()
         self.cond = threading.Condition()
@@ -2919,7 +3603,8 @@ class Daemon:
             "read_token": bool(self.read_token), "token_required": self.token_required, "max_body": self.max_body,
             "queue": self.max_queue, "max_connections": self.max_connections, "backlog": LISTEN_BACKLOG,
             "request_timeout_s": self.request_timeout, "grace_s": self.grace_s, "kill_after_s": self.kill_after_s,
-            "fetch": self.fetch, "agent_version": __version__, "python": sys.version.split()[0]})
+            "fetch": self.fetch, "allow_hosts": self.allow_hosts, "agent_version": __version__,
+            "python": sys.version.split()[0]})
         self._recover()
         self.worker = threading.Thread(target=self._work, name="worker", daemon=True)
         self.worker.start()
@@ -2984,6 +3669,31 @@ class Daemon:
     def redact(self, text):
         return self.redactor.text(text)
 
+    def check_host(self, headers):
+        """DNS rebinding: a page of another site, its name pointed at this address, reaches the daemon as
+        that site. Only a Host naming the listening address (or --allow-host) is answered, and a browser's
+        Origin must name one of them too. A client that sends no Host is not a browser. Raises Refused."""
+        host = headers.get("Host")
+        if host is not None and not self._names_us(host):
+            raise Refused(421, "bad_host", "the Host header does not name this daemon (see --allow-host)")
+        origin = headers.get("Origin")
+        if origin is not None and not (origin.lower().startswith(("http://", "https://")) and
+                                       self._names_us(origin.split("://", 1)[1].split("/", 1)[0])):
+            raise Refused(403, "bad_origin", "requests from this Origin are refused")
+
+    def _names_us(self, value):
+        match = _HOST_RE.match(value.strip().lower())
+        if not match:
+            return False
+        name = (match.group(1) or match.group(2)).rstrip(".")
+        if name in self.allowed_hosts:
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return self.host in ("0.0.0.0", "::", "")  # listening on every address: an address literal is no rebinding
+
     def connection_refused(self, remote):
         """A connection over the cap: counted, and recorded at most once every few seconds."""
         self._refused += 1
@@ -3017,7 +3727,7 @@ class Daemon:
                 received["after"] = after
             self.record("webhook_received", received)
             self.deliveries[found.delivery] = run_id
-            if found.source == "github" and run_id:
+            if found.source == "github":  # a ping's body too: the event name is not signed either
                 self.bodies[digest] = (found.delivery, run_id)
             if run_id:
                 self.queue.append({"run_id": run_id, "delivery": found.delivery, "event": event, "after": after})
@@ -3026,10 +3736,10 @@ class Daemon:
 
     def _known(self, found, event, remote, digest):
         """The answer for a redelivery or a full queue, recorded; None for a delivery to accept. Holds cond.
-        GitHub signs the body but not the delivery id, so a signed body seen before is the same delivery
-        whatever id it now claims: a captured request cannot be replayed into new runs."""
+        GitHub signs the body but not the delivery id or the event, so a signed body seen before (a ping's
+        too) is the same delivery whatever id and event it now claims: a capture cannot start new runs."""
         first = None
-        if found.source == "github" and event != "ping" and digest in self.bodies:
+        if found.source == "github" and digest in self.bodies:
             first = self.bodies[digest][0]
         if found.delivery in self.deliveries or first is not None:
             original = found.delivery if found.delivery in self.deliveries else first
@@ -3079,12 +3789,13 @@ class Daemon:
                                            "ref": ref})
             with tempfile.TemporaryFile() as output:
                 try:
-                    proc = subprocess.Popen(self._argv(item, ref), stdin=subprocess.DEVNULL, stdout=output,
+                    proc = subprocess.Popen(self._argv(item, ref), stdin=subprocess.PIPE, stdout=output,
                                             stderr=subprocess.STDOUT, env=self.child_env, cwd=str(HERE),
                                             start_new_session=True, close_fds=True)
                 except OSError as exc:
                     code, how, tail = None, "error", f"cannot start agent.py run: {rl.error_text(exc)}"
                 else:
+                    _feed_stdin(proc.stdin, self.piped)
                     code, how = self._watch(_Child(proc))
                     if code not in OUTCOME_EXIT.values():
                         output.seek(max(0, output.seek(0, os.SEEK_END) - 2000))
@@ -3105,7 +3816,7 @@ class Daemon:
     def _argv(self, item, ref):
         argv = [sys.executable, str(Path(__file__).resolve()), "run", "--repo", str(self.repo),
                 "--runs-dir", str(self.runs_dir), "--tools", str(self.tools), f"--run-id={item['run_id']}",
-                f"--delivery={item['delivery']}", f"--event={item['event']}"]
+                f"--delivery={item['delivery']}", f"--event={item['event']}", "--settings-on-stdin"]
         if self.ship_to:
             argv.append(f"--ship-to={self.ship_to}")
         return argv + ([f"--ref={ref}"] if ref else [])
@@ -3183,7 +3894,7 @@ class Daemon:
             kind, payload = event["kind"], event["payload"]
             if kind == "webhook_received" and type(payload.get("delivery")) is str:
                 self.deliveries[payload["delivery"]] = payload.get("run_id")
-                if payload.get("source") == "github" and payload.get("run_id") and payload.get("body_sha256"):
+                if payload.get("source") == "github" and payload.get("body_sha256"):
                     self.bodies[payload["body_sha256"]] = (payload["delivery"], payload["run_id"])
                 if type(payload.get("run_id")) is str:
                     received[payload["run_id"]] = payload
@@ -3396,7 +4107,9 @@ def _stderr_line(line):
 # ----------------------------------------------------------------------------
 
 def _cmd_run(args):
-    _no_dumps()
+    _subreaper()
+    if args.settings_on_stdin:  # the daemon's keys come through a pipe, never in the run's environment
+        os.environ.update(json.loads(sys.stdin.buffer.read() or b"{}"))
     settings = ask.settings_from_env()
     if args.ship_to:
         rl.ClickHouse(args.ship_to)  # a URL of the wrong form is exit 2 before the run
@@ -3406,6 +4119,9 @@ def _cmd_run(args):
     outcome, run_id, proposal = run_agent(args.repo, settings=settings, ref=args.ref, runs_dir=args.runs_dir,
                                           tools=args.tools, max_steps=args.max_steps, max_wall_s=args.max_wall_s,
                                           run_id=args.run_id, origin=origin)
+    unboxed = _unboxed(Path(args.runs_dir) / run_id)
+    if unboxed and not unboxed.startswith('tools.json sets "sandbox": "off"'):
+        rl.warn(rl.printable(f"run {run_id}: the tests and tools ran without a sandbox: {unboxed}"))
     why = _why_it_ended(Path(args.runs_dir) / run_id, outcome) if outcome in ("error", "budget_exhausted") else None
     if why:
         (rl.error if outcome == "error" else rl.warn)(why)
@@ -3429,6 +4145,18 @@ def _ship_run(client, runs_dir, run_id):
                              f"{rl.error_text(problem)}; `reasoning_ledger.py ship --all {runs_dir}` sends it later"))
 
 
+def _unboxed(run_dir):
+    """Why the run's programs ran without bwrap (its run_started says), or None when they ran in it."""
+    try:
+        for event in rl.read_events(run_dir / rl.EVENTS_NAME):
+            if event["kind"] == "run_started":
+                found = event["payload"]
+                return found.get("sandbox_reason") or "no reason recorded" if found.get("sandbox") == "none" else None
+    except (rl.LedgerError, OSError):
+        return None
+    return None
+
+
 def _why_it_ended(run_dir, outcome):
     """One stderr line for a run that ended in an error or an exhausted budget, from its own ledger."""
     try:
@@ -3440,7 +4168,8 @@ def _why_it_ended(run_dir, outcome):
     if not found:
         return None
     if kind == "error":
-        return rl.printable(f"run {run_dir.name}: {found[-1].get('type')}: {found[-1].get('message')}")[:500]
+        kind = found[-1].get("type") or found[-1].get("error_type")  # an older agent.py recorded error_type only
+        return rl.printable(f"run {run_dir.name}: {kind}: {found[-1].get('message')}")[:500]
     spent = found[-1]
     return rl.printable(f"run {run_dir.name}: budget exhausted: {spent.get('limit')} "
                         f"({spent.get('used')} of {spent.get('max')})")
@@ -3460,12 +4189,12 @@ def _cmd_check_tools(args):
 
 
 def _cmd_judge(args):
-    _no_dumps()
-    key, secrets = None, ()
-    if args.from_host:  # agent.py run hands over the ledger key and the values to mask on stdin
+    _subreaper()
+    key, secrets, box = None, (), None
+    if args.from_host:  # agent.py run hands over the ledger key, the values to mask and its probe on stdin
         given = json.loads(sys.stdin.buffer.read() or b"{}")
-        key, secrets = (given.get("key") or "").encode("utf-8"), given.get("secrets") or ()
-    verdict = judge_run(args.run_dir, key=key, secrets=secrets)
+        key, secrets, box = (given.get("key") or "").encode("utf-8"), given.get("secrets") or (), given.get("sandbox")
+    verdict = judge_run(args.run_dir, key=key, secrets=secrets, sandbox=box)
     rl.write_out(f"{verdict['verdict']}: {verdict['reason']}\n")
     return rl.EXIT_OK if verdict["verdict"] == "accept" else rl.EXIT_CHECK
 
@@ -3490,14 +4219,14 @@ def _cmd_runs(args):
     for row in rows:
         steps = "-" if row["steps"] is None else row["steps"]
         rl.write_out(rl.printable(f"{row['run_id']}  {row['started'] or '-'}  {row['outcome'] or '-':<27} "
-                                  f"steps {steps!s:<3} tokens {_tokens_cell(row):<10} {row['verified']}") + "\n")
+                                  f"steps {steps!s:<3} tokens {_tokens_cell(row):<10} {row['verified']}"
+                                  f"{'  unboxed' if row['unboxed'] else ''}") + "\n")
     if not rows:
         rl.write_out(f"no runs in {args.runs_dir}\n")
     return rl.EXIT_FAILED if any(r["verified"] != "ok" for r in rows) else rl.EXIT_OK
 
 
 def _cmd_serve(args):
-    _no_dumps()
     secrets = webhook_secrets()
     settings = ask.settings_from_env()  # every run needs them: refuse to start without, not fail each run
     token = args.read_token or os.environ.get("READ_TOKEN") or None
@@ -3505,7 +4234,8 @@ def _cmd_serve(args):
                     secrets=secrets, read_token=token, max_body=args.max_body, queue=args.queue,
                     max_connections=args.max_connections, request_timeout=args.request_timeout,
                     grace_s=args.grace_s, kill_after_s=args.kill_after_s, fetch=args.fetch,
-                    extra_secrets=[settings[2]], log=_stderr_line, ship_to=args.ship_to)
+                    extra_secrets=[settings[2]], log=_stderr_line, ship_to=args.ship_to,
+                    allow_hosts=args.allow_host or ())
     received = []
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, _frame: received.append(number))
@@ -3546,6 +4276,7 @@ def _build_parser():
     p.add_argument("--run-id", help=argparse.SUPPRESS)
     p.add_argument("--delivery", help=argparse.SUPPRESS)
     p.add_argument("--event", help=argparse.SUPPRESS)
+    p.add_argument("--settings-on-stdin", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--ship-to", metavar="URL", help="once the run is closed, ship its ledger and the index to "
                    "ClickHouse at URL (as reasoning_ledger.py ship; CLICKHOUSE_USER/CLICKHOUSE_PASSWORD)")
     p.set_defaults(func=_cmd_run)
@@ -3592,6 +4323,7 @@ def _build_parser():
     p.add_argument("--fetch", action="store_true", help="git fetch in the repository before each run")
     p.add_argument("--ship-to", metavar="URL", help="each run ships its ledger and the index to ClickHouse at URL")
     p.add_argument("--read-token", help="bearer token for /runs (prefer READ_TOKEN: arguments show in ps)")
+    p.add_argument("--allow-host", action="append", metavar="NAME", help="a Host to answer too (repeatable)")
     p.set_defaults(func=_cmd_serve)
     return parser
 

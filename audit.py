@@ -18,6 +18,8 @@ import argparse
 import csv
 import glob
 import html
+import io
+import itertools
 import json
 import math
 import os
@@ -31,14 +33,14 @@ import reasoning_ledger as rl  # noqa: E402
 
 __version__ = "1.2.0"
 
-__all__ = ["Audit", "run_audit", "find_ledgers", "percentile", "compare_days", "model_call_view",
-           "render_text", "render_json", "render_csv", "render_html", "MODEL_COLUMNS", "AuditError", "remote_audit"]
+__all__ = ["Audit", "AuditError", "run_audit", "remote_audit", "render_text", "render_json", "render_csv",
+           "render_html", "MODEL_COLUMNS"]
 
 # ----------------------------------------------------------------------------
 # Constants
 # ----------------------------------------------------------------------------
 
-DEFAULT_LEDGERS = ("calls.jsonl", "runs.jsonl")  # runs.jsonl: ask.py's default before 1.1
+DEFAULT_LEDGERS = ("calls.jsonl", "runs.jsonl")  # ask.py's default ledger, and the name it once had
 DEFAULT_RUNS = "runs"
 DEFAULT_RUNS_URL = "runs/"  # the HTML links run ids to this + id: `agent.py serve` shows a run's timeline at /runs/ID
 DEFAULT_LATENCY_SHIFT = 0.5
@@ -65,6 +67,11 @@ _READ = ("request_model", "base_url", "attempt", "error_type", "usage_status", "
          "response_model", "system_fingerprint", "check", "input_tokens", "output_tokens", "est_input_tokens",
          "est_output_tokens")
 _TYPES = {name: ask.MODEL_CALL_FIELDS[name] for name in _READ}
+
+# agent.py's event kinds that the agent-runs table reads, in one place (docs/audit.md, "Agent runs"): a step
+# is a proposal, well formed or not; the why column's kinds are in _why.
+_STEP_KINDS = ("model_proposed", "proposal_malformed")
+_RUN_COUNTS = {"tool_allowed": "tools_allowed", "tool_denied": "tools_denied", "error": "errors"}
 
 
 class AuditError(rl.UsageError):
@@ -101,11 +108,11 @@ def model_call_view(payload):
     return view, malformed
 
 
-def _count_label(counter, label):
-    """counter[label] += 1, with at most MAX_LABELS distinct labels (the rest under OTHER)."""
+def _count_label(counter, label, n=1):
+    """counter[label] += n, with at most MAX_LABELS distinct labels (the rest under OTHER)."""
     if label not in counter and len(counter) >= MAX_LABELS:
         label = OTHER
-    counter[label] = counter.get(label, 0) + 1
+    counter[label] = counter.get(label, 0) + n
 
 
 def _fmt_int(value):
@@ -114,10 +121,7 @@ def _fmt_int(value):
 
 def _fmt_tokens(value, wide):
     """A token count: whole with --wide, else 3 significant digits from 10,000 on (12.3k, 4.94M)."""
-    if value is None or wide or value < 10000:
-        return _fmt_int(value)
-    return next(f"{value / div:.3g}{suffix}" for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k"))
-                if value >= div)
+    return _fmt_int(value) if value is None or wide or value < 10000 else _short(value)
 
 
 def _fmt_ms(value):
@@ -147,13 +151,10 @@ def find_ledgers(paths):
             if not matches:
                 raise AuditError(f"{raw}: no such file, directory or glob match")
             out += [Path(m) for m in matches if Path(m).is_file()]
-    seen, unique = set(), []
+    unique = {}  # a file named twice (or through a link) is read once
     for path in out:
-        key = os.path.realpath(path)
-        if key not in seen:
-            seen.add(key)
-            unique.append(path)
-    return unique
+        unique.setdefault(os.path.realpath(path), path)
+    return list(unique.values())
 
 
 # ----------------------------------------------------------------------------
@@ -211,9 +212,7 @@ class Group:
         for mine, theirs in ((self.response_models, other.response_models),
                              (self.fingerprints, other.fingerprints), (self.errors, other.errors)):
             for name, count in theirs.items():
-                if name not in mine and len(mine) >= MAX_LABELS:
-                    name = OTHER
-                mine[name] = mine.get(name, 0) + count
+                _count_label(mine, name, count)
 
     def row(self, request_model, base_url, day):
         """One row of the model table. A count that nothing reported is None (null), never 0."""
@@ -437,18 +436,14 @@ def _run_event(run, kind, payload):
             run["output_tokens"] += call["output_tokens"] or 0
         run["est_tokens"] += (call["est_input_tokens"] or 0) + (call["est_output_tokens"] or 0)
         run["errors"] += call["error_type"] is not None
-    elif kind in ("model_proposed", "proposal_malformed"):
+    elif kind in _STEP_KINDS:
         step = payload.get("step")
         run["steps"] = max(run["steps"], step if type(step) is int else run["steps"] + 1)
-    elif kind == "tool_allowed":
-        run["tools_allowed"] += 1
-    elif kind == "tool_denied":
-        run["tools_denied"] += 1
+    elif kind in _RUN_COUNTS:
+        run[_RUN_COUNTS[kind]] += 1
     elif kind == "judge_verdict":
         verdict = payload.get("verdict")
         run["judge_verdict"] = verdict if type(verdict) is str else None
-    elif kind == "error":
-        run["errors"] += 1
     elif kind == "run_closed":
         outcome = payload.get("outcome")
         run["outcome"] = outcome if type(outcome) is str else "closed"
@@ -516,48 +511,10 @@ def compare_days(prev, cur, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAU
 # Reading back from ClickHouse
 # ----------------------------------------------------------------------------
 
-# `audit.py --from URL` fills the same Audit object from SQL over the lines every box shipped (see
-# `reasoning_ledger.py ship`), so the tables, the Changes and every renderer are the local audit's own.
-# The counters are computed per (request_model, base_url, day) in SQL, from the typed columns, which
-# `ship` fills with model_call_view's rule (a value of the wrong type is NULL, `malformed` says so).
-# Latencies come back whole, per group, for the percentiles, compare_days and the histograms. The few
-# models_list lines and the agent runs' events come back as raw lines and go through _consume and
-# _run_event, the local code. By default every ledger audited is re-verified from its stored lines first
-# (as `verify --from`), so "verified" means what it means locally.
-
-# `measured` in Group.add: usage reported and not one of NO_USAGE_STATUSES (a NULL status is measured).
-_SQL_MEASURED = ("(ifNull(usage_reported, 0) = 1 AND ifNull(usage_status, '') NOT IN ("
-                 + ", ".join(rl.sql_string(s) for s in NO_USAGE_STATUSES) + "))")
-_SQL_OK = "isNull(error_type)"
-_SQL_TOKENS = f"({_SQL_MEASURED} AND (isNotNull(input_tokens) OR isNotNull(output_tokens)))"
-# Group.COUNTS, in SQL (aliases differ from column names: ClickHouse aliases are global to a query).
-_SQL_COUNTS = (
-    ("calls", "count()"),
-    ("ok", f"countIf({_SQL_OK})"),
-    ("no_usage", f"countIf({_SQL_OK} AND NOT {_SQL_MEASURED})"),
-    ("malformed", "sum(malformed)"),
-    ("checked", f"countIf({_SQL_OK} AND isNotNull(check))"),
-    ("passed", f"countIf({_SQL_OK} AND ifNull(check, 0) = 1)"),
-    ("input_tokens", f"sumIf(ifNull(input_tokens, 0), {_SQL_TOKENS})"),
-    ("output_tokens", f"sumIf(ifNull(output_tokens, 0), {_SQL_TOKENS})"),
-    ("usage_calls", f"countIf({_SQL_TOKENS})"),
-    ("est_input_tokens", "sum(ifNull(est_input_tokens, 0))"),
-    ("est_output_tokens", "sum(ifNull(est_output_tokens, 0))"),
-    ("est_output_calls", "countIf(isNotNull(est_output_tokens))"),
-    ("retries", "countIf(ifNull(attempt, 0) > 1)"),
-)
-# Group.add's error label, "error_type (error_code)", with the code read from the stored line (the first
-# "error_code" key in it: the payload's own, since any quote inside a string value is escaped).
-_SQL_ERROR_LABEL = ("if(visitParamExtractString(raw, 'error_code') = '', error_type, concat(error_type, ' (', "
-                    "visitParamExtractString(raw, 'error_code'), ')'))")
-# Group's label counters: (attribute, the column counted, which calls).
-_SQL_LABELS = (("response_models", "response_model", _SQL_OK),
-               ("fingerprints", "system_fingerprint", f"{_SQL_OK} AND isNotNull(system_fingerprint)"),
-               ("errors", _SQL_ERROR_LABEL, "isNotNull(error_type)"))
-_RUN_KINDS = ("model_proposed", "proposal_malformed", "tool_allowed", "tool_denied", "judge_verdict", "error",
-              "run_closed", "budget_exhausted", "decision")
-_SQL_RUN_LEDGER = "path LIKE '%/" + rl.EVENTS_NAME + "'"
-
+# `audit.py --from URL` streams the lines every box shipped (`reasoning_ledger.py ship`) through the local
+# pass, ledger by ledger, so the counts, the Changes and every renderer are the local audit's own. By
+# default every ledger audited is re-verified from its stored lines first (as `verify --from`), so
+# "verified" means what it means locally.
 
 def _sql_range(since, until):
     """The --since/--until filter on `at`, compared as text like the local audit does."""
@@ -575,11 +532,14 @@ def remote_audit(client, *, since=None, until=None, model=None, verify=True):
     failures = _remote_ledgers(client, audit, in_range, verify)
     if failures:
         return audit, failures
-    models = f" AND request_model = {rl.sql_string(model)}" if model is not None else ""
-    calls = f"FROM {client.name} FINAL WHERE kind = 'model_call'{in_range}{models}"
-    _remote_groups(client, audit, calls)
-    _remote_listings(client, audit, in_range)
-    _remote_runs(client, audit, in_range)
+    response = client.stream(f"SELECT ledger_id, path, raw FROM {client.name} FINAL WHERE 1{in_range} "
+                             f"ORDER BY ledger_id, seq FORMAT JSONEachRow")
+    with response:
+        rows = (json.loads(line) for line in response if line.strip())
+        for _ledger, lines in itertools.groupby(rows, key=lambda row: row["ledger_id"]):
+            first = next(lines)
+            events = (json.loads(row["raw"]) for row in itertools.chain([first], lines))
+            audit._consume(events, first["path"].endswith("/" + rl.EVENTS_NAME), first["path"])
     return audit, []
 
 
@@ -605,73 +565,6 @@ def _remote_ledgers(client, audit, in_range, verify):
 
 def _remote_name(ledger):
     return f"clickhouse:{ledger['ledger_id'][:12]} {ledger['last_host']}:{ledger['last_path']}"
-
-
-def _remote_groups(client, audit, calls):
-    """audit.groups from two aggregate queries: counters and latencies, then the label counts."""
-    counts = ", ".join(f"{sql} AS g_{name}" for name, sql in _SQL_COUNTS)
-    rows = client.rows(f"SELECT request_model, base_url, substring(at, 1, 10) AS g_day, min(at) AS g_first, {counts}, "
-                       f"groupArrayIf(assumeNotNull(latency_ms), {_SQL_OK} AND isNotNull(latency_ms)) AS g_latencies "
-                       f"{calls} GROUP BY request_model, base_url, g_day")
-    groups, first_seen = {}, {}
-    for row in rows:
-        group = Group()
-        for name, _sql in _SQL_COUNTS:
-            setattr(group, name, row["g_" + name])
-        group.latencies = [float(x) for x in row["g_latencies"]]
-        key = (row["request_model"], row["base_url"], row["g_day"])
-        groups[key] = group
-        pair = key[:2]
-        first_seen[pair] = min(first_seen.get(pair, row["g_first"]), row["g_first"])
-    labels = " UNION ALL ".join(
-        f"SELECT request_model, base_url, substring(at, 1, 10) AS g_day, {rl.sql_string(attr)} AS g_what, "
-        f"{column} AS g_label, count() AS g_n, min(at) AS g_first {calls} AND {which} "
-        f"GROUP BY request_model, base_url, g_day, g_label" for attr, column, which in _SQL_LABELS)
-    for row in sorted(client.rows(labels), key=lambda r: (r["g_first"], str(r["g_label"]))):
-        group = groups.get((row["request_model"], row["base_url"], row["g_day"]))
-        if group is not None:  # a line shipped between the two queries may have no group yet
-            counter = getattr(group, row["g_what"])
-            label = row["g_label"] if row["g_label"] in counter or len(counter) < MAX_LABELS else OTHER
-            counter[label] = counter.get(label, 0) + row["g_n"]
-    # The first MAX_MODEL_STRINGS model strings seen (in time) keep their rows, as in the local pass; the
-    # calls of the rest are counted under OTHER.
-    by_pair = {}
-    for key in groups:
-        by_pair.setdefault(key[:2], []).append(key)
-    for pair in sorted(by_pair, key=lambda p: (first_seen[p], str(p[0]), str(p[1]))):
-        keep = pair in audit.model_strings or len(audit.model_strings) < MAX_MODEL_STRINGS
-        if keep:
-            audit.model_strings.add(pair)
-        for key in sorted(by_pair[pair], key=lambda k: k[2]):
-            group, target = groups[key], key if keep else (OTHER, OTHER, key[2])
-            if not keep:
-                audit.folded += group.calls
-            if target in audit.groups:
-                audit.groups[target].merge(group)
-            else:
-                audit.groups[target] = group
-
-
-def _remote_listings(client, audit, in_range):
-    """models_list lines, in time order, through the local pass."""
-    rows = client.rows(f"SELECT raw FROM {client.name} FINAL WHERE kind = 'models_list'{in_range} "
-                       f"ORDER BY at, ledger_id, seq")
-    audit._consume((json.loads(row["raw"]) for row in rows), False, "clickhouse")
-
-
-def _remote_runs(client, audit, in_range):
-    """The agent runs: one row per run id, then its events through _run_event, as the local pass does."""
-    runs = f"FROM {client.name} FINAL WHERE {_SQL_RUN_LEDGER}{in_range}"
-    for row in client.rows(f"SELECT run_id, min(at) AS g_started, argMin(path, at) AS g_path {runs} GROUP BY run_id"):
-        audit.runs[row["run_id"]] = _new_run(row["run_id"], row["g_path"], row["g_started"])
-    fields = ", ".join(("input_tokens", "output_tokens", "est_input_tokens", "est_output_tokens", "error_type"))
-    for row in client.rows(f"SELECT run_id, {fields} {runs} AND kind = 'model_call'"):
-        if row["run_id"] in audit.runs:
-            _run_event(audit.runs[row["run_id"]], "model_call", row)
-    kinds = ", ".join(rl.sql_string(k) for k in _RUN_KINDS)
-    for row in client.rows(f"SELECT run_id, kind, raw {runs} AND kind IN ({kinds}) ORDER BY path, ledger_id, seq"):
-        if row["run_id"] in audit.runs:
-            _run_event(audit.runs[row["run_id"]], row["kind"], json.loads(row["raw"])["payload"])
 
 
 # ----------------------------------------------------------------------------
@@ -789,82 +682,88 @@ def _fold_lines(lines, limit):
 
 
 def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
-    out = _text_head(audit, rows, verified)
+    sums, warnings = _sums(rows), _warnings(audit)
+    files = len(audit.ledgers)
+    mark = "verified" if verified else "UNVERIFIED (--no-verify): the chain was not checked"
+    out = [f"audit: {files} ledger{'s' if files != 1 else ''}, {sums['calls']:,} model calls, {mark}"]
+    out += [line for line in warnings if line.startswith("warning:")] + [""]
     endpoints = _endpoint_keys(rows, changes)
     out.append("Models" + (" by day" if by_day else "") + " (request_model @ base_url)")
     table, cut = _model_table(rows, by_day, wide, endpoints) if rows else (["(no model calls)"], False)
     out += table
     if rows and not wide:
-        out += [f"at {key} = {rl.printable(_label(base))}" for base, key in endpoints.items() if base in
+        out += [f"at {key} = {_label(base)}" for base, key in endpoints.items() if base in
                 {r["base_url"] for r in rows}]
-    notes = [] if wide else ["served: = is the model asked for; latency in ms (ok calls); tokens from 10,000 on in k/M (3 digits); --wide shows exact "
-                             "tokens, min_ms, max_ms, ok, est_in~/est_out~" + (" and cut names whole" if cut else "")]
-    if cut:
-        notes[0] = f"{ELLIPSIS} marks a name cut in the middle to fit {TEXT_WIDTH} columns; " + notes[0]
-    out += notes + _text_notes(audit, rows)
-    out.append("")
-    out.append(f"Changes (day over day): {len(changes)}")
+    if not wide:
+        out.append((f"{ELLIPSIS} marks a name cut in the middle to fit {TEXT_WIDTH} columns; " if cut else "")
+                   + "served: = is the model asked for; latency in ms (ok calls); tokens from 10,000 on in k/M "
+                   "(3 digits); --wide shows exact tokens, min_ms, max_ms, ok, est_in~/est_out~"
+                   + (" and cut names whole" if cut else ""))
+    out += _text_notes(sums) + [line for line in warnings if not line.startswith("warning:")]
+    out += ["", f"Changes (day over day): {len(changes)}"]
     for change in changes:
         who = change["request_model"] if change["request_model"] is not None else "(models list)"
         where = _label(change["base_url"]) if wide else endpoints.get(change["base_url"], "-")
-        out.append(rl.printable(f"  {change['day']}  {who} @ {where}: {change['what']}: "
-                                f"{change['detail']}  (vs {change['previous_day']})"))
+        out.append(f"  {change['day']}  {who} @ {where}: {change['what']}: {change['detail']}  "
+                   f"(vs {change['previous_day']})")
     if runs:
-        out.append("")
-        out.append(f"Agent runs: {len(runs)}")
-        out += _runs_table(runs, wide)[0]
+        out += ["", f"Agent runs: {len(runs)}"] + _runs_table(runs, wide)[0]
+    out = [rl.printable(line) for line in out]  # nothing from a ledger may forge a line or drive the terminal
     return "\n".join(out if wide else _fold_lines(out, TEXT_WIDTH)) + "\n"
 
 
-def _text_head(audit, rows, verified):
-    calls = sum(r["calls"] for r in rows)
-    files = len(audit.ledgers)
-    mark = "verified" if verified else "UNVERIFIED (--no-verify): the chain was not checked"
-    out = [f"audit: {files} ledger{'s' if files != 1 else ''}, {calls:,} model calls, {mark}"]
+def _sums(rows):
+    """The models table summed, for the summaries of every report: its counts, and the error labels merged."""
+    sums = {k: sum(r[k] or 0 for r in rows) for k in ("calls", "ok", "no_usage", "malformed", "usage_calls",
+                                                       "input_tokens", "output_tokens", "est_input_tokens",
+                                                       "est_output_tokens")}
+    sums["errors"] = {}
+    for r in rows:
+        for name, count in r["errors"].items():
+            sums["errors"][name] = sums["errors"].get(name, 0) + count
+    return sums
+
+
+def _warnings(audit):
+    """The warnings of every report, as plain text: torn tails, lines skipped, model strings folded, and the
+    model strings an endpoint's /models list does not name."""
+    out = []
     for ledger in audit.ledgers:
         if ledger["status"] == "torn":
-            out.append(f"warning: {rl.printable(ledger['reason'])}")
+            out.append(f"warning: {ledger['reason']}")
         if ledger.get("skipped"):
-            out.append(f"warning: {rl.printable(ledger['path'])}: {ledger['skipped']:,} lines are not ledger "
-                       f"events and were skipped")
+            out.append(f"warning: {ledger['path']}: {ledger['skipped']:,} lines are not ledger events and were "
+                       "skipped")
     if audit.folded:
         out.append(f"warning: more than {MAX_MODEL_STRINGS:,} model strings; {audit.folded:,} calls are counted "
                    f"under {OTHER}")
-    return out + [""]
+    return out + [f"not listed: {item['request_model']} @ {item['base_url']} ({item['calls']:,} calls) is not in "
+                  f"that endpoint's /models list of {item['listed_at'][:10]}: a server that answers to any model "
+                  "name served it" for item in audit.unlisted()]
 
 
-def _text_notes(audit, rows):
-    ok, no_usage = sum(r["ok"] for r in rows), sum(r["no_usage"] for r in rows)
-    malformed, measured = sum(r["malformed"] for r in rows), sum(r["usage_calls"] for r in rows)
+def _text_notes(sums):
+    ok, measured = sums["ok"], sums["usage_calls"]
     share = f"{measured / ok:.0%}" if ok else "-"
-    out = [f"usage: {no_usage:,} of {ok:,} ok calls lacked usage; in_tok/out_tok are what servers reported and "
-           f"cover {measured:,} call{'' if measured == 1 else 's'} ({share}).",
+    out = [f"usage: {sums['no_usage']:,} of {ok:,} ok calls lacked usage; in_tok/out_tok are what servers reported "
+           f"and cover {measured:,} call{'' if measured == 1 else 's'} ({share}).",
            "est: est~ (est_in~ + est_out~) are chars/4 estimates, never added in."]
-    if malformed:
-        out.append(f"malformed: {malformed:,} model_call payloads had fields of the wrong type (written by another "
-                   f"tool?); those fields were not counted")
-    errors = {}
-    for r in rows:
-        for name, count in r["errors"].items():
-            errors[name] = errors.get(name, 0) + count
-    if errors:
-        out.append("errors: " + rl.printable(", ".join(f"{name} {count:,}" for name, count in sorted(errors.items()))))
-    for item in audit.unlisted():
-        out.append(rl.printable(f"not listed: {item['request_model']} @ {item['base_url']} ({item['calls']:,} calls) "
-                                f"is not in that endpoint's /models list of {item['listed_at'][:10]}: a server that "
-                                "answers to any model name served it"))
+    if sums["malformed"]:
+        out.append(f"malformed: {sums['malformed']:,} model_call payloads had fields of the wrong type (written by "
+                   f"another tool?); those fields were not counted")
+    if sums["errors"]:
+        out.append("errors: " + ", ".join(f"{name} {count:,}" for name, count in sorted(sums["errors"].items())))
     return out
 
 
 def render_json(audit, rows, changes, runs, verified, by_day):
-    calls, unlisted = sum(r["calls"] for r in rows), audit.unlisted()
+    sums, unlisted = _sums(rows), audit.unlisted()
     return json.dumps({
         "version": 2, "verified": verified, "by": "day" if by_day else "model",
         "ledgers": audit.ledgers,
-        "summary": {"model_calls": calls, "ok": sum(r["ok"] for r in rows),
-                    "no_usage": sum(r["no_usage"] for r in rows), "malformed": sum(r["malformed"] for r in rows),
-                    "folded_calls": audit.folded, "changes": len(changes), "agent_runs": len(runs),
-                    "unlisted": len(unlisted)},
+        "summary": {"model_calls": sums["calls"], "ok": sums["ok"], "no_usage": sums["no_usage"],
+                    "malformed": sums["malformed"], "folded_calls": audit.folded, "changes": len(changes),
+                    "agent_runs": len(runs), "unlisted": len(unlisted)},
         "models": rows, "changes": changes, "agent_runs": runs, "unlisted": unlisted,
     }, ensure_ascii=False, indent=1) + "\n"
 
@@ -883,11 +782,14 @@ def _csv_cell(value):
     return "'" + text if text.startswith(_CSV_TRIGGERS) else text
 
 
-def render_csv(rows, stream):
-    writer = csv.writer(stream, lineterminator="\r\n")  # RFC 4180; a CR or LF in a value is then quoted
+def render_csv(rows):
+    """The models table as CSV (RFC 4180: CRLF, a CR or LF in a value quoted)."""
+    stream = io.StringIO()
+    writer = csv.writer(stream, lineterminator="\r\n")
     writer.writerow(MODEL_COLUMNS)
     for r in rows:
         writer.writerow([_csv_cell(r[c]) for c in MODEL_COLUMNS])
+    return stream.getvalue()
 
 
 # ----------------------------------------------------------------------------
@@ -913,7 +815,8 @@ _MARKER_DAYS = 45          # a dot (with a tooltip) on every day up to this many
 _MAX_TEXT = 512            # a longer ledger string is cut on the page (ask.py cuts server strings there too)
 _CHART = (640, 290, (66, 14, 626, 232))     # width, height, plot box (left, top, right, bottom)
 _HIST = (440, 250, (56, 26, 428, 196))
-_MODEL_HEADINGS = {
+# Headings for people; each <th> keeps its field name in data-field and title.
+_HEADINGS = {
     "request_model": "Model (requested)", "base_url": "Endpoint", "day": "Day", "calls": "Calls", "ok": "OK",
     "failed": "Failed", "no_usage": "No usage", "malformed": "Malformed", "checked": "Checked",
     "passed": "Checks passed", "input_tokens": "Input tokens (reported)",
@@ -921,13 +824,11 @@ _MODEL_HEADINGS = {
     "est_input_tokens": "Input tokens (estimated)", "est_output_tokens": "Output tokens (estimated)",
     "latency_min_ms": "Latency min (ms)", "latency_p50_ms": "Latency p50 (ms)",
     "latency_p95_ms": "Latency p95 (ms)", "latency_max_ms": "Latency max (ms)", "retries": "Retries",
-    "response_models": "Served models", "system_fingerprints": "System fingerprints", "errors": "Errors by type"}
-_RUN_HEADINGS = {
+    "response_models": "Served models", "system_fingerprints": "System fingerprints", "errors": "Errors",
     "run_id": "Run", "started": "Started (UTC)", "outcome": "Outcome", "judge_verdict": "Judge verdict",
-    "steps": "Steps", "tools_allowed": "Tools allowed", "tools_denied": "Tools denied",
-    "model_calls": "Model calls", "input_tokens": "Input tokens (reported)",
-    "output_tokens": "Output tokens (reported)", "est_tokens": "Tokens (estimated)", "errors": "Errors",
-    "why": "Why it ended"}
+    "steps": "Steps", "tools_allowed": "Tools allowed", "tools_denied": "Tools denied", "model_calls": "Model calls",
+    "est_tokens": "Tokens (estimated)", "why": "Why it ended", "what": "What changed", "detail": "Detail",
+    "previous_day": "Compared with", "path": "Ledger", "status": "Status", "lines": "Events", "reason": "Note"}
 # The page's tables lead with what is read first (latency, served models, errors, why a run ended), so a
 # narrow window scrolls only past the token counts; the other columns are in --json and --csv.
 _HTML_MODEL_COLUMNS = ("request_model", "base_url", "day", "calls", "failed", "latency_p50_ms", "latency_p95_ms",
@@ -935,9 +836,6 @@ _HTML_MODEL_COLUMNS = ("request_model", "base_url", "day", "calls", "failed", "l
                        "input_tokens", "output_tokens", "est_input_tokens", "est_output_tokens", "retries")
 _HTML_RUN_COLUMNS = ("run_id", "started", "outcome", "why", "judge_verdict", "steps", "tools_allowed",
                      "tools_denied", "model_calls", "input_tokens", "output_tokens", "est_tokens", "errors")
-_CHANGE_HEADINGS = {"day": "Day", "request_model": "Model (requested)", "base_url": "Endpoint",
-                    "what": "What changed", "detail": "Detail", "previous_day": "Compared with"}
-_LEDGER_HEADINGS = {"path": "Ledger", "status": "Status", "lines": "Events", "reason": "Note"}
 _WHAT = {"response_model": "Served model", "system_fingerprint": "System fingerprint",
          "latency_p50": "Latency p50", "latency_p95": "Latency p95", "usage": "Usage reporting",
          "error_rate": "Error rate", "checks": "Check pass rate", "models_list": "Models listed"}
@@ -945,42 +843,25 @@ _TEXT_FIELDS = {"request_model", "base_url", "day", "response_models", "system_f
                 "started", "outcome", "judge_verdict", "what", "detail", "previous_day", "path", "status",
                 "reason", "why"}
 _CSS = (
-    ":root{color-scheme:light}"
-    "body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:24px auto;max-width:1400px;"
-    "padding:0 24px;color:#1f2328;background:#fff;line-height:1.4}"
-    "h1{font-size:26px;margin:0 0 4px}h2{font-size:20px;margin:32px 0 8px;padding-top:8px;"
-    "border-top:1px solid #e3e3e3}h3{font-size:14px;margin:0 0 4px;font-weight:600;overflow-wrap:anywhere}"
-    ".sub{color:#555;margin:0 0 12px}.warn{color:#a33a00}.note{color:#555;font-size:13px;max-width:70em}"
-    "nav a{margin-right:14px;color:#0b5cad}"
-    ".cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(140px,1fr));gap:10px;margin:12px 0}"
-    ".card{border:1px solid #ddd;border-radius:8px;padding:8px 12px;background:#fafafa}"
-    ".card .k{font-size:12px;color:#555}.card .v{font-size:22px;font-weight:600;font-variant-numeric:tabular-nums}"
-    ".card .s{font-size:12px;color:#666}h3 .ep{display:block;font-weight:400;color:#555;font-size:12px}"
-    ".scroll{overflow:auto;max-width:100%;max-height:80vh;border:1px solid #ddd;border-radius:6px;margin:8px 0}"
+    "body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1400px;padding:0 24px;color:#1f2328;"
+    "line-height:1.4}h2{margin:32px 0 8px;padding-top:8px;border-top:1px solid #e3e3e3}"
+    "h3{font-size:14px;margin:0 0 4px;overflow-wrap:anywhere}h3 .ep{display:block;font-weight:400;font-size:12px}"
+    ".sub,.note,figcaption,.card .k,.card .s{color:#555;font-size:13px}.warn{color:#a33a00}nav a{margin-right:14px}"
+    ".cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(140px,1fr));gap:10px}"
+    ".card{border:1px solid #ddd;border-radius:8px;padding:8px 12px}.card .v{font-size:22px;font-weight:600}"
+    ".scroll{overflow:auto;max-height:80vh;border:1px solid #ddd;margin:8px 0}"
     "table{border-collapse:separate;border-spacing:0;font-size:13px;width:100%}"
-    "th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;vertical-align:top;"
-    "font-variant-numeric:tabular-nums;white-space:nowrap}"
-    "th{background:#f3f4f6;font-weight:600;position:sticky;top:0;white-space:normal;min-width:4em;"
-    "max-width:9em;vertical-align:bottom}"
-    "th:first-child,td:first-child{position:sticky;left:0;z-index:1;background:#fff;"
-    "border-right:1px solid #ddd;text-align:left}th:first-child{background:#f3f4f6;z-index:2}"
-    "td.t,th.t{text-align:left}td.w{white-space:normal;min-width:12em;max-width:28em;overflow-wrap:anywhere}"
-    "td:first-child{white-space:normal;min-width:10em;max-width:22em;overflow-wrap:anywhere}"
-    "td.null,td.zero{color:#aaa}td.bad{color:#a33a00;font-weight:600}tbody tr:hover td{background:#f6f8fa}"
-    ".key{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:6px;vertical-align:-1px;"
-    "-webkit-print-color-adjust:exact;print-color-adjust:exact}"
+    "th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;vertical-align:top;white-space:nowrap;"
+    "font-variant-numeric:tabular-nums}th{background:#f3f4f6;position:sticky;top:0;white-space:normal}"
+    "td.t,th.t,th:first-child,td:first-child{text-align:left}td.w,td:first-child{white-space:normal;"
+    "min-width:10em;max-width:28em;overflow-wrap:anywhere}td.null{color:#aaa}td.bad{color:#a33a00;font-weight:600}"
+    ".key{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:6px;print-color-adjust:exact}"
     ".key.dash{background:repeating-linear-gradient(90deg,#8c8c8c 0 4px,#fff 4px 6px)!important}"
-    ".legend{list-style:none;padding:0;margin:6px 0 10px;display:flex;flex-wrap:wrap;gap:4px 18px;"
-    "font-size:13px}.legend li{overflow-wrap:anywhere}"
-    ".charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(460px,1fr));gap:18px 28px}"
-    ".hists{display:grid;grid-template-columns:repeat(auto-fill,minmax(360px,1fr));gap:18px 28px}"
-    "figure{margin:0;min-width:0}figcaption{font-size:12px;color:#555}"
-    "svg{max-width:100%;height:auto;display:block}"
-    "svg text{font-size:11px;fill:#333}svg .ax{font-size:12px;fill:#444}svg .lbl{font-size:10px}"
-    "svg .gl{stroke:#e6e6e6}svg .axis{stroke:#888}svg .mark{stroke:#333;stroke-dasharray:4 3}"
-    "@media (max-width:560px){.charts,.hists{grid-template-columns:1fr}}"
-    "@media print{body{margin:0;max-width:none}.scroll{overflow:visible;max-height:none;border:0}nav{display:none}"
-    "figure,.card,tr{break-inside:avoid}th:first-child,td:first-child{position:static}}")
+    ".legend{list-style:none;padding:0;display:flex;flex-wrap:wrap;gap:4px 18px;font-size:13px}"
+    ".charts,.hists{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:18px 28px}"
+    "figure{margin:0;min-width:0}svg{max-width:100%;height:auto;display:block}svg text{font-size:11px;fill:#333}"
+    "svg .lbl{font-size:10px}svg .gl{stroke:#e6e6e6}svg .axis{stroke:#888}svg .mark{stroke:#333;"
+    "stroke-dasharray:4 3}")
 
 
 def _e(value):
@@ -1044,35 +925,47 @@ def _short_day(day):
 # -- which model strings get a colour ------------------------------------------
 
 def _chart_models(audit):
-    """(top, rest_label, totals): the MAX_CHART_MODELS busiest (model, base_url) pairs, in order, and the
-    label of the grey series that sums up the rest (None when there is no rest)."""
+    """(series, totals): the page's one model of the data. A series for each of the MAX_CHART_MODELS busiest
+    (model, base_url) pairs, in order, and a grey one summing up the rest (when there is a rest), each with
+    its calls, per-day sums [calls, ok, usage_calls, reported tokens, estimated tokens], errors by type and
+    ok latencies; totals counts the calls of every pair."""
     totals = {}
     for (model, base, _day), group in audit.groups.items():
         totals[(model, base)] = totals.get((model, base), 0) + group.calls
     folded = (OTHER, OTHER) if audit.folded and (OTHER, OTHER) in totals else None
     ranked = sorted((k for k in totals if k != folded), key=lambda k: (-totals[k], str(k[0]), str(k[1])))
-    top = ranked[:MAX_CHART_MODELS]
-    rest = ranked[MAX_CHART_MODELS:]
-    calls = sum(totals[k] for k in rest) + (totals[folded] if folded else 0)
-    if not rest and not folded:
-        return top, None, totals
-    many = f"{len(rest):,}{'+' if folded else ''}"
-    return top, f"{many} other model string{'' if many == '1' else 's'} ({calls:,} calls)", totals
-
-
-def _colours(top):
-    return {key: colour for key, colour in zip(top, _PALETTE)}
+    top, rest = ranked[:MAX_CHART_MODELS], ranked[MAX_CHART_MODELS:]
+    series = [{"key": key, "label": _model_label(*key), "colour": colour, "dashed": False}
+              for key, colour in zip(top, _PALETTE)]
+    if rest or folded:
+        many = f"{len(rest):,}{'+' if folded else ''}"
+        calls = sum(totals[k] for k in rest) + (totals[folded] if folded else 0)
+        series.append({"key": None, "colour": _GREY, "dashed": True,
+                       "label": f"{many} other model string{'' if many == '1' else 's'} ({calls:,} calls)"})
+    for one in series:
+        one.update(calls=0, days={}, errors={}, latencies=[])
+    index = {key: i for i, key in enumerate(top)}
+    for (model, base, day), g in audit.groups.items():
+        one = series[index.get((model, base), len(top))]
+        one["calls"] += g.calls
+        slot = one["days"].setdefault(day, [0, 0, 0, 0, 0])
+        for i, value in enumerate((g.calls, g.ok, g.usage_calls, g.input_tokens + g.output_tokens,
+                                   g.est_input_tokens + g.est_output_tokens)):
+            slot[i] += value
+        for name, n in g.errors.items():
+            one["errors"][name] = one["errors"].get(name, 0) + n
+        one["latencies"].extend(g.latencies)
+    return series, totals
 
 
 def _key(colour, dashed=False):
     return f'<span class="key{" dash" if dashed else ""}" style="background:{colour}"></span>'
 
 
-def _legend(top, rest_label, totals):
-    items = [f'<li data-model="{_e(_model_label(*key))}">{_key(colour)}{_e(_model_label(*key))} '
-             f'<span class="note">{totals[key]:,} calls</span></li>' for key, colour in zip(top, _PALETTE)]
-    if rest_label:
-        items.append(f'<li data-model="{_e(OTHER)}">{_key(_GREY, True)}{_e(rest_label)}</li>')
+def _legend(series):
+    items = [f'<li data-model="{_e(s["label"])}">{_key(s["colour"])}{_e(s["label"])} '
+             f'<span class="note">{s["calls"]:,} calls</span></li>' if s["key"] else
+             f'<li data-model="{_e(OTHER)}">{_key(_GREY, True)}{_e(s["label"])}</li>' for s in series]
     return '<ul class="legend" data-legend="models">' + "".join(items) + "</ul>"
 
 
@@ -1092,29 +985,6 @@ def _chart_days(days):
     span = (dates[-1] - dates[0]).days
     return [(dates[0] + datetime.timedelta(n)).isoformat() for n in range(max(0, span + 1 - _MAX_CHART_DAYS),
                                                                           span + 1)]
-
-
-def _day_sums(audit, top):
-    """{series index: {day: [calls, ok, usage_calls, reported tokens, estimated tokens]}}; the rest of the
-    model strings share index len(top)."""
-    index = {key: i for i, key in enumerate(top)}
-    sums = {}
-    for (model, base, day), g in audit.groups.items():
-        slot = sums.setdefault(index.get((model, base), len(top)), {}).setdefault(day, [0, 0, 0, 0, 0])
-        for i, value in enumerate((g.calls, g.ok, g.usage_calls, g.input_tokens + g.output_tokens,
-                                   g.est_input_tokens + g.est_output_tokens)):
-            slot[i] += value
-    return sums
-
-
-def _series(sums, top, rest_label, days, pick):
-    """[(label, colour, dashed, [value or None per day])] with pick(calls, ok, usage_calls, reported, est)."""
-    out = []
-    for i, key in enumerate(top + ([None] if rest_label else [])):
-        label, colour = (_model_label(*key), _PALETTE[i]) if key else (rest_label, _GREY)
-        per_day = sums.get(i, {})
-        out.append((label, colour, key is None, [pick(*per_day.get(d, (0, 0, 0, 0, 0))) for d in days]))
-    return out
 
 
 # -- SVG pieces ----------------------------------------------------------------
@@ -1194,17 +1064,12 @@ def _line_chart(css_class, title, y_title, unit, days, series, integer=True, fmt
 
 
 def _stretches(xs, vals, bottom, span, ymax):
-    """The points attribute of each stretch of consecutive non-null values."""
-    runs, current = [], []
-    for x, v in zip(xs, vals):
-        if v is None:
-            if len(current) > 1:
-                runs.append(" ".join(current))
-            current = []
-        else:
-            current.append(f"{x:.1f},{bottom - span * v / ymax:.1f}")
-    if len(current) > 1:
-        runs.append(" ".join(current))
+    """The points attribute of each stretch of two or more consecutive non-null values."""
+    runs = []
+    for present, points in itertools.groupby(zip(xs, vals), key=lambda point: point[1] is not None):
+        points = list(points)
+        if present and len(points) > 1:
+            runs.append(" ".join(f"{x:.1f},{bottom - span * v / ymax:.1f}" for x, v in points))
     return runs
 
 
@@ -1306,9 +1171,9 @@ def _latency_histogram(model, latencies, colour=_PALETTE[0], bins=32):
 
 # -- tables --------------------------------------------------------------------
 
-def _th(field, headings):
+def _th(field):
     cls = ' class="t"' if field in _TEXT_FIELDS else ""
-    return f'<th{cls} scope="col" data-field="{_e(field)}" title="{_e(field)}">{_e(headings.get(field, field))}</th>'
+    return f'<th{cls} scope="col" data-field="{_e(field)}" title="{_e(field)}">{_e(_HEADINGS.get(field, field))}</th>'
 
 
 def _td(field, value):
@@ -1325,23 +1190,27 @@ def _td(field, value):
     if field.endswith("_ms"):
         return f"<td>{_ms(value)}</td>"
     if field in _TEXT_FIELDS:
-        return f'<td class="t{" w" if field in ("why", "base_url") else ""}">{_e(value)}</td>'
+        return f'<td class="t{" w" if field in ("why", "base_url", "detail") else ""}">{_e(value)}</td>'
     bad = ' class="bad"' if field in ("failed", "malformed", "tools_denied", "errors") and value else ""
     return f"<td{bad}>{_num(value)}</td>"
 
 
-def _html_table(css_class, columns, headings, rows, first_cell=None):
+def _html_table(css_class, columns, rows, cells=None):
+    """A table of `rows` (dicts); `cells` maps a field to the function that draws its cell instead of _td."""
+    cells = cells or {}
     out = [f'<div class="scroll"><table class="{css_class}"><thead><tr>'
-           + "".join(_th(c, headings) for c in columns) + "</tr></thead><tbody>"]
+           + "".join(_th(c) for c in columns) + "</tr></thead><tbody>"]
     for row in rows:
-        cells = [first_cell(row) if first_cell else _td(columns[0], row[columns[0]])]
-        out.append("<tr>" + "".join(cells + [_td(c, row[c]) for c in columns[1:]]) + "</tr>")
+        out.append("<tr>" + "".join(cells[c](row) if c in cells else _td(c, row[c]) for c in columns) + "</tr>")
     out.append("</tbody></table></div>")
     return "\n".join(out)
 
 
 def _model_cell(colours):
+    """The model column: the model's colour key, and its name (a models_list change has none)."""
     def cell(row):
+        if row["request_model"] is None and "what" in row:
+            return '<td class="t">(models list)</td>'
         key = (row["request_model"], row["base_url"])
         return f'<td class="t">{_key(colours.get(key, _GREY))}{_e(_label(row["request_model"]))}</td>'
     return cell
@@ -1358,7 +1227,7 @@ def _models_section(rows, by_day, colours, totals):
            + (" and day" if by_day else "") + ", busiest first. Reported tokens are what servers said; "
            "estimated tokens are chars/4 and are never added to them. \u2013 means nothing was reported. "
            "OK calls, malformed payloads, minimum latency and fingerprints: --json or --csv.</p>",
-           _html_table("models", cols, _MODEL_HEADINGS, shown, _model_cell(colours))]
+           _html_table("models", cols, shown, {"request_model": _model_cell(colours)})]
     if len(rows) > len(shown):
         out.append(f'<p class="note">{len(rows) - len(shown):,} quieter rows are not shown here; '
                    f"--json or --csv has every row.</p>")
@@ -1372,18 +1241,16 @@ def _card(title, value, sub=""):
             f'<div class="s">{_e(sub)}</div></div>')
 
 
-def _summary_cards(audit, rows, changes, runs, days):
-    calls, ok = sum(r["calls"] for r in rows), sum(r["ok"] for r in rows)
-    measured = sum(r["usage_calls"] for r in rows)
-    reported = [sum(r[k] for r in rows if r[k] is not None) if measured else None
-                for k in ("input_tokens", "output_tokens")]
-    estimated = [sum(r[k] or 0 for r in rows) for k in ("est_input_tokens", "est_output_tokens")]
+def _summary_cards(audit, sums, changes, runs, days):
+    calls, ok, measured = sums["calls"], sums["ok"], sums["usage_calls"]
+    reported = [sums[k] if measured else None for k in ("input_tokens", "output_tokens")]
+    estimated = [sums[k] for k in ("est_input_tokens", "est_output_tokens")]
     latencies = sorted(v for g in audit.groups.values() for v in g.latencies)
     strings = f"{len(audit.model_strings):,}{'+' if audit.folded else ''} model strings"
     return ['<div class="cards">',
             _card("Model calls", f"{calls:,}", f"{strings} \u00b7 {len(days):,} days"),
             _card("Failed", f"{calls - ok:,}", f"{(calls - ok) / calls:.1%} of calls" if calls else ""),
-            _card("No usage reported", f"{sum(r['no_usage'] for r in rows):,}", f"of {ok:,} ok calls"),
+            _card("No usage reported", f"{sums['no_usage']:,}", f"of {ok:,} ok calls"),
             _card("Tokens reported", _short(sum(reported)) if measured else _DASH,
                   f"{_num(reported[0])} in \u00b7 {_num(reported[1])} out \u00b7 from {measured:,} calls"),
             _card("Tokens estimated", _short(sum(estimated)),
@@ -1395,29 +1262,29 @@ def _summary_cards(audit, rows, changes, runs, days):
             "</div>"]
 
 
-def _per_day_section(audit, top, rest_label, totals, days):
+def _per_day_section(series, days):
     if not days:
         return ['<h2 id="per-day">Per day</h2><p>No model calls.</p>']
-    sums = _day_sums(audit, top)
     if len(days) == 1:
-        return _one_day(sums, top, rest_label, totals, days[0])
+        return _one_day(series, days[0])
 
-    def series(pick):
-        return _series(sums, top, rest_label, days, pick)
+    def lines(pick):  # pick(calls, ok, usage_calls, reported, estimated) -> the value of one day, or None
+        return [(s["label"], s["colour"], s["dashed"], [pick(*s["days"].get(d, (0, 0, 0, 0, 0))) for d in days])
+                for s in series]
     charts = [
         ("Calls per day", _line_chart("calls-per-day", "model calls per day, per model", "calls", "calls", days,
-                                      series(lambda c, o, u, r, e: c))),
+                                      lines(lambda c, o, u, r, e: c))),
         ("Failed calls (% of calls)", _line_chart(
             "error-rate-per-day", "share of calls that failed, per day and model", "% of calls failed",
-            "of calls failed", days, series(lambda c, o, u, r, e: 100.0 * (c - o) / c if c else None),
+            "of calls failed", days, lines(lambda c, o, u, r, e: 100.0 * (c - o) / c if c else None),
             integer=False, fmt=_pct)),
         ("Tokens reported by servers (input + output)", _line_chart(
             "tokens-per-day", "reported tokens per day, per model", "tokens (reported)", "tokens", days,
-            series(lambda c, o, u, r, e: r if u else None))),
+            lines(lambda c, o, u, r, e: r if u else None))),
         ("Tokens estimated (chars/4, input + output)", _line_chart(
             "est-tokens-per-day", "estimated tokens per day, per model", "tokens (estimated)", "tokens", days,
-            series(lambda c, o, u, r, e: e if c else None)))]
-    out = ['<h2 id="per-day">Per day, per model</h2>', _legend(top, rest_label, totals),
+            lines(lambda c, o, u, r, e: e if c else None)))]
+    out = ['<h2 id="per-day">Per day, per model</h2>', _legend(series),
            '<p class="note">A gap in a line: nothing to show that day (no calls, or no usage reported). '
            "Reported and estimated tokens are separate charts and are never added together.</p>",
            '<div class="charts">']
@@ -1425,50 +1292,39 @@ def _per_day_section(audit, top, rest_label, totals, days):
     return out + ["</div>"]
 
 
-def _one_day(sums, top, rest_label, totals, day):
+def _one_day(series, day):
     """One day of data: its figures per model in a table, where the per-day charts would be one dot each."""
     head = "".join(f'<th scope="col">{_e(h)}</th>' for h in ("Model", "Calls", "Failed", "Tokens reported",
                                                             "Tokens estimated"))
     rows = []
-    for i, key in enumerate(top + ([None] if rest_label else [])):
-        label, colour = (_model_label(*key), _PALETTE[i]) if key else (rest_label, _GREY)
-        calls, ok, usage, reported, est = sums.get(i, {}).get(day, (0, 0, 0, 0, 0))
+    for s in series:
+        calls, ok, usage, reported, est = s["days"].get(day, (0, 0, 0, 0, 0))
         failed = f"{calls - ok:,} ({(calls - ok) / calls:.1%})" if calls else _DASH
-        rows.append(f'<tr><td class="t">{_key(colour, key is None)}{_e(label)}</td><td>{calls:,}</td>'
+        rows.append(f'<tr><td class="t">{_key(s["colour"], s["dashed"])}{_e(s["label"])}</td><td>{calls:,}</td>'
                     f"<td>{failed}</td><td>{_num(reported if usage else None)}</td><td>{est:,}</td></tr>")
-    return ['<h2 id="per-day">Per day, per model</h2>', _legend(top, rest_label, totals),
+    return ['<h2 id="per-day">Per day, per model</h2>', _legend(series),
             f'<p class="note one-day">One day of data ({_e(day)}): the per-day charts start with the second day. '
             "That day, per model:</p>",
             f'<div class="scroll"><table class="one-day"><thead><tr>{head}</tr></thead><tbody>'
             + "".join(rows) + "</tbody></table></div>"]
 
 
-def _error_counts(audit, days, top):
-    """(by_day, by_series, totals): failed calls per day and error type, per chart series (the index in
-    `top`, the rest at len(top)) and error type, and per error type."""
-    index, shown_days = {key: i for i, key in enumerate(top)}, set(days)
-    by_day, by_series, totals = {}, {}, {}
-    for (model, base, day), group in audit.groups.items():
-        for name, n in group.errors.items():
-            totals[name] = totals.get(name, 0) + n
-            per = by_series.setdefault(index.get((model, base), len(top)), {})
-            per[name] = per.get(name, 0) + n
-            if day in shown_days:
-                per = by_day.setdefault(day, {})
-                per[name] = per.get(name, 0) + n
-    return by_day, by_series, totals
-
-
 def _fold_types(counts, rest, label):
-    """Move the counts of the error types in `rest` under one label, in place."""
-    for per in counts.values():
+    """Move the counts of the error types in `rest` under one label, in each dict of `counts`."""
+    for per in counts:
         moved = sum(per.pop(name, 0) for name in rest)
         if moved:
             per[label] = moved
 
 
-def _errors_section(audit, days, top, rest_label):
-    by_day, by_series, totals = _error_counts(audit, days, top)
+def _errors_section(audit, days, series):
+    by_day, totals, shown = {}, {}, set(days)
+    for (_model, _base, day), group in audit.groups.items():
+        for name, n in group.errors.items():
+            totals[name] = totals.get(name, 0) + n
+            if day in shown:
+                per = by_day.setdefault(day, {})
+                per[name] = per.get(name, 0) + n
     out = ['<h2 id="errors">Errors by day and type</h2>']
     if not totals:
         return out + ["<p>No failed calls.</p>"]
@@ -1478,8 +1334,7 @@ def _errors_section(audit, days, top, rest_label):
     if rest:
         label = f"{len(rest):,} other error types"
         colours[label], totals[label] = _ERROR_GREY, sum(totals[name] for name in rest)
-        _fold_types(by_day, rest, label)
-        _fold_types(by_series, rest, label)
+        _fold_types(list(by_day.values()) + [s["errors"] for s in series], rest, label)
         types.append(label)
     legend = "".join(f'<li data-error-type="{_e(t)}">{_key(colours[t])}{_e(t)} '
                      f'<span class="note">{totals[t]:,}</span></li>' for t in types)
@@ -1487,19 +1342,14 @@ def _errors_section(audit, days, top, rest_label):
                + _errors_chart(days, by_day, types, colours) + "</figure>") if len(days) > 1 else ""
     return out + [f'<ul class="legend" data-legend="error-types">{legend}</ul>', '<div class="charts">' + per_day
                   + "<figure><h3>Failed calls by model and error type</h3>"
-                  + _errors_by_model_chart(audit, by_series, types, colours, top, rest_label) + "</figure></div>"]
+                  + _errors_by_model_chart(series, types, colours) + "</figure></div>"]
 
 
-def _errors_by_model_chart(audit, by_series, types, colours, top, rest_label):
+def _errors_by_model_chart(series, types, colours):
     """One horizontal stacked bar per chart series: its failed calls, coloured by error type."""
-    calls, index = {}, {key: i for i, key in enumerate(top)}
-    for (model, base, _day), group in audit.groups.items():
-        i = index.get((model, base), len(top))
-        calls[i] = calls.get(i, 0) + group.calls
-    keys = top + ([None] if rest_label else [])
     width, left, right, row = _CHART[0], 10, _CHART[0] - 150, 40
-    bottom = 8 + row * len(keys)
-    step, xmax = _scale(max((sum(by_series.get(i, {}).values()) for i in range(len(keys))), default=0))
+    bottom = 8 + row * len(series)
+    step, xmax = _scale(max((sum(s["errors"].values()) for s in series), default=0))
     parts = [_svg_open("errors-per-model", "failed calls per model, by error type", width, bottom + 44)]
     for i in range(int(round(xmax / step)) + 1):
         x = left + (right - left) * i * step / xmax
@@ -1507,11 +1357,10 @@ def _errors_by_model_chart(audit, by_series, types, colours, top, rest_label):
                      f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_short(i * step)}</text>')
     parts.append(f'<text class="ax" x="{(left + right) / 2:.0f}" y="{bottom + 38}" text-anchor="middle">'
                  "failed calls</text>")
-    for i, key in enumerate(keys):
-        label, colour = (_model_label(*key), _PALETTE[i]) if key else (rest_label, _GREY)
-        per, y, x = by_series.get(i, {}), 8 + i * row, left
-        parts.append(f'<g class="model" data-model="{_e(label if key else OTHER)}">'
-                     f'<rect x="{left}" y="{y + 3}" width="10" height="10" rx="2" fill="{colour}"/>'
+    for i, s in enumerate(series):
+        label, per, y, x = s["label"], s["errors"], 8 + i * row, left
+        parts.append(f'<g class="model" data-model="{_e(label if s["key"] else OTHER)}">'
+                     f'<rect x="{left}" y="{y + 3}" width="10" height="10" rx="2" fill="{s["colour"]}"/>'
                      f'<text x="{left + 15}" y="{y + 12}">{_e(_clip(label))}</text>')
         for name in types:
             if per.get(name):
@@ -1520,48 +1369,38 @@ def _errors_by_model_chart(audit, by_series, types, colours, top, rest_label):
                              f'height="14" fill="{colours[name]}"><title>{_e(label)}: {_e(name)} \u00d7 '
                              f"{per[name]:,}</title></rect>")
                 x += w
-        failed, n = sum(per.values()), calls.get(i, 0)
+        failed, n = sum(per.values()), s["calls"]
         share = f" \u00b7 {failed / n:.1%} of {n:,} calls" if n else ""
         parts.append(f'<text x="{x + 6:.1f}" y="{y + 28}">{failed:,}{share}</text></g>')
     parts.append("</svg>")
     return "".join(parts)
 
 
-def _latency_section(audit, top, rest_label):
-    latencies = {key: [] for key in top}
-    for (model, base, _day), group in audit.groups.items():
-        if (model, base) in latencies:
-            latencies[(model, base)].extend(group.latencies)
+def _latency_section(series):
     out = ['<h2 id="latency">Latency per model</h2>',
            '<p class="note">Successful calls only, log-scale bins: a second hump to the right is usually cold '
            "starts or queueing. Dashed lines mark p50 and p95.</p>", '<div class="hists">']
-    for key, colour in zip(top, _PALETTE):
-        label, ordered = _model_label(*key), sorted(latencies[key])
+    for s in series:
+        if s["key"] is None:
+            out.append("</div>")
+            return out + [f'<p class="note">{_key(_GREY, True)}{_e(s["label"])}: no histogram (only the '
+                          f"{MAX_CHART_MODELS} busiest model strings get one).</p>"]
+        ordered = sorted(s["latencies"])
         caption = (f"{len(ordered):,} ok calls \u00b7 p50 {_ms_text(percentile(ordered, 50))} \u00b7 p95 "
                    f"{_ms_text(percentile(ordered, 95))} \u00b7 max {_ms_text(ordered[-1] if ordered else None)}")
-        out.append(f'<figure><h3>{_key(colour)}{_e(_label(key[0]))}<span class="ep">{_e(_label(key[1]))}</span>'
-                   f"</h3>{_latency_histogram(label, ordered, colour)}"
+        out.append(f'<figure><h3>{_key(s["colour"])}{_e(_label(s["key"][0]))}<span class="ep">'
+                   f'{_e(_label(s["key"][1]))}</span></h3>{_latency_histogram(s["label"], ordered, s["colour"])}'
                    f"<figcaption>{_e(caption)}</figcaption></figure>")
-    out.append("</div>")
-    if rest_label:
-        out.append(f'<p class="note">{_key(_GREY, True)}{_e(rest_label)}: no histogram (only the '
-                   f"{MAX_CHART_MODELS} busiest model strings get one).</p>")
-    return out
+    return out + ["</div>"]
 
 
 def _changes_section(changes, colours):
     out = [f'<h2 id="changes">Changes day over day ({len(changes):,})</h2>']
     if not changes:
         return out + ["<p>Nothing changed from one day to the next.</p>"]
-    head = "".join(_th(c, _CHANGE_HEADINGS) for c in _CHANGE_HEADINGS)
-    out.append(f'<div class="scroll"><table class="changes"><thead><tr>{head}</tr></thead><tbody>')
-    for c in changes[:_MAX_LIST_ROWS]:
-        model = (f'{_key(colours.get((c["request_model"], c["base_url"]), _GREY))}{_e(c["request_model"])}'
-                 if c["request_model"] is not None else "(models list)")
-        out.append(f'<tr>{_td("day", c["day"])}<td class="t">{model}</td>{_td("base_url", c["base_url"])}'
-                   f'<td class="t" title="{_e(c["what"])}">{_e(_WHAT.get(c["what"], c["what"]))}</td>'
-                   f'<td class="t w">{_e(c["detail"])}</td>{_td("previous_day", c["previous_day"])}</tr>')
-    out.append("</tbody></table></div>")
+    out.append(_html_table("changes", ("day", "request_model", "base_url", "what", "detail", "previous_day"),
+                           changes[:_MAX_LIST_ROWS], {"request_model": _model_cell(colours), "what": lambda c: (
+                               f'<td class="t" title="{_e(c["what"])}">{_e(_WHAT.get(c["what"], c["what"]))}</td>')}))
     if len(changes) > _MAX_LIST_ROWS:
         out.append(f'<p class="note">{len(changes) - _MAX_LIST_ROWS:,} more changes: see the text report or '
                    "--json.</p>")
@@ -1580,55 +1419,39 @@ def _runs_section(runs, runs_url):
         if not rl._OUR_RUN_ID_RE.match(row["run_id"]):
             return _td("run_id", row["run_id"])
         return f'<td class="t"><a href="{_e(runs_url + row["run_id"])}">{_e(row["run_id"])}</a></td>'
-    return out + [_html_table("runs", list(_HTML_RUN_COLUMNS), _RUN_HEADINGS, shown, run_cell)]
+    return out + [_html_table("runs", _HTML_RUN_COLUMNS, shown, {"run_id": run_cell})]
 
 
 def _ledgers_section(ledgers):
     shown = ledgers[:_MAX_LIST_ROWS]
     return [f'<h2 id="ledgers">Ledgers read ({len(ledgers):,})</h2><details><summary>show the list</summary>',
-            _html_table("ledgers", list(_LEDGER_HEADINGS), _LEDGER_HEADINGS, shown), "</details>"]
-
-
-def _warnings(audit, verified):
-    out = [] if verified else ['<p class="warn"><strong>UNVERIFIED</strong> (--no-verify): the hash chain was '
-                               "not checked; anything on this page may have been edited.</p>"]
-    for ledger in audit.ledgers[:_MAX_LIST_ROWS]:
-        if ledger["status"] == "torn":
-            out.append(f'<p class="warn">warning: {_e(ledger["reason"])}</p>')
-        if ledger.get("skipped"):
-            out.append(f'<p class="warn">warning: {_e(ledger["path"])}: {ledger["skipped"]:,} lines are not '
-                       "ledger events and were skipped</p>")
-    if audit.folded:
-        out.append(f'<p class="warn">warning: more than {MAX_MODEL_STRINGS:,} model strings; {audit.folded:,} '
-                   f"calls are counted under {_e(OTHER)}</p>")
-    for item in audit.unlisted():
-        out.append(f'<p class="warn unlisted">not listed: {_e(item["request_model"])} @ {_e(item["base_url"])} '
-                   f'({item["calls"]:,} calls) is not in that endpoint\'s /models list of {_e(item["listed_at"][:10])}: '
-                   "a server that answers to any model name served it.</p>")
-    return out
+            _html_table("ledgers", ["path", "status", "lines", "reason"], shown), "</details>"]
 
 
 def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_RUNS_URL):
-    top, rest_label, totals = _chart_models(audit)
-    colours = _colours(top)
+    series, totals = _chart_models(audit)
+    colours = {s["key"]: s["colour"] for s in series if s["key"]}
     days = _chart_days({day for (_m, _b, day) in audit.groups})
-    calls = sum(r["calls"] for r in rows)
+    sums = _sums(rows)
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
            "<title>reasoning-ledger audit</title>", f"<style>{_CSS}</style>", "</head><body>",
            "<h1>Model calls audit</h1>",
            f'<p class="sub">{len(audit.ledgers):,} ledger{"s" if len(audit.ledgers) != 1 else ""}, '
-           f"{calls:,} model calls, " + ("verified (every hash chain checked)." if verified else
-                                         '<strong class="warn">UNVERIFIED</strong>.') + "</p>",
+           f"{sums['calls']:,} model calls, " + ("verified (every hash chain checked)." if verified else
+                                                '<strong class="warn">UNVERIFIED</strong>.') + "</p>",
            '<nav><a href="#models">Models</a><a href="#per-day">Per day</a><a href="#errors">Errors</a>'
            '<a href="#latency">Latency</a><a href="#changes">Changes</a>'
            + ('<a href="#runs">Agent runs</a>' if runs else "") + '<a href="#ledgers">Ledgers</a></nav>']
-    out += _warnings(audit, verified)
-    out += _summary_cards(audit, rows, changes, runs, days)
+    if not verified:
+        out.append('<p class="warn"><strong>UNVERIFIED</strong> (--no-verify): the hash chain was not checked; '
+                   "anything on this page may have been edited.</p>")
+    out += [f'<p class="warn">{_e(line)}</p>' for line in _warnings(audit)[:_MAX_LIST_ROWS]]
+    out += _summary_cards(audit, sums, changes, runs, days)
     out += _models_section(rows, by_day, colours, totals)
-    out += _per_day_section(audit, top, rest_label, totals, days)
-    out += _errors_section(audit, days, top, rest_label)
-    out += _latency_section(audit, top, rest_label)
+    out += _per_day_section(series, days)
+    out += _errors_section(audit, days, series)
+    out += _latency_section(series)
     out += _changes_section(changes, colours)
     if runs:
         out += _runs_section(runs, runs_url)
@@ -1726,7 +1549,7 @@ def _run(args):
     if args.json:
         rl.write_out(render_json(audit, rows, changes, runs, verified, by_day))
     elif args.csv:
-        render_csv(rows, _OutStream())
+        rl.write_out(render_csv(rows))
     else:
         rl.write_out(render_text(audit, rows, changes, runs, verified, by_day, wide=args.wide))
     if args.fail_on_change and changes:
@@ -1744,13 +1567,6 @@ def _run_remote(args, since, until):
     except rl.ClickHouseError as exc:
         exc.exit_code = rl.EXIT_USAGE  # the input could not be read
         raise
-
-
-class _OutStream:
-    """A file-like object over write_out, for csv.writer."""
-
-    def write(self, text):
-        rl.write_out(text)
 
 
 def main(argv=None):

@@ -341,14 +341,33 @@ class Redactor:
         return text
 
 
+# Credential variables of common tools that the rule of is_secret_env_name misses (docs/secrets.md).
+SECRET_ENV_NAMES = ("SSHPASS", "DATABASE_URL", "*_DATABASE_URL", "REDIS_URL", "MONGODB_URI", "MONGO_URL", "AMQP_URL",
+                    "CELERY_BROKER_URL", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "UV_INDEX_URL", "UV_EXTRA_INDEX_URL",
+                    "POETRY_PYPI_TOKEN_*", "BUNDLE_*__*", "COMPOSER_AUTH", "DOCKER_AUTH_CONFIG",
+                    "AZURE_STORAGE_CONNECTION_STRING", "GOOGLE_APPLICATION_CREDENTIALS_JSON", "GOOGLE_CREDENTIALS")
+_GLUED_SECRET_ENDINGS = ("password", "passwd", "passphrase", "token", "secret")  # PGPASSWORD, GITLABTOKEN
+_SHORT_SECRET_WORDS = ("pwd", "pass", "pw", "auth")  # MYSQL_PWD, REDISCLI_AUTH: only after another segment
+
+
 def is_secret_env_name(name):
-    """An environment variable's name that names a secret: as is_secret_key, and also any name ending in
-    KEY or DSN (STRIPE_KEY, SENTRY_DSN) or holding WEBHOOK (SLACK_WEBHOOK_URL): in an environment these
-    are secrets far more often than in a payload, where `key` alone is a common field."""
+    """An environment variable's name that names a secret: as is_secret_key; a name ending in KEY or DSN
+    (STRIPE_KEY, SENTRY_DSN) or holding WEBHOOK (SLACK_WEBHOOK_URL); a last segment ending in a credential
+    word (PGPASSWORD) or, after another segment, a short one (MYSQL_PWD, REDISCLI_AUTH, but not PWD); and
+    the names SECRET_ENV_NAMES lists. In an environment these are secrets far more often than in a payload,
+    where `key` alone is a common field."""
     if is_secret_key(name):
         return True
     segments = [s.lower() for s in _SEGMENT_RE.split(name) if s]
-    return bool(segments) and (segments[-1] in ("key", "dsn") or "webhook" in segments)
+    if not segments:
+        return False
+    last = segments[-1]
+    if last in ("key", "dsn") or "webhook" in segments or last.endswith(_GLUED_SECRET_ENDINGS):
+        return True
+    if len(segments) > 1 and last in _SHORT_SECRET_WORDS:
+        return True
+    import fnmatch  # only for names the rule does not decide
+    return any(fnmatch.fnmatchcase(name.upper(), pattern) for pattern in SECRET_ENV_NAMES)
 
 
 def secret_values(extra=()):

@@ -126,6 +126,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._error(401, f"Incorrect API key provided: {auth[7:]}", "invalid_api_key")
         if scenario.get("sleep"):
             time.sleep(scenario["sleep"])
+        if scenario.get("hold") is not None:  # a threading.Event: answer only once the test sets it
+            scenario["hold"].wait(600)
         stream = bool(body.get("stream"))
         if name == "reject_stream_options" and "stream_options" in body:
             return self._error(400, "Unrecognized request argument supplied: stream_options")

@@ -340,7 +340,7 @@ def _signed_raw(body, extra_headers=b"", length=True):
     headers = github_headers(body, delivery="raw-1")
     lines = b"".join(f"{k}: {v}\r\n".encode() for k, v in headers.items())
     size = f"Content-Length: {len(body)}\r\n".encode() if length else b""
-    return b"POST /webhook HTTP/1.1\r\nHost: x\r\n" + lines + size + extra_headers + b"\r\n" + body
+    return b"POST /webhook HTTP/1.1\r\nHost: 127.0.0.1\r\n" + lines + size + extra_headers + b"\r\n" + body
 
 
 MALFORMED = [
@@ -379,7 +379,7 @@ MALFORMED = [
     ("PUT /runs", ("req", "PUT", "/runs", b"{}"), 405, None),
     ("a path that climbs", ("req", "GET", "/../../etc/passwd", None), 404, None),
     ("garbage request line", ("rawshut", b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n"), 400, None),
-    ("unknown method", ("rawshut", b"BREW /webhook HTTP/1.1\r\nHost: x\r\n\r\n"), 501, None),
+    ("unknown method", ("rawshut", b"BREW /webhook HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"), 501, None),
 ]
 
 
@@ -408,7 +408,7 @@ def test_malformed_requests_get_the_right_status_and_an_event_and_never_a_crash(
 
 def test_an_oversized_body_gets_413_at_once_without_being_read(serve):
     daemon = serve("--request-timeout", 120, "--max-body", 1024)
-    head = (b"POST /webhook HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-GitHub-Event: push\r\n"
+    head = (b"POST /webhook HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nX-GitHub-Event: push\r\n"
             b"X-GitHub-Delivery: big-1\r\nX-Hub-Signature-256: " + github_signature(b"x").encode() +
             b"\r\nContent-Length: 100000000\r\n\r\n")
     with socket.create_connection(("127.0.0.1", daemon.port), timeout=30) as sock:
@@ -643,7 +643,7 @@ def test_a_client_that_sends_headers_and_stalls_does_not_delay_others(serve):
     slowloris = socket.create_connection(("127.0.0.1", daemon.port), timeout=30)
     try:
         stalled.sendall(head[:-len(body)] + body[:10])  # the headers and ten bytes of a 1000-byte body
-        slowloris.sendall(b"POST /webhook HTTP/1.1\r\nHost: x\r\nX-Git")  # half a header
+        slowloris.sendall(b"POST /webhook HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Git")  # half a header
         other = daemon.post(body, github_headers(body, delivery="not-delayed"))
         assert other.status == 202  # answered while both are still held open
         for sock in (stalled, slowloris):
@@ -670,7 +670,7 @@ def test_connections_over_the_cap_get_503_and_the_cap_frees_up(serve):
     try:
         for sock in held:
             sock.sendall(b"GET /healthz HTTP/1.1\r\n")  # and no end of the headers
-        status, got = raw_exchange(daemon.port, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, got = raw_exchange(daemon.port, b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert status == 503 and b"Retry-After: 1" in got
     finally:
         for sock in held:
@@ -734,8 +734,10 @@ def test_sigterm_during_load_loses_no_accepted_delivery_and_a_restart_runs_them_
 
 
 def test_kill_9_during_load_leaves_ledgers_that_verify_after_the_next_start(serve):
-    seconds = tools_json(serve.tmp / "seconds.json", "import time; time.sleep(6)")  # still running at restart
-    daemon = serve("--queue", 200, tools=seconds)
+    go = serve.tmp / "go"  # the run in progress at the kill is still running at the restart: it waits for this
+    waiting = tools_json(serve.tmp / "waiting.json",
+                         f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)")
+    daemon = serve("--queue", 200, tools=waiting)
     results, threads = _load_in_background(daemon, 400, "kill")
     wait_until("a run in progress and some accepted deliveries",
                 lambda: daemon.events("run_dispatched") and len(_accepted(list(results))) >= 10)
@@ -749,6 +751,7 @@ def test_kill_9_during_load_leaves_ledgers_that_verify_after_the_next_start(serv
     orphan = daemon.payloads("run_dispatched")[-1]["run_id"]
     daemon = serve("--queue", 200)  # recovers: adopts the orphan, queues the rest again
     recovered = daemon.payloads("daemon_recovered")[-1]
+    go.touch()
     if Path("/proc/self").exists():
         assert recovered["adopted"] == [orphan]
     finished = daemon.finished(received.values())
