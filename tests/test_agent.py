@@ -672,7 +672,7 @@ def test_a_second_run_on_the_same_repo_exits_with_the_lock_code(agent, tmp_path,
     third = run_script("agent.py", "run", "--repo", other, "--runs-dir", agent.runs, "--tools", agent.tools,
                        "--max-steps", "1", env=env, timeout=120)  # a different repository is not locked out
     out, err = first.communicate(timeout=120)
-    assert first.returncode == 7 and third.returncode == 7, (err, third.err)  # each ran to its step budget
+    assert first.returncode == 8 and third.returncode == 7, (err, third.err)  # the third ran to its step budget
     assert out.split()[0] != third.out.split()[0]
     assert len(list(agent.runs.glob("*/events.jsonl"))) == 2  # the locked-out run opened nothing
     _verifies(agent.runs)
