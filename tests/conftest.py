@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,124 @@ def chain(bodies, key=None):
 def event(seq, payload=None, run_id="r1", kind="note", at="2026-11-29T12:00:00.000000Z"):
     """One envelope in the writer's field order (prev is filled in by chain())."""
     return {"seq": seq, "run_id": run_id, "kind": kind, "at": at, "payload": payload or {}, "prev": None}
+
+
+# ----------------------------------------------------------------------------
+# Repositories and tools.json for agent runs
+# ----------------------------------------------------------------------------
+
+SAMPLE_CALC = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
+SAMPLE_TESTS = ("from calc import add, mul\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
+         "def test_mul():\n    assert mul(2, 3) == 6\n")
+
+
+def git(repo, *args):
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
+                          env=dict(clean_env(), GIT_OPTIONAL_LOCKS="0"), timeout=120).stdout
+
+
+def make_repo(root, calc=SAMPLE_CALC, tests=SAMPLE_TESTS, extra=None, commit=True):
+    """A git repository with calc.py and test_calc.py (by default test_add fails), plus `extra` files."""
+    root.mkdir(parents=True)
+    git(root, "init", "-q")
+    (root / "calc.py").write_text(calc)
+    (root / "test_calc.py").write_text(tests)
+    for name, text in (extra or {}).items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    if commit:
+        git(root, "add", "-A")
+        git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    return root
+
+
+def tools_json(path, **changes):
+    """The shipped tools.json with the test command (pytest) and plugins on this interpreter, plus `changes`
+    (a dict updates the section of that name; anything else replaces the key)."""
+    data = json.loads((ROOT / "tools.json").read_text())
+    data["test_command"] = [sys.executable, "-m", "pytest", "-q"]
+    for plugin in data["plugins"].values():
+        plugin["argv"] = [sys.executable if a == "python3" else a for a in plugin["argv"]]
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key].update(value)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data, indent=1))
+    return path
+
+
+def clock_for(day):
+    """A ledger clock on `day`: one second later per line, from 12:00:00 (the audit reads lines in order)."""
+    ticks = iter(range(10 ** 6))
+
+    def clock():
+        tick = next(ticks)
+        return f"{day}T12:{tick // 60 % 60:02d}:{tick % 60:02d}.000000Z"
+    return clock
+
+
+# ----------------------------------------------------------------------------
+# HTML pages read back as a browser would
+# ----------------------------------------------------------------------------
+
+HTML_VOID = {"meta", "br", "img", "link", "input", "hr", "area", "base", "col", "embed", "source", "track", "wbr"}
+
+
+class Node:
+    def __init__(self, tag, attrs, parent=None):
+        self.tag, self.attrs, self.parent, self.children, self.data = tag, dict(attrs), parent, [], []
+
+    def walk(self):
+        yield self
+        for child in self.children:
+            yield from child.walk()
+
+    def find(self, tag=None, cls=None, **attrs):
+        return [n for n in self.walk() if (tag is None or n.tag == tag)
+                and (cls is None or cls in (n.attrs.get("class") or "").split())
+                and all(n.attrs.get(k.replace("_", "-")) == v for k, v in attrs.items())]
+
+    def text(self):
+        return "".join("".join(n.data) for n in self.walk())
+
+    def own_title(self):
+        titles = [c for c in self.children if c.tag == "title"]
+        return titles[0].text() if titles else None
+
+
+class Tree(HTMLParser):
+    """The page as nested nodes; fails on a closing tag that does not close the open element."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.root = Node("#root", [])
+        self.stack = [self.root]
+
+    def handle_starttag(self, tag, attrs):
+        node = Node(tag, attrs, self.stack[-1])
+        self.stack[-1].children.append(node)
+        if tag not in HTML_VOID:
+            self.stack.append(node)
+
+    def handle_startendtag(self, tag, attrs):
+        self.stack[-1].children.append(Node(tag, attrs, self.stack[-1]))
+
+    def handle_endtag(self, tag):
+        assert len(self.stack) > 1 and self.stack[-1].tag == tag, (tag, [n.tag for n in self.stack[-5:]])
+        self.stack.pop()
+
+    def handle_data(self, data):
+        self.stack[-1].data.append(data)
+
+
+def parse_html(text):
+    """The root Node of a page; every element must be closed."""
+    tree = Tree()
+    tree.feed(text)
+    tree.close()
+    assert [n.tag for n in tree.stack] == ["#root"], "unclosed elements"
+    return tree.root
 
 
 @pytest.fixture

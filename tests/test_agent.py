@@ -1,6 +1,7 @@
 """agent.py as a user runs it: real git repositories in temp dirs, the stand-in endpoint scripted per test,
 agent.py as a subprocess. The user's repository must come out of every run exactly as it went in."""
 
+import hashlib
 import json
 import os
 import signal
@@ -14,11 +15,10 @@ from pathlib import Path
 import pytest
 
 import reasoning_ledger as rl
-from conftest import KEY, ROOT, all_bytes_under, clean_env, error_lines, run_script
+from conftest import KEY, ROOT, all_bytes_under, clean_env, error_lines, git, make_repo, run_script, tools_json
+from conftest import SAMPLE_CALC as CALC, SAMPLE_TESTS as TESTS
 
-CALC = "def add(a, b):\n    return a - b\n\n\ndef mul(a, b):\n    return a * b\n"
-TESTS = ("from calc import add, mul\n\n\ndef test_add():\n    assert add(2, 3) == 5\n\n\n"
-         "def test_mul():\n    assert mul(2, 3) == 6\n")
+
 def udiff(name, before, after):
     """A unified diff as `diff -u` writes it (three lines of context)."""
     import difflib
@@ -31,40 +31,6 @@ DELETE_TEST = udiff("test_calc.py", TESTS, TESTS.replace("def test_add():\n    a
 WEAKEN = udiff("test_calc.py", TESTS, TESTS.replace("assert add(2, 3) == 5", "assert add(2, 3) is not None"))
 STALE = "--- a/calc.py\n+++ b/calc.py\n@@ -1,2 +1,2 @@\n def add(x, y):\n-    return x - y\n+    return x + y\n"
 ENV_SECRET = "s3cr3t-env-value-0123456789"
-
-
-def tools_json(path, **changes):
-    """The shipped tools.json with the test command on this interpreter, plus `changes`."""
-    data = json.loads((ROOT / "tools.json").read_text())
-    data["test_command"] = [sys.executable, "-m", "pytest", "-q"]
-    for plugin in data["plugins"].values():
-        plugin["argv"] = [sys.executable if a == "python3" else a for a in plugin["argv"]]
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
-            data[key].update(value)
-        else:
-            data[key] = value
-    path.write_text(json.dumps(data, indent=1))
-    return path
-
-
-def git(repo, *args):
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
-                          env=dict(clean_env(), GIT_OPTIONAL_LOCKS="0")).stdout
-
-
-def make_repo(root, calc=CALC, tests=TESTS, extra=None, commit=True):
-    root.mkdir(parents=True)
-    git(root, "init", "-q")
-    (root / "calc.py").write_text(calc)
-    (root / "test_calc.py").write_text(tests)
-    for name, text in (extra or {}).items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text)
-    if commit:
-        git(root, "add", "-A")
-        git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
-    return root
 
 
 def repo_state(repo):
@@ -179,8 +145,8 @@ def test_a_passing_repo_gets_no_action(agent, tmp_path, server):
 def test_uncommitted_changes_are_the_tree_worked_on_and_ref_is_the_commit(agent, tmp_path):
     repo = make_repo(tmp_path / "repo", calc=CALC.replace("a - b", "a + b"))
     (repo / "calc.py").write_text(CALC)  # the user's uncommitted change broke it
-    proc, run_dir, events = agent(repo, [propose(FIX)])
-    assert proc.returncode == 8, proc.err
+    proc, run_dir, events = agent(repo, [action("read_file", path="calc.py")], "--max-steps", "1")
+    assert proc.returncode == 7, proc.err  # the tree worked on fails: the model was asked
     assert payload(events, "run_started")[0]["dirty"] is True
     diff = (run_dir / payload(events, "prompt_context")[0]["diff_artifact"]["path"]).read_text()
     assert "-    return a + b" in diff and "+    return a - b" in diff
@@ -319,13 +285,17 @@ def test_a_conftest_that_fails_to_import_is_the_models_to_fix_not_a_broken_comma
     assert payload(events, "judge_verdict")[0]["verdict"] == "accept"
 
 
-def test_deleting_a_file_named_with_a_mode_like_number_is_not_a_mode_change(agent, tmp_path):
+def test_deleting_a_file_named_with_a_mode_like_number_is_not_a_mode_change(denial_tree, tmp_path):
+    import agent as agent_module
+    policy, _resolve, _tree = denial_tree
     repo = make_repo(tmp_path / "repo", extra={"weird-120000.txt": "x\n"})
     gone = "diff --git a/weird-120000.txt b/weird-120000.txt\ndeleted file mode 100644\n--- a/weird-120000.txt\n" \
            "+++ /dev/null\n@@ -1 +0,0 @@\n-x\n"
-    proc, _run_dir, events = agent(repo, [propose(FIX + gone)])
-    assert proc.returncode == 8, proc.err
-    assert not payload(events, "patch_rejected")
+    assert agent_module.patch_files(FIX + gone) == (["calc.py", "weird-120000.txt"], [])
+    resolve = agent_module.Workspace(repo, None, repo, policy, rl.Redactor(), None).resolve
+    assert agent_module.check_action({"tool": "propose_patch", "args": {"patch": FIX + gone}}, policy, resolve).allowed
+    check = agent_module.check_patch(repo, FIX + gone, rl.Redactor(), policy, resolve)
+    assert check["applies"] is True and sorted(check["files"]) == ["calc.py", "weird-120000.txt"], check
 
 
 def test_the_judge_command_refuses_a_run_without_a_proposal_or_already_closed(agent, tmp_path):
@@ -353,8 +323,8 @@ def test_the_judge_catches_a_test_that_passed_before_and_fails_now(agent, tmp_pa
 
 def test_a_patch_that_does_not_apply_is_rejected_and_fed_back(agent, tmp_path, server):
     repo = make_repo(tmp_path / "repo")
-    proc, run_dir, events = agent(repo, [propose(STALE), propose(FIX)])
-    assert proc.returncode == 8, proc.err
+    proc, run_dir, events = agent(repo, [propose(STALE), action("read_file", path="calc.py")], "--max-steps", "2")
+    assert proc.returncode == 7, proc.err  # the run went on after the rejection, to its step budget
     rejected = payload(events, "patch_rejected")[0]
     assert rejected["step"] == 1 and "patch failed" in rejected["message"]
     told = server.requests[1]["body"]["messages"][-1]["content"]
@@ -377,69 +347,128 @@ def test_miscounted_hunks_are_fixed_with_recount_and_say_so(agent, tmp_path):
 # The allowlist: denied or rejected with the rule named, and the run goes on
 # ----------------------------------------------------------------------------
 
+RENAMES_ENV = FIX + "diff --git a/notes b/leak.txt\nsimilarity index 100%\nrename old .env\nrename new leak.txt\n"
+NESTED = '{"tool": "read_file", "args": {"path": "calc.py", "x": ' + "[" * 100 + "]" * 100 + "}}"
+# What check_action denies, and the rule it names. The paths resolve in a real tree (denial_tree):
+# escape -> /etc, link_to_env -> .env.
 DENIALS = [
-    (action("read_file", path="../../etc/passwd"), "tool_denied", "path.dotdot"),
-    (action("read_file", path="/etc/passwd"), "tool_denied", "path.absolute"),
-    (action("read_file", path="escape/passwd"), "tool_denied", "path.escape"),
-    (action("read_file", path="link_to_env"), "tool_denied", "path.denied"),
-    (action("read_file", path=".env"), "tool_denied", "path.denied"),
-    (action("read_file", path="sub/.env.local"), "tool_denied", "path.denied"),
-    (action("read_file", path=".git/config"), "tool_denied", "path.denied"),
-    (action("read_file", path="-rf"), "tool_denied", "arg.option"),
-    (action("read_file", path="calc.py\x00.txt"), "tool_denied", "path.nul"),
-    (action("read_file", path="a" * 2000), "tool_denied", "arg.too_long"),
-    (action("list_files", path="~root"), "tool_denied", "path.absolute"),
-    (action("py_compile", path="calc.py; rm -rf /"), "tool_denied", "arg.pattern"),
-    (action("py_compile", path="calc.py && id"), "tool_denied", "arg.pattern"),
-    (action("py_compile", path="$(id).py"), "tool_denied", "arg.pattern"),
-    (action("py_compile", path="-c.py"), "tool_denied", "arg.option"),
-    (action("py_compile", path="notes.txt"), "tool_denied", "arg.pattern"),
-    (action("run_test", node_id="test_calc.py::test_add --pdb"), "tool_denied", "arg.pattern"),
-    (action("shell", cmd="cat /etc/passwd"), "tool_denied", "tool.unknown"),
-    (action("read_file", path="calc.py", mode="w"), "tool_denied", "args.unknown"),
-    (action("read_file"), "tool_denied", "args.missing"),
-    (action("read_file", path="calc.py", start_line="1"), "tool_denied", "args.type"),
-    (action("propose_patch", patch=FIX.replace("calc.py", "../outside.py")), "tool_denied", "path.dotdot"),
-    (action("propose_patch", patch=FIX.replace("calc.py", ".git/hooks/pre-commit")), "tool_denied", "path.denied"),
-    (action("propose_patch", patch="just words"), "tool_denied", "patch.no_files"),
-    (action("propose_patch", patch=FIX + "diff --git a/notes b/leak.txt\nsimilarity index 100%\nrename old .env\n"
-                                         "rename new leak.txt\n"), "patch_rejected", None),
-    (action("propose_patch", patch="diff --git a/l b/l\nnew file mode 120000\n--- /dev/null\n+++ b/l\n@@ -0,0 +1 @@\n"
-                                   "+/etc/passwd\n"), "tool_denied", "patch.mode"),
-    (action("propose_patch", patch="diff --git a/l b/l\nnew file mode 0120000\n--- /dev/null\n+++ b/l\n@@ -0,0 +1 @@\n"
-                                   "+/etc/passwd\n"), "tool_denied", "patch.mode"),
-    ("Sure! I will fix it now.", "proposal_malformed", None),
-    ('{"tool": "read_file", "args": {"path": "calc.py", "x": ' + "[" * 100 + "]" * 100 + "}}",
-     "proposal_malformed", None),
-    ('{"tool": 5, "args": {}}', "proposal_malformed", None),
-    ('{"tool": "read_file", "args": "calc.py"}', "proposal_malformed", None),
+    (("read_file", {"path": "../../etc/passwd"}), "path.dotdot"),
+    (("read_file", {"path": "/etc/passwd"}), "path.absolute"),
+    (("read_file", {"path": "escape/passwd"}), "path.escape"),
+    (("read_file", {"path": "link_to_env"}), "path.denied"),
+    (("read_file", {"path": ".env"}), "path.denied"),
+    (("read_file", {"path": "sub/.env.local"}), "path.denied"),
+    (("read_file", {"path": ".git/config"}), "path.denied"),
+    (("read_file", {"path": "-rf"}), "arg.option"),
+    (("read_file", {"path": "calc.py\x00.txt"}), "path.nul"),
+    (("read_file", {"path": "a" * 2000}), "arg.too_long"),
+    (("list_files", {"path": "~root"}), "path.absolute"),
+    (("py_compile", {"path": "calc.py; rm -rf /"}), "arg.pattern"),
+    (("py_compile", {"path": "calc.py && id"}), "arg.pattern"),
+    (("py_compile", {"path": "$(id).py"}), "arg.pattern"),
+    (("py_compile", {"path": "-c.py"}), "arg.option"),
+    (("py_compile", {"path": "notes.txt"}), "arg.pattern"),
+    (("run_test", {"node_id": "test_calc.py::test_add --pdb"}), "arg.pattern"),
+    (("shell", {"cmd": "cat /etc/passwd"}), "tool.unknown"),
+    (("read_file", {"path": "calc.py", "mode": "w"}), "args.unknown"),
+    (("read_file", {}), "args.missing"),
+    (("read_file", {"path": "calc.py", "start_line": "1"}), "args.type"),
+    (("propose_patch", {"patch": FIX.replace("calc.py", "../outside.py")}), "path.dotdot"),
+    (("propose_patch", {"patch": FIX.replace("calc.py", ".git/hooks/pre-commit")}), "path.denied"),
+    (("propose_patch", {"patch": "just words"}), "patch.no_files"),
+    (("propose_patch", {"patch": "diff --git a/l b/l\nnew file mode 120000\n--- /dev/null\n+++ b/l\n@@ -0,0 +1 @@\n"
+                                 "+/etc/passwd\n"}), "patch.mode"),
+    (("propose_patch", {"patch": "diff --git a/l b/l\nnew file mode 0120000\n--- /dev/null\n+++ b/l\n@@ -0,0 +1 @@\n"
+                                 "+/etc/passwd\n"}), "patch.mode"),
+]
+# ...and what it allows, so a check_action that denies everything fails the table too.
+ALLOWED = [
+    (("read_file", {"path": "calc.py", "start_line": 1, "end_line": 2}), "builtin.read_file"),
+    (("list_files", {"path": "sub"}), "builtin.list_files"),
+    (("py_compile", {"path": "calc.py"}), "plugin.py_compile"),
+    (("run_test", {"node_id": "test_calc.py::test_add"}), "plugin.run_test"),
+    (("propose_patch", {"patch": FIX}), "builtin.propose_patch"),
+    (("propose_patch", {"patch": RENAMES_ENV}), "builtin.propose_patch"),  # git's reading refuses it: see below
 ]
 
 
-@pytest.mark.parametrize("reply,kind,rule", DENIALS, ids=[f"{i}-{d[2] or d[1]}" for i, d in enumerate(DENIALS)])
-def test_denied_actions_name_their_rule_and_the_run_goes_on(agent, tmp_path, server, reply, kind, rule):
-    repo = make_repo(tmp_path / "repo", extra={"sub/.env.local": "X=1\n"})
-    outside = tmp_path / "outside"  # not /etc: boxed, root has no capabilities and /etc has root-only dirs
+@pytest.fixture(scope="module")
+def denial_tree(tmp_path_factory):
+    """(policy, resolve) of a run: the shipped tools.json, and a real scratch tree with links out and to .env."""
+    import agent as agent_module
+    root = tmp_path_factory.mktemp("denials")
+    repo = make_repo(root / "repo", extra={"sub/.env.local": "X=1\n"})
+    outside = root / "outside"  # not /etc: boxed, root has no capabilities and /etc has root-only dirs
     outside.mkdir()
     (outside / "passwd").write_text("root:x:0:0\n")
     os.symlink(outside, repo / "escape")
     os.symlink(".env", repo / "link_to_env")
     (repo / ".env").write_text(f"SECRET_TOKEN={ENV_SECRET}\n")
-    proc, run_dir, events = agent(repo, [reply, propose(FIX)])
+    policy = agent_module.load_policy(tools_json(root / "tools.json"))
+    return policy, agent_module.Workspace(repo, None, repo, policy, rl.Redactor(), None).resolve, repo
+
+
+@pytest.mark.parametrize("call,rule", DENIALS + ALLOWED, ids=[f"{i}-{d[1]}" for i, d in enumerate(DENIALS + ALLOWED)])
+def test_check_action_names_the_rule_of_each_decision(denial_tree, call, rule):
+    import agent as agent_module
+    policy, resolve, _repo = denial_tree
+    verdict = agent_module.check_action({"tool": call[0], "args": call[1]}, policy, resolve)
+    assert (verdict.allowed, verdict.rule) == ((call, rule) in ALLOWED, rule), verdict.reason
+    assert verdict.reason
+
+
+@pytest.mark.parametrize("reply,words", [
+    ("Sure! I will fix it now.", "no action found"),
+    ('{"tool": 5, "args": {}}', "tool name"),
+    ('{"tool": "read_file", "args": "calc.py"}', "JSON object"),
+])
+def test_a_reply_that_is_no_action_is_malformed(reply, words):
+    import agent as agent_module
+    with pytest.raises(agent_module.Malformed, match=words):
+        agent_module.parse_reply(reply)
+
+
+def test_an_action_nested_too_deep_to_record_is_refused_before_the_policy_sees_it():
+    import agent as agent_module
+    action, _form = agent_module.parse_reply(NESTED)
+    assert "nested" in rl.payload_problem({"args": action["args"], "reason": action["reason"]})
+
+
+def test_a_patch_check_action_allows_is_refused_by_gits_own_reading_of_it(denial_tree, tmp_path):
+    """Our parse of RENAMES_ENV sees calc.py (and a made-up header); git reads a rename of .env. The
+    scratch copy a run checks patches in holds the user's .env, as this repository's commit does."""
+    import agent as agent_module
+    policy, resolve, _tree = denial_tree
+    repo = make_repo(tmp_path / "scratch", extra={".env": f"SECRET_TOKEN={ENV_SECRET}\n"})
+    check = agent_module.check_patch(repo, RENAMES_ENV, rl.Redactor(), policy, resolve)
+    assert check["applies"] is False
+    assert "'.env'" in check["message"] and "(rule path.denied)" in check["message"]
+    assert agent_module.check_patch(repo, FIX, rl.Redactor(), policy, resolve)["applies"] is True
+
+
+def test_each_kind_of_refusal_reaches_the_model_and_the_record_and_the_run_goes_on(agent, tmp_path, server):
+    """One run through the four ways the host refuses a reply: a denied action, a reply that is no action,
+    an action that cannot be recorded, and a patch git reads as touching .env."""
+    repo = make_repo(tmp_path / "repo")
+    (repo / ".env").write_text(f"SECRET_TOKEN={ENV_SECRET}\n")
+    proc, run_dir, events = agent(repo, [action("read_file", path=".env"), "Sure! I will fix it now.", NESTED,
+                                         propose(RENAMES_ENV), propose(FIX)])
     assert proc.returncode == 8, proc.err  # the run went on to its proposal
-    first = [e for e in events if e["kind"] in ("tool_denied", "proposal_malformed", "patch_rejected")][0]
-    assert first["kind"] == kind
-    told = server.requests[1]["body"]["messages"][-1]["content"]
-    if kind == "patch_rejected":  # our parse passed it; git's own reading of the patch did not
-        assert "'.env'" in first["payload"]["message"] and "(rule path.denied)" in first["payload"]["message"]
-        assert "(rule path.denied)" in told
-    elif rule:
-        assert first["payload"]["rule"] == rule and first["payload"]["reason"]
-        assert set(first["payload"]) >= {"tool", "args", "rule", "reason"}
-        assert told.startswith("Denied by the host") and f"(rule {rule})" in told
-    else:
-        assert told.startswith(("The host could not read your reply", "The host could not record your action"))
+    refused = [e for e in events if e["kind"] in ("tool_denied", "proposal_malformed", "patch_rejected")]
+    assert [e["kind"] for e in refused] == ["tool_denied", "proposal_malformed", "proposal_malformed",
+                                            "patch_rejected"]
+    assert [e["payload"]["step"] for e in refused] == [1, 2, 3, 4]
+    denied = refused[0]["payload"]
+    assert (denied["tool"], denied["args"], denied["rule"]) == ("read_file", {"path": ".env"}, "path.denied")
+    assert denied["reason"] and denied["paths"] == {}
+    told = [r["body"]["messages"][-1]["content"] for r in server.requests[1:]]
+    assert told[0].startswith("Denied by the host: read_file: ") and "(rule path.denied)" in told[0]
+    assert told[1].startswith("The host could not read your reply: no action found")
+    assert told[2].startswith("The host could not record your action (") and "nested" in told[2]
+    assert told[3].startswith("The patch does not apply") and "'.env'" in told[3] and "(rule path.denied)" in told[3]
+    assert "'.env'" in refused[3]["payload"]["message"]
     assert ENV_SECRET.encode() not in all_bytes_under(agent.runs)
+    assert ENV_SECRET not in json.dumps(server.requests)
     _replays(run_dir)
 
 
@@ -447,10 +476,12 @@ def test_a_fenced_or_wrapped_action_and_a_bare_diff_are_read(agent, tmp_path):
     repo = make_repo(tmp_path / "repo")
     replies = ["Let me look.\n```json\n" + action("read_file", path="calc.py") + "\n```",
                "I will list: " + action("list_files") + " thanks",
-               "```diff\n" + FIX + "```"]
-    proc, run_dir, events = agent(repo, replies)
-    assert proc.returncode == 8, proc.err
+               "```diff\n" + STALE + "```"]
+    proc, run_dir, events = agent(repo, replies, "--max-steps", "3")
+    assert proc.returncode == 7, proc.err
     assert [p["form"] for p in payload(events, "model_proposed")] == ["fenced_json", "embedded_json", "fenced_diff"]
+    assert [p["tool"] for p in payload(events, "model_proposed")] == ["read_file", "list_files", "propose_patch"]
+    assert payload(events, "patch_rejected")[0]["patch_sha256"] == hashlib.sha256(STALE.encode()).hexdigest()
 
 
 def test_read_only_tools_work_and_their_output_is_capped(agent, tmp_path, server):
@@ -458,13 +489,13 @@ def test_read_only_tools_work_and_their_output_is_capped(agent, tmp_path, server
     repo = make_repo(tmp_path / "repo", extra={"big.py": big})
     replies = [action("read_file", path="calc.py", start_line=1, end_line=2), action("grep", pattern=r"return a \S b"),
                action("list_files"), action("git_log", n=3), action("git_diff"), action("read_file", path="big.py"),
-               action("run_tests"), action("py_compile", path="calc.py"), action("run_test", node_id="test_calc.py::test_mul"),
-               propose(FIX)]
-    proc, run_dir, events = agent(repo, replies)
-    assert proc.returncode == 8, proc.err
+               action("run_tests"), action("py_compile", path="calc.py"),
+               action("run_test", node_id="test_calc.py::test_mul"), action("git_diff")]  # the last: to see run_test's
+    proc, run_dir, events = agent(repo, replies, "--max-steps", str(len(replies)))
+    assert proc.returncode == 7, proc.err
     results = payload(events, "tool_result")
     assert [r["tool"] for r in results] == ["read_file", "grep", "list_files", "git_log", "git_diff", "read_file",
-                                            "run_tests", "py_compile", "run_test"]
+                                            "run_tests", "py_compile", "run_test", "git_diff"]
     shown = [r["body"]["messages"][-1]["content"] for r in server.requests[1:]]
     assert "1| def add(a, b):" in shown[0] and "2|     return a - b" in shown[0]
     assert "calc.py:2:     return a - b" in shown[1] and "calc.py:6:     return a * b" in shown[1]
@@ -579,8 +610,10 @@ def test_a_test_command_that_cannot_run_ends_the_run_before_any_model_call(agent
 
 def test_a_context_too_long_answer_shrinks_the_context_once_and_retries(agent, tmp_path):
     repo = make_repo(tmp_path / "repo")
-    proc, run_dir, events = agent(repo, [{"name": "context_too_long"}, propose(FIX)])
-    assert proc.returncode == 8, proc.err
+    proc, run_dir, events = agent(repo, [{"name": "context_too_long"}, action("read_file", path="calc.py")],
+                                  "--max-steps", "1")
+    assert proc.returncode == 7, proc.err  # the retried call was answered; the step budget ended the run
+    assert payload(events, "model_proposed")[0]["tool"] == "read_file"
     (shrunk,) = payload(events, "context_shrunk")
     assert shrunk["error_code"] == "context_length_exceeded" and shrunk["stated_window"] == 4096
     assert shrunk["before_max_tokens"] == 2048 > shrunk["after_max_tokens"]
@@ -640,11 +673,11 @@ def test_a_second_run_on_the_same_repo_exits_with_the_lock_code(agent, tmp_path,
     assert second.returncode == rl.EXIT_LOCKED == 6 and second.out == ""
     (line,) = error_lines(second.err)
     assert "another run holds the lock" in line and str(repo.resolve()) in line
-    server.queue({"name": "ok", "answer": propose(FIX)})
-    third = run_script("agent.py", "run", "--repo", other, "--runs-dir", agent.runs, "--tools", agent.tools, env=env,
-                       timeout=120)  # a different repository is not locked out
+    server.queue({"name": "ok", "answer": action("read_file", path="calc.py")})
+    third = run_script("agent.py", "run", "--repo", other, "--runs-dir", agent.runs, "--tools", agent.tools,
+                       "--max-steps", "1", env=env, timeout=120)  # a different repository is not locked out
     out, err = first.communicate(timeout=120)
-    assert first.returncode == 8 and third.returncode == 8, (err, third.err)
+    assert first.returncode == 8 and third.returncode == 7, (err, third.err)  # the third ran to its step budget
     assert out.split()[0] != third.out.split()[0]
     assert len(list(agent.runs.glob("*/events.jsonl"))) == 2  # the locked-out run opened nothing
     _verifies(agent.runs)
@@ -689,10 +722,20 @@ def test_a_secret_in_the_repos_env_never_reaches_the_ledger_or_the_model(agent, 
      "plugins.x.timeout: unknown key; did you mean 'timeout_s'?"),
 ])
 def test_check_tools_names_each_problem_precisely(tmp_path, change, words):
-    path = tools_json(tmp_path / "t.json", **change)
+    import agent as agent_module
+    with pytest.raises(agent_module.PolicyError) as caught:
+        agent_module.load_policy(tools_json(tmp_path / "t.json", **change))
+    assert any(words in problem for problem in caught.value.problems), caught.value.problems
+
+
+def test_check_tools_says_every_problem_on_its_own_error_line(tmp_path):
+    path = tools_json(tmp_path / "t.json", bogus=1, version=2, budget={"max_step": 3})
     proc = run_script("agent.py", "check-tools", path)
-    assert proc.returncode == 2 and words in proc.err, proc.err
-    assert all(line.startswith("error: ") for line in proc.err.splitlines())
+    assert proc.returncode == 2 and proc.out == ""
+    lines = proc.err.splitlines()
+    assert len(lines) == 3 and all(line.startswith(f"error: {path}: ") for line in lines), lines
+    for words in ("tools.json.bogus: unknown key", "version: must be 1", "budget.max_step: unknown key"):
+        assert sum(words in line for line in lines) == 1, (words, lines)
 
 
 def test_check_tools_accepts_the_shipped_file_and_rejects_broken_json(tmp_path):
@@ -717,14 +760,14 @@ def test_a_vendored_copy_finds_its_own_tools_json(tmp_path, server):
     vendored.mkdir()
     for name in ("reasoning_ledger.py", "ask.py", "audit.py", "agent.py"):
         (vendored / name).write_bytes((ROOT / name).read_bytes())
-    tools_json(vendored / "tools.json")
+    tools_json(vendored / "tools.json", test_command=[sys.executable, "-c", "pass"])
     repo = make_repo(tmp_path / "repo")
-    server.queue({"name": "ok", "answer": propose(FIX)})
     env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model")
     proc = subprocess.run([sys.executable, "-I", str(vendored / "agent.py"), "run", "--repo", str(repo)],
                           capture_output=True, env=env, cwd=tmp_path, timeout=120)
-    assert proc.returncode == 8, proc.stderr
-    assert (tmp_path / "runs" / proc.stdout.decode().split()[0] / "proposal.patch").exists()
+    assert proc.returncode == 0, proc.stderr  # the vendored test command passes: shipped tools.json's would fail
+    events = list(rl.read_events(tmp_path / "runs" / proc.stdout.decode().split()[0] / "events.jsonl"))
+    assert payload(events, "run_started")[0]["tools_path"] == str((vendored / "tools.json").resolve())
 
 
 # ----------------------------------------------------------------------------
@@ -732,11 +775,14 @@ def test_a_vendored_copy_finds_its_own_tools_json(tmp_path, server):
 # ----------------------------------------------------------------------------
 
 def test_replay_with_a_stricter_tools_json_lists_each_flipped_decision(agent, tmp_path):
+    """A run of four steps (its tools.json says so) whose last is a proposal git cannot apply: the
+    decisions are all check_action's, and no judge is needed to have them."""
     repo = make_repo(tmp_path / "repo")
+    four = tools_json(tmp_path / "four.json", budget={"max_steps": 4})
     proc, run_dir, events = agent(repo, [action("read_file", path="calc.py"), action("list_files"),
-                                         action("read_file", path="../x"), propose(FIX)])
-    assert proc.returncode == 8
-    stricter = tools_json(tmp_path / "strict.json", builtins=["read_file", "propose_patch"],
+                                         action("read_file", path="../x"), propose(STALE)], tools_file=four)
+    assert proc.returncode == 7, proc.err
+    stricter = tools_json(tmp_path / "strict.json", builtins=["read_file", "propose_patch"], budget={"max_steps": 4},
                           paths={"allow": ["**"], "deny": [".git/", "calc.py"]})
     proc = run_script("agent.py", "replay", run_dir, "--tools", stricter)
     assert proc.returncode == rl.EXIT_CHANGED == 4, proc.out + proc.err
@@ -747,13 +793,14 @@ def test_replay_with_a_stricter_tools_json_lists_each_flipped_decision(agent, tm
     assert any("step 4: propose_patch" in line and "-> denied by path.denied" in line for line in lines)
     assert not any("step 3" in line for line in lines)  # denied before, denied now, by the same rule
     assert lines[-1] == "3 decisions would change under " + str(stricter)
-    same = run_script("agent.py", "replay", run_dir, "--tools", agent.tools)
+    same = run_script("agent.py", "replay", run_dir, "--tools", four)
     assert same.returncode == 0 and same.out.startswith("0 decisions")
 
 
 def test_replay_reports_the_first_divergence(agent, tmp_path):
     repo = make_repo(tmp_path / "repo")
-    proc, run_dir, events = agent(repo, [action("read_file", path="calc.py"), propose(FIX)])
+    proc, run_dir, events = agent(repo, [action("read_file", path="calc.py")], "--max-steps", "1")
+    assert proc.returncode == 7, proc.err
     ledger = run_dir / "events.jsonl"
     lines = ledger.read_bytes().splitlines(keepends=True)
     # a record whose recorded decision differs from what the host decides: re-chained, so it verifies
@@ -768,19 +815,19 @@ def test_replay_reports_the_first_divergence(agent, tmp_path):
 
 
 def test_runs_lists_every_run_and_whether_it_verifies(agent, tmp_path):
-    repo = make_repo(tmp_path / "repo")
-    agent(repo, [propose(FIX)])
-    agent(repo, ["not json"], "--max-steps", "1")
+    agent(make_repo(tmp_path / "passing", calc=CALC.replace("a - b", "a + b")))  # no model call
+    agent(make_repo(tmp_path / "repo"), ["not json"], "--max-steps", "1")
     proc = run_script("agent.py", "runs", "--runs-dir", agent.runs)
     assert proc.returncode == 0, proc.err
     rows = proc.out.splitlines()[1:]  # under a header line
-    assert len(rows) == 2 and "proposal_accepted" in rows[0] and "budget_exhausted" in rows[1]
-    assert all(row.split()[5] == "ok" for row in rows) and rows[0].split()[3:5] == ["1", "27"]
+    assert len(rows) == 2 and "no_action" in rows[0] and "budget_exhausted" in rows[1]
+    assert all(row.split()[5] == "ok" for row in rows) and rows[1].split()[3:5] == ["1", "27"]
+    assert rows[0].split()[4] == "-"
     import agent as agent_module
     listed = agent_module.list_runs(agent.runs)
-    assert [(r["tokens"], r["tokens_source"]) for r in listed] == [(27, "reported"), (27, "reported")]
-    events = next(p for p in agent.runs.glob("*/events.jsonl") if b'"outcome":"proposal_accepted"' in p.read_bytes())
-    events.write_bytes(events.read_bytes().replace(b'"outcome":"proposal_accepted"', b'"outcome":"no_action"'))
+    assert [(r["tokens"], r["tokens_source"]) for r in listed] == [(None, None), (27, "reported")]
+    events = next(p for p in agent.runs.glob("*/events.jsonl") if b'"outcome":"no_action"' in p.read_bytes())
+    events.write_bytes(events.read_bytes().replace(b'"outcome":"no_action"', b'"outcome":"proposal_accepted"'))
     proc = run_script("agent.py", "runs", "--runs-dir", agent.runs)
     assert proc.returncode == 1 and "FAIL" in proc.out
     audit = run_script("audit.py", agent.runs, "--json")

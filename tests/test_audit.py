@@ -4,20 +4,15 @@ import json
 import re
 import shutil
 import subprocess
-from html.parser import HTMLParser
 
 import pytest
 
 import ask
 import reasoning_ledger as rl
-from conftest import ROOT, clean_env, error_lines, run_script
+from conftest import ROOT, clean_env, clock_for, error_lines, parse_html, run_script
 
 KEY = "sk-audit-test-key-0001"
 DAY1, DAY2 = "2026-11-01", "2026-11-02"
-
-def clock_for(day):
-    ticks = iter(range(10 ** 6))
-    return lambda: f"{day}T12:00:{next(ticks) % 60:02d}.000000Z"
 
 
 def calls(path, server, day, scenarios, model="fake-model", **kwargs):
@@ -245,37 +240,13 @@ def test_html_page_is_well_formed_with_one_latency_chart_per_model(tmp_path, ser
     proc = audit(ledger, "--html", page)
     assert proc.returncode == 0 and page.exists()
 
-    class Checker(HTMLParser):
-        VOID = {"meta", "br", "img", "link", "input", "hr", "line", "rect"}
-
-        def __init__(self):
-            super().__init__()
-            self.stack, self.charts, self.external = [], [], []
-
-        def handle_starttag(self, tag, attrs):
-            attrs = dict(attrs)
-            if tag == "svg" and "latency-histogram" in (attrs.get("class") or ""):
-                self.charts.append(attrs.get("data-model"))
-            if tag in ("script", "link", "img") or (attrs.get("src") or "").startswith("http"):
-                self.external.append(tag)
-            if tag not in self.VOID:
-                self.stack.append(tag)
-
-        def handle_startendtag(self, tag, attrs):
-            if tag == "svg" and "latency-histogram" in (dict(attrs).get("class") or ""):
-                self.charts.append(dict(attrs).get("data-model"))
-
-        def handle_endtag(self, tag):
-            if tag in self.VOID:
-                return
-            assert self.stack and self.stack[-1] == tag, (tag, self.stack[-5:])
-            self.stack.pop()
-
-    checker = Checker()
-    checker.feed(page.read_text(encoding="utf-8"))
-    checker.close()
-    assert checker.stack == [] and checker.external == []
-    assert sorted(checker.charts) == sorted(f"{m} @ {server.base_url}" for m in ("fake-model", "fake-model-large"))
+    nodes = list(parse_html(page.read_text(encoding="utf-8")).walk())  # every element closed
+    charts = [n.attrs.get("data-model") for n in nodes
+              if n.tag == "svg" and "latency-histogram" in (n.attrs.get("class") or "")]
+    external = [n.tag for n in nodes
+                if n.tag in ("script", "link", "img") or (n.attrs.get("src") or "").startswith("http")]
+    assert external == []
+    assert sorted(charts) == sorted(f"{m} @ {server.base_url}" for m in ("fake-model", "fake-model-large"))
     assert page.read_text().count('class="calls-per-day"') == 1
 
 

@@ -2,16 +2,15 @@
 `python audit.py ... --html`, and the page is read back with html.parser, as a browser would see it."""
 
 import re
-from html.parser import HTMLParser
 
 import ask
 import audit as audit_module
 import reasoning_ledger as rl
-from conftest import run_script
+from conftest import HTML_VOID, Node, Tree, clock_for, run_script  # noqa: F401
+from conftest import parse_html as parse
 
 BASE = "http://models.test/v1"
 DAYS = ("2026-11-01", "2026-11-02", "2026-11-03")
-HTML_VOID = {"meta", "br", "img", "link", "input", "hr", "area", "base", "col", "embed", "source", "track", "wbr"}
 ALLOWED_TAGS = {"html", "head", "meta", "title", "style", "body", "h1", "h2", "h3", "p", "nav", "a", "div", "ul",
                 "li", "span", "strong", "table", "thead", "tbody", "tr", "th", "td", "figure", "figcaption",
                 "details", "summary", "svg", "g", "line", "polyline", "circle", "rect", "text"}
@@ -22,11 +21,6 @@ XSS = ("<script>alert(1)</script>", '" onload="x', "'><img src=http://evil.test/
 # ----------------------------------------------------------------------------
 # Helpers: ledgers shaped like ask.py's records, and the page as a tree
 # ----------------------------------------------------------------------------
-
-def clock_for(day):
-    ticks = iter(range(10 ** 6))
-    return lambda: f"{day}T12:00:{next(ticks) % 60:02d}.000000Z"
-
 
 def call(model, base=BASE, error=None, latency=120.0, usage=(10, 5), est=(12, 6), served=None, fingerprint=None,
          check=None):
@@ -62,61 +56,6 @@ def agent_run(runs, outcome, verdict, model="m-a", day=DAYS[-1]):
     run.append("judge_verdict", {"verdict": verdict})
     run.close(outcome)
     return run
-
-
-class Node:
-    def __init__(self, tag, attrs, parent=None):
-        self.tag, self.attrs, self.parent, self.children, self.data = tag, dict(attrs), parent, [], []
-
-    def walk(self):
-        yield self
-        for child in self.children:
-            yield from child.walk()
-
-    def find(self, tag=None, cls=None, **attrs):
-        return [n for n in self.walk() if (tag is None or n.tag == tag)
-                and (cls is None or cls in (n.attrs.get("class") or "").split())
-                and all(n.attrs.get(k.replace("_", "-")) == v for k, v in attrs.items())]
-
-    def text(self):
-        return "".join("".join(n.data) for n in self.walk())
-
-    def own_title(self):
-        titles = [c for c in self.children if c.tag == "title"]
-        return titles[0].text() if titles else None
-
-
-class Tree(HTMLParser):
-    """The page as nested nodes; fails on a closing tag that does not close the open element."""
-
-    def __init__(self):
-        super().__init__(convert_charrefs=True)
-        self.root = Node("#root", [])
-        self.stack = [self.root]
-
-    def handle_starttag(self, tag, attrs):
-        node = Node(tag, attrs, self.stack[-1])
-        self.stack[-1].children.append(node)
-        if tag not in HTML_VOID:
-            self.stack.append(node)
-
-    def handle_startendtag(self, tag, attrs):
-        self.stack[-1].children.append(Node(tag, attrs, self.stack[-1]))
-
-    def handle_endtag(self, tag):
-        assert len(self.stack) > 1 and self.stack[-1].tag == tag, (tag, [n.tag for n in self.stack[-5:]])
-        self.stack.pop()
-
-    def handle_data(self, data):
-        self.stack[-1].data.append(data)
-
-
-def parse(text):
-    tree = Tree()
-    tree.feed(text)
-    tree.close()
-    assert [n.tag for n in tree.stack] == ["#root"], "unclosed elements"
-    return tree.root
 
 
 def render(tmp_path, *args, name="report.html"):

@@ -5,7 +5,6 @@ Every wait has a deadline and every daemon is killed in teardown; nothing assert
 import base64
 import hashlib
 import hmac
-import html.parser
 import http.client
 import json
 import os
@@ -22,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
+import conftest
 import reasoning_ledger as rl
-from conftest import KEY, ROOT, all_bytes_under, clean_env, error_lines, run_script
+from conftest import KEY, ROOT, all_bytes_under, clean_env, error_lines, git, parse_html, run_script
 
 SECRET = "whk test secret, rotated 2026-11 0123456789"       # white space and a comma inside: one line of the file
 VECTOR_SECRET = "It's a Secret to Everybody"                     # GitHub's published test vector
@@ -40,37 +40,15 @@ WAIT_S = 240  # the longest any wait here may take before the test fails
 # Helpers: repositories, tools.json, signing, HTTP
 # ----------------------------------------------------------------------------
 
-def git(repo, *args):
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True,
-                          env=dict(clean_env(), GIT_OPTIONAL_LOCKS="0"), timeout=60).stdout
-
-
 def make_repo(root, extra=None):
-    root.mkdir(parents=True)
-    git(root, "init", "-q")
-    (root / "calc.py").write_text(CALC)
-    (root / "test_calc.py").write_text(TESTS)
-    for name, text in (extra or {}).items():
-        (root / name).write_text(text)
-    git(root, "add", "-A")
-    git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
-    return root
+    """A repository whose tests pass (conftest.make_repo with this file's calc.py)."""
+    return conftest.make_repo(root, calc=CALC, tests=TESTS, extra=extra)
 
 
 def tools_json(path, test_code="pass", **changes):
     """The shipped tools.json whose test command is `python -c TEST_CODE` (exit 0: the run is a quick
     no_action), plus `changes`."""
-    data = json.loads((ROOT / "tools.json").read_text())
-    data["test_command"] = [sys.executable, "-c", test_code]
-    for plugin in data["plugins"].values():
-        plugin["argv"] = [sys.executable if a == "python3" else a for a in plugin["argv"]]
-    for key, value in changes.items():
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
-            data[key].update(value)
-        else:
-            data[key] = value
-    path.write_text(json.dumps(data, indent=1))
-    return path
+    return conftest.tools_json(path, test_command=[sys.executable, "-c", test_code], **changes)
 
 
 def github_signature(body, secret=SECRET):
@@ -634,6 +612,9 @@ def test_a_full_queue_answers_503_and_sigterm_terminates_the_run_after_its_grace
     bodies = [push_body(number=i) for i in range(3)]
     first = daemon.post(bodies[0], github_headers(bodies[0], delivery="q-0")).json()["run_id"]
     wait_until("the first run to be dispatched", lambda: daemon.events("run_dispatched"))
+    # in its 60 s test command: started and recorded, so the SIGTERM below finds a run that can close itself
+    ledger = serve.runs / first / "events.jsonl"
+    wait_until("the first run to record its start", lambda: ledger.exists() and ledger.stat().st_size > 0)
     second = daemon.post(bodies[1], github_headers(bodies[1], delivery="q-1"))
     third = daemon.post(bodies[2], github_headers(bodies[2], delivery="q-2"))
     assert second.status == 202 and third.status == 503 and third.headers["retry-after"] == "30"
@@ -885,22 +866,11 @@ def test_the_timeline_page_shows_every_value_escaped(serve, server):
     assert "default-src 'none'" in page.headers["content-security-policy"]
     text = page.body.decode()
 
-    class Tags(html.parser.HTMLParser):
-        def __init__(self):
-            super().__init__()
-            self.tags, self.text = set(), []
-
-        def handle_starttag(self, tag, attrs):
-            self.tags.add(tag)
-            assert not any(name.startswith("on") for name, _v in attrs), (tag, attrs)
-
-        def handle_data(self, data):
-            self.text.append(data)
-
-    parsed = Tags()
-    parsed.feed(text)
-    assert "script" not in parsed.tags and "img" not in parsed.tags
-    shown = "".join(parsed.text)
+    page_root = parse_html(text)
+    nodes = list(page_root.walk())
+    assert not [n.tag for n in nodes if n.tag in ("script", "img")]
+    assert not [(n.tag, name) for n in nodes for name in n.attrs if name.startswith("on")]
+    shown = page_root.text()
     for value in ("<script>alert(0)</script>", "<script>alert(1)</script>", "<script>alert(2)</script>",
                   "<img src=x onerror=alert(3)>"):
         assert value in shown  # shown as text

@@ -41,9 +41,22 @@ def test_readme_lists_exactly_the_model_call_fields():
     assert optional == list(ask.MODEL_CALL_OPTIONAL)
 
 
+def _readme_exit_rows():
+    """{code: meaning} of the README's exit code table."""
+    start = README.index("## Exit codes")
+    rows = re.findall(r"^\| (\d+) \| (.+) \|$", README[start:README.index("\n## ", start + 1)], re.M)
+    return {int(code): meaning for code, meaning in rows}
+
+
 def test_readme_exit_codes_are_the_one_table():
-    codes = [int(c) for c in _table_after("## Exit codes", "code")]
-    assert codes == sorted(rl.EXIT_CODES)
+    """The README's table has a row for each code of rl.EXIT_CODES, and each row names the scripts the
+    code's description names."""
+    rows = _readme_exit_rows()
+    assert sorted(rows) == sorted(rl.EXIT_CODES)
+    for code, meaning in rl.EXIT_CODES.items():
+        for script in ("ask", "audit", "agent", "verify", "ship"):
+            if re.search(rf"\b{script}\b", meaning):
+                assert script in rows[code], (code, script, rows[code])
 
 
 def test_every_script_keeps_its_shape_and_its_all():
@@ -76,12 +89,15 @@ def test_shipped_code_parses_as_python_3_9_and_imports_only_the_stdlib():
                 assert module.split(".")[0] in std | local | {"__future__"}, f"{path.name} imports {module}"
 
 
-def test_every_error_type_and_exit_code_of_the_help_is_documented():
+def test_every_exit_code_of_the_help_is_the_one_table_and_in_the_readme():
+    rows = _readme_exit_rows()
     for name in SCRIPTS:
         proc = run_script(name, "--help")
         assert proc.returncode == 0 and "exit codes:" in proc.out, name
-        for code in re.findall(r"^  (\d)  ", proc.out, re.M):
-            assert f"| {code} |" in README
+        listed = re.findall(r"^  (\d+)  (.+)$", proc.out.split("exit codes:")[1], re.M)
+        assert listed and [int(code) for code, _text in listed] == sorted({int(code) for code, _t in listed}), name
+        for code, text in listed:
+            assert text == rl.EXIT_CODES[int(code)] and int(code) in rows, (name, code, text)
 
 
 # ----------------------------------------------------------------------------
@@ -122,17 +138,23 @@ def test_make_audit_and_verify_work_in_crons_environment(tmp_path, environ):
 
 
 @pytestmark_make
-def test_make_test_keeps_one_venv_per_interpreter():
+def test_make_test_keeps_one_venv_per_interpreter(tmp_path):
+    """Two interpreters, two venvs: a stand-in `python` that says it is 3.99 gets .venv/py3.99, not ours."""
     tag = "%d.%d" % sys.version_info[:2]
-    dry = _make("-n", "test", f"PYTHON={sys.executable}")
-    assert f".venv/py{tag}" in dry.stdout
-    assert "python3.9" not in dry.stdout
+    other = tmp_path / "python-other"
+    other.write_text("#!/bin/sh\necho 3.99\n")
+    other.chmod(0o755)
+    ours, theirs = _make("-n", "test", f"PYTHON={sys.executable}").stdout, _make("-n", "test", f"PYTHON={other}").stdout
+    assert f".venv/py{tag}" in ours and ".venv/py3.99" not in ours
+    assert ".venv/py3.99" in theirs and f".venv/py{tag}" not in theirs
+    broken = _make("test", f"PYTHON={tmp_path / 'no-such-python'}")
+    assert broken.returncode == 2 and "does not run" in broken.stderr
 
 
 @pytestmark_make
-def test_make_drill_target_and_bench_say_what_they_do():
-    shown = _make("help").stdout
-    assert "BENCH_LINES=1000000" in shown and "exit 1 if any call or check failed" in shown
+def test_make_bench_hands_bench_lines_to_the_bench():
+    dry = _make("-n", "bench", "BENCH_LINES=1234").stdout
+    assert re.search(r"BENCH_LINES=1234 \S+ \S*tests/bench\.py", dry), dry
 
 
 def test_the_readme_commands_exist():

@@ -192,12 +192,6 @@ def test_at_must_be_a_real_time():
         assert not rl._at_ok(bad)
 
 
-def test_exit_codes_are_one_table():
-    assert sorted(rl.EXIT_CODES) == list(range(10))
-    assert agent.OUTCOME_EXIT == {"no_action": 0, "proposal_accepted": 8, "proposal_rejected_by_judge": 3,
-                                  "budget_exhausted": 7, "stuck": 9, "error": 1}
-
-
 # ----------------------------------------------------------------------------
 # agent.py
 # ----------------------------------------------------------------------------
