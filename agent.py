@@ -286,6 +286,26 @@ def _problems(data):
         strings("test_command", data["test_command"])
     if "test_timeout_s" in data:
         number("test_timeout_s", data["test_timeout_s"])
+    _list_problems(data, problems, check_keys, strings)
+    if "budget" in data and check_keys("budget", data["budget"], tuple(DEFAULT_BUDGET)):
+        for key, value in data["budget"].items():
+            if key in DEFAULT_BUDGET and not (key == "context_tokens" and value is None):  # null: learned
+                number(f"budget.{key}", value, BUDGET_MINIMUM.get(key, 0), key not in ("max_wall_s", "call_timeout_s"))
+    if "caps" in data and check_keys("caps", data["caps"], tuple(DEFAULT_CAPS)):
+        if "output_bytes" in data["caps"]:
+            number("caps.output_bytes", data["caps"]["output_bytes"], minimum=255, integer=True)
+        if "timeout_s" in data["caps"]:
+            number("caps.timeout_s", data["caps"]["timeout_s"])
+    _box_problems(data, problems, check_keys, number, strings)
+    if "plugins" in data:
+        check_keys("plugins", data["plugins"], ())
+    for name, spec in (data.get("plugins") or {}).items() if type(data.get("plugins")) is dict else ():
+        _plugin_problems(name, spec, problems, check_keys, number, strings)
+    return problems
+
+
+def _list_problems(data, problems, check_keys, strings):
+    """The problems of tools.json's lists of names: builtins, and the path globs."""
     if "builtins" in data and strings("builtins", data["builtins"], nonempty=False):
         for name in data["builtins"]:
             if name not in BUILTINS:
@@ -300,21 +320,6 @@ def _problems(data):
                 for glob in data["paths"][key]:
                     if "\x00" in glob or ".." in glob.split("/"):
                         problems.append(f"paths.{key}: {glob!r} is not a glob of repository paths")
-    if "budget" in data and check_keys("budget", data["budget"], tuple(DEFAULT_BUDGET)):
-        for key, value in data["budget"].items():
-            if key in DEFAULT_BUDGET and not (key == "context_tokens" and value is None):  # null: learned
-                number(f"budget.{key}", value, BUDGET_MINIMUM.get(key, 0), key not in ("max_wall_s", "call_timeout_s"))
-    if "caps" in data and check_keys("caps", data["caps"], tuple(DEFAULT_CAPS)):
-        if "output_bytes" in data["caps"]:
-            number("caps.output_bytes", data["caps"]["output_bytes"], minimum=255, integer=True)
-        if "timeout_s" in data["caps"]:
-            number("caps.timeout_s", data["caps"]["timeout_s"])
-    _box_problems(data, problems, check_keys, number, strings)
-    if "plugins" in data and check_keys("plugins", data["plugins"], ()):
-        pass
-    for name, spec in (data.get("plugins") or {}).items() if type(data.get("plugins")) is dict else ():
-        _plugin_problems(name, spec, problems, check_keys, number, strings)
-    return problems
 
 
 def _box_problems(data, problems, check_keys, number, strings):
@@ -4488,6 +4493,11 @@ def _build_parser():
     p.add_argument("--from-host", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_judge)
 
+    _add_serve_parser(sub)
+    return parser
+
+
+def _add_serve_parser(sub):
     p = sub.add_parser("serve", help="the webhook daemon: signed deliveries start runs, one at a time (README.md)")
     p.add_argument("--repo", required=True, help="the git repository runs work on (never modified; --fetch fetches)")
     p.add_argument("--host", default=DEFAULT_HOST,
@@ -4514,7 +4524,6 @@ def _build_parser():
     p.add_argument("--read-token", help="bearer token for /runs (prefer READ_TOKEN: arguments show in ps)")
     p.add_argument("--allow-host", action="append", metavar="NAME", help="a Host to answer too (repeatable)")
     p.set_defaults(func=_cmd_serve)
-    return parser
 
 
 def main(argv=None):
