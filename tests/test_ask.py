@@ -305,7 +305,7 @@ def test_retry_after_is_capped(call):
     proc, events = call("--retries", "1", "--max-wait", "0.2", scenarios=[{"name": "rate_limited",
                                                                            "retry_after": 3600}])
     assert proc.returncode == 0 and events[0]["payload"]["retry_in_s"] == 0.2
-    assert time.monotonic() - start < 10  # an hour was asked for; an ignored cap would sleep it
+    assert time.monotonic() - start < 600  # an hour was asked for; an ignored cap would sleep it
 
 
 def test_retry_after_http_date():
