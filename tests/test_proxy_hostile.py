@@ -10,18 +10,10 @@ import time
 import pytest
 
 from conftest import run_script
-from fake_upstream import Upstream
 from proxy_helpers import Proxy, post
-from test_proxy import CHAT, calls
+from test_proxy import CHAT, calls, upstream  # noqa: F401 -- the scripted upstream fixture
 
 HANG_GUARD_S = 60  # a hang guard only: every wait below ends on an event, never on a margin
-
-
-@pytest.fixture
-def upstream():
-    up = Upstream().start()
-    yield up
-    up.stop()
 
 
 @pytest.fixture
