@@ -353,7 +353,8 @@ def test_a_wall_budget_spent_before_the_model_is_called_is_not_recorded_as_durin
     marker, go = tmp_path / "testing", tmp_path / "go"
     hold = (f"import os, sys, time\nopen({str(marker)!r}, 'w').close()\n"
             f"while not os.path.exists({str(go)!r}):\n    time.sleep(0.01)\nsys.exit(1)\n")
-    tools = tools_json(tmp_path / "hold.json", test_command=[sys.executable, "-c", hold])
+    # unboxed: the held test command signals through tmp_path, which a box hides
+    tools = tools_json(tmp_path / "hold.json", test_command=[sys.executable, "-c", hold], sandbox="off")
     settings = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model")
     proc = subprocess.Popen([sys.executable, str(ROOT / "agent.py"), "run", "--repo", str(make_repo(tmp_path / "r")),
                              "--runs-dir", str(agent.runs), "--tools", str(tools), "--max-wall-s", "3"],
