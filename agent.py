@@ -1036,6 +1036,8 @@ class Sandbox:
             args += ["--ro-bind", path, path]
         for path in [str(cwd)] + [str(p) for p in writable]:  # after the private /tmp: they usually live there
             args += ["--bind", path, path]
+        if "PYENV_DIR" in env:  # a pyenv shim cds to where pyenv was first called, which may be hidden here
+            args += ["--setenv", "PYENV_DIR", str(cwd)]
         return args + ["--chdir", str(cwd), "--", program] + list(argv[1:])
 
 

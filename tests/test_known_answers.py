@@ -64,10 +64,10 @@ def unittest_repo(root, name="tests.py"):
     return repo
 
 
-def run_with(agent, tmp_path, repo, patch, command, judge=None, steps=None):
+def run_with(agent, tmp_path, repo, patch, command, judge=None, steps=None, env=None):
     tools = tools_json(tmp_path / "tools.json", test_command=command, judge=judge or {})
     args = ("--max-steps", str(steps)) if steps else ()
-    return agent(repo, [propose(patch)], *args, tools_file=tools)
+    return agent(repo, [propose(patch)], *args, tools_file=tools, env=env)
 
 
 BYPASSES = [  # (id, runner, patch, the host's rule with the tripwires on)
@@ -140,8 +140,8 @@ def test_a_detached_process_trips_process_control(agent, tmp_path):
     assert "(rule tripwire.process_control)" in payloads(events, "patch_rejected")[0]["message"]
 
 
-def accepted(agent, tmp_path, repo, patch, command, judge=None):
-    proc, run_dir, events = run_with(agent, tmp_path, repo, patch, command, judge=judge)
+def accepted(agent, tmp_path, repo, patch, command, judge=None, env=None):
+    proc, run_dir, events = run_with(agent, tmp_path, repo, patch, command, judge=judge, env=env)
     verdict = payloads(events, "judge_verdict")[-1]
     assert proc.returncode == rl.EXIT_PROPOSAL, (proc.err, verdict)
     assert verdict["verdict"] == "accept" and verdict["rule"] is None, verdict
@@ -180,7 +180,12 @@ def test_a_correct_patch_is_accepted_through_a_pyenv_shim(agent, tmp_path):
     if not shim.exists():
         pytest.skip("no pyenv shim here")
     repo = make_repo(tmp_path / "repo")
-    verdict, _ = accepted(agent, tmp_path, repo, FIX, [str(shim), "-m", "pytest", "-q"])
+    # pyenv's shims export PYENV_DIR, the directory pyenv was first called from, and cd there at every call:
+    # here one under /tmp, which the box hides (as CI's clone of this repository may be)
+    started_in = tmp_path / "started-here"
+    started_in.mkdir()
+    verdict, _ = accepted(agent, tmp_path, repo, FIX, [str(shim), "-m", "pytest", "-q"],
+                          env={"PYENV_DIR": str(started_in)})
     assert verdict["known_answers"] == "planted"
 
 
