@@ -735,8 +735,9 @@ def test_sigterm_during_load_loses_no_accepted_delivery_and_a_restart_runs_them_
 
 def test_kill_9_during_load_leaves_ledgers_that_verify_after_the_next_start(serve):
     go = serve.tmp / "go"  # the run in progress at the kill is still running at the restart: it waits for this
-    waiting = tools_json(serve.tmp / "waiting.json",
-                         f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)")
+    waiting = tools_json(serve.tmp / "waiting.json",  # unboxed: a box would hide `go` from it
+                         f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.05)",
+                         sandbox="off")
     daemon = serve("--queue", 200, tools=waiting)
     results, threads = _load_in_background(daemon, 400, "kill")
     wait_until("a run in progress and some accepted deliveries",
