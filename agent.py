@@ -1030,7 +1030,7 @@ class Sandbox:
                 args += ["--tmpfs", path]
             elif os.path.exists(path):
                 args += ["--ro-bind", "/dev/null", path]
-        for path in ("/tmp", "/var/tmp", "/dev/shm", "/run"):
+        for path in _PRIVATE_DIRS:
             args += ["--tmpfs", path]
         for path in _program_roots(program, env, self.hide):
             args += ["--ro-bind", path, path]
@@ -1049,6 +1049,9 @@ def _hidden_paths(repo, runs_dir):
     return [p for p in (os.path.realpath(h) for h in hidden if h) if p != "/"]  # HOME=/ hides nothing
 
 
+_PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # empty and private in the box
+
+
 def _program_roots(program, env, hidden):
     """The trees a program needs that the box hides: for one under HOME, the top directory under HOME it
     lives in (a pyenv shim needs the whole pyenv root), for its real path and a venv's base interpreter too;
@@ -1063,11 +1066,13 @@ def _program_roots(program, env, hidden):
     places.append(os.path.join(home, ".local"))
     roots = []
     for place in (os.path.realpath(p) for p in places if p and os.path.isdir(p)):
-        if not _under(place, home):
-            root = os.path.dirname(place) if _under(place, *hidden) else None
+        if not _under(place, home):  # a prefix (a venv in /tmp, say) the box hides: its parent, bin/'s prefix
+            root = os.path.dirname(place) if _under(place, *hidden, *_PRIVATE_DIRS) else None
         else:
             root = os.path.join(home, os.path.relpath(place, home).split(os.sep)[0])
-        if root and root != home and not _under(root, *[h for h in hidden if h != home]) and root not in roots:
+        others = [h for h in hidden if h != home]  # the repository, runs and lock dirs: never in, never over
+        if root and root not in (home, "/", *_PRIVATE_DIRS) and root not in roots and not _under(root, *others) \
+                and not any(_under(h, root) for h in others):
             roots.append(root)
     return roots
 

@@ -4,6 +4,7 @@ judge's planted must-fail and must-pass tests catch it: judge.runner_subverted).
 accepted, for pytest and unittest, with the tests at the root or in a subdirectory, and through a pyenv shim."""
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -187,6 +188,19 @@ def test_a_correct_patch_is_accepted_through_a_pyenv_shim(agent, tmp_path):
     verdict, _ = accepted(agent, tmp_path, repo, FIX, [str(shim), "-m", "pytest", "-q"],
                           env={"PYENV_DIR": str(started_in)})
     assert verdict["known_answers"] == "planted"
+
+
+def test_a_correct_patch_is_accepted_through_a_venv_in_a_directory_the_box_makes_private(agent, tmp_path):
+    venv = tmp_path / "venv"  # under /tmp, which is empty in the box: the venv must be mounted back
+    if not str(venv).startswith("/tmp/"):
+        pytest.skip("pytest's temp dirs are not under /tmp here")
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    if subprocess.run([str(python), "-c", "import pytest"]).returncode:
+        pytest.skip("this interpreter's base has no pytest for the venv to see")
+    repo = make_repo(tmp_path / "repo")
+    verdict, _ = accepted(agent, tmp_path, repo, FIX, [str(python), "-m", "pytest", "-q"])
+    assert verdict["sandbox"] == "bwrap" and verdict["known_answers"] == "planted"
 
 
 @pytest.mark.parametrize("extra,words", [(["-k", "add or mul"], "-k"), (["test_calc.py::test_add"], "node ids"),
