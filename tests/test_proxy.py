@@ -227,12 +227,17 @@ def test_an_upstream_error_reaches_the_client_as_it_is_without_the_key(start, up
 # Streaming
 # ----------------------------------------------------------------------------
 
+def _stream(proxy):
+    """A streamed chat request whose response is left unread: the test reads it as it arrives."""
+    conn = proxy.conn()
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=True)))
+    return conn.getresponse()
+
+
 def test_a_streamed_chunk_reaches_the_client_before_the_next_is_sent(start, upstream):
     upstream.queue("gated")
     proxy = start()
-    conn = proxy.conn()
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=True)))
-    response = conn.getresponse()
+    response = _stream(proxy)
     event = response.readline()
     assert b"The an" in event
     assert not upstream.gate.is_set()  # the upstream is still holding the rest
@@ -270,9 +275,7 @@ def test_a_stream_options_rejection_gets_one_retry_recorded_as_its_own_line(star
 def test_a_stream_cut_after_relaying_began_closes_the_client_stream(start, upstream):
     upstream.queue("cut")
     proxy = start()
-    conn = proxy.conn()
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=True)))
-    response = conn.getresponse()
+    response = _stream(proxy)
     with pytest.raises(Exception) as broken:
         response.read()
     assert type(broken.value).__name__ == "IncompleteRead"
