@@ -3973,10 +3973,10 @@ class Daemon:
             finished["adopted_pid"] = item["pid"]
         if tail:
             finished["output_tail"] = tail
-        self.record("run_finished", finished)
-        self.say(f"run {run_id} {outcome}: {self._why(run_id, run_outcome, how or outcome, tail) or '-'}")
-        with self.cond:
+        with self.cond:  # healthz never shows a last_run older than the ledger's run_finished
             self.last_run = finished
+            self.record("run_finished", finished)
+        self.say(f"run {run_id} {outcome}: {self._why(run_id, run_outcome, how or outcome, tail) or '-'}")
 
     def _why(self, run_id, run_outcome, how, tail):
         """Why a run ended: from its own events when it closed itself, else from how the daemon ended it."""
