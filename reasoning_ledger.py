@@ -1053,13 +1053,14 @@ def verified_events(path, *, key=None, expect=None, run_id=None):
     """iter_lines() that also holds the ledger to a head published earlier, `expect` = (seq, hash): the line at
     that seq must have that hash, and the ledger must reach it (seq 0: the genesis value of this key)."""
     key = _resolve_key(key)
-    return _held_to(path, iter_lines(path, key=key or b"", run_id=run_id), expect, key)
+    return _verified(path, _file_lines(path), key, expect, _expected_run_id(path) if run_id is None else run_id)
 
 
-def _held_to(path, lines, expect, key, expected="the expected head is", ends="the ledger ends at"):
-    """The (event, raw, digest) of `lines`, held to the head `expect` (see verified_events)."""
+def _verified(path, source, key, expect, run_id, expected="the expected head is", ends="the ledger ends at"):
+    """The one verifying reader: _check_lines() of `source`, held to the head `expect` (see verified_events).
+    Files (verify, report, ship) and the rows ClickHouse holds (verify --from) all go through it."""
     count = 0
-    for event, raw, digest in lines:
+    for event, raw, digest in _check_lines(path, source, key, run_id):
         count = event["seq"]
         if expect and count == expect[0] and digest != expect[1]:
             raise IntegrityError(path, count, "does not match the expected head: the history up to "
@@ -1089,15 +1090,19 @@ class Verified:
         return f"{self.head[0]} {self.head[1]}"
 
 
+def _tally_lines(path, lines, key):
+    """Verified for the (event, raw, digest) of `lines`, read to the end."""
+    count, head = 0, (0, _genesis(key))
+    for event, _raw, digest in lines:
+        count, head = event["seq"], (event["seq"], digest)
+    return Verified(path, count, head)
+
+
 def verify(path, *, key=None, expect_head=None, run_id=None):
     """Verify a whole ledger; return Verified, or raise IntegrityError/KeyRequiredError.
     `expect_head` = (seq, hash) published earlier (see verified_events)."""
     key = _resolve_key(key)
-    count, head = 0, (0, _genesis(key))
-    for event, _raw, digest in verified_events(path, key=key or b"", expect=expect_head, run_id=run_id):
-        count = event["seq"]
-        head = (count, digest)
-    return Verified(path, count, head)
+    return _tally_lines(path, verified_events(path, key=key or b"", expect=expect_head, run_id=run_id), key)
 
 
 def index_heads(runs_dir, key=None):
@@ -1314,13 +1319,8 @@ def _tls_context():
 
 
 # ----------------------------------------------------------------------------
-# Shipping to ClickHouse
+# Shipping to ClickHouse: a sink for verified lines (`ship`) and a source to verify again (`verify --from`)
 # ----------------------------------------------------------------------------
-
-# `ship` sends the verified lines of ledgers to one ClickHouse table over its HTTP interface, and
-# `verify --from` reads them back. The table (ship_ddl()) holds each line exactly as written, with its
-# SHA-256, and typed columns for the model_call fields audit.py reads. ClickHouse is spoken with urllib
-# (imported when first needed: `verify` and `append` never load the HTTP stack).
 
 SHIP_URL_ENV = "LEDGER_SHIP_URL"
 SHIP_USER_ENV = "CLICKHOUSE_USER"
@@ -1328,26 +1328,20 @@ SHIP_PASSWORD_ENV = "CLICKHOUSE_PASSWORD"
 SHIP_DATABASE = "reasoning_ledger"
 SHIP_TABLE = "ledger_lines"
 SHIP_BATCH_ROWS = 20000
-# A batch is one INSERT. ClickHouse writes an INSERT of fewer than min_insert_block_size_rows (1,048,576)
-# rows and bytes (256 MiB) as one part, all or nothing, so a batch cut short is never half stored.
-SHIP_BATCH_BYTES = 32 * 1024 * 1024
+SHIP_BATCH_BYTES = 32 * 1024 * 1024  # an INSERT below min_insert_block_size is one part: all or nothing
 SHIP_MAX_BATCH_ROWS = 1000000
 SHIP_TIMEOUT = 60.0     # seconds for one request, connect to last byte
 SHIP_DEADLINE = 600.0   # seconds for a whole `ship` run: no request or retry starts after it
 SHIP_RETRIES = 3        # after a connection error, a timeout or an HTTP 5xx; backoff 0.5, 1, 2 s
-SHIP_SPOOL_MEMORY = 64 * 1024 * 1024     # rows waiting for their ledger's check are kept in memory up to
-SHIP_SPOOL_MAX = 2 * 1024 * 1024 * 1024  # this, then in a temp file up to this (or half the free space)
-_SHIP_IN_LIST = 500     # ledger ids per state query (ClickHouse's max_query_size is 256 KiB)
-_NONE = type(None)
+SHIP_SPOOL_MEMORY = 64 * 1024 * 1024     # rows waiting for their ledger's check stay in memory up to this,
+SHIP_SPOOL_MAX = 2 * 1024 * 1024 * 1024  # then go to a temp file up to this (or half the free space)
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
-_INT64 = 1 << 63
+_STORED_ROW_RE = re.compile(rb"([0-9a-f]{64})\t([0-9]{1,20})\t([0-9a-f]{64})\t")
+_NONE = type(None)
 
-# The model_call fields shipped as typed columns: (name, ClickHouse type, the JSON types ask.py writes
-# for it, whether audit.py reads it). A value of another type is shipped as NULL, and when audit.py
-# reads the field the row's `malformed` is 1: audit.model_call_view's rule, so SQL counts what the local
-# audit counts (tests/test_ship.py holds these types equal to ask.MODEL_CALL_FIELDS and audit._READ).
-# Integers are Int64, not UInt64, because model_call_view counts a negative one; an integer beyond
-# Int64 (or a latency beyond a double) cannot be stored and is shipped as NULL with `malformed` = 1.
+# The model_call fields shipped as typed columns: (name, ClickHouse type, the JSON types ask.py writes, read by
+# audit.py). A value of another type, or an integer beyond Int64, is shipped as NULL, and when audit.py reads
+# the field the row's `malformed` is 1: the local audit's rule, so SQL counts what the audit counts.
 SHIP_CALL_FIELDS = (
     ("request_model", "Nullable(String)", (str,), True),
     ("response_model", "Nullable(String)", (str, _NONE), True),
@@ -1365,34 +1359,23 @@ SHIP_CALL_FIELDS = (
     ("est_input_tokens", "Nullable(Int64)", (int,), True),
     ("est_output_tokens", "Nullable(Int64)", (int, _NONE), True),
 )
-SHIP_COLUMNS = (
-    ("ledger_id", "String"),      # SHA-256 (hex) of the ledger's line 1, without its newline
-    ("host", "String"),           # the box that shipped the line
-    ("path", "String"),           # the ledger's absolute path on that box
-    ("seq", "UInt64"), ("run_id", "String"), ("kind", "String"),
-    ("at", "String"),             # exactly as in the line
-    ("at_time", "DateTime"),      # `at` in Unix seconds (0 outside 1970..2105; `at` stays exact)
-    ("raw", "String"),            # the exact line, without its newline: the chain is re-verified from it
-    ("line_sha256", "String"),    # hex SHA-256 of raw (plain SHA-256, for a keyed ledger too)
-    ("prev", "String"),
-    ("shipped_at", "DateTime"),
-) + tuple((name, kind) for name, kind, _types, _read in SHIP_CALL_FIELDS) + (
-    ("malformed", "UInt8"),       # model_call: a field audit.py reads had a type ask.py never writes
-)
+# ledger_id is the SHA-256 of line 1; `raw` the exact line; line_sha256 its plain SHA-256 (keyed ledgers too);
+# at_time `at` in Unix seconds (0 outside 1970..2105).
+SHIP_COLUMNS = (("ledger_id", "String"), ("host", "String"), ("path", "String"), ("seq", "UInt64"),
+                ("run_id", "String"), ("kind", "String"), ("at", "String"), ("at_time", "DateTime"),
+                ("raw", "String"), ("line_sha256", "String"), ("prev", "String"), ("shipped_at", "DateTime"),
+                ) + tuple(field[:2] for field in SHIP_CALL_FIELDS) + (("malformed", "UInt8"),)
 
 
 def ship_ddl(database=SHIP_DATABASE, table=SHIP_TABLE):
-    """The CREATE TABLE statement `ship` runs when the table is missing. One row per (ledger_id, seq):
-    shipping a line twice leaves one row once merged, and every read uses FINAL."""
+    """The CREATE TABLE `ship` runs: one row per (ledger_id, seq) once merged; every read uses FINAL."""
     columns = ",\n".join(f"    {name} {kind}" for name, kind in SHIP_COLUMNS)
     return (f"CREATE TABLE IF NOT EXISTS {database}.{table} (\n{columns}\n) "
             f"ENGINE = ReplacingMergeTree ORDER BY (ledger_id, seq)")
 
 
 class ClickHouseError(LedgerError):
-    """ClickHouse could not be reached or refused a request. A connection error, a timeout or an HTTP
-    5xx (after retries) exits 1: the next run resumes. A refusal to fix by hand (a redirect, 401/403,
-    another 4xx, a table of another shape) exits 2."""
+    """ClickHouse could not be reached (exit 1: the next run resumes) or refused a request (exit 2)."""
 
     def __init__(self, message, exit_code=EXIT_FAILED):
         super().__init__(message)
@@ -1409,8 +1392,7 @@ def sql_string(text):
 
 
 def _ship_url(url):
-    """(base URL, 'host:port' for messages). Refuses credentials, queries and fragments in the URL,
-    without echoing it: a URL shows in process lists, shell history and cron mail."""
+    """(base URL, 'host:port'). Refuses credentials, queries and fragments without echoing the URL."""
     import urllib.parse
     if not url:
         raise UsageError(f"no ClickHouse URL: pass --to URL or set {SHIP_URL_ENV} (e.g. http://127.0.0.1:8123)")
@@ -1430,20 +1412,9 @@ def _ship_url(url):
     return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}/", where
 
 
-def _ch_message(status, body):
-    """ClickHouse's error text, one short printable line: 'Code: 60, Table x.y doesn't exist.'"""
-    text = body.decode("utf-8", "replace").strip().splitlines()
-    text = text[0] if text else ""
-    match = re.match(r"Code: (\d+), e\.displayText\(\) = (?:DB::Exception: )?(.*?)(?:, e\.what\(\) = .*)?\Z", text)
-    if match:
-        text = f"Code: {match.group(1)}, {match.group(2)}"
-    return f"HTTP {status}: {printable(text[:300]) or 'no message'}"
-
-
 class ClickHouse:
-    """ClickHouse's HTTP interface, as `ship`, `verify --from` and `audit.py --from` use it: POST only,
-    user and password in the X-ClickHouse-User/-Key headers (from CLICKHOUSE_USER/CLICKHOUSE_PASSWORD),
-    never a redirect, a deadline per request, bounded retries with backoff."""
+    """ClickHouse's HTTP interface: POST only, never a redirect, user and password as headers (from
+    CLICKHOUSE_USER/CLICKHOUSE_PASSWORD), a deadline per request, bounded retries with backoff."""
 
     def __init__(self, url=None, *, database=SHIP_DATABASE, table=SHIP_TABLE, timeout=SHIP_TIMEOUT,
                  deadline=None, retries=SHIP_RETRIES, environ=None):
@@ -1454,71 +1425,56 @@ class ClickHouse:
                 raise UsageError(f"{what}: want letters, digits and _ (a ClickHouse name), got {printable(name)!r}")
         if not (timeout > 0 and retries >= 0 and (deadline is None or deadline > 0)):
             raise UsageError("--timeout and --deadline must be positive numbers")
-        self.database, self.table = database, table
-        self.name = f"{database}.{table}"
+        self.database, self.table, self.name = database, table, f"{database}.{table}"
         self.timeout, self.retries = float(timeout), int(retries)
         self.ends = time.monotonic() + deadline if deadline else None
         self._headers = {"User-Agent": f"reasoning-ledger/{__version__}"}
         user, password = env.get(SHIP_USER_ENV), env.get(SHIP_PASSWORD_ENV)
         if user or password:
             self._headers["X-ClickHouse-User"] = user or "default"
-            if password:
-                self._headers["X-ClickHouse-Key"] = password
+        if password:
+            self._headers["X-ClickHouse-Key"] = password
 
-    # -- requests ----------------------------------------------------------
     def query(self, sql, data=None, params=None, stream=False):
-        """Run one statement; return the answer's bytes (with `stream`, the response, to read and close).
-        Without `data` the SQL is the body; with it the SQL goes in ?query= and `data` (bytes) is the
-        body. Raises ClickHouseError."""
-        started, attempt = time.monotonic(), 0
-        while True:
-            attempt += 1
+        """Run one statement; return the answer's bytes (with `stream`, the response to read and close).
+        With `data` (the body) the SQL goes in ?query=. Raises ClickHouseError."""
+        started = time.monotonic()
+        for attempt in range(1, self.retries + 2):
             try:
                 return self._once(sql, data, params, stream)
             except _Transient as exc:
                 delay = min(8.0, 0.5 * 2 ** (attempt - 1))
-                left = self.ends - time.monotonic() if self.ends else float("inf")
-                if attempt > self.retries or left < delay + 0.1:
-                    tries = f"{attempt} attempt{'s' if attempt != 1 else ''} in {time.monotonic() - started:.1f} s"
-                    raise ClickHouseError(f"ClickHouse at {self.where}: {exc} ({tries})") from None
+                if attempt > self.retries or (self.ends and self.ends - time.monotonic() < delay + 0.1):
+                    took = f"{attempt} attempt{'s' if attempt != 1 else ''} in {time.monotonic() - started:.1f} s"
+                    raise ClickHouseError(f"ClickHouse at {self.where}: {exc} ({took})") from None
                 time.sleep(delay)
 
-    def rows(self, sql, params=None):
-        """The answer of a SELECT as dicts (FORMAT JSONEachRow, 64-bit integers as numbers)."""
-        body = self.query(sql + " FORMAT JSONEachRow", params=dict(params or {}, wait_end_of_query=1,
-                                                                   output_format_json_quote_64bit_integers=0))
+    def rows(self, sql):
+        """The answer of a SELECT as dicts (64-bit integers as numbers)."""
+        body = self.query(sql + " FORMAT JSONEachRow", params={"wait_end_of_query": 1,
+                                                               "output_format_json_quote_64bit_integers": 0})
         try:
             return [json.loads(line) for line in body.decode("utf-8").splitlines() if line]
         except ValueError as exc:
             raise ClickHouseError(f"ClickHouse at {self.where}: an answer that is not JSON lines ({exc})",
                                   EXIT_USAGE) from None
 
-    def stream(self, sql, params=None):
-        """A streamed answer (a response to read and close); socket timeouts bound each read, nothing
-        bounds the whole. wait_end_of_query makes the server finish the query before it answers, so an
-        error comes as an HTTP error, never cut into the rows."""
-        return self.query(sql, params=dict(params or {}, wait_end_of_query=1), stream=True)
-
-    def _remaining(self):
-        left = self.timeout
-        if self.ends is not None:
-            left = min(left, self.ends - time.monotonic())
-            if left <= 0:
-                raise ClickHouseError(f"ClickHouse at {self.where}: the --deadline passed; the next run resumes")
-        return left
+    def stream(self, sql):
+        """A streamed answer; wait_end_of_query makes an error come as an HTTP error, never inside the rows."""
+        return self.query(sql, params={"wait_end_of_query": 1}, stream=True)
 
     def _once(self, sql, data, params, stream):
         import http.client
         import urllib.error
         import urllib.parse
         import urllib.request
-        query = dict(params or {})
-        if data is not None:
-            query["query"] = sql
+        query = dict(params or {}, **({"query": sql} if data is not None else {}))
         url = self.base + ("?" + urllib.parse.urlencode(query) if query else "")
-        body = data if data is not None else sql.encode("utf-8")
-        request = urllib.request.Request(url, data=body, headers=self._headers, method="POST")
-        seconds = self._remaining()
+        request = urllib.request.Request(url, data=sql.encode("utf-8") if data is None else data,
+                                         headers=self._headers, method="POST")
+        seconds = min(self.timeout, self.ends - time.monotonic()) if self.ends else self.timeout
+        if seconds <= 0:
+            raise ClickHouseError(f"ClickHouse at {self.where}: the --deadline passed")
         deadline = Deadline(None if stream else seconds)
         try:
             response = http_open(request, deadline, timeout=seconds)
@@ -1527,39 +1483,31 @@ class ClickHouse:
             with response:
                 return response.read()
         except urllib.error.HTTPError as exc:
-            try:
-                answer = exc.read(65536)
-            except (OSError, http.client.HTTPException):
-                answer = b""
-            finally:
-                exc.close()
+            with exc:
+                answer = _ch_message(exc)
             if 300 <= exc.code < 400:
                 location = exc.headers.get("Location", "") if exc.headers else ""
                 host = urllib.parse.urlsplit(location).netloc.rpartition("@")[2][:200] or "(no Location)"
-                raise ClickHouseError(f"ClickHouse at {self.where}: HTTP {exc.code}: a redirect to "
-                                      f"{printable(host)} was not followed (the password is never sent to "
-                                      f"another URL; fix the URL)", EXIT_USAGE) from None
-            message = _ch_message(exc.code, answer)
+                raise ClickHouseError(f"ClickHouse at {self.where}: HTTP {exc.code}: a redirect to {printable(host)} "
+                                      f"was not followed (the password is never sent to another URL; fix the URL)",
+                                      EXIT_USAGE) from None
             if exc.code >= 500 or exc.code in (408, 429):
-                raise _Transient(message) from None
-            hint = (f" (check {SHIP_USER_ENV} / {SHIP_PASSWORD_ENV})" if exc.code in (401, 403) else "")
-            raise ClickHouseError(f"ClickHouse at {self.where}: {message}{hint}", EXIT_USAGE) from None
+                raise _Transient(answer) from None
+            hint = f" (check {SHIP_USER_ENV} / {SHIP_PASSWORD_ENV})" if exc.code in (401, 403) else ""
+            raise ClickHouseError(f"ClickHouse at {self.where}: {answer}{hint}", EXIT_USAGE) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-            if deadline.expired:
-                why = f"no complete answer within {seconds:.3g} s"
-            else:
-                reason = getattr(exc, "reason", exc) if isinstance(exc, urllib.error.URLError) else exc
-                why = error_text(reason) if isinstance(reason, OSError) else str(reason) or type(reason).__name__
-            raise _Transient(printable(why)) from None
+            reason = getattr(exc, "reason", exc)
+            raise _Transient(f"no complete answer within {seconds:.3g} s" if deadline.expired else
+                             printable(error_text(reason) if isinstance(reason, OSError) else str(reason)
+                                       or type(reason).__name__)) from None
         finally:
             deadline.cancel()
 
-    # -- the table -----------------------------------------------------------
     def columns(self):
         """{name: type} of the table; {} when it does not exist."""
-        rows = self.rows(f"SELECT name, type FROM system.columns WHERE database = {sql_string(self.database)} "
-                         f"AND table = {sql_string(self.table)}")
-        return {row["name"]: row["type"] for row in rows}
+        return {row["name"]: row["type"] for row in self.rows(
+            f"SELECT name, type FROM system.columns WHERE database = {sql_string(self.database)} "
+            f"AND table = {sql_string(self.table)}")}
 
     def ensure_table(self):
         """Create the database and the table when missing; refuse a table of another shape."""
@@ -1571,29 +1519,37 @@ class ClickHouse:
         for name, kind in SHIP_COLUMNS:
             if found.get(name) != kind:
                 what = f"has {name} {found[name]}" if name in found else f"has no column {name}"
-                raise ClickHouseError(f"ClickHouse at {self.where}: table {self.name} {what}, want {kind}: it "
-                                      f"was not made by this tool (or by another version); pick another with "
-                                      f"--table", EXIT_USAGE)
+                raise ClickHouseError(f"ClickHouse at {self.where}: table {self.name} {what}, want {kind}: it was "
+                                      f"not made by this tool (or by another version); pick another with --table",
+                                      EXIT_USAGE)
 
     def require_table(self):
         """Raise (exit 2) when the table is missing: nothing was shipped to it yet."""
         if not self.columns():
-            raise ClickHouseError(f"ClickHouse at {self.where}: no table {self.name} (nothing shipped to it "
-                                  f"yet?)", EXIT_USAGE)
+            raise ClickHouseError(f"ClickHouse at {self.where}: no table {self.name} (nothing shipped to it yet?)",
+                                  EXIT_USAGE)
 
 
-# -- ship ---------------------------------------------------------------------
+def _ch_message(exc):
+    """ClickHouse's error text as one short printable line: 'HTTP 404: Code: 60, Table x.y doesn't exist.'"""
+    import http.client
+    try:
+        lines = exc.read(65536).decode("utf-8", "replace").strip().splitlines()
+    except (OSError, http.client.HTTPException):
+        lines = []
+    text = lines[0] if lines else ""
+    match = re.match(r"Code: (\d+), e\.displayText\(\) = (?:DB::Exception: )?(.*?)(?:, e\.what\(\) = .*)?\Z", text)
+    text = f"Code: {match.group(1)}, {match.group(2)}" if match else text
+    return f"HTTP {exc.code}: {printable(text[:300]) or 'no message'}"
+
 
 class Shipped:
-    """What `ship` did for one ledger: lines first..last sent (none when first > last), its head."""
+    """What `ship` did for one ledger: lines first..last sent (none when first > last), and its head."""
 
     def __init__(self, path, ledger_id, first, last, head, torn=None, more=0, resent=False):
         self.path, self.ledger_id, self.first, self.last, self.head = str(path), ledger_id, first, last, head
         self.torn, self.more, self.resent = torn, more, resent
-
-    @property
-    def sent(self):
-        return max(0, self.last - self.first + 1)
+        self.sent = max(0, last - first + 1)
 
     def text(self):
         head = f"head {self.head[0]} {self.head[1]}"
@@ -1606,41 +1562,31 @@ class Shipped:
                 f"(seq {self.first}..{self.last}){more}  {head}")
 
 
-def _at_seconds(at):
-    """`at` as Unix seconds for a DateTime column (0 when it does not fit one)."""
-    day = datetime.date(int(at[:4]), int(at[5:7]), int(at[8:10])).toordinal() - 719163
-    seconds = day * 86400 + int(at[11:13]) * 3600 + int(at[14:16]) * 60 + int(at[17:19])
-    return seconds if 0 <= seconds < 1 << 32 else 0
-
-
-def _call_columns(payload):
-    """The typed model_call columns of a payload: a value of a type ask.py never writes is left out (NULL)
-    and, when audit.py reads that field, makes `malformed` 1."""
-    out, malformed = {}, False
-    for name, kind, types, read in SHIP_CALL_FIELDS:
-        value = payload.get(name)
-        if value is None:
-            continue
-        if type(value) not in types or (type(value) is int and not -_INT64 <= value < _INT64):
-            malformed = malformed or read
-        else:
-            out[name] = float(value) if kind == "Nullable(Float64)" else value
-    out["malformed"] = int(malformed)
-    return out
-
-
 def _row(base, event, body, line_sha, shipped_at):
     """One JSONEachRow row, newline included, for a verified line."""
-    row = dict(base, seq=event["seq"], run_id=event["run_id"], kind=event["kind"], at=event["at"],
-               at_time=_at_seconds(event["at"]), prev=event["prev"], line_sha256=line_sha, shipped_at=shipped_at)
+    at = event["at"]
+    seconds = (datetime.date(int(at[:4]), int(at[5:7]), int(at[8:10])).toordinal() - 719163) * 86400 + (
+        int(at[11:13]) * 3600 + int(at[14:16]) * 60 + int(at[17:19]))
+    row = dict(base, seq=event["seq"], run_id=event["run_id"], kind=event["kind"], at=at,
+               at_time=seconds if 0 <= seconds < 1 << 32 else 0, prev=event["prev"], line_sha256=line_sha,
+               shipped_at=shipped_at)
     if event["kind"] == "model_call":
-        row.update(_call_columns(event["payload"]))
+        malformed = False
+        for name, kind, types, read in SHIP_CALL_FIELDS:
+            value = event["payload"].get(name)
+            if value is None:
+                continue
+            if type(value) not in types or (type(value) is int and not -1 << 63 <= value < 1 << 63):
+                malformed = malformed or read
+            else:
+                row[name] = float(value) if kind == "Nullable(Float64)" else value
+        row["malformed"] = int(malformed)
     row["raw"] = body.decode("utf-8")
     return _dumps(row).encode("utf-8") + b"\n"
 
 
 def _spool_limit():
-    """How many bytes of rows one run spools: SHIP_SPOOL_MAX, or half the free space of the temp dir."""
+    """The bytes of rows one run spools: SHIP_SPOOL_MAX, or half the free space of the temp dir."""
     import shutil
     import tempfile
     try:
@@ -1650,209 +1596,131 @@ def _spool_limit():
     return max(SHIP_SPOOL_MEMORY, min(SHIP_SPOOL_MAX, free // 2))
 
 
-class _Batches:
-    """Rows waiting to be sent, cut into batches of bounded rows and bytes, in memory and then in a
-    temp file (a SpooledTemporaryFile), so a big first shipment needs no more memory than a small one."""
-
-    def __init__(self, rows, size, limit):
-        import tempfile
-        self.max_rows, self.max_bytes, self.limit = rows, size, limit
-        self.spool = tempfile.SpooledTemporaryFile(max_size=SHIP_SPOOL_MEMORY)
-        self.batches = []   # (offset, length, rows, first seq, last seq)
-        self.rows, self.size, self.first, self.last, self.total = [], 0, None, None, 0
-        self.full = False
-
-    def add(self, seq, row):
-        rows = self.rows
-        if not rows:
-            self.first = seq
-        rows.append(row)
-        self.size += len(row)
-        self.last = seq
-        if len(rows) >= self.max_rows or self.size >= self.max_bytes:
-            self.flush()
-
-    def flush(self):
-        if self.rows:
-            offset = self.spool.tell()
-            self.spool.writelines(self.rows)
-            self.batches.append((offset, self.size, len(self.rows), self.first, self.last))
-            self.total += self.size
-            self.full = self.total >= self.limit
-            self.rows, self.size = [], 0
-
-    def __iter__(self):
-        self.flush()
-        for offset, length, count, first, last in self.batches:
-            self.spool.seek(offset)
-            yield self.spool.read(length), count, first, last
-
-    def close(self):
-        self.spool.close()
-
-
-def _first_line_id(path):
-    """SHA-256 (hex) of line 1, or None when the file has no complete line yet."""
-    fd = os.open(str(path), os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        first = _read_first_line(fd)
-    finally:
-        os.close(fd)
-    return hashlib.sha256(first).hexdigest() if first is not None else None
-
-
-def _server_heads(client, ids):
-    """{ledger_id: (max seq, line_sha256 at it, rows)} for the ledgers ClickHouse holds, in one query
-    per _SHIP_IN_LIST ledgers."""
-    heads, ids = {}, sorted(set(ids))
-    for i in range(0, len(ids), _SHIP_IN_LIST):
-        chunk = ", ".join(sql_string(x) for x in ids[i:i + _SHIP_IN_LIST])
-        for row in client.rows(f"SELECT ledger_id, max(seq) AS top, argMax(line_sha256, seq) AS sha, count() AS n "
-                               f"FROM {client.name} FINAL WHERE ledger_id IN ({chunk}) GROUP BY ledger_id"):
-            heads[row["ledger_id"]] = (row["top"], row["sha"], row["n"])
-    return heads
-
-
 def ship_targets(paths, runs_dir=None, key=None):
-    """[(path, expected head or None)]: the PATHs, then RUNS_DIR's index.jsonl and every run in it, a closed
-    run with the head its index entry recorded (as `verify --all` checks it)."""
-    targets = [(Path(p), None) for p in paths] + (run_ledgers(runs_dir, key) if runs_dir is not None else [])
-    unique, named = [], {}
-    for path, expect in targets:  # a ledger named twice is shipped once, with the head its index records
+    """[(path, expected head or None)]: the PATHs, then RUNS_DIR's ledgers as run_ledgers() lists them; a ledger
+    named twice once, with the head its index records."""
+    unique = {}
+    for path, expect in [(Path(p), None) for p in paths] + (run_ledgers(runs_dir, key) if runs_dir else []):
         real = os.path.realpath(path)
-        if real not in named:
-            named[real] = len(unique)
-            unique.append((path, expect))
-        elif expect is not None:
-            unique[named[real]] = (unique[named[real]][0], expect)
-    return unique
+        if real not in unique or expect is not None:
+            unique[real] = (unique[real][0] if real in unique else path, expect)
+    return list(unique.values())
 
 
 def ship(targets, client, *, key=None, host=None, batch_rows=SHIP_BATCH_ROWS, batch_bytes=SHIP_BATCH_BYTES):
-    """Send the new verified lines of each ledger to ClickHouse. `targets` is [(path, expected head or
-    None)] (see ship_targets). Yields (path, Shipped or the error that stopped that ledger: an
-    IntegrityError, KeyRequiredError or OSError); nothing of a ledger that fails is sent. A
-    ClickHouseError (server down, refused) propagates: the next run resumes where this one stopped.
-    The ledgers are only ever read."""
+    """Send the new verified lines of each (path, expected head or None) to ClickHouse, reading the ledgers only.
+    Yields (path, Shipped or the IntegrityError/KeyRequiredError/OSError that stopped it: then nothing of it
+    was sent). A ClickHouseError propagates: the next run resumes where this one stopped."""
     import socket
-    key = _resolve_key(key)
-    host = host or socket.gethostname()
+    key, host = _resolve_key(key), host or socket.gethostname()
     if not 0 < batch_rows <= SHIP_MAX_BATCH_ROWS:
         raise UsageError(f"--batch-rows must be between 1 and {SHIP_MAX_BATCH_ROWS:,}")
-    client.ensure_table()
-    ids, results = {}, {}
+    ids = {}
     for path, _expect in targets:
         try:
-            ids[path] = _first_line_id(path)
+            with _file_lines(path) as lines:
+                first = next(lines, b"")
+            ids[path] = hashlib.sha256(first[:-1]).hexdigest() if first[-1:] == b"\n" else None
         except OSError as exc:
-            results[path] = _named(exc, path)
-    heads = _server_heads(client, [i for i in ids.values() if i])
+            ids[path] = _named(exc, path)
+    try:
+        client.ensure_table()
+        wanted, heads = sorted({i for i in ids.values() if type(i) is str}), {}
+        for i in range(0, len(wanted), 500):  # ClickHouse's max_query_size is 256 KiB
+            heads.update((row["ledger_id"], (row["top"], row["sha"], row["n"])) for row in client.rows(
+                f"SELECT ledger_id, max(seq) AS top, argMax(line_sha256, seq) AS sha, count() AS n FROM "
+                f"{client.name} FINAL WHERE ledger_id IN ({', '.join(map(sql_string, wanted[i:i + 500]))}) "
+                f"GROUP BY ledger_id"))
+    except ClickHouseError as exc:
+        raise exc if exc.exit_code != EXIT_FAILED else ClickHouseError(f"{exc}; the next run resumes") from None
     for path, expect in targets:
-        if path in results:
-            yield path, results[path]
-            continue
         try:
-            yield path, _ship_one(client, path, ids[path], heads.get(ids[path]), key, expect, host,
-                                  batch_rows, batch_bytes)
+            if isinstance(ids[path], OSError):
+                raise ids[path]
+            yield path, _ship_one(client, path, ids[path], heads.get(ids[path]), key, _checked_head(expect, path),
+                                  host, batch_rows, batch_bytes)
         except (IntegrityError, KeyRequiredError, OSError) as exc:
             yield path, _named(exc, path)
 
 
 def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, batch_bytes):
-    expect = _checked_head(expect, path)
+    """Verify the whole ledger (as verify does) while spooling rows for the lines ClickHouse lacks, then send
+    them in batches; rows past the spool's limit wait for the next run."""
+    import tempfile
     if ledger_id is None:
         if expect and expect[0]:
             raise IntegrityError(path, None, f"the index records seq {expect[0]} for this run, but it has no "
                                              f"complete line")
         return Shipped(path, "-" * 12, 1, 0, (0, _genesis(key)))
-    top, top_sha, rows = server or (0, None, 0)
-    resend = rows < top  # ClickHouse lost rows (deleted?): send them all again; FINAL keeps one of each
-    start = 0 if resend else top
-    batches = _Batches(batch_rows, batch_bytes, _spool_limit())
-    try:
-        head, torn, cut = _verify_for_ship(path, ledger_id, key, expect, top, top_sha, start, host, batches)
-        if head[0] < top:
-            raise IntegrityError(path, head[0] + 1, f"ClickHouse holds this ledger up to seq {top} but the file "
-                                                    f"ends at seq {head[0]}: it was cut or rewritten after it was "
-                                                    f"shipped; nothing was sent")
-        sent = 0
-        for data, count, _first, last in batches:
-            try:
-                client.query(f"INSERT INTO {client.name} FORMAT JSONEachRow", data=data)
-            except ClickHouseError as exc:
-                total = sum(batch[2] for batch in batches.batches)
-                exc.args = (f"{exc}; {sent:,} of {total:,} new lines of {path} were sent, the next run resumes "
-                            f"at seq {start + sent + 1}",)
-                raise
-            sent += count
-        last = cut[0] if cut else head[0]
-        return Shipped(path, ledger_id, start + 1, last if sent else start, head, torn,
-                       more=head[0] - last if cut else 0, resent=resend and sent > 0)
-    finally:
-        batches.close()
-
-
-def _verify_for_ship(path, ledger_id, key, expect, top, top_sha, start, host, batches):
-    """Verify the whole ledger (the same checks as verify) while spooling rows for the lines after `start`.
-    Returns (head, torn tail or None, (seq, hash) where the spool filled up or None)."""
+    top, top_sha, stored = server or (0, None, 0)
+    resend = stored < top  # ClickHouse lost rows (deleted?): send them all again; FINAL keeps one of each
+    start, head, torn, cut = 0 if resend else top, (0, _genesis(key)), None, None
     base = {"ledger_id": ledger_id, "host": host, "path": os.path.abspath(path)}
-    shipped_at = int(time.time())
-    head, torn, cut = (0, _genesis(key)), None, None
-    lines = _held_to(path, _check_lines(path, _file_lines(path), key, _expected_run_id(path)), expect, key,
-                     "index.jsonl records", "the run ends at")
-    try:
-        for event, body, digest in lines:
-            seq, line_sha = event["seq"], hashlib.sha256(body).hexdigest() if key else digest
-            if seq == 1 and line_sha != ledger_id:
-                raise IntegrityError(path, 1, "line 1 changed while it was being shipped (the file was replaced)")
-            if seq > start and cut is None:
-                if batches.full:
-                    cut = head
-                else:
-                    batches.add(seq, _row(base, event, body, line_sha, shipped_at))
-            if seq == top and line_sha != top_sha:
-                raise IntegrityError(path, seq, "differs from the line ClickHouse holds at this seq: a fork or a "
-                                                "local rewrite; nothing was sent")
-            head = (seq, digest)
-    except TornTailError as exc:
-        torn = exc
-        _reached(path, expect, head[0], key, "index.jsonl records", "the run ends at")
-    return head, torn, cut
+    batches, rows, limit, shipped_at = [], 0, _spool_limit(), int(time.time())
+    with tempfile.SpooledTemporaryFile(max_size=SHIP_SPOOL_MEMORY) as spool:
+        try:
+            for event, body, digest in _verified(path, _file_lines(path), key, expect, _expected_run_id(path),
+                                                 "index.jsonl records", "the run ends at"):
+                seq, line_sha = event["seq"], hashlib.sha256(body).hexdigest() if key else digest
+                if seq == 1 and line_sha != ledger_id:
+                    raise IntegrityError(path, 1, "line 1 changed while it was being shipped (the file was replaced)")
+                if seq == top and line_sha != top_sha:
+                    raise IntegrityError(path, seq, "differs from the line ClickHouse holds at this seq: a fork or "
+                                                    "a local rewrite; nothing was sent")
+                if seq > start and cut is None:
+                    if batches and batches[-1][1] >= limit:
+                        cut = head
+                    else:
+                        spool.write(_row(base, event, body, line_sha, shipped_at))
+                        rows += 1
+                        if rows == batch_rows or spool.tell() - (batches[-1][1] if batches else 0) >= batch_bytes:
+                            batches.append((rows, spool.tell(), seq))
+                            rows = 0
+                head = (seq, digest)
+        except TornTailError as exc:
+            torn = exc
+            _reached(path, expect, head[0], key, "index.jsonl records", "the run ends at")
+        if head[0] < top:
+            raise IntegrityError(path, head[0] + 1, f"ClickHouse holds this ledger up to seq {top} but the file ends "
+                                                    f"at seq {head[0]}: it was cut or rewritten after it was shipped; "
+                                                    f"nothing was sent")
+        if rows:
+            batches.append((rows, spool.tell(), head[0]))
+        spool.seek(0)
+        sent, offset = 0, 0
+        for count, end, _last in batches:
+            try:
+                client.query(f"INSERT INTO {client.name} FORMAT JSONEachRow", data=spool.read(end - offset))
+            except ClickHouseError as exc:
+                raise ClickHouseError(f"{exc}; {sent:,} of {sum(b[0] for b in batches):,} new lines of {path} were "
+                                      f"sent, the next run resumes at seq {start + sent + 1}", exc.exit_code) from None
+            sent, offset = sent + count, end
+    last = cut[0] if cut else head[0]
+    return Shipped(path, ledger_id, start + 1, last if sent else start, head, torn,
+                   more=head[0] - last if cut else 0, resent=resend and sent > 0)
 
 
 # -- verify --from ---------------------------------------------------------------
 
-_STORED_ROW_RE = re.compile(rb"([0-9a-f]{64})\t([0-9]{1,20})\t([0-9a-f]{64})\t")
-_LEDGER_ID_RE = re.compile(r"[0-9a-f]{1,64}\Z")
-
-
 def shipped_ledgers(client, condition=""):
-    """[{ledger_id, host, path, n, top}]: the ledgers in the table, by ledger_id; host and path are
-    those of the last line shipped. `condition` is a SQL WHERE clause (trusted text)."""
+    """[{ledger_id, last_host, last_path, n, top}] in the table; `condition` is a SQL WHERE clause (trusted)."""
     return client.rows(f"SELECT ledger_id, argMax(host, seq) AS last_host, argMax(path, seq) AS last_path, "
                        f"count() AS n, max(seq) AS top FROM {client.name} FINAL {condition} GROUP BY ledger_id "
                        f"ORDER BY ledger_id")
 
 
-def _ledger_condition(prefixes):
-    for prefix in prefixes:
-        if not _LEDGER_ID_RE.match(prefix):
-            raise UsageError(f"--ledger-id: want hex digits (a ledger_id or its start), got {printable(prefix)!r}")
-    if not prefixes:
-        return ""
-    return "WHERE " + " OR ".join(f"substring(ledger_id, 1, {len(p)}) = {sql_string(p)}" for p in prefixes)
-
-
 def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, condition=None):
-    """Re-verify shipped ledgers from the raw lines ClickHouse holds, line by line with the checks of
-    verify, and each row's line_sha256, seq and ledger_id against its line. Yields (ledger, result):
-    `ledger` a dict (ledger_id, last_host, last_path, n), `result` Verified, IntegrityError or
-    KeyRequiredError. `ledger_ids` are ids or their starts; `condition` a SQL WHERE clause instead.
-    Rows deleted at the end are found only against a head published elsewhere (`expect_head`)."""
+    """Re-verify shipped ledgers from the raw lines ClickHouse holds, with verify's checks and each row's
+    line_sha256, seq and ledger_id. Yields (ledger dict as shipped_ledgers(), Verified, IntegrityError or
+    KeyRequiredError). `ledger_ids`: ids or their starts; `condition`: a SQL WHERE clause instead."""
     import itertools
     key = _resolve_key(key)
+    for prefix in ledger_ids:
+        if not re.fullmatch(r"[0-9a-f]{1,64}", prefix):
+            raise UsageError(f"--ledger-id: want hex digits (a ledger_id or its start), got {printable(prefix)!r}")
     client.require_table()
-    where = condition if condition is not None else _ledger_condition(list(ledger_ids))
+    where = condition if condition is not None else ("WHERE " + " OR ".join(
+        f"substring(ledger_id, 1, {len(p)}) = {sql_string(p)}" for p in ledger_ids) if ledger_ids else "")
     listed = {row["ledger_id"]: row for row in shipped_ledgers(client, where)}
     for prefix in ledger_ids:
         if not any(found.startswith(prefix) for found in listed):
@@ -1861,100 +1729,60 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
                                                                 "shipped, or deleted)"))
     if expect_head is not None and len(listed) != 1:
         raise UsageError(f"--expect-head goes with exactly one ledger; {len(listed)} match")
-    response = client.stream(f"SELECT ledger_id, seq, line_sha256, raw FROM {client.name} FINAL {where} "
-                             f"ORDER BY ledger_id, seq FORMAT TSVRaw")
-    seen = set()
-    with response:
+    with client.stream(f"SELECT ledger_id, seq, line_sha256, raw FROM {client.name} FINAL {where} "
+                       f"ORDER BY ledger_id, seq FORMAT TSVRaw") as response:
         for ledger_id, rows in itertools.groupby(_stored_rows(response, client), key=lambda row: row[0]):
-            seen.add(ledger_id)
-            ledger = listed.get(ledger_id) or {"ledger_id": ledger_id, "last_host": None, "last_path": None,
-                                               "n": None}
-            yield ledger, _verify_stored(ledger, rows, key, expect_head)
-    for ledger_id in sorted(set(listed) - seen):
-        yield listed[ledger_id], IntegrityError(f"clickhouse:{ledger_id}", None, "its rows vanished while it was "
-                                                                               "being read")
+            ledger = listed.pop(ledger_id, None) or {"ledger_id": ledger_id, "last_host": None, "last_path": None,
+                                                     "n": None}
+            name = f"clickhouse:{ledger_id}"
+            run_id = _expected_run_id(ledger["last_path"]) if ledger["last_path"] else None
+            lines = contextlib.nullcontext(_stored_lines(name, ledger_id, rows))
+            try:
+                yield ledger, _tally_lines(name, _verified(name, lines, key, expect_head, run_id,
+                                                           ends="ClickHouse holds up to"), key)
+            except (IntegrityError, KeyRequiredError) as exc:
+                yield ledger, exc
+    for ledger in listed.values():
+        yield ledger, IntegrityError(f"clickhouse:{ledger['ledger_id']}", None, "its rows vanished while it was "
+                                                                                "being read")
 
 
-def _verify_stored(ledger, rows, key, expect):
-    name = f"clickhouse:{ledger['ledger_id']}"
-    current, count, head = [None], 0, (0, _genesis(key))
-    source = contextlib.nullcontext(_stored_lines(name, rows, current))
-    run_id = _expected_run_id(ledger["last_path"]) if ledger["last_path"] else None
-    lines = _held_to(name, _check_lines(name, source, key, run_id), expect, key,
-                     ends="ClickHouse holds up to")
-    try:
-        for event, body, digest in lines:
-            seq = event["seq"]
-            line_sha = hashlib.sha256(body).hexdigest() if key else digest
-            if line_sha != current[0]:
-                raise IntegrityError(name, seq, "line_sha256 is not the SHA-256 of the stored line (the row was "
-                                                "altered in ClickHouse)")
-            if seq == 1 and line_sha != ledger["ledger_id"]:
-                raise IntegrityError(name, 1, "ledger_id is not the SHA-256 of line 1 (the row was altered, or "
-                                              "filed under another ledger)")
-            count, head = seq, (seq, digest)
-    except (IntegrityError, KeyRequiredError) as exc:
-        return exc
-    return Verified(name, count, head)
-
-
-def _stored_lines(name, rows, current):
-    """The stored lines of one ledger, each with its newline, checked for seq continuity; `current[0]`
-    is the line_sha256 of the last one handed out."""
-    expected = 0
-    for _ledger_id, seq, sha, line in rows:
-        expected += 1
+def _stored_lines(name, ledger_id, rows):
+    """The stored lines of one ledger, each checked for seq continuity and its line_sha256 (and ledger_id)."""
+    for expected, (_ledger_id, seq, sha, line) in enumerate(rows, 1):
         if seq is None:
             raise IntegrityError(name, expected, sha)
         if seq != expected:
             raise IntegrityError(name, expected, f"missing from ClickHouse: the next row stored is seq {seq} "
-                                                 f"(a row was deleted)" if seq > expected else
-                                                 f"seq {seq} comes twice")
-        if len(line) > MAX_LINE_BYTES:
-            raise IntegrityError(name, seq, f"the stored line is longer than the format's {MAX_LINE_BYTES}-byte limit")
-        current[0] = sha
+                                                 f"(a row was deleted)" if seq > expected else f"seq {seq} comes twice")
+        digest = hashlib.sha256(line[:-1]).hexdigest()
+        if digest != sha:
+            raise IntegrityError(name, seq, "line_sha256 is not the SHA-256 of the stored line (the row was altered "
+                                            "in ClickHouse)")
+        if seq == 1 and digest != ledger_id:
+            raise IntegrityError(name, 1, "ledger_id is not the SHA-256 of line 1 (the row was altered, or filed "
+                                          "under another ledger)")
         yield line
 
 
 def _stored_rows(response, client):
-    """(ledger_id, seq, line_sha256, line + newline) for each row of a TSVRaw answer. A row not in that
-    shape (a value altered to hold a tab or a newline) comes as (last ledger_id, None, reason, b"")."""
-    last = ""
-    for line in _answer_lines(response, client):
-        match = _STORED_ROW_RE.match(line) if line is not None else None
-        if match is None:
-            yield last, None, "a stored row is not in the expected shape (a value holds a newline?)", b""
-            continue
-        last = match.group(1).decode("ascii")
-        yield last, int(match.group(2)), match.group(3).decode("ascii"), line[match.end():]
-
-
-def _answer_lines(response, client, limit=MAX_LINE_BYTES + 256):
-    """The lines of a streamed answer, newline included; None for a line longer than `limit`."""
+    """(ledger_id, seq, line_sha256, line + newline) for each row of a TSVRaw answer; a row not in that shape
+    (too long, or a value holding a tab or a newline) as (last ledger_id, None, reason, b"")."""
     import http.client
-    rest, skipping = b"", False
-    while True:
-        try:
-            block = response.read(1 << 20)
-        except (OSError, http.client.HTTPException) as exc:
-            raise ClickHouseError(f"ClickHouse at {client.where}: the answer was cut short "
-                                  f"({printable(error_text(exc))})", EXIT_USAGE) from None
-        if not block:
-            break
-        parts = (rest + block).split(b"\n")
-        rest = parts.pop()
-        for part in parts:
-            if skipping:
-                skipping = False
-            else:
-                yield part + b"\n"
-        if len(rest) > limit:
-            if not skipping:
-                yield None
-            rest, skipping = b"", True
-    if rest and not skipping:
-        raise ClickHouseError(f"ClickHouse at {client.where}: the answer was cut short (it ends inside a row)",
-                              EXIT_USAGE)
+    last, read = "", functools.partial(response.readline, MAX_LINE_BYTES + 256)
+    try:
+        for line in iter(read, b""):
+            match = _STORED_ROW_RE.match(line)
+            if match is None or line[-1:] != b"\n":
+                yield last, None, "a stored row is not in the expected shape (too long, or holds a newline?)", b""
+                while line and line[-1:] != b"\n":
+                    line = read()
+                continue
+            last = match.group(1).decode("ascii")
+            yield last, int(match.group(2)), match.group(3).decode("ascii"), line[match.end():]
+    except (OSError, http.client.HTTPException) as exc:
+        raise ClickHouseError(f"ClickHouse at {client.where}: the answer was cut short "
+                              f"({printable(error_text(exc))})", EXIT_USAGE) from None
 
 
 # ----------------------------------------------------------------------------
@@ -2322,13 +2150,8 @@ def _cmd_ship(args):
             warn(f"{result.torn}; the lines before it were shipped, the torn bytes were not (a crash, not "
                  f"tampering)")
         return result.text()
-    try:
-        counts = _tally(((path, result, "") for path, result in ship(targets, client, key=key, host=args.host,
-                                                                      batch_rows=args.batch_rows)), shipped)
-    except ClickHouseError as exc:
-        if exc.exit_code == EXIT_FAILED and "resumes" not in str(exc):
-            exc.args = (f"{exc}; the next run resumes",)
-        raise
+    counts = _tally(((path, result, "") for path, result in ship(targets, client, key=key, host=args.host,
+                                                                  batch_rows=args.batch_rows)), shipped)
     write_out(f"{counts['ok']}/{len(targets)} ledgers shipped or up to date, {sum(sent):,} new lines sent to "
               f"{client.where} {client.name}\n")
     return _tally_exit(counts, after=f"; nothing of {'it' if counts['fail'] == 1 else 'them'} was shipped")
@@ -2353,9 +2176,8 @@ def _cmd_verify_from(args):
             yield f"clickhouse:{ledger['ledger_id']}", result, where
     try:
         counts = _tally(rows(), _verified_line)
-    except ClickHouseError as exc:
-        exc.exit_code = EXIT_USAGE  # ClickHouse could not be read: like a file that cannot be read
-        raise
+    except ClickHouseError as exc:  # ClickHouse could not be read: like a file that cannot be read
+        raise ClickHouseError(str(exc), EXIT_USAGE) from None
     write_out(f"{counts['ok']}/{len(found)} ledgers valid in {client.where} {client.name}\n")
     return _tally_exit(counts, inside=" in ClickHouse")
 
