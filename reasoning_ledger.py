@@ -235,63 +235,57 @@ _SECRET_WORDS = frozenset(("token", "secret", "password", "passwd", "passphrase"
 _SECRET_PAIRS = frozenset((("api", "key"), ("private", "key"), ("access", "key"), ("secret", "key"),
                            ("signing", "key"), ("encryption", "key"), ("master", "key"), ("client", "key")))
 # Query and fragment parameters that carry a secret although their names end in another word.
-_SECRET_PARAMS = frozenset(("key", "code", "sig", "signature", "auth", "pwd", "pass"))
-_AUTH_SCHEMES = frozenset(("bearer", "basic"))
+_SECRET_PARAMS = frozenset(("key", "code", "sig", "signature", "auth", "pwd", "pass", "x_amz_signature",
+                            "x_goog_signature"))
 _SEGMENT_RE = re.compile(r"[_\-.]+|(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 
-@functools.lru_cache(maxsize=4096)  # payloads repeat their key names; this is most of an append's masking
+
+def _segments(name):
+    return [s.lower() for s in _SEGMENT_RE.split(name) if s]
+
+
 def is_secret_key(name):
     """True when a key name (a payload key, an env var, a query parameter) names a secret."""
-    segments = [s.lower() for s in _SEGMENT_RE.split(name) if s]
+    segments = _segments(name)
     return bool(segments) and (segments[-1] in _SECRET_WORDS or tuple(segments[-2:]) in _SECRET_PAIRS)
 
 
-def _credential_like(text):
-    """A word that looks like a credential rather than prose: 8+ characters with a digit, a capital after
-    the first letter or token punctuation, or 20+ characters of anything."""
-    text = text.rstrip(".")
-    if len(text) < 8:
-        return False
-    return (len(text) >= 20 or any(c.isdigit() for c in text) or any(c.isupper() for c in text[1:])
-            or any(c in "_~+/=" for c in text))
-
-
-def _random_looking(text):
-    """A URL user part that is a token, not a login name: long, with letters and digits."""
-    return len(text) >= 16 and any(c.isdigit() for c in text) and any(c.isalpha() for c in text)
-
-
 def _mask_scheme(m):
-    return m.group(1) + m.group(2) + REDACTED if _credential_like(m.group(3)) else m.group(0)
+    """Bearer/Basic followed by a word that looks like a credential, not prose: 8+ characters with a digit, a
+    capital after the first letter or token punctuation, or 20+ characters of anything."""
+    word = m.group(3).rstrip(".")
+    credential = len(word) >= 8 and (len(word) >= 20 or any(c.isdigit() for c in word)
+                                     or any(c.isupper() for c in word[1:]) or any(c in "_~+/=" for c in word))
+    return m.group(1) + m.group(2) + REDACTED if credential else m.group(0)
 
 
 def _mask_userinfo(m):
-    userinfo = m.group(2)
-    return m.group(1) + REDACTED + "@" if ":" in userinfo or _random_looking(userinfo) else m.group(0)
+    """A URL's user part with a password, or one that is a token (16+ characters, letters and digits)."""
+    user = m.group(2)
+    token = len(user) >= 16 and any(c.isdigit() for c in user) and any(c.isalpha() for c in user)
+    return m.group(1) + REDACTED + "@" if ":" in user or token else m.group(0)
 
 
 def _mask_param(m):
     name = m.group(2)
-    secret = is_secret_key(name) or name.lower() in _SECRET_PARAMS or name.lower().replace("-", "_") in (
-        "x_amz_signature", "x_goog_signature")
+    secret = is_secret_key(name) or name.lower().replace("-", "_") in _SECRET_PARAMS
     return m.group(1) + name + "=" + REDACTED if secret and m.group(3) != REDACTED else m.group(0)
 
 
 def _mask_assignment(m):
     double, single, bare = m.group(3, 4, 5)
     value = next(v for v in (double, single, bare) if v is not None)
-    if not is_secret_key(m.group(1)) or value in ("", REDACTED) or value.lower() in _AUTH_SCHEMES:
+    if not is_secret_key(m.group(1)) or value in ("", REDACTED) or value.lower() in ("bearer", "basic"):
         return m.group(0)
     quote = '"' if double is not None else "'" if single is not None else ""
     return m.group(1) + m.group(2) + quote + REDACTED + quote
 
 
-# Secret shapes masked inside any string, as (pattern, flags, replacement), run in this order: a later shape
-# leaves an earlier one's mask alone.
-_SHAPES = (
+# Secret shapes masked inside any string, run in this order: a later shape leaves an earlier one's mask alone.
+_SHAPES = tuple((re.compile(pattern, flags), repl) for pattern, flags, repl in (
     (r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.S, REDACTED),
     (r"\b((?:set-)?cookie|(?:proxy-)?authorization)([ \t]*:[ \t]*)(?!\[REDACTED\])\S[^\r\n]*", re.I,
-     lambda m: m.group(1) + m.group(2) + REDACTED),
+     r"\1\2" + REDACTED),
     (r"\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=-]+)", re.I, _mask_scheme),
     (r"\bsk-[A-Za-z0-9_-]{8,}", 0, REDACTED),
     (r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", 0, REDACTED),
@@ -301,26 +295,7 @@ _SHAPES = (
     (r"([?&;#])([A-Za-z0-9_.\[\]-]{1,64})=([^&#\s\"'<>]+)", 0, _mask_param),
     (r"\b([A-Za-z][A-Za-z0-9_.-]{0,63})([\"']?[ \t]*[:=][ \t]*)(?:\"([^\"\r\n]*)\"|'([^'\r\n]*)'|([^\s\"',;&]+))", 0,
      _mask_assignment),
-)
-
-
-# What every shape needs to match at all: ":", "=" or "@" (headers, assignments, URLs), its own literal
-# start, or for bearer/basic the word under the shape's own case folding. A string holding none of them is
-# left as it is without running a shape: substring tests cost a tenth of the shapes (tests/BENCH.md), and
-# tests/test_redaction.py holds this list to the shapes.
-_SCHEME_WORD = re.compile(r"b(?:earer|asic)\s", re.I)
-
-
-def _may_match(text):
-    return (":" in text or "=" in text or "@" in text or "-----BEGIN" in text or "sk-" in text or "gh" in text
-            or "github_pat_" in text or "xox" in text or "AKIA" in text or "ASIA" in text
-            or _SCHEME_WORD.search(text) is not None)
-
-
-@functools.lru_cache(maxsize=1)
-def _compiled_shapes():
-    """Compiled on first use: `verify` never needs them."""
-    return tuple((re.compile(src, flags), repl) for src, flags, repl in _SHAPES)
+))
 
 
 class Redactor:
@@ -334,11 +309,8 @@ class Redactor:
     def text(self, text):
         """`text` with every secret masked."""
         for value in self.values:
-            if value in text:
-                text = text.replace(value, REDACTED)
-        if not _may_match(text):
-            return text
-        for pattern, repl in _compiled_shapes():
+            text = text.replace(value, REDACTED)
+        for pattern, repl in _SHAPES:
             text = pattern.sub(repl, text)
         return text
 
@@ -348,28 +320,19 @@ SECRET_ENV_NAMES = ("SSHPASS", "DATABASE_URL", "*_DATABASE_URL", "REDIS_URL", "M
                     "CELERY_BROKER_URL", "PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "UV_INDEX_URL", "UV_EXTRA_INDEX_URL",
                     "POETRY_PYPI_TOKEN_*", "BUNDLE_*__*", "COMPOSER_AUTH", "DOCKER_AUTH_CONFIG",
                     "AZURE_STORAGE_CONNECTION_STRING", "GOOGLE_APPLICATION_CREDENTIALS_JSON", "GOOGLE_CREDENTIALS")
-_GLUED_SECRET_ENDINGS = ("password", "passwd", "passphrase", "token", "secret")  # PGPASSWORD, GITLABTOKEN
-_SHORT_SECRET_WORDS = ("pwd", "pass", "pw", "auth")  # MYSQL_PWD, REDISCLI_AUTH: only after another segment
 
 
 def is_secret_env_name(name):
-    """An environment variable's name that names a secret: as is_secret_key; a name ending in KEY or DSN
-    (STRIPE_KEY, SENTRY_DSN) or holding WEBHOOK (SLACK_WEBHOOK_URL); a last segment ending in a credential
-    word (PGPASSWORD) or, after another segment, a short one (MYSQL_PWD, REDISCLI_AUTH, but not PWD); and
-    the names SECRET_ENV_NAMES lists. In an environment these are secrets far more often than in a payload,
-    where `key` alone is a common field."""
-    if is_secret_key(name):
-        return True
-    segments = [s.lower() for s in _SEGMENT_RE.split(name) if s]
-    if not segments:
-        return False
-    last = segments[-1]
-    if last in ("key", "dsn") or "webhook" in segments or last.endswith(_GLUED_SECRET_ENDINGS):
-        return True
-    if len(segments) > 1 and last in _SHORT_SECRET_WORDS:
-        return True
-    import fnmatch  # only for names the rule does not decide
-    return any(fnmatch.fnmatchcase(name.upper(), pattern) for pattern in SECRET_ENV_NAMES)
+    """An environment variable's name that names a secret (docs/secrets.md): as is_secret_key; a name ending
+    in KEY or DSN or holding WEBHOOK; a last segment ending in a credential word (PGPASSWORD) or, after
+    another segment, a short one (MYSQL_PWD, REDISCLI_AUTH, but not PWD); and the SECRET_ENV_NAMES."""
+    import fnmatch
+    segments = _segments(name)
+    last = segments[-1] if segments else ""
+    return (is_secret_key(name) or last in ("key", "dsn") or "webhook" in segments
+            or last.endswith(("password", "passwd", "passphrase", "token", "secret"))
+            or (len(segments) > 1 and last in ("pwd", "pass", "pw", "auth"))
+            or any(fnmatch.fnmatchcase(name.upper(), pattern) for pattern in SECRET_ENV_NAMES))
 
 
 def secret_values(extra=()):
@@ -400,17 +363,21 @@ def _clean(value, redactor, depth=1):
     kind = type(value)
     if kind is str:
         return redactor.text(value)
-    if kind is not dict and kind is not list and kind is not tuple:
-        _check_scalar(value)
+    if kind is int and not -_INT_LIMIT < value < _INT_LIMIT:
+        raise _BadValue("an integer longer than 4300 digits cannot be read back on Python 3.11+")
+    if kind is float and (value != value or value in (float("inf"), float("-inf"))):
+        raise _BadValue(f"{value!r} is not valid JSON (NaN/Infinity)")
+    if value is None or kind in (bool, int, float):
         return value
+    if kind is not dict and kind is not list and kind is not tuple:
+        raise _BadValue(f"a {kind.__name__} is not a JSON type")
     if depth > MAX_DEPTH:
         raise _BadValue(f"nested deeper than {MAX_DEPTH} levels (or circular)")
     is_dict = kind is dict
     out = {} if is_dict else []
     for k, v in (value.items() if is_dict else enumerate(value)):
         try:
-            t = type(v)
-            masked = v if v is None or t is bool else redactor.text(v) if t is str else _clean(v, redactor, depth + 1)
+            masked = _clean(v, redactor, depth + 1)
             if not is_dict:
                 out.append(masked)
                 continue
@@ -419,23 +386,11 @@ def _clean(value, redactor, depth=1):
             name = redactor.text(k)
             while name in out:  # two keys that mask to the same text both stay
                 name += "~"
-            out[name] = REDACTED if v is not None and t is not bool and is_secret_key(k) else masked
+            out[name] = REDACTED if v is not None and type(v) is not bool and is_secret_key(k) else masked
         except _BadValue as exc:
             exc.where.append(f".{k}" if is_dict and type(k) is str else f"[{k!r}]")
             raise
     return out
-
-
-def _check_scalar(value):
-    kind = type(value)
-    if kind is int:
-        if not -_INT_LIMIT < value < _INT_LIMIT:
-            raise _BadValue("an integer longer than 4300 digits cannot be read back on Python 3.11+")
-    elif kind is float:
-        if value != value or value in (float("inf"), float("-inf")):
-            raise _BadValue(f"{value!r} is not valid JSON (NaN/Infinity)")
-    elif not (kind is bool or value is None):
-        raise _BadValue(f"a {kind.__name__} is not a JSON type")
 
 
 def _clean_payload(payload, redactor):
