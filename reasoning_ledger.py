@@ -1880,10 +1880,6 @@ def parse_time(text, end=False, now=None):
 # CLI
 # ----------------------------------------------------------------------------
 
-def _lines(count):
-    return f"{count} line{'' if count == 1 else 's'}"
-
-
 def _cli_key(args):
     """The key named by --key-env (b"" for explicitly unkeyed when LEDGER_KEY is unset)."""
     value = os.environ.get(args.key_env)
@@ -1892,9 +1888,17 @@ def _cli_key(args):
     return _key_bytes(value) or b""
 
 
-def _tally(results, good):
-    """Print one line per (path, result, suffix): `good(result)` for a Verified or Shipped, FAIL for an
-    integrity failure, ERROR for a ledger that could not be read. Returns {"ok", "fail", "error": count}."""
+def _check_targets(args, command):
+    if not args.paths and not args.all:
+        raise UsageError(f"{command} needs a PATH or --all RUNS_DIR")
+    if args.all and not Path(args.all).is_dir():
+        raise UsageError(f"--all: no such directory: {args.all}")
+
+
+def _tally(results, good, inside="", after=""):
+    """One line per (path, result, suffix): good(result) for a Verified or Shipped, FAIL for an integrity
+    failure, ERROR for a ledger that could not be read. Returns (counts, exit code): a FAIL (1) outranks an
+    ERROR (2). `after` may hold {} for 'it' or 'them', the failed ledgers."""
     counts = {"ok": 0, "fail": 0, "error": 0}
     for path, result, suffix in results:
         if isinstance(result, (Verified, Shipped)):
@@ -1906,51 +1910,46 @@ def _tally(results, good):
             state, line = "error", f"ERROR {printable(text if text.startswith(str(path)) else f'{path}: {text}')}"
         counts[state] += 1
         write_out(line + suffix + "\n")
-    return counts
-
-
-def _tally_exit(counts, inside="", after=""):
-    """An integrity failure (1) outranks a ledger that could not be read (2)."""
     if counts["fail"]:
-        error(f"integrity check failed ({counts['fail']} ledger{'s' if counts['fail'] != 1 else ''}{inside}){after}")
-        return EXIT_FAILED
+        them = "it" if counts["fail"] == 1 else "them"
+        error(f"integrity check failed ({counts['fail']} ledger{'s' if them == 'them' else ''}{inside})"
+              + after.format(them))
+        return counts, EXIT_FAILED
     if counts["error"]:
         error("some ledgers could not be read or need a key")
-        return EXIT_USAGE
-    return EXIT_OK
+        return counts, EXIT_USAGE
+    return counts, EXIT_OK
 
 
 def _verified_line(result):
-    return f"ok    {printable(result.path)}  {_lines(result.count)}  head {result.head_text()}"
+    lines = f"{result.count} line{'' if result.count == 1 else 's'}"
+    return f"ok    {printable(result.path)}  {lines}  head {result.head_text()}"
 
 
 def _cmd_verify(args):
     if args.from_url is not None:
         return _cmd_verify_from(args)
-    key = _cli_key(args)
-    expect = None
-    if args.expect_head is not None:
-        if len(args.paths) != 1 or args.all:
-            raise UsageError("--expect-head goes with exactly one PATH")
-        expect = parse_head(args.expect_head)
+    if not args.paths and not args.all:
+        raise UsageError("verify needs a PATH, --all RUNS_DIR or --from URL")
+    if args.expect_head is not None and (len(args.paths) != 1 or args.all):
+        raise UsageError("--expect-head goes with exactly one PATH")
+    expect = parse_head(args.expect_head) if args.expect_head is not None else None
+    key, results = _cli_key(args), []
     if args.all and not Path(args.all).is_dir():
         raise UsageError(f"--all: no such directory: {args.all}")
-    results = []
     for path in args.paths:
         try:
-            results.append((path, verify(path, key=key, expect_head=expect)))
+            results.append((path, verify(path, key=key, expect_head=expect), ""))
         except (LedgerError, OSError) as exc:
-            results.append((path, exc))
-    if args.all:
-        results.extend(verify_runs(args.all, key=key))
-    counts = _tally(((path, result, "") for path, result in results), _verified_line)
+            results.append((path, exc, ""))
+    results += [(path, result, "") for path, result in verify_runs(args.all, key=key)] if args.all else []
+    counts, code = _tally(results, _verified_line)
     write_out(f"{counts['ok']}/{len(results)} ledgers valid\n")
-    return _tally_exit(counts)
+    return code
 
 
 def _cmd_head(args):
-    result = verify(args.path, key=_cli_key(args))
-    write_out(result.head_text() + "\n")
+    write_out(verify(args.path, key=_cli_key(args)).head_text() + "\n")
     return EXIT_OK
 
 
@@ -1958,23 +1957,17 @@ def _cmd_head(args):
 _REPORT_FIELDS = ("stage", "decision", "outcome", "tool", "rule", "verdict", "reason", "limit", "request_model",
                   "response_model", "error_type", "error_code", "error", "message")
 _ARTIFACT_RE = re.compile(r"artifacts/[0-9a-f]{64}\Z")
-_REPORT_LINE_CHARS = 120
 
 
-def _artifact(ledger_path, ref, limit=1 << 20):
-    """The text of an artifact a payload refers to ({"path": "artifacts/<sha256>"}), or None."""
+def _artifact(ledger_path, ref):
+    """The text of an artifact a payload refers to ({"path": "artifacts/<sha256>"}, at most 1 MiB), or None."""
     if type(ref) is not dict or type(ref.get("path")) is not str or not _ARTIFACT_RE.match(ref["path"]):
         return None
     try:
         with open(Path(ledger_path).parent / ref["path"], "rb") as handle:
-            return handle.read(limit).decode("utf-8", "replace")
+            return handle.read(1 << 20).decode("utf-8", "replace")
     except OSError:
         return None
-
-
-def _first_line(text, limit=_REPORT_LINE_CHARS):
-    line = next((s.strip() for s in text.splitlines() if s.strip()), "")
-    return line if len(line) <= limit else line[:limit - 1] + "…"
 
 
 def _tests_meaning(path, payload):
@@ -1994,87 +1987,66 @@ def _tests_meaning(path, payload):
     return f"tests FAILED ({why}{'; ' + tally if tally else ''})" + (f": {shown}" if shown else "")
 
 
-def _meaning(path, event):
-    """What a line means, beyond its fields: a failed check, a test run's result, a model reply's first line."""
-    payload, out = event["payload"], []
+def _event_summary(path, event):
+    """One line: the envelope, the fields that say what happened, and what it means (a failed check, a test
+    run's result, a model reply's first line), then the rationale."""
+    payload = event["payload"]
+    parts = [event["at"], f"#{event['seq']}", event["kind"]] + [
+        f"{name}={payload[name]}" for name in _REPORT_FIELDS if payload.get(name) not in (None, "", [], {})]
     if payload.get("check") is False:
-        out.append(f"CHECK FAILED: {payload.get('check_detail') or 'no detail'}")
+        parts.append(f"CHECK FAILED: {payload.get('check_detail') or 'no detail'}")
     if event["kind"] == "tests_run":
-        out.append(_tests_meaning(path, payload))
+        parts.append(_tests_meaning(path, payload))
     call = payload.get("call") if type(payload.get("call")) is dict else {}
     reply = _artifact(path, payload.get("response_artifact") or call.get("reply_artifact"))
-    if reply:
-        out.append(f"reply: {_first_line(reply)}")
-    return out
-
-
-def _event_summary(path, event):
-    payload = event["payload"]
-    parts = [event["at"], f"#{event['seq']}", event["kind"]]
-    for name in _REPORT_FIELDS:
-        value = payload.get(name)
-        if value not in (None, "", [], {}):
-            parts.append(f"{name}={value}")
-    parts.extend(_meaning(path, event))
+    line = next((s.strip() for s in (reply or "").splitlines() if s.strip()), "")
+    if line:
+        parts.append(f"reply: {line if len(line) <= 120 else line[:119] + '…'}")
     if payload.get("rationale"):
         parts.append(f"-- {payload['rationale']}")
     return "  ".join(printable(p) for p in parts)
 
 
-def _report_wanted(args, since, until):
-    def wanted(event):
-        return not ((args.kind and event["kind"] not in args.kind)
-                    or (args.stage and event["payload"].get("stage") != args.stage)
-                    or (args.run and not event["run_id"].startswith(args.run))
-                    or (since and event["at"] < since) or (until and event["at"] > until))
-    return wanted
-
-
 def _cmd_report(args):
-    if not args.paths and not args.all:
-        raise UsageError("report needs a PATH or --all RUNS_DIR")
-    if args.all and not Path(args.all).is_dir():
-        raise UsageError(f"--all: no such directory: {args.all}")
-    wanted = _report_wanted(args, parse_time(args.since) if args.since else None,
-                            parse_time(args.until, end=True) if args.until else None)
+    _check_targets(args, "report")
+    targets = [(Path(p), None) for p in args.paths] + (run_ledgers(args.all, _cli_key(args)) if args.all else [])
+    since = parse_time(args.since) if args.since else None
+    until = parse_time(args.until, end=True) if args.until else None
     key = _cli_key(args)
-    targets = [(Path(p), None) for p in args.paths] + (run_ledgers(args.all, key) if args.all else [])
     try:
         for path, expect in targets:
             if len(targets) > 1 and not args.json:
                 write_out(f"== {printable(path)}\n")
             for event, raw, _digest in verified_events(path, key=key, expect=expect, run_id=None):
-                if wanted(event):
+                if not ((args.kind and event["kind"] not in args.kind)
+                        or (args.stage and event["payload"].get("stage") != args.stage)
+                        or (args.run and not event["run_id"].startswith(args.run))
+                        or (since and event["at"] < since) or (until and event["at"] > until)):
                     write_out(raw.decode("utf-8") + "\n" if args.json else _event_summary(path, event) + "\n")
     except OutputError as exc:
-        if exc.pipe:  # `report | head`: the reader has all it wanted
-            return EXIT_OK
-        raise
+        if not exc.pipe:  # `report | head`: the reader has all it wanted
+            raise
     return EXIT_OK
 
 
 def _cmd_append(args):
-    if args.payload is not None:
-        text = args.payload
-    elif not sys.stdin.isatty():
-        data = sys.stdin.buffer.read()
+    text = args.payload
+    if text is None and not sys.stdin.isatty():
         try:
-            text = data.decode("utf-8")
+            text = sys.stdin.buffer.read().decode("utf-8")
         except UnicodeDecodeError as exc:
             raise PayloadError(f"payload is not UTF-8 (byte {exc.start})") from None
-    else:
-        text = ""
     try:
-        payload = json.loads(text) if text.strip() else {}
+        payload = json.loads(text) if text and text.strip() else {}
     except ValueError as exc:
         raise PayloadError(f"payload is not valid JSON: {exc}") from None
     except RecursionError:
         raise PayloadError(f"payload is nested deeper than {MAX_DEPTH} levels") from None
     if type(payload) is not dict:
         raise PayloadError("payload must be a JSON object")
-    run_id = args.run_id or os.environ.get("LEDGER_RUN_ID") or None
     key = _cli_key(args)
-    with Ledger(args.path, run_id, key=key, secrets=(key.decode("utf-8", "replace"),) if key else ()) as ledger:
+    with Ledger(args.path, args.run_id or os.environ.get("LEDGER_RUN_ID") or None, key=key,
+                secrets=(key.decode("utf-8", "replace"),) if key else ()) as ledger:
         ledger.append(args.kind, payload)
         write_out(f"{ledger.head[0]} {ledger.head[1]}\n")
     return EXIT_OK
@@ -2089,14 +2061,10 @@ def _still_growing(torn):
 
 
 def _cmd_ship(args):
-    if not args.paths and not args.all:
-        raise UsageError("ship needs a PATH or --all RUNS_DIR")
-    if args.all and not Path(args.all).is_dir():
-        raise UsageError(f"--all: no such directory: {args.all}")
-    key = _cli_key(args)
+    _check_targets(args, "ship")
+    targets = ship_targets(args.paths, args.all, _cli_key(args))
     client = ClickHouse(args.to, database=args.database, table=args.table, timeout=args.timeout,
                         deadline=args.deadline)
-    targets = ship_targets(args.paths, args.all, key)
     sent = []
 
     def shipped(result):
@@ -2105,17 +2073,17 @@ def _cmd_ship(args):
             warn(f"{result.torn}; the lines before it were shipped, the torn bytes were not (a crash, not "
                  f"tampering)")
         return result.text()
-    counts = _tally(((path, result, "") for path, result in ship(targets, client, key=key, host=args.host,
-                                                                  batch_rows=args.batch_rows)), shipped)
+    results = ship(targets, client, key=_cli_key(args), host=args.host, batch_rows=args.batch_rows)
+    counts, code = _tally(((path, result, "") for path, result in results), shipped,
+                          after="; nothing of {} was shipped")
     write_out(f"{counts['ok']}/{len(targets)} ledgers shipped or up to date, {sum(sent):,} new lines sent to "
               f"{client.where} {client.name}\n")
-    return _tally_exit(counts, after=f"; nothing of {'it' if counts['fail'] == 1 else 'them'} was shipped")
+    return code
 
 
 def _cmd_verify_from(args):
     if args.paths or args.all:
         raise UsageError("verify --from reads ClickHouse: it takes no PATH or --all")
-    key = _cli_key(args)
     expect = parse_head(args.expect_head) if args.expect_head is not None else None
     ids = [i.strip().lower() for i in args.ledger_id or ()]
     if expect is not None and len(ids) != 1:
@@ -2124,93 +2092,76 @@ def _cmd_verify_from(args):
     found = []
 
     def rows():
-        for ledger, result in verify_shipped(client, ledger_ids=ids, key=key, expect_head=expect):
+        for ledger, result in verify_shipped(client, ledger_ids=ids, key=_cli_key(args), expect_head=expect):
             found.append(ledger)
             shown = ledger["last_path"] is not None and isinstance(result, (Verified, IntegrityError))
             where = f"  {printable(ledger['last_host'])}:{printable(ledger['last_path'])}" if shown else ""
             yield f"clickhouse:{ledger['ledger_id']}", result, where
     try:
-        counts = _tally(rows(), _verified_line)
+        counts, code = _tally(rows(), _verified_line, inside=" in ClickHouse")
     except ClickHouseError as exc:  # ClickHouse could not be read: like a file that cannot be read
         raise ClickHouseError(str(exc), EXIT_USAGE) from None
     write_out(f"{counts['ok']}/{len(found)} ledgers valid in {client.where} {client.name}\n")
-    return _tally_exit(counts, inside=" in ClickHouse")
+    return code
 
 
-def _clickhouse_options(p, timeout):
-    p.add_argument("--database", default=SHIP_DATABASE, metavar="DB", help=f"default {SHIP_DATABASE}")
-    p.add_argument("--table", default=SHIP_TABLE, metavar="T", help=f"default {SHIP_TABLE}")
-    p.add_argument("--timeout", type=float, default=timeout, metavar="S",
-                   help=f"seconds for one request to ClickHouse (default {timeout:g})")
+# (name, help, [(flags, argparse keywords)], handler): the commands and their options; docs/format.md and
+# README carry the longer story.
+_ALL = (("--all",), {"metavar": "RUNS_DIR", "help": "also RUNS_DIR/index.jsonl and every run in it"})
+_PATHS = (("paths",), {"nargs": "*", "metavar": "PATH"})
+_CLICKHOUSE = [(("--database",), {"default": SHIP_DATABASE, "metavar": "DB", "help": f"default {SHIP_DATABASE}"}),
+               (("--table",), {"default": SHIP_TABLE, "metavar": "T", "help": f"default {SHIP_TABLE}"})]
+_COMMANDS = (
+    ("verify", "check ledgers; exit 1 on any integrity failure", [
+        _PATHS, _ALL, (("--expect-head",), {"metavar": "SEQ:HASH", "help": "a head published earlier (finds truncation)"}),
+        (("--from",), {"dest": "from_url", "nargs": "?", "const": "", "metavar": "URL",
+                       "help": f"re-verify the lines shipped to ClickHouse at URL (default ${SHIP_URL_ENV})"}),
+        (("--ledger-id",), {"action": "append", "metavar": "ID", "help": "with --from: only this ledger (or "
+                                                                          "prefix; repeatable)"}),
+        (("--timeout",), {"type": float, "default": 300.0, "metavar": "S", "help": "seconds a request (300)"}),
+    ] + _CLICKHOUSE, _cmd_verify),
+    ("ship", "send the verified lines of ledgers to ClickHouse (resumable; for cron)", [
+        _PATHS, _ALL,
+        (("--to",), {"metavar": "URL", "help": f"ClickHouse's HTTP interface (default ${SHIP_URL_ENV}); user and "
+                                               f"password from ${SHIP_USER_ENV} / ${SHIP_PASSWORD_ENV}"}),
+        (("--timeout",), {"type": float, "default": SHIP_TIMEOUT, "metavar": "S",
+                          "help": f"seconds a request ({SHIP_TIMEOUT:g})"}),
+        (("--batch-rows",), {"type": int, "default": SHIP_BATCH_ROWS, "metavar": "N",
+                             "help": f"lines per INSERT ({SHIP_BATCH_ROWS:,}; at most {SHIP_BATCH_BYTES >> 20} MiB)"}),
+        (("--deadline",), {"type": float, "default": SHIP_DEADLINE, "metavar": "S",
+                           "help": f"seconds for the whole run; the next run resumes ({SHIP_DEADLINE:g})"}),
+        (("--host",), {"help": "host name recorded with each line (default: this machine's)"}),
+    ] + _CLICKHOUSE, _cmd_ship),
+    ("head", "print the anchor 'SEQ HASH' of a verified ledger", [(("path",), {"metavar": "PATH"})], _cmd_head),
+    ("report", "one readable line per event: what it says and what it means", [
+        _PATHS, _ALL, (("--kind",), {"action": "append", "help": "only this kind (repeatable)"}),
+        (("--stage",), {"help": "only decisions of this stage"}),
+        (("--run",), {"help": "only this run id (or prefix)"}),
+        (("--since",), {"help": "date or ISO time (UTC)"}), (("--until",), {"help": "date (inclusive) or ISO time"}),
+        (("--json",), {"action": "store_true", "help": "print the matching lines unchanged"}),
+    ], _cmd_report),
+    ("append", "append one event; prints the new head", [
+        (("path",), {"metavar": "PATH"}), (("--kind",), {"required": True}),
+        (("--run-id",), {"help": "default: $LEDGER_RUN_ID or a new id"}),
+        (("--payload",), {"help": "a JSON object (default: stdin when it is not a terminal)"}),
+    ], _cmd_append),
+)
 
 
 def _build_parser():
-    parser = ArgumentParser(prog="reasoning_ledger.py",
-                                     description="Append-only, hash-chained JSONL ledger.",
-                                     epilog=exit_codes_epilog(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_OUTPUT),
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(prog="reasoning_ledger.py", description="Append-only, hash-chained JSONL ledger.",
+                            epilog=exit_codes_epilog(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_OUTPUT),
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    def keyed(p):
+    for name, text, options, handler in _COMMANDS:
+        p = sub.add_parser(name, help=text)
+        for flags, keywords in options:
+            p.add_argument(*flags, **keywords)
         p.add_argument("--key-env", default=KEY_ENV, metavar="NAME",
                        help=f"environment variable holding the HMAC key (default {KEY_ENV})")
-        return p
-
-    p = keyed(sub.add_parser("verify", help="check ledgers; exit 1 on any integrity failure"))
-    p.add_argument("paths", nargs="*", metavar="PATH")
-    p.add_argument("--all", metavar="RUNS_DIR", help="also every run in RUNS_DIR, against RUNS_DIR/index.jsonl")
-    p.add_argument("--expect-head", metavar="SEQ:HASH", help="a head published earlier (detects truncation)")
-    p.add_argument("--from", dest="from_url", nargs="?", const="", metavar="URL",
-                   help=f"re-verify the ledgers shipped to ClickHouse at URL (default ${SHIP_URL_ENV}) from the "
-                        f"lines stored there")
-    p.add_argument("--ledger-id", action="append", metavar="ID",
-                   help="with --from: only this ledger (its id, or the start of it; repeatable)")
-    _clickhouse_options(p, 300.0)
-    p.set_defaults(func=_cmd_verify)
-
-    p = keyed(sub.add_parser("ship", help="send the verified lines of ledgers to ClickHouse (resumable; for cron)"))
-    p.add_argument("paths", nargs="*", metavar="PATH")
-    p.add_argument("--all", metavar="RUNS_DIR", help="also RUNS_DIR/index.jsonl and every run in RUNS_DIR")
-    p.add_argument("--to", metavar="URL", help=f"ClickHouse's HTTP interface, e.g. http://127.0.0.1:8123 (default "
-                                               f"${SHIP_URL_ENV}); user and password come from ${SHIP_USER_ENV} and "
-                                               f"${SHIP_PASSWORD_ENV}, never from the URL")
-    _clickhouse_options(p, SHIP_TIMEOUT)
-    p.add_argument("--batch-rows", type=int, default=SHIP_BATCH_ROWS, metavar="N",
-                   help=f"lines per INSERT (default {SHIP_BATCH_ROWS:,}; a batch is also cut at "
-                        f"{SHIP_BATCH_BYTES >> 20} MiB)")
-    p.add_argument("--deadline", type=float, default=SHIP_DEADLINE, metavar="S",
-                   help=f"seconds for the whole run; the next run resumes (default {SHIP_DEADLINE:g})")
-    p.add_argument("--host", help="host name recorded with each line (default: this machine's)")
-    p.set_defaults(func=_cmd_ship)
-
-    _read_commands(sub, keyed)
+        p.set_defaults(func=handler)
     return parser
-
-
-def _read_commands(sub, keyed):
-    """head, report and append."""
-    p = keyed(sub.add_parser("head", help="print the anchor 'SEQ HASH' of a verified ledger"))
-    p.add_argument("path", metavar="PATH")
-    p.set_defaults(func=_cmd_head)
-
-    p = keyed(sub.add_parser("report", help="one readable line per event: what it says and what it means"))
-    p.add_argument("paths", nargs="*", metavar="PATH")
-    p.add_argument("--all", metavar="RUNS_DIR", help="also RUNS_DIR/index.jsonl and every run in it")
-    p.add_argument("--kind", action="append", help="only this kind (repeatable)")
-    p.add_argument("--stage", help="only decisions of this stage")
-    p.add_argument("--run", help="only this run id (or prefix)")
-    p.add_argument("--since", help="date or ISO time (UTC)")
-    p.add_argument("--until", help="date (inclusive) or ISO time (UTC)")
-    p.add_argument("--json", action="store_true", help="print the matching lines unchanged")
-    p.set_defaults(func=_cmd_report)
-
-    p = keyed(sub.add_parser("append", help="append one event; prints the new head"))
-    p.add_argument("path", metavar="PATH")
-    p.add_argument("--kind", required=True)
-    p.add_argument("--run-id", help="default: $LEDGER_RUN_ID or a new id")
-    p.add_argument("--payload", help="a JSON object (default: stdin when it is not a terminal)")
-    p.set_defaults(func=_cmd_append)
 
 
 def main(argv=None):
@@ -2220,9 +2171,6 @@ def main(argv=None):
         return code
     if not args.command:
         parser.print_help(sys.stderr)
-        return EXIT_USAGE
-    if args.command == "verify" and not args.paths and not args.all and args.from_url is None:
-        error("verify needs a PATH, --all RUNS_DIR or --from URL")
         return EXIT_USAGE
     return run_cli(args.func, args)
 
