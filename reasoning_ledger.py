@@ -244,6 +244,7 @@ def _segments(name):
     return [s.lower() for s in _SEGMENT_RE.split(name) if s]
 
 
+@functools.lru_cache(maxsize=4096)  # payloads repeat their key names; the split is a third of the masking
 def is_secret_key(name):
     """True when a key name (a payload key, an env var, a query parameter) names a secret."""
     segments = _segments(name)
@@ -282,7 +283,7 @@ def _mask_assignment(m):
 
 
 # Secret shapes masked inside any string, run in this order: a later shape leaves an earlier one's mask alone.
-_SHAPES = tuple((re.compile(pattern, flags), repl) for pattern, flags, repl in (
+_SHAPES = (
     (r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)", re.S, REDACTED),
     (r"\b((?:set-)?cookie|(?:proxy-)?authorization)([ \t]*:[ \t]*)(?!\[REDACTED\])\S[^\r\n]*", re.I,
      r"\1\2" + REDACTED),
@@ -295,7 +296,26 @@ _SHAPES = tuple((re.compile(pattern, flags), repl) for pattern, flags, repl in (
     (r"([?&;#])([A-Za-z0-9_.\[\]-]{1,64})=([^&#\s\"'<>]+)", 0, _mask_param),
     (r"\b([A-Za-z][A-Za-z0-9_.-]{0,63})([\"']?[ \t]*[:=][ \t]*)(?:\"([^\"\r\n]*)\"|'([^'\r\n]*)'|([^\s\"',;&]+))", 0,
      _mask_assignment),
-))
+)
+
+
+# What every shape needs to match at all: ":", "=" or "@" (headers, assignments, URLs), its own literal
+# start, or for bearer/basic the word under the shape's own case folding. A string holding none of them is
+# left as it is: substring tests cost a tenth of the shapes (tests/BENCH.md), and tests/test_redaction.py
+# holds this list to the shapes.
+_SCHEME_WORD = re.compile(r"b(?:earer|asic)\s", re.I)
+
+
+def _may_match(text):
+    return (":" in text or "=" in text or "@" in text or "-----BEGIN" in text or "sk-" in text or "gh" in text
+            or "github_pat_" in text or "xox" in text or "AKIA" in text or "ASIA" in text
+            or _SCHEME_WORD.search(text) is not None)
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled_shapes():
+    """Compiled on first use: `verify` never needs them."""
+    return tuple((re.compile(src, flags), repl) for src, flags, repl in _SHAPES)
 
 
 class Redactor:
@@ -309,8 +329,11 @@ class Redactor:
     def text(self, text):
         """`text` with every secret masked."""
         for value in self.values:
-            text = text.replace(value, REDACTED)
-        for pattern, repl in _SHAPES:
+            if value in text:
+                text = text.replace(value, REDACTED)
+        if not _may_match(text):
+            return text
+        for pattern, repl in _compiled_shapes():
             text = pattern.sub(repl, text)
         return text
 
@@ -363,21 +386,17 @@ def _clean(value, redactor, depth=1):
     kind = type(value)
     if kind is str:
         return redactor.text(value)
-    if kind is int and not -_INT_LIMIT < value < _INT_LIMIT:
-        raise _BadValue("an integer longer than 4300 digits cannot be read back on Python 3.11+")
-    if kind is float and (value != value or value in (float("inf"), float("-inf"))):
-        raise _BadValue(f"{value!r} is not valid JSON (NaN/Infinity)")
-    if value is None or kind in (bool, int, float):
-        return value
     if kind is not dict and kind is not list and kind is not tuple:
-        raise _BadValue(f"a {kind.__name__} is not a JSON type")
+        _check_scalar(value)
+        return value
     if depth > MAX_DEPTH:
         raise _BadValue(f"nested deeper than {MAX_DEPTH} levels (or circular)")
     is_dict = kind is dict
     out = {} if is_dict else []
     for k, v in (value.items() if is_dict else enumerate(value)):
         try:
-            masked = _clean(v, redactor, depth + 1)
+            t = type(v)
+            masked = v if v is None or t is bool else redactor.text(v) if t is str else _clean(v, redactor, depth + 1)
             if not is_dict:
                 out.append(masked)
                 continue
@@ -386,11 +405,23 @@ def _clean(value, redactor, depth=1):
             name = redactor.text(k)
             while name in out:  # two keys that mask to the same text both stay
                 name += "~"
-            out[name] = REDACTED if v is not None and type(v) is not bool and is_secret_key(k) else masked
+            out[name] = REDACTED if v is not None and t is not bool and is_secret_key(k) else masked
         except _BadValue as exc:
             exc.where.append(f".{k}" if is_dict and type(k) is str else f"[{k!r}]")
             raise
     return out
+
+
+def _check_scalar(value):
+    kind = type(value)
+    if kind is int:
+        if not -_INT_LIMIT < value < _INT_LIMIT:
+            raise _BadValue("an integer longer than 4300 digits cannot be read back on Python 3.11+")
+    elif kind is float:
+        if value != value or value in (float("inf"), float("-inf")):
+            raise _BadValue(f"{value!r} is not valid JSON (NaN/Infinity)")
+    elif not (kind is bool or value is None):
+        raise _BadValue(f"a {kind.__name__} is not a JSON type")
 
 
 def _clean_payload(payload, redactor):
@@ -559,7 +590,6 @@ class Ledger:
             self.extra_secrets += (value,)
             self.redactor = Redactor(self.redactor.values + (value,))
 
-    # -- context manager -------------------------------------------------
     def __enter__(self):
         return self
 
@@ -572,7 +602,6 @@ class Ledger:
                 os.close(self._fd)
                 self._fd = None
 
-    # -- writing ---------------------------------------------------------
     def _open(self):
         if self._fd is None:
             created = not self.path.exists()
@@ -617,9 +646,8 @@ class Ledger:
         self._mode_checked = True
 
     def check(self):
-        """Check, under the lock, that the next append can succeed: the file opens, line 1 agrees with
-        the key, and the last line is a ledger line. Writes nothing; returns the file's head (seq, hash).
-        A torn tail is not an error here: the next append recovers it."""
+        """Check under the lock, writing nothing, that the next append can succeed (a torn tail is fine: the
+        next append recovers it); return the file's head (seq, hash)."""
         def tail(fd):
             end, last = _scan_tail(fd, os.fstat(fd).st_size, self.path)
             seq, prev = self._next(end, last)
@@ -814,24 +842,19 @@ class Run:
 def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
     """Create runs_dir/<run id>/ (never reused) and return a Run writing to its events.jsonl.
     A given `run_id` (allocated earlier, e.g. by the webhook daemon) must be new too."""
-    runs_dir = Path(runs_dir)
+    runs_dir, given = Path(runs_dir), run_id
     runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if run_id is not None:
-        if type(run_id) is not str or not _RUN_ID_RE.match(run_id):
-            raise UsageError(f"bad run id {printable(run_id)!r}")
+    if given is not None and (type(given) is not str or not _RUN_ID_RE.match(given)):
+        raise UsageError(f"bad run id {printable(given)!r}")
+    while True:
+        run_id = given or new_run_id()
         try:
             (runs_dir / run_id).mkdir(mode=0o700)
+            break
         except FileExistsError:
-            raise UsageError(f"{runs_dir / run_id}: that run already exists; a run directory is never reused") \
-                from None
-    else:
-        while True:
-            run_id = new_run_id()
-            try:
-                (runs_dir / run_id).mkdir(mode=0o700)
-                break
-            except FileExistsError:
-                continue
+            if given:
+                raise UsageError(f"{runs_dir / run_id}: that run already exists; a run directory is never "
+                                 f"reused") from None
     ledger = Ledger(runs_dir / run_id / EVENTS_NAME, run_id, key=key, fsync=fsync, secrets=secrets)
     return Run(runs_dir, run_id, ledger)
 
@@ -958,10 +981,8 @@ def _file_lines(path):
 
 
 def _check_lines(path, source, key, run_id):
-    """The line checks behind iter_lines, on any source of raw lines: `source` is a context manager
-    giving an iterable of lines, each ending in b"\n" (the last one may not: a torn tail). A file
-    (iter_lines, ship) and the rows read back from ClickHouse (verify --from) go through this same
-    code. `key` is resolved (bytes or None)."""
+    """The line checks behind iter_lines, on `source`: a context manager giving lines, each ending in b"\n"
+    (the last one may not: a torn tail), from a file or from ClickHouse. `key` is resolved (bytes or None)."""
     expected_prev, known, sha256 = _genesis(key), set(), hashlib.sha256
     lineno = offset = 0
     with source as lines:
@@ -1060,32 +1081,24 @@ def verify(path, *, key=None, expect_head=None, run_id=None):
     return _tally_lines(path, verified_events(path, key=key or b"", expect=expect_head, run_id=run_id), key)
 
 
-def index_heads(runs_dir, key=None):
-    """{run id: (seq, hash)} of the runs closed in RUNS_DIR/index.jsonl, read as far as it verifies (verifying
-    the index itself reports why it stops). A head that is not (int, str) stays as found: the run fails."""
-    heads, index = {}, Path(runs_dir) / INDEX_NAME
-    if index.exists():
-        try:
-            for event in read_events(index, key=key or b"", run_id=None):
-                entry = event["payload"]
-                if event["kind"] == "run_closed" and type(entry.get("run")) is str:
-                    heads[entry["run"]] = (entry.get("head_seq"), entry.get("head_hash"))
-        except (LedgerError, OSError):
-            pass
-    return heads
-
-
 def run_ledgers(runs_dir, key=None):
     """[(path, expected head or None)]: RUNS_DIR/index.jsonl, then every run in it (a closed run with the head
-    its index entry recorded), then the runs the index names whose events.jsonl is missing."""
-    runs_dir = Path(runs_dir)
-    heads = index_heads(runs_dir, key)
-    found = [(runs_dir / INDEX_NAME, None)] if (runs_dir / INDEX_NAME).exists() else []
-    seen = set()
-    for events in sorted(runs_dir.glob(f"*/{EVENTS_NAME}")):
-        seen.add(events.parent.name)
-        found.append((events, heads.get(events.parent.name)))
-    return found + [(runs_dir / run_id / EVENTS_NAME, heads[run_id]) for run_id in sorted(set(heads) - seen)]
+    its index entry recorded), then the runs the index names whose events.jsonl is missing. The index is read
+    as far as it verifies (verifying it says why it stops); a head that is not (int, str) fails its run."""
+    runs_dir, heads = Path(runs_dir), {}
+    index = runs_dir / INDEX_NAME
+    try:
+        for event in read_events(index, key=key or b"", run_id=None) if index.exists() else ():
+            entry = event["payload"]
+            if event["kind"] == "run_closed" and type(entry.get("run")) is str:
+                heads[entry["run"]] = (entry.get("head_seq"), entry.get("head_hash"))
+    except (LedgerError, OSError):
+        pass
+    found = [(index, None)] if index.exists() else []
+    runs = sorted(runs_dir.glob(f"*/{EVENTS_NAME}"))
+    found += [(events, heads.get(events.parent.name)) for events in runs]
+    return found + [(runs_dir / run_id / EVENTS_NAME, heads[run_id])
+                    for run_id in sorted(set(heads) - {events.parent.name for events in runs})]
 
 
 def verify_runs(runs_dir, *, key=None):
@@ -1129,49 +1142,40 @@ class _Timers:
     """One thread that calls every function scheduled with call_at(), at its time."""
 
     def __init__(self):
-        self._heap, self._count = [], 0
-        self._wake = threading.Condition()
+        self.heap, self.count, self.wake = [], 0, threading.Condition()
         threading.Thread(target=self._run, name="call-at", daemon=True).start()
-
-    def call_at(self, at, fn):
-        import heapq
-        timer = _Timer(fn)
-        with self._wake:
-            self._count += 1
-            heapq.heappush(self._heap, (at, self._count, timer))
-            self._wake.notify()
-        return timer
 
     def _run(self):
         import heapq
         while True:
-            with self._wake:
-                while self._heap and self._heap[0][2].cancelled:
-                    heapq.heappop(self._heap)
-                if not self._heap:
-                    self._wake.wait()
+            with self.wake:
+                while self.heap and self.heap[0][2].cancelled:
+                    heapq.heappop(self.heap)
+                due = self.heap[0][0] - time.monotonic() if self.heap else None
+                if due is None or due > 0:
+                    self.wake.wait(due)
                     continue
-                due = self._heap[0][0] - time.monotonic()
-                if due > 0:
-                    self._wake.wait(due)
-                    continue
-                timer = heapq.heappop(self._heap)[2]
+                timer = heapq.heappop(self.heap)[2]
             if not timer.cancelled:
                 timer.fn()
 
 
-_timers = []
+_timers = {}  # {pid: the process's _Timers}: a forked child has no timer thread of its own yet
 _timers_lock = threading.Lock()
 
 
 def call_at(at, fn):
     """Call fn() when time.monotonic() reaches `at`, from the process's one timer thread (a thread per
     deadline costs more than a call to a local server). Returns a handle with cancel()."""
-    if not _timers or os.getpid() != _timers[0][0]:  # a forked child has no timer thread
-        with _timers_lock:
-            if not _timers or os.getpid() != _timers[0][0]:
-                _timers[:] = [(os.getpid(), _Timers())]
-    return _timers[0][1].call_at(at, fn)
+    import heapq
+    with _timers_lock:
+        timers = _timers.get(os.getpid()) or _timers.setdefault(os.getpid(), _Timers())
+    timer = _Timer(fn)
+    with timers.wake:
+        timers.count += 1
+        heapq.heappush(timers.heap, (at, timers.count, timer))
+        timers.wake.notify()
+    return timer
 
 
 def shut(sock, how=None):
@@ -1207,11 +1211,10 @@ class Deadline:
 
     def expire(self):
         with self._lock:
-            if self.cancelled:
-                return
-            self.expired = True
-            for sock in self._sockets:
-                shut(sock)
+            if not self.cancelled:
+                self.expired = True
+                for sock in self._sockets:
+                    shut(sock)
 
     def cancel(self):
         with self._lock:
@@ -1226,13 +1229,12 @@ _http = threading.local()  # this thread's opener, and the deadline of the reque
 def http_open(request, deadline, timeout=None):
     """Open a urllib Request: proxies from the environment, never a redirect (a 3xx raises HTTPError, so a
     key or password is never sent to another URL), every socket under `deadline`, each read under
-    `timeout` (default: the deadline's remaining time). Returns the response; raises what urllib raises.
-    One opener per thread: building one costs more than a call to a local server."""
-    opener = getattr(_http, "opener", None)
-    if opener is None:
-        opener = _http.opener = _build_opener()
+    `timeout` (default: the deadline's remaining time). One opener per thread: building one costs more
+    than a call to a local server."""
+    if getattr(_http, "opener", None) is None:
+        _http.opener = _build_opener()
     _http.deadline = deadline
-    return opener.open(request, timeout=timeout if timeout is not None else deadline.remaining())
+    return _http.opener.open(request, timeout=timeout if timeout is not None else deadline.remaining())
 
 
 def _build_opener():
@@ -1256,7 +1258,7 @@ def _build_opener():
             return self.do_open(watched(http.client.HTTPConnection), req)
 
     class Secure(urllib.request.HTTPSHandler):
-        def https_open(self, req):  # the context (the certificates: ~20 ms) only once an https URL is used
+        def https_open(self, req):  # the certificates (~20 ms) load only once an https URL is used
             return self.do_open(watched(http.client.HTTPSConnection), req, context=_tls_context())
 
     opener = urllib.request.OpenerDirector()
@@ -1756,25 +1758,18 @@ def _escape_control(match):
 def printable(value):
     """str(value) with control characters escaped, so text from a ledger or a server can neither forge
     a line nor drive a terminal."""
-    text = value if type(value) is str else str(value)
-    if _CONTROL_RE.search(text) is None:
-        return text
-    return _CONTROL_RE.sub(_escape_control, text)
+    return _CONTROL_RE.sub(_escape_control, value if type(value) is str else str(value))
 
 
-def _say(label, message, secrets):
+def error(message, secrets=(), label="error"):
+    """One 'error: …' line on stderr: secrets masked, control characters escaped."""
     text = Redactor(secret_values(secrets)).text(str(message))
     print(f"{label}: {printable(text)}", file=sys.stderr, flush=True)
 
 
-def error(message, secrets=()):
-    """One 'error: …' line on stderr: secrets masked, control characters escaped."""
-    _say("error", message, secrets)
-
-
 def warn(message, secrets=()):
     """One 'warning: …' line on stderr, like error()."""
-    _say("warning", message, secrets)
+    error(message, secrets, "warning")
 
 
 _stdout_dead = []  # the OutputError that ended stdout: later writes raise it again

@@ -4,6 +4,7 @@ payloads that leak no secret."""
 import json
 import random
 import re
+import string
 
 import pytest
 
@@ -227,3 +228,28 @@ def test_error_and_warning_lines_are_masked(capsys, monkeypatch):
     rl.error("failed with stderr-key-0000111 and Bearer abcDEF123456ghiJKL\nsecond line")
     err = capsys.readouterr().err
     assert err == "error: failed with [REDACTED] and Bearer [REDACTED]\\nsecond line\n"
+
+
+def test_the_prefilter_lets_through_every_string_a_shape_changes():
+    """rl._may_match is a necessary condition of every shape: wherever a shape alone changes a sample, it
+    says so. The samples are the rule examples and their secrets, cut at every point from either end (so
+    what the prefilter looks for is cut through while the rest of a shape may still match), in upper and
+    lower case, and the whole examples with each letter re.IGNORECASE folds to ASCII, derived from re."""
+    any_letter = re.compile("[a-z]", re.I)  # one pass over every code point, then which letter for the few
+    folds = [(next(c for c in string.ascii_lowercase if re.fullmatch(c, char, re.I)), char)
+             for char in map(chr, range(128, 0x110000)) if any_letter.fullmatch(char)]
+    assert folds
+    samples = set()
+    for text, secret, _kept in SHAPE_CASES:
+        for whole in (text, secret):
+            for cut in range(len(whole)):
+                samples.update((whole[cut:], whole[:len(whole) - cut]))
+            samples.update(whole.replace(a, b).replace(a.upper(), b) for a, b in folds)
+    samples |= {s.upper() for s in samples} | {s.lower() for s in samples}
+    changed = 0
+    for sample in samples:
+        for pattern, repl in rl._compiled_shapes():
+            if pattern.sub(repl, sample) != sample:
+                changed += 1
+                assert rl._may_match(sample), (pattern.pattern, sample)
+    assert changed > len(SHAPE_CASES) * 10  # the cuts reach matches beyond the examples themselves
