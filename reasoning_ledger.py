@@ -925,7 +925,8 @@ def _envelope_problem(event, lineno, run_id, known):
         return "line is not a JSON object"
     if tuple(event) != FIELDS:
         missing = [f for f in FIELDS if f not in event]
-        return f"missing field {missing[0]!r}" if missing else f"fields must be exactly {', '.join(FIELDS)}, in that order"
+        return (f"missing field {missing[0]!r}" if missing else
+                f"fields must be exactly {', '.join(FIELDS)}, in that order")
     seq, rid, kind, at, payload, prev = event.values()
     if type(seq) is not int:
         return f"seq is not an integer: {printable(seq)!r}"
@@ -1168,8 +1169,10 @@ def call_at(at, fn):
     """Call fn() when time.monotonic() reaches `at`, from the process's one timer thread (a thread per
     deadline costs more than a call to a local server). Returns a handle with cancel()."""
     import heapq
-    with _timers_lock:
-        timers = _timers.get(os.getpid()) or _timers.setdefault(os.getpid(), _Timers())
+    timers = _timers.get(os.getpid())
+    if timers is None:  # the first deadline of this process (a forked child's included)
+        with _timers_lock:
+            timers = _timers.get(os.getpid()) or _timers.setdefault(os.getpid(), _Timers())
     timer = _Timer(fn)
     with timers.wake:
         timers.count += 1
@@ -2108,7 +2111,8 @@ _CLICKHOUSE = [(("--database",), {"default": SHIP_DATABASE, "metavar": "DB", "he
                (("--table",), {"default": SHIP_TABLE, "metavar": "T", "help": f"default {SHIP_TABLE}"})]
 _COMMANDS = (
     ("verify", "check ledgers; exit 1 on any integrity failure", [
-        _PATHS, _ALL, (("--expect-head",), {"metavar": "SEQ:HASH", "help": "a head published earlier (finds truncation)"}),
+        _PATHS, _ALL,
+        (("--expect-head",), {"metavar": "SEQ:HASH", "help": "a head published earlier (finds truncation)"}),
         (("--from",), {"dest": "from_url", "nargs": "?", "const": "", "metavar": "URL",
                        "help": f"re-verify the lines shipped to ClickHouse at URL (default ${SHIP_URL_ENV})"}),
         (("--ledger-id",), {"action": "append", "metavar": "ID", "help": "with --from: only this ledger (or "
