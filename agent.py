@@ -3026,10 +3026,10 @@ def _tokens_cell(row):
 # The webhook daemon
 # ----------------------------------------------------------------------------
 #
-# `agent.py serve`: a signed webhook starts agent runs. The body is read whole (Content-Length only, capped) and
+# `agent.py serve`: signed webhooks start agent runs. A body is read whole (Content-Length only, capped) and
 # authenticated before it is parsed; an accepted delivery is recorded, fsync'd, in RUNS/daemon.jsonl before the
-# answer; one worker runs the queued runs one at a time, each a child `agent.py run` in its own process group.
-# daemon.jsonl says which deliveries still need a run, so a restart (after a stop or a kill -9) picks them up.
+# answer; one worker runs the queue, each run a child `agent.py run` in its own process group. A restart (after a
+# stop or a kill -9) reads daemon.jsonl to pick up what is left.
 
 DAEMON_LEDGER = "daemon.jsonl"
 DEFAULT_HOST = "127.0.0.1"
@@ -3039,8 +3039,8 @@ SIGNATURE_TOLERANCE_S = 300   # Standard Webhooks: a webhook-timestamp more than
 KILL_MARGIN_S = 60            # a run is killed after max_wall_s + 2 x test_timeout_s + this
 TERMINATE_WAIT_S = 5          # SIGTERM to a run's process group, then SIGKILL this much later
 RESPONSE_GRACE_S = 2          # an answer is written within this much after the request's deadline
-LINGER_S = 1.0                # an error answered before the body was read: unread input drained this long
-LINGER_BYTES = 64 * 1024      # ... and at most this much, so the client reads the answer, not a reset
+LINGER_S, LINGER_BYTES = 1.0, 64 * 1024  # an error answered before the body was read: unread input drained this
+                                         # long (at most this much), so the client reads the answer, not a reset
 RETRY_AFTER_S = 30            # a full queue asks the sender to come back after this
 CONNECTION_EVENT_EVERY_S = 10  # connections over the cap: at most one connection_limit event this often
 REJECTIONS_PER_S, REJECTIONS_BURST = 5, 50  # an unauthenticated flood must not grow the ledger without bound
@@ -3050,6 +3050,9 @@ MAX_EVENTS_SHOWN = 5000       # GET /runs/<id> shows at most this many events
 MAX_SHOWN_CHARS = 4000        # one value on the timeline page
 DAEMON_ENV = ("WEBHOOK_SECRET", "WEBHOOK_SECRET_FILE", "READ_TOKEN")  # never passed to a run
 PIPED_ENV = ("API_KEY", "OPENAI_API_KEY", rl.KEY_ENV)  # passed to a run on its stdin, not in its environment
+_BUSY_BODY = b'{"error": "too many connections; retry later"}\n'
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+         b"Retry-After: 1\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
 
 _DELIVERY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
 _EVENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}\Z")
@@ -3064,8 +3067,8 @@ _HOST_NAME_RE = re.compile(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)*\Z")
 
 
 class Refused(Exception):
-    """A request answered with an error status: `reason` is recorded (None: not a webhook rejection), `message`
-    is all the client reads."""
+    """A request answered with an error status: `reason` is recorded (None: it is not), `message` is all the
+    client reads."""
 
     def __init__(self, status, reason, message, headers=None):
         super().__init__(message)
@@ -3082,18 +3085,17 @@ Delivery = collections.namedtuple("Delivery", "source delivery event")  # github
 # -- settings: one object, built once from the arguments and the environment ---
 
 def serve_settings(args, environ):
-    """The daemon's settings from `agent.py serve`'s arguments and the environment, each checked: a bad one
-    raises UsageError before anything listens."""
-    for name, low in (("max_body", 1), ("queue", 1), ("max_connections", 1)):
-        if getattr(args, name) < low:
-            raise rl.UsageError(f"--{name.replace('_', '-')} must be at least {low}")
-    if not 0 <= args.port <= 65535:
-        raise rl.UsageError("--port must be between 0 and 65535")
+    """The daemon's settings, from `serve`'s arguments and the environment; a bad one raises UsageError."""
+    for name in ("max_body", "queue", "max_connections"):
+        if getattr(args, name) < 1:
+            raise rl.UsageError(f"--{name.replace('_', '-')} must be at least 1")
     for name in ("request_timeout", "kill_after_s"):
         if getattr(args, name) is not None and not 0 < getattr(args, name) < float("inf"):
             raise rl.UsageError(f"--{name.replace('_', '-')} must be a positive number")
     if not 0 <= args.grace_s < float("inf"):
         raise rl.UsageError("--grace-s must be zero or more")
+    if not 0 <= args.port <= 65535:
+        raise rl.UsageError("--port must be between 0 and 65535")
     secrets = webhook_secrets(environ)
     api_key = ask.settings_from_env(environ=environ)[2]  # every run needs them: refuse to start without
     token = args.read_token or environ.get("READ_TOKEN") or None
@@ -3111,20 +3113,21 @@ def serve_settings(args, environ):
     policy = load_policy(tools)
     if args.ship_to:
         rl.ClickHouse(args.ship_to)  # the URL's form is checked now, not once per run
+    names = set(allow) | {args.host.strip("[]").lower()} | ({"localhost", "127.0.0.1", "::1"} if loopback else set())
     return argparse.Namespace(
         repo=repo_root(args.repo), tools=tools, policy=policy, runs_dir=Path(args.runs_dir).resolve(),
-        host=args.host, port=args.port, loopback=loopback, allow_hosts=allow,
-        names=set(allow) | {args.host.strip("[]").lower()} | ({"localhost", "127.0.0.1", "::1"} if loopback else set()),
+        host=args.host, port=args.port, loopback=loopback, allow_hosts=allow, names=names,
         keys=signing_keys(secrets), read_token=token, token_required=bool(token) or not loopback,
         secrets=[s for s in secrets + [token, api_key] if s], max_body=args.max_body, queue=args.queue,
         max_connections=args.max_connections, request_timeout=float(args.request_timeout),
         grace_s=float(args.grace_s), fetch=args.fetch, ship_to=args.ship_to,
-        kill_after_s=float(args.kill_after_s or policy.budget["max_wall_s"] + 2 * policy.test_timeout_s + KILL_MARGIN_S))
+        kill_after_s=float(args.kill_after_s or policy.budget["max_wall_s"] + 2 * policy.test_timeout_s
+                           + KILL_MARGIN_S))
 
 
 def webhook_secrets(environ=None):
-    """WEBHOOK_SECRET (one) and WEBHOOK_SECRET_FILE (one a line, white space inside a secret kept, blank lines
-    ignored), both when both are set: several secrets serve a rotation."""
+    """WEBHOOK_SECRET (one) and WEBHOOK_SECRET_FILE (one a line, white space inside kept, blank lines ignored),
+    both when both are set: several secrets serve a rotation."""
     env = os.environ if environ is None else environ
     secrets = [env["WEBHOOK_SECRET"]] if env.get("WEBHOOK_SECRET") else []
     if not env.get("WEBHOOK_SECRET_FILE"):
@@ -3145,29 +3148,27 @@ def webhook_secrets(environ=None):
 
 
 def signing_keys(secrets):
-    """[(GitHub key, Standard Webhooks key)] for each secret: GitHub signs with the secret's bytes; a Standard
-    Webhooks secret `whsec_<base64>` signs with the decoded bytes (any other secret with its bytes)."""
+    """[(GitHub key, Standard Webhooks key)] for each secret: GitHub signs with the secret's bytes, Standard
+    Webhooks with the decoded bytes of a `whsec_<base64>` secret (any other secret: its bytes)."""
     keys = []
     for secret in secrets:
         if len(secret) < rl.MIN_SECRET_CHARS:  # too short to mask by value, and to resist guessing
             raise rl.UsageError(f"a webhook secret must be at least {rl.MIN_SECRET_CHARS} characters")
-        standard = secret.encode("utf-8")
+        raw = standard = secret.encode("utf-8")
         if secret.startswith("whsec_"):
             try:
                 standard = base64.b64decode(secret[6:], validate=True)
             except (binascii.Error, ValueError):
                 raise rl.UsageError("a whsec_ webhook secret must be base64 after the prefix "
                                     "(the secret is not shown)") from None
-        keys.append((secret.encode("utf-8"), standard))
+        keys.append((raw, standard))
     return keys
 
 
 def is_loopback(host):
     """True when every address `host` names is a loopback address."""
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host.split("%")[0]).is_loopback
     except ValueError:
         pass
     try:
@@ -3179,22 +3180,27 @@ def is_loopback(host):
 
 # -- authentication: before the body is parsed ---------------------------------
 
+def _signed(expected, given):
+    """Does a `given` signature equal an `expected` one? Every pair is compared, each in constant time."""
+    matched = False
+    for digest in expected:
+        for value in given:
+            matched |= hmac.compare_digest(digest, value)
+    return matched
+
+
 def verify_github(keys, body, header):
-    """X-Hub-Signature-256: sha256=<hex HMAC-SHA256(secret, raw body)>, compared in constant time against every
-    configured secret. Raises Refused(401)."""
+    """X-Hub-Signature-256: sha256=<hex HMAC-SHA256(secret, raw body)>, against every secret. Raises Refused."""
     match = _GITHUB_SIG_RE.match(header or "")
     if not match:
         raise Refused(401, "bad_signature_format", "the signature does not match")
-    given, matched = bytes.fromhex(match.group(1)), False
-    for key, _standard in keys:
-        matched |= hmac.compare_digest(hmac.new(key, body, hashlib.sha256).digest(), given)
-    if not matched:
+    if not _signed([hmac.new(key, body, hashlib.sha256).digest() for key, _s in keys], [bytes.fromhex(match[1])]):
         raise Refused(401, "bad_signature", "the signature does not match")
 
 
 def verify_standard(keys, body, msg_id, timestamp, header, now=None):
     """Standard Webhooks: HMAC-SHA256 over `id.timestamp.body`, base64, in `webhook-signature` as space-separated
-    `v1,<base64>` entries (one match is enough); the timestamp within 5 minutes of now. Raises Refused(401)."""
+    `v1,<base64>` entries (one match is enough); the timestamp within 5 minutes of now. Raises Refused."""
     if not msg_id or not timestamp or not header:
         raise Refused(401, "missing_signature", "webhook-id, webhook-timestamp and webhook-signature are required")
     if not _TIMESTAMP_RE.match(timestamp.strip()):
@@ -3202,25 +3208,21 @@ def verify_standard(keys, body, msg_id, timestamp, header, now=None):
     if abs((time.time() if now is None else now) - int(timestamp.strip())) > SIGNATURE_TOLERANCE_S:
         raise Refused(401, "stale_timestamp", "webhook-timestamp is outside the tolerance")
     signed = msg_id.encode("latin-1") + b"." + timestamp.encode("latin-1") + b"." + body
-    expected = [hmac.new(standard, signed, hashlib.sha256).digest() for _github, standard in keys]
-    matched = False
+    given = []
     for entry in header.split()[:MAX_SIGNATURES]:
         version, _, value = entry.partition(",")
-        if version != "v1":
-            continue
         try:
-            given = base64.b64decode(value, validate=True)
+            if version == "v1":
+                given.append(base64.b64decode(value, validate=True))
         except (binascii.Error, ValueError):
-            continue
-        for digest in expected:
-            matched |= hmac.compare_digest(digest, given)
-    if not matched:
+            pass
+    if not _signed([hmac.new(standard, signed, hashlib.sha256).digest() for _g, standard in keys], given):
         raise Refused(401, "bad_signature", "the signature does not match")
 
 
 def authenticate(keys, headers, body, now=None):
-    """Which scheme signed this request, checked over the raw body; its delivery id and event name (a Standard
-    Webhooks message names its event in the body, read later). Raises Refused."""
+    """The Delivery: which scheme signed the raw body, its id and event name (a Standard Webhooks message names
+    its event in the body, read later). Raises Refused."""
     if not keys:  # only on loopback: nothing to check against
         delivery = headers.get("X-GitHub-Delivery") or headers.get("webhook-id") or f"local-{os.urandom(8).hex()}"
         found = Delivery("unsigned", delivery.strip(), headers.get("X-GitHub-Event"))
@@ -3246,18 +3248,16 @@ def authenticate(keys, headers, body, now=None):
 
 
 def parse_body(headers, body, found):
-    """After a valid signature: the body, a UTF-8 JSON object sent as application/json (else 415 or 400), and
-    its event name (the body's `type` when no header named one). Returns (payload, event)."""
+    """After a valid signature: (the body, a UTF-8 JSON object sent as application/json, and its event name: the
+    body's `type` when no header named one). Raises Refused (415 or 400)."""
     ctype = (headers.get("Content-Type") or "").lower().split(";")
     if ctype[0].strip() != "application/json" or any(p.strip().startswith("charset=") and p.strip() not in (
             "charset=utf-8", 'charset="utf-8"') for p in ctype[1:]):
         raise Refused(415, "wrong_content_type", "the body must be application/json (UTF-8)")
     try:
-        text = body.decode("utf-8")
+        payload = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
         raise Refused(400, "invalid_utf8", "the body is not UTF-8") from None
-    try:
-        payload = json.loads(text)
     except (ValueError, RecursionError):
         raise Refused(400, "invalid_json", "the body is not JSON") from None
     if type(payload) is not dict:
@@ -3281,10 +3281,8 @@ class _ReadSide:
 
 
 class _Server(ThreadingHTTPServer):
-    """A thread per connection, at most --max-connections at once (over the cap: a 503 written at once and the
-    connection closed), and a listen backlog of 128."""
-    request_queue_size = LISTEN_BACKLOG
-    daemon_threads, block_on_close, allow_reuse_address = True, False, True
+    """A thread per connection, at most --max-connections at once (over the cap: a 503 at once)."""
+    request_queue_size, daemon_threads, block_on_close, allow_reuse_address = LISTEN_BACKLOG, True, False, True
 
     def __init__(self, app):
         self.address_family = socket.AF_INET6 if ":" in app.settings.host else socket.AF_INET
@@ -3306,11 +3304,9 @@ class _Server(ThreadingHTTPServer):
                 self._release()
                 raise
         self.app.connection_refused(client_address[0])
-        body = b'{"error": "too many connections; retry later"}\n'
         try:
             request.settimeout(0.5)
-            request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: "
-                            b"%d\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+            request.sendall(_BUSY)
         except OSError:
             pass
         self.shutdown_request(request)
@@ -3331,10 +3327,9 @@ class _Server(ThreadingHTTPServer):
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """One request per connection, answered with JSON (or an HTML page), always `Connection: close`. The
-    socket's timeout bounds each read; the request's rl.Deadline bounds them all (slowloris)."""
-    protocol_version = "HTTP/1.1"
-    server_version = "agent.py-serve"
+    """One request per connection, answered with JSON (or an HTML page) and closed. The socket's timeout bounds
+    each read, the request's rl.Deadline all of them (a client sending a byte at a time)."""
+    protocol_version, server_version = "HTTP/1.1", "agent.py-serve"
     default_request_version = "HTTP/1.0"  # an answer to a request line that did not parse keeps its status line
 
     def setup(self):
@@ -3362,9 +3357,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._linger()
 
     def _linger(self):
-        """Answered before the request was read to its end: stop writing, then read (and drop) what the client
-        is still sending, briefly, so that closing with unread input does not reset the connection before the
-        client has read the answer."""
+        """Answered before the request was read to its end: read (and drop) what the client still sends, briefly,
+        so that closing with unread input does not reset the connection before the client reads the answer."""
         end, drained = time.monotonic() + LINGER_S, 0
         try:
             self.connection.shutdown(socket.SHUT_WR)
@@ -3395,9 +3389,9 @@ class _Handler(BaseHTTPRequestHandler):
         return self.server_version
 
     def send_error(self, code, message=None, explain=None):
-        self.close_connection = True
         if not self.deadline.expired:  # else handle() answers 408 and records it
             self._reply(int(code), {"error": self.responses.get(int(code), ("error",))[0]})
+        self.close_connection = True
 
     def handle_expect_100(self):
         self.expect_continue = True  # 100 Continue only once the headers pass (no 100 before a 413)
@@ -3431,13 +3425,13 @@ class _Handler(BaseHTTPRequestHandler):
     do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = do_GET
 
     def _webhook(self):
-        claimed = self.headers.get("X-GitHub-Delivery") or self.headers.get("webhook-id")
+        claimed = self.headers.get("X-GitHub-Delivery") or self.headers.get("webhook-id")  # unchecked: its shape only
         self.claimed = claimed and (claimed.strip() if _DELIVERY_RE.match(claimed.strip()) else "(not a delivery id)")
+        lengths = self.headers.get_all("Content-Length") or []
         if self.command != "POST":
             raise Refused(405, None, "use POST", {"Allow": "POST"})
         if self.headers.get("Transfer-Encoding") is not None:
             raise Refused(411, "transfer_encoding", "send the body with Content-Length, without Transfer-Encoding")
-        lengths = self.headers.get_all("Content-Length") or []
         if not lengths:
             raise Refused(411, "missing_length", "Content-Length is required")
         if len(lengths) > 1 or not _LENGTH_RE.match(lengths[0].strip()):
@@ -3452,10 +3446,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_body(self, length):
         """Exactly `length` bytes; the deadline ends the reads (they return nothing) when they take too long."""
-        self.stage = "body"
+        self.stage, chunks, got = "body", [], 0
         if self.expect_continue:
             self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        chunks, got = [], 0
         while got < length:
             try:
                 chunk = self.rfile.read1(min(65536, length - got))
@@ -3472,7 +3465,6 @@ class _Handler(BaseHTTPRequestHandler):
         return b"".join(chunks)
 
     def _read(self, path):
-        """GET /healthz, /, /runs and /runs/<id>."""
         if self.command != "GET":
             raise Refused(405, None, "use GET", {"Allow": "GET"})
         allowed = self.app.read_allowed(self.headers.get("Authorization"))
@@ -3485,30 +3477,28 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/runs":
             return self._reply(200, {"runs": self.app.runs()})
         if path == "/":
-            return self._reply(200, index_html(self.app.runs()).encode("utf-8"), content_type=_HTML)
+            return self._html(index_html(self.app.runs()))
         match = _RUN_URL_RE.match(path)  # before the file system is touched
         found = self.app.run_events(match.group(1)) if match else None
         if found is None:
             raise Refused(404, None, "no such run")
         if "text/html" not in (self.headers.get("Accept") or "").lower():
             return self._reply(200, found)
-        page = timeline_html(found, self.app.settings.runs_dir / found["run_id"])
-        return self._reply(200, page.encode("utf-8"), content_type=_HTML)
+        return self._html(timeline_html(found, self.app.settings.runs_dir / found["run_id"]))
+
+    def _html(self, page):
+        self._reply(200, page.encode("utf-8"), {"Content-Security-Policy": _PAGE_POLICY}, "text/html; charset=utf-8")
 
     def _reply(self, status, body, headers=None, content_type="application/json"):
         data = body if isinstance(body, bytes) else (json.dumps(body, ensure_ascii=False) + "\n").encode("utf-8")
         self.sent, self.close_connection = (status, len(data)), True
-        fields = {"Content-Type": content_type, "Content-Length": str(len(data)), "Cache-Control": "no-store",
-                  "X-Content-Type-Options": "nosniff"}
-        if content_type == _HTML:
-            fields["Content-Security-Policy"] = _PAGE_POLICY
-        fields.update(headers or {})
         try:
             self.connection.settimeout(self.deadline.remaining() + RESPONSE_GRACE_S)
             self.send_response(status)
-            for name, value in fields.items():
+            for name, value in {"Content-Type": content_type, "Content-Length": str(len(data)),
+                                "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", **(headers or {}),
+                                "Connection": "close"}.items():
                 self.send_header(name, value)
-            self.send_header("Connection", "close")
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
@@ -3701,27 +3691,21 @@ class Daemon:
 
     # -- deliveries -------------------------------------------------------------
     def accept(self, found, event, body, payload, remote):
-        """Record a delivery (fsync'd) and queue its run, or answer a redelivery with the run it already has, or
-        a full queue with 503. Returns (status, answer, headers)."""
-        digest = hashlib.sha256(body).hexdigest()
-        with self.cond:
-            known = self._known(found, event, remote, digest)
-        if known:
-            return known
-        artifact = self.ledger.store_artifact(body)  # outside the lock: content-addressed, fsync'd
+        """Record a delivery (its body stored and its line fsync'd) and queue its run, or answer a redelivery with
+        the run it already has, or a full queue with 503. Returns (status, answer, headers)."""
         after = payload.get("after")  # a GitHub push's commit
         if not (event == "push" and type(after) is str and _COMMIT_RE.match(after) and after.strip("0")):
             after = None
+        digest = hashlib.sha256(body).hexdigest()
         with self.cond:
-            known = self._known(found, event, remote, digest)  # again: the same delivery may have raced us
+            known = self._known(found, event, remote, digest)
             if known:
                 return known
             run_id = None if event == "ping" else rl.new_run_id()
             received = {"event": event, "delivery": found.delivery, "source": found.source, "run_id": run_id,
-                        "body_sha256": digest, "body_artifact": artifact, "body_bytes": len(body), "remote": remote}
-            if after:
-                received["after"] = after
-            self.record("webhook_received", received)
+                        "body_sha256": digest, "body_artifact": self.ledger.store_artifact(body),
+                        "body_bytes": len(body), "remote": remote}
+            self.record("webhook_received", dict(received, after=after) if after else received)
             self.deliveries[found.delivery] = run_id
             if found.source == "github":  # a ping's body too: the event name is not signed either
                 self.bodies[digest] = found.delivery
@@ -3740,9 +3724,8 @@ class Daemon:
             run_id = self.deliveries[original]
             record = {"delivery": found.delivery, "event": event, "run_id": run_id, "source": found.source,
                       "remote": remote, "body_sha256": digest}
-            if original != found.delivery:
-                record["same_body_as"] = original
-            self.record("webhook_duplicate", record)
+            self.record("webhook_duplicate", dict(record, same_body_as=original) if original != found.delivery
+                        else record)
             return 200, {"run_id": run_id, "delivery": original, "duplicate": True}, {}
         if event != "ping" and len(self.queue) >= self.settings.queue:
             self.record("queue_full", {"delivery": found.delivery, "event": event, "queued": len(self.queue),
@@ -3796,9 +3779,9 @@ class Daemon:
             self.last_run = finished
             self.record("run_finished", finished)
         if not run_outcome:  # it did not close itself: why is how the daemon ended it
-            lines = tail.strip().splitlines()
             why = {"killed": f"killed after {self.settings.kill_after_s:g} s", "terminated": "the daemon stopped",
-                   "locked": "another run holds the repository's lock"}.get(how or outcome) or (lines and lines[-1])
+                   "locked": "another run holds the repository's lock"}.get(how or outcome) or (
+                       tail.strip().splitlines() or [""])[-1]
         self.say(f"run {run_id} {outcome}: {why or '-'}")
 
     def _child(self, item, ref):
@@ -3850,9 +3833,8 @@ class Daemon:
         """A push's `after` commit when the repository has it (read-only `git cat-file -e`), after a `git fetch`
         with --fetch (the one git command the daemon runs that writes there); else None: the run works on the
         repository as it is (HEAD and the working tree)."""
-        repo = str(self.settings.repo)
+        repo, started, after = str(self.settings.repo), time.monotonic(), item.get("after")
         if self.settings.fetch:
-            started = time.monotonic()
             try:
                 proc = subprocess.run(["git", "-C", repo, "fetch", "--quiet", "--no-recurse-submodules"],
                                       stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -3862,12 +3844,10 @@ class Daemon:
                 code, output = None, "git fetch timed out after 300 s"
             self.record("git_fetch", {"run_id": item["run_id"], "delivery": item["delivery"], "returncode": code,
                                       "duration_ms": round((time.monotonic() - started) * 1000, 1), "output": output})
-        after = item.get("after")
-        if after and subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{after}^{{commit}}"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_git_env(),
-                                    timeout=60).returncode == 0:
-            return after
-        return None
+        has = after and subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{after}^{{commit}}"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_git_env(),
+                                       timeout=60).returncode == 0
+        return after if has else None
 
     def _closed(self, run_id):
         """(the outcome the run recorded when it closed, or None; why it ended, as its events say)."""
@@ -3900,20 +3880,18 @@ class Daemon:
             elif kind == "run_finished":
                 finished.add(payload.get("run_id"))
                 self.last_run = payload
-        summary = {"requeued": [], "adopted": [], "finished": [], "interrupted": []}
-        adopted, requeued = [], []
+        summary, items = {"requeued": [], "adopted": [], "finished": [], "interrupted": []}, {}
         for run_id, payload in received.items():
             if run_id in finished:
                 continue
-            item = {"run_id": run_id, "delivery": payload["delivery"], "event": payload.get("event") or "webhook",
-                    "after": payload.get("after")}
+            items[run_id] = {"run_id": run_id, "delivery": payload["delivery"],
+                             "event": payload.get("event") or "webhook", "after": payload.get("after")}
             pids = os.listdir("/proc") if run_id in dispatched and os.path.isdir("/proc") else ()
             pid = next((int(name) for name in pids if name.isdigit() and _is_run_process(name, run_id)), None)
             if run_id not in dispatched or (pid is None and not (self.settings.runs_dir / run_id).exists()):
-                requeued.append(item)
                 summary["requeued"].append(run_id)
             elif pid is not None:
-                adopted.append(dict(item, pid=pid))
+                items[run_id]["pid"] = pid
                 summary["adopted"].append(run_id)
             else:
                 outcome = self._closed(run_id)[0]
@@ -3921,7 +3899,7 @@ class Daemon:
                 self.record("run_finished", {"run_id": run_id, "delivery": payload["delivery"], "exit_code": None,
                                              "outcome": outcome or "interrupted", "run_outcome": outcome,
                                              "recovered": True})
-        self.queue.extend(adopted + requeued)
+        self.queue.extend(items[run_id] for run_id in summary["adopted"] + summary["requeued"])
         if any(summary.values()):
             self.record("daemon_recovered", summary)
 
@@ -3929,11 +3907,9 @@ class Daemon:
     def read_allowed(self, authorization):
         """The bearer token of the read endpoints (not needed on loopback without a token)."""
         token = self.settings.read_token
-        if not self.settings.token_required:
-            return True
         scheme, _, given = (authorization or "").strip().partition(" ")
-        return bool(token) and scheme.lower() == "bearer" and hmac.compare_digest(
-            given.strip().encode("utf-8", "replace"), token.encode("utf-8"))
+        return not self.settings.token_required or bool(token) and scheme.lower() == "bearer" and (
+            hmac.compare_digest(given.strip().encode("utf-8", "replace"), token.encode("utf-8")))
 
     def health(self, detailed):
         if not detailed:
@@ -3960,45 +3936,35 @@ class Daemon:
         path = self.settings.runs_dir / run_id / rl.EVENTS_NAME
         if not path.is_file():
             return None
-        events, problem, truncated = [], None, False
+        events, problem = [], None
         try:
-            for event in rl.read_events(path):
-                if len(events) >= MAX_EVENTS_SHOWN:
-                    truncated = True
-                    break
+            for event in itertools.islice(rl.read_events(path), MAX_EVENTS_SHOWN + 1):
                 events.append(event)
         except rl.IntegrityError as exc:
             problem = f"line {exc.line}: {exc.reason}" if exc.line else exc.reason
         except (rl.LedgerError, OSError) as exc:
             problem = type(exc).__name__
-        return {"run_id": run_id, "verified": problem is None, "problem": problem, "truncated": truncated,
-                "events": events}
+        return {"run_id": run_id, "verified": problem is None, "problem": problem,
+                "truncated": len(events) > MAX_EVENTS_SHOWN, "events": events[:MAX_EVENTS_SHOWN]}
 
 
 # -- the pages: the index of runs and one run's timeline ---------------------------------
 
 _TIMELINE_FIELDS = {kind: names.split() for kind, names in {
-    "run_started": "repo ref commit dirty delivery event model base_url",
+    "run_started": "repo ref commit dirty delivery event model base_url", "prompt_context": "diff_chars",
     "tests_run": "passed returncode timed_out counts excerpt",
-    "prompt_context": "diff_chars",
     "decision": "stage decision rationale alternatives files",
     "model_call": "request_model response_model http_status latency_ms total_tokens error_type error_message",
-    "model_proposed": "step form tool args reason",
-    "proposal_malformed": "step reason excerpt",
-    "tool_allowed": "step tool rule reason",
-    "tool_denied": "step tool rule reason",
-    "tool_result": "step tool returncode timed_out size excerpt",
-    "patch_rejected": "step message",
+    "model_proposed": "step form tool args reason", "proposal_malformed": "step reason excerpt",
+    "tool_allowed": "step tool rule reason", "tool_denied": "step tool rule reason",
+    "tool_result": "step tool returncode timed_out size excerpt", "patch_rejected": "step message",
     "judge_verdict": "verdict reason applies tests_passed touched_tests newly_failing vanished excerpt",
-    "budget_exhausted": "limit used max",
-    "context_trimmed": "step before_chars after_chars",
-    "error": "type message",
-    "run_closed": "outcome steps proposal verdict"}.items()}
-_HTML = "text/html; charset=utf-8"
-_PAGE_POLICY = ("default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; "
-                "frame-ancestors 'none'")
+    "budget_exhausted": "limit used max", "context_trimmed": "step before_chars after_chars",
+    "error": "type message", "run_closed": "outcome steps proposal verdict"}.items()}
 _HIGHLIGHT = {"decision": "decision", "tool_allowed": "allowed", "tool_denied": "denied", "judge_verdict": "verdict",
               "error": "denied", "proposal_malformed": "denied", "patch_rejected": "denied", "run_closed": "verdict"}
+_PAGE_POLICY = ("default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; "
+                "frame-ancestors 'none'")
 _PAGE_STYLE = ("body{font:14px/1.45 system-ui,sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse;"
                "width:100%}td,th{border-bottom:1px solid #ddd;padding:.35em .5em;vertical-align:top;text-align:left}"
                "th{background:#f4f4f4}pre{white-space:pre-wrap;word-break:break-word;margin:0;font:12px/1.4 "
@@ -4028,15 +3994,12 @@ def _reply_excerpt(run_dir, payload):
 
 
 def timeline_html(found, run_dir):
-    """A readable page of one run: each decision, tool call and verdict. Every value that comes from a ledger or
-    an artifact is HTML-escaped."""
+    """A readable page of one run: each decision, tool call and verdict, every value HTML-escaped."""
     rows = []
     for event in found["events"]:
         kind, payload = event["kind"], event["payload"]
         fields = [(name, payload[name]) for name in _TIMELINE_FIELDS.get(kind, ()) if payload.get(name) not in (
-            None, "", [], {})]
-        if kind not in _TIMELINE_FIELDS:
-            fields = [("payload", payload)]
+            None, "", [], {})] if kind in _TIMELINE_FIELDS else [("payload", payload)]
         reply = _reply_excerpt(run_dir, payload) if kind == "model_proposed" else None
         if reply is not None:
             fields.append(("reply", reply))
@@ -4297,7 +4260,7 @@ def _add_serve_parser(sub):
             ("--queue", int, 16, "N", "deliveries waiting for the worker; more get 503"),
             ("--max-connections", int, 64, "N", "connections handled at once; more get 503"),
             ("--request-timeout", float, 10, "S", "wall deadline of a whole request, headers and body"),
-            ("--grace-s", float, 30, "S", "on SIGTERM/SIGINT, a run in progress gets this long before it is terminated")):
+            ("--grace-s", float, 30, "S", "on SIGTERM/SIGINT, a run in progress gets this long, then is terminated")):
         p.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default %(default)s)")
     p.add_argument("--kill-after-s", type=float, metavar="S",
                    help=f"kill a run after this long (default: tools.json's max_wall_s + 2 x test_timeout_s + "
