@@ -3067,8 +3067,7 @@ _HOST_NAME_RE = re.compile(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)*\Z")
 
 
 class Refused(Exception):
-    """A request answered with an error status: `reason` is recorded (None: it is not), `message` is all the
-    client reads."""
+    """An error answer: `reason` is recorded (None: not recorded), `message` is all the client reads."""
 
     def __init__(self, status, reason, message, headers=None):
         super().__init__(message)
@@ -3126,8 +3125,7 @@ def serve_settings(args, environ):
 
 
 def webhook_secrets(environ=None):
-    """WEBHOOK_SECRET (one) and WEBHOOK_SECRET_FILE (one a line, white space inside kept, blank lines ignored),
-    both when both are set: several secrets serve a rotation."""
+    """WEBHOOK_SECRET and the lines of WEBHOOK_SECRET_FILE (blank ones ignored): several serve a rotation."""
     env = os.environ if environ is None else environ
     secrets = [env["WEBHOOK_SECRET"]] if env.get("WEBHOOK_SECRET") else []
     if not env.get("WEBHOOK_SECRET_FILE"):
@@ -3148,8 +3146,7 @@ def webhook_secrets(environ=None):
 
 
 def signing_keys(secrets):
-    """[(GitHub key, Standard Webhooks key)] for each secret: GitHub signs with the secret's bytes, Standard
-    Webhooks with the decoded bytes of a `whsec_<base64>` secret (any other secret: its bytes)."""
+    """[(GitHub key, Standard Webhooks key: a `whsec_<base64>` secret's decoded bytes)] for each secret."""
     keys = []
     for secret in secrets:
         if len(secret) < rl.MIN_SECRET_CHARS:  # too short to mask by value, and to resist guessing
@@ -3199,8 +3196,7 @@ def verify_github(keys, body, header):
 
 
 def verify_standard(keys, body, msg_id, timestamp, header, now=None):
-    """Standard Webhooks: HMAC-SHA256 over `id.timestamp.body`, base64, in `webhook-signature` as space-separated
-    `v1,<base64>` entries (one match is enough); the timestamp within 5 minutes of now. Raises Refused."""
+    """Standard Webhooks: `v1,<base64 HMAC-SHA256 of id.timestamp.body>` entries, a timestamp within 5 minutes."""
     if not msg_id or not timestamp or not header:
         raise Refused(401, "missing_signature", "webhook-id, webhook-timestamp and webhook-signature are required")
     if not _TIMESTAMP_RE.match(timestamp.strip()):
@@ -3221,8 +3217,7 @@ def verify_standard(keys, body, msg_id, timestamp, header, now=None):
 
 
 def authenticate(keys, headers, body, now=None):
-    """The Delivery: which scheme signed the raw body, its id and event name (a Standard Webhooks message names
-    its event in the body, read later). Raises Refused."""
+    """The Delivery: which scheme signed the raw body, its id and event name. Raises Refused."""
     if not keys:  # only on loopback: nothing to check against
         delivery = headers.get("X-GitHub-Delivery") or headers.get("webhook-id") or f"local-{os.urandom(8).hex()}"
         found = Delivery("unsigned", delivery.strip(), headers.get("X-GitHub-Event"))
@@ -3248,8 +3243,7 @@ def authenticate(keys, headers, body, now=None):
 
 
 def parse_body(headers, body, found):
-    """After a valid signature: (the body, a UTF-8 JSON object sent as application/json, and its event name: the
-    body's `type` when no header named one). Raises Refused (415 or 400)."""
+    """After a valid signature: (the application/json UTF-8 object, its event name). Raises Refused."""
     ctype = (headers.get("Content-Type") or "").lower().split(";")
     if ctype[0].strip() != "application/json" or any(p.strip().startswith("charset=") and p.strip() not in (
             "charset=utf-8", 'charset="utf-8"') for p in ctype[1:]):
@@ -3327,8 +3321,7 @@ class _Server(ThreadingHTTPServer):
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """One request per connection, answered with JSON (or an HTML page) and closed. The socket's timeout bounds
-    each read, the request's rl.Deadline all of them (a client sending a byte at a time)."""
+    """One request per connection, then closed. The socket's timeout bounds a read, the rl.Deadline them all."""
     protocol_version, server_version = "HTTP/1.1", "agent.py-serve"
     default_request_version = "HTTP/1.0"  # an answer to a request line that did not parse keeps its status line
 
@@ -3357,8 +3350,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._linger()
 
     def _linger(self):
-        """Answered before the request was read to its end: read (and drop) what the client still sends, briefly,
-        so that closing with unread input does not reset the connection before the client reads the answer."""
+        """Drain (briefly) what the client still sends: a close with unread input resets before it reads the answer."""
         end, drained = time.monotonic() + LINGER_S, 0
         try:
             self.connection.shutdown(socket.SHUT_WR)
@@ -3528,8 +3520,7 @@ def _is_run_process(pid, run_id):
 
 
 class Daemon:
-    """The webhook daemon: its settings (serve_settings), its ledger, the deliveries seen, the queue and the one
-    worker. `log` takes the access log and errors (stderr), `say` what the daemon does (stdout)."""
+    """The daemon: serve_settings(), its ledger, the deliveries seen, the queue and the one worker."""
 
     def __init__(self, settings, log, say):
         self.settings, self.log, self._say = settings, log, say
@@ -3548,8 +3539,7 @@ class Daemon:
 
     # -- start and stop -----------------------------------------------------
     def start(self):
-        """Take the runs directory's daemon lock, check daemon.jsonl, bind, record daemon_started, recover what
-        an earlier daemon left, and start serving. Returns the address (http://host:port)."""
+        """Lock the runs directory, bind, recover what an earlier daemon left, serve. Returns http://host:port."""
         runs_dir = self.settings.runs_dir
         runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         # one daemon per runs directory: two would both pick up the same unfinished deliveries
@@ -3598,8 +3588,7 @@ class Daemon:
         return self.serving is not None and self.serving.is_alive() and self.worker.is_alive()
 
     def stop(self, signum=None):
-        """Stop accepting, let the requests in flight finish, give a run in progress --grace-s and then terminate
-        it; queued deliveries stay recorded as received and not dispatched."""
+        """Stop accepting, finish the requests in flight, give a run --grace-s; what is queued stays recorded."""
         name = signal.Signals(signum).name if signum else None
         with self.cond:
             running, queued = self.running, len(self.queue)
@@ -3637,8 +3626,7 @@ class Daemon:
             pass  # the ledger itself is what failed; the stderr line is all there is
 
     def record_rejected(self, kind, payload):
-        """A rejection event, at most REJECTIONS_PER_S a second after a burst of REJECTIONS_BURST; the ones over
-        that are counted, and the count goes into the next one recorded (`unrecorded_before`)."""
+        """A rejection event, rate-limited (a token bucket); the ones dropped are counted in the next one."""
         with self._tokens_lock:
             now = time.monotonic()
             self._tokens = min(REJECTIONS_BURST, self._tokens + (now - self._tokens_at) * REJECTIONS_PER_S)
@@ -3691,20 +3679,23 @@ class Daemon:
 
     # -- deliveries -------------------------------------------------------------
     def accept(self, found, event, body, payload, remote):
-        """Record a delivery (its body stored and its line fsync'd) and queue its run, or answer a redelivery with
-        the run it already has, or a full queue with 503. Returns (status, answer, headers)."""
+        """Record a delivery (fsync'd) and queue its run, or answer a redelivery or a full queue."""
         after = payload.get("after")  # a GitHub push's commit
         if not (event == "push" and type(after) is str and _COMMIT_RE.match(after) and after.strip("0")):
             after = None
         digest = hashlib.sha256(body).hexdigest()
         with self.cond:
             known = self._known(found, event, remote, digest)
+        if known:
+            return known
+        artifact = self.ledger.store_artifact(body)  # outside the lock: its fsync would halve the deliveries/s
+        with self.cond:
+            known = self._known(found, event, remote, digest)  # again: the same delivery may have raced us
             if known:
                 return known
             run_id = None if event == "ping" else rl.new_run_id()
             received = {"event": event, "delivery": found.delivery, "source": found.source, "run_id": run_id,
-                        "body_sha256": digest, "body_artifact": self.ledger.store_artifact(body),
-                        "body_bytes": len(body), "remote": remote}
+                        "body_sha256": digest, "body_artifact": artifact, "body_bytes": len(body), "remote": remote}
             self.record("webhook_received", dict(received, after=after) if after else received)
             self.deliveries[found.delivery] = run_id
             if found.source == "github":  # a ping's body too: the event name is not signed either
@@ -3785,8 +3776,7 @@ class Daemon:
         self.say(f"run {run_id} {outcome}: {why or '-'}")
 
     def _child(self, item, ref):
-        """Start `agent.py run` for `item` in its own process group, its keys on its stdin, and watch it. Returns
-        (exit code, how the daemon ended it or None, the end of its output when it failed)."""
+        """`agent.py run`, its keys on its stdin: (exit code, how the daemon ended it, its output's tail if failed)."""
         s = self.settings
         argv = [sys.executable, str(Path(__file__).resolve()), "run", "--repo", str(s.repo), "--runs-dir",
                 str(s.runs_dir), "--tools", str(s.tools), f"--run-id={item['run_id']}",
@@ -3806,9 +3796,8 @@ class Daemon:
             return code, how, output.read().decode("utf-8", "replace")
 
     def _watch(self, pid, poll):
-        """Wait for a run: killed past --kill-after-s, terminated past the grace period of a stop (SIGTERM to its
-        process group: the agent closes its run and kills its tools; SIGKILL a few seconds later). Returns
-        (exit code, None | "killed" | "terminated")."""
+        """Wait for a run; past --kill-after-s or a stop's grace, SIGTERM to its process group (the agent closes its
+        run), then SIGKILL. Returns (exit code, None | "killed" | "terminated")."""
         kill_at = time.monotonic() + self.settings.kill_after_s
         while True:
             ended, code = _wait(poll, 0.2)
@@ -3830,9 +3819,7 @@ class Daemon:
         return code, ("killed" if now >= kill_at else "terminated")
 
     def _choose_ref(self, item):
-        """A push's `after` commit when the repository has it (read-only `git cat-file -e`), after a `git fetch`
-        with --fetch (the one git command the daemon runs that writes there); else None: the run works on the
-        repository as it is (HEAD and the working tree)."""
+        """A push's `after` commit when the repository has it (after `git fetch` with --fetch), else None."""
         repo, started, after = str(self.settings.repo), time.monotonic(), item.get("after")
         if self.settings.fetch:
             try:
@@ -3862,10 +3849,7 @@ class Daemon:
 
     # -- restart ---------------------------------------------------------------------
     def _recover(self):
-        """Rebuild the delivery -> run map from daemon.jsonl and finish what an earlier daemon left: a delivery
-        received but never dispatched is queued again; a dispatched run that has not finished is adopted while
-        its process still runs (found through /proc), recorded as finished when its run closed, queued again
-        when its run directory was never made, and recorded as interrupted otherwise."""
+        """Rebuild the delivery map from daemon.jsonl; requeue, adopt or close what an earlier daemon left (README)."""
         received, dispatched, finished = {}, set(), set()
         for event in rl.read_events(self.ledger.path, run_id=None):
             kind, payload = event["kind"], event["payload"]
@@ -3931,8 +3915,7 @@ class Daemon:
         return rows
 
     def run_events(self, run_id):
-        """GET /runs/<id>: the run's events as far as they verify, and whether they all do; None when there is no
-        such run. `run_id` has been checked against new_run_id()'s shape."""
+        """GET /runs/<id> (an id of new_run_id()'s shape): its events as far as they verify; None: no such run."""
         path = self.settings.runs_dir / run_id / rl.EVENTS_NAME
         if not path.is_file():
             return None
