@@ -3391,7 +3391,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         path = self.path.split("?", 1)[0]
-        self.route = rl.printable(self.app.redact(path[:200]))
+        self.route = rl.printable(self.app.redactor.text(path[:200]))
         if self.deadline.expired:  # the headers ended only because the deadline shut the reads
             return
         try:
@@ -3638,11 +3638,8 @@ class Daemon:
             unrecorded, self._unrecorded = self._unrecorded, 0
         self.record(kind, dict(payload, unrecorded_before=unrecorded) if unrecorded else payload)
 
-    def redact(self, text):
-        return self.redactor.text(text)
-
     def say(self, line):
-        self._say(self.redact(line))
+        self._say(self.redactor.text(line))
 
     def check_host(self, headers):
         """DNS rebinding: a page of another site, its name pointed at this address, reaches the daemon as that
