@@ -1400,12 +1400,7 @@ class _StreamOut:
 
 def _run(args):
     base_url, model, api_key = settings_from_env(args.base_url, args.model, need_model=not args.models)
-    secrets = [api_key]
-    for name, value, minimum in (("--retries", args.retries, 0), ("--max-wait", args.max_wait, 0),
-                                 ("--backoff", args.backoff, 0), ("--max-tokens", args.max_tokens, 1)):
-        _check_number(name, value, minimum=minimum)
-    _check_number("--timeout", args.timeout, above=0)
-    _check_number("--temperature", args.temperature)
+    secrets = [api_key]  # the numbers are checked once, by chat() and list_models(), before anything is sent
     ledger_path = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
     if args.models:
         record = list_models(ledger=ledger_path, base_url=base_url, api_key=api_key, timeout=args.timeout,
