@@ -1384,20 +1384,6 @@ def _build_parser():
     return p
 
 
-class _StreamOut:
-    """Prints a stream as it arrives; a stdout that fails stops the printing, not the call."""
-
-    def __init__(self):
-        self.failed = None
-
-    def __call__(self, piece):
-        if self.failed is None:
-            try:
-                rl.write_out(piece)
-            except rl.OutputError as exc:
-                self.failed = exc
-
-
 def _run(args):
     base_url, model, api_key = settings_from_env(args.base_url, args.model, need_model=not args.models)
     secrets = [api_key]  # the numbers are checked once, by chat() and list_models(), before anything is sent
@@ -1412,7 +1398,6 @@ def _run(args):
                      else "".join(rl.printable(m) + "\n" for m in record["model_ids"]))
         return rl.EXIT_OK
     prompt = _read_prompt(args.prompt_file)
-    stream_out = _StreamOut() if args.stream and not args.json else None
 
     def announce_retry(result, wait):
         rl.warn(f"attempt {result['attempt']} failed ({result['error_type']}: {result['error_message']}); "
@@ -1423,21 +1408,17 @@ def _run(args):
                      stream=args.stream, retries=args.retries, timeout=args.timeout, expect=args.expect,
                      expect_json=args.expect_json, strict_model=args.strict_model, store_text=args.store_text,
                      backoff=args.backoff, max_wait=args.max_wait, max_response_bytes=args.max_response_bytes,
-                     on_text=stream_out, on_retry=announce_retry)
+                     on_text=rl.write_out if args.stream and not args.json else None, on_retry=announce_retry)
+        _print_answer(record, args)
     except RecordError as exc:
         if exc.record.get("text") and not args.stream:
             _print_answer(exc.record, args)  # a paid answer is never thrown away
         raise
-    output_failed = stream_out.failed if stream_out else None
-    try:
-        _print_answer(record, args)
-    except rl.OutputError as exc:
-        output_failed = exc
+    except rl.OutputError as exc:  # chat() raises a stream's failed print once the attempt's line is written
+        rl.error(f"{exc} (the call is recorded in {ledger_path})", secrets)
+        return rl.EXIT_OUTPUT
     if record["response_model"] and record["response_model"] != model:
         rl.warn(f"asked for {model!r}, the server says it ran {record['response_model']!r}", secrets)
-    if output_failed is not None:
-        rl.error(f"{output_failed} (the call is recorded in {ledger_path})", secrets)
-        return rl.EXIT_OUTPUT
     if record["error_type"]:
         rl.error(f"{record['error_type']}: {record['error_message']} ({record['base_url']}, attempt "
                  f"{record['attempt']})", secrets)
