@@ -301,8 +301,7 @@ def _error_from_body(raw, content_type):
     return text, None
 
 
-def run_checks(text, *, expect=None, expect_json=False, strict_model=False, request_model=None,
-               response_model=None):
+def run_checks(text, *, expect=None, expect_json=False, strict_model=False, request_model=None, response_model=None):
     """The assertion gate. Returns (check, detail): check is None when nothing was asked."""
     results = []
     if expect is not None:
@@ -421,8 +420,7 @@ def _parse_json(raw, what, problems, status, headers, content_type=""):
         raise _CallFailed(error_type, f"HTTP {status} but the {what} is not JSON: {message[:200]}", status,
                           headers) from None
     except RecursionError:
-        raise _CallFailed("malformed_response", f"the {what} is nested too deeply to read", status,
-                          headers) from None
+        raise _CallFailed("malformed_response", f"the {what} is nested too deeply to read", status, headers) from None
     if not isinstance(data, dict):
         raise _CallFailed("invalid_json", f"HTTP {status} but the {what} is not a JSON object", status, headers)
     return data
@@ -1197,8 +1195,7 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         if route not in PROXY_ROUTES:
             raise _CallFailed("not_found", f"no route {path[:200]}", 404)
         if self.method != PROXY_ROUTES[route]:
-            raise _CallFailed("method_not_allowed", f"use {PROXY_ROUTES[route]}", 405,
-                              [("Allow", PROXY_ROUTES[route])])
+            raise _CallFailed("method_not_allowed", f"use {PROXY_ROUTES[route]}", 405, [("Allow", PROXY_ROUTES[route])])
         raw = self._read_body() if self.method == "POST" else b""
         self.body_read = True
         self.deadline.cancel()  # the body is in: from here the upstream's deadline bounds the request
@@ -1257,8 +1254,7 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
             refused = _CallFailed("model_not_allowed", f"this proxy serves {app.model!r} only, not {model[:200]!r}")
         model = model[:MAX_FIELD_CHARS] if type(model) is str and model else app.model or ""
         stream = bool(body.get("stream"))
-        new_record = functools.partial(self._record, route, model, stream, messages=messages, tokens=tokens,
-                                       body=body)
+        new_record = functools.partial(self._record, route, model, stream, messages=messages, tokens=tokens, body=body)
         if refused is not None:  # recorded, with no HTTP status: nothing was sent
             record = new_record(1)
             _finish(record, self.started, None, refused, [], app.book.redactor)
