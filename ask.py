@@ -262,7 +262,7 @@ def retry_after_seconds(headers, now=None):
     lower = {k.lower(): v for k, v in headers.items()} if headers else {}
     try:
         seconds = float(lower["retry-after-ms"]) / 1000.0
-    except (KeyError, ValueError):
+    except (KeyError, TypeError, ValueError):
         value = lower.get("retry-after")
         if value is None:
             return None
