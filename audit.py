@@ -58,12 +58,6 @@ TEXT_WIDTH = 120           # the text report fits a terminal this wide, unless -
 MIN_CUT_WIDTH = 8          # a name is never cut narrower than this to fit
 ELLIPSIS = "\u2026"         # where a name was cut to fit
 
-MODEL_COLUMNS = ("request_model", "base_url", "day", "calls", "ok", "failed", "no_usage", "malformed", "checked",
-                 "passed", "input_tokens", "output_tokens", "usage_calls", "est_input_tokens", "est_output_tokens",
-                 "latency_min_ms", "latency_p50_ms", "latency_p95_ms", "latency_max_ms", "retries",
-                 "response_models", "system_fingerprints", "errors")
-RUN_COLUMNS = ("run_id", "started", "outcome", "judge_verdict", "steps", "tools_allowed", "tools_denied",
-               "model_calls", "input_tokens", "output_tokens", "est_tokens", "errors", "why")
 # The model_call fields this audit reads, each checked against ask.py's definition of its types.
 _READ = ("request_model", "base_url", "attempt", "error_type", "usage_status", "usage_reported", "latency_ms",
          "response_model", "system_fingerprint", "check", "input_tokens", "output_tokens", "est_input_tokens",
@@ -74,6 +68,10 @@ _TYPES = {name: ask.MODEL_CALL_FIELDS[name] for name in _READ}
 # well formed or not; the why column's kinds are in run_event_why.
 _STEP_KINDS = ("model_proposed", "proposal_malformed")
 _RUN_COUNTS = {"tool_allowed": "tools_allowed", "tool_denied": "tools_denied", "error": "errors"}
+_NEW_RUN = {"run_id": None, "path": None, "started": None, "outcome": "open", "judge_verdict": None, "steps": 0,
+            "tools_allowed": 0, "tools_denied": 0, "model_calls": 0, "input_tokens": 0, "output_tokens": 0,
+            "usage_calls": 0, "est_tokens": 0, "errors": 0, "why": None}
+RUN_COLUMNS = tuple(name for name in _NEW_RUN if name not in ("path", "usage_calls"))  # an agent-runs row's keys
 
 
 class AuditError(rl.UsageError):
@@ -86,15 +84,12 @@ class AuditError(rl.UsageError):
 
 def percentile(sorted_values, q):
     """Nearest-rank percentile of an already sorted list (None when empty)."""
-    if not sorted_values:
-        return None
-    return sorted_values[max(1, int(math.ceil(q / 100.0 * len(sorted_values)))) - 1]
+    return sorted_values[max(1, math.ceil(q / 100.0 * len(sorted_values))) - 1] if sorted_values else None
 
 
 def model_call_view(payload):
-    """(fields, malformed): the fields this audit reads from a model_call payload, each None unless it has a type
-    ask.py writes for it (malformed: a present field had another type), so another tool's payload is counted,
-    never a crash. error_code is kept when it is a non-empty string, and never makes a payload malformed."""
+    """(fields, malformed): the fields read from a model_call payload, each None unless of a type ask.py writes
+    (malformed: one was not), so another tool's payload is counted, never a crash. error_code is kept if a string."""
     view, malformed = {}, False
     for name, types in _TYPES.items():
         value = payload.get(name)
@@ -148,10 +143,8 @@ def _by_name(counter):
 def find_ledgers(paths):
     """Expand PATHs (files, directories, globs) into ledger files; default: ./calls.jsonl + ./runs/."""
     if not paths:
-        found = [Path(name) for name in DEFAULT_LEDGERS if Path(name).is_file()]
-        if Path(DEFAULT_RUNS).is_dir():
-            found += sorted(Path(DEFAULT_RUNS).glob("*/" + rl.EVENTS_NAME))
-        return found
+        return ([Path(name) for name in DEFAULT_LEDGERS if Path(name).is_file()]
+                + sorted(Path(DEFAULT_RUNS).glob("*/" + rl.EVENTS_NAME)))
     out = []
     for raw in paths:
         path = Path(raw)
@@ -234,8 +227,9 @@ class Group:
             "request_model": request_model, "base_url": base_url, "day": day,
             "calls": self.calls, "ok": self.ok, "failed": self.calls - self.ok, "no_usage": self.no_usage,
             "malformed": self.malformed, "checked": self.checked, "passed": self.passed if self.checked else None,
-            "input_tokens": self.input_tokens if usage else None, "output_tokens": self.output_tokens if usage else None,
-            "usage_calls": usage, "est_input_tokens": self.est_input_tokens if self.calls else None,
+            "input_tokens": self.input_tokens if usage else None,
+            "output_tokens": self.output_tokens if usage else None, "usage_calls": usage,
+            "est_input_tokens": self.est_input_tokens if self.calls else None,
             "est_output_tokens": self.est_output_tokens if self.est_output_calls else None,
             "latency_min_ms": lat[0] if lat else None, "latency_p50_ms": percentile(lat, 50),
             "latency_p95_ms": percentile(lat, 95), "latency_max_ms": lat[-1] if lat else None,
@@ -243,6 +237,8 @@ class Group:
             "system_fingerprints": _by_name(self.fingerprints), "errors": _by_name(self.errors),
         }
 
+
+MODEL_COLUMNS = tuple(Group().row(None, None, None))  # a models-table row's keys, in order: the CSV's columns
 
 class Audit:
     """Everything the reports need, gathered in one pass over the events."""
@@ -259,8 +255,7 @@ class Audit:
         self._heads = {}            # runs dir -> {run id: (head seq, head hash)} from its index.jsonl
 
     def add_file(self, path, verify=True):
-        """Stream one ledger into the audit; returns its status dict. Raises IntegrityError / KeyRequiredError
-        when `verify` and the file does not hold."""
+        """Stream one ledger in; returns its status. Raises IntegrityError / KeyRequiredError if it does not hold."""
         path = Path(path)
         info = {"path": str(path), "status": "ok", "lines": 0, "reason": None}
         events = self._verified(path, info) if verify else _unverified(path, info)
@@ -300,18 +295,6 @@ class Audit:
             raise rl.IntegrityError(path, None, "the index entry for this run has no valid head")
         return head
 
-    def _group(self, model, base, day):
-        if (model, base) not in self.model_strings:
-            if len(self.model_strings) >= MAX_MODEL_STRINGS:
-                self.folded += 1
-                model, base = OTHER, OTHER
-            else:
-                self.model_strings.add((model, base))
-        group = self.groups.get((model, base, day))
-        if group is None:
-            group = self.groups[(model, base, day)] = Group()
-        return group
-
     def _consume(self, events, agent_run, path):
         since, until, only = self.since, self.until, self.model
         run = None
@@ -321,7 +304,8 @@ class Audit:
                 continue
             if agent_run:
                 if run is None:
-                    run = self.runs.setdefault(event["run_id"], _new_run(event["run_id"], str(path), at))
+                    run = self.runs.setdefault(event["run_id"], dict(_NEW_RUN, run_id=event["run_id"], path=str(path),
+                                                                     started=at))
                 _run_event(run, kind, payload)
             if kind == "model_call":
                 call, malformed = model_call_view(payload)
@@ -329,7 +313,17 @@ class Audit:
                     continue
                 session = payload.get("session_id")
                 day = (session if type(session) is str else "-") if self.by_session else at[:10]
-                self._group(call["request_model"], call["base_url"], day).add(call, malformed)
+                model, base = call["request_model"], call["base_url"]
+                if (model, base) not in self.model_strings:
+                    if len(self.model_strings) >= MAX_MODEL_STRINGS:
+                        self.folded += 1
+                        model = base = OTHER
+                    else:
+                        self.model_strings.add((model, base))
+                group = self.groups.get((model, base, day))
+                if group is None:
+                    group = self.groups[(model, base, day)] = Group()
+                group.add(call, malformed)
             elif kind == "models_list":
                 ids, base = payload.get("model_ids"), payload.get("base_url")
                 if type(ids) is list and type(base) is str and all(type(i) is str for i in ids):
@@ -365,8 +359,7 @@ class Audit:
         return found
 
     def unlisted(self):
-        """The model strings asked for at an endpoint whose latest recorded /models list (ask.py --models)
-        does not name them: a server that answers to any model name (llama.cpp does) served them anyway."""
+        """The model strings asked for at an endpoint whose latest /models list (ask.py --models) lacks them."""
         latest, calls = {}, {}
         for (base, _day), (at, ids) in self.listings.items():
             if base not in latest or latest[base][0] < at:
@@ -405,8 +398,7 @@ def _unverified(path, info):
 
 
 def _day_pairs(entries):
-    """(who, previous day, its value, day, its value) for each two consecutive days of each `who` in
-    `entries` ((who, day, value) with who a tuple), in order of who, then day."""
+    """(who, previous day, its value, day, its value) for consecutive days of each `who` in (who, day, value)."""
     by_who = {}
     for who, day, value in entries:
         by_who.setdefault(who, []).append((day, value))
@@ -420,12 +412,6 @@ def _set_change(before, after, words):
     """'new a, b; gone c' (with `words`): what `after` has that `before` lacks, then the reverse; "" if none."""
     parts = [(words[0], set(after) - set(before)), (words[1], set(before) - set(after))]
     return "; ".join(f"{word} {', '.join(map(_label, sorted(names, key=str)))}" for word, names in parts if names)
-
-
-def _new_run(run_id, path, at):
-    return {"run_id": run_id, "path": path, "started": at, "outcome": "open", "judge_verdict": None, "steps": 0,
-            "tools_allowed": 0, "tools_denied": 0, "model_calls": 0, "input_tokens": 0, "output_tokens": 0,
-            "usage_calls": 0, "est_tokens": 0, "errors": 0, "why": None}
 
 
 def _run_event(run, kind, payload):
@@ -454,9 +440,7 @@ def _run_event(run, kind, payload):
 
 
 def run_event_why(kind, payload):
-    """How a run ended, in a few words, when this event of it says (the last one that says wins): the
-    budget limit hit, the reply the model repeated, the endpoint's error type and code, the exception, the
-    judge's reason, the triage."""
+    """How a run ended, in a few words, if this event of it says (the last that says wins; docs/audit.md)."""
     get = payload.get
     if kind == "budget_exhausted":
         return f"budget {get('limit')}: {get('used')} of {get('max')}"
@@ -477,12 +461,6 @@ def run_event_why(kind, payload):
     return why if type(why) is str and why else None
 
 
-def _usage_state(group):
-    if not group.ok:
-        return None
-    return "always" if group.no_usage == 0 else "never" if group.no_usage == group.ok else "sometimes"
-
-
 def compare_days(prev, cur, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAULT_RATE_JUMP,
                  latency_floor=DEFAULT_LATENCY_FLOOR_MS):
     """What differs from one day (a Group) to the next for one model string: yields (what, detail)."""
@@ -497,7 +475,8 @@ def compare_days(prev, cur, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAU
             old, new = percentile(a, q), percentile(b, q)
             if old and abs(new - old) / old > latency_shift and abs(new - old) >= latency_floor:
                 yield f"latency_{name}", f"{old:,.0f} -> {new:,.0f} ms ({(new - old) / old:+.0%})"
-    before, after = _usage_state(prev), _usage_state(cur)
+    before, after = (None if not g.ok else "always" if not g.no_usage else "never" if g.no_usage == g.ok else
+                     "sometimes" for g in (prev, cur))
     if before and after and before != after:
         yield "usage", f"usage reported {before} -> {after}"
     if prev.calls and cur.calls:
@@ -519,12 +498,22 @@ def compare_days(prev, cur, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAU
 # from its stored lines first (as `verify --from`), so "verified" means what it means locally.
 
 def remote_audit(client, *, since=None, until=None, model=None, verify=True):
-    """Audit the lines shipped to ClickHouse (an rl.ClickHouse). Returns (audit, failures) like run_audit:
-    failures lists the IntegrityErrors of the re-verification (then nothing else was read)."""
-    audit = Audit(since=since, until=until, model=model)
+    """Audit the lines shipped to ClickHouse (an rl.ClickHouse). Returns (audit, failures) like run_audit."""
+    audit, failures = Audit(since=since, until=until, model=model), []
     client.require_table()
     in_range = "".join(f" AND at {op} {rl.sql_string(t)}" for op, t in ((">=", since), ("<=", until)) if t is not None)
-    failures = _remote_ledgers(client, audit, in_range, verify)
+    condition = f"WHERE ledger_id IN (SELECT ledger_id FROM {client.name} WHERE 1{in_range})" if in_range else ""
+    found = ((ledger, None) for ledger in rl.shipped_ledgers(client, condition)) if not verify else (
+        rl.verify_shipped(client, condition=condition))
+    for ledger, result in found:  # the ledgers with lines in range, re-verified unless told not to
+        if isinstance(result, rl.IntegrityError):
+            failures.append(result)
+        elif result is not None and not isinstance(result, rl.Verified):
+            raise result  # a key is needed: exit 2, as locally
+        else:
+            audit.ledgers.append({"path": f"clickhouse:{ledger['ledger_id'][:12]} {ledger['last_host']}:"
+                                          f"{ledger['last_path']}", "status": "unverified" if result is None else "ok",
+                                  "lines": ledger["n"] if result is None else result.count, "reason": None})
     if failures:
         return audit, failures
     response = client.stream(f"SELECT ledger_id, path, raw FROM {client.name} FINAL WHERE 1{in_range} "
@@ -537,23 +526,6 @@ def remote_audit(client, *, since=None, until=None, model=None, verify=True):
             audit._consume(events, first["path"].endswith("/" + rl.EVENTS_NAME), first["path"])
     return audit, []
 
-
-def _remote_ledgers(client, audit, in_range, verify):
-    """Fill audit.ledgers with the ledgers that have lines in range, re-verifying each unless told not to."""
-    condition = f"WHERE ledger_id IN (SELECT ledger_id FROM {client.name} WHERE 1{in_range})" if in_range else ""
-    found = ((ledger, None) for ledger in rl.shipped_ledgers(client, condition)) if not verify else (
-        rl.verify_shipped(client, condition=condition))
-    failures = []
-    for ledger, result in found:
-        if isinstance(result, rl.IntegrityError):
-            failures.append(result)
-        elif result is not None and not isinstance(result, rl.Verified):
-            raise result  # a key is needed: exit 2, as locally
-        else:
-            audit.ledgers.append({"path": f"clickhouse:{ledger['ledger_id'][:12]} {ledger['last_host']}:"
-                                          f"{ledger['last_path']}", "status": "unverified" if result is None else "ok",
-                                  "lines": ledger["n"] if result is None else result.count, "reason": None})
-    return failures
 
 
 # ----------------------------------------------------------------------------
@@ -592,26 +564,12 @@ def _elide(text, width, where="middle"):
     return text[:head] + ELLIPSIS + text[len(text) - (width - 1 - head):]
 
 
-def _model_cells(r, wide, endpoints):
-    """Every text cell of one models-table row: tokens whole with --wide, else 3 digits from 10,000 on."""
-    def tokens(value):
-        return _num(value) if value is None or wide or value < 10000 else _short(value)
-    est = None if r["est_input_tokens"] is None else r["est_input_tokens"] + (r["est_output_tokens"] or 0)
-    served = r["response_models"] if wide else {"=" if name == r["request_model"] else name: n
-                                                for name, n in r["response_models"].items()}
-    cells = {"model": _label(r["request_model"]), "base_url": _label(r["base_url"]), "at": endpoints[r["base_url"]],
-             "day": r["day"], "est~": tokens(est), "in_tok": tokens(r["input_tokens"]),
-             "out_tok": tokens(r["output_tokens"]), "checks": f"{r['passed']:,}/{r['checked']:,}" if r["checked"] else
-             "-", "est_in~": _num(r["est_input_tokens"]), "est_out~": _num(r["est_output_tokens"]),
-             "served": ",".join(str(name) for name, _n in _ranked(served)) or "-"}
-    cells.update((name, _num(r[name])) for name in ("calls", "ok", "failed", "no_usage", "retries"))
-    cells.update((f"{q}_ms", _fmt_ms(r[f"latency_{q}_ms"])) for q in ("min", "p50", "p95", "max"))
-    return cells
-
-
 def _model_table(rows, by_day, wide, endpoints):
     """The models table: every column whole with --wide; else endpoints as #n (an `at` column when there is more
-    than one), min/max latency and ok left to --wide, and names cut in the middle to fit TEXT_WIDTH."""
+    than one), tokens from 10,000 on in 3 digits, min/max latency and ok left to --wide, and names cut in the
+    middle to fit TEXT_WIDTH."""
+    def tokens(value):
+        return _num(value) if value is None or wide or value < 10000 else _short(value)
     day = ["day"] if by_day else []
     if wide:
         columns = ["model", "base_url"] + day + ["calls", "ok", "failed", "no_usage", "checks", "in_tok", "out_tok",
@@ -621,7 +579,20 @@ def _model_table(rows, by_day, wide, endpoints):
         columns = ["model"] + (["at"] if len(endpoints) > 1 else []) + day + [
             "calls", "failed", "no_usage", "checks", "in_tok", "out_tok", "est~", "p50_ms", "p95_ms"] + (
             [] if by_day else ["retries"]) + ["served"]
-    body = [[cells[c] for c in columns] for cells in (_model_cells(r, wide, endpoints) for r in rows)]
+    body = []
+    for r in rows:
+        est = None if r["est_input_tokens"] is None else r["est_input_tokens"] + (r["est_output_tokens"] or 0)
+        served = r["response_models"] if wide else {"=" if name == r["request_model"] else name: n
+                                                    for name, n in r["response_models"].items()}
+        cells = {"model": _label(r["request_model"]), "base_url": _label(r["base_url"]), "day": r["day"],
+                 "at": endpoints[r["base_url"]], "est~": tokens(est), "in_tok": tokens(r["input_tokens"]),
+                 "out_tok": tokens(r["output_tokens"]), "est_in~": _num(r["est_input_tokens"]),
+                 "checks": f"{r['passed']:,}/{r['checked']:,}" if r["checked"] else "-",
+                 "est_out~": _num(r["est_output_tokens"]),
+                 "served": ",".join(str(name) for name, _n in _ranked(served)) or "-"}
+        cells.update((name, _num(r[name])) for name in ("calls", "ok", "failed", "no_usage", "retries"))
+        cells.update((f"{q}_ms", _fmt_ms(r[f"latency_{q}_ms"])) for q in ("min", "p50", "p95", "max"))
+        body.append([cells[c] for c in columns])
     return _table(columns, body, {"model", "base_url", "at", "day", "served"},
                   None if wide else {"served": "middle", "model": "middle"}, None if wide else TEXT_WIDTH)
 
@@ -630,15 +601,6 @@ _RUN_TEXT = {"run": "run_id", "outcome": "outcome", "verdict": "judge_verdict", 
              "tools_ok": "tools_allowed", "tools_denied": "tools_denied", "model_calls": "model_calls",
              "calls": "model_calls", "denied": "tools_denied", "in_tok": "input_tokens", "out_tok": "output_tokens",
              "est_tok~": "est_tokens", "why": "why"}
-
-
-def _runs_table(runs, wide):
-    """The agent-runs table, `why` (how the run ended) last: cut at its end to fit unless --wide."""
-    columns = (["run", "outcome", "verdict", "steps", "tools_ok", "tools_denied", "model_calls", "in_tok",
-                "out_tok", "est_tok~", "why"] if wide else ["run", "outcome", "steps", "calls", "denied", "why"])
-    text = {"run", "outcome", "verdict", "why"}
-    body = [[_label(r[_RUN_TEXT[c]]) if c in text else _num(r[_RUN_TEXT[c]]) for c in columns] for r in runs]
-    return _table(columns, body, text, None if wide else {"why": "end"}, None if wide else TEXT_WIDTH)[0]
 
 
 def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
@@ -668,8 +630,13 @@ def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
         where = _label(change["base_url"]) if wide else endpoints.get(change["base_url"], "-")
         out.append(f"  {change['day']}  {who} @ {where}: {change['what']}: {change['detail']}  "
                    f"(vs {change['previous_day']})")
-    if runs:
-        out += ["", f"Agent runs: {len(runs)}"] + _runs_table(runs, wide)
+    if runs:  # `why` (how the run ended) last, cut at its end to fit unless --wide
+        columns = (["run", "outcome", "verdict", "steps", "tools_ok", "tools_denied", "model_calls", "in_tok",
+                    "out_tok", "est_tok~", "why"] if wide else ["run", "outcome", "steps", "calls", "denied", "why"])
+        text = {"run", "outcome", "verdict", "why"}
+        body = [[_label(r[_RUN_TEXT[c]]) if c in text else _num(r[_RUN_TEXT[c]]) for c in columns] for r in runs]
+        out += ["", f"Agent runs: {len(runs)}"] + _table(columns, body, text, None if wide else {"why": "end"},
+                                                         None if wide else TEXT_WIDTH)[0]
     out = [rl.printable(line) for line in out]  # nothing from a ledger may forge a line or drive the terminal
     if not wide:  # prose wider than the terminal continues on the next line, indented
         out = [piece for line in out for piece in ([line] if len(line) <= TEXT_WIDTH else textwrap.wrap(
@@ -788,7 +755,8 @@ _HEADINGS = {
     "run_id": "Run", "started": "Started (UTC)", "outcome": "Outcome", "judge_verdict": "Judge verdict",
     "steps": "Steps", "tools_allowed": "Tools allowed", "tools_denied": "Tools denied", "model_calls": "Model calls",
     "est_tokens": "Tokens (estimated)", "why": "Why it ended", "what": "What changed", "detail": "Detail",
-    "previous_day": "Compared with", "path": "Ledger", "status": "Status", "lines": "Events", "reason": "Note", "model": "Model"}
+    "previous_day": "Compared with", "path": "Ledger", "status": "Status", "lines": "Events", "reason": "Note",
+    "model": "Model"}
 # The page's tables lead with what is read first (latency, served models, errors, why a run ended), so a
 # narrow window scrolls only past the token counts; the other columns are in --json and --csv.
 _HTML_MODEL_COLUMNS = ("request_model", "base_url", "day", "calls", "failed", "latency_p50_ms", "latency_p95_ms",
@@ -799,6 +767,7 @@ _HTML_RUN_COLUMNS = ("run_id", "started", "outcome", "why", "judge_verdict", "st
 _WHAT = {"response_model": "Served model", "system_fingerprint": "System fingerprint",
          "latency_p50": "Latency p50", "latency_p95": "Latency p95", "usage": "Usage reporting",
          "error_rate": "Error rate", "checks": "Check pass rate", "models_list": "Models listed"}
+_TEXT_TH = ' class="t"'
 _TEXT_FIELDS = {"request_model", "base_url", "day", "response_models", "system_fingerprints", "errors", "run_id",
                 "started", "outcome", "judge_verdict", "what", "detail", "previous_day", "path", "status",
                 "reason", "why", "model"}
@@ -836,12 +805,11 @@ def _ms_text(value):
     return f"{value / 1000:,.1f} s" if value >= 10000 else f"{value:,.0f} ms"
 
 
-def _pct(value):
-    return f"{value:.3g}%"
-
-
 def _is_date(day):
-    return len(day) == 10 and day[4] == day[7] == "-" and (day[:4] + day[5:7] + day[8:]).isdigit()
+    try:
+        return len(day) == 10 and datetime.date.fromisoformat(day).isoformat() == day
+    except ValueError:  # not a date: the `at` of an unverified ledger
+        return False
 
 
 def _key(colour, dashed=False):
@@ -881,17 +849,6 @@ def _chart_models(audit):
             one["errors"][name] = one["errors"].get(name, 0) + n
         one["latencies"].extend(g.latencies)
     return series, order
-
-
-def _chart_days(days):
-    """The x axis: every calendar day from the first to the last (at most _MAX_CHART_DAYS, the latest), or the
-    days as found when some are not dates (an unverified ledger)."""
-    days = sorted(days)
-    if not days or not all(map(_is_date, days)):
-        return days[-_MAX_CHART_DAYS:]
-    first, last = (datetime.date.fromisoformat(d) for d in (days[0], days[-1]))
-    span = (last - first).days
-    return [(first + datetime.timedelta(n)).isoformat() for n in range(max(0, span + 1 - _MAX_CHART_DAYS), span + 1)]
 
 
 # -- SVG: one frame with axes, lines, stacked bars -----------------------------
@@ -1017,17 +974,11 @@ def _errors_by_model_chart(series, types, colours):
     return "".join(parts + ["</svg>"])
 
 
-def _log_bounds(low, high):
-    """Round 1-2-5 values around [low, high] (1 ms at least) for a log axis, and the ticks between them."""
-    def round_125(v, up):
-        k = 10 ** math.floor(math.log10(v))
-        return next(m * k for m in ((1, 2, 5, 10) if up else (5, 2, 1))
-                    if (m * k >= v * (1 - 1e-9) if up else m * k <= v * (1 + 1e-9)))
-    low, high = round_125(max(low, 1.0), False), round_125(max(high, 1.0), True)
-    high = high if high > low else round_125(low * 1.5, True)
-    ticks = [m * 10 ** k for k in range(int(math.floor(math.log10(low))), int(math.ceil(math.log10(high))) + 1)
-             for m in (1, 2, 5) if low * (1 - 1e-9) <= m * 10 ** k <= high * (1 + 1e-9)]
-    return low, high, ticks if len(ticks) <= 9 else [t for t in ticks if str(int(t)).startswith("1")]
+def _round_125(value, up):
+    """The nearest 1-2-5 value (..., 1, 2, 5, 10, 20, ...) at or above `value` (up) or at or below it."""
+    k = 10 ** math.floor(math.log10(value))
+    return next(m * k for m in ((1, 2, 5, 10) if up else (5, 2, 1))
+                if (m * k >= value * (1 - 1e-9) if up else m * k <= value * (1 + 1e-9)))
 
 
 def _latency_histogram(model, ordered, colour, bins=32):
@@ -1039,7 +990,11 @@ def _latency_histogram(model, ordered, colour, bins=32):
         return (f'<svg class="latency-histogram"{attrs} xmlns="http://www.w3.org/2000/svg" width="{width}" '
                 f'height="40" viewBox="0 0 {width} 40" role="img"><title>latency of {_e(model)}: no successful '
                 'calls</title><text x="8" y="24">no successful call with a latency</text></svg>')
-    low, high, ticks = _log_bounds(ordered[0], ordered[-1])
+    low, high = _round_125(max(ordered[0], 1.0), False), _round_125(max(ordered[-1], 1.0), True)
+    high = high if high > low else _round_125(low * 1.5, True)
+    ticks = [m * 10 ** k for k in range(int(math.floor(math.log10(low))), int(math.ceil(math.log10(high))) + 1)
+             for m in (1, 2, 5) if low * (1 - 1e-9) <= m * 10 ** k <= high * (1 + 1e-9)]
+    ticks = ticks if len(ticks) <= 9 else [t for t in ticks if str(int(t)).startswith("1")]
     lo, span = math.log10(low), math.log10(high) - math.log10(low)
 
     def x_of(value):
@@ -1089,16 +1044,12 @@ def _td(field, value):
     return f"<td{bad}>{_num(value, _DASH)}</td>"
 
 
-def _th(field):
-    cls = ' class="t"' if field in _TEXT_FIELDS else ""
-    return f'<th{cls} scope="col" data-field="{_e(field)}" title="{_e(field)}">{_e(_HEADINGS.get(field, field))}</th>'
-
-
 def _html_table(css_class, columns, rows, cells=None):
     """A table of `rows` (dicts); `cells` maps a field to the function that draws its cell instead of _td. Each
     <th> keeps its field name in data-field and title."""
     cells = cells or {}
-    heads = "".join(_th(c) for c in columns)
+    heads = "".join(f'<th{_TEXT_TH if c in _TEXT_FIELDS else ""} scope="col" data-field="{_e(c)}" title="{_e(c)}">'
+                    f"{_e(_HEADINGS.get(c, c))}</th>" for c in columns)
     body = ["<tr>" + "".join(cells[c](row) if c in cells else _td(c, row[c]) for c in columns) + "</tr>"
             for row in rows]
     return "\n".join([f'<div class="scroll"><table class="{css_class}"><thead><tr>{heads}</tr></thead><tbody>']
@@ -1153,18 +1104,26 @@ def _summary_cards(audit, sums, changes, runs, days):
                                       f'<div class="s">{_e(s)}</div></div>' for k, v, s in cards] + ["</div>"]
 
 
-def _legend(series):
-    items = [f'<li data-model="{_e(s["label"] if s["key"] else OTHER)}">{_key(s["colour"], s["dashed"])}'
-             f'{_e(s["label"])}' + (f' <span class="note">{s["calls"]:,} calls</span>' if s["key"] else "") + "</li>"
-             for s in series]
-    return '<ul class="legend" data-legend="models">' + "".join(items) + "</ul>"
-
-
 def _per_day_section(series, days):
+    """A line chart per figure over the days, per model; with one day of data, that day's figures in a table."""
     if not days:
         return ['<h2 id="per-day">Per day</h2><p>No model calls.</p>']
+    legend = "".join(f'<li data-model="{_e(s["label"] if s["key"] else OTHER)}">{_key(s["colour"], s["dashed"])}'
+                     f'{_e(s["label"])}' + (f' <span class="note">{s["calls"]:,} calls</span>' if s["key"] else "")
+                     + "</li>" for s in series)
+    out = ['<h2 id="per-day">Per day, per model</h2>', f'<ul class="legend" data-legend="models">{legend}</ul>']
     if len(days) == 1:
-        return _one_day(series, days[0])
+        rows = []
+        for s in series:
+            calls, ok, usage, reported, est = s["days"].get(days[0], (0, 0, 0, 0, 0))
+            failed = f"{calls - ok:,} ({(calls - ok) / calls:.1%})" if calls else _DASH
+            rows.append(f'<tr><td class="t">{_key(s["colour"], s["dashed"])}{_e(s["label"])}</td><td>{calls:,}</td>'
+                        f"<td>{failed}</td><td>{_num(reported if usage else None, _DASH)}</td><td>{est:,}</td></tr>")
+        head = "".join(f'<th scope="col">{h}</th>' for h in ("Model", "Calls", "Failed", "Tokens reported",
+                                                            "Tokens estimated"))
+        return out + [f'<p class="note one-day">One day of data ({_e(days[0])}): the per-day charts start with the '
+                      "second day. That day, per model:</p>", f'<div class="scroll"><table class="one-day"><thead><tr>'
+                      f'{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>']
 
     def lines(pick):  # pick(calls, ok, usage_calls, reported, estimated) -> the value of one day, or None
         return [(s["label"], s["colour"], s["dashed"], [pick(*s["days"].get(d, (0, 0, 0, 0, 0))) for d in days])
@@ -1175,35 +1134,17 @@ def _per_day_section(series, days):
         ("Failed calls (% of calls)", _line_chart(
             "error-rate-per-day", "share of calls that failed, per day and model", "% of calls failed",
             "of calls failed", days, lines(lambda c, o, u, r, e: 100.0 * (c - o) / c if c else None),
-            integer=False, fmt=_pct)),
+            integer=False, fmt="{:.3g}%".format)),
         ("Tokens reported by servers (input + output)", _line_chart(
             "tokens-per-day", "reported tokens per day, per model", "tokens (reported)", "tokens", days,
             lines(lambda c, o, u, r, e: r if u else None))),
         ("Tokens estimated (chars/4, input + output)", _line_chart(
             "est-tokens-per-day", "estimated tokens per day, per model", "tokens (estimated)", "tokens", days,
             lines(lambda c, o, u, r, e: e if c else None)))]
-    return (['<h2 id="per-day">Per day, per model</h2>', _legend(series),
-             '<p class="note">A gap in a line: nothing to show that day (no calls, or no usage reported). '
-             "Reported and estimated tokens are separate charts and are never added together.</p>",
-             '<div class="charts">'] + [f"<figure><h3>{_e(title)}</h3>{svg}</figure>" for title, svg in charts]
-            + ["</div>"])
-
-
-def _one_day(series, day):
-    """One day of data: its figures per model in a table, where the per-day charts would be one dot each."""
-    head = "".join(f'<th scope="col">{h}</th>' for h in ("Model", "Calls", "Failed", "Tokens reported",
-                                                        "Tokens estimated"))
-    rows = []
-    for s in series:
-        calls, ok, usage, reported, est = s["days"].get(day, (0, 0, 0, 0, 0))
-        failed = f"{calls - ok:,} ({(calls - ok) / calls:.1%})" if calls else _DASH
-        rows.append(f'<tr><td class="t">{_key(s["colour"], s["dashed"])}{_e(s["label"])}</td><td>{calls:,}</td>'
-                    f"<td>{failed}</td><td>{_num(reported if usage else None, _DASH)}</td><td>{est:,}</td></tr>")
-    return ['<h2 id="per-day">Per day, per model</h2>', _legend(series),
-            f'<p class="note one-day">One day of data ({_e(day)}): the per-day charts start with the second day. '
-            "That day, per model:</p>",
-            f'<div class="scroll"><table class="one-day"><thead><tr>{head}</tr></thead><tbody>'
-            + "".join(rows) + "</tbody></table></div>"]
+    return out + ['<p class="note">A gap in a line: nothing to show that day (no calls, or no usage reported). '
+                  "Reported and estimated tokens are separate charts and are never added together.</p>",
+                  '<div class="charts">'] + [f"<figure><h3>{_e(title)}</h3>{svg}</figure>" for title, svg in charts] + [
+                  "</div>"]
 
 
 def _errors_section(audit, days, series):
@@ -1260,15 +1201,17 @@ def _lists_sections(audit, changes, runs, runs_url, colours):
     if not changes:
         out.append("<p>Nothing changed from one day to the next.</p>")
     else:
+        def what_cell(change):
+            return f'<td class="t" title="{_e(change["what"])}">{_e(_WHAT.get(change["what"], change["what"]))}</td>'
         out.append(_html_table("changes", ("day", "request_model", "base_url", "what", "detail", "previous_day"),
-                               changes[:_MAX_LIST_ROWS], {"request_model": _model_cell(colours), "what": lambda c: (
-                                   f'<td class="t" title="{_e(c["what"])}">{_e(_WHAT.get(c["what"], c["what"]))}</td>')}))
+                               changes[:_MAX_LIST_ROWS], {"request_model": _model_cell(colours), "what": what_cell}))
     if len(changes) > _MAX_LIST_ROWS:
-        out.append(f'<p class="note">{len(changes) - _MAX_LIST_ROWS:,} more changes: see the text report or --json.</p>')
+        out.append(f'<p class="note">{len(changes) - _MAX_LIST_ROWS:,} more changes: see the text report or '
+                   "--json.</p>")
     if runs:
         shown = runs[-_MAX_LIST_ROWS:]
-        out += [f'<h2 id="runs">Agent runs ({len(runs):,})</h2>', f'<p class="note">A run id links to {_e(runs_url)}ID: '
-                "the timeline agent.py serve shows (--runs-url sets where).</p>"]
+        out += [f'<h2 id="runs">Agent runs ({len(runs):,})</h2>', '<p class="note">A run id links to '
+                f"{_e(runs_url)}ID: the timeline agent.py serve shows (--runs-url sets where).</p>"]
         if len(runs) > len(shown):
             out.append(f'<p class="note">The latest {len(shown):,} runs; --json has all {len(runs):,}.</p>')
 
@@ -1285,7 +1228,15 @@ def _lists_sections(audit, changes, runs, runs_url, colours):
 def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_RUNS_URL):
     series, order = _chart_models(audit)
     colours = {s["key"]: s["colour"] for s in series if s["key"]}
-    days = _chart_days({day for (_m, _b, day) in audit.groups})
+    # the x axis: every calendar day from the first to the last (the latest _MAX_CHART_DAYS), or the days as found
+    # when some are not dates (an unverified ledger)
+    days = sorted({day for (_m, _b, day) in audit.groups})
+    if days and all(map(_is_date, days)):
+        first = datetime.date.fromisoformat(days[0])
+        span = (datetime.date.fromisoformat(days[-1]) - first).days
+        days = [(first + datetime.timedelta(n)).isoformat()
+                for n in range(max(0, span + 1 - _MAX_CHART_DAYS), span + 1)]
+    days = days[-_MAX_CHART_DAYS:]
     sums = _sums(rows)
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
@@ -1316,8 +1267,8 @@ def _build_parser():
         prog="audit.py", description="What each model string did, day by day.",
         epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHANGED, rl.EXIT_OUTPUT),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("paths", nargs="*", metavar="PATH", help="ledgers, directories or globs "
-                                                             "(default: calls.jsonl and runs/*/events.jsonl)")
+    p.add_argument("paths", nargs="*", metavar="PATH",
+                   help="ledgers, directories or globs (default: calls.jsonl and runs/*/events.jsonl)")
     p.add_argument("--version", action="version", version=__version__)
     p.add_argument("--by", choices=("model", "day", "session"), default="model",
                    help="one row per model, per model and day, or per model and proxy session (X-Ledger-Session)")
@@ -1329,24 +1280,22 @@ def _build_parser():
     out.add_argument("--csv", action="store_true", help="the model table as CSV")
     p.add_argument("--wide", action="store_true", help=f"every column, names whole (default: fit {TEXT_WIDTH} columns)")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained page with charts")
-    p.add_argument("--runs-url", default=DEFAULT_RUNS_URL, metavar="URL",
-                   help="with --html: run ids link to URL + id, for example the daemon's "
-                        f"http://HOST:PORT/runs/ (default {DEFAULT_RUNS_URL!r}, relative to the page)")
+    p.add_argument("--runs-url", default=DEFAULT_RUNS_URL, metavar="URL", help="with --html: run ids link to URL + id, "
+                   f"e.g. the daemon's http://HOST:PORT/runs/ (default {DEFAULT_RUNS_URL!r}, relative to the page)")
     p.add_argument("--no-verify", action="store_true", help="audit without checking the chain (marked UNVERIFIED)")
     p.add_argument("--fail-on-change", action="store_true", help="exit 4 when the Changes section is not empty")
-    p.add_argument("--latency-shift", type=float, default=DEFAULT_LATENCY_SHIFT,
-                   help="flag a p50/p95 move larger than this fraction (default 0.5)")
-    p.add_argument("--latency-floor", type=float, default=DEFAULT_LATENCY_FLOOR_MS, metavar="MS",
-                   help="never flag a latency move smaller than this many ms (default 50)")
-    p.add_argument("--rate-jump", type=float, default=DEFAULT_RATE_JUMP,
-                   help="flag an error rate rise or pass rate fall of this much (default 0.2)")
+    p.add_argument("--latency-shift", type=float, default=DEFAULT_LATENCY_SHIFT, help="flag a p50/p95 move larger "
+                   "than this fraction (default 0.5)")
+    p.add_argument("--latency-floor", type=float, default=DEFAULT_LATENCY_FLOOR_MS, metavar="MS", help="never flag a "
+                   "latency move smaller than this many ms (default 50)")
+    p.add_argument("--rate-jump", type=float, default=DEFAULT_RATE_JUMP, help="flag an error rate rise or pass rate "
+                   "fall of this much (default 0.2)")
     p.add_argument("--from", dest="from_url", nargs="?", const="", metavar="URL",
                    help=f"audit the lines shipped to ClickHouse at URL (default ${rl.SHIP_URL_ENV}) instead of "
                         f"files; user and password from ${rl.SHIP_USER_ENV} / ${rl.SHIP_PASSWORD_ENV}")
-    p.add_argument("--database", default=rl.SHIP_DATABASE, metavar="DB", help=f"with --from (default {rl.SHIP_DATABASE})")
-    p.add_argument("--table", default=rl.SHIP_TABLE, metavar="T", help=f"with --from (default {rl.SHIP_TABLE})")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                   help="with --from: seconds for one request (default 300)")
+    p.add_argument("--database", default=rl.SHIP_DATABASE, metavar="DB", help=f"with --from ({rl.SHIP_DATABASE})")
+    p.add_argument("--table", default=rl.SHIP_TABLE, metavar="T", help=f"with --from ({rl.SHIP_TABLE})")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="with --from: seconds a request (300)")
     return p
 
 
@@ -1370,7 +1319,16 @@ def _run(args):
     since = rl.parse_time(args.since) if args.since else None
     until = rl.parse_time(args.until, end=True) if args.until else None
     if args.from_url is not None:
-        audit, failures = _run_remote(args, since, until)
+        if args.paths or args.by == "session":
+            raise AuditError("--from reads ClickHouse: it takes no PATH" if args.paths else
+                             "--by session reads ledgers: the shipped table has no session column")
+        client = rl.ClickHouse(args.from_url or None, database=args.database, table=args.table, timeout=args.timeout)
+        try:
+            audit, failures = remote_audit(client, since=since, until=until, model=args.model,
+                                           verify=not args.no_verify)
+        except rl.ClickHouseError as exc:
+            exc.exit_code = rl.EXIT_USAGE  # the input could not be read
+            raise
     else:
         audit, failures = run_audit(args.paths, verify=not args.no_verify, since=since, until=until,
                                     model=args.model, by_session=args.by == "session")
@@ -1403,19 +1361,6 @@ def _run(args):
         rl.error(f"{len(changes)} change(s) found")
         return rl.EXIT_CHANGED
     return rl.EXIT_OK
-
-
-def _run_remote(args, since, until):
-    if args.paths:
-        raise AuditError("--from reads ClickHouse: it takes no PATH")
-    if args.by == "session":
-        raise AuditError("--by session reads ledgers: the shipped table has no session column")
-    client = rl.ClickHouse(args.from_url or None, database=args.database, table=args.table, timeout=args.timeout)
-    try:
-        return remote_audit(client, since=since, until=until, model=args.model, verify=not args.no_verify)
-    except rl.ClickHouseError as exc:
-        exc.exit_code = rl.EXIT_USAGE  # the input could not be read
-        raise
 
 
 def main(argv=None):
