@@ -755,8 +755,7 @@ _HEADINGS = {
     "run_id": "Run", "started": "Started (UTC)", "outcome": "Outcome", "judge_verdict": "Judge verdict",
     "steps": "Steps", "tools_allowed": "Tools allowed", "tools_denied": "Tools denied", "model_calls": "Model calls",
     "est_tokens": "Tokens (estimated)", "why": "Why it ended", "what": "What changed", "detail": "Detail",
-    "previous_day": "Compared with", "path": "Ledger", "status": "Status", "lines": "Events", "reason": "Note",
-    "model": "Model"}
+    "previous_day": "Compared with", "path": "Ledger", "status": "Status", "lines": "Events", "reason": "Note"}
 # The page's tables lead with what is read first (latency, served models, errors, why a run ended), so a
 # narrow window scrolls only past the token counts; the other columns are in --json and --csv.
 _HTML_MODEL_COLUMNS = ("request_model", "base_url", "day", "calls", "failed", "latency_p50_ms", "latency_p95_ms",
@@ -770,7 +769,7 @@ _WHAT = {"response_model": "Served model", "system_fingerprint": "System fingerp
 _TEXT_TH = ' class="t"'
 _TEXT_FIELDS = {"request_model", "base_url", "day", "response_models", "system_fingerprints", "errors", "run_id",
                 "started", "outcome", "judge_verdict", "what", "detail", "previous_day", "path", "status",
-                "reason", "why", "model"}
+                "reason", "why"}
 _CSS = (
     "body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1400px;padding:0 24px;color:#1f2328;"
     "line-height:1.4}h2{margin:32px 0 8px;padding-top:8px;border-top:1px solid #e3e3e3}"
