@@ -328,7 +328,8 @@ class Audit:
                 ids, base = payload.get("model_ids"), payload.get("base_url")
                 if type(ids) is list and type(base) is str and all(type(i) is str for i in ids):
                     previous = self.listings.get((base, at[:10]))
-                    if previous[0] <= at if previous else len(self.listings) < MAX_LISTINGS:
+                    # the day's last listing wins; a new (base_url, day) is kept while under the cap
+                    if (previous[0] <= at) if previous else len(self.listings) < MAX_LISTINGS:
                         self.listings[(base, at[:10])] = (at, ids[:10000])
 
     # -- results ---------------------------------------------------------
@@ -475,8 +476,9 @@ def compare_days(prev, cur, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAU
             old, new = percentile(a, q), percentile(b, q)
             if old and abs(new - old) / old > latency_shift and abs(new - old) >= latency_floor:
                 yield f"latency_{name}", f"{old:,.0f} -> {new:,.0f} ms ({(new - old) / old:+.0%})"
-    before, after = (None if not g.ok else "always" if not g.no_usage else "never" if g.no_usage == g.ok else
-                     "sometimes" for g in (prev, cur))
+    # did each day's ok calls report usage always, sometimes or never (None: there was no ok call)
+    before, after = (None if not g.ok else "always" if not g.no_usage else "never" if g.no_usage == g.ok
+                     else "sometimes" for g in (prev, cur))
     if before and after and before != after:
         yield "usage", f"usage reported {before} -> {after}"
     if prev.calls and cur.calls:
