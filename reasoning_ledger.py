@@ -2104,7 +2104,7 @@ def _cmd_verify_from(args):
 
 
 # (name, help, [(flags, argparse keywords)], handler): the commands and their options; docs/format.md and
-# README carry the longer story.
+# docs/ledger.md carry the longer story.
 _ALL = (("--all",), {"metavar": "RUNS_DIR", "help": "also RUNS_DIR/index.jsonl and every run in it"})
 _PATHS = (("paths",), {"nargs": "*", "metavar": "PATH"})
 _CLICKHOUSE = [(("--database",), {"default": SHIP_DATABASE, "metavar": "DB", "help": f"default {SHIP_DATABASE}"}),

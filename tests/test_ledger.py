@@ -49,7 +49,7 @@ def test_line_format_and_chain_as_documented(tmp_path):
     assert second["prev"] == hashlib.sha256(lines[0]).hexdigest()
     assert second["payload"] == {"stage": "plan", "decision": "run the tests first",
                                  "rationale": "cheapest signal", "alternatives": ["read the code"]}
-    # the README's recipe with the real sha256sum
+    # docs/format.md's recipe with the real sha256sum
     if shutil.which("sha256sum"):
         out = subprocess.run(f"sed -n 1p {path} | tr -d '\\n' | sha256sum", shell=True,
                              capture_output=True, text=True).stdout.split()[0]
