@@ -1404,23 +1404,16 @@ def parse_reply(text):
     stripped = text.strip()
     if not stripped:
         raise Malformed("the reply is empty")
-    decoder = json.JSONDecoder()
-    if stripped.startswith("{"):
+    whole = [(stripped, "json")] + [(block.strip(), "fenced_json") for lang, block in _FENCE_RE.findall(text)
+                                    if lang.lower() in ("", "json", "javascript", "js")]
+    for candidate, form in whole:
         try:
-            action = _action(json.loads(stripped))
-            if action:
-                return action, "json"
+            action = _action(json.loads(candidate)) if candidate.startswith("{") else None
         except (ValueError, RecursionError):
-            pass
-    for lang, block in _FENCE_RE.findall(text):
-        block = block.strip()
-        if block.startswith("{") and lang.lower() in ("", "json", "javascript", "js"):
-            try:
-                action = _action(json.loads(block))
-                if action:
-                    return action, "fenced_json"
-            except (ValueError, RecursionError):
-                continue
+            continue
+        if action:
+            return action, form
+    decoder = json.JSONDecoder()
     for match in itertools.islice(re.finditer(r"\{", text), 50):
         try:
             obj, _end = decoder.raw_decode(text, match.start())
@@ -2191,7 +2184,7 @@ def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
     before = json.loads(_artifact_text(run_dir, baseline["outcomes_artifact"])) if baseline.get("outcomes_artifact") \
         else None
     patch = (run_dir / PROPOSAL_NAME).read_bytes()
-    repo = Path(started["repo"])
+    repo, commit = Path(started["repo"]), started["commit"] if started.get("ref") else None
     hide = _hidden_paths(repo, run_dir.parent)
     box = Sandbox(sandbox["sandbox"], sandbox.get("sandbox_reason"), hide, policy.caps) if sandbox else \
         probe_sandbox(policy, hide)
@@ -2199,13 +2192,13 @@ def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
     verdict = {"verdict": "reject", "rule": None, "applies": False, "tests_passed": False, "reason": "",
                "touched_tests": [], "shadows": [], "newly_failing": [], "vanished": [], "still_failing": [],
                "comparison": "exit codes", "tripwires": [], **box.record()}
-    ledger = rl.Ledger(run_dir / rl.EVENTS_NAME, run_dir.name, key=key, secrets=list(secrets) + repo_secrets(
-        repo, started["commit"] if started.get("ref") else None))
+    ledger = rl.Ledger(run_dir / rl.EVENTS_NAME, run_dir.name, key=key,
+                       secrets=list(secrets) + repo_secrets(repo, commit))
     with tempfile.TemporaryDirectory(prefix="agent-judge-") as work:
         tree = Path(work) / "tree"
         if hashlib.sha256(patch).hexdigest() != decision.get("proposal_sha256"):
             verdict["reason"] = "proposal.patch is not the patch the decision accepted"
-        elif snapshot(repo, started["commit"] if started.get("ref") else None, tree) != started["tree_digest"]:
+        elif snapshot(repo, commit, tree) != started["tree_digest"]:
             verdict["reason"] = "the repository changed since the run started; the judge cannot compare"
         else:
             _judge_tree(Path(work), patch, policy, before, Workspace(repo, None, tree, policy, ledger.redactor, box),
