@@ -2796,38 +2796,33 @@ def _tokens_cell(row):
 # The webhook daemon
 # ----------------------------------------------------------------------------
 #
-# `agent.py serve`: a webhook (GitHub, Standard Webhooks, or curl from cron) starts agent runs. The body is
-# read whole (Content-Length only, capped) and authenticated before it is parsed; an accepted delivery is
-# recorded, fsync'd, in RUNS/daemon.jsonl before the answer, with the run id it will run as; one worker runs
-# the queued runs one at a time, each as a child `agent.py run` in its own process group. The daemon's own
-# ledger says exactly which deliveries still need a run, so a restart (after a stop, or kill -9) picks them up.
+# `agent.py serve`: signed webhooks start agent runs. A body is read whole (Content-Length only, capped) and
+# authenticated before it is parsed; an accepted delivery is recorded, fsync'd, in RUNS/daemon.jsonl before the
+# answer; one worker runs the queue, each run a child `agent.py run` in its own process group. A restart (after a
+# stop or a kill -9) reads daemon.jsonl to pick up what is left.
 
 DAEMON_LEDGER = "daemon.jsonl"
-DAEMON_LOCK = "daemon.lock"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-DEFAULT_MAX_BODY = 5 * 1024 * 1024
-DEFAULT_QUEUE = 16
-DEFAULT_MAX_CONNECTIONS = 64
-DEFAULT_REQUEST_TIMEOUT_S = 10.0
-DEFAULT_GRACE_S = 30.0
 LISTEN_BACKLOG = 128
 SIGNATURE_TOLERANCE_S = 300   # Standard Webhooks: a webhook-timestamp more than 5 minutes off is refused
 KILL_MARGIN_S = 60            # a run is killed after max_wall_s + 2 x test_timeout_s + this
 TERMINATE_WAIT_S = 5          # SIGTERM to a run's process group, then SIGKILL this much later
-RESPONSE_GRACE_S = 2          # after the deadline, reads end at once; the socket closes this much later
-LINGER_S = 1.0                # an error answered before the body was read: unread input drained this long
-LINGER_BYTES = 64 * 1024      # ... and at most this much, so the client reads the answer, not a reset
+RESPONSE_GRACE_S = 2          # an answer is written within this much after the request's deadline
+LINGER_S, LINGER_BYTES = 1.0, 64 * 1024  # an error answered before the body was read: unread input drained this
+                                         # long (at most this much), so the client reads the answer, not a reset
 RETRY_AFTER_S = 30            # a full queue asks the sender to come back after this
 CONNECTION_EVENT_EVERY_S = 10  # connections over the cap: at most one connection_limit event this often
-REJECTIONS_PER_S, REJECTIONS_BURST = 5, 50  # webhook_rejected/_timeout, read_rejected: an unauthenticated flood
-                                            # must not grow the ledger without bound
+REJECTIONS_PER_S, REJECTIONS_BURST = 5, 50  # an unauthenticated flood must not grow the ledger without bound
 MAX_SECRETS_FILE = 64 * 1024
 MAX_SIGNATURES = 16           # webhook-signature entries looked at
 MAX_EVENTS_SHOWN = 5000       # GET /runs/<id> shows at most this many events
 MAX_SHOWN_CHARS = 4000        # one value on the timeline page
 DAEMON_ENV = ("WEBHOOK_SECRET", "WEBHOOK_SECRET_FILE", "READ_TOKEN")  # never passed to a run
 PIPED_ENV = ("API_KEY", "OPENAI_API_KEY", rl.KEY_ENV)  # passed to a run on its stdin, not in its environment
+_BUSY_BODY = b'{"error": "too many connections; retry later"}\n'
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+         b"Retry-After: 1\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
 
 _DELIVERY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
 _EVENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}\Z")
@@ -2838,16 +2833,11 @@ _COMMIT_RE = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?\Z")
 _RUN_URL_RE = re.compile(r"/runs/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8})\Z")  # new_run_id()'s shape only
 _ARTIFACT_REF_RE = re.compile(r"artifacts/[0-9a-f]{64}\Z")
 _HOST_RE = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9_.-]+))(?::[0-9]{1,5})?\Z")  # Host: name[:port], [v6][:port]
-_REASONS = {400: "Bad Request", 401: "Unauthorized", 403: "Forbidden", 404: "Not Found", 405: "Method Not Allowed",
-            408: "Request Timeout", 411: "Length Required", 413: "Payload Too Large", 414: "URI Too Long",
-            415: "Unsupported Media Type", 421: "Misdirected Request", 431: "Request Header Fields Too Large",
-            500: "Internal Server Error", 501: "Not Implemented", 503: "Service Unavailable",
-            505: "HTTP Version Not Supported"}
+_HOST_NAME_RE = re.compile(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)*\Z")
 
 
 class Refused(Exception):
-    """A request answered with an error status. `reason` is recorded (None: not a webhook rejection);
-    `message` is all the client reads."""
+    """An error answer: `reason` is recorded (None: not recorded), `message` is all the client reads."""
 
     def __init__(self, status, reason, message, headers=None):
         super().__init__(message)
@@ -2855,52 +2845,83 @@ class Refused(Exception):
 
 
 class _TimedOut(Exception):
-    """The connection's deadline passed while its request was being read."""
+    """The request's deadline ended its reads."""
 
 
-class Delivery:
-    """An authenticated delivery: where it came from (github, standard, unsigned), its id and event name."""
-
-    def __init__(self, source, delivery, event):
-        self.source, self.delivery, self.event = source, delivery, event
+Delivery = collections.namedtuple("Delivery", "source delivery event")  # github, standard or unsigned; id; event
 
 
-# -- configuration -------------------------------------------------------------
+# -- settings: one object, built once from the arguments and the environment ---
+
+def serve_settings(args, environ):
+    """The daemon's settings, from `serve`'s arguments and the environment; a bad one raises UsageError."""
+    for name in ("max_body", "queue", "max_connections"):
+        if getattr(args, name) < 1:
+            raise rl.UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("request_timeout", "kill_after_s"):
+        if getattr(args, name) is not None and not 0 < getattr(args, name) < float("inf"):
+            raise rl.UsageError(f"--{name.replace('_', '-')} must be a positive number")
+    if not 0 <= args.grace_s < float("inf"):
+        raise rl.UsageError("--grace-s must be zero or more")
+    if not 0 <= args.port <= 65535:
+        raise rl.UsageError("--port must be between 0 and 65535")
+    secrets = webhook_secrets(environ)
+    api_key = ask.settings_from_env(environ=environ)[2]  # every run needs them: refuse to start without
+    token = args.read_token or environ.get("READ_TOKEN") or None
+    if token is not None and len(token) < 16:
+        raise rl.UsageError("the read token (--read-token / READ_TOKEN) must be at least 16 characters")
+    loopback = is_loopback(args.host)
+    if not loopback and not secrets:
+        raise rl.UsageError(f"refusing to listen on {rl.printable(args.host)}, which is not a loopback address, "
+                            f"without a webhook secret: set WEBHOOK_SECRET or WEBHOOK_SECRET_FILE")
+    allow = [name.strip().lower().rstrip(".") for name in args.allow_host or ()]
+    for name in allow:
+        if not _HOST_NAME_RE.match(name):
+            raise rl.UsageError(f"--allow-host {rl.printable(name)}: not a host name")
+    tools = Path(args.tools).resolve()
+    policy = load_policy(tools)
+    if args.ship_to:
+        rl.ClickHouse(args.ship_to)  # the URL's form is checked now, not once per run
+    names = set(allow) | {args.host.strip("[]").lower()} | ({"localhost", "127.0.0.1", "::1"} if loopback else set())
+    return argparse.Namespace(
+        repo=repo_root(args.repo), tools=tools, policy=policy, runs_dir=Path(args.runs_dir).resolve(),
+        host=args.host, port=args.port, loopback=loopback, allow_hosts=allow, names=names,
+        keys=signing_keys(secrets), read_token=token, token_required=bool(token) or not loopback,
+        secrets=[s for s in secrets + [token, api_key] if s], max_body=args.max_body, queue=args.queue,
+        max_connections=args.max_connections, request_timeout=float(args.request_timeout),
+        grace_s=float(args.grace_s), fetch=args.fetch, ship_to=args.ship_to,
+        kill_after_s=float(args.kill_after_s or policy.budget["max_wall_s"] + 2 * policy.test_timeout_s
+                           + KILL_MARGIN_S))
+
 
 def webhook_secrets(environ=None):
-    """The webhook secrets: WEBHOOK_SECRET (one) and WEBHOOK_SECRET_FILE (one a line, white space inside a
-    secret kept, blank lines ignored), both when both are set: several secrets serve a rotation."""
+    """WEBHOOK_SECRET and the lines of WEBHOOK_SECRET_FILE (blank ones ignored): several serve a rotation."""
     env = os.environ if environ is None else environ
     secrets = [env["WEBHOOK_SECRET"]] if env.get("WEBHOOK_SECRET") else []
-    name = env.get("WEBHOOK_SECRET_FILE")
-    if name:
-        try:
-            with open(name, "rb") as handle:
-                raw = handle.read(MAX_SECRETS_FILE + 1)
-        except OSError as exc:
-            raise rl.UsageError(f"WEBHOOK_SECRET_FILE: {rl.error_text(exc)}") from None
+    if not env.get("WEBHOOK_SECRET_FILE"):
+        return secrets
+    try:
+        with open(env["WEBHOOK_SECRET_FILE"], "rb") as handle:
+            raw = handle.read(MAX_SECRETS_FILE + 1)
         if len(raw) > MAX_SECRETS_FILE:
             raise rl.UsageError(f"WEBHOOK_SECRET_FILE: larger than {MAX_SECRETS_FILE} bytes")
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise rl.UsageError("WEBHOOK_SECRET_FILE: not UTF-8") from None
-        found = [line.rstrip("\r") for line in text.split("\n") if line.strip()]
-        if not found:
-            raise rl.UsageError("WEBHOOK_SECRET_FILE: holds no secret (one secret a line)")
-        secrets += found
-    return secrets
+        found = [line.rstrip("\r") for line in raw.decode("utf-8").split("\n") if line.strip()]
+    except OSError as exc:
+        raise rl.UsageError(f"WEBHOOK_SECRET_FILE: {rl.error_text(exc)}") from None
+    except UnicodeDecodeError:
+        raise rl.UsageError("WEBHOOK_SECRET_FILE: not UTF-8") from None
+    if not found:
+        raise rl.UsageError("WEBHOOK_SECRET_FILE: holds no secret (one secret a line)")
+    return secrets + found
 
 
 def signing_keys(secrets):
-    """[(GitHub key, Standard Webhooks key)] for each secret: GitHub signs with the secret's bytes; a
-    Standard Webhooks secret `whsec_<base64>` signs with the decoded bytes (any other secret with its bytes)."""
+    """[(GitHub key, Standard Webhooks key: a `whsec_<base64>` secret's decoded bytes)] for each secret."""
     keys = []
     for secret in secrets:
         if len(secret) < rl.MIN_SECRET_CHARS:  # too short to mask by value, and to resist guessing
             raise rl.UsageError(f"a webhook secret must be at least {rl.MIN_SECRET_CHARS} characters")
-        raw = secret.encode("utf-8")
-        standard = raw
+        raw = standard = secret.encode("utf-8")
         if secret.startswith("whsec_"):
             try:
                 standard = base64.b64decode(secret[6:], validate=True)
@@ -2913,10 +2934,8 @@ def signing_keys(secrets):
 
 def is_loopback(host):
     """True when every address `host` names is a loopback address."""
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host.split("%")[0]).is_loopback
     except ValueError:
         pass
     try:
@@ -2928,24 +2947,26 @@ def is_loopback(host):
 
 # -- authentication: before the body is parsed ---------------------------------
 
+def _signed(expected, given):
+    """Does a `given` signature equal an `expected` one? Every pair is compared, each in constant time."""
+    matched = False
+    for digest in expected:
+        for value in given:
+            matched |= hmac.compare_digest(digest, value)
+    return matched
+
+
 def verify_github(keys, body, header):
-    """X-Hub-Signature-256: sha256=<hex HMAC-SHA256(secret, raw body)>, compared in constant time against
-    every configured secret. Raises Refused(401)."""
+    """X-Hub-Signature-256: sha256=<hex HMAC-SHA256(secret, raw body)>, against every secret. Raises Refused."""
     match = _GITHUB_SIG_RE.match(header or "")
     if not match:
         raise Refused(401, "bad_signature_format", "the signature does not match")
-    given = bytes.fromhex(match.group(1))
-    matched = False
-    for key, _standard in keys:
-        matched |= hmac.compare_digest(hmac.new(key, body, hashlib.sha256).digest(), given)
-    if not matched:
+    if not _signed([hmac.new(key, body, hashlib.sha256).digest() for key, _s in keys], [bytes.fromhex(match[1])]):
         raise Refused(401, "bad_signature", "the signature does not match")
 
 
 def verify_standard(keys, body, msg_id, timestamp, header, now=None):
-    """Standard Webhooks: HMAC-SHA256 over `id.timestamp.body`, base64, in `webhook-signature` as
-    space-separated `v1,<base64>` entries (one match is enough); the timestamp within 5 minutes of now.
-    Raises Refused(401)."""
+    """Standard Webhooks: `v1,<base64 HMAC-SHA256 of id.timestamp.body>` entries, a timestamp within 5 minutes."""
     if not msg_id or not timestamp or not header:
         raise Refused(401, "missing_signature", "webhook-id, webhook-timestamp and webhook-signature are required")
     if not _TIMESTAMP_RE.match(timestamp.strip()):
@@ -2953,44 +2974,37 @@ def verify_standard(keys, body, msg_id, timestamp, header, now=None):
     if abs((time.time() if now is None else now) - int(timestamp.strip())) > SIGNATURE_TOLERANCE_S:
         raise Refused(401, "stale_timestamp", "webhook-timestamp is outside the tolerance")
     signed = msg_id.encode("latin-1") + b"." + timestamp.encode("latin-1") + b"." + body
-    expected = [hmac.new(standard, signed, hashlib.sha256).digest() for _github, standard in keys]
-    matched = False
+    given = []
     for entry in header.split()[:MAX_SIGNATURES]:
         version, _, value = entry.partition(",")
-        if version != "v1":
-            continue
         try:
-            given = base64.b64decode(value, validate=True)
+            if version == "v1":
+                given.append(base64.b64decode(value, validate=True))
         except (binascii.Error, ValueError):
-            continue
-        for digest in expected:
-            matched |= hmac.compare_digest(digest, given)
-    if not matched:
+            pass
+    if not _signed([hmac.new(standard, signed, hashlib.sha256).digest() for _g, standard in keys], given):
         raise Refused(401, "bad_signature", "the signature does not match")
 
 
 def authenticate(keys, headers, body, now=None):
-    """Which scheme signed this request, checked over the raw body; its delivery id and event name (the
-    event of a Standard Webhooks message is read from the body later). Raises Refused."""
+    """The Delivery: which scheme signed the raw body, its id and event name. Raises Refused."""
     if not keys:  # only on loopback: nothing to check against
         delivery = headers.get("X-GitHub-Delivery") or headers.get("webhook-id") or f"local-{os.urandom(8).hex()}"
-        return _checked(Delivery("unsigned", delivery.strip(), headers.get("X-GitHub-Event")))
-    if headers.get("X-Hub-Signature-256") is not None:
+        found = Delivery("unsigned", delivery.strip(), headers.get("X-GitHub-Event"))
+    elif headers.get("X-Hub-Signature-256") is not None:
         verify_github(keys, body, headers.get("X-Hub-Signature-256").strip())
         delivery, event = headers.get("X-GitHub-Delivery"), headers.get("X-GitHub-Event")
         if not delivery:
             raise Refused(400, "missing_delivery", "X-GitHub-Delivery is required")
         if not event:
             raise Refused(400, "missing_event", "X-GitHub-Event is required")
-        return _checked(Delivery("github", delivery.strip(), event.strip()))
-    if headers.get("webhook-signature") is not None:
+        found = Delivery("github", delivery.strip(), event.strip())
+    elif headers.get("webhook-signature") is not None:
         msg_id = headers.get("webhook-id")
         verify_standard(keys, body, msg_id, headers.get("webhook-timestamp"), headers.get("webhook-signature"), now)
-        return _checked(Delivery("standard", msg_id.strip(), None))
-    raise Refused(401, "missing_signature", "a signature is required (X-Hub-Signature-256 or webhook-signature)")
-
-
-def _checked(found):
+        found = Delivery("standard", msg_id.strip(), None)
+    else:
+        raise Refused(401, "missing_signature", "a signature is required (X-Hub-Signature-256 or webhook-signature)")
     if not _DELIVERY_RE.match(found.delivery):
         raise Refused(400, "bad_delivery", "the delivery id must be 1-128 of A-Z a-z 0-9 _ . : -")
     if found.event is not None and not _EVENT_RE.match(found.event):
@@ -2998,93 +3012,46 @@ def _checked(found):
     return found
 
 
-def parse_body(headers, body):
-    """After a valid signature: the Content-Type must be JSON (else 415), the body a UTF-8 JSON object
-    (else 400). Returns the object."""
+def parse_body(headers, body, found):
+    """After a valid signature: (the application/json UTF-8 object, its event name). Raises Refused."""
     ctype = (headers.get("Content-Type") or "").lower().split(";")
-    params = [p.strip() for p in ctype[1:] if p.strip()]
-    if ctype[0].strip() != "application/json" or any(p.startswith("charset=") and p not in (
-            "charset=utf-8", 'charset="utf-8"') for p in params):
+    if ctype[0].strip() != "application/json" or any(p.strip().startswith("charset=") and p.strip() not in (
+            "charset=utf-8", 'charset="utf-8"') for p in ctype[1:]):
         raise Refused(415, "wrong_content_type", "the body must be application/json (UTF-8)")
     try:
-        text = body.decode("utf-8")
+        payload = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
         raise Refused(400, "invalid_utf8", "the body is not UTF-8") from None
-    try:
-        payload = json.loads(text)
     except (ValueError, RecursionError):
         raise Refused(400, "invalid_json", "the body is not JSON") from None
     if type(payload) is not dict:
         raise Refused(400, "not_an_object", "the body must be a JSON object")
-    return payload
-
-
-def _event_name(found, payload):
-    if found.event:
-        return found.event
-    kind = payload.get("type")
-    if kind is None:
-        return "webhook"
-    if type(kind) is not str or not _EVENT_RE.match(kind):
+    event = found.event or payload.get("type")
+    if event is not None and (type(event) is not str or not _EVENT_RE.match(event)):
         raise Refused(400, "bad_event", "the body's type must be 1-64 of A-Z a-z 0-9 _ . : -")
-    return kind
-
-
-def _push_after(event, payload):
-    """The `after` commit of a GitHub push, when it is one."""
-    after = payload.get("after")
-    if event == "push" and type(after) is str and _COMMIT_RE.match(after) and after.strip("0"):
-        return after
-    return None
-
-
-# -- deadlines: the wall deadline of a whole request -----------------------------------
-
-class _ConnectionDeadline:
-    """The stdlib's socket timeout is per read; this is the wall deadline of a whole request, run by
-    reasoning_ledger.py's one timer thread. At the deadline the connection's reads end (the read side is shut, so the
-    handler can still answer 408); RESPONSE_GRACE_S later the whole socket is shut, in case the client does
-    not read the answer either."""
-
-    def __init__(self, sock, at):
-        self.at, self.sock, self.expired, self.done = at, sock, False, False
-        self.lock = threading.Lock()
-        self._timer = rl.call_at(at, self._end_reads)
-
-    def _end_reads(self):
-        with self.lock:
-            if self.done:
-                return
-            self.expired = True
-            rl.shut(self.sock, socket.SHUT_RD)
-            self._timer = rl.call_at(self.at + RESPONSE_GRACE_S, self._end_all)
-
-    def _end_all(self):
-        with self.lock:
-            if not self.done:
-                rl.shut(self.sock)
-
-    def cancel(self):
-        with self.lock:  # never shut a socket after its handler let it go
-            self.done = True
-            self._timer.cancel()
+    return payload, event or "webhook"
 
 
 # -- the HTTP side ---------------------------------------------------------------
 
-class _Server(ThreadingHTTPServer):
-    """A thread per connection, at most `max_connections` at once (over the cap: a 503 written at once and
-    the connection closed), a listen backlog of 128, and a wall deadline on every connection."""
-    request_queue_size = LISTEN_BACKLOG
-    daemon_threads = True
-    block_on_close = False
-    allow_reuse_address = True
+class _ReadSide:
+    """What a request's rl.Deadline shuts: the read side only, so that the handler can still answer 408."""
 
-    def __init__(self, address, app, max_connections):
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.app, self.max_connections = app, max_connections
-        self.active, self.idle = 0, threading.Condition()
-        super().__init__(address, _Handler)
+    def __init__(self, sock):
+        self.sock = sock
+
+    def shutdown(self, _how):
+        self.sock.shutdown(socket.SHUT_RD)
+
+
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most --max-connections at once (over the cap: a 503 at once)."""
+    request_queue_size, daemon_threads, block_on_close, allow_reuse_address = LISTEN_BACKLOG, True, False, True
+
+    def __init__(self, app):
+        self.address_family = socket.AF_INET6 if ":" in app.settings.host else socket.AF_INET
+        self.app, self.active, self.idle = app, 0, threading.Condition()
+        super().__init__((app.settings.host, app.settings.port), _Handler)
 
     def server_bind(self):
         socketserver.TCPServer.server_bind(self)  # not HTTPServer's: no reverse DNS lookup at start
@@ -3092,19 +3059,21 @@ class _Server(ThreadingHTTPServer):
 
     def process_request(self, request, client_address):
         with self.idle:
-            full = self.active >= self.max_connections
-            if not full:
-                self.active += 1
-        if full:
-            self.app.connection_refused(client_address[0])
-            _answer_busy(request)
-            self.shutdown_request(request)
-            return
+            full = self.active >= self.app.settings.max_connections
+            self.active += 0 if full else 1
+        if not full:
+            try:
+                return super().process_request(request, client_address)
+            except RuntimeError:  # no thread could be started
+                self._release()
+                raise
+        self.app.connection_refused(client_address[0])
         try:
-            super().process_request(request, client_address)
-        except RuntimeError:  # no thread could be started
-            self._release()
-            raise
+            request.settimeout(0.5)
+            request.sendall(_BUSY)
+        except OSError:
+            pass
+        self.shutdown_request(request)
 
     def process_request_thread(self, request, client_address):
         try:
@@ -3117,65 +3086,41 @@ class _Server(ThreadingHTTPServer):
             self.active -= 1
             self.idle.notify_all()
 
-    def wait_idle(self, timeout):
-        """Wait until no connection is being handled (or `timeout`). Returns True when idle."""
-        end = time.monotonic() + timeout
-        with self.idle:
-            while self.active > 0 and time.monotonic() < end:
-                self.idle.wait(max(0.0, end - time.monotonic()))
-            return self.active == 0
-
-    def handle_error(self, request, client_address):
-        exc = sys.exc_info()[1]  # socketserver would print a traceback: one line instead
-        self.app.log(f"error: connection from {client_address[0]}: {type(exc).__name__}")
-
-
-def _answer_busy(sock):
-    body = b'{"error": "too many connections; retry later"}\n'
-    head = (f"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            f"Retry-After: 1\r\nConnection: close\r\n\r\n").encode()
-    try:
-        sock.settimeout(0.5)
-        sock.sendall(head + body)
-    except OSError:
-        pass
+    def handle_error(self, request, client_address):  # one line, not socketserver's traceback
+        self.app.log(f"error: connection from {client_address[0]}: {type(sys.exc_info()[1]).__name__}")
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """One request per connection, answered with JSON (or the timeline page), always `Connection: close`."""
-    protocol_version = "HTTP/1.1"
-    server_version = "agent.py-serve"
-    sys_version = ""
+    """One request per connection, then closed. The socket's timeout bounds a read, the rl.Deadline them all."""
+    protocol_version, server_version = "HTTP/1.1", "agent.py-serve"
     default_request_version = "HTTP/1.0"  # an answer to a request line that did not parse keeps its status line
 
     def setup(self):
         super().setup()
-        self.app = self.server.app
-        self.started = time.monotonic()
-        self.command, self.request_version = None, self.default_request_version
-        self.connection.settimeout(self.app.request_timeout + RESPONSE_GRACE_S)  # the wall deadline ends it first
-        self.deadline = _ConnectionDeadline(self.connection, self.started + self.app.request_timeout)
-        self.sent, self.delivery, self.claimed, self.stage = None, None, None, "request"
-        self.expect_continue = self.timed_out = self.body_read = False
-        self.route = "-"
+        self.app, self.started = self.server.app, time.monotonic()
+        self.connection.settimeout(self.app.settings.request_timeout + RESPONSE_GRACE_S)
+        self.deadline = rl.Deadline(self.app.settings.request_timeout)
+        self.deadline.watch(_ReadSide(self.connection))
+        self.raw_requestline, self.requestline, self.command = b"", "", None
+        self.request_version = self.default_request_version
+        self.sent = self.delivery = self.claimed = None
+        self.stage, self.route, self.expect_continue = "request", "-", False
 
     def handle(self):
         try:
             self.handle_one_request()
         except OSError:  # the client went away (a reset, a broken pipe): nothing to answer
             self.close_connection = True
-        if (self.timed_out or self.deadline.expired) and self.sent is None:
+        if self.deadline.expired and self.sent is None:
             self.app.record_rejected("webhook_timeout", {
                 "remote": self.client_address[0], "stage": self.stage, "path": self.route,
-                "delivery": self.claimed, "timeout_s": self.app.request_timeout})
+                "delivery": self.claimed, "timeout_s": self.app.settings.request_timeout})
             self._reply(408, {"error": "the request took too long"})
-        if self.sent and self.sent[0] >= 400 and not self.body_read:
+        if self.sent and self.sent[0] >= 400 and self.stage in ("request", "body"):
             self._linger()
 
     def _linger(self):
-        """Answered before the request was read to its end: stop writing, then read (and drop) what the
-        client is still sending, briefly, so that closing with unread input does not reset the connection
-        before the client has read the answer."""
+        """Drain (briefly) what the client still sends: a close with unread input resets before it reads the answer."""
         end, drained = time.monotonic() + LINGER_S, 0
         try:
             self.connection.shutdown(socket.SHUT_WR)
@@ -3194,115 +3139,96 @@ class _Handler(BaseHTTPRequestHandler):
             super().finish()
         except OSError:
             pass
-        if not getattr(self, "raw_requestline", b""):
-            return  # nothing was sent (a browser's idle preconnect): no request to log; a timeout is an event
-        status, size = self.sent or ("-", 0)
-        elapsed = (time.monotonic() - self.started) * 1000
-        self.app.log(f"{self.client_address[0]} {rl.printable(self.command or '-')} {self.route} {status} {size} "
-                        f"{elapsed:.1f} {self.delivery or '-'}")
+        if self.raw_requestline:  # nothing sent (a browser's idle preconnect) is no request; a timeout is an event
+            status, size = self.sent or ("-", 0)
+            self.app.log(f"{self.client_address[0]} {rl.printable(self.command or '-')} {self.route} {status} "
+                         f"{size} {(time.monotonic() - self.started) * 1000:.1f} {self.delivery or '-'}")
 
-    # the base class's own logging and error pages: ours instead
-    def log_message(self, format, *args):
+    def log_message(self, format, *args):  # the access log is ours (finish)
         pass
 
+    def version_string(self):
+        return self.server_version
+
     def send_error(self, code, message=None, explain=None):
+        if not self.deadline.expired:  # else handle() answers 408 and records it
+            self._reply(int(code), {"error": self.responses.get(int(code), ("error",))[0]})
         self.close_connection = True
-        if self.timed_out or self.deadline.expired:
-            return  # handle() answers 408 and records it
-        self._reply(int(code), {"error": _REASONS.get(int(code), "error")})
 
     def handle_expect_100(self):
         self.expect_continue = True  # 100 Continue only once the headers pass (no 100 before a 413)
         return True
 
     def do_GET(self):
-        self._route()
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = do_GET
-
-    def _route(self):
         path = self.path.split("?", 1)[0]
-        self.route = rl.printable(self.app.redact(path[:200]))
+        self.route = rl.printable(self.app.redactor.text(path[:200]))
         if self.deadline.expired:  # the headers ended only because the deadline shut the reads
-            self.timed_out = True
             return
-        webhook = path == "/webhook"
         try:
             self.app.check_host(self.headers)
-            if webhook:
-                self.claimed = _claimed_delivery(self.headers)
-                if self.command != "POST":
-                    raise Refused(405, None, "use POST", {"Allow": "POST"})
+            if path == "/webhook":
                 self._webhook()
             elif path in ("/", "/healthz", "/runs") or path.startswith("/runs/"):
-                if self.command != "GET":
-                    raise Refused(405, None, "use GET", {"Allow": "GET"})
                 self._read(path)
             else:
                 raise Refused(404, None, "not found")
         except Refused as refused:
-            self.close_connection = True
-            if webhook and refused.reason:
+            if path == "/webhook" and refused.reason:
                 self.app.record_rejected("webhook_rejected", {
                     "reason": refused.reason, "status": refused.status, "remote": self.client_address[0],
                     "delivery": self.delivery or self.claimed})
-            self._reply(refused.status, {"error": refused.message}, headers=refused.headers)
+            self._reply(refused.status, {"error": refused.message}, refused.headers)
         except _TimedOut:
-            self.timed_out = True
+            pass  # handle() answers 408
         except Exception as exc:  # the boundary: recorded, answered 500 without details
-            self.close_connection = True
             self.app.record_error(f"{self.command} {self.route}", exc)
             self._reply(500, {"error": "internal error"})
 
-    # -- POST /webhook ------------------------------------------------------
-    def _webhook(self):
-        body = self._read_body(self._content_length())
-        found = authenticate(self.app.keys, self.headers, body)
-        self.delivery = found.delivery
-        payload = parse_body(self.headers, body)
-        event = _event_name(found, payload)
-        status, answer, headers = self.app.accept(found, event, body, payload, self.client_address[0])
-        self._reply(status, answer, headers=headers)
+    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = do_GET
 
-    def _content_length(self):
+    def _webhook(self):
+        claimed = self.headers.get("X-GitHub-Delivery") or self.headers.get("webhook-id")  # unchecked: its shape only
+        self.claimed = claimed and (claimed.strip() if _DELIVERY_RE.match(claimed.strip()) else "(not a delivery id)")
+        lengths = self.headers.get_all("Content-Length") or []
+        if self.command != "POST":
+            raise Refused(405, None, "use POST", {"Allow": "POST"})
         if self.headers.get("Transfer-Encoding") is not None:
             raise Refused(411, "transfer_encoding", "send the body with Content-Length, without Transfer-Encoding")
-        values = self.headers.get_all("Content-Length") or []
-        if not values:
+        if not lengths:
             raise Refused(411, "missing_length", "Content-Length is required")
-        if len(values) > 1 or not _LENGTH_RE.match(values[0].strip()):
+        if len(lengths) > 1 or not _LENGTH_RE.match(lengths[0].strip()):
             raise Refused(400, "bad_length", "Content-Length must be one decimal number")
-        length = int(values[0].strip())
-        if length > self.app.max_body:
-            raise Refused(413, "too_large", f"the body is larger than {self.app.max_body} bytes")
-        return length
+        if int(lengths[0]) > self.app.settings.max_body:
+            raise Refused(413, "too_large", f"the body is larger than {self.app.settings.max_body} bytes")
+        body = self._read_body(int(lengths[0]))
+        found = authenticate(self.app.settings.keys, self.headers, body)
+        self.delivery = found.delivery
+        payload, event = parse_body(self.headers, body, found)
+        self._reply(*self.app.accept(found, event, body, payload, self.client_address[0]))
 
     def _read_body(self, length):
-        """Exactly `length` bytes, within the connection's deadline."""
-        self.stage = "body"
+        """Exactly `length` bytes; the deadline ends the reads (they return nothing) when they take too long."""
+        self.stage, chunks, got = "body", [], 0
         if self.expect_continue:
             self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        chunks, got = [], 0
         while got < length:
-            remaining = self.deadline.at - time.monotonic()
-            if remaining <= 0 or self.deadline.expired:
-                raise _TimedOut()
-            self.connection.settimeout(remaining)
             try:
                 chunk = self.rfile.read1(min(65536, length - got))
-            except socket.timeout:
-                raise _TimedOut() from None
+            except socket.timeout:  # the deadline's timer is late (a loaded box): the reads end all the same
+                self.deadline.expire()
+                chunk = b""
+            if not chunk and self.deadline.expired:
+                raise _TimedOut()
             if not chunk:
-                if self.deadline.expired:
-                    raise _TimedOut()
                 raise Refused(400, "incomplete_body", "the body is shorter than Content-Length")
             chunks.append(chunk)
             got += len(chunk)
-        self.stage, self.body_read = "processing", True
+        self.stage = "processing"
         return b"".join(chunks)
 
-    # -- GET /healthz, /runs, /runs/<id> -----------------------------------
     def _read(self, path):
+        if self.command != "GET":
+            raise Refused(405, None, "use GET", {"Allow": "GET"})
         allowed = self.app.read_allowed(self.headers.get("Authorization"))
         if path == "/healthz":
             return self._reply(200, self.app.health(detailed=allowed))
@@ -3313,190 +3239,81 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/runs":
             return self._reply(200, {"runs": self.app.runs()})
         if path == "/":
-            return self._reply(200, index_html(self.app.runs()).encode("utf-8"), "text/html; charset=utf-8")
+            return self._html(index_html(self.app.runs()))
         match = _RUN_URL_RE.match(path)  # before the file system is touched
         found = self.app.run_events(match.group(1)) if match else None
         if found is None:
             raise Refused(404, None, "no such run")
-        if "text/html" in (self.headers.get("Accept") or "").lower():
-            page = timeline_html(found, self.app.runs_dir / found["run_id"])
-            return self._reply(200, page.encode("utf-8"), "text/html; charset=utf-8")
-        return self._reply(200, found)
+        if "text/html" not in (self.headers.get("Accept") or "").lower():
+            return self._reply(200, found)
+        return self._html(timeline_html(found, self.app.settings.runs_dir / found["run_id"]))
 
-    # -- answering ------------------------------------------------------------
-    def _reply(self, status, body, content_type="application/json", headers=None):
+    def _html(self, page):
+        self._reply(200, page.encode("utf-8"), {"Content-Security-Policy": _PAGE_POLICY}, "text/html; charset=utf-8")
+
+    def _reply(self, status, body, headers=None, content_type="application/json"):
         data = body if isinstance(body, bytes) else (json.dumps(body, ensure_ascii=False) + "\n").encode("utf-8")
-        self.stage = "response"
-        self.sent = (status, len(data))
-        self.close_connection = True
+        self.sent, self.close_connection = (status, len(data)), True
         try:
-            self.send_response(status, _REASONS.get(status))
-            self.send_header("Content-Type", content_type)
-            self.send_header("Content-Length", str(len(data)))
-            self.send_header("Cache-Control", "no-store")
-            self.send_header("X-Content-Type-Options", "nosniff")
-            if content_type.startswith("text/html"):
-                self.send_header("Content-Security-Policy", _PAGE_POLICY)
-            for name, value in (headers or {}).items():
+            self.connection.settimeout(self.deadline.remaining() + RESPONSE_GRACE_S)
+            self.send_response(status)
+            for name, value in {"Content-Type": content_type, "Content-Length": str(len(data)),
+                                "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", **(headers or {}),
+                                "Connection": "close"}.items():
                 self.send_header(name, value)
-            self.send_header("Connection", "close")
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
         except OSError:
             pass  # the client went away; what was accepted is recorded already
 
-    def version_string(self):
-        return self.server_version
-
-    def send_response(self, code, message=None):
-        self.send_response_only(code, message)  # no log_request
-        self.send_header("Server", self.version_string())
-        self.send_header("Date", self.date_time_string())
-
-
-def _claimed_delivery(headers):
-    """The delivery id a request claims, for the record of a rejection (unauthenticated, so only its shape)."""
-    claimed = headers.get("X-GitHub-Delivery") or headers.get("webhook-id")
-    if claimed is None:
-        return None
-    claimed = claimed.strip()
-    return claimed if _DELIVERY_RE.match(claimed) else "(not a delivery id)"
-
 
 # -- the daemon ------------------------------------------------------------------
 
-class _Child:
-    """An `agent.py run` this daemon started."""
-
-    def __init__(self, proc):
-        self.proc, self.pid = proc, proc.pid
-
-    def wait(self, timeout):
-        try:
-            return True, self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return False, None
+def _wait(poll, seconds):
+    """poll() -> (ended, exit code), asked every 0.1 s for at most `seconds`; its last answer."""
+    end = time.monotonic() + seconds
+    ended, code = poll()
+    while not ended and time.monotonic() < end:
+        time.sleep(0.1)
+        ended, code = poll()
+    return ended, code
 
 
-class _Orphan:
-    """A run started by an earlier daemon that died (kill -9): still running, not our child. Its exit code
-    is unknown; its run's ledger says how it ended."""
-
-    def __init__(self, pid, run_id):
-        self.pid, self.run_id = pid, run_id
-
-    def wait(self, timeout):
-        end = time.monotonic() + timeout
-        while _run_process_alive(self.pid, self.run_id):
-            if time.monotonic() >= end:
-                return False, None
-            time.sleep(0.1)
-        return True, None
-
-
-def _run_process_alive(pid, run_id):
-    """Is `pid` still the `agent.py run --run-id=RUN_ID` it was? (Linux: its command line; elsewhere the
-    pid alone.)"""
-    proc = Path(f"/proc/{pid}/cmdline")
-    if Path("/proc/self").exists():
-        try:
-            return f"--run-id={run_id}".encode() in proc.read_bytes().split(b"\0")
-        except OSError:
-            return False
+def _is_run_process(pid, run_id):
+    """Is `pid` a live `agent.py run --run-id=RUN_ID`? (Its command line, read through /proc: Linux.)"""
     try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, PermissionError):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
         return False
-    return True
-
-
-def _find_run_process(run_id):
-    """The pid of a live `agent.py run --run-id=RUN_ID`, found through /proc (Linux), or None."""
-    if not Path("/proc/self").exists():
-        return None
-    wanted = f"--run-id={run_id}".encode()
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if wanted in argv and b"run" in argv:
-            return int(name)
-    return None
-
-
-def _signal_group(pid, signum):
-    try:
-        os.killpg(pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
+    return f"--run-id={run_id}".encode() in argv and b"run" in argv
 
 
 class Daemon:
-    """The webhook daemon: configuration, its ledger, the deliveries seen, the queue and the one worker."""
+    """The daemon: serve_settings(), its ledger, the deliveries seen, the queue and the one worker."""
 
-    def __init__(self, repo, *, runs_dir=DEFAULT_RUNS, tools=DEFAULT_TOOLS, host=DEFAULT_HOST, port=DEFAULT_PORT,
-                 secrets=(), read_token=None, max_body=DEFAULT_MAX_BODY, queue=DEFAULT_QUEUE,
-                 max_connections=DEFAULT_MAX_CONNECTIONS, request_timeout=DEFAULT_REQUEST_TIMEOUT_S,
-                 grace_s=DEFAULT_GRACE_S, kill_after_s=None, fetch=False, extra_secrets=(), log=None, ship_to=None,
-                 say=None, allow_hosts=()):
-        _check_limits(port, max_body, queue, max_connections, request_timeout, grace_s, kill_after_s)
-        self.repo = repo_root(repo)
-        self.tools = Path(tools).resolve()
-        self.policy = load_policy(self.tools)
-        self.runs_dir = Path(runs_dir).resolve()
-        self.ship_to = ship_to
-        if ship_to:
-            rl.ClickHouse(ship_to)  # the URL's form is checked now, not once per run
-        self.host, self.port = host, port
-        self.loopback = is_loopback(host)
-        self.allow_hosts = [h.strip().lower().rstrip(".") for h in allow_hosts]
-        bad = [h for h in self.allow_hosts if not re.fullmatch(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)*", h)]
-        if bad:
-            raise rl.UsageError(f"--allow-host {rl.printable(bad[0])}: not a host name")
-        self.allowed_hosts = set(self.allow_hosts) | {host.strip("[]").lower()} | (
-            {"localhost", "127.0.0.1", "::1"} if self.loopback else set())
-        if not self.loopback and not secrets:
-            raise rl.UsageError(f"refusing to listen on {rl.printable(host)}, which is not a loopback address, "
-                                f"without a webhook secret: set WEBHOOK_SECRET or WEBHOOK_SECRET_FILE")
-        if read_token is not None and len(read_token) < 16:
-            raise rl.UsageError("the read token (--read-token / READ_TOKEN) must be at least 16 characters")
-        self.keys = signing_keys(secrets)
-        self.read_token = read_token
-        self.token_required = bool(read_token) or not self.loopback
-        self.max_body, self.max_queue, self.max_connections = max_body, queue, max_connections
-        self.request_timeout, self.grace_s, self.fetch = float(request_timeout), float(grace_s), fetch
-        budget = self.policy.budget
-        self.kill_after_s = float(kill_after_s) if kill_after_s else (
-            budget["max_wall_s"] + 2 * self.policy.test_timeout_s + KILL_MARGIN_S)
-        self.secrets = [s for s in list(secrets) + [read_token] + list(extra_secrets) if s]
-        self.redactor = rl.Redactor(rl.secret_values(self.secrets))
-        self.log = log or (lambda line: None)  # the access log and errors (stderr)
-        self._say = say or (lambda line: None)  # what the daemon does: serving, each run's start and end (stdout)
+    def __init__(self, settings, log, say):
+        self.settings, self.log, self._say = settings, log, say
+        self.redactor = rl.Redactor(rl.secret_values(settings.secrets))
         self.child_env = {k: v for k, v in os.environ.items() if k not in DAEMON_ENV + PIPED_ENV}
         self.piped = json.dumps({k: os.environ[k] for k in PIPED_ENV if k in os.environ}).encode("utf-8")
         self.deliveries = {}            # delivery id -> run id (None for a ping), from the ledger and since
-        self.queue = collections.deque()
-        self.cond = threading.Condition()
-        self.running = None             # the run id the worker is on
-        self.last_run = None            # the last run_finished payload
-        self.draining, self.stop_at = False, None
-        self.ledger = self.server = self.worker = self.serving = None
-        self.started_at, self._lock_fd = None, None
+        self.bodies = {}                # GitHub body sha256 -> delivery id: GitHub does not sign the id
+        self.queue, self.cond = collections.deque(), threading.Condition()
+        self.running = self.last_run = self.stop_at = None  # the run id in progress; the last run_finished
+        self.draining = False
+        self.ledger = self.server = self.worker = self.serving = self.started_at = self._lock_fd = None
         self._refused, self._refused_reported = 0, 0.0
-        self.bodies = {}                # GitHub body sha256 -> (delivery, run id): GitHub does not sign the id
-        self._rejections = {"tokens": float(REJECTIONS_BURST), "at": time.monotonic(), "unrecorded": 0,
-                            "lock": threading.Lock()}
+        self._tokens, self._tokens_at, self._unrecorded = float(REJECTIONS_BURST), time.monotonic(), 0
+        self._tokens_lock = threading.Lock()
 
     # -- start and stop -----------------------------------------------------
     def start(self):
-        """Take the runs directory's daemon lock, check the ledger, bind, record daemon_started, recover
-        what an earlier daemon left, and start serving. Returns the address (http://host:port)."""
-        self.runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self._lock_fd = _daemon_lock(self.runs_dir)
+        """Lock the runs directory, bind, recover what an earlier daemon left, serve. Returns http://host:port."""
+        runs_dir = self.settings.runs_dir
+        runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # one daemon per runs directory: two would both pick up the same unfinished deliveries
+        self._lock_fd = _hold_lock(runs_dir / "daemon.lock", f"another daemon serves {runs_dir}", "")
         try:
             return self._start()
         except Exception:  # not started: let go of the port and the lock, then the caller reports it
@@ -3506,34 +3323,34 @@ class Daemon:
             raise
 
     def _start(self):
-        path = self.runs_dir / DAEMON_LEDGER
-        if path.exists():
+        s = self.settings
+        if (s.runs_dir / DAEMON_LEDGER).exists():
             try:
-                rl.verify(path)
+                rl.verify(s.runs_dir / DAEMON_LEDGER)
             except rl.TornTailError:
                 pass  # a crash mid-append: the first append below moves the fragment aside and records it
         try:
-            self.server = _Server((self.host, self.port), self, self.max_connections)
+            self.server = _Server(self)
         except OSError as exc:
-            raise rl.UsageError(f"cannot listen on {self.host}:{self.port}: {exc.strerror or exc}") from None
+            raise rl.UsageError(f"cannot listen on {s.host}:{s.port}: {exc.strerror or exc}") from None
         host, port = self.server.server_address[:2]
         address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        self.ledger = rl.Ledger(path, f"daemon-{rl.new_run_id()}", secrets=self.secrets)
+        self.ledger = rl.Ledger(s.runs_dir / DAEMON_LEDGER, f"daemon-{rl.new_run_id()}", secrets=s.secrets)
         self.started_at = time.monotonic()
         self.record("daemon_started", {
-            "address": address, "pid": os.getpid(), "repo": str(self.repo), "runs_dir": str(self.runs_dir),
-            "tools": str(self.tools), "tools_sha256": self.policy.sha256, "secrets": len(self.keys),
-            "read_token": bool(self.read_token), "token_required": self.token_required, "max_body": self.max_body,
-            "queue": self.max_queue, "max_connections": self.max_connections, "backlog": LISTEN_BACKLOG,
-            "request_timeout_s": self.request_timeout, "grace_s": self.grace_s, "kill_after_s": self.kill_after_s,
-            "fetch": self.fetch, "allow_hosts": self.allow_hosts, "agent_version": __version__,
+            "address": address, "pid": os.getpid(), "repo": str(s.repo), "runs_dir": str(s.runs_dir),
+            "tools": str(s.tools), "tools_sha256": s.policy.sha256, "secrets": len(s.keys),
+            "read_token": bool(s.read_token), "token_required": s.token_required, "max_body": s.max_body,
+            "queue": s.queue, "max_connections": s.max_connections, "backlog": LISTEN_BACKLOG,
+            "request_timeout_s": s.request_timeout, "grace_s": s.grace_s, "kill_after_s": s.kill_after_s,
+            "fetch": s.fetch, "allow_hosts": s.allow_hosts, "agent_version": __version__,
             "python": sys.version.split()[0]})
         self._recover()
         self.say(f"serving on {address}")  # before the worker can say a run started
         self.worker = threading.Thread(target=self._work, name="worker", daemon=True)
-        self.worker.start()
         self.serving = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
                                         name="accept", daemon=True)
+        self.worker.start()
         self.serving.start()
         return address
 
@@ -3541,28 +3358,26 @@ class Daemon:
         return self.serving is not None and self.serving.is_alive() and self.worker.is_alive()
 
     def stop(self, signum=None):
-        """Stop accepting, let the requests in flight finish, give a run in progress `grace_s` and then
-        terminate it; queued deliveries stay recorded as received and not dispatched."""
+        """Stop accepting, finish the requests in flight, give a run --grace-s; what is queued stays recorded."""
+        name = signal.Signals(signum).name if signum else None
         with self.cond:
             running, queued = self.running, len(self.queue)
-        self.say(f"draining{f' on {signal.Signals(signum).name}' if signum else ''}: no new run starts; "
-                 + (f"run {running} gets {self.grace_s:g} s to finish; " if running else "")
-                 + f"{queued} queued stay recorded for the next start")
+        self.say(f"draining{f' on {name}' if name else ''}: no new run starts; " + (
+            f"run {running} gets {self.settings.grace_s:g} s to finish; " if running else "")
+            + f"{queued} queued stay recorded for the next start")
         with self.cond:
-            self.draining = True
-            self.stop_at = time.monotonic() + self.grace_s
+            self.draining, self.stop_at = True, time.monotonic() + self.settings.grace_s
             self.cond.notify_all()
         self.server.shutdown()
         self.server.server_close()
-        self.server.wait_idle(self.request_timeout + RESPONSE_GRACE_S + 1)
-        self.worker.join(self.grace_s + 2 * TERMINATE_WAIT_S + 5)
-        with self.cond:
-            queued = [item["run_id"] for item in self.queue]
-        with self._rejections["lock"]:
-            unrecorded, self._rejections["unrecorded"] = self._rejections["unrecorded"], 0
-        self.record("daemon_stopped", {"signal": signal.Signals(signum).name if signum else None,
-                                       "queued": queued, "uptime_s": round(time.monotonic() - self.started_at, 3),
-                                       "unrecorded_rejections": unrecorded})
+        with self.server.idle:
+            self.server.idle.wait_for(lambda: self.server.active == 0,
+                                      self.settings.request_timeout + RESPONSE_GRACE_S + 1)
+        self.worker.join(self.settings.grace_s + 2 * TERMINATE_WAIT_S + 5)
+        with self.cond, self._tokens_lock:
+            queued, unrecorded, self._unrecorded = [item["run_id"] for item in self.queue], self._unrecorded, 0
+        self.record("daemon_stopped", {"signal": name, "queued": queued, "unrecorded_rejections": unrecorded,
+                                       "uptime_s": round(time.monotonic() - self.started_at, 3)})
         self.ledger.close()
         os.close(self._lock_fd)
 
@@ -3581,34 +3396,28 @@ class Daemon:
             pass  # the ledger itself is what failed; the stderr line is all there is
 
     def record_rejected(self, kind, payload):
-        """A rejection event, at most REJECTIONS_PER_S a second after a burst of REJECTIONS_BURST; the ones
-        over that are counted, and the count goes into the next one recorded (`unrecorded_before`)."""
-        bucket = self._rejections
-        with bucket["lock"]:
+        """A rejection event, rate-limited (a token bucket); the ones dropped are counted in the next one."""
+        with self._tokens_lock:
             now = time.monotonic()
-            bucket["tokens"] = min(REJECTIONS_BURST, bucket["tokens"] + (now - bucket["at"]) * REJECTIONS_PER_S)
-            bucket["at"] = now
-            if bucket["tokens"] < 1:
-                bucket["unrecorded"] += 1
+            self._tokens = min(REJECTIONS_BURST, self._tokens + (now - self._tokens_at) * REJECTIONS_PER_S)
+            self._tokens_at = now
+            if self._tokens < 1:
+                self._unrecorded += 1
                 return
-            bucket["tokens"] -= 1
-            unrecorded, bucket["unrecorded"] = bucket["unrecorded"], 0
+            self._tokens -= 1
+            unrecorded, self._unrecorded = self._unrecorded, 0
         self.record(kind, dict(payload, unrecorded_before=unrecorded) if unrecorded else payload)
 
-    def redact(self, text):
-        return self.redactor.text(text)
-
     def say(self, line):
-        self._say(self.redact(line))
+        self._say(self.redactor.text(line))
 
     def check_host(self, headers):
-        """DNS rebinding: a page of another site, its name pointed at this address, reaches the daemon as
-        that site. Only a Host naming the listening address (or --allow-host) is answered, and a browser's
-        Origin must name one of them too. A client that sends no Host is not a browser. Raises Refused."""
-        host = headers.get("Host")
+        """DNS rebinding: a page of another site, its name pointed at this address, reaches the daemon as that
+        site. Only a Host naming the listening address (or --allow-host) is answered, and a browser's Origin
+        must name one of them too. A client that sends no Host is not a browser. Raises Refused."""
+        host, origin = headers.get("Host"), headers.get("Origin")
         if host is not None and not self._names_us(host):
             raise Refused(421, "bad_host", "the Host header does not name this daemon (see --allow-host)")
-        origin = headers.get("Origin")
         if origin is not None and not (origin.lower().startswith(("http://", "https://")) and
                                        self._names_us(origin.split("://", 1)[1].split("/", 1)[0])):
             raise Refused(403, "bad_origin", "requests from this Origin are refused")
@@ -3618,73 +3427,67 @@ class Daemon:
         if not match:
             return False
         name = (match.group(1) or match.group(2)).rstrip(".")
-        if name in self.allowed_hosts:
+        if name in self.settings.names:
             return True
         try:
             ipaddress.ip_address(name)
         except ValueError:
             return False
-        return self.host in ("0.0.0.0", "::", "")  # listening on every address: an address literal is no rebinding
+        return self.settings.host in ("0.0.0.0", "::", "")  # listening on every address: a literal is no rebinding
 
     def connection_refused(self, remote):
         """A connection over the cap: counted, and recorded at most once every few seconds."""
         self._refused += 1
-        now = time.monotonic()
-        if now - self._refused_reported >= CONNECTION_EVENT_EVERY_S:
-            self._refused_reported, count, self._refused = now, self._refused, 0
-            self.record("connection_limit", {"refused": count, "max_connections": self.max_connections,
+        if time.monotonic() - self._refused_reported >= CONNECTION_EVENT_EVERY_S:
+            self._refused_reported, count, self._refused = time.monotonic(), self._refused, 0
+            self.record("connection_limit", {"refused": count, "max_connections": self.settings.max_connections,
                                              "remote": remote})
-        self.log(f"{remote} - - 503 0 0.0 - (over {self.max_connections} connections)")
+        self.log(f"{remote} - - 503 0 0.0 - (over {self.settings.max_connections} connections)")
 
     # -- deliveries -------------------------------------------------------------
     def accept(self, found, event, body, payload, remote):
-        """Record a delivery (fsync'd) and queue its run, or answer a redelivery with the run it already
-        has, or a full queue with 503. Returns (status, answer, headers)."""
+        """Record a delivery (fsync'd) and queue its run, or answer a redelivery or a full queue."""
+        after = payload.get("after")  # a GitHub push's commit
+        if not (event == "push" and type(after) is str and _COMMIT_RE.match(after) and after.strip("0")):
+            after = None
         digest = hashlib.sha256(body).hexdigest()
         with self.cond:
             known = self._known(found, event, remote, digest)
         if known:
             return known
-        artifact = self.ledger.store_artifact(body)  # outside the lock: content-addressed, fsync'd
-        after = _push_after(event, payload)
+        artifact = self.ledger.store_artifact(body)  # outside the lock: its fsync would halve the deliveries/s
         with self.cond:
             known = self._known(found, event, remote, digest)  # again: the same delivery may have raced us
             if known:
                 return known
-            ping = event == "ping"
-            run_id = None if ping else rl.new_run_id()
+            run_id = None if event == "ping" else rl.new_run_id()
             received = {"event": event, "delivery": found.delivery, "source": found.source, "run_id": run_id,
                         "body_sha256": digest, "body_artifact": artifact, "body_bytes": len(body), "remote": remote}
-            if after:
-                received["after"] = after
-            self.record("webhook_received", received)
+            self.record("webhook_received", dict(received, after=after) if after else received)
             self.deliveries[found.delivery] = run_id
             if found.source == "github":  # a ping's body too: the event name is not signed either
-                self.bodies[digest] = (found.delivery, run_id)
+                self.bodies[digest] = found.delivery
             if run_id:
                 self.queue.append({"run_id": run_id, "delivery": found.delivery, "event": event, "after": after})
                 self.cond.notify_all()
-        return (200 if ping else 202), {"run_id": run_id, "delivery": found.delivery}, {}
+        return (202 if run_id else 200), {"run_id": run_id, "delivery": found.delivery}, {}
 
     def _known(self, found, event, remote, digest):
         """The answer for a redelivery or a full queue, recorded; None for a delivery to accept. Holds cond.
-        GitHub signs the body but not the delivery id or the event, so a signed body seen before (a ping's
-        too) is the same delivery whatever id and event it now claims: a capture cannot start new runs."""
-        first = None
-        if found.source == "github" and digest in self.bodies:
-            first = self.bodies[digest][0]
-        if found.delivery in self.deliveries or first is not None:
-            original = found.delivery if found.delivery in self.deliveries else first
+        GitHub signs the body but not the delivery id or the event, so a signed body seen before (a ping's too)
+        is the same delivery whatever id and event it now claims: a capture cannot start new runs."""
+        original = found.delivery if found.delivery in self.deliveries else (
+            self.bodies.get(digest) if found.source == "github" else None)
+        if original is not None:
             run_id = self.deliveries[original]
             record = {"delivery": found.delivery, "event": event, "run_id": run_id, "source": found.source,
                       "remote": remote, "body_sha256": digest}
-            if original != found.delivery:
-                record["same_body_as"] = original
-            self.record("webhook_duplicate", record)
+            self.record("webhook_duplicate", dict(record, same_body_as=original) if original != found.delivery
+                        else record)
             return 200, {"run_id": run_id, "delivery": original, "duplicate": True}, {}
-        if event != "ping" and len(self.queue) >= self.max_queue:
+        if event != "ping" and len(self.queue) >= self.settings.queue:
             self.record("queue_full", {"delivery": found.delivery, "event": event, "queued": len(self.queue),
-                                       "max": self.max_queue, "remote": remote})
+                                       "max": self.settings.queue, "remote": remote})
             return 503, {"error": "the queue is full; retry later"}, {"Retry-After": str(RETRY_AFTER_S)}
         return None
 
@@ -3707,10 +3510,9 @@ class Daemon:
                     self.running = None
 
     def _run(self, item):
-        run_id, started = item["run_id"], time.monotonic()
-        tail = ""
-        if item.get("pid"):
-            code, how = self._watch(_Orphan(item["pid"], run_id))
+        run_id, started, pid, tail = item["run_id"], time.monotonic(), item.get("pid"), ""
+        if pid:
+            code, how = self._watch(pid, lambda: (not _is_run_process(pid, run_id), None))
         else:
             ref = self._choose_ref(item)
             with self.cond:
@@ -3721,127 +3523,107 @@ class Daemon:
                                            "ref": ref})
             self.say(f"run {run_id} started: {item['event']} delivery {item['delivery']}" + (
                 f" at {ref[:12]}" if ref else ""))
-            with tempfile.TemporaryFile() as output:
-                try:
-                    proc = subprocess.Popen(self._argv(item, ref), stdin=subprocess.PIPE, stdout=output,
-                                            stderr=subprocess.STDOUT, env=self.child_env, cwd=str(HERE),
-                                            start_new_session=True, close_fds=True)
-                except OSError as exc:
-                    code, how, tail = None, "error", f"cannot start agent.py run: {rl.error_text(exc)}"
-                else:
-                    _feed_stdin(proc.stdin, self.piped)
-                    code, how = self._watch(_Child(proc))
-                    if code not in OUTCOME_EXIT.values():
-                        output.seek(max(0, output.seek(0, os.SEEK_END) - 2000))
-                        tail = output.read().decode("utf-8", "replace")
-        run_outcome = self._closed_outcome(run_id)
+            code, how, tail = self._child(item, ref)
+        run_outcome, why = self._closed(run_id)
         outcome = how or ("locked" if code == rl.EXIT_LOCKED else run_outcome or (
             "interrupted" if code is None else "usage_error" if code == rl.EXIT_USAGE else "error"))
         finished = {"run_id": run_id, "delivery": item["delivery"], "exit_code": code, "outcome": outcome,
                     "run_outcome": run_outcome, "duration_ms": round((time.monotonic() - started) * 1000, 1)}
-        if item.get("pid"):
-            finished["adopted_pid"] = item["pid"]
+        if pid:
+            finished["adopted_pid"] = pid
         if tail:
             finished["output_tail"] = tail
         with self.cond:  # healthz never shows a last_run older than the ledger's run_finished
             self.last_run = finished
             self.record("run_finished", finished)
-        self.say(f"run {run_id} {outcome}: {self._why(run_id, run_outcome, how or outcome, tail) or '-'}")
+        if not run_outcome:  # it did not close itself: why is how the daemon ended it
+            why = {"killed": f"killed after {self.settings.kill_after_s:g} s", "terminated": "the daemon stopped",
+                   "locked": "another run holds the repository's lock"}.get(how or outcome) or (
+                       tail.strip().splitlines() or [""])[-1]
+        self.say(f"run {run_id} {outcome}: {why or '-'}")
 
-    def _why(self, run_id, run_outcome, how, tail):
-        """Why a run ended: from its own events when it closed itself, else from how the daemon ended it."""
-        if run_outcome:
-            try:
-                return run_reason(rl.read_events(self.runs_dir / run_id / rl.EVENTS_NAME))
-            except (rl.LedgerError, OSError) as exc:
-                return f"its ledger cannot be read: {type(exc).__name__}"
-        lines = tail.strip().splitlines()
-        return {"killed": f"killed after {self.kill_after_s:g} s", "terminated": "the daemon stopped",
-                "locked": "another run holds the repository's lock"}.get(how) or (lines[-1] if lines else "")
-
-    def _argv(self, item, ref):
-        argv = [sys.executable, str(Path(__file__).resolve()), "run", "--repo", str(self.repo),
-                "--runs-dir", str(self.runs_dir), "--tools", str(self.tools), f"--run-id={item['run_id']}",
+    def _child(self, item, ref):
+        """`agent.py run`, its keys on its stdin: (exit code, how the daemon ended it, its output's tail if failed)."""
+        s = self.settings
+        argv = [sys.executable, str(Path(__file__).resolve()), "run", "--repo", str(s.repo), "--runs-dir",
+                str(s.runs_dir), "--tools", str(s.tools), f"--run-id={item['run_id']}",
                 f"--delivery={item['delivery']}", f"--event={item['event']}", "--settings-on-stdin"]
-        if self.ship_to:
-            argv.append(f"--ship-to={self.ship_to}")
-        return argv + ([f"--ref={ref}"] if ref else [])
+        argv += ([f"--ship-to={s.ship_to}"] if s.ship_to else []) + ([f"--ref={ref}"] if ref else [])
+        with tempfile.TemporaryFile() as output:
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=output, stderr=subprocess.STDOUT,
+                                        env=self.child_env, cwd=str(HERE), start_new_session=True, close_fds=True)
+            except OSError as exc:
+                return None, "error", f"cannot start agent.py run: {rl.error_text(exc)}"
+            _feed_stdin(proc.stdin, self.piped)
+            code, how = self._watch(proc.pid, lambda: (proc.poll() is not None, proc.returncode))
+            if code in OUTCOME_EXIT.values():
+                return code, how, ""
+            output.seek(max(0, output.seek(0, os.SEEK_END) - 2000))
+            return code, how, output.read().decode("utf-8", "replace")
 
-    def _watch(self, process):
-        """Wait for a run: killed (with its process group) past its wall budget, terminated past the grace
-        period of a stop. Returns (exit code, None | "killed" | "terminated")."""
-        kill_at = time.monotonic() + self.kill_after_s
+    def _watch(self, pid, poll):
+        """Wait for a run; past --kill-after-s or a stop's grace, SIGTERM to its process group (the agent closes its
+        run), then SIGKILL. Returns (exit code, None | "killed" | "terminated")."""
+        kill_at = time.monotonic() + self.settings.kill_after_s
         while True:
-            done, code = process.wait(0.2)
-            if done:
+            ended, code = _wait(poll, 0.2)
+            if ended:
                 return code, None
             with self.cond:
                 stop_at = self.stop_at
             now = time.monotonic()
             if now >= kill_at or (stop_at is not None and now >= stop_at):
-                return self._end(process), ("killed" if now >= kill_at else "terminated")
-
-    @staticmethod
-    def _end(process):
-        """SIGTERM to the run's process group (the agent closes its run and kills its tools), SIGKILL after
-        a few seconds."""
-        _signal_group(process.pid, signal.SIGTERM)
-        done, code = process.wait(TERMINATE_WAIT_S)
-        if not done:
-            _signal_group(process.pid, signal.SIGKILL)
-            done, code = process.wait(TERMINATE_WAIT_S)
-        return code
+                break
+        for signum in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(pid, signum)
+            except (ProcessLookupError, PermissionError):
+                pass
+            ended, code = _wait(poll, TERMINATE_WAIT_S)
+            if ended:
+                break
+        return code, ("killed" if now >= kill_at else "terminated")
 
     def _choose_ref(self, item):
-        """A push's `after` commit when the repository has it (read-only `git cat-file -e`); else None: the
-        run works on the repository as it is (HEAD and the working tree)."""
-        if self.fetch:
-            self._git_fetch(item)
-        after = item.get("after")
-        if after and subprocess.run(["git", "-C", str(self.repo), "cat-file", "-e", f"{after}^{{commit}}"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_git_env(),
-                                    timeout=60).returncode == 0:
-            return after
-        return None
+        """A push's `after` commit when the repository has it (after `git fetch` with --fetch), else None."""
+        repo, started, after = str(self.settings.repo), time.monotonic(), item.get("after")
+        if self.settings.fetch:
+            try:
+                proc = subprocess.run(["git", "-C", repo, "fetch", "--quiet", "--no-recurse-submodules"],
+                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      env=_git_env(), timeout=300)
+                code, output = proc.returncode, proc.stdout.decode("utf-8", "replace")[-1000:]
+            except subprocess.TimeoutExpired:
+                code, output = None, "git fetch timed out after 300 s"
+            self.record("git_fetch", {"run_id": item["run_id"], "delivery": item["delivery"], "returncode": code,
+                                      "duration_ms": round((time.monotonic() - started) * 1000, 1), "output": output})
+        has = after and subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{after}^{{commit}}"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_git_env(),
+                                       timeout=60).returncode == 0
+        return after if has else None
 
-    def _git_fetch(self, item):
-        """--fetch: `git fetch` in the repository, the one git command the daemon runs that writes there."""
-        started = time.monotonic()
+    def _closed(self, run_id):
+        """(the outcome the run recorded when it closed, or None; why it ended, as its events say)."""
+        events, why = [], None
         try:
-            proc = subprocess.run(["git", "-C", str(self.repo), "fetch", "--quiet", "--no-recurse-submodules"],
-                                  stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  env=_git_env(), timeout=300)
-            code, output = proc.returncode, proc.stdout.decode("utf-8", "replace")[-1000:]
-        except subprocess.TimeoutExpired:
-            code, output = None, "git fetch timed out after 300 s"
-        self.record("git_fetch", {"run_id": item["run_id"], "delivery": item["delivery"], "returncode": code,
-                                  "duration_ms": round((time.monotonic() - started) * 1000, 1), "output": output})
-
-    def _closed_outcome(self, run_id):
-        """The outcome the run recorded when it closed, or None."""
-        path = self.runs_dir / run_id / rl.EVENTS_NAME
-        outcome = None
-        try:
-            for event in rl.read_events(path):
-                if event["kind"] == "run_closed":
-                    outcome = event["payload"].get("outcome")
-        except (rl.LedgerError, OSError):
-            return outcome
-        return outcome
+            for event in rl.read_events(self.settings.runs_dir / run_id / rl.EVENTS_NAME):
+                events.append(event)
+        except (rl.LedgerError, OSError) as exc:
+            why = f"its ledger cannot be read: {type(exc).__name__}"
+        closed = [event["payload"].get("outcome") for event in events if event["kind"] == "run_closed"]
+        return (closed[-1] if closed else None), why or run_reason(events)
 
     # -- restart ---------------------------------------------------------------------
     def _recover(self):
-        """Rebuild the delivery -> run map from daemon.jsonl and finish what an earlier daemon left: a
-        delivery received but never dispatched is queued again; a dispatched run that has not finished is
-        adopted while its process still runs, recorded as finished when its run closed, queued again when
-        its run directory was never made, and recorded as interrupted otherwise."""
+        """Rebuild the delivery map from daemon.jsonl; requeue, adopt or close what an earlier daemon left (README)."""
         received, dispatched, finished = {}, set(), set()
         for event in rl.read_events(self.ledger.path, run_id=None):
             kind, payload = event["kind"], event["payload"]
             if kind == "webhook_received" and type(payload.get("delivery")) is str:
                 self.deliveries[payload["delivery"]] = payload.get("run_id")
                 if payload.get("source") == "github" and payload.get("body_sha256"):
-                    self.bodies[payload["body_sha256"]] = (payload["delivery"], payload["run_id"])
+                    self.bodies[payload["body_sha256"]] = payload["delivery"]
                 if type(payload.get("run_id")) is str:
                     received[payload["run_id"]] = payload
             elif kind == "run_dispatched":
@@ -3849,40 +3631,36 @@ class Daemon:
             elif kind == "run_finished":
                 finished.add(payload.get("run_id"))
                 self.last_run = payload
-        summary = {"requeued": [], "adopted": [], "finished": [], "interrupted": []}
-        adopted, requeued = [], []
+        summary, items = {"requeued": [], "adopted": [], "finished": [], "interrupted": []}, {}
         for run_id, payload in received.items():
             if run_id in finished:
                 continue
-            item = {"run_id": run_id, "delivery": payload["delivery"], "event": payload.get("event") or "webhook",
-                    "after": payload.get("after")}
-            pid = _find_run_process(run_id) if run_id in dispatched else None
-            if run_id not in dispatched or (pid is None and not (self.runs_dir / run_id).exists()):
-                requeued.append(item)
+            items[run_id] = {"run_id": run_id, "delivery": payload["delivery"],
+                             "event": payload.get("event") or "webhook", "after": payload.get("after")}
+            pids = os.listdir("/proc") if run_id in dispatched and os.path.isdir("/proc") else ()
+            pid = next((int(name) for name in pids if name.isdigit() and _is_run_process(name, run_id)), None)
+            if run_id not in dispatched or (pid is None and not (self.settings.runs_dir / run_id).exists()):
                 summary["requeued"].append(run_id)
             elif pid is not None:
-                adopted.append(dict(item, pid=pid))
+                items[run_id]["pid"] = pid
                 summary["adopted"].append(run_id)
             else:
-                outcome = self._closed_outcome(run_id)
+                outcome = self._closed(run_id)[0]
                 summary["finished" if outcome else "interrupted"].append(run_id)
                 self.record("run_finished", {"run_id": run_id, "delivery": payload["delivery"], "exit_code": None,
                                              "outcome": outcome or "interrupted", "run_outcome": outcome,
                                              "recovered": True})
-        self.queue.extend(adopted + requeued)
+        self.queue.extend(items[run_id] for run_id in summary["adopted"] + summary["requeued"])
         if any(summary.values()):
             self.record("daemon_recovered", summary)
 
     # -- reading ------------------------------------------------------------------------
     def read_allowed(self, authorization):
-        """Bearer token check for the read endpoints (not needed on loopback without a token)."""
-        if not self.token_required:
-            return True
-        if not self.read_token or not authorization:
-            return False
-        scheme, _, given = authorization.strip().partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "replace"),
-                                                                   self.read_token.encode("utf-8"))
+        """The bearer token of the read endpoints (not needed on loopback without a token)."""
+        token = self.settings.read_token
+        scheme, _, given = (authorization or "").strip().partition(" ")
+        return not self.settings.token_required or bool(token) and scheme.lower() == "bearer" and (
+            hmac.compare_digest(given.strip().encode("utf-8", "replace"), token.encode("utf-8")))
 
     def health(self, detailed):
         if not detailed:
@@ -3893,90 +3671,50 @@ class Daemon:
                     "uptime_s": round(time.monotonic() - self.started_at, 3), "version": __version__}
 
     def runs(self):
-        """GET /runs: list_runs' rows, with the head the index anchored and the delivery that asked."""
-        heads = {}
-        index = self.runs_dir / rl.INDEX_NAME
-        try:
-            for event in rl.read_events(index, run_id=None) if index.exists() else ():
-                entry = event["payload"]
-                if event["kind"] == "run_closed" and type(entry.get("run")) is str:
-                    heads[entry["run"]] = f"{entry.get('head_seq')}:{entry.get('head_hash')}"
-        except (rl.LedgerError, OSError):
-            pass  # list_runs says which runs do not verify
+        """GET /runs: list_runs' rows, with the head the index recorded and the delivery that asked."""
+        heads = {path.parent.name: head for path, head in rl.run_ledgers(self.settings.runs_dir) if head}
         with self.cond:
             origin = {run_id: delivery for delivery, run_id in self.deliveries.items() if run_id}
-        rows = list_runs(self.runs_dir)
+        rows = list_runs(self.settings.runs_dir)
         for row in rows:
-            row["head"] = heads.get(row["run_id"])
-            row["delivery"] = origin.get(row["run_id"])
+            head = heads.get(row["run_id"])
+            row["head"], row["delivery"] = (f"{head[0]}:{head[1]}" if head else None), origin.get(row["run_id"])
         return rows
 
     def run_events(self, run_id):
-        """GET /runs/<id>: the run's events as far as they verify, and whether they all do; None when
-        there is no such run. `run_id` has been checked against new_run_id()'s shape."""
-        path = self.runs_dir / run_id / rl.EVENTS_NAME
+        """GET /runs/<id> (an id of new_run_id()'s shape): its events as far as they verify; None: no such run."""
+        path = self.settings.runs_dir / run_id / rl.EVENTS_NAME
         if not path.is_file():
             return None
-        events, problem, truncated = [], None, False
+        events, problem = [], None
         try:
-            for event in rl.read_events(path):
-                if len(events) >= MAX_EVENTS_SHOWN:
-                    truncated = True
-                    break
+            for event in itertools.islice(rl.read_events(path), MAX_EVENTS_SHOWN + 1):
                 events.append(event)
         except rl.IntegrityError as exc:
             problem = f"line {exc.line}: {exc.reason}" if exc.line else exc.reason
         except (rl.LedgerError, OSError) as exc:
             problem = type(exc).__name__
-        return {"run_id": run_id, "verified": problem is None, "problem": problem, "truncated": truncated,
-                "events": events}
+        return {"run_id": run_id, "verified": problem is None, "problem": problem,
+                "truncated": len(events) > MAX_EVENTS_SHOWN, "events": events[:MAX_EVENTS_SHOWN]}
 
 
-def _check_limits(port, max_body, queue, max_connections, request_timeout, grace_s, kill_after_s):
-    for name, value, low in (("--max-body", max_body, 1), ("--queue", queue, 1),
-                             ("--max-connections", max_connections, 1)):
-        if value < low:
-            raise rl.UsageError(f"{name} must be at least {low}")
-    if not 0 <= port <= 65535:
-        raise rl.UsageError("--port must be between 0 and 65535")
-    for name, value in (("--request-timeout", request_timeout), ("--kill-after-s", kill_after_s)):
-        if value is not None and not 0 < value < float("inf"):
-            raise rl.UsageError(f"{name} must be a positive number")
-    if not 0 <= grace_s < float("inf"):
-        raise rl.UsageError("--grace-s must be zero or more")
+# -- the pages: the index of runs and one run's timeline ---------------------------------
 
-
-def _daemon_lock(runs_dir):
-    """One daemon per runs directory (two would both pick up the same unfinished deliveries)."""
-    return _hold_lock(runs_dir / DAEMON_LOCK, f"another daemon serves {runs_dir}", "")
-
-
-# -- the timeline page ------------------------------------------------------------------
-
-_TIMELINE_FIELDS = {
-    "run_started": ("repo", "ref", "commit", "dirty", "delivery", "event", "model", "base_url"),
-    "tests_run": ("passed", "returncode", "timed_out", "counts", "excerpt"),
-    "prompt_context": ("diff_chars",),
-    "decision": ("stage", "decision", "rationale", "alternatives", "files"),
-    "model_call": ("request_model", "response_model", "http_status", "latency_ms", "total_tokens", "error_type",
-                   "error_message"),
-    "model_proposed": ("step", "form", "tool", "args", "reason"),
-    "proposal_malformed": ("step", "reason", "excerpt"),
-    "tool_allowed": ("step", "tool", "rule", "reason"),
-    "tool_denied": ("step", "tool", "rule", "reason"),
-    "tool_result": ("step", "tool", "returncode", "timed_out", "size", "excerpt"),
-    "patch_rejected": ("step", "message"),
-    "judge_verdict": ("verdict", "reason", "applies", "tests_passed", "touched_tests", "newly_failing", "vanished",
-                      "excerpt"),
-    "budget_exhausted": ("limit", "used", "max"),
-    "context_trimmed": ("step", "before_chars", "after_chars"),
-    "error": ("type", "message"),
-    "run_closed": ("outcome", "steps", "proposal", "verdict"),
-}
-_PAGE_POLICY = ("default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; "
-                "frame-ancestors 'none'")
+_TIMELINE_FIELDS = {kind: names.split() for kind, names in {
+    "run_started": "repo ref commit dirty delivery event model base_url", "prompt_context": "diff_chars",
+    "tests_run": "passed returncode timed_out counts excerpt",
+    "decision": "stage decision rationale alternatives files",
+    "model_call": "request_model response_model http_status latency_ms total_tokens error_type error_message",
+    "model_proposed": "step form tool args reason", "proposal_malformed": "step reason excerpt",
+    "tool_allowed": "step tool rule reason", "tool_denied": "step tool rule reason",
+    "tool_result": "step tool returncode timed_out size excerpt", "patch_rejected": "step message",
+    "judge_verdict": "verdict reason applies tests_passed touched_tests newly_failing vanished excerpt",
+    "budget_exhausted": "limit used max", "context_trimmed": "step before_chars after_chars",
+    "error": "type message", "run_closed": "outcome steps proposal verdict"}.items()}
 _HIGHLIGHT = {"decision": "decision", "tool_allowed": "allowed", "tool_denied": "denied", "judge_verdict": "verdict",
               "error": "denied", "proposal_malformed": "denied", "patch_rejected": "denied", "run_closed": "verdict"}
+_PAGE_POLICY = ("default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; "
+                "frame-ancestors 'none'")
 _PAGE_STYLE = ("body{font:14px/1.45 system-ui,sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse;"
                "width:100%}td,th{border-bottom:1px solid #ddd;padding:.35em .5em;vertical-align:top;text-align:left}"
                "th{background:#f4f4f4}pre{white-space:pre-wrap;word-break:break-word;margin:0;font:12px/1.4 "
@@ -4006,32 +3744,25 @@ def _reply_excerpt(run_dir, payload):
 
 
 def timeline_html(found, run_dir):
-    """A readable page of one run: each decision, tool call and verdict. Every value that comes from a
-    ledger or an artifact is HTML-escaped."""
-    esc = html.escape
+    """A readable page of one run: each decision, tool call and verdict, every value HTML-escaped."""
     rows = []
     for event in found["events"]:
         kind, payload = event["kind"], event["payload"]
         fields = [(name, payload[name]) for name in _TIMELINE_FIELDS.get(kind, ()) if payload.get(name) not in (
-            None, "", [], {})]
-        if kind == "model_proposed":
-            reply = _reply_excerpt(run_dir, payload)
-            if reply is not None:
-                fields.append(("reply", reply))
-        if kind not in _TIMELINE_FIELDS:
-            fields = [("payload", payload)]
-        detail = "".join(f"<dt>{esc(name)}</dt><dd><pre>{_shown(value)}</pre></dd>" for name, value in fields)
-        css = _HIGHLIGHT.get(kind, "")
-        rows.append(f"<tr class=\"{css}\"><td>{_shown(event['seq'])}</td><td>{_shown(event['at'])}</td>"
-                    f"<td>{_shown(kind)}</td><td><dl>{detail}</dl></td></tr>")
+            None, "", [], {})] if kind in _TIMELINE_FIELDS else [("payload", payload)]
+        reply = _reply_excerpt(run_dir, payload) if kind == "model_proposed" else None
+        if reply is not None:
+            fields.append(("reply", reply))
+        detail = "".join(f"<dt>{_shown(name)}</dt><dd><pre>{_shown(value)}</pre></dd>" for name, value in fields)
+        rows.append(f"<tr class=\"{_HIGHLIGHT.get(kind, '')}\"><td>{_shown(event['seq'])}</td><td>"
+                    f"{_shown(event['at'])}</td><td>{_shown(kind)}</td><td><dl>{detail}</dl></td></tr>")
     status = ("verified" if found["verified"] else
               f"<span class=\"bad\">does not verify: {_shown(found['problem'])}</span>")
     more = f" (the first {len(found['events'])} events)" if found["truncated"] else ""
     closed = ([e["payload"] for e in found["events"] if e["kind"] == "run_closed"] or [{}])[-1]
-    outcome = closed.get("outcome") or "open (not closed yet)"
     summary = "".join(f"<dt>{name}</dt><dd>{_shown(value or '-')}</dd>" for name, value in (
-        ("outcome", outcome), ("why", run_reason(found["events"])), ("proposal", closed.get("proposal")),
-        ("verdict", closed.get("verdict"))))
+        ("outcome", closed.get("outcome") or "open (not closed yet)"), ("why", run_reason(found["events"])),
+        ("proposal", closed.get("proposal")), ("verdict", closed.get("verdict"))))
     return _page(f"run {found['run_id']}", f"<dl class=\"summary\">{summary}</dl><p>{len(found['events'])} events"
                  f"{more}, {status}</p><table><thead><tr><th>seq</th><th>at</th><th>kind</th><th>what</th></tr>"
                  "</thead><tbody>" + "".join(rows) + "</tbody></table>")
@@ -4198,23 +3929,15 @@ def _cmd_runs(args):
 
 
 def _cmd_serve(args):
-    secrets = webhook_secrets()
-    settings = ask.settings_from_env()  # every run needs them: refuse to start without, not fail each run
-    token = args.read_token or os.environ.get("READ_TOKEN") or None
-    daemon = Daemon(args.repo, runs_dir=args.runs_dir, tools=args.tools, host=args.host, port=args.port,
-                    secrets=secrets, read_token=token, max_body=args.max_body, queue=args.queue,
-                    max_connections=args.max_connections, request_timeout=args.request_timeout,
-                    grace_s=args.grace_s, kill_after_s=args.kill_after_s, fetch=args.fetch,
-                    extra_secrets=[settings[2]], log=_stderr_line, ship_to=args.ship_to,
-                    say=lambda line: _stderr_line(line, sys.stdout), allow_hosts=args.allow_host or ())
+    daemon = Daemon(serve_settings(args, os.environ), _stderr_line, lambda line: _stderr_line(line, sys.stdout))
     received = []
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, _frame: received.append(number))
     daemon.start()
-    if not daemon.keys:
+    if not daemon.settings.keys:
         rl.warn("no webhook secret (WEBHOOK_SECRET, WEBHOOK_SECRET_FILE): unsigned deliveries are accepted; "
                 "this is allowed on a loopback address only")
-    if daemon.token_required and not token:
+    if daemon.settings.token_required and not daemon.settings.read_token:
         rl.warn("no read token (READ_TOKEN): /, /runs and /runs/<id> answer 401 to everyone")
     while not received and daemon.alive():
         time.sleep(0.1)
@@ -4270,21 +3993,17 @@ def _add_serve_parser(sub):
     p = sub.add_parser("serve", help="the webhook daemon: signed deliveries start runs, one at a time (README.md)")
     p.add_argument("--repo", required=True, help="the git repository runs work on (never modified; --fetch fetches)")
     p.add_argument("--host", default=DEFAULT_HOST,
-                   help=f"address to listen on (default {DEFAULT_HOST}; any other needs a webhook secret)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"(default {DEFAULT_PORT}; 0: any free port)")
+                   help="address to listen on (default %(default)s; any other needs a webhook secret)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="(default %(default)s; 0: any free port)")
     p.add_argument("--runs-dir", default=DEFAULT_RUNS, help="where runs and daemon.jsonl are recorded")
     p.add_argument("--tools", default=str(DEFAULT_TOOLS), help="the allowlist every run uses")
-    p.add_argument("--max-body", type=int, default=DEFAULT_MAX_BODY, metavar="BYTES",
-                   help=f"larger bodies get 413 unread (default {DEFAULT_MAX_BODY})")
-    p.add_argument("--queue", type=int, default=DEFAULT_QUEUE, metavar="N",
-                   help=f"deliveries waiting for the worker; more get 503 (default {DEFAULT_QUEUE})")
-    p.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS, metavar="N",
-                   help=f"connections handled at once; more get 503 (default {DEFAULT_MAX_CONNECTIONS})")
-    p.add_argument("--request-timeout", type=float, default=DEFAULT_REQUEST_TIMEOUT_S, metavar="S",
-                   help=f"wall deadline of a whole request, headers and body (default {DEFAULT_REQUEST_TIMEOUT_S:g})")
-    p.add_argument("--grace-s", type=float, default=DEFAULT_GRACE_S, metavar="S",
-                   help=f"on SIGTERM/SIGINT, a run in progress gets this long before it is terminated "
-                        f"(default {DEFAULT_GRACE_S:g})")
+    for flag, kind, default, metavar, text in (
+            ("--max-body", int, 5 * 1024 * 1024, "BYTES", "larger bodies get 413 unread"),
+            ("--queue", int, 16, "N", "deliveries waiting for the worker; more get 503"),
+            ("--max-connections", int, 64, "N", "connections handled at once; more get 503"),
+            ("--request-timeout", float, 10, "S", "wall deadline of a whole request, headers and body"),
+            ("--grace-s", float, 30, "S", "on SIGTERM/SIGINT, a run in progress gets this long, then is terminated")):
+        p.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default %(default)s)")
     p.add_argument("--kill-after-s", type=float, metavar="S",
                    help=f"kill a run after this long (default: tools.json's max_wall_s + 2 x test_timeout_s + "
                         f"{KILL_MARGIN_S})")

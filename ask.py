@@ -15,13 +15,13 @@ Exit codes: 0 ok, 1 the call failed, 2 usage/config/ledger error, 3 answer recei
 5 stdout could not be written (the call is recorded).
 
 Library (the one code path for a model call; agent.py uses it):
-  import ask
   record = ask.chat([{"role": "user", "content": "2+2?"}], ledger=ledger_or_run_or_path,
                     base_url=..., model=..., api_key=..., max_tokens=200)
   record["text"], record["error_type"]
 """
 
 import argparse
+import functools
 import hashlib
 import hmac
 import http.client
@@ -44,14 +44,10 @@ import reasoning_ledger as rl  # noqa: E402
 
 __version__ = "1.1.0"
 
-__all__ = ["chat", "ask", "list_models", "settings_from_env", "split_base_url", "parse_usage", "run_checks", "retryable",
-           "estimate_tokens", "retry_after_seconds", "ConfigError", "RecordError", "MODEL_CALL_FIELDS",
-           "MODEL_CALL_OPTIONAL", "MODEL_CALL_SUMMARY", "DEFAULT_TIMEOUT", "DEFAULT_MAX_RESPONSE_BYTES",
-           "DEFAULT_LEDGER"]
+__all__ = ["chat", "ask", "list_models", "settings_from_env", "split_base_url", "retryable", "estimate_tokens",
+           "ConfigError", "RecordError", "MODEL_CALL_FIELDS", "MODEL_CALL_OPTIONAL", "DEFAULT_MAX_RESPONSE_BYTES"]
 
-# ----------------------------------------------------------------------------
-# Constants
-# ----------------------------------------------------------------------------
+# --- Constants ---
 
 DEFAULT_LEDGER = "calls.jsonl"
 DEFAULT_TIMEOUT = 120.0
@@ -65,12 +61,12 @@ EST_METHOD = "chars/4"
 RETRYABLE_STATUS = {408, 409, 429}
 RETRYABLE_ERRORS = {"timeout", "connection_refused", "connection_error", "rate_limited", "server_error",
                     "truncated_response", "truncated_stream"}
+STATUS_ERRORS = {401: "auth_error", 403: "auth_error", 404: "not_found", 429: "rate_limited"}  # else 5xx/other
 USER_AGENT = f"reasoning-ledger-ask/{__version__}"
 
 _S, _I, _F, _B, _N, _D, _L = str, int, float, bool, type(None), dict, list
-# The model_call record, field by field, with the JSON types each may hold. This is the one definition:
-# the writer builds every record from it, audit.py checks what it reads against it, and README.md's
-# table lists the same names (a test holds them together).
+# The model_call record, field by field, with the JSON types each may hold: the one definition, which the
+# writer builds every record from and audit.py checks what it reads against.
 MODEL_CALL_FIELDS = {
     "request_model": (_S,), "response_model": (_S, _N), "response_id": (_S, _N),
     "system_fingerprint": (_S, _N), "base_url": (_S,), "server_address": (_S,), "server_port": (_I,),
@@ -92,21 +88,17 @@ MODEL_CALL_OPTIONAL = {
     "redirect_host": (_S,), "malformed": (_L,),
     "route": (_S,), "client_address": (_S,), "user_agent": (_S, _N), "session_id": (_S, _N), "client_retry": (_I, _N),
 }
-# What `reasoning_ledger.py report` shows on a model_call's line.
-MODEL_CALL_SUMMARY = ("request_model", "response_model", "error_type")
 
+# --- Errors ---
 
-# ----------------------------------------------------------------------------
-# Errors
-# ----------------------------------------------------------------------------
 
 class ConfigError(rl.UsageError):
     """A setting or argument is missing or wrong; nothing was sent."""
 
 
 class RecordError(rl.UsageError):
-    """The call was made but its ledger line could not be written. `.record` holds what was received,
-    the answer included, so a paid answer is never thrown away."""
+    """The call was made but its ledger line could not be written; `.record` holds what was received, answer
+    included, so a paid answer is never thrown away."""
 
     def __init__(self, message, record):
         super().__init__(message)
@@ -114,22 +106,19 @@ class RecordError(rl.UsageError):
 
 
 class _CallFailed(Exception):
-    """One attempt failed: carries what the ledger records about it."""
+    """One attempt failed: what the ledger records about it (body: an HTTP error's, capped)."""
 
     def __init__(self, error_type, message, status=None, headers=None, code=None, redirect_host=None, body=None):
         super().__init__(message)
         self.error_type, self.message, self.status, self.headers = error_type, message, status, headers
-        self.code, self.redirect_host, self.body = code, redirect_host, body  # body: an HTTP error's, capped
+        self.code, self.redirect_host, self.body = code, redirect_host, body
 
+# --- Settings ---
 
-# ----------------------------------------------------------------------------
-# Helpers: settings
-# ----------------------------------------------------------------------------
 
 def settings_from_env(base_url=None, model=None, api_key=None, environ=None, need_model=True):
-    """(base_url, model, api_key) from flags, then BASE_URL/MODEL_ID/API_KEY and the OPENAI_* names.
-    Raises ConfigError naming every setting that is missing, and refuses a malformed key or URL.
-    There are no defaults."""
+    """(base_url, model, api_key) from flags, then BASE_URL/MODEL_ID/API_KEY and the OPENAI_* names; there are
+    no defaults. Raises ConfigError naming every missing setting, or for a malformed key or URL."""
     env = os.environ if environ is None else environ
     base_url = base_url or env.get("BASE_URL") or env.get("OPENAI_BASE_URL")
     model = model or env.get("MODEL_ID")
@@ -155,9 +144,9 @@ def check_api_key(api_key):
 
 
 def split_base_url(base_url):
-    """(request_base, recorded_base, host, port): the first keeps a query string (api-version=...),
-    the recorded one drops user:password, query and fragment. Raises ConfigError for a bad URL."""
-    safe = _safe_url(base_url)
+    """(request_base, recorded_base, host, port): the first keeps a query string (api-version=...), the
+    recorded one drops user:password, query and fragment. Raises ConfigError for a bad URL."""
+    safe = rl.redact_text(re.split(r"[?#]", base_url, maxsplit=1)[0])  # no query, fragment or credentials
     if re.search(r"[\x00-\x20\x7f]", base_url):
         raise ConfigError(f"BASE_URL has white space or a control character in it: {safe!r}")
     try:
@@ -172,17 +161,10 @@ def split_base_url(base_url):
     except (ValueError, UnicodeError):
         raise ConfigError(f"BASE_URL has a bad host or port: {safe!r}") from None
     host = parts.hostname
-    netloc = f"[{host}]" if ":" in host else host
-    if parts.port:
-        netloc += f":{parts.port}"
+    netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
     path = parts.path.rstrip("/")
     recorded = urllib.parse.urlunsplit((parts.scheme, netloc, path, "", ""))
     return (parts.scheme, netloc, path, parts.query), recorded, host, port
-
-
-def _safe_url(url):
-    """A URL fit for an error message: no query, fragment or credentials."""
-    return rl.redact_text(re.split(r"[?#]", url, maxsplit=1)[0])
 
 
 def _endpoint(request_base, suffix):
@@ -200,10 +182,8 @@ def _check_number(name, value, minimum=None, above=None):
     if above is not None and value <= above:
         raise ConfigError(f"{name} must be greater than {above}")
 
+# --- What a server says ---
 
-# ----------------------------------------------------------------------------
-# Helpers: what a server says
-# ----------------------------------------------------------------------------
 
 def estimate_tokens(chars):
     return int(math.ceil(chars / 4)) if chars else 0
@@ -214,34 +194,33 @@ def _count(value):
     return value if type(value) is int and 0 <= value < 2 ** 63 else None
 
 
+def _code(value):
+    """A server's error code as recorded: a string or number, cut to 100 characters."""
+    return str(value)[:100] if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+
+
 def parse_usage(usage):
     """Reported usage only. Returns the fields and usage_status: complete/partial/zero/absent/malformed."""
-    fields = {"usage_reported": False, "usage_status": "absent", "input_tokens": None, "output_tokens": None,
-              "total_tokens": None, "cached_input_tokens": None, "reasoning_output_tokens": None}
-    if usage is None:
-        return fields
+    fields = {"usage_reported": False, "usage_status": "absent" if usage is None else "malformed"}
+    names = ("input_tokens", "output_tokens", "total_tokens", "cached_input_tokens", "reasoning_output_tokens")
+    fields.update(dict.fromkeys(names))
     if not isinstance(usage, dict):
-        fields["usage_status"] = "malformed"
         return fields
-    details_in = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
-    details_out = usage.get("completion_tokens_details") or usage.get("output_tokens_details") or {}
-    fields["input_tokens"] = _count(usage.get("prompt_tokens", usage.get("input_tokens")))
-    fields["output_tokens"] = _count(usage.get("completion_tokens", usage.get("output_tokens")))
-    fields["total_tokens"] = _count(usage.get("total_tokens"))
-    fields["cached_input_tokens"] = _count(details_in.get("cached_tokens")) if isinstance(details_in, dict) else None
-    fields["reasoning_output_tokens"] = (_count(details_out.get("reasoning_tokens"))
-                                         if isinstance(details_out, dict) else None)
-    counts = [fields[k] for k in ("input_tokens", "output_tokens", "total_tokens")]
-    if all(c is None for c in counts):
-        fields["usage_status"] = "malformed"
-        return fields
-    fields["usage_reported"] = True
-    if all(c == 0 for c in counts if c is not None):
-        fields["usage_status"] = "zero"
-    elif any(c is None for c in counts):
-        fields["usage_status"] = "partial"
-    else:
-        fields["usage_status"] = "complete"
+
+    def details(*keys):
+        found = next((usage[key] for key in keys if usage.get(key)), {})
+        return found if isinstance(found, dict) else {}
+    fields.update(input_tokens=_count(usage.get("prompt_tokens", usage.get("input_tokens"))),
+                  output_tokens=_count(usage.get("completion_tokens", usage.get("output_tokens"))),
+                  total_tokens=_count(usage.get("total_tokens")),
+                  cached_input_tokens=_count(details("prompt_tokens_details", "input_tokens_details")
+                                             .get("cached_tokens")),
+                  reasoning_output_tokens=_count(details("completion_tokens_details", "output_tokens_details")
+                                                 .get("reasoning_tokens")))
+    known = [fields[name] for name in names[:3] if fields[name] is not None]
+    if known:
+        fields["usage_reported"] = True
+        fields["usage_status"] = "zero" if not any(known) else "partial" if len(known) < 3 else "complete"
     return fields
 
 
@@ -249,8 +228,8 @@ _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
 def _server_text(value, where, problems, limit=None):
-    """A string the server chose, made safe to record: None stays None; another type, a lone surrogate
-    or (with `limit`) an over-long value is noted in `problems` and repaired."""
+    """A string the server chose, made safe to record: None stays None; another type, a lone surrogate or
+    (with `limit`) an over-long value is noted in `problems` and repaired."""
     if value is None:
         return None
     if type(value) is not str:
@@ -267,44 +246,29 @@ def _server_text(value, where, problems, limit=None):
 
 def _content_text(content, where, problems):
     """The text of a message or delta `content`: a string, or a list of text parts."""
-    if content is None:
-        return ""
-    if type(content) is list:
-        texts = []
-        for i, part in enumerate(content):
-            if type(part) is not dict:
-                problems.append(f"{where}[{i}] is a {type(part).__name__}, not a content part")
-            elif part.get("type", "text") in ("text", "output_text"):
-                texts.append(_server_text(part.get("text"), f"{where}[{i}].text", problems) or "")
-        return "".join(texts)
-    return _server_text(content, where, problems) or ""
-
-
-def _ratelimit(headers):
-    if headers is None:
-        return {}
-    out = {}
-    for name, value in headers.items():
-        low = name.lower()
-        if (low.startswith("x-ratelimit-") or low in ("retry-after", "retry-after-ms")) and len(out) < 32:
-            out[low[:64]] = str(value)[:200]
-    return out
+    if type(content) is not list:
+        return _server_text(content, where, problems) or ""
+    texts = []
+    for i, part in enumerate(content):
+        if type(part) is not dict:
+            problems.append(f"{where}[{i}] is a {type(part).__name__}, not a content part")
+        elif part.get("type", "text") in ("text", "output_text"):
+            texts.append(_server_text(part.get("text"), f"{where}[{i}].text", problems) or "")
+    return "".join(texts)
 
 
 def retry_after_seconds(headers, now=None):
     """The server's requested wait: retry-after-ms, or Retry-After in seconds or as an HTTP date."""
-    if not headers:
-        return None
-    lower = {k.lower(): v for k, v in headers.items()}
-    for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
-        value = lower.get(name)
+    lower = {k.lower(): v for k, v in headers.items()} if headers else {}
+    try:
+        seconds = float(lower["retry-after-ms"]) / 1000.0
+    except (KeyError, TypeError, ValueError):
+        value = lower.get("retry-after")
         if value is None:
-            continue
+            return None
         try:
-            seconds = float(value) / scale
+            seconds = float(value)
         except ValueError:
-            if name == "retry-after-ms":
-                continue
             import email.utils  # only on this rare path
             try:
                 moment = email.utils.parsedate_to_datetime(value)
@@ -313,54 +277,31 @@ def retry_after_seconds(headers, now=None):
             if moment is None:
                 return None
             seconds = moment.timestamp() - (time.time() if now is None else now)
-        return max(0.0, seconds) if math.isfinite(seconds) else None
-    return None
+    return max(0.0, seconds) if math.isfinite(seconds) else None
 
 
 def _error_from_body(raw, content_type):
-    """(message, code): the server's own error message and code from a JSON body, the <title> of an
-    HTML page, or the text."""
+    """(message, code): the server's own error message and code from a JSON body, the <title> of an HTML
+    page, or the text."""
     text = raw.decode("utf-8", "replace").strip()
     try:
         data = json.loads(text)
     except (ValueError, RecursionError):
         data = None
-    if isinstance(data, dict):
-        err = data.get("error", data)
-        if isinstance(err, dict):
-            code = err.get("code")
-            code = str(code)[:100] if isinstance(code, (str, int)) and not isinstance(code, bool) else None
-            for name in ("message", "detail"):
-                if isinstance(err.get(name), str) and err[name]:
-                    return err[name], code
-            return text, code
-        if isinstance(err, str):
-            return err, None
+    err = data.get("error", data) if isinstance(data, dict) else None
+    if isinstance(err, dict):
+        message = next((err[name] for name in ("message", "detail") if isinstance(err.get(name), str) and err[name]),
+                       text)
+        return message, _code(err.get("code"))
+    if isinstance(err, str):
+        return err, None
     if "html" in (content_type or "") or text.lower().startswith(("<!doctype html", "<html")):
         title = re.search(r"<title[^>]*>(.*?)</title>", text, re.I | re.S)
         return "an HTML page" + (f" titled {title.group(1).strip()[:200]!r}" if title else ""), None
     return text, None
 
 
-def _error_type_for_status(status):
-    if status in (401, 403):
-        return "auth_error"
-    if status == 404:
-        return "not_found"
-    if status == 429:
-        return "rate_limited"
-    if status >= 500:
-        return "server_error"
-    return "http_error"
-
-
-def _strip_fence(text):
-    match = re.fullmatch(r"\s*```[a-zA-Z0-9_-]*\s*\n(.*?)\n?```\s*", text, re.S)
-    return (match.group(1), True) if match else (text, False)
-
-
-def run_checks(text, *, expect=None, expect_json=False, strict_model=False, request_model=None,
-               response_model=None):
+def run_checks(text, *, expect=None, expect_json=False, strict_model=False, request_model=None, response_model=None):
     """The assertion gate. Returns (check, detail): check is None when nothing was asked."""
     results = []
     if expect is not None:
@@ -368,10 +309,10 @@ def run_checks(text, *, expect=None, expect_json=False, strict_model=False, requ
         ok = bool(pattern.search(text))
         results.append((ok, f"{'matched' if ok else 'no match for'} /{pattern.pattern}/"))
     if expect_json:
-        body, fenced = _strip_fence(text)
+        fence = re.fullmatch(r"\s*```[a-zA-Z0-9_-]*\s*\n(.*?)\n?```\s*", text, re.S)
         try:
-            json.loads(body)
-            results.append((True, "valid JSON" + (" (inside a ``` fence)" if fenced else "")))
+            json.loads(fence.group(1) if fence else text)
+            results.append((True, "valid JSON" + (" (inside a ``` fence)" if fence else "")))
         except (ValueError, RecursionError) as exc:
             results.append((False, f"not JSON: {exc}"))
     if strict_model:
@@ -382,10 +323,8 @@ def run_checks(text, *, expect=None, expect_json=False, strict_model=False, requ
         return None, None
     return all(ok for ok, _ in results), "; ".join(detail for _, detail in results)
 
+# --- Transport: no redirects, one deadline for the whole attempt, bounded reads ---
 
-# ----------------------------------------------------------------------------
-# Transport: no redirects, one deadline for the whole attempt, bounded reads
-# ----------------------------------------------------------------------------
 
 def _classify(exc, deadline):
     """(error_type, message) for a failure below a complete HTTP answer."""
@@ -431,15 +370,16 @@ def _open(url, *, api_key, deadline, body=None, accept="application/json"):
                                           f"never sent to another URL; fix BASE_URL)", exc.code, exc.headers,
                               redirect_host=host) from None
         message, code = _error_from_body(raw, exc.headers.get("Content-Type", "") if exc.headers else "")
-        raise _CallFailed(_error_type_for_status(exc.code), f"HTTP {exc.code}: {message or exc.reason}",
-                          exc.code, exc.headers, code=code, body=raw) from None
+        error_type = STATUS_ERRORS.get(exc.code, "server_error" if exc.code >= 500 else "http_error")
+        raise _CallFailed(error_type, f"HTTP {exc.code}: {message or exc.reason}", exc.code, exc.headers,
+                          code=code, body=raw) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         raise _CallFailed(*_classify(exc, deadline)) from None
 
 
 def _read_body(response, limit, deadline, tolerant=False):
-    """The body, at most `limit` bytes, checked against Content-Length. `tolerant` (error bodies)
-    returns what arrived instead of failing."""
+    """The body, at most `limit` bytes, checked against Content-Length; `tolerant` (error bodies) returns
+    what arrived instead of failing."""
     status = getattr(response, "status", None) or getattr(response, "code", None)
     chunks, total = [], 0
     try:
@@ -470,36 +410,28 @@ def _parse_json(raw, what, problems, status, headers, content_type=""):
     """A JSON object from raw bytes. NaN and Infinity are noted in problems and read as null."""
     def constant(name):
         problems.append(f"{name} in the {what}")
-        return None
     try:
         data = json.loads(raw.decode("utf-8"), parse_constant=constant)
     except UnicodeDecodeError:
         raise _CallFailed("invalid_json", f"HTTP {status} but the {what} is not UTF-8", status, headers) from None
     except ValueError:
-        message, _code = _error_from_body(raw, content_type)
+        message = _error_from_body(raw, content_type)[0]
         error_type = "html_response" if message.startswith("an HTML page") else "invalid_json"
         raise _CallFailed(error_type, f"HTTP {status} but the {what} is not JSON: {message[:200]}", status,
                           headers) from None
     except RecursionError:
-        raise _CallFailed("malformed_response", f"the {what} is nested too deeply to read", status, headers) \
-            from None
+        raise _CallFailed("malformed_response", f"the {what} is nested too deeply to read", status, headers) from None
     if not isinstance(data, dict):
         raise _CallFailed("invalid_json", f"HTTP {status} but the {what} is not a JSON object", status, headers)
     return data
 
 
 def _api_error(err, status, headers, prefix):
-    if isinstance(err, dict):
-        message, code = err.get("message"), err.get("code")
-        code = str(code)[:100] if isinstance(code, (str, int)) and not isinstance(code, bool) else None
-    else:
-        message, code = err, None
+    message, code = (err.get("message"), _code(err.get("code"))) if isinstance(err, dict) else (err, None)
     raise _CallFailed("api_error", f"{prefix}: {str(message)[:MAX_ERROR_CHARS]}", status, headers, code=code)
 
+# --- Core: one attempt, one record, one ledger line ---
 
-# ----------------------------------------------------------------------------
-# Core
-# ----------------------------------------------------------------------------
 
 def _sha256(text):
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
@@ -534,10 +466,29 @@ def _fill_ids(record, data, problems):
             record[name] = value
 
 
-def _fill_from_completion(record, data, problems, status, headers, state=None):
+def _choice_text(record, choice, key, where, state, problems):
+    """One choice's text, whole (key "message") or a stream's piece (key "delta"), with its finish_reason
+    and whether it calls a tool."""
+    if type(choice) is not dict:
+        problems.append(f"{where} is a {type(choice).__name__}, not an object")
+        return ""
+    if key == "message" or choice.get("finish_reason") is not None:
+        record["finish_reason"] = _server_text(choice.get("finish_reason"), f"{where}.finish_reason", problems,
+                                               MAX_FIELD_CHARS)
+        state["finished"] = True
+    part = choice.get(key)
+    if part is None:
+        return _server_text(choice.get("text"), f"{where}.text", problems) or ""
+    if type(part) is not dict:
+        problems.append(f"{where}.{key} is a {type(part).__name__}, not an object")
+        return ""
+    state["tools"] = state.get("tools") or bool(part.get("tool_calls") or part.get("function_call"))
+    return _content_text(part.get("content"), f"{where}.{key}.content", problems)
+
+
+def _fill_from_completion(record, data, problems, status, headers, state):
     """Fill `record` from a chat.completion, text_completion, Responses API response or embedding list;
     return the answer text (None for embeddings). state["tools"] is set when the answer needs no text."""
-    state = {} if state is None else state
     choices = data.get("choices")
     if data.get("error") is not None and not choices and not data.get("output"):
         _api_error(data["error"], status, headers, f"HTTP {status} with an error body")
@@ -550,33 +501,18 @@ def _fill_from_completion(record, data, problems, status, headers, state=None):
         return None
     if isinstance(data.get("output"), list):  # the Responses API
         record["finish_reason"] = _server_text(data.get("status"), "status", problems, MAX_FIELD_CHARS)
-        return "".join(_output_text(item, state, problems) for item in data["output"])
+        texts = []
+        for item in data["output"]:
+            if type(item) is not dict:
+                problems.append(f"an output item is a {type(item).__name__}, not an object")
+            elif item.get("type") == "message":
+                texts.append(_content_text(item.get("content"), "output[].content", problems))
+            else:
+                state["tools"] = state.get("tools") or item.get("type") == "function_call"
+        return "".join(texts)
     if not isinstance(choices, list) or not choices:
         raise _CallFailed("no_choices", f"HTTP {status} but the response has no choices", status, headers)
-    choice = choices[0]
-    if type(choice) is not dict:
-        problems.append(f"choices[0] is a {type(choice).__name__}, not an object")
-        return ""
-    record["finish_reason"] = _server_text(choice.get("finish_reason"), "choices[0].finish_reason", problems,
-                                           MAX_FIELD_CHARS)
-    message = choice.get("message")
-    if message is None:
-        return _server_text(choice.get("text"), "choices[0].text", problems) or ""
-    if type(message) is not dict:
-        problems.append(f"choices[0].message is a {type(message).__name__}, not an object")
-        return ""
-    state["tools"] = bool(message.get("tool_calls") or message.get("function_call"))
-    return _content_text(message.get("content"), "choices[0].message.content", problems)
-
-
-def _output_text(item, state, problems):
-    if type(item) is not dict:
-        problems.append(f"an output item is a {type(item).__name__}, not an object")
-        return ""
-    if item.get("type") != "message":
-        state["tools"] = state.get("tools") or item.get("type") == "function_call"
-        return ""
-    return _content_text(item.get("content"), "output[].content", problems)
+    return _choice_text(record, choices[0], "message", "choices[0]", state, problems)
 
 
 _RESPONSE_DONE = ("response.completed", "response.incomplete", "response.failed")
@@ -610,11 +546,10 @@ def _sse_events(response, limit, deadline):
             raise _CallFailed(*_classify(None, deadline), status, headers)
 
 
-def _read_stream(response, record, started, on_text, limit, deadline, problems, relay=None, state=None):
-    """Read server-sent events to [DONE], a finish_reason, or the Responses API's response.completed;
-    return the text. `relay(raw, chunk)` gets each event as it arrives (the proxy)."""
-    parts, state = [], {} if state is None else state
-    status, headers = response.status, response.headers
+def _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state):
+    """Read server-sent events to [DONE], a finish_reason, or the Responses API's response.completed; return
+    the text. `relay(raw, chunk)` gets each event as it arrives (the proxy)."""
+    parts, status, headers = [], response.status, response.headers
     try:
         for raw, data in _sse_events(response, limit, deadline):
             chunk = None
@@ -675,29 +610,12 @@ def _take_chunk(record, chunk, state, problems, status, headers):
     if type(choices) is not list:
         problems.append(f"a stream chunk's choices is a {type(choices).__name__}, not a list")
         return ""
-    pieces = []
-    for choice in choices:
-        if type(choice) is not dict:
-            problems.append(f"a stream choice is a {type(choice).__name__}, not an object")
-            continue
-        if choice.get("index", 0) != 0:
-            continue
-        delta = choice.get("delta") or {}
-        if type(delta) is not dict:
-            problems.append(f"a stream delta is a {type(delta).__name__}, not an object")
-            continue
-        state["tools"] = state.get("tools") or bool(delta.get("tool_calls") or delta.get("function_call"))
-        pieces.append(_content_text(delta.get("content", choice.get("text")), "delta.content", problems))
-        if choice.get("finish_reason") is not None:
-            record["finish_reason"] = _server_text(choice["finish_reason"], "finish_reason", problems,
-                                                   MAX_FIELD_CHARS)
-            state["finished"] = True
-    return "".join(pieces)
+    return "".join(_choice_text(record, choice, "delta", "a stream choice", state, problems) for choice in choices
+                   if type(choice) is not dict or choice.get("index", 0) == 0)
 
 
 def _took(response, record, problems, limit):
-    """The head of a 2xx answer into `record`: status, request id, rate limits; a body announced too large
-    raises."""
+    """The head of a 2xx answer into `record`; a body announced too large raises."""
     record["http_status"] = response.status
     _fill_head(record, response.headers, problems)
     declared = response.headers.get("Content-Length", "")
@@ -707,16 +625,19 @@ def _took(response, record, problems, limit):
 
 
 def _fill_head(record, headers, problems):
+    """request_id and the rate-limit headers (at most 32, each cut) of any answer."""
     record["request_id"] = _server_text(headers.get("x-request-id") or headers.get("request-id"),
                                         "request-id header", problems, MAX_FIELD_CHARS)
-    record["ratelimit"] = _ratelimit(headers)
+    record["ratelimit"] = limits = {}
+    for name, value in headers.items():
+        low = name.lower()
+        if (low.startswith("x-ratelimit-") or low in ("retry-after", "retry-after-ms")) and len(limits) < 32:
+            limits[low[:64]] = str(value)[:200]
 
 
-def _one_attempt(url, body, record, started, *, api_key, deadline, limit, on_text, problems, relay=None,
-                 state=None):
-    """Send once; fill `record` (all but latency_ms); return the answer text. Raises _CallFailed. For the
-    proxy: `relay` gets a stream's events, `state` the answer's status, headers and (parsed) raw body."""
-    state = {} if state is None else state
+def _one_attempt(url, body, record, started, *, api_key, deadline, limit, on_text, problems, relay, state):
+    """Send once; fill `record` (all but latency_ms); return the answer text. Raises _CallFailed. `relay` gets
+    a stream's events, `state` the answer's status, headers and (parsed) raw body (the proxy's)."""
     stream = bool(body.get("stream"))
     response = _open(url, api_key=api_key, deadline=deadline, body=body,
                      accept="text/event-stream" if stream else "application/json")
@@ -735,7 +656,7 @@ def _one_attempt(url, body, record, started, *, api_key, deadline, limit, on_tex
 
 
 def _finish(record, started, text, failure, problems, redactor, answered=False):
-    """The finishing steps of every attempt, one-shot or proxied: latency, sizes, problems and the
+    """The finishing steps of every attempt, one-shot, proxied or refused: latency, sizes, problems and the
     failure, if any, into `record`. Returns the failure (None on success)."""
     record["latency_ms"] = _ms_since(started)  # to the end of the body, or to the failure
     if text is not None and not record["stream"]:
@@ -771,23 +692,81 @@ def _record_failure(record, failure, redactor):
         _fill_head(record, failure.headers, [])
 
 
-def _options_rejected(failure, body):
-    """The one retry without stream_options, for a server that refuses them."""
-    return (failure is not None and "stream_options" in body and failure.status in (400, 422)
-            and "stream_options" in (failure.message or ""))
-
-
-def _wait_before_retry(attempt, failure, backoff, max_wait):
-    server_wait = retry_after_seconds(failure.headers)
-    if server_wait is not None:
-        return min(server_wait, max_wait)
-    return min(max_wait, backoff * (2 ** (attempt - 1)) * random.uniform(0.5, 1.0))
-
-
 def retryable(record):
-    """Whether a failed attempt (its record) is worth retrying: a timeout, a dropped or cut answer, a busy
-    or broken server. A client error (bad key, unknown model, a malformed answer) is not."""
+    """Whether a failed attempt (its record) is worth retrying: a timeout, a dropped or cut answer, a busy or
+    broken server. A client error (bad key, unknown model, a malformed answer) is not."""
     return record["error_type"] in RETRYABLE_ERRORS or record["http_status"] in RETRYABLE_STATUS
+
+
+class _Printer:
+    """Calls the caller's on_text; if it raises, stops calling it and keeps the exception, so the attempt
+    still ends in its ledger line before the exception is raised again."""
+
+    def __init__(self, on_text):
+        self.on_text, self.raised, self.printed = on_text, None, False
+
+    def __call__(self, piece):
+        if self.on_text is None or self.raised is not None:
+            return
+        self.printed = True
+        try:
+            self.on_text(piece)
+        except Exception as exc:  # the caller's code: kept, and raised again once the line is written
+            self.raised = exc
+
+
+def _attempts(url, body, new_record, append, *, api_key, timeout, limit, redactor, retries=0, checks=None,
+              store=None, backoff=1.0, max_wait=60.0, on_text=None, on_retry=None, sleep=time.sleep, relay=None,
+              tools_answer=False):
+    """Every attempt of one call, each one model_call line through `append`: retried on a retryable failure
+    (up to `retries`) and once without stream_options for a server that refuses them.
+    Returns (result, failure, state, relay) of the last attempt; result is its record plus "text"."""
+    attempt, dropped = 0, False
+    while True:
+        attempt += 1
+        record, printer, out = new_record(attempt), _Printer(on_text), relay() if relay else None
+        if dropped:
+            record["stream_options_dropped"] = True
+        text, failure, problems, state = None, None, [], {}
+        started, deadline = time.perf_counter(), rl.Deadline(timeout)
+        try:
+            text = _one_attempt(url, body, record, started, api_key=api_key, deadline=deadline, limit=limit,
+                                on_text=printer, problems=problems, relay=out, state=state)
+        except _CallFailed as exc:
+            failure = exc
+        finally:
+            deadline.cancel()
+        failure = _finish(record, started, text, failure, problems, redactor, tools_answer and state.get("tools"))
+        if failure is None and checks:
+            record["check"], record["check_detail"] = run_checks(text, request_model=record["request_model"],
+                                                                 response_model=record["response_model"], **checks)
+        if text and store is not None:
+            record["response_artifact"] = store(text)
+        began, wait = printer.printed or (out is not None and out.began), None
+        if not began and failure is not None and "stream_options" in body and failure.status in (400, 422) \
+                and "stream_options" in (failure.message or ""):
+            record["retry_reason"] = "server rejected stream_options; retrying once without it"
+            body.pop("stream_options")
+            wait, dropped = 0.0, True
+        elif failure is not None and not began and retryable(record) and attempt <= retries:
+            server_wait = retry_after_seconds(failure.headers)
+            wait = min(max_wait, backoff * (2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+                       if server_wait is None else server_wait)
+            record["retry_in_s"] = round(wait, 3)
+            record["retry_reason"] = f"{failure.error_type}: {record['error_message']}"[:MAX_ERROR_CHARS]
+        result = dict(record, text=text if failure is None or failure.error_type == "malformed_response" else None)
+        try:
+            append("model_call", record)
+        except RecordError as exc:
+            exc.record = result
+            raise
+        if printer.raised is not None:
+            raise printer.raised
+        if wait is None:
+            return result, failure, state, out
+        if on_retry is not None:
+            on_retry(result, wait)
+        sleep(wait)
 
 
 def _ledger_for(ledger, api_key):
@@ -798,8 +777,7 @@ def _ledger_for(ledger, api_key):
         ledger.add_secret(api_key)
         return ledger, False
     if isinstance(ledger, (str, os.PathLike)):
-        run_id = os.environ.get("LEDGER_RUN_ID") or None
-        return rl.Ledger(ledger, run_id, secrets=(api_key,)), True
+        return rl.Ledger(ledger, os.environ.get("LEDGER_RUN_ID") or None, secrets=(api_key,)), True
     raise TypeError(f"ledger must be a Ledger, a Run or a path, not a {type(ledger).__name__}")
 
 
@@ -818,7 +796,10 @@ def _append(book, kind, record):
                           f"{rl.error_text(exc)}", record) from exc
 
 
-def _check_messages(messages):
+def _check_call(messages, model, max_tokens, retries, max_response_bytes, expect):
+    """Refuse a call's arguments before anything is sent; returns `expect` compiled."""
+    if not model:
+        raise ConfigError("MODEL_ID is not set (export MODEL_ID=..., or pass --model); there is no default")
     if not isinstance(messages, list) or not messages:
         raise ConfigError("messages must be a non-empty list of {role, content}")
     for i, message in enumerate(messages):
@@ -827,72 +808,55 @@ def _check_messages(messages):
             raise ConfigError(f"messages[{i}] must be {{\"role\": str, \"content\": str}}")
     if not any(m["role"] != "system" and m["content"].strip() for m in messages):
         raise ConfigError("the prompt is empty")
-
-
-class _Printer:
-    """Calls the caller's on_text; if it raises, stops calling it and keeps the exception, so the
-    attempt still ends in its ledger line before the exception is raised again."""
-
-    def __init__(self, on_text):
-        self.on_text, self.raised, self.printed = on_text, None, False
-
-    def __call__(self, piece):
-        if self.on_text is None or self.raised is not None:
-            return
-        self.printed = True
-        try:
-            self.on_text(piece)
-        except Exception as exc:  # the caller's code: kept, and raised again once the line is written
-            self.raised = exc
-
-
-def chat(messages, *, ledger, base_url, model, api_key, max_tokens=None, temperature=None, stream=False,
-         retries=0, timeout=DEFAULT_TIMEOUT, expect=None, expect_json=False, strict_model=False,
-         store_text=False, backoff=1.0, max_wait=60.0, max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES,
-         on_text=None, on_retry=None, sleep=time.sleep):
-    """Send `messages` to {base_url}/chat/completions as `model`; append one model_call event per attempt
-    to `ledger` (a Ledger, a Run, or a path). Returns the last attempt's record, as logged, plus "text"
-    (the answer; also kept for a malformed_response). Endpoint failures do not raise: they are in the
-    record. Raises ConfigError before anything is sent (settings, arguments, a ledger that cannot take
-    the line), and RecordError when the line of a finished call cannot be written.
-    `timeout` bounds each whole attempt; on_retry(record, wait) is told before each retry."""
-    if not model:
-        raise ConfigError("MODEL_ID is not set (export MODEL_ID=..., or pass --model); there is no default")
-    _check_messages(messages)
-    check_api_key(api_key)
-    request_base, recorded_base, host, port = split_base_url(base_url)
-    _check_number("temperature", temperature)
-    _check_number("timeout", timeout, above=0)
-    _check_number("max_wait", max_wait, minimum=0)
-    _check_number("backoff", backoff, minimum=0)
     if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
         raise ConfigError("max_tokens must be a positive integer")
     if type(retries) is not int or retries < 0:
         raise ConfigError("retries must be a non-negative integer")
     if type(max_response_bytes) is not int or max_response_bytes < 1024:
         raise ConfigError("max_response_bytes must be an integer of at least 1024")
-    if expect is not None and not hasattr(expect, "search"):
-        try:
-            expect = re.compile(expect)
-        except re.error as exc:
-            raise ConfigError(f"--expect is not a valid regular expression: {exc}") from None
-    url = _endpoint(request_base, "/chat/completions")
+    try:
+        return re.compile(expect) if expect is not None and not hasattr(expect, "search") else expect
+    except re.error as exc:
+        raise ConfigError(f"--expect is not a valid regular expression: {exc}") from None
+
+
+def chat(messages, *, ledger, base_url, model, api_key, max_tokens=None, temperature=None, stream=False,
+         retries=0, timeout=DEFAULT_TIMEOUT, expect=None, expect_json=False, strict_model=False,
+         store_text=False, backoff=1.0, max_wait=60.0, max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES,
+         on_text=None, on_retry=None, sleep=time.sleep):
+    """Send `messages` to {base_url}/chat/completions as `model`; append one model_call event per attempt to
+    `ledger` (a Ledger, a Run, or a path). Returns the last attempt's record, as logged, plus "text" (the
+    answer; also kept for a malformed_response). Endpoint failures do not raise: they are in the record.
+    Raises ConfigError before anything is sent (settings, arguments, a ledger that cannot take the line),
+    and RecordError when the line of a finished call cannot be written.
+    `timeout` bounds each whole attempt; on_retry(record, wait) is told before each retry."""
+    expect = _check_call(messages, model, max_tokens, retries, max_response_bytes, expect)
+    check_api_key(api_key)
+    request_base, recorded_base, host, port = split_base_url(base_url)
+    _check_number("temperature", temperature)
+    _check_number("timeout", timeout, above=0)
+    _check_number("max_wait", max_wait, minimum=0)
+    _check_number("backoff", backoff, minimum=0)
     body = {"model": model, "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
-    if max_tokens is not None:
-        body["max_tokens"] = max_tokens
-    if temperature is not None:
-        body["temperature"] = temperature
+    options = {"max_tokens": max_tokens, "temperature": temperature}
+    body.update((name, value) for name, value in options.items() if value is not None)
     if stream:
-        body["stream"] = True
-        body["stream_options"] = {"include_usage": True}
-    options = {"temperature": temperature, "max_tokens": max_tokens}
+        body.update(stream=True, stream_options={"include_usage": True})
     book, owned = _ledger_for(ledger, api_key)
     try:
         _check_ledger(book)
-        return _attempts(book, url, body, messages, model, recorded_base, host, port, options, api_key,
-                         retries=retries, timeout=timeout, expect=expect, expect_json=expect_json,
-                         strict_model=strict_model, store_text=store_text, backoff=backoff, max_wait=max_wait,
-                         limit=max_response_bytes, on_text=on_text, on_retry=on_retry, sleep=sleep)
+        artifacts = _prompt_artifacts(book, messages) if store_text else {}
+
+        def new_record(attempt):
+            return dict(_new_record(model, recorded_base, host, port, bool(stream), attempt, messages, options),
+                        **artifacts)
+        checks = dict(expect=expect, expect_json=expect_json, strict_model=strict_model)
+        return _attempts(_endpoint(request_base, "/chat/completions"), body, new_record,
+                         functools.partial(_append, book), api_key=api_key, timeout=timeout,
+                         limit=max_response_bytes, redactor=book.redactor, retries=retries,
+                         checks=checks if expect is not None or expect_json or strict_model else None,
+                         store=book.store_artifact if store_text else None, backoff=backoff, max_wait=max_wait,
+                         on_text=on_text, on_retry=on_retry, sleep=sleep)[0]
     finally:
         if owned:
             book.close()
@@ -907,65 +871,6 @@ def _prompt_artifacts(book, messages):
     if len(messages) > len(users[-1:]) + (1 if system else 0):
         artifacts["messages_artifact"] = book.store_artifact(json.dumps(messages, ensure_ascii=False, indent=1))
     return artifacts
-
-
-def _attempts(book, url, body, messages, model, recorded_base, host, port, options, api_key, *, retries,
-              timeout, expect, expect_json, strict_model, store_text, backoff, max_wait, limit, on_text,
-              on_retry, sleep):
-    artifacts = _prompt_artifacts(book, messages) if store_text else {}
-    redactor = book.redactor
-    attempt, dropped_options = 0, False
-    while True:
-        attempt += 1
-        record = _new_record(model, recorded_base, host, port, bool(body.get("stream")), attempt, messages,
-                             options)
-        record.update(artifacts)
-        if dropped_options:
-            record["stream_options_dropped"] = True
-        text, failure, problems = None, None, []
-        printer = _Printer(on_text)
-        started = time.perf_counter()
-        deadline = rl.Deadline(timeout)
-        try:
-            text = _one_attempt(url, body, record, started, api_key=api_key, deadline=deadline, limit=limit,
-                                on_text=printer, problems=problems)
-        except _CallFailed as exc:
-            failure = exc
-        finally:
-            deadline.cancel()
-        failure = _finish(record, started, text, failure, problems, redactor)
-        if failure is None and (expect is not None or expect_json or strict_model):
-            record["check"], record["check_detail"] = run_checks(
-                text, expect=expect, expect_json=expect_json, strict_model=strict_model,
-                request_model=model, response_model=record["response_model"])
-        if text and store_text:
-            record["response_artifact"] = book.store_artifact(text)
-        wait = None
-        retry_options = _options_rejected(failure, body)
-        if retry_options:
-            record["retry_reason"] = "server rejected stream_options; retrying once without it"
-            wait = 0.0
-        elif failure is not None and not printer.printed and retryable(record) and attempt <= retries:
-            wait = _wait_before_retry(attempt, failure, backoff, max_wait)
-            record["retry_in_s"] = round(wait, 3)
-            record["retry_reason"] = f"{failure.error_type}: {record['error_message']}"[:MAX_ERROR_CHARS]
-        keep_text = failure is None or failure.error_type == "malformed_response"
-        result = dict(record, text=text if keep_text else None)
-        try:
-            _append(book, "model_call", record)
-        except RecordError as exc:
-            exc.record = result
-            raise
-        if printer.raised is not None:
-            raise printer.raised
-        if wait is None:
-            return result
-        if retry_options:
-            dropped_options = True
-            body.pop("stream_options", None)
-        if on_retry is not None:
-            on_retry(result, wait)
-        sleep(wait)
 
 
 def ask(prompt, *, system=None, **kwargs):
@@ -993,6 +898,14 @@ def list_models(*, ledger, base_url, api_key, timeout=DEFAULT_TIMEOUT, max_respo
     return record
 
 
+def _listed_window(item):
+    """A model's context window as a /models entry states it: vLLM's max_model_len, llama.cpp's
+    meta.n_ctx_train, or context_length (OpenRouter, LM Studio); None when it states none."""
+    meta = item.get("meta") if isinstance(item.get("meta"), dict) else {}
+    return next((value for value in (item.get("max_model_len"), meta.get("n_ctx_train"), item.get("context_length"))
+                 if type(value) is int and value > 0), None)
+
+
 def _models_call(redactor, split, api_key, timeout, limit):
     """GET /models once: (record, raw body or None, failure or None, response headers or None)."""
     request_base, recorded_base, host, port = split
@@ -1011,12 +924,10 @@ def _models_call(redactor, split, api_key, timeout, limit):
         items = data.get("data")
         if not isinstance(items, list):
             raise _CallFailed("invalid_json", "HTTP 200 but the body has no data list", 200)
-        ids = {_server_text(item.get("id"), "data[].id", problems, MAX_FIELD_CHARS)
-               for item in items if isinstance(item, dict)}
-        ids.discard(None)
+        items = [item for item in items if isinstance(item, dict)]
+        ids = {_server_text(item.get("id"), "data[].id", problems, MAX_FIELD_CHARS) for item in items} - {None}
         record["model_ids"], record["count"] = sorted(ids)[:10000], len(ids)
-        windows = {item["id"]: _listed_window(item) for item in items if isinstance(item, dict)
-                   and item.get("id") in ids and _listed_window(item)}
+        windows = {item["id"]: _listed_window(item) for item in items if item.get("id") in ids and _listed_window(item)}
         if windows:
             record["context_tokens"] = dict(sorted(windows.items())[:10000])
         if problems:
@@ -1029,10 +940,7 @@ def _models_call(redactor, split, api_key, timeout, limit):
     record["latency_ms"] = _ms_since(started)
     return record, raw, failure, headers
 
-
-# ----------------------------------------------------------------------------
-# The recording proxy: `ask.py proxy`, every upstream attempt of every client one model_call line
-# ----------------------------------------------------------------------------
+# --- The recording proxy: `ask.py proxy`, every upstream attempt of every client one model_call line ---
 
 PROXY_ROUTES = {"/chat/completions": "POST", "/completions": "POST", "/responses": "POST", "/embeddings": "POST",
                 "/models": "GET"}
@@ -1109,17 +1017,9 @@ def _client_messages(route, body):
     return messages, tokens
 
 
-def _header_text(value):
-    return value[:MAX_HEADER_CHARS] if value else None
-
-
 def _passed_back(headers):
-    out = []
-    for name, value in headers.items() if headers is not None else ():
-        low = name.lower()
-        if low in _PASS_BACK or low.startswith("x-ratelimit-"):
-            out.append((name, re.sub(r"[\r\n]", " ", value)))
-    return out
+    return [(name, re.sub(r"[\r\n]", " ", value)) for name, value in (headers.items() if headers is not None else ())
+            if name.lower() in _PASS_BACK or name.lower().startswith("x-ratelimit-")]
 
 
 def _http_answer(status, body, headers=(), close=False, chunked=False):
@@ -1138,18 +1038,27 @@ def _error_json(message, code, kind="proxy_error"):
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
 
 
-class _Proxy:
-    """What every connection shares: the settings, the one Ledger, and the state of a shutdown."""
+class _ProxyServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    """The settings, the one Ledger and a thread per connection, at most --max-connections (past that a 503
+    with Retry-After)."""
+    daemon_threads, block_on_close, allow_reuse_address, request_queue_size = True, False, True, 128
 
-    def __init__(self, args, base_url, model, api_key, token, ledger_path):
-        self.split = split_base_url(base_url)
-        self.model, self.api_key, self.token = model, api_key, token
-        self.timeout, self.limit, self.idle_s = args.timeout, args.max_response_bytes, args.idle_timeout
-        self.read_s = args.read_timeout
-        self.verbose, self.secrets = args.verbose, [s for s in (api_key, token) if s]
+    def __init__(self, address, args, upstream, token, ledger_path):
+        base_url, self.model, self.api_key = upstream
+        self.split, self.token, self.verbose = split_base_url(base_url), token, args.verbose
+        self.timeout, self.limit, self.idle_s, self.read_s = (args.timeout, args.max_response_bytes,
+                                                              args.idle_timeout, args.read_timeout)
+        self.secrets = [s for s in (self.api_key, token) if s]
         self.book = rl.Ledger(ledger_path, os.environ.get("LEDGER_RUN_ID") or None, fsync=not args.no_fsync,
                               secrets=self.secrets)
+        _check_ledger(self.book)
         self.lock, self.idle, self.stopping = threading.Lock(), set(), False
+        self.max_connections, self.active, self.done = args.max_connections, 0, threading.Condition()
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        try:
+            super().__init__(address, _ProxyHandler)
+        except OSError as exc:
+            raise ConfigError(f"cannot listen on {args.listen}: {rl.error_text(exc)}") from None
 
     def append(self, kind, record):
         try:
@@ -1166,16 +1075,6 @@ class _Proxy:
             self.stopping = True
             for sock in self.idle:
                 rl.shut(sock)
-
-
-class _ProxyServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    """A thread per connection, at most `max_connections` (past that a 503 with Retry-After)."""
-    daemon_threads, block_on_close, allow_reuse_address, request_queue_size = True, False, True, 128
-
-    def __init__(self, address, app, max_connections):
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.app, self.max_connections, self.active, self.done = app, max_connections, 0, threading.Condition()
-        super().__init__(address, _ProxyHandler)
 
     def process_request(self, request, client_address):
         with self.done:
@@ -1206,7 +1105,7 @@ class _ProxyServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
                 self.done.wait(end - time.monotonic())
 
     def handle_error(self, request, client_address):
-        self.app.log_error(f"connection from {client_address[0]}: {sys.exc_info()[1]!r}")
+        self.log_error(f"connection from {client_address[0]}: {sys.exc_info()[1]!r}")
 
 
 class _ProxyHandler(socketserver.StreamRequestHandler):
@@ -1214,7 +1113,7 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
 
     def setup(self):
         super().setup()
-        self.app = self.server.app
+        self.app = self.server
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each event goes out at once
 
     def handle(self):
@@ -1296,8 +1195,7 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         if route not in PROXY_ROUTES:
             raise _CallFailed("not_found", f"no route {path[:200]}", 404)
         if self.method != PROXY_ROUTES[route]:
-            raise _CallFailed("method_not_allowed", f"use {PROXY_ROUTES[route]}", 405,
-                              [("Allow", PROXY_ROUTES[route])])
+            raise _CallFailed("method_not_allowed", f"use {PROXY_ROUTES[route]}", 405, [("Allow", PROXY_ROUTES[route])])
         raw = self._read_body() if self.method == "POST" else b""
         self.body_read = True
         self.deadline.cancel()  # the body is in: from here the upstream's deadline bounds the request
@@ -1320,8 +1218,8 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
             raise _CallFailed("incomplete_body", "the body is shorter than its Content-Length", 400)
         return raw
 
-    # -- the call -----------------------------------------------------------
     def _record(self, route, model, stream, attempt, messages, tokens, body):
+        """The record of one upstream attempt: a direct call's, plus the client's route, address and headers."""
         number = body.get("temperature")
         number = number if type(number) in (int, float) and math.isfinite(number) else None
         limits = [body.get(k) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")]
@@ -1334,8 +1232,8 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
             record["est_method"] = EST_METHOD + " + token ids counted"
         retry = self.headers.get("x-stainless-retry-count") or ""
         record.update(route=route, client_address=self.client_address[0],
-                      user_agent=_header_text(self.headers.get("User-Agent")),
-                      session_id=_header_text(self.headers.get("X-Ledger-Session")),
+                      user_agent=(self.headers.get("User-Agent") or "")[:MAX_HEADER_CHARS] or None,
+                      session_id=(self.headers.get("X-Ledger-Session") or "")[:MAX_HEADER_CHARS] or None,
                       client_retry=int(retry) if retry.isdigit() and len(retry) < 10 else None)
         return record
 
@@ -1356,8 +1254,9 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
             refused = _CallFailed("model_not_allowed", f"this proxy serves {app.model!r} only, not {model[:200]!r}")
         model = model[:MAX_FIELD_CHARS] if type(model) is str and model else app.model or ""
         stream = bool(body.get("stream"))
+        new_record = functools.partial(self._record, route, model, stream, messages=messages, tokens=tokens, body=body)
         if refused is not None:  # recorded, with no HTTP status: nothing was sent
-            record = self._record(route, model, stream, 1, messages, tokens, body)
+            record = new_record(1)
             _finish(record, self.started, None, refused, [], app.book.redactor)
             app.append("model_call", record)
             return self._error(400, refused.message, refused.error_type, kind="invalid_request_error")
@@ -1365,33 +1264,11 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         injected = stream and route != "/responses" and options.get("include_usage") is not True
         if injected:
             body["stream_options"] = dict(options, include_usage=True)
-        for attempt in (1, 2):
-            record = self._record(route, model, stream, attempt, messages, tokens, body)
-            failure, state, out = self._attempt(route, body, record, _Relay(self, injected) if stream else None)
-            retry = attempt == 1 and not (out and out.began) and _options_rejected(failure, body)
-            if retry:
-                record["retry_reason"] = "server rejected stream_options; retrying once without it"
-                body.pop("stream_options")
-            elif attempt == 2:
-                record["stream_options_dropped"] = True
-            app.append("model_call", record)
-            if not retry:
-                return self._answer(record, failure, state, out)
-        return None
-
-    def _attempt(self, route, body, record, out):
-        """One upstream attempt, finished by the one-shot path's _finish: (failure, state, relay)."""
-        app, state, problems, text, failure = self.app, {}, [], None, None
-        started, deadline = time.perf_counter(), rl.Deadline(app.timeout)
-        try:
-            text = _one_attempt(_endpoint(app.split[0], route), body, record, started, api_key=app.api_key,
-                                deadline=deadline, limit=app.limit, on_text=lambda piece: None, problems=problems,
-                                relay=out, state=state)
-        except _CallFailed as exc:
-            failure = exc
-        finally:
-            deadline.cancel()
-        return _finish(record, started, text, failure, problems, app.book.redactor, state.get("tools")), state, out
+        result, failure, state, out = _attempts(
+            _endpoint(app.split[0], route), body, new_record, app.append, api_key=app.api_key, timeout=app.timeout,
+            limit=app.limit, redactor=app.book.redactor, relay=functools.partial(_Relay, self, injected) if stream
+            else None, tools_answer=True)
+        return self._answer(result, failure, state, out)
 
     def _answer(self, record, failure, state, out):
         """Once the line is written: the stream's last event, the body as it came, the upstream's error, or 502."""
@@ -1410,7 +1287,6 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         self.app.append("models_list", record)
         return self._answer(record, failure, {"raw": raw, "status": 200, "headers": headers} if raw else {}, None)
 
-    # -- answers ------------------------------------------------------------
     def _send(self, status, body, headers=(), chunked=False):
         self.status = status
         self.wfile.write(_http_answer(status, body, headers, close=self.close, chunked=chunked))
@@ -1455,20 +1331,8 @@ class _Relay:
             whole = False
         self.handler.close = self.handler.close or not whole
 
+# --- CLI ---
 
-def _listed_window(item):
-    """A model's context window in tokens as a /models entry states it: vLLM's max_model_len, llama.cpp's
-    meta.n_ctx_train, or context_length (OpenRouter, LM Studio); None when it states none."""
-    meta = item.get("meta") if isinstance(item.get("meta"), dict) else {}
-    for value in (item.get("max_model_len"), meta.get("n_ctx_train"), item.get("context_length")):
-        if type(value) is int and value > 0:
-            return value
-    return None
-
-
-# ----------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------
 
 def _read_prompt(source):
     if source in (None, "-"):
@@ -1516,29 +1380,9 @@ def _build_parser():
     return p
 
 
-class _StreamOut:
-    """Prints a stream as it arrives; a stdout that fails stops the printing, not the call."""
-
-    def __init__(self):
-        self.failed = None
-
-    def __call__(self, piece):
-        if self.failed is None:
-            try:
-                rl.write_out(piece)
-            except rl.OutputError as exc:
-                self.failed = exc
-
-
 def _run(args):
-    secrets = []
     base_url, model, api_key = settings_from_env(args.base_url, args.model, need_model=not args.models)
-    secrets.append(api_key)
-    for name, value, minimum in (("--retries", args.retries, 0), ("--max-wait", args.max_wait, 0),
-                                 ("--backoff", args.backoff, 0), ("--max-tokens", args.max_tokens, 1)):
-        _check_number(name, value, minimum=minimum)
-    _check_number("--timeout", args.timeout, above=0)
-    _check_number("--temperature", args.temperature)
+    secrets = [api_key]  # the numbers are checked once, by chat() and list_models(), before anything is sent
     ledger_path = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
     if args.models:
         record = list_models(ledger=ledger_path, base_url=base_url, api_key=api_key, timeout=args.timeout,
@@ -1550,33 +1394,27 @@ def _run(args):
                      else "".join(rl.printable(m) + "\n" for m in record["model_ids"]))
         return rl.EXIT_OK
     prompt = _read_prompt(args.prompt_file)
-    stream_out = _StreamOut() if args.stream and not args.json else None
 
     def announce_retry(result, wait):
         rl.warn(f"attempt {result['attempt']} failed ({result['error_type']}: {result['error_message']}); "
                 f"retrying in {wait:.2f} s", secrets)
-
     try:
         record = ask(prompt, ledger=ledger_path, base_url=base_url, model=model, api_key=api_key,
                      system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
                      stream=args.stream, retries=args.retries, timeout=args.timeout, expect=args.expect,
                      expect_json=args.expect_json, strict_model=args.strict_model, store_text=args.store_text,
                      backoff=args.backoff, max_wait=args.max_wait, max_response_bytes=args.max_response_bytes,
-                     on_text=stream_out, on_retry=announce_retry)
+                     on_text=rl.write_out if args.stream and not args.json else None, on_retry=announce_retry)
+        _print_answer(record, args)
     except RecordError as exc:
         if exc.record.get("text") and not args.stream:
             _print_answer(exc.record, args)  # a paid answer is never thrown away
         raise
-    output_failed = stream_out.failed if stream_out else None
-    try:
-        _print_answer(record, args)
-    except rl.OutputError as exc:
-        output_failed = exc
+    except rl.OutputError as exc:  # chat() raises a stream's failed print once the attempt's line is written
+        rl.error(f"{exc} (the call is recorded in {ledger_path})", secrets)
+        return rl.EXIT_OUTPUT
     if record["response_model"] and record["response_model"] != model:
         rl.warn(f"asked for {model!r}, the server says it ran {record['response_model']!r}", secrets)
-    if output_failed is not None:
-        rl.error(f"{output_failed} (the call is recorded in {ledger_path})", secrets)
-        return rl.EXIT_OUTPUT
     if record["error_type"]:
         rl.error(f"{record['error_type']}: {record['error_message']} ({record['base_url']}, attempt "
                  f"{record['attempt']})", secrets)
@@ -1588,6 +1426,14 @@ def _run(args):
         rl.error(f"check failed: {record['check_detail']}", secrets)
         return rl.EXIT_CHECK
     return rl.EXIT_OK
+
+
+def _print_answer(record, args):
+    if args.json:
+        rl.write_out(json.dumps(record, ensure_ascii=False) + "\n")
+    elif record.get("text"):
+        ending = "" if record["text"].endswith("\n") else "\n"
+        rl.write_out(ending if args.stream else record["text"] + ending)
 
 
 def _proxy_parser():
@@ -1615,16 +1461,16 @@ def _proxy_parser():
 
 def _run_proxy(args):
     import signal
-    base_url, model, api_key = settings_from_env(need_model=False)
+    upstream = settings_from_env(need_model=False)
     token = os.environ.get("PROXY_TOKEN") or None
     if token is not None and not re.fullmatch(r"[\x21-\x7e]+", token):
         raise ConfigError("PROXY_TOKEN must be printable ASCII without spaces (the token is not shown)")
     for name, value, minimum in (("--max-connections", args.max_connections, 1), ("--grace", args.grace, 0),
                                  ("--max-response-bytes", args.max_response_bytes, 1024)):
         _check_number(name, value, minimum=minimum)
-    _check_number("--timeout", args.timeout, above=0)
-    _check_number("--idle-timeout", args.idle_timeout, above=0)
-    _check_number("--read-timeout", args.read_timeout, above=0)
+    for name, value in (("--timeout", args.timeout), ("--idle-timeout", args.idle_timeout),
+                        ("--read-timeout", args.read_timeout)):
+        _check_number(name, value, above=0)
     match = re.fullmatch(r"\[?([^\[\]]*?)\]?:([0-9]{1,5})", args.listen)
     if not match or int(match.group(2)) > 65535:
         raise ConfigError(f"--listen must be HOST:PORT, not {args.listen!r}")
@@ -1632,34 +1478,21 @@ def _run_proxy(args):
     if token is None and not _is_loopback(host):
         raise ConfigError(f"--listen {host}: set PROXY_TOKEN to listen on anything but loopback")
     ledger_path = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
-    app = _Proxy(args, base_url, model, api_key, token, ledger_path)
-    _check_ledger(app.book)
-    try:
-        server = _ProxyServer((host, port), app, args.max_connections)
-    except OSError as exc:
-        raise ConfigError(f"cannot listen on {args.listen}: {rl.error_text(exc)}") from None
+    server = _ProxyServer((host, port), args, upstream, token, ledger_path)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True).start()
     shown = f"[{host}]" if ":" in host else host
-    rl.write_out(f"proxy: listening on http://{shown}:{server.server_address[1]}/v1 -> {app.split[1]} "
+    rl.write_out(f"proxy: listening on http://{shown}:{server.server_address[1]}/v1 -> {server.split[1]} "
                  f"(ledger {ledger_path})\n")
     while not stop.wait(1.0):
         pass
-    app.stop()  # idle connections closed, new requests 503; then no new connections; those in flight get --grace
+    server.stop()  # idle connections closed, new requests 503; then no new connections; those in flight get --grace
     server.shutdown()
     server.server_close()
     server.wait_idle(args.grace)
     return rl.EXIT_OK
-
-
-def _print_answer(record, args):
-    if args.json:
-        rl.write_out(json.dumps(record, ensure_ascii=False) + "\n")
-    elif record.get("text"):
-        ending = "" if record["text"].endswith("\n") else "\n"
-        rl.write_out(ending if args.stream else record["text"] + ending)
 
 
 def main(argv=None):

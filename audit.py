@@ -16,6 +16,7 @@ Exit codes: 0 ok, 1 a ledger failed verification (nothing audited), 2 usage or I
 
 import argparse
 import csv
+import datetime
 import glob
 import html
 import io
@@ -28,13 +29,13 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the toolkit beside us, even under -I
-import ask  # noqa: E402  -- the model_call field list
+import ask  # noqa: E402  -- the model_call field types
 import reasoning_ledger as rl  # noqa: E402
 
 __version__ = "1.2.0"
 
-__all__ = ["Audit", "AuditError", "run_audit", "remote_audit", "render_text", "render_json", "render_csv",
-           "render_html", "MODEL_COLUMNS"]
+__all__ = ["Audit", "AuditError", "run_audit", "remote_audit", "run_event_why", "render_text", "render_json",
+           "render_csv", "render_html", "MODEL_COLUMNS"]
 
 # ----------------------------------------------------------------------------
 # Constants
@@ -50,28 +51,27 @@ DEFAULT_LATENCY_FLOOR_MS = 50.0
 NO_USAGE_STATUSES = ("absent", "zero", "malformed")
 MAX_MODEL_STRINGS = 1000   # distinct (request_model, base_url) pairs kept apart; the rest share one row
 MAX_LABELS = 50            # distinct served models, fingerprints or error types kept per row
+MAX_LISTINGS = 100000      # (base_url, day) /models listings kept
 OTHER = "(other)"
 MAX_CHART_MODELS = 8       # the HTML draws per-model charts for the busiest; the rest are summarised
 TEXT_WIDTH = 120           # the text report fits a terminal this wide, unless --wide
 MIN_CUT_WIDTH = 8          # a name is never cut narrower than this to fit
 ELLIPSIS = "\u2026"         # where a name was cut to fit
 
-MODEL_COLUMNS = ("request_model", "base_url", "day", "calls", "ok", "failed", "no_usage", "malformed", "checked",
-                 "passed", "input_tokens", "output_tokens", "usage_calls", "est_input_tokens", "est_output_tokens",
-                 "latency_min_ms", "latency_p50_ms", "latency_p95_ms", "latency_max_ms", "retries",
-                 "response_models", "system_fingerprints", "errors")
-RUN_COLUMNS = ("run_id", "started", "outcome", "judge_verdict", "steps", "tools_allowed", "tools_denied",
-               "model_calls", "input_tokens", "output_tokens", "est_tokens", "errors", "why")
 # The model_call fields this audit reads, each checked against ask.py's definition of its types.
 _READ = ("request_model", "base_url", "attempt", "error_type", "usage_status", "usage_reported", "latency_ms",
          "response_model", "system_fingerprint", "check", "input_tokens", "output_tokens", "est_input_tokens",
          "est_output_tokens")
 _TYPES = {name: ask.MODEL_CALL_FIELDS[name] for name in _READ}
 
-# agent.py's event kinds that the agent-runs table reads, in one place (docs/audit.md, "Agent runs"): a step
-# is a proposal, well formed or not; the why column's kinds are in _why.
+# agent.py's event kinds that the agent-runs table reads (docs/audit.md, "Agent runs"): a step is a proposal,
+# well formed or not; the why column's kinds are in run_event_why.
 _STEP_KINDS = ("model_proposed", "proposal_malformed")
 _RUN_COUNTS = {"tool_allowed": "tools_allowed", "tool_denied": "tools_denied", "error": "errors"}
+_NEW_RUN = {"run_id": None, "path": None, "started": None, "outcome": "open", "judge_verdict": None, "steps": 0,
+            "tools_allowed": 0, "tools_denied": 0, "model_calls": 0, "input_tokens": 0, "output_tokens": 0,
+            "usage_calls": 0, "est_tokens": 0, "errors": 0, "why": None}
+RUN_COLUMNS = tuple(name for name in _NEW_RUN if name not in ("path", "usage_calls"))  # an agent-runs row's keys
 
 
 class AuditError(rl.UsageError):
@@ -84,23 +84,16 @@ class AuditError(rl.UsageError):
 
 def percentile(sorted_values, q):
     """Nearest-rank percentile of an already sorted list (None when empty)."""
-    if not sorted_values:
-        return None
-    rank = max(1, int(math.ceil(q / 100.0 * len(sorted_values))))
-    return sorted_values[rank - 1]
+    return sorted_values[max(1, math.ceil(q / 100.0 * len(sorted_values))) - 1] if sorted_values else None
 
 
 def model_call_view(payload):
-    """(fields, malformed): the fields this audit reads from a model_call payload, each None unless it
-    has a type ask.py writes for it; malformed is True when a present field had another type. A payload
-    written by another tool is counted, never a crash. error_code (which names an error beside its type) is
-    kept when it is a string and dropped otherwise, without counting the payload malformed."""
+    """(fields, malformed): the fields read from a model_call payload, each None unless of a type ask.py writes
+    (malformed: one was not), so another tool's payload is counted, never a crash. error_code is kept if a string."""
     view, malformed = {}, False
     for name, types in _TYPES.items():
         value = payload.get(name)
-        if value is not None and type(value) not in types:
-            malformed, value = True, None
-        elif type(value) is float and not math.isfinite(value):
+        if value is not None and (type(value) not in types or type(value) is float and not math.isfinite(value)):
             malformed, value = True, None
         view[name] = value
     code = payload.get("error_code")
@@ -115,30 +108,43 @@ def _count_label(counter, label, n=1):
     counter[label] = counter.get(label, 0) + n
 
 
-def _fmt_int(value):
-    return "-" if value is None else f"{value:,}"
+def _label(value):
+    return "-" if value is None else str(value)
 
 
-def _fmt_tokens(value, wide):
-    """A token count: whole with --wide, else 3 significant digits from 10,000 on (12.3k, 4.94M)."""
-    return _fmt_int(value) if value is None or wide or value < 10000 else _short(value)
+def _num(value, null="-"):
+    """A count or a sum as 1,234 (a float with one decimal); null as `null`."""
+    if value is None:
+        return null
+    return f"{value:,}" if isinstance(value, int) else f"{value:,.1f}"
 
 
 def _fmt_ms(value):
     return "-" if value is None else f"{value:,.0f}"
 
 
-def _top(counter):
-    return ",".join(f"{name}" for name, _ in sorted(counter.items(), key=lambda kv: (-kv[1], str(kv[0]))))
+def _short(value):
+    """3 significant digits: 950, 1.2k, 4.94M, 2.5."""
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= div:
+            return f"{value / div:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def _ranked(counter):
+    """The (label, count) pairs of a counter, most frequent first."""
+    return sorted(counter.items(), key=lambda kv: (-kv[1], str(kv[0])))
+
+
+def _by_name(counter):
+    return dict(sorted(counter.items(), key=lambda kv: str(kv[0])))
 
 
 def find_ledgers(paths):
     """Expand PATHs (files, directories, globs) into ledger files; default: ./calls.jsonl + ./runs/."""
     if not paths:
-        found = [Path(name) for name in DEFAULT_LEDGERS if Path(name).is_file()]
-        if Path(DEFAULT_RUNS).is_dir():
-            found += sorted(Path(DEFAULT_RUNS).glob("*/" + rl.EVENTS_NAME))
-        return found
+        return ([Path(name) for name in DEFAULT_LEDGERS if Path(name).is_file()]
+                + sorted(Path(DEFAULT_RUNS).glob("*/" + rl.EVENTS_NAME)))
     out = []
     for raw in paths:
         path = Path(raw)
@@ -209,31 +215,30 @@ class Group:
         for name in self.COUNTS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.latencies.extend(other.latencies)
-        for mine, theirs in ((self.response_models, other.response_models),
-                             (self.fingerprints, other.fingerprints), (self.errors, other.errors)):
-            for name, count in theirs.items():
-                _count_label(mine, name, count)
+        for name in ("response_models", "fingerprints", "errors"):
+            mine = getattr(self, name)
+            for label, count in getattr(other, name).items():
+                _count_label(mine, label, count)
 
     def row(self, request_model, base_url, day):
         """One row of the model table. A count that nothing reported is None (null), never 0."""
-        lat = sorted(self.latencies)
+        lat, usage = sorted(self.latencies), self.usage_calls
         return {
             "request_model": request_model, "base_url": base_url, "day": day,
             "calls": self.calls, "ok": self.ok, "failed": self.calls - self.ok, "no_usage": self.no_usage,
-            "malformed": self.malformed, "checked": self.checked,
-            "passed": self.passed if self.checked else None,
-            "input_tokens": self.input_tokens if self.usage_calls else None,
-            "output_tokens": self.output_tokens if self.usage_calls else None, "usage_calls": self.usage_calls,
+            "malformed": self.malformed, "checked": self.checked, "passed": self.passed if self.checked else None,
+            "input_tokens": self.input_tokens if usage else None,
+            "output_tokens": self.output_tokens if usage else None, "usage_calls": usage,
             "est_input_tokens": self.est_input_tokens if self.calls else None,
             "est_output_tokens": self.est_output_tokens if self.est_output_calls else None,
             "latency_min_ms": lat[0] if lat else None, "latency_p50_ms": percentile(lat, 50),
             "latency_p95_ms": percentile(lat, 95), "latency_max_ms": lat[-1] if lat else None,
-            "retries": self.retries,
-            "response_models": dict(sorted(self.response_models.items(), key=lambda kv: str(kv[0]))),
-            "system_fingerprints": dict(sorted(self.fingerprints.items(), key=lambda kv: str(kv[0]))),
-            "errors": dict(sorted(self.errors.items(), key=lambda kv: str(kv[0]))),
+            "retries": self.retries, "response_models": _by_name(self.response_models),
+            "system_fingerprints": _by_name(self.fingerprints), "errors": _by_name(self.errors),
         }
 
+
+MODEL_COLUMNS = tuple(Group().row(None, None, None))  # a models-table row's keys, in order: the CSV's columns
 
 class Audit:
     """Everything the reports need, gathered in one pass over the events."""
@@ -247,87 +252,48 @@ class Audit:
         self.listings = {}          # (base_url, day) -> (at, model_ids) of the day's last listing
         self.runs = {}              # run_id -> agent run summary
         self.ledgers = []           # {"path", "status", "lines", "reason"}
-        self._indexes = {}          # runs/index.jsonl -> {run id: (head seq, head hash)}
+        self._heads = {}            # runs dir -> {run id: (head seq, head hash)} from its index.jsonl
 
     def add_file(self, path, verify=True):
-        """Stream one ledger into the audit. Returns its status dict; raises IntegrityError /
-        KeyRequiredError when `verify` and the file does not hold."""
+        """Stream one ledger in; returns its status. Raises IntegrityError / KeyRequiredError if it does not hold."""
+        path = Path(path)
         info = {"path": str(path), "status": "ok", "lines": 0, "reason": None}
-        agent_run = path.name == rl.EVENTS_NAME
-        events = self._verified(path, info) if verify else self._unverified(path, info)
-        self._consume(events, agent_run, path)
+        events = self._verified(path, info) if verify else _unverified(path, info)
+        self._consume(events, path.name == rl.EVENTS_NAME, path)
         self.ledgers.append(info)
         return info
 
     def _verified(self, path, info):
-        """The events of a verified ledger; a closed run is also checked against the head its index recorded,
-        so a run rewritten or cut after it closed is refused as `verify --all` refuses it."""
-        expect = self._index_head(path)
-        count = 0
+        """The events of a verified ledger. A closed run is held to the head its index recorded, as `verify --all`
+        holds it: a run rewritten, cut or written to after it closed is refused."""
+        expect, count = self._index_head(path), 0
         try:
-            for event, _raw, digest in rl.iter_lines(path):
+            for event, _raw, _digest in rl.verified_events(path, expect=expect):
                 count += 1
-                if expect and count == expect[0] and digest != expect[1]:
-                    raise rl.IntegrityError(path, count, "does not match the head recorded in index.jsonl: the run "
-                                                         "was rewritten after it closed")
                 yield event
-            if expect and count < expect[0]:
-                raise rl.IntegrityError(path, count + 1, f"truncated: index.jsonl records seq {expect[0]}, the run "
-                                                         f"ends at seq {count}")
-            if expect and count > expect[0]:
-                raise rl.IntegrityError(path, expect[0] + 1, f"{count - expect[0]} line(s) after the run closed at "
-                                                             f"seq {expect[0]} (nothing is written to a closed run)")
         except rl.TornTailError as exc:
             info["status"], info["reason"] = "torn", str(exc)
         finally:
             info["lines"] = count
+        if expect and count > expect[0]:
+            raise rl.IntegrityError(path, expect[0] + 1, f"{count - expect[0]} line(s) after the run closed at "
+                                                         f"seq {expect[0]} (nothing is written to a closed run)")
 
     def _index_head(self, path):
         """(seq, hash) that runs/index.jsonl recorded for the run at `path`, or None."""
         if path.name != rl.EVENTS_NAME:
             return None
         index = path.parent.parent / rl.INDEX_NAME
-        if index not in self._indexes:
-            heads = {}
-            if index.is_file():
-                for event in rl.read_events(index, run_id=None):
-                    entry = event["payload"]
-                    if event["kind"] == "run_closed" and type(entry.get("run")) is str:
-                        heads[entry["run"]] = (entry.get("head_seq"), entry.get("head_hash"))
-            self._indexes[index] = heads
-        return self._indexes[index].get(path.parent.name)
-
-    @staticmethod
-    def _unverified(path, info):
-        count = skipped = 0
-        info["status"] = "unverified"
-        with open(path, "rb") as handle:
-            for raw in handle:
-                try:
-                    event = json.loads(raw)
-                except (ValueError, RecursionError):
-                    event = None
-                if (type(event) is dict and type(event.get("payload")) is dict and type(event.get("at")) is str
-                        and type(event.get("kind")) is str and type(event.get("run_id")) is str):
-                    count += 1
-                    info["lines"] = count
-                    yield event
-                else:
-                    skipped += 1
-                    info["skipped"] = skipped
-
-    def _group(self, model, base, day):
-        key = (model, base)
-        if key not in self.model_strings:
-            if len(self.model_strings) >= MAX_MODEL_STRINGS:
-                self.folded += 1
-                model, base = OTHER, OTHER
-            else:
-                self.model_strings.add(key)
-        group = self.groups.get((model, base, day))
-        if group is None:
-            group = self.groups[(model, base, day)] = Group()
-        return group
+        if index not in self._heads:
+            heads = self._heads[index] = {}
+            for event in rl.read_events(index, run_id=None) if index.is_file() else ():
+                entry = event["payload"]
+                if event["kind"] == "run_closed" and type(entry.get("run")) is str:
+                    heads[entry["run"]] = (entry.get("head_seq"), entry.get("head_hash"))
+        head = self._heads[index].get(path.parent.name)
+        if head is not None and (type(head[0]) is not int or type(head[1]) is not str):
+            raise rl.IntegrityError(path, None, "the index entry for this run has no valid head")
+        return head
 
     def _consume(self, events, agent_run, path):
         since, until, only = self.since, self.until, self.model
@@ -338,7 +304,8 @@ class Audit:
                 continue
             if agent_run:
                 if run is None:
-                    run = self.runs.setdefault(event["run_id"], _new_run(event["run_id"], str(path), at))
+                    run = self.runs.setdefault(event["run_id"], dict(_NEW_RUN, run_id=event["run_id"], path=str(path),
+                                                                     started=at))
                 _run_event(run, kind, payload)
             if kind == "model_call":
                 call, malformed = model_call_view(payload)
@@ -346,61 +313,58 @@ class Audit:
                     continue
                 session = payload.get("session_id")
                 day = (session if type(session) is str else "-") if self.by_session else at[:10]
-                self._group(call["request_model"], call["base_url"], day).add(call, malformed)
+                model, base = call["request_model"], call["base_url"]
+                if (model, base) not in self.model_strings:
+                    if len(self.model_strings) >= MAX_MODEL_STRINGS:
+                        self.folded += 1
+                        model = base = OTHER
+                    else:
+                        self.model_strings.add((model, base))
+                group = self.groups.get((model, base, day))
+                if group is None:
+                    group = self.groups[(model, base, day)] = Group()
+                group.add(call, malformed)
             elif kind == "models_list":
-                ids = payload.get("model_ids")
-                base = payload.get("base_url")
+                ids, base = payload.get("model_ids"), payload.get("base_url")
                 if type(ids) is list and type(base) is str and all(type(i) is str for i in ids):
-                    key = (base, at[:10])
-                    previous = self.listings.get(key)
-                    if (previous is None or previous[0] <= at) and (key in self.listings
-                                                                     or len(self.listings) < 100000):
-                        self.listings[key] = (at, ids[:10000])
+                    previous = self.listings.get((base, at[:10]))
+                    # the day's last listing wins; a new (base_url, day) is kept while under the cap
+                    if (previous[0] <= at) if previous else len(self.listings) < MAX_LISTINGS:
+                        self.listings[(base, at[:10])] = (at, ids[:10000])
 
     # -- results ---------------------------------------------------------
     def model_rows(self, by_day=False):
-        if by_day:
-            return [g.row(m, b, d) for (m, b, d), g in sorted(self.groups.items(), key=_group_sort)]
-        merged = {}
-        for (model, base, _day), group in self.groups.items():
-            merged.setdefault((model, base), Group()).merge(group)
-        return [g.row(m, b, None) for (m, b), g in sorted(merged.items(), key=lambda kv: (str(kv[0][0]),
-                                                                                           str(kv[0][1])))]
+        groups = self.groups
+        if not by_day:
+            groups = {}
+            for (model, base, _day), group in self.groups.items():
+                groups.setdefault((model, base, None), Group()).merge(group)
+        return [g.row(*key) for key, g in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]),
+                                                                                  kv[0][2] or ""))]
 
     def changes(self, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAULT_RATE_JUMP,
                 latency_floor=DEFAULT_LATENCY_FLOOR_MS):
-        by_model = {}
-        for (model, base, day), group in self.groups.items():
-            by_model.setdefault((model, base), []).append((day, group))
+        """What changed from one day to the next: per model string (compare_days), then per endpoint's list."""
         found = []
-        for (model, base), days in sorted(by_model.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))):
-            days.sort(key=lambda item: item[0])
-            for (prev_day, prev), (day, cur) in zip(days, days[1:]):
-                for what, detail in compare_days(prev, cur, latency_shift, rate_jump, latency_floor):
-                    found.append({"request_model": model, "base_url": base, "day": day, "previous_day": prev_day,
-                                  "what": what, "detail": detail})
-        by_base = {}
-        for (base, day), (_at, ids) in self.listings.items():
-            by_base.setdefault(base, []).append((day, ids))
-        for base, days in sorted(by_base.items(), key=lambda kv: str(kv[0])):
-            days.sort()
-            for (prev_day, prev_ids), (day, ids) in zip(days, days[1:]):
-                gained, lost = sorted(set(ids) - set(prev_ids)), sorted(set(prev_ids) - set(ids))
-                if gained or lost:
-                    parts = ([f"gained {', '.join(gained)}"] if gained else []) + (
-                        [f"lost {', '.join(lost)}"] if lost else [])
-                    found.append({"request_model": None, "base_url": base, "day": day, "previous_day": prev_day,
-                                  "what": "models_list", "detail": "; ".join(parts)})
+        groups = (((model, base), day, g) for (model, base, day), g in self.groups.items())
+        for (model, base), prev_day, prev, day, cur in _day_pairs(groups):
+            found += [{"request_model": model, "base_url": base, "day": day, "previous_day": prev_day, "what": what,
+                       "detail": detail} for what, detail in compare_days(prev, cur, latency_shift, rate_jump,
+                                                                          latency_floor)]
+        listings = (((base,), day, ids) for (base, day), (_at, ids) in self.listings.items())
+        for (base,), prev_day, before, day, after in _day_pairs(listings):
+            detail = _set_change(before, after, ("gained", "lost"))
+            if detail:
+                found.append({"request_model": None, "base_url": base, "day": day, "previous_day": prev_day,
+                              "what": "models_list", "detail": detail})
         return found
 
     def unlisted(self):
-        """The model strings asked for at an endpoint whose latest recorded /models list (ask.py --models)
-        does not name them: a server that answers to any model name (llama.cpp does) served them anyway."""
-        latest = {}
+        """The model strings asked for at an endpoint whose latest /models list (ask.py --models) lacks them."""
+        latest, calls = {}, {}
         for (base, _day), (at, ids) in self.listings.items():
             if base not in latest or latest[base][0] < at:
                 latest[base] = (at, ids)
-        calls = {}
         for (model, base, _day), group in self.groups.items():
             calls[(model, base)] = calls.get((model, base), 0) + group.calls
         return [{"request_model": model, "base_url": base, "calls": n, "listed_at": latest[base][0]}
@@ -417,15 +381,38 @@ class Audit:
         return rows
 
 
-def _group_sort(item):
-    (model, base, day), _ = item
-    return (str(model), str(base), day)
+def _unverified(path, info):
+    """The lines of a ledger that parse as events, its chain unchecked (--no-verify); the rest are counted."""
+    info["status"] = "unverified"
+    with open(path, "rb") as handle:
+        for raw in handle:
+            try:
+                event = json.loads(raw)
+            except (ValueError, RecursionError):
+                event = None
+            if (type(event) is dict and type(event.get("payload")) is dict and type(event.get("at")) is str
+                    and type(event.get("kind")) is str and type(event.get("run_id")) is str):
+                info["lines"] += 1
+                yield event
+            else:
+                info["skipped"] = info.get("skipped", 0) + 1
 
 
-def _new_run(run_id, path, at):
-    return {"run_id": run_id, "path": path, "started": at, "outcome": "open", "judge_verdict": None, "steps": 0,
-            "tools_allowed": 0, "tools_denied": 0, "model_calls": 0, "input_tokens": 0, "output_tokens": 0,
-            "usage_calls": 0, "est_tokens": 0, "errors": 0, "why": None}
+def _day_pairs(entries):
+    """(who, previous day, its value, day, its value) for consecutive days of each `who` in (who, day, value)."""
+    by_who = {}
+    for who, day, value in entries:
+        by_who.setdefault(who, []).append((day, value))
+    for who in sorted(by_who, key=lambda names: tuple(map(str, names))):
+        days = sorted(by_who[who], key=lambda item: item[0])
+        for (prev_day, prev), (day, cur) in zip(days, days[1:]):
+            yield who, prev_day, prev, day, cur
+
+
+def _set_change(before, after, words):
+    """'new a, b; gone c' (with `words`): what `after` has that `before` lacks, then the reverse; "" if none."""
+    parts = [(words[0], set(after) - set(before)), (words[1], set(before) - set(after))]
+    return "; ".join(f"{word} {', '.join(map(_label, sorted(names, key=str)))}" for word, names in parts if names)
 
 
 def _run_event(run, kind, payload):
@@ -454,9 +441,7 @@ def _run_event(run, kind, payload):
 
 
 def run_event_why(kind, payload):
-    """How a run ended, in a few words, when this event of it says (the last one that says wins): the
-    budget limit hit, the reply the model repeated, the endpoint's error type and code, the exception, the
-    judge's reason, the triage."""
+    """How a run ended, in a few words, if this event of it says (the last that says wins; docs/audit.md)."""
     get = payload.get
     if kind == "budget_exhausted":
         return f"budget {get('limit')}: {get('used')} of {get('max')}"
@@ -477,32 +462,23 @@ def run_event_why(kind, payload):
     return why if type(why) is str and why else None
 
 
-def _usage_state(group):
-    if not group.ok:
-        return None
-    if group.no_usage == 0:
-        return "always"
-    return "never" if group.no_usage == group.ok else "sometimes"
-
-
 def compare_days(prev, cur, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAULT_RATE_JUMP,
                  latency_floor=DEFAULT_LATENCY_FLOOR_MS):
     """What differs from one day (a Group) to the next for one model string: yields (what, detail)."""
     for what, before, after in (("response_model", prev.response_models, cur.response_models),
                                 ("system_fingerprint", prev.fingerprints, cur.fingerprints)):
-        new = sorted(set(after) - set(before), key=str)
-        gone = sorted(set(before) - set(after), key=str)
-        if new or gone:
-            parts = ([f"new {', '.join(map(_label, new))}"] if new else []) + (
-                [f"gone {', '.join(map(_label, gone))}"] if gone else [])
-            yield what, "; ".join(parts)
+        detail = _set_change(before, after, ("new", "gone"))
+        if detail:
+            yield what, detail
     if len(prev.latencies) >= MIN_LATENCY_SAMPLES and len(cur.latencies) >= MIN_LATENCY_SAMPLES:
         a, b = sorted(prev.latencies), sorted(cur.latencies)
         for name, q in (("p50", 50), ("p95", 95)):
             old, new = percentile(a, q), percentile(b, q)
             if old and abs(new - old) / old > latency_shift and abs(new - old) >= latency_floor:
                 yield f"latency_{name}", f"{old:,.0f} -> {new:,.0f} ms ({(new - old) / old:+.0%})"
-    before, after = _usage_state(prev), _usage_state(cur)
+    # did each day's ok calls report usage always, sometimes or never (None: there was no ok call)
+    before, after = (None if not g.ok else "always" if not g.no_usage else "never" if g.no_usage == g.ok
+                     else "sometimes" for g in (prev, cur))
     if before and after and before != after:
         yield "usage", f"usage reported {before} -> {after}"
     if prev.calls and cur.calls:
@@ -519,25 +495,27 @@ def compare_days(prev, cur, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAU
 # Reading back from ClickHouse
 # ----------------------------------------------------------------------------
 
-# `audit.py --from URL` streams the lines every box shipped (`reasoning_ledger.py ship`) through the local
-# pass, ledger by ledger, so the counts, the Changes and every renderer are the local audit's own. By
-# default every ledger audited is re-verified from its stored lines first (as `verify --from`), so
-# "verified" means what it means locally.
-
-def _sql_range(since, until):
-    """The --since/--until filter on `at`, compared as text like the local audit does."""
-    parts = ([f"at >= {rl.sql_string(since)}"] if since is not None else []) + (
-        [f"at <= {rl.sql_string(until)}"] if until is not None else [])
-    return "".join(f" AND {p}" for p in parts)
-
+# `audit.py --from URL` streams the lines every box shipped (`reasoning_ledger.py ship`) through the local pass,
+# ledger by ledger, so every count and renderer is the local audit's own. By default each ledger is re-verified
+# from its stored lines first (as `verify --from`), so "verified" means what it means locally.
 
 def remote_audit(client, *, since=None, until=None, model=None, verify=True):
-    """Audit the lines shipped to ClickHouse (an rl.ClickHouse). Returns (audit, failures) like run_audit:
-    failures lists the IntegrityErrors of the re-verification (then nothing else was read)."""
-    audit = Audit(since=since, until=until, model=model)
+    """Audit the lines shipped to ClickHouse (an rl.ClickHouse). Returns (audit, failures) like run_audit."""
+    audit, failures = Audit(since=since, until=until, model=model), []
     client.require_table()
-    in_range = _sql_range(since, until)
-    failures = _remote_ledgers(client, audit, in_range, verify)
+    in_range = "".join(f" AND at {op} {rl.sql_string(t)}" for op, t in ((">=", since), ("<=", until)) if t is not None)
+    condition = f"WHERE ledger_id IN (SELECT ledger_id FROM {client.name} WHERE 1{in_range})" if in_range else ""
+    found = ((ledger, None) for ledger in rl.shipped_ledgers(client, condition)) if not verify else (
+        rl.verify_shipped(client, condition=condition))
+    for ledger, result in found:  # the ledgers with lines in range, re-verified unless told not to
+        if isinstance(result, rl.IntegrityError):
+            failures.append(result)
+        elif result is not None and not isinstance(result, rl.Verified):
+            raise result  # a key is needed: exit 2, as locally
+        else:
+            audit.ledgers.append({"path": f"clickhouse:{ledger['ledger_id'][:12]} {ledger['last_host']}:"
+                                          f"{ledger['last_path']}", "status": "unverified" if result is None else "ok",
+                                  "lines": ledger["n"] if result is None else result.count, "reason": None})
     if failures:
         return audit, failures
     response = client.stream(f"SELECT ledger_id, path, raw FROM {client.name} FINAL WHERE 1{in_range} "
@@ -551,53 +529,23 @@ def remote_audit(client, *, since=None, until=None, model=None, verify=True):
     return audit, []
 
 
-def _remote_ledgers(client, audit, in_range, verify):
-    """Fill audit.ledgers with the ledgers that have lines in range, re-verifying each unless told not to."""
-    condition = (f"WHERE ledger_id IN (SELECT ledger_id FROM {client.name} WHERE 1{in_range})" if in_range else "")
-    failures = []
-    if not verify:
-        for ledger in rl.shipped_ledgers(client, condition):
-            audit.ledgers.append({"path": _remote_name(ledger), "status": "unverified", "lines": ledger["n"],
-                                  "reason": None})
-        return failures
-    for ledger, result in rl.verify_shipped(client, condition=condition):
-        if isinstance(result, rl.IntegrityError):
-            failures.append(result)
-        elif not isinstance(result, rl.Verified):
-            raise result  # a key is needed: exit 2, as locally
-        else:
-            audit.ledgers.append({"path": _remote_name(ledger), "status": "ok", "lines": result.count,
-                                  "reason": None})
-    return failures
-
-
-def _remote_name(ledger):
-    return f"clickhouse:{ledger['ledger_id'][:12]} {ledger['last_host']}:{ledger['last_path']}"
-
 
 # ----------------------------------------------------------------------------
 # Reports: text, JSON, CSV
 # ----------------------------------------------------------------------------
 
 def _table(headers, rows, text_columns, cut=None, limit=None):
-    """Aligned columns: the named text columns to the left, numbers to the right. Cells are made
-    printable here, so a value from a ledger can neither forge a line nor drive the terminal. With a
-    limit, the columns in `cut` ({column: "middle" or "end"}) are narrowed, in that order, each down to
-    MIN_CUT_WIDTH, until the table fits; a cell cut that way shows ELLIPSIS where text was left out.
-    Returns (lines, cut_any)."""
+    """(lines, cut_any): aligned columns, the named text columns to the left, numbers to the right. Cells are
+    made printable, so a ledger value can neither forge a line nor drive the terminal. With a limit, the columns
+    in `cut` ({column: "middle" or "end"}) are narrowed in that order, each down to MIN_CUT_WIDTH, to fit."""
     rows = [[rl.printable(cell) for cell in row] for row in rows]
-    widths = [len(h) for h in headers]
-    for row in rows:
-        widths = [max(w, len(cell)) for w, cell in zip(widths, row)]
-    cut = cut or {}
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
     over = sum(widths) + 2 * (len(widths) - 1) - limit if limit else 0
-    for name in cut:
+    for name in cut or {}:
         i = headers.index(name)
         spare = max(0, min(over, widths[i] - max(MIN_CUT_WIDTH, len(name))))
-        widths[i] -= spare
-        over -= spare
-    cut_any = False
-    lines = []
+        widths[i], over = widths[i] - spare, over - spare
+    lines, cut_any = [], False
     for row in [headers] + rows:
         cells = []
         for cell, w, h in zip(row, widths, headers):
@@ -610,83 +558,51 @@ def _table(headers, rows, text_columns, cut=None, limit=None):
 
 def _elide(text, width, where="middle"):
     """text in `width` characters, ELLIPSIS where the rest was left out (its middle, or its end)."""
+    if len(text) <= width:
+        return text
     if where == "end":
         return text[:width - 1] + ELLIPSIS
     head = width // 2
     return text[:head] + ELLIPSIS + text[len(text) - (width - 1 - head):]
 
 
-def _label(value):
-    return "-" if value is None else str(value)
-
-
-def _endpoint_keys(rows, changes):
-    """{base_url: "#n"}: the short name the narrow text table gives each endpoint, in order of appearance."""
-    keys = {}
-    for base in [r["base_url"] for r in rows] + [c["base_url"] for c in changes]:
-        if base not in keys:
-            keys[base] = f"#{len(keys) + 1}"
-    return keys
-
-
 def _model_table(rows, by_day, wide, endpoints):
-    """The lines of the models table: every column whole with --wide; else endpoints as #n, min/max
-    latency and the ok count left to --wide, and names cut in the middle to fit TEXT_WIDTH. The `at`
-    column appears when there is more than one endpoint."""
+    """The models table: every column whole with --wide; else endpoints as #n (an `at` column when there is more
+    than one), tokens from 10,000 on in 3 digits, min/max latency and ok left to --wide, and names cut in the
+    middle to fit TEXT_WIDTH."""
+    def tokens(value):
+        return _num(value) if value is None or wide or value < 10000 else _short(value)
+    day = ["day"] if by_day else []
     if wide:
-        columns = ["model", "base_url"] + (["day"] if by_day else []) + [
-            "calls", "ok", "failed", "no_usage", "checks", "in_tok", "out_tok", "est_in~", "est_out~",
-            "min_ms", "p50_ms", "p95_ms", "max_ms", "retries", "served"]
+        columns = ["model", "base_url"] + day + ["calls", "ok", "failed", "no_usage", "checks", "in_tok", "out_tok",
+                                                 "est_in~", "est_out~", "min_ms", "p50_ms", "p95_ms", "max_ms",
+                                                 "retries", "served"]
     else:
-        columns = ["model"] + (["at"] if len(endpoints) > 1 else []) + (["day"] if by_day else []) + [
+        columns = ["model"] + (["at"] if len(endpoints) > 1 else []) + day + [
             "calls", "failed", "no_usage", "checks", "in_tok", "out_tok", "est~", "p50_ms", "p95_ms"] + (
             [] if by_day else ["retries"]) + ["served"]
     body = []
     for r in rows:
         est = None if r["est_input_tokens"] is None else r["est_input_tokens"] + (r["est_output_tokens"] or 0)
-        cells = {"model": _label(r["request_model"]), "base_url": _label(r["base_url"]),
-                 "at": endpoints[r["base_url"]], "day": r["day"], "est~": _fmt_tokens(est, wide),
+        served = r["response_models"] if wide else {"=" if name == r["request_model"] else name: n
+                                                    for name, n in r["response_models"].items()}
+        cells = {"model": _label(r["request_model"]), "base_url": _label(r["base_url"]), "day": r["day"],
+                 "at": endpoints[r["base_url"]], "est~": tokens(est), "in_tok": tokens(r["input_tokens"]),
+                 "out_tok": tokens(r["output_tokens"]), "est_in~": _num(r["est_input_tokens"]),
                  "checks": f"{r['passed']:,}/{r['checked']:,}" if r["checked"] else "-",
-                 "est_in~": _fmt_int(r["est_input_tokens"]), "est_out~": _fmt_int(r["est_output_tokens"]),
-                 "in_tok": _fmt_tokens(r["input_tokens"], wide), "out_tok": _fmt_tokens(r["output_tokens"], wide),
-                 "served": _top(r["response_models"] if wide else {
-                     "=" if name == r["request_model"] else name: n for name, n in r["response_models"].items()})
-                 or "-"}
-        for name in ("calls", "ok", "failed", "no_usage", "retries"):
-            cells[name] = _fmt_int(r[name])
-        for name in ("min", "p50", "p95", "max"):
-            cells[f"{name}_ms"] = _fmt_ms(r[f"latency_{name}_ms"])
+                 "est_out~": _num(r["est_output_tokens"]),
+                 "served": ",".join(str(name) for name, _n in _ranked(served)) or "-"}
+        cells.update((name, _num(r[name])) for name in ("calls", "ok", "failed", "no_usage", "retries"))
+        cells.update((f"{q}_ms", _fmt_ms(r[f"latency_{q}_ms"])) for q in ("min", "p50", "p95", "max"))
         body.append([cells[c] for c in columns])
     return _table(columns, body, {"model", "base_url", "at", "day", "served"},
                   None if wide else {"served": "middle", "model": "middle"}, None if wide else TEXT_WIDTH)
 
 
-def _runs_table(runs, wide):
-    """The lines of the agent-runs table, `why` (how the run ended) last: cut at its end to fit unless --wide."""
-    columns = (["run", "outcome", "verdict", "steps", "tools_ok", "tools_denied", "model_calls", "in_tok",
-                "out_tok", "est_tok~", "why"] if wide else ["run", "outcome", "steps", "calls", "denied", "why"])
-    body = []
-    for r in runs:
-        cells = {"run": r["run_id"], "outcome": _label(r["outcome"]), "verdict": _label(r["judge_verdict"]),
-                 "why": _label(r["why"]), "calls": _fmt_int(r["model_calls"]), "denied": _fmt_int(r["tools_denied"])}
-        for name, key in (("steps", "steps"), ("tools_ok", "tools_allowed"), ("tools_denied", "tools_denied"),
-                          ("model_calls", "model_calls"), ("in_tok", "input_tokens"),
-                          ("out_tok", "output_tokens"), ("est_tok~", "est_tokens")):
-            cells[name] = _fmt_int(r[key])
-        body.append([cells[c] for c in columns])
-    return _table(columns, body, {"run", "outcome", "verdict", "why"}, None if wide else {"why": "end"},
-                  None if wide else TEXT_WIDTH)
-
-
-def _fold_lines(lines, limit):
-    """Each line of prose wrapped to `limit` columns, continued with an indent."""
-    out = []
-    for line in lines:
-        if len(line) <= limit:
-            out.append(line)
-        else:
-            out += textwrap.wrap(line, limit, subsequent_indent="    ", break_on_hyphens=False) or [line[:limit]]
-    return out
+_RUN_TEXT = {"run": "run_id", "outcome": "outcome", "verdict": "judge_verdict", "steps": "steps",
+             "tools_ok": "tools_allowed", "tools_denied": "tools_denied", "model_calls": "model_calls",
+             "calls": "model_calls", "denied": "tools_denied", "in_tok": "input_tokens", "out_tok": "output_tokens",
+             "est_tok~": "est_tokens", "why": "why"}
 
 
 def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
@@ -695,13 +611,15 @@ def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
     mark = "verified" if verified else "UNVERIFIED (--no-verify): the chain was not checked"
     out = [f"audit: {files} ledger{'s' if files != 1 else ''}, {sums['calls']:,} model calls, {mark}"]
     out += [line for line in warnings if line.startswith("warning:")] + [""]
-    endpoints = _endpoint_keys(rows, changes)
+    endpoints = {}  # base_url -> "#n", the short name the narrow table gives each endpoint
+    for base in [r["base_url"] for r in rows] + [c["base_url"] for c in changes]:
+        endpoints.setdefault(base, f"#{len(endpoints) + 1}")
     out.append("Models" + (" by day" if by_day else "") + " (request_model @ base_url)")
     table, cut = _model_table(rows, by_day, wide, endpoints) if rows else (["(no model calls)"], False)
     out += table
     if rows and not wide:
-        out += [f"at {key} = {_label(base)}" for base, key in endpoints.items() if base in
-                {r["base_url"] for r in rows}]
+        shown = {r["base_url"] for r in rows}
+        out += [f"at {key} = {_label(base)}" for base, key in endpoints.items() if base in shown]
     if not wide:
         out.append((f"{ELLIPSIS} marks a name cut in the middle to fit {TEXT_WIDTH} columns; " if cut else "")
                    + "served: = is the model asked for; latency in ms (ok calls); tokens from 10,000 on in k/M "
@@ -714,10 +632,18 @@ def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
         where = _label(change["base_url"]) if wide else endpoints.get(change["base_url"], "-")
         out.append(f"  {change['day']}  {who} @ {where}: {change['what']}: {change['detail']}  "
                    f"(vs {change['previous_day']})")
-    if runs:
-        out += ["", f"Agent runs: {len(runs)}"] + _runs_table(runs, wide)[0]
+    if runs:  # `why` (how the run ended) last, cut at its end to fit unless --wide
+        columns = (["run", "outcome", "verdict", "steps", "tools_ok", "tools_denied", "model_calls", "in_tok",
+                    "out_tok", "est_tok~", "why"] if wide else ["run", "outcome", "steps", "calls", "denied", "why"])
+        text = {"run", "outcome", "verdict", "why"}
+        body = [[_label(r[_RUN_TEXT[c]]) if c in text else _num(r[_RUN_TEXT[c]]) for c in columns] for r in runs]
+        out += ["", f"Agent runs: {len(runs)}"] + _table(columns, body, text, None if wide else {"why": "end"},
+                                                         None if wide else TEXT_WIDTH)[0]
     out = [rl.printable(line) for line in out]  # nothing from a ledger may forge a line or drive the terminal
-    return "\n".join(out if wide else _fold_lines(out, TEXT_WIDTH)) + "\n"
+    if not wide:  # prose wider than the terminal continues on the next line, indented
+        out = [piece for line in out for piece in ([line] if len(line) <= TEXT_WIDTH else textwrap.wrap(
+            line, TEXT_WIDTH, subsequent_indent="    ", break_on_hyphens=False) or [line[:TEXT_WIDTH]])]
+    return "\n".join(out) + "\n"
 
 
 def _sums(rows):
@@ -776,18 +702,15 @@ def render_json(audit, rows, changes, runs, verified, by_day):
     }, ensure_ascii=False, indent=1) + "\n"
 
 
-_CSV_TRIGGERS = ("=", "+", "-", "@", "\t", "\r")
-
-
 def _csv_cell(value):
-    """A CSV cell. Text that a spreadsheet would run as a formula gets a leading ' (OWASP's advice);
-    numbers stay numbers, and null is an empty cell."""
+    """A CSV cell. Text a spreadsheet would run as a formula gets a leading ' (OWASP's advice); numbers stay
+    numbers, and null is an empty cell."""
     if value is None:
         return ""
     if type(value) in (int, float):
         return value
     text = json.dumps(value, ensure_ascii=False, sort_keys=True) if isinstance(value, dict) else str(value)
-    return "'" + text if text.startswith(_CSV_TRIGGERS) else text
+    return "'" + text if text.startswith(("=", "+", "-", "@", "\t", "\r")) else text
 
 
 def render_csv(rows):
@@ -795,8 +718,7 @@ def render_csv(rows):
     stream = io.StringIO()
     writer = csv.writer(stream, lineterminator="\r\n")
     writer.writerow(MODEL_COLUMNS)
-    for r in rows:
-        writer.writerow([_csv_cell(r[c]) for c in MODEL_COLUMNS])
+    writer.writerows([_csv_cell(r[c]) for c in MODEL_COLUMNS] for r in rows)
     return stream.getvalue()
 
 
@@ -804,9 +726,9 @@ def render_csv(rows):
 # Reports: HTML
 # ----------------------------------------------------------------------------
 
-# One self-contained page: inline CSS and SVG, no script, nothing fetched. Every value that came from a
-# ledger goes through _e() (html.escape with quote=True), in text, SVG <title>/<text> and attributes alike;
-# colours, sizes and headings come from the constants here.
+# One self-contained page: inline CSS and SVG, no script, nothing fetched. Every value that came from a ledger
+# goes through _e() (html.escape with quote=True), in text, SVG <title>/<text> and attributes alike; colours,
+# sizes and headings come from the constants here.
 
 _PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#000000", "#F0E442")  # Okabe-Ito
 # Error types get colours of their own, each far (CIE76 delta E >= 35) from every model colour, so a bar's
@@ -823,7 +745,6 @@ _MARKER_DAYS = 45          # a dot (with a tooltip) on every day up to this many
 _MAX_TEXT = 512            # a longer ledger string is cut on the page (ask.py cuts server strings there too)
 _CHART = (640, 290, (66, 14, 626, 232))     # width, height, plot box (left, top, right, bottom)
 _HIST = (440, 250, (56, 26, 428, 196))
-# Headings for people; each <th> keeps its field name in data-field and title.
 _HEADINGS = {
     "request_model": "Model (requested)", "base_url": "Endpoint", "day": "Day", "calls": "Calls", "ok": "OK",
     "failed": "Failed", "no_usage": "No usage", "malformed": "Malformed", "checked": "Checked",
@@ -847,6 +768,7 @@ _HTML_RUN_COLUMNS = ("run_id", "started", "outcome", "why", "judge_verdict", "st
 _WHAT = {"response_model": "Served model", "system_fingerprint": "System fingerprint",
          "latency_p50": "Latency p50", "latency_p95": "Latency p95", "usage": "Usage reporting",
          "error_rate": "Error rate", "checks": "Check pass rate", "models_list": "Models listed"}
+_TEXT_TH = ' class="t"'
 _TEXT_FIELDS = {"request_model", "base_url", "day", "response_models", "system_fingerprints", "errors", "run_id",
                 "started", "outcome", "judge_verdict", "what", "detail", "previous_day", "path", "status",
                 "reason", "why"}
@@ -872,36 +794,10 @@ _CSS = (
     "stroke-dasharray:4 3}")
 
 
+
 def _e(value):
     """A ledger value as HTML text or attribute (null as a dash), cut at _MAX_TEXT characters."""
-    if value is None:
-        return _DASH
-    text = str(value)
-    if len(text) > _MAX_TEXT:
-        text = text[:_MAX_TEXT] + "\u2026"
-    return html.escape(text, quote=True)
-
-
-def _clip(text, limit=90):
-    """A label for one line of SVG text, which does not wrap."""
-    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
-
-
-def _model_label(model, base):
-    return f"{_label(model)} @ {_label(base)}"
-
-
-def _num(value):
-    """Page text for a count or a token sum: 1,234; null as a dash."""
-    if value is None:
-        return _DASH
-    return f"{value:,}" if isinstance(value, int) else f"{value:,.1f}"
-
-
-def _ms(value):
-    if value is None:
-        return _DASH
-    return f"{value:,.1f}" if value < 10 else f"{value:,.0f}"
+    return _DASH if value is None else html.escape(_elide(str(value), _MAX_TEXT + 1, "end"), quote=True)
 
 
 def _ms_text(value):
@@ -910,40 +806,30 @@ def _ms_text(value):
     return f"{value / 1000:,.1f} s" if value >= 10000 else f"{value:,.0f} ms"
 
 
-def _short(value):
-    """An axis tick: 950, 1.2k, 3M, 2.5."""
-    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if abs(value) >= div:
-            return f"{value / div:.3g}{suffix}"
-    return f"{value:.3g}"
-
-
-def _pct(value):
-    return f"{value:.3g}%"
-
-
 def _is_date(day):
-    return len(day) == 10 and day[4] == day[7] == "-" and (day[:4] + day[5:7] + day[8:]).isdigit()
+    try:
+        return len(day) == 10 and datetime.date.fromisoformat(day).isoformat() == day
+    except ValueError:  # not a date: the `at` of an unverified ledger
+        return False
 
 
-def _short_day(day):
-    return day[5:] if _is_date(day) else day
+def _key(colour, dashed=False):
+    return f'<span class="key{" dash" if dashed else ""}" style="background:{colour}"></span>'
 
-
-# -- which model strings get a colour ------------------------------------------
 
 def _chart_models(audit):
-    """(series, totals): the page's one model of the data. A series for each of the MAX_CHART_MODELS busiest
-    (model, base_url) pairs, in order, and a grey one summing up the rest (when there is a rest), each with
-    its calls, per-day sums [calls, ok, usage_calls, reported tokens, estimated tokens], errors by type and
-    ok latencies; totals counts the calls of every pair."""
+    """(series, order): the page's one model of the data. A series for each of the MAX_CHART_MODELS busiest
+    (model, base_url) pairs, and a grey one summing up the rest (when there is a rest), each with its calls,
+    per-day sums [calls, ok, usage_calls, reported tokens, estimated tokens], errors by type and ok latencies;
+    order ranks every pair, busiest first."""
     totals = {}
     for (model, base, _day), group in audit.groups.items():
         totals[(model, base)] = totals.get((model, base), 0) + group.calls
+    order = sorted(totals, key=lambda k: (-totals[k], str(k[0]), str(k[1])))
     folded = (OTHER, OTHER) if audit.folded and (OTHER, OTHER) in totals else None
-    ranked = sorted((k for k in totals if k != folded), key=lambda k: (-totals[k], str(k[0]), str(k[1])))
+    ranked = [key for key in order if key != folded]
     top, rest = ranked[:MAX_CHART_MODELS], ranked[MAX_CHART_MODELS:]
-    series = [{"key": key, "label": _model_label(*key), "colour": colour, "dashed": False}
+    series = [{"key": key, "label": f"{_label(key[0])} @ {_label(key[1])}", "colour": colour, "dashed": False}
               for key, colour in zip(top, _PALETTE)]
     if rest or folded:
         many = f"{len(rest):,}{'+' if folded else ''}"
@@ -963,44 +849,10 @@ def _chart_models(audit):
         for name, n in g.errors.items():
             one["errors"][name] = one["errors"].get(name, 0) + n
         one["latencies"].extend(g.latencies)
-    return series, totals
+    return series, order
 
 
-def _key(colour, dashed=False):
-    return f'<span class="key{" dash" if dashed else ""}" style="background:{colour}"></span>'
-
-
-def _legend(series):
-    items = [f'<li data-model="{_e(s["label"])}">{_key(s["colour"])}{_e(s["label"])} '
-             f'<span class="note">{s["calls"]:,} calls</span></li>' if s["key"] else
-             f'<li data-model="{_e(OTHER)}">{_key(_GREY, True)}{_e(s["label"])}</li>' for s in series]
-    return '<ul class="legend" data-legend="models">' + "".join(items) + "</ul>"
-
-
-# -- per-day data --------------------------------------------------------------
-
-def _chart_days(days):
-    """The x axis: every calendar day from the first to the last (at most _MAX_CHART_DAYS, the latest),
-    or the days as found when some are not dates (an unverified ledger)."""
-    import datetime
-    days = sorted(days)
-    try:
-        dates = [datetime.date.fromisoformat(d) for d in days if _is_date(d)]
-    except ValueError:
-        dates = []
-    if len(dates) != len(days) or not dates:
-        return days[-_MAX_CHART_DAYS:]
-    span = (dates[-1] - dates[0]).days
-    return [(dates[0] + datetime.timedelta(n)).isoformat() for n in range(max(0, span + 1 - _MAX_CHART_DAYS),
-                                                                          span + 1)]
-
-
-# -- SVG pieces ----------------------------------------------------------------
-
-def _svg_open(css_class, title, width, height, attrs=""):
-    return (f'<svg class="{css_class}"{attrs} xmlns="http://www.w3.org/2000/svg" width="{width}" '
-            f'height="{height}" viewBox="0 0 {width} {height}" role="img"><title>{_e(title)}</title>')
-
+# -- SVG: one frame with axes, lines, stacked bars -----------------------------
 
 def _scale(top, integer=True, ticks=4):
     """(step, ymax): a round tick step and the axis top that covers `top`."""
@@ -1012,137 +864,138 @@ def _scale(top, integer=True, ticks=4):
     return step, step * math.ceil(top / step - 1e-9)
 
 
-def _y_axis(box, step, ymax, fmt, title):
-    left, top, right, bottom = box
-    parts = []
+def _frame(css_class, title, size, top_value, y_title, x_ticks, x_title, fmt=_short, integer=True, attrs=""):
+    """(parts, y_of): an SVG's opening, a y axis covering `top_value` with grid lines, and an x axis with its
+    ticks [(x, label)]; y_of(v) is where the value v sits."""
+    width, height, (left, top, right, bottom) = size
+    step, ymax = _scale(top_value, integer)
+    parts = [f'<svg class="{css_class}"{attrs} xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" role="img"><title>{_e(title)}</title>']
     for i in range(int(round(ymax / step)) + 1):
         y = bottom - (bottom - top) * i * step / ymax
         parts.append(f'<line class="gl" x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}"/>'
                      f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_e(fmt(i * step))}</text>')
     parts.append(f'<text class="ax" text-anchor="middle" transform="translate(14 {(top + bottom) / 2:.0f}) '
-                 f'rotate(-90)">{_e(title)}</text>')
-    return "".join(parts)
-
-
-def _x_days(days, xs, box):
-    left, _top, right, bottom = box
-    every = max(1, math.ceil(len(days) / 12))
-    years = sorted({d[:4] for d in days if _is_date(d)})
-    parts = [f'<line class="axis" x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}"/>']
-    for i, (day, x) in enumerate(zip(days, xs)):
-        if i % every == 0:
-            parts.append(f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_e(_short_day(day))}</text>')
-    title = "day (UTC" + (", " + "\u2013".join(sorted({years[0], years[-1]})) if years else "") + ")"
+                 f'rotate(-90)">{_e(y_title)}</text><line class="axis" x1="{left}" y1="{bottom}" x2="{right}" '
+                 f'y2="{bottom}"/>')
+    parts += [f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_e(label)}</text>' for x, label in x_ticks]
     parts.append(f'<text class="ax" x="{(left + right) / 2:.0f}" y="{bottom + 38}" text-anchor="middle">'
-                 f'{_e(title)}</text>')
-    return "".join(parts)
+                 f'{_e(x_title)}</text>')
+    return parts, lambda value: bottom - (bottom - top) * value / ymax
 
 
-def _xs(n, box):
-    left, _top, right, _bottom = box
-    band = (right - left) / max(n, 1)
-    return [left + band * (i + 0.5) for i in range(n)]
+def _day_frame(css_class, title, top_value, y_title, days, fmt=_short, integer=True):
+    """(parts, y_of, xs): _frame for a chart over days, a band per day (xs: their centres), 12 labels at most."""
+    left, _top, right, _bottom = _CHART[2]
+    band = (right - left) / max(len(days), 1)
+    xs = [left + band * (i + 0.5) for i in range(len(days))]
+    every = max(1, math.ceil(len(days) / 12))
+    ticks = [(x, day[5:] if _is_date(day) else day) for i, (day, x) in enumerate(zip(days, xs)) if i % every == 0]
+    years = sorted({d[:4] for d in days if _is_date(d)})
+    x_title = "day (UTC" + (", " + _DASH.join(sorted({years[0], years[-1]})) if years else "") + ")"
+    parts, y_of = _frame(css_class, title, _CHART, top_value, y_title, ticks, x_title, fmt, integer)
+    return parts, y_of, xs
 
 
 def _line_chart(css_class, title, y_title, unit, days, series, integer=True, fmt=_short):
     """One line per series over the days; a gap where a value is null (nothing to show), never a 0."""
-    width, height, box = _CHART
-    values = [v for _l, _c, _d, vals in series for v in vals if v is not None]
-    step, ymax = _scale(max(values, default=0), integer)
-    xs = _xs(len(days), box)
-    bottom, span = box[3], box[3] - box[1]
-    parts = [_svg_open(css_class, title, width, height), _y_axis(box, step, ymax, fmt, y_title),
-             _x_days(days, xs, box)]
+    values = [v for *_s, vals in series for v in vals if v is not None]
+    parts, y_of, xs = _day_frame(css_class, title, max(values, default=0), y_title, days, fmt, integer)
     for label, colour, dashed, vals in series:
-        points = [(x, bottom - span * v / ymax, day, v) for x, day, v in zip(xs, days, vals) if v is not None]
         parts.append(f'<g class="series" data-series="{_e(label)}"><title>{_e(label)}</title>')
         dash = ' stroke-dasharray="6 4"' if dashed else ""
-        for run in _stretches(xs, vals, bottom, span, ymax):
-            parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2.2" stroke-linejoin="round"'
-                         f'{dash} points="{run}"/>')
-        if len(days) <= _MARKER_DAYS or len(points) == 1:
-            for x, y, day, v in points:
-                value = _num(v) if integer else fmt(v)
-                parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3.2" fill="{colour}" stroke="#fff" '
-                             f'stroke-width="1"><title>{_e(label)} \u00b7 {_e(day)}: {_e(value)} {_e(unit)}'
-                             "</title></circle>")
+        for present, points in itertools.groupby(zip(xs, vals), key=lambda point: point[1] is not None):
+            points = list(points)
+            if present and len(points) > 1:
+                parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2.2" stroke-linejoin="round"'
+                             f'{dash} points="{" ".join(f"{x:.1f},{y_of(v):.1f}" for x, v in points)}"/>')
+        points = [(x, day, v) for x, day, v in zip(xs, days, vals) if v is not None]
+        for x, day, v in points if len(days) <= _MARKER_DAYS or len(points) == 1 else ():
+            parts.append(f'<circle cx="{x:.1f}" cy="{y_of(v):.1f}" r="3.2" fill="{colour}" stroke="#fff" '
+                         f'stroke-width="1"><title>{_e(label)} \u00b7 {_e(day)}: '
+                         f'{_e(_num(v) if integer else fmt(v))} {_e(unit)}</title></circle>')
         parts.append("</g>")
-    parts.append("</svg>")
-    return "".join(parts)
+    return "".join(parts + ["</svg>"])
 
 
-def _stretches(xs, vals, bottom, span, ymax):
-    """The points attribute of each stretch of two or more consecutive non-null values."""
-    runs = []
-    for present, points in itertools.groupby(zip(xs, vals), key=lambda point: point[1] is not None):
-        points = list(points)
-        if present and len(points) > 1:
-            runs.append(" ".join(f"{x:.1f},{bottom - span * v / ymax:.1f}" for x, v in points))
-    return runs
+def _bar(x, y, width, height, colour, title, error_type=None):
+    kind = "" if error_type is None else f'data-error-type="{_e(error_type)}" '
+    return (f'<rect {kind}x="{x:.1f}" y="{y:.1f}" width="{width:.1f}" height="{height:.1f}" fill="{colour}">'
+            f"<title>{title}</title></rect>")
 
 
 def _errors_chart(days, counts, types, colours):
     """Stacked bars: one <g class="day"> per day, one rect per error type that happened that day."""
-    width, height, box = _CHART
-    left, top, right, bottom = box
     totals = [sum(counts.get(d, {}).values()) for d in days]
-    step, ymax = _scale(max(totals, default=0))
-    xs = _xs(len(days), box)
-    bar = min((right - left) / max(len(days), 1) * 0.7, 56)
-    parts = [_svg_open("errors-per-day", "failed calls per day, by error type", width, height),
-             _y_axis(box, step, ymax, _short, "failed calls"), _x_days(days, xs, box)]
+    parts, y_of, xs = _day_frame("errors-per-day", "failed calls per day, by error type", max(totals, default=0),
+                                 "failed calls", days)
+    left, _top, right, bottom = _CHART[2]
+    width = min((right - left) / max(len(days), 1) * 0.7, 56)
     for day, x, total in zip(days, xs, totals):
         parts.append(f'<g class="day" data-day="{_e(day)}">')
         y = bottom
         for name in types:
             n = counts.get(day, {}).get(name)
             if n:
-                h = (bottom - top) * n / ymax
+                h = bottom - y_of(n)
                 y -= h
-                parts.append(f'<rect data-error-type="{_e(name)}" x="{x - bar / 2:.1f}" y="{y:.1f}" '
-                             f'width="{bar:.1f}" height="{h:.1f}" fill="{colours[name]}"><title>{_e(day)}: '
-                             f'{_e(name)} \u00d7 {n:,}</title></rect>')
+                parts.append(_bar(x - width / 2, y, width, h, colours[name], f"{_e(day)}: {_e(name)} \u00d7 {n:,}",
+                                  name))
         if total and len(days) <= _MARKER_DAYS:
             parts.append(f'<text class="lbl" x="{x:.1f}" y="{y - 4:.1f}" text-anchor="middle">{total:,}</text>')
         parts.append("</g>")
-    parts.append("</svg>")
-    return "".join(parts)
+    return "".join(parts + ["</svg>"])
 
 
-def _log_bounds(low, high):
-    """Round 1-2-5 values around [low, high] for a log axis."""
-    def down(v):
-        k = 10 ** math.floor(math.log10(v))
-        return next(m * k for m in (5, 2, 1) if m * k <= v * (1 + 1e-9))
+def _errors_by_model_chart(series, types, colours):
+    """One horizontal stacked bar per chart series: its failed calls, coloured by error type."""
+    width, left, right, row = _CHART[0], 10, _CHART[0] - 150, 40
+    bottom = 8 + row * len(series)
+    step, xmax = _scale(max((sum(s["errors"].values()) for s in series), default=0))
+    parts = [f'<svg class="errors-per-model" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{bottom + 44}" '
+             f'viewBox="0 0 {width} {bottom + 44}" role="img"><title>failed calls per model, by error type</title>']
+    for i in range(int(round(xmax / step)) + 1):
+        x = left + (right - left) * i * step / xmax
+        parts.append(f'<line class="gl" x1="{x:.1f}" y1="4" x2="{x:.1f}" y2="{bottom}"/>'
+                     f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_short(i * step)}</text>')
+    parts.append(f'<text class="ax" x="{(left + right) / 2:.0f}" y="{bottom + 38}" text-anchor="middle">'
+                 "failed calls</text>")
+    for i, s in enumerate(series):
+        label, per, y, x = s["label"], s["errors"], 8 + i * row, left
+        parts.append(f'<g class="model" data-model="{_e(label if s["key"] else OTHER)}">'
+                     f'<rect x="{left}" y="{y + 3}" width="10" height="10" rx="2" fill="{s["colour"]}"/>'
+                     f'<text x="{left + 15}" y="{y + 12}">{_e(_elide(label, 90, "end"))}</text>')
+        for name in (name for name in types if per.get(name)):
+            w = (right - left) * per[name] / xmax
+            parts.append(_bar(x, y + 17, w, 14, colours[name], f"{_e(label)}: {_e(name)} \u00d7 {per[name]:,}", name))
+            x += w
+        failed, n = sum(per.values()), s["calls"]
+        share = f" \u00b7 {failed / n:.1%} of {n:,} calls" if n else ""
+        parts.append(f'<text x="{x + 6:.1f}" y="{y + 28}">{failed:,}{share}</text></g>')
+    return "".join(parts + ["</svg>"])
 
-    def up(v):
-        k = 10 ** math.floor(math.log10(v))
-        return next(m * k for m in (1, 2, 5, 10) if m * k >= v * (1 - 1e-9))
-    low, high = down(max(low, 1.0)), up(max(high, 1.0))
-    return (low, high) if high > low else (low, up(low * 1.5))
+
+def _round_125(value, up):
+    """The nearest 1-2-5 value (..., 1, 2, 5, 10, 20, ...) at or above `value` (up) or at or below it."""
+    k = 10 ** math.floor(math.log10(value))
+    return next(m * k for m in ((1, 2, 5, 10) if up else (5, 2, 1))
+                if (m * k >= value * (1 - 1e-9) if up else m * k <= value * (1 + 1e-9)))
 
 
-def _log_ticks(low, high):
-    ticks = [m * 10 ** k for k in range(int(math.floor(math.log10(low))), int(math.ceil(math.log10(high))) + 1)
-             for m in (1, 2, 5)]
-    ticks = [t for t in ticks if low * (1 - 1e-9) <= t <= high * (1 + 1e-9)]
-    return ticks if len(ticks) <= 9 else [t for t in ticks if str(int(t)).startswith("1")]
-
-
-def _tick_ms(value):
-    return f"{value:g} ms" if value < 1000 else f"{value / 1000:g} s"
-
-
-def _latency_histogram(model, latencies, colour=_PALETTE[0], bins=32):
-    """Log-scale bins, so a cold-start hump stands apart from the warm one; p50 and p95 marked."""
-    width, height, box = _HIST
-    left, top, right, bottom = box
+def _latency_histogram(model, ordered, colour, bins=32):
+    """Log-scale bins of sorted latencies, so a cold-start hump stands apart from the warm one; p50 and p95
+    marked."""
+    width, height, (left, top, right, bottom) = _HIST
     attrs = f' data-model="{_e(model)}"'
-    if not latencies:
-        return (_svg_open("latency-histogram", f"latency of {model}: no successful calls", width, 40, attrs)
-                + '<text x="8" y="24">no successful call with a latency</text></svg>')
-    ordered = sorted(latencies)
-    low, high = _log_bounds(ordered[0], ordered[-1])
+    if not ordered:
+        return (f'<svg class="latency-histogram"{attrs} xmlns="http://www.w3.org/2000/svg" width="{width}" '
+                f'height="40" viewBox="0 0 {width} 40" role="img"><title>latency of {_e(model)}: no successful '
+                'calls</title><text x="8" y="24">no successful call with a latency</text></svg>')
+    low, high = _round_125(max(ordered[0], 1.0), False), _round_125(max(ordered[-1], 1.0), True)
+    high = high if high > low else _round_125(low * 1.5, True)
+    ticks = [m * 10 ** k for k in range(int(math.floor(math.log10(low))), int(math.ceil(math.log10(high))) + 1)
+             for m in (1, 2, 5) if low * (1 - 1e-9) <= m * 10 ** k <= high * (1 + 1e-9)]
+    ticks = ticks if len(ticks) <= 9 else [t for t in ticks if str(int(t)).startswith("1")]
     lo, span = math.log10(low), math.log10(high) - math.log10(low)
 
     def x_of(value):
@@ -1150,22 +1003,15 @@ def _latency_histogram(model, latencies, colour=_PALETTE[0], bins=32):
     counts = [0] * bins
     for value in ordered:
         counts[min(max(int((math.log10(max(value, 1.0)) - lo) / span * bins), 0), bins - 1)] += 1
-    step, ymax = _scale(max(counts))
-    parts = [_svg_open("latency-histogram", f"latency of {model} (ms, log scale)", width, height, attrs),
-             _y_axis(box, step, ymax, _short, "ok calls"),
-             f'<line class="axis" x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}"/>']
+    x_ticks = [(x_of(t), f"{t:g} ms" if t < 1000 else f"{t / 1000:g} s") for t in ticks]
+    parts, y_of = _frame("latency-histogram", f"latency of {model} (ms, log scale)", _HIST, max(counts), "ok calls",
+                         x_ticks, "latency (ms, log scale)", attrs=attrs)
     bw = (right - left) / bins
     for i, n in enumerate(counts):
         if n:
-            h = (bottom - top) * n / ymax
             a, b = (10 ** (lo + span * j / bins) for j in (i, i + 1))
-            parts.append(f'<rect x="{left + i * bw + 0.5:.1f}" y="{bottom - h:.1f}" width="{bw - 1:.1f}" '
-                         f'height="{h:.1f}" fill="{colour}"><title>{_ms_text(a)} \u2013 {_ms_text(b)}: '
-                         f'{n:,} calls</title></rect>')
-    for tick in _log_ticks(low, high):
-        parts.append(f'<text x="{x_of(tick):.1f}" y="{bottom + 15}" text-anchor="middle">{_tick_ms(tick)}</text>')
-    parts.append(f'<text class="ax" x="{(left + right) / 2:.0f}" y="{bottom + 36}" text-anchor="middle">'
-                 f'latency (ms, log scale)</text>')
+            parts.append(_bar(left + i * bw + 0.5, y_of(n), bw - 1, bottom - y_of(n), colour,
+                              f"{_ms_text(a)} \u2013 {_ms_text(b)}: {n:,} calls"))
     for row, (name, q) in enumerate((("p50", 50), ("p95", 95))):
         value = percentile(ordered, q)
         x = x_of(value)
@@ -1173,45 +1019,42 @@ def _latency_histogram(model, latencies, colour=_PALETTE[0], bins=32):
         parts.append(f'<line class="mark" x1="{x:.1f}" y1="{top - 12 + 12 * row}" x2="{x:.1f}" y2="{bottom}"/>'
                      f'<text class="lbl" x="{x + dx:.1f}" y="{top - 4 + 12 * row}" text-anchor="{anchor}">'
                      f'{name} {_ms_text(value)}</text>')
-    parts.append("</svg>")
-    return "".join(parts)
+    return "".join(parts + ["</svg>"])
 
 
 # -- tables --------------------------------------------------------------------
 
-def _th(field):
-    cls = ' class="t"' if field in _TEXT_FIELDS else ""
-    return f'<th{cls} scope="col" data-field="{_e(field)}" title="{_e(field)}">{_e(_HEADINGS.get(field, field))}</th>'
-
-
 def _td(field, value):
     """One cell: counts with separators, ms as ms, label counts as 'name ×n', null as a dash."""
+    text = " t" if field in _TEXT_FIELDS else ""
     if value is None or value == {} or value == "":
-        return f'<td class="null{" t" if field in _TEXT_FIELDS else ""}">{_DASH}</td>'
+        return f'<td class="null{text}">{_DASH}</td>'
     if isinstance(value, dict):
-        ranked = sorted(value.items(), key=lambda kv: (-kv[1], str(kv[0])))
-        text = ", ".join(f"{_e(_label(name))}\u00a0\u00d7{count:,}" for name, count in ranked[:_MAX_CELL_LABELS])
+        ranked = _ranked(value)
         more = len(ranked) - _MAX_CELL_LABELS
-        return f'<td class="t w">{text}{f" and {more:,} more" if more > 0 else ""}</td>'
+        return ('<td class="t w">' + ", ".join(f"{_e(_label(name))}\u00a0\u00d7{count:,}" for name, count
+                                               in ranked[:_MAX_CELL_LABELS]) + (f" and {more:,} more" if more > 0
+                                                                                 else "") + "</td>")
     if field == "started" and isinstance(value, str) and len(value) >= 19 and value[10:11] == "T":
         return f'<td class="t" title="{_e(value)}">{_e(value[:10] + " " + value[11:19])}</td>'
     if field.endswith("_ms"):
-        return f"<td>{_ms(value)}</td>"
-    if field in _TEXT_FIELDS:
+        return f"<td>{_fmt_ms(value)}</td>"
+    if text:
         return f'<td class="t{" w" if field in ("why", "base_url", "detail") else ""}">{_e(value)}</td>'
     bad = ' class="bad"' if field in ("failed", "malformed", "tools_denied", "errors") and value else ""
-    return f"<td{bad}>{_num(value)}</td>"
+    return f"<td{bad}>{_num(value, _DASH)}</td>"
 
 
 def _html_table(css_class, columns, rows, cells=None):
-    """A table of `rows` (dicts); `cells` maps a field to the function that draws its cell instead of _td."""
+    """A table of `rows` (dicts); `cells` maps a field to the function that draws its cell instead of _td. Each
+    <th> keeps its field name in data-field and title."""
     cells = cells or {}
-    out = [f'<div class="scroll"><table class="{css_class}"><thead><tr>'
-           + "".join(_th(c) for c in columns) + "</tr></thead><tbody>"]
-    for row in rows:
-        out.append("<tr>" + "".join(cells[c](row) if c in cells else _td(c, row[c]) for c in columns) + "</tr>")
-    out.append("</tbody></table></div>")
-    return "\n".join(out)
+    heads = "".join(f'<th{_TEXT_TH if c in _TEXT_FIELDS else ""} scope="col" data-field="{_e(c)}" title="{_e(c)}">'
+                    f"{_e(_HEADINGS.get(c, c))}</th>" for c in columns)
+    body = ["<tr>" + "".join(cells[c](row) if c in cells else _td(c, row[c]) for c in columns) + "</tr>"
+            for row in rows]
+    return "\n".join([f'<div class="scroll"><table class="{css_class}"><thead><tr>{heads}</tr></thead><tbody>']
+                     + body + ["</tbody></table></div>"])
 
 
 def _model_cell(colours):
@@ -1224,29 +1067,22 @@ def _model_cell(colours):
     return cell
 
 
-def _models_section(rows, by_day, colours, totals):
-    cols = [c for c in _HTML_MODEL_COLUMNS if by_day or c != "day"]
-    rank = {key: i for i, key in enumerate(sorted(totals, key=lambda k: (-totals[k], str(k[0]), str(k[1]))))}
-    ordered = sorted(range(len(rows)), key=lambda i: (rank.get((rows[i]["request_model"], rows[i]["base_url"]),
-                                                               len(rank)), i))
-    shown = [rows[i] for i in ordered[:_MAX_TABLE_ROWS]]
+# -- sections ------------------------------------------------------------------
+
+def _models_section(rows, by_day, colours, order):
+    rank = {key: i for i, key in enumerate(order)}
+    shown = sorted(rows, key=lambda r: rank.get((r["request_model"], r["base_url"]), len(rank)))[:_MAX_TABLE_ROWS]
     out = ["<h2 id=\"models\">Models" + (" by day" if by_day else "") + "</h2>",
            '<p class="note">One row per model string (the model asked for, at its endpoint)'
            + (" and day" if by_day else "") + ", busiest first. Reported tokens are what servers said; "
            "estimated tokens are chars/4 and are never added to them. \u2013 means nothing was reported. "
            "OK calls, malformed payloads, minimum latency and fingerprints: --json or --csv.</p>",
-           _html_table("models", cols, shown, {"request_model": _model_cell(colours)})]
+           _html_table("models", [c for c in _HTML_MODEL_COLUMNS if by_day or c != "day"], shown,
+                       {"request_model": _model_cell(colours)})]
     if len(rows) > len(shown):
         out.append(f'<p class="note">{len(rows) - len(shown):,} quieter rows are not shown here; '
                    f"--json or --csv has every row.</p>")
     return out
-
-
-# -- sections ------------------------------------------------------------------
-
-def _card(title, value, sub=""):
-    return (f'<div class="card"><div class="k">{_e(title)}</div><div class="v">{_e(value)}</div>'
-            f'<div class="s">{_e(sub)}</div></div>')
 
 
 def _summary_cards(audit, sums, changes, runs, days):
@@ -1255,26 +1091,40 @@ def _summary_cards(audit, sums, changes, runs, days):
     estimated = [sums[k] for k in ("est_input_tokens", "est_output_tokens")]
     latencies = sorted(v for g in audit.groups.values() for v in g.latencies)
     strings = f"{len(audit.model_strings):,}{'+' if audit.folded else ''} model strings"
-    return ['<div class="cards">',
-            _card("Model calls", f"{calls:,}", f"{strings} \u00b7 {len(days):,} days"),
-            _card("Failed", f"{calls - ok:,}", f"{(calls - ok) / calls:.1%} of calls" if calls else ""),
-            _card("No usage reported", f"{sums['no_usage']:,}", f"of {ok:,} ok calls"),
-            _card("Tokens reported", _short(sum(reported)) if measured else _DASH,
-                  f"{_num(reported[0])} in \u00b7 {_num(reported[1])} out \u00b7 from {measured:,} calls"),
-            _card("Tokens estimated", _short(sum(estimated)),
-                  f"chars/4: {estimated[0]:,} in \u00b7 {estimated[1]:,} out"),
-            _card("Latency p50", _ms_text(percentile(latencies, 50)),
-                  f"p95 {_ms_text(percentile(latencies, 95))} \u00b7 ok calls"),
-            _card("Changes", f"{len(changes):,}", "day over day"),
-            _card("Agent runs", f"{len(runs):,}", f"{sum(1 for r in runs if r['errors']):,} with errors"),
-            "</div>"]
+    cards = [("Model calls", f"{calls:,}", f"{strings} \u00b7 {len(days):,} days"),
+             ("Failed", f"{calls - ok:,}", f"{(calls - ok) / calls:.1%} of calls" if calls else ""),
+             ("No usage reported", f"{sums['no_usage']:,}", f"of {ok:,} ok calls"),
+             ("Tokens reported", _short(sum(reported)) if measured else _DASH,
+              f"{_num(reported[0], _DASH)} in \u00b7 {_num(reported[1], _DASH)} out \u00b7 from {measured:,} calls"),
+             ("Tokens estimated", _short(sum(estimated)), f"chars/4: {estimated[0]:,} in \u00b7 {estimated[1]:,} out"),
+             ("Latency p50", _ms_text(percentile(latencies, 50)),
+              f"p95 {_ms_text(percentile(latencies, 95))} \u00b7 ok calls"),
+             ("Changes", f"{len(changes):,}", "day over day"),
+             ("Agent runs", f"{len(runs):,}", f"{sum(1 for r in runs if r['errors']):,} with errors")]
+    return ['<div class="cards">'] + [f'<div class="card"><div class="k">{_e(k)}</div><div class="v">{_e(v)}</div>'
+                                      f'<div class="s">{_e(s)}</div></div>' for k, v, s in cards] + ["</div>"]
 
 
 def _per_day_section(series, days):
+    """A line chart per figure over the days, per model; with one day of data, that day's figures in a table."""
     if not days:
         return ['<h2 id="per-day">Per day</h2><p>No model calls.</p>']
+    legend = "".join(f'<li data-model="{_e(s["label"] if s["key"] else OTHER)}">{_key(s["colour"], s["dashed"])}'
+                     f'{_e(s["label"])}' + (f' <span class="note">{s["calls"]:,} calls</span>' if s["key"] else "")
+                     + "</li>" for s in series)
+    out = ['<h2 id="per-day">Per day, per model</h2>', f'<ul class="legend" data-legend="models">{legend}</ul>']
     if len(days) == 1:
-        return _one_day(series, days[0])
+        rows = []
+        for s in series:
+            calls, ok, usage, reported, est = s["days"].get(days[0], (0, 0, 0, 0, 0))
+            failed = f"{calls - ok:,} ({(calls - ok) / calls:.1%})" if calls else _DASH
+            rows.append(f'<tr><td class="t">{_key(s["colour"], s["dashed"])}{_e(s["label"])}</td><td>{calls:,}</td>'
+                        f"<td>{failed}</td><td>{_num(reported if usage else None, _DASH)}</td><td>{est:,}</td></tr>")
+        head = "".join(f'<th scope="col">{h}</th>' for h in ("Model", "Calls", "Failed", "Tokens reported",
+                                                            "Tokens estimated"))
+        return out + [f'<p class="note one-day">One day of data ({_e(days[0])}): the per-day charts start with the '
+                      "second day. That day, per model:</p>", f'<div class="scroll"><table class="one-day"><thead><tr>'
+                      f'{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>']
 
     def lines(pick):  # pick(calls, ok, usage_calls, reported, estimated) -> the value of one day, or None
         return [(s["label"], s["colour"], s["dashed"], [pick(*s["days"].get(d, (0, 0, 0, 0, 0))) for d in days])
@@ -1285,44 +1135,17 @@ def _per_day_section(series, days):
         ("Failed calls (% of calls)", _line_chart(
             "error-rate-per-day", "share of calls that failed, per day and model", "% of calls failed",
             "of calls failed", days, lines(lambda c, o, u, r, e: 100.0 * (c - o) / c if c else None),
-            integer=False, fmt=_pct)),
+            integer=False, fmt="{:.3g}%".format)),
         ("Tokens reported by servers (input + output)", _line_chart(
             "tokens-per-day", "reported tokens per day, per model", "tokens (reported)", "tokens", days,
             lines(lambda c, o, u, r, e: r if u else None))),
         ("Tokens estimated (chars/4, input + output)", _line_chart(
             "est-tokens-per-day", "estimated tokens per day, per model", "tokens (estimated)", "tokens", days,
             lines(lambda c, o, u, r, e: e if c else None)))]
-    out = ['<h2 id="per-day">Per day, per model</h2>', _legend(series),
-           '<p class="note">A gap in a line: nothing to show that day (no calls, or no usage reported). '
-           "Reported and estimated tokens are separate charts and are never added together.</p>",
-           '<div class="charts">']
-    out += [f"<figure><h3>{_e(title)}</h3>{svg}</figure>" for title, svg in charts]
-    return out + ["</div>"]
-
-
-def _one_day(series, day):
-    """One day of data: its figures per model in a table, where the per-day charts would be one dot each."""
-    head = "".join(f'<th scope="col">{_e(h)}</th>' for h in ("Model", "Calls", "Failed", "Tokens reported",
-                                                            "Tokens estimated"))
-    rows = []
-    for s in series:
-        calls, ok, usage, reported, est = s["days"].get(day, (0, 0, 0, 0, 0))
-        failed = f"{calls - ok:,} ({(calls - ok) / calls:.1%})" if calls else _DASH
-        rows.append(f'<tr><td class="t">{_key(s["colour"], s["dashed"])}{_e(s["label"])}</td><td>{calls:,}</td>'
-                    f"<td>{failed}</td><td>{_num(reported if usage else None)}</td><td>{est:,}</td></tr>")
-    return ['<h2 id="per-day">Per day, per model</h2>', _legend(series),
-            f'<p class="note one-day">One day of data ({_e(day)}): the per-day charts start with the second day. '
-            "That day, per model:</p>",
-            f'<div class="scroll"><table class="one-day"><thead><tr>{head}</tr></thead><tbody>'
-            + "".join(rows) + "</tbody></table></div>"]
-
-
-def _fold_types(counts, rest, label):
-    """Move the counts of the error types in `rest` under one label, in each dict of `counts`."""
-    for per in counts:
-        moved = sum(per.pop(name, 0) for name in rest)
-        if moved:
-            per[label] = moved
+    return out + ['<p class="note">A gap in a line: nothing to show that day (no calls, or no usage reported). '
+                  "Reported and estimated tokens are separate charts and are never added together.</p>",
+                  '<div class="charts">'] + [f"<figure><h3>{_e(title)}</h3>{svg}</figure>" for title, svg in charts] + [
+                  "</div>"]
 
 
 def _errors_section(audit, days, series):
@@ -1339,10 +1162,13 @@ def _errors_section(audit, days, series):
     ranked = sorted(totals, key=lambda n: (-totals[n], str(n)))
     types, rest = ranked[:len(_ERROR_PALETTE)], ranked[len(_ERROR_PALETTE):]
     colours = dict(zip(types, _ERROR_PALETTE))
-    if rest:
+    if rest:  # the quieter error types share one grey, in every chart
         label = f"{len(rest):,} other error types"
         colours[label], totals[label] = _ERROR_GREY, sum(totals[name] for name in rest)
-        _fold_types(list(by_day.values()) + [s["errors"] for s in series], rest, label)
+        for per in list(by_day.values()) + [s["errors"] for s in series]:
+            moved = sum(per.pop(name, 0) for name in rest)
+            if moved:
+                per[label] = moved
         types.append(label)
     legend = "".join(f'<li data-error-type="{_e(t)}">{_key(colours[t])}{_e(t)} '
                      f'<span class="note">{totals[t]:,}</span></li>' for t in types)
@@ -1353,46 +1179,14 @@ def _errors_section(audit, days, series):
                   + _errors_by_model_chart(series, types, colours) + "</figure></div>"]
 
 
-def _errors_by_model_chart(series, types, colours):
-    """One horizontal stacked bar per chart series: its failed calls, coloured by error type."""
-    width, left, right, row = _CHART[0], 10, _CHART[0] - 150, 40
-    bottom = 8 + row * len(series)
-    step, xmax = _scale(max((sum(s["errors"].values()) for s in series), default=0))
-    parts = [_svg_open("errors-per-model", "failed calls per model, by error type", width, bottom + 44)]
-    for i in range(int(round(xmax / step)) + 1):
-        x = left + (right - left) * i * step / xmax
-        parts.append(f'<line class="gl" x1="{x:.1f}" y1="4" x2="{x:.1f}" y2="{bottom}"/>'
-                     f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_short(i * step)}</text>')
-    parts.append(f'<text class="ax" x="{(left + right) / 2:.0f}" y="{bottom + 38}" text-anchor="middle">'
-                 "failed calls</text>")
-    for i, s in enumerate(series):
-        label, per, y, x = s["label"], s["errors"], 8 + i * row, left
-        parts.append(f'<g class="model" data-model="{_e(label if s["key"] else OTHER)}">'
-                     f'<rect x="{left}" y="{y + 3}" width="10" height="10" rx="2" fill="{s["colour"]}"/>'
-                     f'<text x="{left + 15}" y="{y + 12}">{_e(_clip(label))}</text>')
-        for name in types:
-            if per.get(name):
-                w = (right - left) * per[name] / xmax
-                parts.append(f'<rect data-error-type="{_e(name)}" x="{x:.1f}" y="{y + 17}" width="{w:.1f}" '
-                             f'height="14" fill="{colours[name]}"><title>{_e(label)}: {_e(name)} \u00d7 '
-                             f"{per[name]:,}</title></rect>")
-                x += w
-        failed, n = sum(per.values()), s["calls"]
-        share = f" \u00b7 {failed / n:.1%} of {n:,} calls" if n else ""
-        parts.append(f'<text x="{x + 6:.1f}" y="{y + 28}">{failed:,}{share}</text></g>')
-    parts.append("</svg>")
-    return "".join(parts)
-
-
 def _latency_section(series):
     out = ['<h2 id="latency">Latency per model</h2>',
            '<p class="note">Successful calls only, log-scale bins: a second hump to the right is usually cold '
            "starts or queueing. Dashed lines mark p50 and p95.</p>", '<div class="hists">']
     for s in series:
         if s["key"] is None:
-            out.append("</div>")
-            return out + [f'<p class="note">{_key(_GREY, True)}{_e(s["label"])}: no histogram (only the '
-                          f"{MAX_CHART_MODELS} busiest model strings get one).</p>"]
+            return out + ["</div>", f'<p class="note">{_key(_GREY, True)}{_e(s["label"])}: no histogram (only the '
+                                    f"{MAX_CHART_MODELS} busiest model strings get one).</p>"]
         ordered = sorted(s["latencies"])
         caption = (f"{len(ordered):,} ok calls \u00b7 p50 {_ms_text(percentile(ordered, 50))} \u00b7 p95 "
                    f"{_ms_text(percentile(ordered, 95))} \u00b7 max {_ms_text(ordered[-1] if ordered else None)}")
@@ -1402,44 +1196,48 @@ def _latency_section(series):
     return out + ["</div>"]
 
 
-def _changes_section(changes, colours):
+def _lists_sections(audit, changes, runs, runs_url, colours):
+    """The changes (the first _MAX_LIST_ROWS), the agent runs (the latest) and the ledgers read."""
     out = [f'<h2 id="changes">Changes day over day ({len(changes):,})</h2>']
     if not changes:
-        return out + ["<p>Nothing changed from one day to the next.</p>"]
-    out.append(_html_table("changes", ("day", "request_model", "base_url", "what", "detail", "previous_day"),
-                           changes[:_MAX_LIST_ROWS], {"request_model": _model_cell(colours), "what": lambda c: (
-                               f'<td class="t" title="{_e(c["what"])}">{_e(_WHAT.get(c["what"], c["what"]))}</td>')}))
+        out.append("<p>Nothing changed from one day to the next.</p>")
+    else:
+        def what_cell(change):
+            return f'<td class="t" title="{_e(change["what"])}">{_e(_WHAT.get(change["what"], change["what"]))}</td>'
+        out.append(_html_table("changes", ("day", "request_model", "base_url", "what", "detail", "previous_day"),
+                               changes[:_MAX_LIST_ROWS], {"request_model": _model_cell(colours), "what": what_cell}))
     if len(changes) > _MAX_LIST_ROWS:
         out.append(f'<p class="note">{len(changes) - _MAX_LIST_ROWS:,} more changes: see the text report or '
                    "--json.</p>")
-    return out
+    if runs:
+        shown = runs[-_MAX_LIST_ROWS:]
+        out += [f'<h2 id="runs">Agent runs ({len(runs):,})</h2>', '<p class="note">A run id links to '
+                f"{_e(runs_url)}ID: the timeline agent.py serve shows (--runs-url sets where).</p>"]
+        if len(runs) > len(shown):
+            out.append(f'<p class="note">The latest {len(shown):,} runs; --json has all {len(runs):,}.</p>')
 
-
-def _runs_section(runs, runs_url):
-    out = [f'<h2 id="runs">Agent runs ({len(runs):,})</h2>',
-           f'<p class="note">A run id links to {_e(runs_url)}ID: the timeline agent.py serve shows '
-           "(--runs-url sets where).</p>"]
-    shown = runs[-_MAX_LIST_ROWS:]
-    if len(runs) > len(shown):
-        out.append(f'<p class="note">The latest {len(shown):,} runs; --json has all {len(runs):,}.</p>')
-
-    def run_cell(row):  # only an id of agent.py's own shape becomes a link
-        if not rl._OUR_RUN_ID_RE.match(row["run_id"]):
-            return _td("run_id", row["run_id"])
-        return f'<td class="t"><a href="{_e(runs_url + row["run_id"])}">{_e(row["run_id"])}</a></td>'
-    return out + [_html_table("runs", _HTML_RUN_COLUMNS, shown, {"run_id": run_cell})]
-
-
-def _ledgers_section(ledgers):
-    shown = ledgers[:_MAX_LIST_ROWS]
-    return [f'<h2 id="ledgers">Ledgers read ({len(ledgers):,})</h2><details><summary>show the list</summary>',
-            _html_table("ledgers", ["path", "status", "lines", "reason"], shown), "</details>"]
+        def run_cell(row):  # only an id of agent.py's own shape becomes a link
+            if not rl._OUR_RUN_ID_RE.match(row["run_id"]):
+                return _td("run_id", row["run_id"])
+            return f'<td class="t"><a href="{_e(runs_url + row["run_id"])}">{_e(row["run_id"])}</a></td>'
+        out.append(_html_table("runs", _HTML_RUN_COLUMNS, shown, {"run_id": run_cell}))
+    return out + [f'<h2 id="ledgers">Ledgers read ({len(audit.ledgers):,})</h2><details><summary>show the list'
+                  "</summary>", _html_table("ledgers", ["path", "status", "lines", "reason"],
+                                            audit.ledgers[:_MAX_LIST_ROWS]), "</details>"]
 
 
 def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_RUNS_URL):
-    series, totals = _chart_models(audit)
+    series, order = _chart_models(audit)
     colours = {s["key"]: s["colour"] for s in series if s["key"]}
-    days = _chart_days({day for (_m, _b, day) in audit.groups})
+    # the x axis: every calendar day from the first to the last (the latest _MAX_CHART_DAYS), or the days as found
+    # when some are not dates (an unverified ledger)
+    days = sorted({day for (_m, _b, day) in audit.groups})
+    if days and all(map(_is_date, days)):
+        first = datetime.date.fromisoformat(days[0])
+        span = (datetime.date.fromisoformat(days[-1]) - first).days
+        days = [(first + datetime.timedelta(n)).isoformat()
+                for n in range(max(0, span + 1 - _MAX_CHART_DAYS), span + 1)]
+    days = days[-_MAX_CHART_DAYS:]
     sums = _sums(rows)
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
@@ -1455,16 +1253,9 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
         out.append('<p class="warn"><strong>UNVERIFIED</strong> (--no-verify): the hash chain was not checked; '
                    "anything on this page may have been edited.</p>")
     out += [f'<p class="warn">{_e(line)}</p>' for line in _warnings(audit)[:_MAX_LIST_ROWS]]
-    out += _summary_cards(audit, sums, changes, runs, days)
-    out += _models_section(rows, by_day, colours, totals)
-    out += _per_day_section(series, days)
-    out += _errors_section(audit, days, series)
-    out += _latency_section(series)
-    out += _changes_section(changes, colours)
-    if runs:
-        out += _runs_section(runs, runs_url)
-    out += _ledgers_section(audit.ledgers)
-    out.append("</body></html>")
+    out += _summary_cards(audit, sums, changes, runs, days) + _models_section(rows, by_day, colours, order)
+    out += _per_day_section(series, days) + _errors_section(audit, days, series) + _latency_section(series)
+    out += _lists_sections(audit, changes, runs, runs_url, colours) + ["</body></html>"]
     return "\n".join(out) + "\n"
 
 
@@ -1477,8 +1268,8 @@ def _build_parser():
         prog="audit.py", description="What each model string did, day by day.",
         epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHANGED, rl.EXIT_OUTPUT),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("paths", nargs="*", metavar="PATH", help="ledgers, directories or globs "
-                                                             "(default: calls.jsonl and runs/*/events.jsonl)")
+    p.add_argument("paths", nargs="*", metavar="PATH",
+                   help="ledgers, directories or globs (default: calls.jsonl and runs/*/events.jsonl)")
     p.add_argument("--version", action="version", version=__version__)
     p.add_argument("--by", choices=("model", "day", "session"), default="model",
                    help="one row per model, per model and day, or per model and proxy session (X-Ledger-Session)")
@@ -1490,25 +1281,22 @@ def _build_parser():
     out.add_argument("--csv", action="store_true", help="the model table as CSV")
     p.add_argument("--wide", action="store_true", help=f"every column, names whole (default: fit {TEXT_WIDTH} columns)")
     p.add_argument("--html", metavar="FILE", help="also write a self-contained page with charts")
-    p.add_argument("--runs-url", default=DEFAULT_RUNS_URL, metavar="URL",
-                   help="with --html: run ids link to URL + id, for example the daemon's "
-                        f"http://HOST:PORT/runs/ (default {DEFAULT_RUNS_URL!r}, relative to the page)")
+    p.add_argument("--runs-url", default=DEFAULT_RUNS_URL, metavar="URL", help="with --html: run ids link to URL + id, "
+                   f"e.g. the daemon's http://HOST:PORT/runs/ (default {DEFAULT_RUNS_URL!r}, relative to the page)")
     p.add_argument("--no-verify", action="store_true", help="audit without checking the chain (marked UNVERIFIED)")
     p.add_argument("--fail-on-change", action="store_true", help="exit 4 when the Changes section is not empty")
-    p.add_argument("--latency-shift", type=float, default=DEFAULT_LATENCY_SHIFT,
-                   help="flag a p50/p95 move larger than this fraction (default 0.5)")
-    p.add_argument("--latency-floor", type=float, default=DEFAULT_LATENCY_FLOOR_MS, metavar="MS",
-                   help="never flag a latency move smaller than this many ms (default 50)")
-    p.add_argument("--rate-jump", type=float, default=DEFAULT_RATE_JUMP,
-                   help="flag an error rate rise or pass rate fall of this much (default 0.2)")
+    p.add_argument("--latency-shift", type=float, default=DEFAULT_LATENCY_SHIFT, help="flag a p50/p95 move larger "
+                   "than this fraction (default 0.5)")
+    p.add_argument("--latency-floor", type=float, default=DEFAULT_LATENCY_FLOOR_MS, metavar="MS", help="never flag a "
+                   "latency move smaller than this many ms (default 50)")
+    p.add_argument("--rate-jump", type=float, default=DEFAULT_RATE_JUMP, help="flag an error rate rise or pass rate "
+                   "fall of this much (default 0.2)")
     p.add_argument("--from", dest="from_url", nargs="?", const="", metavar="URL",
                    help=f"audit the lines shipped to ClickHouse at URL (default ${rl.SHIP_URL_ENV}) instead of "
                         f"files; user and password from ${rl.SHIP_USER_ENV} / ${rl.SHIP_PASSWORD_ENV}")
-    p.add_argument("--database", default=rl.SHIP_DATABASE, metavar="DB",
-                   help=f"with --from (default {rl.SHIP_DATABASE})")
-    p.add_argument("--table", default=rl.SHIP_TABLE, metavar="T", help=f"with --from (default {rl.SHIP_TABLE})")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                   help="with --from: seconds for one request (default 300)")
+    p.add_argument("--database", default=rl.SHIP_DATABASE, metavar="DB", help=f"with --from ({rl.SHIP_DATABASE})")
+    p.add_argument("--table", default=rl.SHIP_TABLE, metavar="T", help=f"with --from ({rl.SHIP_TABLE})")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="with --from: seconds a request (300)")
     return p
 
 
@@ -1525,15 +1313,23 @@ def run_audit(paths, *, verify=True, since=None, until=None, model=None, by_sess
 
 
 def _run(args):
-    for name, value in (("--latency-shift", args.latency_shift), ("--rate-jump", args.rate_jump)):
-        if not (math.isfinite(value) and value > 0):
-            raise AuditError(f"{name} must be a positive number")
-    if not (math.isfinite(args.latency_floor) and args.latency_floor >= 0):
-        raise AuditError("--latency-floor must be a number of at least 0")
+    for name, value, low in (("--latency-shift", args.latency_shift, 0), ("--rate-jump", args.rate_jump, 0),
+                             ("--latency-floor", args.latency_floor, None)):
+        if not (math.isfinite(value) and (value > 0 if low == 0 else value >= 0)):
+            raise AuditError(f"{name} must be a " + ("positive number" if low == 0 else "number of at least 0"))
     since = rl.parse_time(args.since) if args.since else None
     until = rl.parse_time(args.until, end=True) if args.until else None
     if args.from_url is not None:
-        audit, failures = _run_remote(args, since, until)
+        if args.paths or args.by == "session":
+            raise AuditError("--from reads ClickHouse: it takes no PATH" if args.paths else
+                             "--by session reads ledgers: the shipped table has no session column")
+        client = rl.ClickHouse(args.from_url or None, database=args.database, table=args.table, timeout=args.timeout)
+        try:
+            audit, failures = remote_audit(client, since=since, until=until, model=args.model,
+                                           verify=not args.no_verify)
+        except rl.ClickHouseError as exc:
+            exc.exit_code = rl.EXIT_USAGE  # the input could not be read
+            raise
     else:
         audit, failures = run_audit(args.paths, verify=not args.no_verify, since=since, until=until,
                                     model=args.model, by_session=args.by == "session")
@@ -1552,8 +1348,7 @@ def _run(args):
     for row in rows if args.by == "session" else ():
         row["session_id"] = row["day"]
     changes = [] if args.by == "session" else audit.changes(args.latency_shift, args.rate_jump, args.latency_floor)
-    runs = audit.run_rows()
-    verified = not args.no_verify
+    runs, verified = audit.run_rows(), not args.no_verify
     if args.html:
         page = render_html(audit, rows, changes, runs, verified, by_day, runs_url=args.runs_url)
         Path(args.html).write_text(page, encoding="utf-8")
@@ -1567,19 +1362,6 @@ def _run(args):
         rl.error(f"{len(changes)} change(s) found")
         return rl.EXIT_CHANGED
     return rl.EXIT_OK
-
-
-def _run_remote(args, since, until):
-    if args.paths:
-        raise AuditError("--from reads ClickHouse: it takes no PATH")
-    if args.by == "session":
-        raise AuditError("--by session reads ledgers: the shipped table has no session column")
-    client = rl.ClickHouse(args.from_url or None, database=args.database, table=args.table, timeout=args.timeout)
-    try:
-        return remote_audit(client, since=since, until=until, model=args.model, verify=not args.no_verify)
-    except rl.ClickHouseError as exc:
-        exc.exit_code = rl.EXIT_USAGE  # the input could not be read
-        raise
 
 
 def main(argv=None):

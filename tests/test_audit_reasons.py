@@ -26,6 +26,7 @@ LONG_BASE = "https://inference.eu-west-1.some-provider.example.com/openai/deploy
 MODELS = [(LONG_MODEL, LONG_BASE), ("qwen2.5-coder-32b-instruct-q4_k_m.gguf", "http://llama-box.internal:8080/v1"),
           ("gpt-4o", "http://127.0.0.1:8080/v1")]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+DOCS = "\n".join([README] + [p.read_text(encoding="utf-8") for p in sorted((ROOT / "docs").glob("*.md"))])
 
 
 def clock_for(day):
@@ -372,9 +373,9 @@ def test_the_readmes_stand_in_lists_the_readmes_model_and_answers_its_sample_lin
 
 
 def test_the_readmes_commands_need_no_extra_tool_and_no_shared_port():
-    stand_in_ports = set(re.findall(r"tests/fake_openai\.py (\d+)", README))
-    serve_lines = re.findall(r"^python3 agent\.py serve .*$", README, re.M)
+    stand_in_ports = set(re.findall(r"tests/fake_openai\.py (\d+)", DOCS))
+    serve_lines = re.findall(r"^python3 agent\.py serve .*$", DOCS, re.M)
     serve_ports = {m.group(1) if m else str(agent.DEFAULT_PORT)
                    for m in (re.search(r"--port (\d+)", line) for line in serve_lines)}
     assert stand_in_ports and not stand_in_ports & serve_ports
-    assert "uuidgen" not in README
+    assert serve_lines and "uuidgen" not in DOCS

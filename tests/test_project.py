@@ -18,13 +18,15 @@ from conftest import ROOT, clean_env, run_script
 
 SCRIPTS = ("reasoning_ledger.py", "ask.py", "audit.py", "agent.py")
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+ASK_DOC = (ROOT / "docs" / "ask.md").read_text(encoding="utf-8")  # the reference README links to
+DOCS = [README] + [path.read_text(encoding="utf-8") for path in sorted((ROOT / "docs").glob("*.md"))]
 
 
-def _table_after(heading_words, first_column):
-    """The first-column cells of the first markdown table after the text `heading_words`."""
-    start = README.index(heading_words)
+def _table_after(text, heading_words, first_column):
+    """The first-column cells of the first markdown table after `heading_words` in `text`."""
+    start = text.index(heading_words)
     cells = []
-    for line in README[start:].splitlines()[1:]:
+    for line in text[start:].splitlines()[1:]:
         if line.startswith("|"):
             cell = line.split("|")[1].strip()
             if cell not in (first_column, "---") and not set(cell) <= set("-"):
@@ -34,10 +36,10 @@ def _table_after(heading_words, first_column):
     return cells
 
 
-def test_readme_lists_exactly_the_model_call_fields():
-    listed = _table_after("### The `model_call` event", "field")
+def test_docs_list_exactly_the_model_call_fields():
+    listed = _table_after(ASK_DOC, "## The `model_call` event", "field")
     assert listed == list(ask.MODEL_CALL_FIELDS)
-    optional = _table_after("Present only when they apply:", "field")
+    optional = _table_after(ASK_DOC, "Present only when they apply:", "field")
     assert optional == list(ask.MODEL_CALL_OPTIONAL)
 
 
@@ -157,8 +159,8 @@ def test_make_bench_hands_bench_lines_to_the_bench():
     assert re.search(r"BENCH_LINES=1234 \S+ \S*tests/bench\.py", dry), dry
 
 
-def test_the_readme_commands_exist():
-    for command in re.findall(r"python3 (\w+\.py) (\w[\w-]*)", README):
+def test_the_commands_of_the_readme_and_docs_exist():
+    for command in re.findall(r"python3 (\w+\.py) (\w[\w-]*)", "\n".join(DOCS)):
         script, first = command
         if script in SCRIPTS and first in ("run", "runs", "replay", "check-tools", "judge", "serve", "verify",
                                            "head", "report", "append", "ship"):
