@@ -8,6 +8,8 @@ LEDGER ?= calls.jsonl
 RUNS   ?= runs
 DRILL_REPEAT ?= 5
 BENCH_LINES ?= 100000
+# pytest processes `make test` runs at once, each a shard of the suite (tests/shards.py)
+TEST_JOBS ?= 2
 HERE := $(dir $(abspath $(lastword $(MAKEFILE_LIST))))
 PROMPTS ?= $(HERE)prompts
 # One venv per interpreter, so `make test PYTHON=python3.9` never reuses another Python's .venv.
@@ -33,7 +35,7 @@ test:
 	  "$(VENV)/bin/python" -c "import pytest" 2>/dev/null || "$(VENV)/bin/python" -m pip install -q pytest || exit 2; \
 	  py="$(VENV)/bin/python"; fi; \
 	echo "make test: $$("$$py" --version 2>&1) ($$py)"; \
-	cd "$(HERE)" && "$$py" -m pytest --no-header -rs tests $(PYTEST_ARGS)
+	cd "$(HERE)" && "$$py" tests/shards.py $(TEST_JOBS) --no-header -rs tests $(PYTEST_ARGS)
 
 verify:
 	@set -- ; [ -f "$(LEDGER)" ] && set -- "$$@" "$(LEDGER)"; [ -f "$(RUNS)/daemon.jsonl" ] && set -- "$$@" "$(RUNS)/daemon.jsonl"; \

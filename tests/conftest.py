@@ -228,3 +228,13 @@ def hostile():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "real: talks to a real endpoint (REAL_BASE_URL, REAL_MODEL_ID)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """TEST_SHARD=i/n (set by tests/shards.py) keeps every n-th collected test, starting at the i-th."""
+    shard = os.environ.get("TEST_SHARD")
+    if not shard:
+        return
+    index, count = (int(part) for part in shard.split("/"))
+    config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % count != index])
+    items[:] = [item for k, item in enumerate(items) if k % count == index]
