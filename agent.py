@@ -67,9 +67,7 @@ __all__ = ["Policy", "load_policy", "check_action", "parse_reply", "run_agent", 
            "list_runs", "snapshot", "PolicyError", "LockHeld", "OUTCOME_EXIT", "BUILTINS", "DEFAULT_BUDGET",
            "Daemon", "Refused", "authenticate", "verify_github", "verify_standard", "webhook_secrets", "timeline_html"]
 
-# ----------------------------------------------------------------------------
-# Constants
-# ----------------------------------------------------------------------------
+# == Constants =================================================================
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_TOOLS = HERE / "tools.json"
@@ -111,9 +109,7 @@ DECISION_KINDS = ("model_proposed", "proposal_malformed", "tool_allowed", "tool_
                   "decision", "budget_exhausted", "stuck")
 
 
-# ----------------------------------------------------------------------------
-# Errors
-# ----------------------------------------------------------------------------
+# == Errors ====================================================================
 
 class PolicyError(rl.UsageError):
     """tools.json is not valid. `.problems` lists every problem, each naming its place."""
@@ -134,42 +130,30 @@ class RepoError(rl.UsageError):
 
 
 class TestCommandError(rl.UsageError):
-    """The test command cannot run here (not found, not executable, pytest missing or misconfigured): no
-    model can fix that, so the run ends as an error before any model call."""
+    """The test command cannot run here (no model can fix that): the run ends before any model call."""
 
 
 class _Terminated(Exception):
     """SIGTERM or SIGINT arrived: the run is closed as an error, and its child processes are killed."""
 
 
-# ----------------------------------------------------------------------------
-# Policy: tools.json
-# ----------------------------------------------------------------------------
+# == Policy: tools.json ========================================================
 
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
 _PLACEHOLDER_RE = re.compile(r"\{([a-z][a-z0-9_]{0,31})\}")
+_GLOB_TOKENS = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}  # longest first
 
 
 def _glob_regex(pattern, ignore_case=False):
-    """A gitignore-like glob as a regex over a repository-relative POSIX path. Without '/', it matches any
-    path component (and everything below it); with '/', it is anchored at the root. '*' and '?' stay within
-    a component, '**' spans components, a trailing '/' names a directory."""
+    """A gitignore-like glob as a regex over a repo-relative POSIX path ('/' anchors it, '**' spans dirs)."""
     body = pattern.strip("/") if pattern.startswith("/") else pattern.rstrip("/")
     anchored = "/" in pattern.rstrip("/")
     out, i = [], 0
     while i < len(body):
-        if body.startswith("**/", i):
-            out.append("(?:.*/)?")
-            i += 3
-        elif body.startswith("**", i):
-            out.append(".*")
-            i += 2
-        elif body[i] == "*":
-            out.append("[^/]*")
-            i += 1
-        elif body[i] == "?":
-            out.append("[^/]")
-            i += 1
+        token = next((t for t in _GLOB_TOKENS if body.startswith(t, i)), None)
+        if token:
+            out.append(_GLOB_TOKENS[token])
+            i += len(token)
         elif body[i] == "[" and "]" in body[i + 2:]:
             end = body.index("]", i + 2)
             inner = body[i + 1:end]
@@ -178,14 +162,12 @@ def _glob_regex(pattern, ignore_case=False):
         else:
             out.append(re.escape(body[i]))
             i += 1
-    core = "".join(out)
-    regex = ("^" if anchored else "^(?:.*/)?") + core + "(?:/.*)?$"
+    regex = ("^" if anchored else "^(?:.*/)?") + "".join(out) + "(?:/.*)?$"
     return re.compile(regex, re.I if ignore_case else 0)
 
 
 class Plugin:
-    """A user-declared tool: an argv template whose {placeholders} are filled by arguments that must fully
-    match their regex. No shell, ever."""
+    """A user-declared tool: an argv template filled by arguments that fully match their regex. No shell."""
 
     def __init__(self, name, spec):
         self.name = name
@@ -229,16 +211,10 @@ class Policy:
 
     def denied_by(self, path):
         """The deny glob that matches `path`, or None."""
-        for glob, regex in self.deny:
-            if regex.match(path):
-                return glob
-        return None
+        return next((glob for glob, regex in self.deny if regex.match(path)), None)
 
     def allowed_by(self, path):
-        for glob, regex in self.allow:
-            if regex.match(path):
-                return glob
-        return None
+        return next((glob for glob, regex in self.allow if regex.match(path)), None)
 
     def is_test_path(self, path):
         return any(regex.match(path) for _glob, regex in self.test_paths)
@@ -251,12 +227,12 @@ def _problems(data):
     """Every problem of a parsed tools.json, each naming its place."""
     problems = []
 
-    def check_keys(where, obj, allowed, required=()):
+    def check_keys(where, obj, allowed, required=()):  # allowed None: any key (names the user chose)
         if type(obj) is not dict:
             problems.append(f"{where}: must be an object")
             return False
         for key in obj:
-            if key not in allowed:
+            if allowed is not None and key not in allowed:
                 near = difflib.get_close_matches(key, allowed, n=1)
                 problems.append(f"{where}.{key}: unknown key" + (f"; did you mean {near[0]!r}?" if near else
                                                                   f"; known keys: {', '.join(allowed)}"))
@@ -266,7 +242,8 @@ def _problems(data):
         return True
 
     def number(where, value, minimum=0, integer=False):
-        ok = type(value) is int or (type(value) is float and not integer and value == value and abs(value) != float("inf"))
+        finite = type(value) is float and not integer and value == value and abs(value) != float("inf")
+        ok = type(value) is int or finite
         if not ok or value <= minimum:
             problems.append(f"{where}: must be {'an integer' if integer else 'a number'} greater than {minimum}")
 
@@ -298,7 +275,7 @@ def _problems(data):
             number("caps.timeout_s", data["caps"]["timeout_s"])
     _box_problems(data, problems, check_keys, number, strings)
     if "plugins" in data:
-        check_keys("plugins", data["plugins"], ())
+        check_keys("plugins", data["plugins"], None)
     for name, spec in (data.get("plugins") or {}).items() if type(data.get("plugins")) is dict else ():
         _plugin_problems(name, spec, problems, check_keys, number, strings)
     return problems
@@ -343,7 +320,6 @@ def _box_problems(data, problems, check_keys, number, strings):
 
 def _plugin_problems(name, spec, problems, check_keys, number, strings):
     where = f"plugins.{name}"
-    problems[:] = [p for p in problems if not p.startswith(f"plugins.{name}: unknown key")]
     if not _NAME_RE.match(name):
         problems.append(f"{where}: a tool name is [a-z][a-z0-9_]*, at most 32 characters")
     if name in BUILTINS:
@@ -354,8 +330,7 @@ def _plugin_problems(name, spec, problems, check_keys, number, strings):
     if "description" in spec and (type(spec["description"]) is not str or not spec["description"].strip()):
         problems.append(f"{where}.description: must be a non-empty string (the model reads it)")
     declared = {}
-    if "args" in spec and check_keys(f"{where}.args", spec["args"], ()):
-        problems[:] = [p for p in problems if not p.startswith(f"{where}.args.") or "unknown key" not in p]
+    if "args" in spec and check_keys(f"{where}.args", spec["args"], None):
         for arg, arg_spec in spec["args"].items():
             here = f"{where}.args.{arg}"
             if not _NAME_RE.match(arg):
@@ -426,9 +401,7 @@ def policy_from_text(raw, source):
     return Policy(data, text, source)
 
 
-# ----------------------------------------------------------------------------
-# Policy: checking a proposed action
-# ----------------------------------------------------------------------------
+# == Policy: checking a proposed action ========================================
 
 _BUILTIN_ARGS = {
     "read_file": {"path": ("path", True), "start_line": ("int", False), "end_line": ("int", False)},
@@ -441,12 +414,8 @@ _BUILTIN_ARGS = {
 }
 
 
-class Verdict:
-    """The policy's answer for one action: allowed or not, the rule that decided, why, and how each path
-    resolved (recorded, so replay decides the same way without the tree)."""
-
-    def __init__(self, allowed, rule, reason, paths):
-        self.allowed, self.rule, self.reason, self.paths = allowed, rule, reason, paths
+# The policy's answer for one action, with how each path resolved (so replay decides the same way).
+Verdict = collections.namedtuple("Verdict", "allowed rule reason paths")
 
 
 class _Deny(Exception):
@@ -515,8 +484,7 @@ def patch_files(patch):
 
 
 def diff_section_files(section):
-    """Every path one section of git's output names (its header, ---/+++, rename and copy lines); empty
-    when none can be read, so that a section of a format not understood is left out, never shown."""
+    """Every path one section of git's output names; empty when none can be read (then it is left out)."""
     files, _problems = patch_files(section)
     header = section.split("\n", 1)[0]
     match = re.match(r"diff --(?:cc|combined) (.+)", header)
@@ -545,14 +513,14 @@ def _unquote_c(text):
 
 
 def check_action(action, policy, resolve):
-    """Decide an action {tool, args} against the policy. Pure, given `resolve` (path -> resolved relative
-    path, or None outside the repository). Returns a Verdict."""
+    """Decide an action {tool, args}; pure given `resolve` (path -> resolved path, None outside). A Verdict."""
     paths = {}
     tool, args = action["tool"], action["args"]
     try:
         if not policy.enabled(tool):
-            known = tool in BUILTINS
-            raise _Deny("tool.unknown", f"{tool!r} is {'a built-in that this tools.json does not enable' if known else 'not a tool this host offers'}")
+            what = "a built-in that this tools.json does not enable" if tool in BUILTINS else \
+                "not a tool this host offers"
+            raise _Deny("tool.unknown", f"{tool!r} is {what}")
         if tool in policy.plugins:
             _check_plugin(policy.plugins[tool], args, policy, resolve, paths)
             return Verdict(True, f"plugin.{tool}", f"plugin {tool} with arguments that match their patterns", paths)
@@ -590,7 +558,8 @@ def _check_builtin(tool, args, policy, resolve, paths):
             if type(value) is not list or not all(type(v) is str and len(v) <= MAX_TEXT_ARG_CHARS for v in value) \
                     or len(value) > 20:
                 raise _Deny("args.type", f"{name} must be a list of at most 20 strings")
-    if tool == "read_file" and args.get("start_line") and args.get("end_line") and args["end_line"] < args["start_line"]:
+    if tool == "read_file" and args.get("start_line") and args.get("end_line") and \
+            args["end_line"] < args["start_line"]:
         raise _Deny("args.type", "end_line is before start_line")
     if tool == "grep":
         try:
@@ -602,7 +571,8 @@ def _check_builtin(tool, args, policy, resolve, paths):
         if problems:
             raise _Deny(*problems[0])
         if not files:
-            raise _Deny("patch.no_files", "the patch names no file: send a unified diff (--- a/PATH, +++ b/PATH, @@ hunks)")
+            raise _Deny("patch.no_files", "the patch names no file: send a unified diff (--- a/PATH, +++ b/PATH, "
+                                          "@@ hunks)")
         for name in files:
             check_path(name, policy, resolve, paths, what="a file in the patch,")
 
@@ -630,21 +600,16 @@ def _check_plugin(plugin, args, policy, resolve, paths):
             check_path(value, policy, resolve, paths, what=name)
 
 
-# ----------------------------------------------------------------------------
-# The repository: read-only git, snapshots, secrets
-# ----------------------------------------------------------------------------
+# == The repository: read-only git, snapshots, secrets =========================
 
 def _git_env(extra=None):
-    env = _child_env()
-    env.update(GIT_ENV)
-    env.update(extra or {})
-    return env
+    return {**_child_env(), **GIT_ENV, **(extra or {})}
 
 
-def git(repo, *args, input=None, check=True, timeout=120):
-    """A read-only git command in `repo` (no optional locks: never an index write). Returns stdout bytes."""
+def git(repo, *args, input=None, check=True, timeout=120, env=None):
+    """A git command in `repo`, read-only unless `env` says otherwise (no optional locks). Its stdout bytes."""
     proc = subprocess.run(["git", "-c", "core.fsmonitor=false", "-c", "core.quotepath=false", "-C", str(repo),
-                           *args], input=input, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_git_env(),
+                           *args], input=input, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env or _git_env(),
                           timeout=timeout)
     if check and proc.returncode != 0:
         raise RepoError(f"git {args[0]} in {repo}: {proc.stderr.decode('utf-8', 'replace').strip()[:300]}")
@@ -662,20 +627,14 @@ def repo_root(path):
 
 def resolve_ref(repo, ref):
     """The full commit id of REV, or HEAD's (None for a repository without commits)."""
-    proc = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{ref or 'HEAD'}^{{commit}}"],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_git_env(), timeout=60)
-    if proc.returncode != 0:
-        if ref:
-            raise RepoError(f"--ref {ref}: not a commit in {repo}")
-        return None
-    return proc.stdout.decode().strip()
+    commit = git(repo, "rev-parse", "--verify", "--quiet", f"{ref or 'HEAD'}^{{commit}}", check=False, timeout=60)
+    if not commit.strip() and ref:
+        raise RepoError(f"--ref {ref}: not a commit in {repo}")
+    return commit.decode().strip() or None
 
 
 def snapshot(repo, ref, dest):
-    """Copy the repository into `dest` without touching it: the tree at `ref`, or else the working tree as
-    the user has it (tracked and untracked files, ignored ones left out, uncommitted changes included).
-    `dest` becomes a git repository of its own with that content as its one commit. Returns the tree
-    digest: SHA-256 over every path, kind, mode and content, the same for the same content."""
+    """Copy the tree at `ref` (or the working tree as it is) into `dest`, a git repo of its own; its digest."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     if ref:
@@ -687,16 +646,12 @@ def snapshot(repo, ref, dest):
     for args in (["init", "-q"], ["add", "-A", "-f"],
                  ["-c", "commit.gpgsign=false", "-c", "core.hooksPath=/dev/null", "commit", "-q", "--no-verify",
                   "--allow-empty", "-m", "baseline"]):
-        proc = subprocess.run(["git", "-C", str(dest), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              env=env, timeout=300)
-        if proc.returncode != 0:
-            raise RepoError(f"git {args[0]} in the scratch copy: {proc.stderr.decode('utf-8', 'replace')[:300]}")
+        git(dest, *args, env=env, timeout=300)
     return digest
 
 
 def _scratch_git_env(ceiling):
-    """git in a scratch copy: no walking up out of it, none of the user's global or system config (no
-    filter, hook or fsmonitor runs), and a fixed identity and date."""
+    """git in a scratch copy: no walking up, no user or system config (no filter, hook), fixed identity."""
     return _git_env({"GIT_CEILING_DIRECTORIES": str(ceiling), "GIT_CONFIG_GLOBAL": os.devnull,
                      "GIT_AUTHOR_NAME": "agent.py", "GIT_AUTHOR_EMAIL": "agent@localhost",
                      "GIT_COMMITTER_NAME": "agent.py", "GIT_COMMITTER_EMAIL": "agent@localhost",
@@ -704,13 +659,12 @@ def _scratch_git_env(ceiling):
 
 
 def _snapshot_worktree(repo, dest):
-    """The working tree's files as they are on disk. A path with a symlink among its parents is skipped:
-    it would be read from outside the repository (and written outside the copy)."""
+    """The working tree's files as on disk; a path with a symlinked parent is skipped (it leads outside)."""
     listing = git(repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
-    files, links, plain = [], [], set()
+    files, links = [], []
     for raw in sorted(set(listing.split(b"\0"))):
         rel = os.fsdecode(raw)
-        if not rel or not _plain_parents(repo, rel, plain):
+        if not rel or not _plain_parents(repo, rel):
             continue
         src = os.path.join(repo, rel)
         try:
@@ -733,53 +687,33 @@ def _snapshot_worktree(repo, dest):
             if fd is None:
                 continue
             with os.fdopen(fd, "wb") as writer:
-                for chunk in iter(lambda: reader.read(1 << 20), b""):
-                    writer.write(chunk)
+                shutil.copyfileobj(reader, writer, 1 << 20)
     for rel, target in links:  # last: no file above is ever written through one of them
-        _link(dest, rel, target)
+        _create(dest, rel, link=target)
 
 
 def _safe_rel(rel):
-    """A plain relative path git itself would check out: not absolute, no `..`, and no `.git` component
-    (in any case, or as `.git.`/`git~1`). A crafted commit can hold `.git` (a gitfile or a symlink to
-    another repository's .git); copied, it would turn the scratch copy's git commands on that repository."""
-    if not rel or rel.startswith("/"):
-        return False
-    for part in rel.split("/"):
-        folded = part.lower().rstrip(". ")
-        if part in ("", ".", "..") or folded in (".git", "git~1"):
-            return False
-    return True
+    """A relative path git would check out: no `..`, no `.git` component (a crafted `.git` would redirect git)."""
+    return bool(rel) and not rel.startswith("/") and not any(
+        part in ("", ".", "..") or part.lower().rstrip(". ") in (".git", "git~1") for part in rel.split("/"))
 
 
-def _plain_parents(root, rel, plain):
-    """True when every parent of `rel` under `root` is a real directory (not a symlink). `plain` caches
-    the directories already seen to be."""
+def _plain_parents(root, rel):
+    """True when `rel` is safe and every parent of it under `root` is a real directory (not a symlink)."""
     parts = rel.split("/")
-    if not _safe_rel(rel):
+    try:
+        return _safe_rel(rel) and all(stat.S_ISDIR(os.lstat(os.path.join(root, *parts[:end])).st_mode)
+                                      for end in range(1, len(parts)))
+    except OSError:
         return False
-    current = ""
-    for part in parts[:-1]:
-        current = f"{current}/{part}" if current else part
-        if current in plain:
-            continue
-        try:
-            if not stat.S_ISDIR(os.lstat(os.path.join(root, current)).st_mode):
-                return False
-        except OSError:
-            return False
-        plain.add(current)
-    return True
 
 
 def _parent_dir(dest, rel):
-    """dest/rel's parent, made as plain directories; None when a path is not one (a symlink, a file) or
-    `rel` is not a plain relative path. Nothing is ever made or written through a symlink."""
-    parts = rel.split("/")
+    """dest/rel's parent, made as plain directories; None where one is a symlink or a file."""
     if not _safe_rel(rel):
         return None
     current = str(dest)
-    for part in parts[:-1]:
+    for part in rel.split("/")[:-1]:
         current = os.path.join(current, part)
         try:
             os.mkdir(current, 0o755)
@@ -789,31 +723,24 @@ def _parent_dir(dest, rel):
     return current
 
 
-def _create(dest, rel, executable):
-    """Open dest/rel for writing, never through a symlink; a path that already exists (a second entry for
-    it) is left alone. Returns an fd or None."""
+def _create(dest, rel, executable=False, link=None):
+    """Open dest/rel for writing (an fd), or make it a symlink to `link` (None); never through a symlink nor
+    over an existing path (None)."""
     parent = _parent_dir(dest, rel)
     if parent is None:
         return None
+    path = os.path.join(parent, rel.rsplit("/", 1)[-1])
     try:
-        return os.open(os.path.join(parent, rel.rsplit("/", 1)[-1]), os.O_WRONLY | os.O_CREAT | os.O_EXCL
-                       | os.O_NOFOLLOW | os.O_CLOEXEC, 0o755 if executable else 0o644)
+        if link is not None:
+            return os.symlink(link, path)
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       0o755 if executable else 0o644)
     except (FileExistsError, IsADirectoryError, NotADirectoryError):
         return None
 
 
-def _link(dest, rel, target):
-    parent = _parent_dir(dest, rel)
-    if parent is not None:
-        try:
-            os.symlink(target, os.path.join(parent, rel.rsplit("/", 1)[-1]))
-        except (FileExistsError, IsADirectoryError, NotADirectoryError):
-            pass
-
-
 def _snapshot_ref(repo, ref, dest):
-    """The tree of commit `ref`, from git's object store. Symlinks are made after every file, and nothing
-    is written through one: a tree that holds both a symlink `d` and a file `d/x` cannot write outside."""
+    """The tree of commit `ref` from git's objects; symlinks made last, so nothing is written through one."""
     entries = []
     for record in git(repo, "ls-tree", "-r", "-z", ref).split(b"\0"):
         if not record:
@@ -826,7 +753,8 @@ def _snapshot_ref(repo, ref, dest):
         return
     batch = subprocess.Popen(["git", "-C", str(repo), "cat-file", "--batch"], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, env=_git_env())
-    feeder = threading.Thread(target=_feed, args=(batch.stdin, [sha for _m, sha, _n in entries]), daemon=True)
+    shas = "".join(sha + "\n" for _m, sha, _n in entries).encode()
+    feeder = threading.Thread(target=_feed_stdin, args=(batch.stdin, shas), daemon=True)
     feeder.start()
     links = []
     try:
@@ -834,9 +762,7 @@ def _snapshot_ref(repo, ref, dest):
             header = batch.stdout.readline().split()
             if len(header) != 3:
                 raise RepoError(f"{ref}: git cannot read object {sha} (a shallow or damaged repository)")
-            size = int(header[2])
-            content = batch.stdout.read(size)
-            batch.stdout.read(1)
+            content = batch.stdout.read(int(header[2]) + 1)[:-1]  # and the newline after it
             if mode == "120000":
                 links.append((name, os.fsdecode(content)))
                 continue
@@ -849,16 +775,7 @@ def _snapshot_ref(repo, ref, dest):
         batch.stdout.close()
         batch.wait()
     for name, target in links:
-        _link(dest, name, target)
-
-
-def _feed(stream, shas):
-    try:
-        for sha in shas:
-            stream.write(sha.encode() + b"\n")
-        stream.close()
-    except OSError:
-        pass
+        _create(dest, name, link=target)
 
 
 def tree_digest(root):
@@ -893,8 +810,7 @@ _ENV_PATHSPECS = (":(glob,icase)**/.env*", ":(glob,icase)**/.env*/**")
 
 
 def repo_secrets(repo, commit=None):
-    """The values in the repository's .env* files (and files under .env* directories; tracked, untracked
-    or ignored), and in those of `commit` and its parents (what `git show` of it prints), to mask everywhere."""
+    """The values of the repo's .env* files, and of those in `commit` and its parents, to mask everywhere."""
     listing = git(repo, "ls-files", "-z", "--cached", "--others", "--", *_ENV_PATHSPECS, check=False)
     texts = [_read_plain_file(Path(repo) / os.fsdecode(raw), 256 * 1024)
              for raw in list(dict.fromkeys(listing.split(b"\0")))[:200] if raw]
@@ -916,9 +832,7 @@ _ENV_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "a": "\a", "b": "\b", "f": "\f"
 
 
 def dotenv_values(text):
-    """Every value a .env file sets, read the way dotenv reads it: `export`, `KEY: value`, quotes that
-    span lines, escapes in quotes, `# comments`. Each value is given raw and decoded (and each line of a
-    multi-line one), since either may be what a program prints."""
+    """Every value a .env file sets, as dotenv reads it; each raw and decoded, since either may be printed."""
     text = text.lstrip("\ufeff")
     values, pos = [], 0
     while pos < len(text):
@@ -948,8 +862,7 @@ def dotenv_values(text):
 
 
 def _read_plain_file(path, limit):
-    """Up to `limit` bytes of a regular file, or None: never blocks on a FIFO, never follows a final
-    symlink to a device."""
+    """Up to `limit` bytes of a regular file, or None (never blocks on a FIFO or reads a device)."""
     try:
         fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
@@ -960,29 +873,20 @@ def _read_plain_file(path, limit):
         return handle.read(limit)
 
 
-def git_state(repo):
-    """What a run must leave unchanged: `git status --porcelain --ignored`, read without an index write."""
-    return git(repo, "status", "--porcelain=v1", "-z", "--ignored", "--untracked-files=all")
-
-
-# ----------------------------------------------------------------------------
-# Processes: argv only, a timeout, the whole process group killed, output capped
-# ----------------------------------------------------------------------------
+# == Processes: argv only, a timeout, the whole process group killed, output capped ==
 
 _SETTINGS = ("BASE_URL", "OPENAI_BASE_URL", "API_KEY", "OPENAI_API_KEY", "MODEL_ID", "LEDGER_KEY", "WEBHOOK_SECRET",
              "WEBHOOK_SECRET_FILE", "READ_TOKEN", "CLICKHOUSE_PASSWORD", "LEDGER_SHIP_URL")
 
 
 def _child_env():
-    """The environment of every program the host runs: none of our settings and no variable named like a
-    secret, so code the model wrote never sees the API key in its environment."""
+    """Every program's environment: none of our settings, nothing named like a secret (the model's code)."""
     return {name: value for name, value in os.environ.items()
             if name not in _SETTINGS and not rl.is_secret_env_name(name)}
 
 
 def _subreaper():
-    """Make this process a child subreaper (Linux): whatever a program it runs detaches (setsid, a double
-    fork) comes back to it as a child when its parent dies, so run_program can kill it."""
+    """Become a child subreaper (Linux): what a program detaches comes back to us, so it can be killed."""
     global _REAPING
     if sys.platform.startswith("linux"):
         import ctypes  # only for this one call
@@ -997,8 +901,7 @@ class SandboxError(rl.UsageError):
 
 
 class Sandbox:
-    """How the programs of a run are boxed: kind "bwrap", or "none" with the reason; the host paths the box
-    hides, and the rlimits every program gets either way."""
+    """How a run's programs are boxed ("bwrap", or "none" and why), what is hidden, and the rlimits."""
 
     def __init__(self, kind, reason, hide, caps):
         self.kind, self.reason, self.hide, self.caps = kind, reason, [str(p) for p in hide], caps
@@ -1020,9 +923,7 @@ class Sandbox:
             resource.setrlimit(which, (value, value))
 
     def wrap(self, program, argv, cwd, env, writable=()):
-        """bwrap's argv for `program` (resolved already): no network, its own pid namespace, the host read-only
-        with HOME, the repository, the runs and lock directories and the settings files hidden, private /tmp,
-        /var/tmp, /dev/shm and /run, the interpreter's tree visible again, and only cwd and `writable` written."""
+        """bwrap's argv: no network, own pids, host read-only with hidden paths, only cwd and `writable` written."""
         args = [self.bwrap, "--die-with-parent", "--new-session", "--unshare-all", "--cap-drop", "ALL",
                 "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
         for path in self.hide:
@@ -1042,8 +943,7 @@ class Sandbox:
 
 
 def _hidden_paths(repo, runs_dir):
-    """What a boxed program must not see: HOME, the repository, the runs and lock directories, and every
-    file a setting names (WEBHOOK_SECRET_FILE and the like)."""
+    """What a boxed program must not see: HOME, the repo, the runs and lock dirs, files settings name."""
     hidden = [os.path.expanduser("~"), repo, runs_dir, _lock_dir()]
     hidden += [os.environ[n] for n in os.environ if n.endswith("_FILE") and os.path.isfile(os.environ[n])]
     return [p for p in (os.path.realpath(h) for h in hidden if h) if p != "/"]  # HOME=/ hides nothing
@@ -1053,9 +953,7 @@ _PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # empty and private in
 
 
 def _program_roots(program, env, hidden):
-    """The trees a program needs that the box hides: for one under HOME, the top directory under HOME it
-    lives in (a pyenv shim needs the whole pyenv root), for its real path and a venv's base interpreter too;
-    and ~/.local (user site-packages). Never the repository, the runs or the lock directory."""
+    """The hidden trees a program needs (its HOME top dir, a venv's base, ~/.local); never repo or runs."""
     home = os.path.realpath(os.path.expanduser("~"))
     places = [os.path.dirname(program), os.path.dirname(os.path.realpath(program)), env.get("PYENV_ROOT") or ""]
     cfg = Path(os.path.dirname(os.path.dirname(program))) / "pyvenv.cfg"
@@ -1082,8 +980,7 @@ def _under(path, *bases):
 
 
 def probe_sandbox(policy, hide):
-    """Once per run: does bwrap box a trivial command here? Returns a Sandbox, kind "none" with the reason
-    when it does not (require_box decides whether the run may go on)."""
+    """Once per run: does bwrap box a trivial command here? A Sandbox, kind "none" and why when not."""
     if policy.sandbox == "off":
         return Sandbox("none", 'tools.json sets "sandbox": "off"', hide, policy.caps)
     box = Sandbox("bwrap", None, hide, policy.caps)
@@ -1112,24 +1009,17 @@ def require_box(box, policy):
 
 def _children():
     """This process's children, from /proc (Linux); empty elsewhere."""
-    try:
-        tasks = os.listdir(f"/proc/{os.getpid()}/task")
-    except OSError:
-        return set()
     found = set()
-    for tid in tasks:
+    for path in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
         try:
-            with open(f"/proc/{os.getpid()}/task/{tid}/children") as handle:
-                found.update(int(pid) for pid in handle.read().split())
+            found.update(int(pid) for pid in path.read_text().split())
         except OSError:
-            continue
+            continue  # the thread ended
     return found
 
 
 def _kill_strays(known):
-    """Kill and reap every child not in `known`, round after round, until none is left: as a subreaper,
-    the host gets back whatever the program detached, whatever session or group it moved to, and a killed
-    stray's own children come back in turn. Returns how many were killed."""
+    """Kill and reap every child not in `known` until none is left (a stray's children come back in turn)."""
     killed = 0
     for _round in range(1000):
         strays = _children() - known
@@ -1156,10 +1046,11 @@ _REAPING = False  # this process is a child subreaper: run_program kills what a 
 class Output:
     """A program's result: its exit code and output, capped (head and tail kept), with what was cut."""
 
-    def __init__(self, returncode, head, tail, size, duration_ms, timed_out=False, error=None, errno=None):
+    def __init__(self, returncode, head, tail, size, duration_ms, timed_out=False, error=None, errno=None,
+                 sandbox=None):
         self.returncode, self.head, self.tail, self.size = returncode, head, tail, size
         self.duration_ms, self.timed_out, self.error, self.errno = duration_ms, timed_out, error, errno
-        self.sandbox = None  # a boxed program's record: {"sandbox": "bwrap"} or "none" with its reason
+        self.sandbox = sandbox  # a boxed program's record: {"sandbox": "bwrap"} or "none" with its reason
 
     def text(self, cap):
         """Head and tail within `cap` bytes, saying how much was cut."""
@@ -1167,38 +1058,34 @@ class Output:
         if self.size <= cap and len(data) == self.size:
             return data.decode("utf-8", "replace")
         half = cap // 2
-        body = self.head[:half].decode("utf-8", "replace") + f"\n[... {self.size - 2 * half:,} bytes cut ...]\n" + \
-            (self.head + self.tail)[-half:].decode("utf-8", "replace")
-        return body
+        return self.head[:half].decode("utf-8", "replace") + f"\n[... {self.size - 2 * half:,} bytes cut ...]\n" + \
+            data[-half:].decode("utf-8", "replace")
 
     def artifact_bytes(self):
         data = self.head + self.tail
         if len(data) < self.size:
-            return data[:len(self.head)] + f"\n[... {self.size - len(data):,} bytes not kept ...]\n".encode() + self.tail
+            cut = f"\n[... {self.size - len(data):,} bytes not kept ...]\n".encode()
+            return data[:len(self.head)] + cut + self.tail
         return data
 
 
 def run_program(argv, cwd, timeout, env=None, input=None, keep=MAX_ARTIFACT_BYTES, tail_keep=65536, box=None,
                 writable=()):
-    """Run argv (no shell) in its own process group, with `box`'s rlimits and in its bwrap when it has one
-    (only the judge itself runs unboxed); kill the group on timeout, and whatever it left running once it
-    exits. Output (stdout and stderr together) is read as it comes, in this thread: at most `keep` bytes of
-    head and `tail_keep` of tail are held."""
+    """Run argv (no shell) in its own group, boxed, killed on timeout with what it left; output capped."""
     started = time.monotonic()
     deadline = started + timeout
     env = env if env is not None else _child_env()
     known = _children() if _REAPING else set()
     try:
         command = _boxed(argv, cwd, env, box, writable)
-        proc = subprocess.Popen(command, cwd=str(cwd),
-                                stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, env=env, start_new_session=True, close_fds=True,
+        proc = subprocess.Popen(command, cwd=str(cwd), stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                close_fds=True,
                                 preexec_fn=box.limit if box else None)
     except OSError as exc:
-        failed = Output(None, f"cannot run {argv[0]}: {rl.error_text(exc)}".encode(), b"", 0,
-                        round((time.monotonic() - started) * 1000, 1), error=rl.error_text(exc), errno=exc.errno)
-        failed.sandbox = box.record() if box else None
-        return failed
+        return Output(None, f"cannot run {argv[0]}: {rl.error_text(exc)}".encode(), b"", 0,
+                      round((time.monotonic() - started) * 1000, 1), error=rl.error_text(exc), errno=exc.errno,
+                      sandbox=box.record() if box else None)
     _CHILDREN.add(proc.pid)
     if input is not None:
         threading.Thread(target=_feed_stdin, args=(proc.stdin, input), daemon=True).start()
@@ -1214,15 +1101,13 @@ def run_program(argv, cwd, timeout, env=None, input=None, keep=MAX_ARTIFACT_BYTE
         _CHILDREN.discard(proc.pid)
         if _REAPING:
             _kill_strays(known)
-    output = Output(None if timed_out else proc.returncode, bytes(held["head"]), bytes(held["tail"]), held["size"],
-                    round((time.monotonic() - started) * 1000, 1), timed_out=timed_out)
-    output.sandbox = box.record() if box else None
-    return output
+    return Output(None if timed_out else proc.returncode, bytes(held["head"]), bytes(held["tail"]), held["size"],
+                  round((time.monotonic() - started) * 1000, 1), timed_out=timed_out,
+                  sandbox=box.record() if box else None)
 
 
 def _boxed(argv, cwd, env, box, writable):
-    """argv as run: wrapped in bwrap when the box has it, its program resolved first, so that a program that
-    does not exist or cannot run fails here as it would unboxed (not as bwrap's exit 1)."""
+    """argv as run: in bwrap when the box has it, the program resolved first so a missing one fails as unboxed."""
     if box is None or box.kind != "bwrap":
         return argv
     program = os.path.join(str(cwd), argv[0]) if "/" in argv[0] else \
@@ -1235,18 +1120,18 @@ def _boxed(argv, cwd, env, box, writable):
 
 
 def _read_until_exit(proc, deadline, box, keep, tail_keep):
-    """Read the output until the program has exited and its output is closed, or until the program exits
-    while a background child still holds the output, or the deadline. Returns True on the deadline. On
-    Linux the program's exit wakes the same selector (a pidfd): no polling, no thread."""
+    """Read output until exit and EOF, exit with a child holding the pipe, or the deadline (True)."""
     fd = proc.stdout.fileno()
-    pidfd = _pidfd(proc.pid)
-    reading, exited = True, False
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except (AttributeError, OSError):  # not Linux, or a kernel before 5.3
+        pidfd = None
     with selectors.DefaultSelector() as selector:
         selector.register(fd, selectors.EVENT_READ, "output")
         if pidfd is not None:
             selector.register(pidfd, selectors.EVENT_READ, "exit")
         try:
-            while reading or not exited:
+            while True:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return True
@@ -1260,19 +1145,10 @@ def _read_until_exit(proc, deadline, box, keep, tail_keep):
                     if chunk:
                         _keep(box, chunk, keep, tail_keep)
                     else:
-                        reading = False
                         selector.unregister(fd)
         finally:
             if pidfd is not None:
                 os.close(pidfd)
-    return False
-
-
-def _pidfd(pid):
-    try:
-        return os.pidfd_open(pid)
-    except (AttributeError, OSError):  # not Linux, or a kernel before 5.3
-        return None
 
 
 def _drain(fd, box, keep, tail_keep):
@@ -1315,9 +1191,7 @@ def _kill_group(pgid):
         pass
 
 
-# ----------------------------------------------------------------------------
-# Tools
-# ----------------------------------------------------------------------------
+# == Tools =====================================================================
 
 GREP_SCRIPT = r"""
 import os, re, sys
@@ -1360,12 +1234,15 @@ class Workspace:
             return None
         return posixpath.normpath(os.path.relpath(real, root).replace(os.sep, "/"))
 
-    def run_tests(self, root=None, junit=None):
+    def run_tests(self, out=None):
+        """(Output, pytest's per-test outcomes or None); `out`: a directory the box may write JUnit XML to."""
         argv = list(self.policy.test_command)
+        junit = out / f"junit-{time.monotonic_ns()}.xml" if out is not None else None
         if junit is not None and _is_pytest(argv):
             argv += [f"--junitxml={junit}", "-p", "no:cacheprovider"]
-        return run_program(argv, root or self.root, self.policy.test_timeout_s, env=self.env, box=self.box,
-                           writable=[junit.parent] if junit is not None else ())
+        output = run_program(argv, self.root, self.policy.test_timeout_s, env=self.env, box=self.box,
+                             writable=[out] if out is not None else ())
+        return output, junit_outcomes(junit) if junit is not None and junit.exists() else None
 
     def execute(self, tool, args):
         """Run an allowed action. Returns an Output."""
@@ -1375,7 +1252,7 @@ class Workspace:
             return run_program(plugin.command(args), self.root, plugin.timeout_s or self.policy.caps["timeout_s"],
                                env=self.env, box=self.box)
         if tool == "run_tests":
-            return self.run_tests()
+            return self.run_tests()[0]
         if tool == "grep":
             files = self._files(args.get("path") or ".")
             if not files:
@@ -1384,8 +1261,7 @@ class Workspace:
                                self.policy.caps["timeout_s"], env=dict(self.env, PYTHONIOENCODING="utf-8"),
                                input="\0".join(files).encode("utf-8", "surrogateescape"), box=self.box)
         if tool == "git_diff":
-            text = self._git_diff()
-            return _text_output(0, text or "(no changes)", started)
+            return _text_output(0, self._git_diff() or "(no changes)", started)
         if tool == "git_log":
             n = min(max(args.get("n") or 10, 1), 50)
             out = git(self.repo, "log", f"-n{n}", "--no-color", "--date=short", "--format=%h %ad %an: %s",
@@ -1416,8 +1292,7 @@ class Workspace:
         return _text_output(0, body if lines else "(empty file)", started)
 
     def _files(self, rel):
-        """The files under `rel` (a file or a directory) that a tool may open: each held to the path rules
-        as read_file is, by the path it resolves to too (a symlinked directory leads elsewhere)."""
+        """The files under `rel` a tool may open, each held to the path rules by what it resolves to."""
         base = self.root / rel
         paths = [rel] if base.is_file() else (posixpath.normpath(posixpath.join(rel, p)) for p in sorted(
             _walk_files(base)))
@@ -1441,8 +1316,7 @@ class Workspace:
         return _text_output(0, text or "(no files)", started)
 
     def _git_diff(self):
-        """The change under review: uncommitted changes (or, with --ref, that commit's own change), with the
-        sections of denied files left out."""
+        """The change under review (uncommitted, or the --ref commit's), less the sections of denied files."""
         if self.ref:
             raw = git(self.repo, "show", "--no-color", "--no-ext-diff", "--no-textconv", "--format=", self.ref,
                       check=False)
@@ -1458,15 +1332,7 @@ class Workspace:
 
 
 def _is_pytest(argv):
-    """pytest run directly (`pytest`, `py.test`) or as `python [options] -m pytest`."""
-    if os.path.basename(argv[0]) in ("pytest", "py.test"):
-        return True
-    for index, arg in enumerate(argv[1:], 1):
-        if arg == "-m":
-            return argv[index + 1:index + 2] == ["pytest"]
-        if not arg.startswith("-"):
-            return False
-    return False
+    return _runner(argv)[0] == "pytest"
 
 
 def _text_output(code, text, started):
@@ -1490,9 +1356,7 @@ def junit_outcomes(path):
     return outcomes
 
 
-# ----------------------------------------------------------------------------
-# The action protocol
-# ----------------------------------------------------------------------------
+# == The action protocol =======================================================
 
 class Malformed(Exception):
     """A reply that is neither a valid action nor a bare unified diff; `reason` goes back to the model."""
@@ -1536,28 +1400,20 @@ def _action(obj):
 
 
 def parse_reply(text):
-    """(action, form): one JSON object {"tool", "args", "reason"}, read even when fenced in a code block or
-    wrapped in prose; a reply that is only a unified diff (fenced or not) is propose_patch. Raises Malformed."""
+    """(action, form): one JSON object, bare, fenced or in prose, or a bare unified diff. Raises Malformed."""
     stripped = text.strip()
     if not stripped:
         raise Malformed("the reply is empty")
-    decoder = json.JSONDecoder()
-    if stripped.startswith("{"):
+    whole = [(stripped, "json")] + [(block.strip(), "fenced_json") for lang, block in _FENCE_RE.findall(text)
+                                    if lang.lower() in ("", "json", "javascript", "js")]
+    for candidate, form in whole:
         try:
-            action = _action(json.loads(stripped))
-            if action:
-                return action, "json"
+            action = _action(json.loads(candidate)) if candidate.startswith("{") else None
         except (ValueError, RecursionError):
-            pass
-    for lang, block in _FENCE_RE.findall(text):
-        block = block.strip()
-        if block.startswith("{") and lang.lower() in ("", "json", "javascript", "js"):
-            try:
-                action = _action(json.loads(block))
-                if action:
-                    return action, "fenced_json"
-            except (ValueError, RecursionError):
-                continue
+            continue
+        if action:
+            return action, form
+    decoder = json.JSONDecoder()
     for match in itertools.islice(re.finditer(r"\{", text), 50):
         try:
             obj, _end = decoder.raw_decode(text, match.start())
@@ -1610,9 +1466,7 @@ def _budget_line(budget):
             f"tokens, {budget['seconds']:.0f} seconds.")
 
 
-# ----------------------------------------------------------------------------
-# The host loop, shared by a live run and by replay
-# ----------------------------------------------------------------------------
+# == The host loop, shared by a live run and by replay =========================
 
 class _Stop(Exception):
     """The loop ends here: outcome (budget_exhausted or error), and what to record."""
@@ -1623,8 +1477,7 @@ class _Stop(Exception):
 
 
 class Budget:
-    """What the run has spent: steps (model turns), model calls, tokens (reported where the server gave
-    them, else estimated, and which), and wall time."""
+    """What the run has spent: steps, model calls, tokens (reported or estimated, and which), wall time."""
 
     def __init__(self, limits):
         self.limits = limits
@@ -1636,12 +1489,9 @@ class Budget:
         self.tokens += call["tokens"]
         self.sources.add(call["tokens_source"])
 
-    def source(self):
-        return "reported" if self.sources == {"reported"} else "estimated" if self.sources <= {"estimated"} else "mixed"
-
     def snapshot(self, elapsed):
         return {"steps": self.steps, "model_calls": self.model_calls, "tokens": self.tokens,
-                "tokens_source": self.source(), "elapsed_s": round(elapsed, 3)}
+                "tokens_source": _source(self.sources), "elapsed_s": round(elapsed, 3)}
 
     def exhausted(self, elapsed):
         for name, used in (("max_steps", self.steps), ("max_model_calls", self.model_calls),
@@ -1657,6 +1507,10 @@ class Budget:
                 "seconds": max(0.0, limits["max_wall_s"] - elapsed)}
 
 
+def _source(sources):
+    return "reported" if sources == {"reported"} else "estimated" if sources <= {"estimated"} else "mixed"
+
+
 def _excerpt(text, limit=EXCERPT_BYTES):
     data = text.encode("utf-8", "replace")
     if len(data) <= limit:
@@ -1665,8 +1519,7 @@ def _excerpt(text, limit=EXCERPT_BYTES):
 
 
 def _fit(messages, limit):
-    """Keep the conversation within `limit` characters: old tool outputs are shortened first, then the oldest
-    exchanges dropped, then the longest messages left cut in their middle. Returns what changed, or None."""
+    """Keep the conversation within `limit` chars: shorten old outputs, drop old exchanges, cut the longest."""
     size = sum(len(m["content"]) for m in messages)
     if size <= limit:
         return None
@@ -1706,8 +1559,7 @@ MAX_TOKEN_RATIO = 8.0  # server tokens per chars/4 estimate believed at most (CJ
 
 
 def overflow_sizes(message):
-    """(window, prompt tokens) a context_length_exceeded answer states, each None when it does not: the
-    wordings of OpenAI, vLLM and llama.cpp."""
+    """(window, prompt tokens) an overflow answer states (OpenAI, vLLM, llama.cpp wordings), or None."""
     found = []
     for regex in (_WINDOW_RE, _PROMPT_RE):
         match = regex.search(message or "")
@@ -1716,9 +1568,7 @@ def overflow_sizes(message):
 
 
 class ContextPlan:
-    """What fits the model's window: the window in tokens (tools.json's context_tokens, the /models metadata
-    or what an overflow answer said, whichever is smallest), and the ratio of the server's token counts to
-    the chars/4 estimate, learned from the prompt_tokens it reports (1.2 until then: code tokenizes densely)."""
+    """What fits the model's window: the smallest window known, and the server's token ratio to chars/4."""
     MARGIN = 0.10           # of the window, kept free for the estimate's error
     PER_MESSAGE = 16        # tokens of chat template around each message
 
@@ -1741,8 +1591,7 @@ class ContextPlan:
         return int(ask.estimate_tokens(chars) * self.ratio * 1.1) + self.PER_MESSAGE * len(messages)
 
     def chars(self, limits, count):
-        """The most characters `count` messages may hold and still leave a reply room of a quarter of the
-        window (at most max_tokens_per_call)."""
+        """The most chars `count` messages may hold, leaving a reply room of a quarter of the window."""
         if not self.window:
             return limits["max_context_chars"]
         room = min(limits["max_tokens_per_call"], max(128, self.window // 4))
@@ -1758,10 +1607,7 @@ class ContextPlan:
 
 
 def drive(world, policy, messages):
-    """The host's decisions, step by step: ask the model for one action, check it against the policy, record
-    the decision, act, and tell the model. `world` supplies the model's replies, path resolutions, tool
-    results, patch checks and the clock, and records events: a live run, or a replay of one.
-    Returns (outcome, patch check of the accepted proposal or None)."""
+    """The host loop, for a live run or a replay (`world`). Returns (outcome, accepted patch check or None)."""
     budget = Budget(policy.budget)
     limits = dict(policy.budget)
     last, repeats = None, 0
@@ -1796,8 +1642,7 @@ def drive(world, policy, messages):
 
 
 def _repeat_key(text):
-    """(digest, None) of a reply the host could read, ("", reason) of one it could not: replies with the same
-    key are the same reply, or the same unusable one."""
+    """(digest, None) of a readable reply, ("", reason) of an unusable one: equal keys are repeats."""
     try:
         parse_reply(text)
     except Malformed as bad:
@@ -1873,8 +1718,7 @@ class LiveWorld:
             self.record("context_trimmed", dict(trimmed, step=step))
 
     def _shrink(self, step, messages, limits, record, sent):
-        """After an overflow answer: know the window it states (or take half of what was sent as the window)
-        and the token ratio, then cut the messages and max_tokens until the request fits."""
+        """After an overflow answer: learn the window and ratio, then cut messages and max_tokens to fit."""
         window, prompt = overflow_sizes(record["error_message"])
         self.plan.learn(prompt, record["est_input_tokens"])
         before = sum(len(m["content"]) for m in messages)
@@ -1902,10 +1746,7 @@ class LiveWorld:
         for attempt in range(CALL_RETRIES + 1 + 1):
             wall_left = limits["max_wall_s"] - self.elapsed()
             if wall_left < 1:  # no call is made now: before the first one, the budget ran out before the model
-                raise _Stop("budget_exhausted", "budget_exhausted", {
-                    "limit": "max_wall_s", "used": round(self.elapsed(), 3), "max": limits["max_wall_s"],
-                    "budget": budget.snapshot(self.elapsed()),
-                    "during": "model call" if attempt else "before model call"})
+                raise self._out_of_wall(budget, limits, "model call" if attempt else "before model call")
             timeout = min(limits["call_timeout_s"], wall_left)
             max_tokens = self.plan.max_tokens(limits, messages)
             record = ask.chat(messages, ledger=self.run, base_url=base_url, model=model, api_key=api_key,
@@ -1916,8 +1757,7 @@ class LiveWorld:
             tokens, source = _call_tokens(record)
             call["tokens"] += tokens
             sources.add(source)
-            call["tokens_source"] = "reported" if sources == {"reported"} else (
-                "estimated" if sources == {"estimated"} else "mixed")
+            call["tokens_source"] = _source(sources)
             if not record["error_type"]:
                 self.plan.learn(record["input_tokens"], record["est_input_tokens"])
                 call["reply_sha256"] = hashlib.sha256(record["text"].encode("utf-8", "surrogatepass")).hexdigest()
@@ -1928,9 +1768,7 @@ class LiveWorld:
                 self._shrink(step, messages, limits, record, max_tokens)
                 continue
             if record["error_type"] == "timeout" and self.elapsed() >= limits["max_wall_s"] - 1:
-                raise _Stop("budget_exhausted", "budget_exhausted", {
-                    "limit": "max_wall_s", "used": round(self.elapsed(), 3), "max": limits["max_wall_s"],
-                    "budget": budget.snapshot(self.elapsed()), "during": "model call"})
+                raise self._out_of_wall(budget, limits, "model call")
             if not ask.retryable(record) or attempt >= CALL_RETRIES:
                 break
             time.sleep(min(2.0 * (attempt + 1), max(0.0, limits["max_wall_s"] - self.elapsed() - 1)))
@@ -1940,12 +1778,16 @@ class LiveWorld:
                                                   f"{record['error_message']}",
                                        "error_type": record["error_type"], "error_code": record["error_code"]})
 
+    def _out_of_wall(self, budget, limits, during):
+        return _Stop("budget_exhausted", "budget_exhausted", {
+            "limit": "max_wall_s", "used": round(self.elapsed(), 3), "max": limits["max_wall_s"],
+            "budget": budget.snapshot(self.elapsed()), "during": during})
+
     def execute(self, step, tool, args):
         return self.ws.execute(tool, args)
 
     def record_result(self, step, tool, output, cap):
-        """tool_result: returncode, size, digest, a short excerpt and the full output as an artifact. Returns
-        the (masked) text the model is shown."""
+        """Record tool_result (digest, excerpt, output artifact); return the masked text the model sees."""
         full = output.artifact_bytes()
         artifact = self.run.store_artifact(full)
         shown = self.run.ledger.redactor.text(output.text(cap))
@@ -1978,19 +1820,13 @@ def _context_too_long(record):
         record["error_message"] or "", re.I))
 
 
-class GitReading:
-    """What git itself does with a patch: `paths` it touches (a rename as its old and its new path),
-    `added` (new paths), and `special` (a path that becomes a symlink or a submodule)."""
-
-    def __init__(self, paths, added, special, blobs=None):
-        self.paths, self.added, self.special = paths, added, special
-        self.blobs = blobs or {}  # path -> (blob before, blob after), None where there is none
+# What git does with a patch: paths (a rename as both), added paths, special (a symlink or a submodule), and
+# blobs: path -> (blob before, blob after), None where there is none.
+GitReading = collections.namedtuple("GitReading", "paths added special blobs", defaults=({},))
 
 
 def git_reading(tree, patch_bytes, flags, env):
-    """Apply the patch to a throwaway copy of `tree`'s index (its HEAD the baseline) and read the result
-    with `git diff --raw --no-renames`. Our own parse (patch_files) is a first check; this is the one the
-    host's path rules and the judge trust, since git is what applies the patch. None: it does not apply."""
+    """The patch as git applies it to a throwaway index of `tree`, the reading the rules trust; None if not."""
     with tempfile.TemporaryDirectory(prefix="agent-index-", dir=Path(tree).parent) as scratch:
         index_env = dict(env, GIT_INDEX_FILE=os.path.join(scratch, "index"))
 
@@ -2016,10 +1852,7 @@ def git_reading(tree, patch_bytes, flags, env):
 
 
 def check_patch(scratch, patch, redactor, policy=None, resolve=None):
-    """Does the patch apply to the baseline? Checked in a fresh clone of the scratch copy with
-    `git apply --check`, then `--recount` (small models miscount hunk lines), and every path git reads in
-    it is held to the path rules. Returns what was found, with the proposal as it will be written (git's
-    own diff when --recount was needed)."""
+    """Does the patch apply (`git apply --check`, then `--recount`) and pass the path rules? The proposal."""
     patch_bytes = patch.encode("utf-8", "surrogateescape")
     result = {"applies": False, "recount": False, "message": "", "files": patch_files(patch)[0],
               "patch_sha256": hashlib.sha256(patch_bytes).hexdigest(), "proposal_sha256": None, "proposal": None}
@@ -2068,9 +1901,7 @@ def check_patch(scratch, patch, redactor, policy=None, resolve=None):
 
 
 def _shadows_a_module(path):
-    """A new top-level module or package (`pytest.py`, `iniconfig/__init__.py`) named like one Python could
-    already import: run from the repository's root, the tests would import it instead (pytest itself, or
-    one of its dependencies, rewritten to pass)."""
+    """A new top-level module named like one Python can import (the tests would import it instead)."""
     top = path.split("/")[0]
     name = top[:-3] if "/" not in path and top.endswith(".py") else top if "/" in path else None
     if not name or not name.isidentifier():
@@ -2098,12 +1929,11 @@ def _refuse_git_reading(reading, policy, resolve):
     return None
 
 
-# ----------------------------------------------------------------------------
-# A run: what cron calls
-# ----------------------------------------------------------------------------
+# == A run: what cron calls ====================================================
 
 def _lock_dir():
-    base = Path(os.environ.get("AGENT_LOCK_DIR") or Path(tempfile.gettempdir()) / f"reasoning-ledger-locks-{os.getuid()}")
+    base = Path(os.environ.get("AGENT_LOCK_DIR") or
+                Path(tempfile.gettempdir()) / f"reasoning-ledger-locks-{os.getuid()}")
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = os.lstat(base)
     if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid():
@@ -2112,15 +1942,13 @@ def _lock_dir():
 
 
 def take_lock(repo, run_id):
-    """The repository's run lock: an flock held for the life of the run (released on exit or crash).
-    Raises LockHeld at once when another run holds it."""
+    """The repository's run lock, an flock held for the run's life. Raises LockHeld at once when held."""
     path = _lock_dir() / (hashlib.sha256(str(repo).encode("utf-8", "surrogateescape")).hexdigest()[:32] + ".lock")
     return _hold_lock(path, f"another run holds the lock for {repo}", f"run {run_id} ")
 
 
 def _hold_lock(path, held_message, holder_note):
-    """Take an exclusive flock on path without waiting and write who holds it; returns the fd (kept open
-    for the holder's life). Raises LockHeld, naming the current holder, when another process holds it."""
+    """An exclusive flock on `path`, taken without waiting, noting who holds it; the fd. Raises LockHeld."""
     fd = os.open(str(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -2137,8 +1965,7 @@ _SIGNALS = {"armed": False, "noted": None}  # raise into the run only while arme
 
 
 def _on_signal(signum, _frame):
-    """Kill the children, and end the run's work with _Terminated, once. While the run is being opened or
-    closed the signal is only noted, so that closing it (recording, removing temp dirs) is never cut short."""
+    """Kill the children and raise _Terminated once; while a run opens or closes, only note the signal."""
     for pgid in list(_CHILDREN):
         _kill_group(pgid)
     _SIGNALS["noted"] = _SIGNALS["noted"] or signum
@@ -2154,8 +1981,7 @@ def _terminated(when=""):
 
 def run_agent(repo, *, settings, ref=None, runs_dir=DEFAULT_RUNS, tools=DEFAULT_TOOLS, max_steps=None,
               max_wall_s=None, run_id=None, origin=None):
-    """One agent run on `repo`. Returns (outcome, run_id, proposal path or None). Raises PolicyError,
-    RepoError or LockHeld before a run is opened; after that every failure is recorded and closes the run."""
+    """One run on `repo`: (outcome, run_id, proposal path or None). Failures after open are recorded."""
     policy = load_policy(tools)
     if max_steps is not None:
         policy.budget["max_steps"] = max_steps
@@ -2222,7 +2048,7 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
     base_url, model, _key = settings
     tree = scratch / "tree"
     digest = snapshot(repo, commit if ref else None, tree)
-    dirty = bool(git_state_short(repo)) if not ref else False
+    dirty = bool(git(repo, "status", "--porcelain=v1", "-z", "--untracked-files=normal")) if not ref else False
     tools_ref = _exact_artifact(run, policy.text, "tools.json")
     box = probe_sandbox(policy, _hidden_paths(repo, run.dir.parent))
     run.append("run_started", {
@@ -2233,10 +2059,9 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
         "python": sys.version.split()[0], **box.record(), **origin})
     require_box(box, policy)
     workspace = Workspace(repo, commit if ref else None, tree, policy, run.ledger.redactor, box)
-    baseline = _tests(run, workspace, "tests_run", scratch)
+    baseline = _tests(run, workspace, scratch)
     broken = _test_command_broken(policy.test_command, baseline)
     if broken:
-        import shutil  # only on this path: which program PATH gave (cron's PATH often finds another python3)
         path = _child_env().get("PATH", os.defpath)
         ran = shutil.which(policy.test_command[0], path=path) or "not found"
         raise TestCommandError(f"the test command {' '.join(policy.test_command)!r} cannot run: {broken}; "
@@ -2269,32 +2094,23 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
 
 
 def _listed_window(run, settings, timeout):
-    """The pinned model's context window as the endpoint's /models lists it, or None; the listing goes into
-    the run's ledger as a models_list event."""
+    """The model's context window as /models lists it (recorded as models_list), or None."""
     base_url, model, api_key = settings
     listed = ask.list_models(ledger=run, base_url=base_url, api_key=api_key, timeout=min(30, timeout))
     return (listed.get("context_tokens") or {}).get(model)
 
 
 def _exact_artifact(run, text, what):
-    """Store text the host (or a human) will use again byte for byte, so never masked: masking a secret
-    shape would change what it means. A known secret value in it is refused instead of written."""
+    """Store text used again byte for byte, unmasked; refused when it holds a known secret value."""
     if any(value in text for value in run.ledger.redactor.values):
         raise rl.UsageError(f"{what} holds the value of a secret (the value is not shown); it cannot be recorded")
     return run.store_artifact(text, redact_secrets=False)
 
 
-def git_state_short(repo):
-    return git(repo, "status", "--porcelain=v1", "-z", "--untracked-files=normal")
-
-
-def _tests(run, workspace, kind, scratch, root=None):
-    """Run the test command; record `kind` with the exit code, duration, output (artifact and excerpt) and,
-    for pytest, every test's outcome."""
-    junit = scratch / "out" / f"junit-{kind}-{time.monotonic_ns()}.xml"  # out/: the one host dir a box writes
-    junit.parent.mkdir(exist_ok=True)
-    output = workspace.run_tests(root=root, junit=junit)
-    outcomes = junit_outcomes(junit) if junit.exists() else None
+def _tests(run, workspace, scratch):
+    """Run the test command and record tests_run: exit code, duration, output, pytest's per-test outcomes."""
+    (scratch / "out").mkdir(exist_ok=True)  # out/: the one host directory a box writes
+    output, outcomes = workspace.run_tests(scratch / "out")
     payload = {"command": workspace.policy.test_command, "returncode": output.returncode,
                "passed": output.returncode == 0, "timed_out": output.timed_out, "duration_ms": output.duration_ms,
                "size": output.size, "output_artifact": run.store_artifact(output.artifact_bytes()),
@@ -2303,7 +2119,7 @@ def _tests(run, workspace, kind, scratch, root=None):
         payload["outcomes_artifact"] = run.store_artifact(json.dumps(outcomes, sort_keys=True, indent=0))
         payload["counts"] = {k: sum(1 for v in outcomes.values() if v == k) for k in
                              ("passed", "failed", "error", "skipped")}
-    run.append(kind, payload)
+    run.append("tests_run", payload)
     return dict(payload, output=output, outcomes=outcomes)
 
 
@@ -2312,10 +2128,7 @@ _CANNOT_START = (errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR, errno
 
 
 def _test_command_broken(command, baseline):
-    """Why the baseline test run shows the command itself cannot run (None when it ran and tested). Only
-    what no change to the repository can fix: a program that does not exist or cannot be executed, pytest
-    not installed, pytest called with arguments it rejects, or nothing to collect. A conftest.py that
-    fails to import (pytest's exit 4 too) is the repository's, and so the model's, to fix."""
+    """Why the test command itself cannot run (no repo change can fix it), else None."""
     output = baseline["output"]
     if output.error:
         return output.error if output.errno in _CANNOT_START else None
@@ -2336,10 +2149,7 @@ def _test_command_broken(command, baseline):
 
 
 def _judge_in_child(run, policy, scratch, box):
-    """The judge runs as its own process, unboxed (it writes the run's ledger), reading only the run's ledger
-    and artifacts; it boxes the tests as the host does. The ledger key, the values to mask and the host's
-    sandbox probe reach it on stdin, never in its environment, where a test could read them. Its temp dirs
-    are in the run's scratch dir, removed with it even when the judge is killed."""
+    """Run the judge as its own process; key, secrets and probe go on stdin, never in its environment."""
     given = json.dumps({"key": os.environ.get(rl.KEY_ENV) or None, "secrets": list(run.ledger.redactor.values),
                         "sandbox": box.record()})
     argv = [sys.executable, str(Path(__file__).resolve()), "judge", str(run.dir.resolve()), "--from-host"]
@@ -2352,20 +2162,14 @@ def _judge_in_child(run, policy, scratch, box):
     return verdicts[-1].get("verdict")
 
 
-# ----------------------------------------------------------------------------
-# The judge: reads only the run's ledger and artifacts, works in its own copy
-# ----------------------------------------------------------------------------
+# == The judge: reads only the run's ledger and artifacts, works in its own copy ==
 
 def _artifact_text(run_dir, ref):
     return (Path(run_dir) / ref["path"]).read_bytes().decode("utf-8", "replace")
 
 
 def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
-    """Apply the run's proposal.patch in a throwaway copy of the repository, run the tests there (boxed, with
-    known answers planted), and answer: do they pass now, did the runner tell the truth, did any test that
-    passed before now fail (or vanish), did the patch touch test files or trip a tripwire? `sandbox`: the
-    host's probe ({"sandbox": ..., "sandbox_reason": ...}); without it the judge probes. Appends
-    judge_verdict to the run and returns it."""
+    """Apply proposal.patch in a throwaway copy, run the tests boxed with known answers, rule; the verdict."""
     run_dir = Path(run_dir).resolve()
     events = list(rl.read_events(run_dir / rl.EVENTS_NAME, key=key))
     decisions = [e["payload"] for e in events if e["kind"] == "decision" and e["payload"].get("stage") == "proposal"]
@@ -2380,7 +2184,7 @@ def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
     before = json.loads(_artifact_text(run_dir, baseline["outcomes_artifact"])) if baseline.get("outcomes_artifact") \
         else None
     patch = (run_dir / PROPOSAL_NAME).read_bytes()
-    repo = Path(started["repo"])
+    repo, commit = Path(started["repo"]), started["commit"] if started.get("ref") else None
     hide = _hidden_paths(repo, run_dir.parent)
     box = Sandbox(sandbox["sandbox"], sandbox.get("sandbox_reason"), hide, policy.caps) if sandbox else \
         probe_sandbox(policy, hide)
@@ -2388,13 +2192,13 @@ def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
     verdict = {"verdict": "reject", "rule": None, "applies": False, "tests_passed": False, "reason": "",
                "touched_tests": [], "shadows": [], "newly_failing": [], "vanished": [], "still_failing": [],
                "comparison": "exit codes", "tripwires": [], **box.record()}
-    ledger = rl.Ledger(run_dir / rl.EVENTS_NAME, run_dir.name, key=key, secrets=list(secrets) + repo_secrets(
-        repo, started["commit"] if started.get("ref") else None))
+    ledger = rl.Ledger(run_dir / rl.EVENTS_NAME, run_dir.name, key=key,
+                       secrets=list(secrets) + repo_secrets(repo, commit))
     with tempfile.TemporaryDirectory(prefix="agent-judge-") as work:
         tree = Path(work) / "tree"
         if hashlib.sha256(patch).hexdigest() != decision.get("proposal_sha256"):
             verdict["reason"] = "proposal.patch is not the patch the decision accepted"
-        elif snapshot(repo, started["commit"] if started.get("ref") else None, tree) != started["tree_digest"]:
+        elif snapshot(repo, commit, tree) != started["tree_digest"]:
             verdict["reason"] = "the repository changed since the run started; the judge cannot compare"
         else:
             _judge_tree(Path(work), patch, policy, before, Workspace(repo, None, tree, policy, ledger.redactor, box),
@@ -2405,8 +2209,7 @@ def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
 
 
 def _judge_tree(work, patch, policy, before, workspace, ledger, verdict):
-    """The judge's work in its copy: read the patch as git does, apply it, plant the known answers, run the
-    tests and rule. Fills `verdict`."""
+    """The judge's work in its copy: read the patch as git does, apply, plant, run the tests, rule."""
     tree, env = workspace.root, _scratch_git_env(work)
     reading = git_reading(tree, patch, [], env) or GitReading([], [], False)
     verdict["touched_tests"] = [f for f in reading.paths if policy.is_test_path(f)]
@@ -2431,10 +2234,8 @@ def _judge_tree(work, patch, policy, before, workspace, ledger, verdict):
         if plants != "off":
             verdict["known_answers_reason"] = plants
         plants = None
-    junit = work / "out" / "junit.xml"  # out/: the one directory of the judge's that the box may write
-    junit.parent.mkdir()
-    output = workspace.run_tests(junit=junit)
-    after = junit_outcomes(junit) if junit.exists() else None
+    (work / "out").mkdir()  # out/: the one directory of the judge's that the box may write
+    output, after = workspace.run_tests(work / "out")
     after, passed, subverted = plants.read(output, after) if plants else (after, None, None)
     verdict.update(_compare(before, after, output, passed))
     if subverted:
@@ -2449,8 +2250,7 @@ def _judge_tree(work, patch, policy, before, workspace, ledger, verdict):
 
 
 def _compare(before, after, output, passed=None):
-    """Before and after, per test where both have per-test results. `passed`: whether the tests pass, when
-    the known answers decided it (the planted failure makes the exit code 1 whatever the project's do)."""
+    """Before and after, per test where both have results; `passed`: as the known answers decided."""
     found = {"tests_passed": output.returncode == 0 if passed is None else passed, "returncode": output.returncode,
              "timed_out": output.timed_out}
     if before is not None and after is None:
@@ -2508,12 +2308,14 @@ _DESELECTING = {"-k", "-m", "--lf", "--last-failed", "--deselect", "-x", "--exit
 
 
 def _runner(argv):
-    """("pytest" | "unittest" | None, the arguments after the runner's name)."""
-    if _is_pytest(argv):
-        return "pytest", argv[argv.index("pytest") + 1:] if "pytest" in argv else argv[1:]
+    """("pytest" | "unittest" | None, the arguments after the runner's name): `pytest`, `py.test`, or
+    `python [options] -m pytest|unittest`."""
+    if os.path.basename(argv[0]) in ("pytest", "py.test"):
+        return "pytest", argv[1:]
     for index, arg in enumerate(argv[1:], 1):
         if arg == "-m":
-            return ("unittest", argv[index + 2:]) if argv[index + 1:index + 2] == ["unittest"] else (None, [])
+            name = argv[index + 1:index + 2]
+            return (name[0], argv[index + 2:]) if name in (["pytest"], ["unittest"]) else (None, [])
         if not arg.startswith("-"):
             break
     return None, []
@@ -2593,8 +2395,7 @@ class KnownAnswers:
                 f"    def {self.ok}(self):\n        {write}\n")
 
     def read(self, output, after):
-        """(per-test results less the plants, whether the project's tests pass, why the runner is not
-        believed or None)."""
+        """(per-test results less the plants, whether the project's tests pass, why the runner is not believed)."""
         if output.timed_out:
             return after, False, None
         text = (output.head + output.tail).decode("utf-8", "replace")
@@ -2622,9 +2423,7 @@ class KnownAnswers:
 
 
 def plant_known_answers(tree, policy, before):
-    """Plant a must-fail and a must-pass test in the judge's copy, beside a test file the baseline collected
-    (pytest) or in unittest's start directory, named to match the runner's pattern. Returns KnownAnswers,
-    or why nothing can be planted."""
+    """Plant a must-fail and a must-pass test where the runner collects; KnownAnswers, or why not."""
     import fnmatch
     runner, args = _runner(policy.test_command)
     tag, token = os.urandom(6).hex(), os.urandom(12).hex()
@@ -2676,8 +2475,7 @@ _MODULES_WRITES = {"update", "setdefault", "pop", "popitem", "clear", "__setitem
 
 
 def tripwires(tree, reading, enabled, env):
-    """Every enabled tripwire the patch fires: [{rule, path, what}], in TRIPWIRES order. Python files are
-    read with ast, and only what the patch adds counts (what the file already did before is the project's)."""
+    """Every enabled tripwire the patch fires, [{rule, path, what}]; only what the patch adds counts."""
     fired = []
     for path in reading.paths:
         parts, base = path.split("/"), path.rsplit("/", 1)[-1]
@@ -2700,8 +2498,7 @@ def tripwires(tree, reading, enabled, env):
 
 
 def _blob(tree, sha, env):
-    return subprocess.run(["git", "-C", str(tree), "cat-file", "blob", sha], stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, env=env, timeout=120).stdout
+    return git(tree, "cat-file", "blob", sha, check=False, env=env)
 
 
 def _dotted(node):
@@ -2789,8 +2586,7 @@ def _call_tripwires(node):
 
 
 def _import_time(body):
-    """Calls and raises that run when the module is imported: module and class bodies, not function bodies,
-    and not under `if __name__ == "__main__":`."""
+    """Calls and raises that run at import: module and class bodies, not functions nor `__main__`."""
     for stmt in body:
         if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
@@ -2819,17 +2615,14 @@ def _shallow(stmt):
         todo.extend(ast.iter_child_nodes(node))
 
 
-# ----------------------------------------------------------------------------
-# Replay: the same decisions from the record, with no model, no tool and no network
-# ----------------------------------------------------------------------------
+# == Replay: the same decisions from the record, with no model, no tool and no network ==
 
 class _ReplayEnd(Exception):
     """The recorded replies ran out."""
 
 
 class ReplayWorld:
-    """A recorded run as the host's world: replies, resolutions, results and clock come from the ledger;
-    what the host records is collected to compare."""
+    """A recorded run as the host's world: replies, resolutions and clock from the ledger."""
 
     def __init__(self, run_dir, events):
         self.run_dir, self.produced = Path(run_dir), []
@@ -2860,14 +2653,8 @@ class ReplayWorld:
         self.produced.append((kind, payload))
 
     def resolver(self, step):
-        recorded = self.paths.get(step, {})
-
-        def resolve(norm):
-            for given, resolved in recorded.items():
-                if posixpath.normpath(given) == norm:
-                    return resolved
-            return norm  # not resolved in the recorded run: taken at its word
-        return resolve
+        recorded = {posixpath.normpath(g): r for g, r in reversed(list(self.paths.get(step, {}).items()))}
+        return lambda norm: recorded.get(norm, norm)  # not resolved in the recorded run: taken at its word
 
     def fit(self, step, messages, limits):
         pass  # the recorded replies were what the model answered, whatever the messages held
@@ -2875,16 +2662,11 @@ class ReplayWorld:
     def ask(self, step, messages, budget, limits):
         if step > len(self.replies):
             raise _ReplayEnd()
-        payload = self.replies[step - 1]
-        self.steps = step
-        call = payload["call"]
-        self.last_call = call
-        text = _artifact_text(self.run_dir, call["reply_artifact"])
-        return text, call
+        self.steps, self.last_call = step, self.replies[step - 1]["call"]
+        return _artifact_text(self.run_dir, self.last_call["reply_artifact"]), self.last_call
 
     def parse(self, step, text):
-        """The action as the live run read it: the reply is stored masked for humans, and masking can change
-        how a text parses (an `Authorization:` masks the rest of its line), so it is not parsed again."""
+        """The action as the live run read it (the stored reply is masked, which can change how it parses)."""
         payload = self.replies[step - 1]
         if "tool" not in payload:  # proposal_malformed
             raise Malformed(payload["reason"])
@@ -2916,9 +2698,7 @@ def _decision_key(kind, payload):
 
 
 def replay_run(run_dir, tools=None):
-    """Drive the host again from the recorded replies and results. Returns (divergences, flips): the first
-    divergence from the recorded decisions (empty when identical), and with `tools` each decision that
-    allowlist flips."""
+    """Drive the host again from the record: (first divergence or [], decisions `tools` would flip)."""
     run_dir = Path(run_dir)
     events = list(rl.read_events(run_dir / rl.EVENTS_NAME))
     started = next((e["payload"] for e in events if e["kind"] == "run_started"), None)
@@ -2952,19 +2732,13 @@ def replay_run(run_dir, tools=None):
                             ("proposal.patch", hashlib.sha256(proposal.read_bytes()).hexdigest())))
     flips = []
     if tools is not None:
-        by_step = {(k[0], k[1]): k for k in produced if k[0] in ("tool_allowed", "tool_denied")}
+        tools_at = {k[1]: k for k in produced if k[0] in ("tool_allowed", "tool_denied")}
         for seq, key, event in recorded:
-            if key[0] not in ("tool_allowed", "tool_denied"):
-                continue
-            step = key[1]
-            now = by_step.get(("tool_allowed", step)) or by_step.get(("tool_denied", step))
-            if now is None:
-                continue
-            if now[0] != key[0] or now[3] != key[3]:
+            now = tools_at.get(key[1]) if key[0] in ("tool_allowed", "tool_denied") else None
+            if now is not None and (now[0], now[3]) != (key[0], key[3]):
                 p = event["payload"]
-                flips.append(f"seq {seq} step {step}: {p['tool']} {json.dumps(p['args'], ensure_ascii=False)[:120]}: "
-                             f"{'allowed' if key[0] == 'tool_allowed' else 'denied'} by {key[3]} -> "
-                             f"{'allowed' if now[0] == 'tool_allowed' else 'denied'} by {now[3]}")
+                flips.append(f"seq {seq} step {key[1]}: {p['tool']} {json.dumps(p['args'], ensure_ascii=False)[:120]}: "
+                             f"{key[0][5:]} by {key[3]} -> {now[0][5:]} by {now[3]}")
         recorded_budget = [k for _s, k, _e in recorded if k[0] == "budget_exhausted"]
         produced_budget = [k for k in produced if k[0] == "budget_exhausted"]
         if produced_budget != recorded_budget:
@@ -2973,13 +2747,10 @@ def replay_run(run_dir, tools=None):
     return divergences, flips
 
 
-# ----------------------------------------------------------------------------
-# The record of runs
-# ----------------------------------------------------------------------------
+# == The record of runs ========================================================
 
 def list_runs(runs_dir):
-    """One row per run: id, started, outcome, steps, tokens (reported, else estimated~), and whether its
-    ledger verifies against the index."""
+    """One row per run: id, started, outcome, steps, tokens, and whether it verifies against the index."""
     import audit  # its run summaries: one reader of the agent's events
     runs_dir = Path(runs_dir)
     status = {}
@@ -3001,13 +2772,12 @@ def list_runs(runs_dir):
         out.append({"run_id": run_id, "started": row.get("started"), "outcome": row.get("outcome"),
                     "steps": row.get("steps"), "tokens": tokens, "tokens_source": source,
                     "verified": status[run_id], "why": row.get("why"),
-                    "unboxed": _unboxed(runs_dir / run_id) is not None})
+                    "unboxed": _unboxed(_events_of(runs_dir / run_id)) is not None})
     return out
 
 
 def run_reason(events):
-    """Why a run ended, in a few words, as audit.py reads its events (one reader of the agent's events): the
-    budget limit hit, the reply the model repeated, the error's type, the judge's reason."""
+    """Why a run ended, in a few words, as audit.py reads its events."""
     import audit
     why = None
     for event in events:
@@ -4033,9 +3803,7 @@ def _stderr_line(line, stream=None):
         pass
 
 
-# ----------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------
+# == CLI =======================================================================
 
 def _cmd_run(args):
     _subreaper()
@@ -4050,14 +3818,15 @@ def _cmd_run(args):
     outcome, run_id, proposal = run_agent(args.repo, settings=settings, ref=args.ref, runs_dir=args.runs_dir,
                                           tools=args.tools, max_steps=args.max_steps, max_wall_s=args.max_wall_s,
                                           run_id=args.run_id, origin=origin)
-    unboxed = _unboxed(Path(args.runs_dir) / run_id)
+    events = _events_of(Path(args.runs_dir) / run_id)
+    unboxed = _unboxed(events)
     if unboxed and not unboxed.startswith('tools.json sets "sandbox": "off"'):
         rl.warn(rl.printable(f"run {run_id}: the tests and tools ran without a sandbox: {unboxed}"))
-    why = _why_it_ended(Path(args.runs_dir) / run_id, outcome) if outcome in ("error", "budget_exhausted") else None
+    why = _why_it_ended(run_id, events, outcome) if outcome in ("error", "budget_exhausted") else None
     if why:
         (rl.error if outcome == "error" else rl.warn)(why)
     if outcome == "stuck":
-        rl.warn(f"run {run_id}: " + run_reason(rl.read_events(Path(args.runs_dir) / run_id / rl.EVENTS_NAME)))
+        rl.warn(f"run {run_id}: " + run_reason(events))
     if args.ship_to:  # bounded: a ClickHouse that hangs delays the run's exit by SHIP_RUN_DEADLINE_S at most
         _ship_run(rl.ClickHouse(args.ship_to, timeout=30, deadline=SHIP_RUN_DEADLINE_S), Path(args.runs_dir), run_id)
     rl.write_out(f"{run_id} {outcome} {proposal or '-'}\n")
@@ -4065,8 +3834,7 @@ def _cmd_run(args):
 
 
 def _ship_run(client, runs_dir, run_id):
-    """Ship a closed run's ledger (checked against the head the index recorded) and the index. A failure is
-    one warning: the run's outcome stands, and `reasoning_ledger.py ship --all RUNS` sends it later."""
+    """Ship a closed run's ledger and the index; a failure is one warning (`ship --all` sends it later)."""
     wanted = {runs_dir / rl.INDEX_NAME, runs_dir / run_id / rl.EVENTS_NAME}
     try:
         targets = [t for t in rl.ship_targets([], runs_dir) if t[0] in wanted]
@@ -4078,34 +3846,32 @@ def _ship_run(client, runs_dir, run_id):
                              f"{rl.error_text(problem)}; `reasoning_ledger.py ship --all {runs_dir}` sends it later"))
 
 
-def _unboxed(run_dir):
+def _events_of(run_dir):
+    """A run's events, or [] when its ledger cannot be read (then nothing more is said of it)."""
+    try:
+        return list(rl.read_events(Path(run_dir) / rl.EVENTS_NAME))
+    except (rl.LedgerError, OSError):
+        return []
+
+
+def _unboxed(events):
     """Why the run's programs ran without bwrap (its run_started says), or None when they ran in it."""
-    try:
-        for event in rl.read_events(run_dir / rl.EVENTS_NAME):
-            if event["kind"] == "run_started":
-                found = event["payload"]
-                return found.get("sandbox_reason") or "no reason recorded" if found.get("sandbox") == "none" else None
-    except (rl.LedgerError, OSError):
-        return None
-    return None
+    started = next((e["payload"] for e in events if e["kind"] == "run_started"), {})
+    return started.get("sandbox_reason") or "no reason recorded" if started.get("sandbox") == "none" else None
 
 
-def _why_it_ended(run_dir, outcome):
+def _why_it_ended(run_id, events, outcome):
     """One stderr line for a run that ended in an error or an exhausted budget, from its own ledger."""
-    try:
-        events = list(rl.read_events(run_dir / rl.EVENTS_NAME))
-    except (rl.LedgerError, OSError):
-        return None
     kind = "error" if outcome == "error" else "budget_exhausted"
     found = [e["payload"] for e in events if e["kind"] == kind]
     if not found:
         return None
-    if kind == "error":
-        kind = found[-1].get("type") or found[-1].get("error_type")  # an older agent.py recorded error_type only
-        return rl.printable(f"run {run_dir.name}: {kind}: {found[-1].get('message')}")[:500]
-    spent = found[-1]
-    return rl.printable(f"run {run_dir.name}: budget exhausted: {spent.get('limit')} "
-                        f"({spent.get('used')} of {spent.get('max')})")
+    last = found[-1]
+    if kind == "error":  # an older agent.py recorded error_type only
+        what = last.get("type") or last.get("error_type")
+        return rl.printable(f"run {run_id}: {what}: {last.get('message')}")[:500]
+    spent = f"{last.get('limit')} ({last.get('used')} of {last.get('max')})"
+    return rl.printable(f"run {run_id}: budget exhausted: {spent}")
 
 
 def _cmd_check_tools(args):
@@ -4154,9 +3920,9 @@ def _cmd_runs(args):
         rl.write_out(line.format("RUN", "STARTED", "OUTCOME", "STEPS", "TOKENS", "VERIFIED", "WHY"))
     for row in rows:
         steps = "-" if row["steps"] is None else row["steps"]
+        verified = row["verified"] + (" unboxed" if row["unboxed"] else "")
         rl.write_out(rl.printable(line.format(row["run_id"], row["started"] or "-", row["outcome"] or "-", steps,
-                                              _tokens_cell(row), row["verified"] + (" unboxed" if row["unboxed"] else ""),
-                                              row["why"] or "-")[:-1]) + "\n")
+                                              _tokens_cell(row), verified, row["why"] or "-")[:-1]) + "\n")
     if not rows:
         rl.write_out(f"no runs in {args.runs_dir}\n")
     return rl.EXIT_FAILED if any(r["verified"] != "ok" for r in rows) else rl.EXIT_OK
@@ -4186,11 +3952,12 @@ def _build_parser():
     codes = (rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHECK, rl.EXIT_CHANGED, rl.EXIT_OUTPUT,
              rl.EXIT_LOCKED, rl.EXIT_BUDGET, rl.EXIT_PROPOSAL, rl.EXIT_STUCK)
     parser = rl.ArgumentParser(prog="agent.py", description="The host of a coding agent.",
-                               epilog=rl.exit_codes_epilog(*codes), formatter_class=argparse.RawDescriptionHelpFormatter)
+                               epilog=rl.exit_codes_epilog(*codes),
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    p = sub.add_parser("run", help="one run on a repository: tests, then the model proposes until a patch or the budget")
+    p = sub.add_parser("run", help="one run on a repository: tests, then the model proposes until a patch or the "
+                                   "budget")
     p.add_argument("--repo", required=True, help="the git repository (never modified)")
     p.add_argument("--ref", help="a commit to work on (default: the working tree, uncommitted changes included)")
     p.add_argument("--runs-dir", default=DEFAULT_RUNS, help=f"where runs are recorded (default ./{DEFAULT_RUNS})")
@@ -4204,25 +3971,20 @@ def _build_parser():
     p.add_argument("--ship-to", metavar="URL", help="once the run is closed, ship its ledger and the index to "
                    "ClickHouse at URL (as reasoning_ledger.py ship; CLICKHOUSE_USER/CLICKHOUSE_PASSWORD)")
     p.set_defaults(func=_cmd_run)
-
     p = sub.add_parser("runs", help="a table of runs: id, started, outcome, steps, tokens, verified, why")
     p.add_argument("--runs-dir", default=DEFAULT_RUNS)
     p.set_defaults(func=_cmd_runs)
-
     p = sub.add_parser("replay", help="the same decisions from the record; --tools: which would change")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--tools", help="another tools.json: list the decisions it would flip")
     p.set_defaults(func=_cmd_replay)
-
     p = sub.add_parser("check-tools", help="validate a tools.json (exit 0 valid, 2 not)")
     p.add_argument("file", nargs="?", metavar="FILE")
     p.set_defaults(func=_cmd_check_tools)
-
     p = sub.add_parser("judge", help="judge a run's proposal.patch in a throwaway copy (the host runs this)")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--from-host", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_judge)
-
     _add_serve_parser(sub)
     return parser
 
@@ -4260,11 +4022,9 @@ def main(argv=None):
     if not args.command:
         parser.print_help(sys.stderr)
         return rl.EXIT_USAGE
-    for name in ("max_steps",):
-        value = getattr(args, name, None)
-        if value is not None and value < 1:
-            rl.error(f"--{name.replace('_', '-')} must be at least 1")
-            return rl.EXIT_USAGE
+    if getattr(args, "max_steps", None) is not None and args.max_steps < 1:
+        rl.error("--max-steps must be at least 1")
+        return rl.EXIT_USAGE
     if getattr(args, "max_wall_s", None) is not None and not (0 < args.max_wall_s < float("inf")):
         rl.error("--max-wall-s must be a positive number")
         return rl.EXIT_USAGE

@@ -281,7 +281,7 @@ def test_budget_counts_and_names_the_limit():
     budget.add({"attempts": 2, "tokens": 60, "tokens_source": "reported"})
     assert budget.exhausted(1.0) is None
     budget.add({"attempts": 1, "tokens": 50, "tokens_source": "estimated"})
-    assert budget.exhausted(1.0) == ("max_model_calls", 3) and budget.source() == "mixed"
+    assert budget.exhausted(1.0) == ("max_model_calls", 3) and budget.snapshot(1.0)["tokens_source"] == "mixed"
     assert budget.exhausted(10 ** 6)[0] == "max_model_calls"
     fresh = agent.Budget(dict(agent.DEFAULT_BUDGET))
     assert fresh.exhausted(agent.DEFAULT_BUDGET["max_wall_s"]) == ("max_wall_s", agent.DEFAULT_BUDGET["max_wall_s"])
