@@ -47,14 +47,13 @@ import selectors
 import shutil
 import signal
 import socket
-import socketserver
 import stat
 import subprocess
 import tempfile
 import threading
 import time
 import traceback
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the toolkit beside us, even under -I
@@ -2804,7 +2803,6 @@ def _tokens_cell(row):
 DAEMON_LEDGER = "daemon.jsonl"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-LISTEN_BACKLOG = 128
 SIGNATURE_TOLERANCE_S = 300   # Standard Webhooks: a webhook-timestamp more than 5 minutes off is refused
 KILL_MARGIN_S = 60            # a run is killed after max_wall_s + 2 x test_timeout_s + this
 TERMINATE_WAIT_S = 5          # SIGTERM to a run's process group, then SIGKILL this much later
@@ -3044,50 +3042,18 @@ class _ReadSide:
         self.sock.shutdown(socket.SHUT_RD)
 
 
-class _Server(ThreadingHTTPServer):
-    """A thread per connection, at most --max-connections at once (over the cap: a 503 at once)."""
-    request_queue_size, daemon_threads, block_on_close, allow_reuse_address = LISTEN_BACKLOG, True, False, True
+class _Server(rl.CappedServer):
+    """A thread per connection, at most --max-connections at once (over the cap: a 503 at once, counted)."""
 
     def __init__(self, app):
-        self.address_family = socket.AF_INET6 if ":" in app.settings.host else socket.AF_INET
-        self.app, self.active, self.idle = app, 0, threading.Condition()
-        super().__init__((app.settings.host, app.settings.port), _Handler)
+        self.app = app
+        super().__init__((app.settings.host, app.settings.port), _Handler, app.settings.max_connections, _BUSY)
 
-    def server_bind(self):
-        socketserver.TCPServer.server_bind(self)  # not HTTPServer's: no reverse DNS lookup at start
-        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
-
-    def process_request(self, request, client_address):
-        with self.idle:
-            full = self.active >= self.app.settings.max_connections
-            self.active += 0 if full else 1
-        if not full:
-            try:
-                return super().process_request(request, client_address)
-            except RuntimeError:  # no thread could be started
-                self._release()
-                raise
+    def refused(self, client_address):
         self.app.connection_refused(client_address[0])
-        try:
-            request.settimeout(0.5)
-            request.sendall(_BUSY)
-        except OSError:
-            pass
-        self.shutdown_request(request)
 
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._release()
-
-    def _release(self):
-        with self.idle:
-            self.active -= 1
-            self.idle.notify_all()
-
-    def handle_error(self, request, client_address):  # one line, not socketserver's traceback
-        self.app.log(f"error: connection from {client_address[0]}: {type(sys.exc_info()[1]).__name__}")
+    def log_error(self, text):
+        self.app.log(f"error: {text}")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -3341,7 +3307,7 @@ class Daemon:
             "address": address, "pid": os.getpid(), "repo": str(s.repo), "runs_dir": str(s.runs_dir),
             "tools": str(s.tools), "tools_sha256": s.policy.sha256, "secrets": len(s.keys),
             "read_token": bool(s.read_token), "token_required": s.token_required, "max_body": s.max_body,
-            "queue": s.queue, "max_connections": s.max_connections, "backlog": LISTEN_BACKLOG,
+            "queue": s.queue, "max_connections": s.max_connections, "backlog": _Server.request_queue_size,
             "request_timeout_s": s.request_timeout, "grace_s": s.grace_s, "kill_after_s": s.kill_after_s,
             "fetch": s.fetch, "allow_hosts": s.allow_hosts, "agent_version": __version__,
             "python": sys.version.split()[0]})
@@ -3368,11 +3334,7 @@ class Daemon:
         with self.cond:
             self.draining, self.stop_at = True, time.monotonic() + self.settings.grace_s
             self.cond.notify_all()
-        self.server.shutdown()
-        self.server.server_close()
-        with self.server.idle:
-            self.server.idle.wait_for(lambda: self.server.active == 0,
-                                      self.settings.request_timeout + RESPONSE_GRACE_S + 1)
+        self.server.stop(self.settings.request_timeout + RESPONSE_GRACE_S + 1)
         self.worker.join(self.settings.grace_s + 2 * TERMINATE_WAIT_S + 5)
         with self.cond, self._tokens_lock:
             queued, unrecorded, self._unrecorded = [item["run_id"] for item in self.queue], self._unrecorded, 0

@@ -1038,10 +1038,9 @@ def _error_json(message, code, kind="proxy_error"):
     return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
 
 
-class _ProxyServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+class _ProxyServer(rl.CappedServer):
     """The settings, the one Ledger and a thread per connection, at most --max-connections (past that a 503
     with Retry-After)."""
-    daemon_threads, block_on_close, allow_reuse_address, request_queue_size = True, False, True, 128
 
     def __init__(self, address, args, upstream, token, ledger_path):
         base_url, self.model, self.api_key = upstream
@@ -1052,11 +1051,10 @@ class _ProxyServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self.book = rl.Ledger(ledger_path, os.environ.get("LEDGER_RUN_ID") or None, fsync=not args.no_fsync,
                               secrets=self.secrets)
         _check_ledger(self.book)
-        self.lock, self.idle, self.stopping = threading.Lock(), set(), False
-        self.max_connections, self.active, self.done = args.max_connections, 0, threading.Condition()
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        busy = _http_answer(503, _error_json("too many connections; retry later", "busy"), [("Retry-After", "1")],
+                            close=True)
         try:
-            super().__init__(address, _ProxyHandler)
+            super().__init__(address, _ProxyHandler, args.max_connections, busy)
         except OSError as exc:
             raise ConfigError(f"cannot listen on {args.listen}: {rl.error_text(exc)}") from None
 
@@ -1068,44 +1066,6 @@ class _ProxyServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
 
     def log_error(self, text):
         rl.error(text, self.secrets)
-
-    def stop(self):
-        """New requests get 503; idle connections are closed at once."""
-        with self.lock:
-            self.stopping = True
-            for sock in self.idle:
-                rl.shut(sock)
-
-    def process_request(self, request, client_address):
-        with self.done:
-            full = self.active >= self.max_connections
-            self.active += not full
-        if not full:
-            return super().process_request(request, client_address)
-        try:
-            request.settimeout(1.0)
-            request.sendall(_http_answer(503, _error_json("too many connections; retry later", "busy"),
-                                         [("Retry-After", "1")], close=True))
-        except OSError:
-            pass
-        self.shutdown_request(request)
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            with self.done:
-                self.active -= 1
-                self.done.notify_all()
-
-    def wait_idle(self, timeout):
-        end = time.monotonic() + timeout
-        with self.done:
-            while self.active and time.monotonic() < end:
-                self.done.wait(end - time.monotonic())
-
-    def handle_error(self, request, client_address):
-        self.log_error(f"connection from {client_address[0]}: {sys.exc_info()[1]!r}")
 
 
 class _ProxyHandler(socketserver.StreamRequestHandler):
@@ -1488,10 +1448,7 @@ def _run_proxy(args):
                  f"(ledger {ledger_path})\n")
     while not stop.wait(1.0):
         pass
-    server.stop()  # idle connections closed, new requests 503; then no new connections; those in flight get --grace
-    server.shutdown()
-    server.server_close()
-    server.wait_idle(args.grace)
+    server.stop(args.grace)  # new requests 503, idle connections closed; then no new connections
     return rl.EXIT_OK
 
 

@@ -29,6 +29,8 @@ import hmac
 import json
 import os
 import re
+import socket
+import socketserver
 import sys
 import threading
 import time
@@ -44,7 +46,7 @@ __all__ = [
     "Redactor", "redact_text", "secret_values",
     "LedgerError", "UsageError", "PayloadError", "KeyRequiredError", "IntegrityError", "TornTailError",
     "OutputError", "EXIT_CODES", "FORMAT_VERSION", "GENESIS", "MAX_LINE_BYTES", "KEY_ENV", "INDEX_NAME",
-    "EVENTS_NAME", "main",
+    "EVENTS_NAME", "CappedServer", "main",
 ]
 
 # ----------------------------------------------------------------------------
@@ -1126,7 +1128,7 @@ def _checked_head(expect, path):
 
 
 # ----------------------------------------------------------------------------
-# HTTP: never a redirect, one deadline for a whole request (ask.py, ship and the daemon use it)
+# HTTP: never a redirect, one deadline for a whole request (ask.py, ship and the daemon use it), one server
 # ----------------------------------------------------------------------------
 
 class _Timer:
@@ -1183,7 +1185,6 @@ def call_at(at, fn):
 
 def shut(sock, how=None):
     """Shut a socket down (both ways by default), whatever state it is in."""
-    import socket
     try:
         sock.shutdown(socket.SHUT_RDWR if how is None else how)
     except OSError:
@@ -1276,6 +1277,72 @@ def _tls_context():
     """One default TLS context per process (loading the certificates is the costly part)."""
     import ssl
     return ssl.create_default_context()
+
+
+class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    """A thread per connection, at most `max_connections` at once: past that `busy` (an answer's bytes) is sent
+    and the connection closed. Handlers add their idle keep-alive sockets to `idle` (under `lock`); stop() shuts
+    those, stops accepting and waits for the requests in flight."""
+    daemon_threads, block_on_close, allow_reuse_address, request_queue_size = True, False, True, 128
+
+    def __init__(self, address, handler, max_connections, busy):
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.max_connections, self.busy, self.active, self.done = max_connections, busy, 0, threading.Condition()
+        self.lock, self.idle, self.stopping = threading.Lock(), set(), False
+        super().__init__(address, handler)
+
+    def refused(self, client_address):
+        """Called for a connection over the cap, before its busy answer."""
+
+    def log_error(self, text):
+        error(text)
+
+    def handle_error(self, request, client_address):  # one line, not socketserver's traceback
+        self.log_error(f"connection from {client_address[0]}: {type(sys.exc_info()[1]).__name__}")
+
+    def process_request(self, request, client_address):
+        with self.done:
+            full = self.active >= self.max_connections
+            self.active += not full
+        if not full:
+            try:
+                return super().process_request(request, client_address)
+            except RuntimeError:  # no thread could be started
+                self._release()
+                raise
+        self.refused(client_address)
+        try:
+            request.settimeout(1.0)
+            request.sendall(self.busy)
+        except OSError:
+            pass
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release()
+
+    def _release(self):
+        with self.done:
+            self.active -= 1
+            self.done.notify_all()
+
+    def wait_idle(self, timeout):
+        """Wait up to `timeout` seconds for every connection to end."""
+        with self.done:
+            self.done.wait_for(lambda: not self.active, timeout)
+
+    def stop(self, grace):
+        """Idle connections closed at once, then no new connection; those in flight get `grace` seconds."""
+        with self.lock:
+            self.stopping = True
+            for sock in self.idle:
+                shut(sock)
+        self.shutdown()
+        self.server_close()
+        self.wait_idle(grace)
 
 
 # ----------------------------------------------------------------------------
