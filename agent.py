@@ -3032,16 +3032,6 @@ def parse_body(headers, body, found):
 
 # -- the HTTP side ---------------------------------------------------------------
 
-class _ReadSide:
-    """What a request's rl.Deadline shuts: the read side only, so that the handler can still answer 408."""
-
-    def __init__(self, sock):
-        self.sock = sock
-
-    def shutdown(self, _how):
-        self.sock.shutdown(socket.SHUT_RD)
-
-
 class _Server(rl.CappedServer):
     """A thread per connection, at most --max-connections at once (over the cap: a 503 at once, counted)."""
 
@@ -3066,7 +3056,7 @@ class _Handler(BaseHTTPRequestHandler):
         self.app, self.started = self.server.app, time.monotonic()
         self.connection.settimeout(self.app.settings.request_timeout + RESPONSE_GRACE_S)
         self.deadline = rl.Deadline(self.app.settings.request_timeout)
-        self.deadline.watch(_ReadSide(self.connection))
+        self.deadline.watch(self.connection, socket.SHUT_RD)  # the read side only: the handler can still answer 408
         self.raw_requestline, self.requestline, self.command = b"", "", None
         self.request_version = self.default_request_version
         self.sent = self.delivery = self.claimed = None

@@ -46,7 +46,7 @@ __all__ = [
     "Redactor", "redact_text", "secret_values",
     "LedgerError", "UsageError", "PayloadError", "KeyRequiredError", "IntegrityError", "TornTailError",
     "OutputError", "EXIT_CODES", "FORMAT_VERSION", "GENESIS", "MAX_LINE_BYTES", "KEY_ENV", "INDEX_NAME",
-    "EVENTS_NAME", "CappedServer", "main",
+    "EVENTS_NAME", "main",
 ]
 
 # ----------------------------------------------------------------------------
@@ -1206,19 +1206,20 @@ class Deadline:
     def remaining(self):
         return max(0.001, self.at - time.monotonic()) if self.at is not None else None
 
-    def watch(self, sock):
+    def watch(self, sock, how=None):
+        """Shut `sock` (both ways, or `how`) when the deadline passes."""
         with self._lock:
-            self._sockets.append(sock)
+            self._sockets.append((sock, how))
             if self.expired:
-                shut(sock)
+                shut(sock, how)
         return sock
 
     def expire(self):
         with self._lock:
             if not self.cancelled:
                 self.expired = True
-                for sock in self._sockets:
-                    shut(sock)
+                for sock, how in self._sockets:
+                    shut(sock, how)
 
     def cancel(self):
         with self._lock:
