@@ -1539,10 +1539,9 @@ def _spool_limit():
     import shutil
     import tempfile
     try:
-        free = shutil.disk_usage(tempfile.gettempdir()).free
+        return max(SHIP_SPOOL_MEMORY, min(SHIP_SPOOL_MAX, shutil.disk_usage(tempfile.gettempdir()).free // 2))
     except OSError:
-        free = 0
-    return max(SHIP_SPOOL_MEMORY, min(SHIP_SPOOL_MAX, free // 2))
+        return SHIP_SPOOL_MEMORY
 
 
 def ship_targets(paths, runs_dir=None, key=None):
