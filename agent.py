@@ -692,9 +692,10 @@ def _snapshot_worktree(repo, dest):
 
 
 def _safe_rel(rel):
-    """A relative path git would check out: no `..`, no `.git` component (a crafted `.git` would redirect git)."""
+    """A relative path git would check out: no `..`, no `.git` component in any case (a crafted `.git` would
+    redirect git, and `.GIT` is `.git` on a case-insensitive filesystem)."""
     return bool(rel) and not rel.startswith("/") and not any(
-        part in ("", ".", "..") or part.lower().rstrip(". ") in (".git", "git~1") for part in rel.split("/"))
+        part in ("", ".", "..") or part.lower() == ".git" for part in rel.split("/"))
 
 
 def _plain_parents(root, rel):
@@ -1738,44 +1739,50 @@ class LiveWorld:
         return parse_reply(text)
 
     def ask(self, step, messages, budget, limits):
-        """One model turn through ask.chat(), retried within the wall budget. Raises _Stop."""
-        base_url, model, api_key = self.settings
+        """One model turn through ask.chat(), which retries within the wall budget; a context overflow shrinks
+        the context once and asks again. Raises _Stop."""
         self.last_call = call = {"attempts": 0, "tokens": 0, "tokens_source": "estimated", "latency_ms": 0.0}
-        sources = set()
-        for attempt in range(CALL_RETRIES + 1 + 1):
-            wall_left = limits["max_wall_s"] - self.elapsed()
-            if wall_left < 1:  # no call is made now: before the first one, the budget ran out before the model
-                raise self._out_of_wall(budget, limits, "model call" if attempt else "before model call")
-            timeout = min(limits["call_timeout_s"], wall_left)
-            max_tokens = self.plan.max_tokens(limits, messages)
-            record = ask.chat(messages, ledger=self.run, base_url=base_url, model=model, api_key=api_key,
-                              max_tokens=max_tokens, timeout=timeout, retries=0,
-                              max_response_bytes=ask.DEFAULT_MAX_RESPONSE_BYTES)
-            call["attempts"] += record["attempt"]
+        sources, retries = set(), CALL_RETRIES
+
+        def tally(record, wait=None):  # every attempt counts against the budget, retries and overflows too
+            call["attempts"] += 1
             call["latency_ms"] = round(call["latency_ms"] + (record["latency_ms"] or 0), 1)
             tokens, source = _call_tokens(record)
             call["tokens"] += tokens
             sources.add(source)
             call["tokens_source"] = _source(sources)
-            if not record["error_type"]:
-                self.plan.learn(record["input_tokens"], record["est_input_tokens"])
-                call["reply_sha256"] = hashlib.sha256(record["text"].encode("utf-8", "surrogatepass")).hexdigest()
-                call["reply_artifact"] = self.run.store_artifact(record["text"])
-                return record["text"], dict(call)
-            if _context_too_long(record) and self.shrunk_at != step:  # a second one for this step is an error
-                self.shrunk_at = step
-                self._shrink(step, messages, limits, record, max_tokens)
-                continue
-            if record["error_type"] == "timeout" and self.elapsed() >= limits["max_wall_s"] - 1:
-                raise self._out_of_wall(budget, limits, "model call")
-            if not ask.retryable(record) or attempt >= CALL_RETRIES:
-                break
-            time.sleep(min(2.0 * (attempt + 1), max(0.0, limits["max_wall_s"] - self.elapsed() - 1)))
+        record = self._chat(messages, budget, limits, retries, tally, "before model call")
+        if _context_too_long(record) and self.shrunk_at != step:  # a second one for this step is an error
+            self.shrunk_at = step
+            self._shrink(step, messages, limits, record, record["max_tokens"])
+            retries = max(0, CALL_RETRIES - record["attempt"])  # the attempts before the shrink count
+            record = self._chat(messages, budget, limits, retries, tally, "model call")
+        if not record["error_type"]:
+            self.plan.learn(record["input_tokens"], record["est_input_tokens"])
+            call["reply_sha256"] = hashlib.sha256(record["text"].encode("utf-8", "surrogatepass")).hexdigest()
+            call["reply_artifact"] = self.run.store_artifact(record["text"])
+            return record["text"], dict(call)
+        # a timeout at the wall, or a retry ask.chat left undone (it does only when the wall has no time for it)
+        if (record["error_type"] == "timeout" and self.elapsed() >= limits["max_wall_s"] - ask.MIN_ATTEMPT_S) or (
+                ask.retryable(record) and record["attempt"] <= retries):
+            raise self._out_of_wall(budget, limits, "model call")
         code = f" ({record['error_code']})" if record["error_code"] else ""
         raise _Stop("error", "error", {"type": "ModelEndpointError", "stage": "model",
                                        "message": f"the model endpoint failed: {record['error_type']}{code}: "
                                                   f"{record['error_message']}",
                                        "error_type": record["error_type"], "error_code": record["error_code"]})
+
+    def _chat(self, messages, budget, limits, retries, tally, during):
+        """ask.chat() with its retries, each attempt's timeout cut to the wall budget; every attempt tallied."""
+        if limits["max_wall_s"] - self.elapsed() < ask.MIN_ATTEMPT_S:  # no call is made now
+            raise self._out_of_wall(budget, limits, during)
+        base_url, model, api_key = self.settings
+        record = ask.chat(messages, ledger=self.run, base_url=base_url, model=model, api_key=api_key,
+                          max_tokens=self.plan.max_tokens(limits, messages), timeout=limits["call_timeout_s"],
+                          retries=retries, until=self.started + limits["max_wall_s"], on_retry=tally,
+                          max_response_bytes=ask.DEFAULT_MAX_RESPONSE_BYTES)
+        tally(record)
+        return record
 
     def _out_of_wall(self, budget, limits, during):
         return _Stop("budget_exhausted", "budget_exhausted", {

@@ -51,6 +51,7 @@ __all__ = ["chat", "ask", "list_models", "settings_from_env", "split_base_url", 
 
 DEFAULT_LEDGER = "calls.jsonl"
 DEFAULT_TIMEOUT = 120.0
+MIN_ATTEMPT_S = 1.0  # with `until`, no attempt starts with less time than this left
 DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
 MAX_SSE_LINE_BYTES = 1024 * 1024
 MAX_ERROR_BODY_BYTES = 64 * 1024
@@ -715,12 +716,31 @@ class _Printer:
             self.raised = exc
 
 
+def _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, until):
+    """The wait before the next attempt (its reason into `record`), or None when there is none to make."""
+    if "stream_options" in body and failure.status in (400, 422) and "stream_options" in (failure.message or ""):
+        record["retry_reason"] = "server rejected stream_options; retrying once without it"
+        body.pop("stream_options")
+        return 0.0
+    if not retryable(record) or attempt > retries:
+        return None
+    server_wait = retry_after_seconds(failure.headers)
+    wait = min(max_wait, backoff * (2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+               if server_wait is None else server_wait)
+    if until is not None and time.monotonic() + wait > until - MIN_ATTEMPT_S:
+        return None  # the caller's time runs out before another attempt could be made
+    record["retry_in_s"] = round(wait, 3)
+    record["retry_reason"] = f"{failure.error_type}: {record['error_message']}"[:MAX_ERROR_CHARS]
+    return wait
+
+
 def _attempts(url, body, new_record, append, *, api_key, timeout, limit, redactor, retries=0, checks=None,
               store=None, backoff=1.0, max_wait=60.0, on_text=None, on_retry=None, sleep=time.sleep, relay=None,
-              tools_answer=False):
+              tools_answer=False, until=None):
     """Every attempt of one call, each one model_call line through `append`: retried on a retryable failure
-    (up to `retries`) and once without stream_options for a server that refuses them.
-    Returns (result, failure, state, relay) of the last attempt; result is its record plus "text"."""
+    (up to `retries`, within `until`, a time.monotonic() reading) and once without stream_options for a server
+    that refuses them. Returns (result, failure, state, relay) of the last attempt; result is its record plus
+    "text"."""
     attempt, dropped = 0, False
     while True:
         attempt += 1
@@ -728,7 +748,8 @@ def _attempts(url, body, new_record, append, *, api_key, timeout, limit, redacto
         if dropped:
             record["stream_options_dropped"] = True
         text, failure, problems, state = None, None, [], {}
-        started, deadline = time.perf_counter(), rl.Deadline(timeout)
+        started = time.perf_counter()
+        deadline = rl.Deadline(timeout if until is None else max(0.001, min(timeout, until - time.monotonic())))
         try:
             text = _one_attempt(url, body, record, started, api_key=api_key, deadline=deadline, limit=limit,
                                 on_text=printer, problems=problems, relay=out, state=state)
@@ -742,18 +763,10 @@ def _attempts(url, body, new_record, append, *, api_key, timeout, limit, redacto
                                                                  response_model=record["response_model"], **checks)
         if text and store is not None:
             record["response_artifact"] = store(text)
-        began, wait = printer.printed or (out is not None and out.began), None
-        if not began and failure is not None and "stream_options" in body and failure.status in (400, 422) \
-                and "stream_options" in (failure.message or ""):
-            record["retry_reason"] = "server rejected stream_options; retrying once without it"
-            body.pop("stream_options")
-            wait, dropped = 0.0, True
-        elif failure is not None and not began and retryable(record) and attempt <= retries:
-            server_wait = retry_after_seconds(failure.headers)
-            wait = min(max_wait, backoff * (2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
-                       if server_wait is None else server_wait)
-            record["retry_in_s"] = round(wait, 3)
-            record["retry_reason"] = f"{failure.error_type}: {record['error_message']}"[:MAX_ERROR_CHARS]
+        wait, sent_options = None, "stream_options" in body
+        if failure is not None and not (printer.printed or (out is not None and out.began)):
+            wait = _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, until)
+        dropped = dropped or (sent_options and "stream_options" not in body)
         result = dict(record, text=text if failure is None or failure.error_type == "malformed_response" else None)
         try:
             append("model_call", record)
@@ -823,13 +836,15 @@ def _check_call(messages, model, max_tokens, retries, max_response_bytes, expect
 def chat(messages, *, ledger, base_url, model, api_key, max_tokens=None, temperature=None, stream=False,
          retries=0, timeout=DEFAULT_TIMEOUT, expect=None, expect_json=False, strict_model=False,
          store_text=False, backoff=1.0, max_wait=60.0, max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES,
-         on_text=None, on_retry=None, sleep=time.sleep):
+         on_text=None, on_retry=None, sleep=time.sleep, until=None):
     """Send `messages` to {base_url}/chat/completions as `model`; append one model_call event per attempt to
     `ledger` (a Ledger, a Run, or a path). Returns the last attempt's record, as logged, plus "text" (the
     answer; also kept for a malformed_response). Endpoint failures do not raise: they are in the record.
     Raises ConfigError before anything is sent (settings, arguments, a ledger that cannot take the line),
     and RecordError when the line of a finished call cannot be written.
-    `timeout` bounds each whole attempt; on_retry(record, wait) is told before each retry."""
+    `timeout` bounds each whole attempt; `until` (a time.monotonic() reading) bounds them all: each attempt's
+    timeout is cut to it, and no retry starts with less than MIN_ATTEMPT_S left. on_retry(record, wait) is told
+    before each retry."""
     expect = _check_call(messages, model, max_tokens, retries, max_response_bytes, expect)
     check_api_key(api_key)
     request_base, recorded_base, host, port = split_base_url(base_url)
@@ -837,6 +852,7 @@ def chat(messages, *, ledger, base_url, model, api_key, max_tokens=None, tempera
     _check_number("timeout", timeout, above=0)
     _check_number("max_wait", max_wait, minimum=0)
     _check_number("backoff", backoff, minimum=0)
+    _check_number("until", until)
     body = {"model": model, "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
     options = {"max_tokens": max_tokens, "temperature": temperature}
     body.update((name, value) for name, value in options.items() if value is not None)
@@ -856,7 +872,7 @@ def chat(messages, *, ledger, base_url, model, api_key, max_tokens=None, tempera
                          limit=max_response_bytes, redactor=book.redactor, retries=retries,
                          checks=checks if expect is not None or expect_json or strict_model else None,
                          store=book.store_artifact if store_text else None, backoff=backoff, max_wait=max_wait,
-                         on_text=on_text, on_retry=on_retry, sleep=sleep)[0]
+                         on_text=on_text, on_retry=on_retry, sleep=sleep, until=until)[0]
     finally:
         if owned:
             book.close()

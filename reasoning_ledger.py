@@ -1365,34 +1365,24 @@ SHIP_SPOOL_MEMORY = 64 * 1024 * 1024     # rows waiting for their ledger's check
 SHIP_SPOOL_MAX = 2 * 1024 * 1024 * 1024  # then go to a temp file up to this (or half the free space)
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 _STORED_ROW_RE = re.compile(rb"([0-9a-f]{64})\t([0-9]{1,20})\t([0-9a-f]{64})\t")
-_NONE = type(None)
 
-# The model_call fields shipped as typed columns: (name, ClickHouse type, the JSON types ask.py writes, read by
-# audit.py). A value of another type, or an integer beyond Int64, is shipped as NULL, and when audit.py reads
-# the field the row's `malformed` is 1: the local audit's rule, so SQL counts what the audit counts.
-SHIP_CALL_FIELDS = (
-    ("request_model", "Nullable(String)", (str,), True),
-    ("response_model", "Nullable(String)", (str, _NONE), True),
-    ("base_url", "Nullable(String)", (str,), True),
-    ("attempt", "Nullable(Int64)", (int,), True),
-    ("error_type", "Nullable(String)", (str, _NONE), True),
-    ("usage_status", "Nullable(String)", (str,), True),
-    ("usage_reported", "Nullable(UInt8)", (bool,), True),
-    ("latency_ms", "Nullable(Float64)", (float, int, _NONE), True),
-    ("system_fingerprint", "Nullable(String)", (str, _NONE), True),
-    ("check", "Nullable(UInt8)", (bool, _NONE), True),
-    ("input_tokens", "Nullable(Int64)", (int, _NONE), True),
-    ("output_tokens", "Nullable(Int64)", (int, _NONE), True),
-    ("total_tokens", "Nullable(Int64)", (int, _NONE), False),
-    ("est_input_tokens", "Nullable(Int64)", (int,), True),
-    ("est_output_tokens", "Nullable(Int64)", (int, _NONE), True),
-)
+# The model_call fields shipped as typed columns. A value its column cannot hold as ask.py writes it (String: a
+# JSON string, Int64: an integer within Int64, UInt8: true or false, Float64: a number) is shipped as NULL, and
+# the row's `malformed` is 1 when audit.py reads the field (all but total_tokens): the local audit's rule, so SQL
+# counts what the audit counts. The typing is done here: ClickHouse 18.16 has no JSON functions to do it.
+SHIP_CALL_FIELDS = tuple((name, f"Nullable({kind})") for name, kind in (
+    ("request_model", "String"), ("response_model", "String"), ("base_url", "String"), ("attempt", "Int64"),
+    ("error_type", "String"), ("usage_status", "String"), ("usage_reported", "UInt8"), ("latency_ms", "Float64"),
+    ("system_fingerprint", "String"), ("check", "UInt8"), ("input_tokens", "Int64"), ("output_tokens", "Int64"),
+    ("total_tokens", "Int64"), ("est_input_tokens", "Int64"), ("est_output_tokens", "Int64")))
+_SHIP_TYPES = {"Nullable(String)": (str,), "Nullable(Int64)": (int,), "Nullable(UInt8)": (bool,),
+               "Nullable(Float64)": (float, int)}
 # ledger_id is the SHA-256 of line 1; `raw` the exact line; line_sha256 its plain SHA-256 (keyed ledgers too);
 # at_time `at` in Unix seconds (0 outside 1970..2105).
 SHIP_COLUMNS = (("ledger_id", "String"), ("host", "String"), ("path", "String"), ("seq", "UInt64"),
                 ("run_id", "String"), ("kind", "String"), ("at", "String"), ("at_time", "DateTime"),
                 ("raw", "String"), ("line_sha256", "String"), ("prev", "String"), ("shipped_at", "DateTime"),
-                ) + tuple(field[:2] for field in SHIP_CALL_FIELDS) + (("malformed", "UInt8"),)
+                ) + SHIP_CALL_FIELDS + (("malformed", "UInt8"),)
 
 
 def ship_ddl(database=SHIP_DATABASE, table=SHIP_TABLE):
@@ -1403,15 +1393,11 @@ def ship_ddl(database=SHIP_DATABASE, table=SHIP_TABLE):
 
 
 class ClickHouseError(LedgerError):
-    """ClickHouse could not be reached (exit 1: the next run resumes) or refused a request (exit 2)."""
+    """ClickHouse could not be reached (exit 1: worth a retry, and the next run resumes) or refused (exit 2)."""
 
     def __init__(self, message, exit_code=EXIT_FAILED):
         super().__init__(message)
         self.exit_code = exit_code
-
-
-class _Transient(Exception):
-    """One attempt failed in a way worth retrying."""
 
 
 def sql_string(text):
@@ -1470,8 +1456,10 @@ class ClickHouse:
         for attempt in range(1, self.retries + 2):
             try:
                 return self._once(sql, data, params, stream)
-            except _Transient as exc:
+            except ClickHouseError as exc:
                 delay = min(8.0, 0.5 * 2 ** (attempt - 1))
+                if exc.exit_code != EXIT_FAILED:
+                    raise ClickHouseError(f"ClickHouse at {self.where}: {exc}", exc.exit_code) from None
                 if attempt > self.retries or (self.ends and self.ends - time.monotonic() < delay + 0.1):
                     took = f"{attempt} attempt{'s' if attempt != 1 else ''} in {time.monotonic() - started:.1f} s"
                     raise ClickHouseError(f"ClickHouse at {self.where}: {exc} ({took})") from None
@@ -1492,17 +1480,18 @@ class ClickHouse:
         return self.query(sql, params={"wait_end_of_query": 1}, stream=True)
 
     def _once(self, sql, data, params, stream):
+        """One request; a ClickHouseError of exit 1 is worth another."""
         import http.client
         import urllib.error
         import urllib.parse
         import urllib.request
         query = dict(params or {}, **({"query": sql} if data is not None else {}))
-        url = self.base + ("?" + urllib.parse.urlencode(query) if query else "")
-        request = urllib.request.Request(url, data=sql.encode("utf-8") if data is None else data,
+        request = urllib.request.Request(self.base + ("?" + urllib.parse.urlencode(query) if query else ""),
+                                         data=sql.encode("utf-8") if data is None else data,
                                          headers=self._headers, method="POST")
         seconds = min(self.timeout, self.ends - time.monotonic()) if self.ends else self.timeout
         if seconds <= 0:
-            raise ClickHouseError(f"ClickHouse at {self.where}: the --deadline passed")
+            raise ClickHouseError("the --deadline passed")
         deadline = Deadline(None if stream else seconds)
         try:
             response = http_open(request, deadline, timeout=seconds)
@@ -1512,22 +1501,12 @@ class ClickHouse:
                 return response.read()
         except urllib.error.HTTPError as exc:
             with exc:
-                answer = _ch_message(exc)
-            if 300 <= exc.code < 400:
-                location = exc.headers.get("Location", "") if exc.headers else ""
-                host = urllib.parse.urlsplit(location).netloc.rpartition("@")[2][:200] or "(no Location)"
-                raise ClickHouseError(f"ClickHouse at {self.where}: HTTP {exc.code}: a redirect to {printable(host)} "
-                                      f"was not followed (the password is never sent to another URL; fix the URL)",
-                                      EXIT_USAGE) from None
-            if exc.code >= 500 or exc.code in (408, 429):
-                raise _Transient(answer) from None
-            hint = f" (check {SHIP_USER_ENV} / {SHIP_PASSWORD_ENV})" if exc.code in (401, 403) else ""
-            raise ClickHouseError(f"ClickHouse at {self.where}: {answer}{hint}", EXIT_USAGE) from None
+                raise _http_error(exc) from None
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = getattr(exc, "reason", exc)
-            raise _Transient(f"no complete answer within {seconds:.3g} s" if deadline.expired else
-                             printable(error_text(reason) if isinstance(reason, OSError) else str(reason)
-                                       or type(reason).__name__)) from None
+            raise ClickHouseError(f"no complete answer within {seconds:.3g} s" if deadline.expired else
+                                  printable(error_text(reason) if isinstance(reason, OSError) else str(reason)
+                                            or type(reason).__name__)) from None
         finally:
             deadline.cancel()
 
@@ -1558,17 +1537,27 @@ class ClickHouse:
                                   EXIT_USAGE)
 
 
-def _ch_message(exc):
-    """ClickHouse's error text as one short printable line: 'HTTP 404: Code: 60, Table x.y doesn't exist.'"""
+def _http_error(exc):
+    """The ClickHouseError of an HTTP error answer, with ClickHouse's text as one short printable line
+    ('HTTP 404: Code: 60, Table x.y doesn't exist.'). A 5xx, 408 or 429 is worth a retry (exit 1)."""
     import http.client
+    import urllib.parse
+    if 300 <= exc.code < 400:
+        location = exc.headers.get("Location", "") if exc.headers else ""
+        host = urllib.parse.urlsplit(location).netloc.rpartition("@")[2][:200] or "(no Location)"
+        return ClickHouseError(f"HTTP {exc.code}: a redirect to {printable(host)} was not followed (the password "
+                               f"is never sent to another URL; fix the URL)", EXIT_USAGE)
     try:
-        lines = exc.read(65536).decode("utf-8", "replace").strip().splitlines()
+        text = (exc.read(65536).decode("utf-8", "replace").strip().splitlines() or [""])[0]
     except (OSError, http.client.HTTPException):
-        lines = []
-    text = lines[0] if lines else ""
+        text = ""
     match = re.match(r"Code: (\d+), e\.displayText\(\) = (?:DB::Exception: )?(.*?)(?:, e\.what\(\) = .*)?\Z", text)
     text = f"Code: {match.group(1)}, {match.group(2)}" if match else text
-    return f"HTTP {exc.code}: {printable(text[:300]) or 'no message'}"
+    answer = f"HTTP {exc.code}: {printable(text[:300]) or 'no message'}"
+    if exc.code >= 500 or exc.code in (408, 429):
+        return ClickHouseError(answer)
+    hint = f" (check {SHIP_USER_ENV} / {SHIP_PASSWORD_ENV})" if exc.code in (401, 403) else ""
+    return ClickHouseError(answer + hint, EXIT_USAGE)
 
 
 class Shipped:
@@ -1600,14 +1589,14 @@ def _row(base, event, body, line_sha, shipped_at):
                shipped_at=shipped_at)
     if event["kind"] == "model_call":
         malformed = False
-        for name, kind, types, read in SHIP_CALL_FIELDS:
+        for name, kind in SHIP_CALL_FIELDS:
             value = event["payload"].get(name)
             if value is None:
                 continue
-            if type(value) not in types or (type(value) is int and not -1 << 63 <= value < 1 << 63):
-                malformed = malformed or read
-            else:
+            if type(value) in _SHIP_TYPES[kind] and (type(value) is not int or -1 << 63 <= value < 1 << 63):
                 row[name] = float(value) if kind == "Nullable(Float64)" else value
+            else:
+                malformed = malformed or name != "total_tokens"
         row["malformed"] = int(malformed)
     row["raw"] = body.decode("utf-8")
     return _dumps(row).encode("utf-8") + b"\n"
@@ -1618,10 +1607,9 @@ def _spool_limit():
     import shutil
     import tempfile
     try:
-        free = shutil.disk_usage(tempfile.gettempdir()).free
+        return max(SHIP_SPOOL_MEMORY, min(SHIP_SPOOL_MAX, shutil.disk_usage(tempfile.gettempdir()).free // 2))
     except OSError:
-        free = 0
-    return max(SHIP_SPOOL_MEMORY, min(SHIP_SPOOL_MAX, free // 2))
+        return SHIP_SPOOL_MEMORY
 
 
 def ship_targets(paths, runs_dir=None, key=None):
@@ -1682,9 +1670,9 @@ def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, ba
         return Shipped(path, "-" * 12, 1, 0, (0, _genesis(key)))
     top, top_sha, stored = server or (0, None, 0)
     resend = stored < top  # ClickHouse lost rows (deleted?): send them all again; FINAL keeps one of each
-    start, head, torn, cut = 0 if resend else top, (0, _genesis(key)), None, None
+    start, head, torn, full = 0 if resend else top, (0, _genesis(key)), None, None
     base = {"ledger_id": ledger_id, "host": host, "path": os.path.abspath(path)}
-    batches, rows, limit, shipped_at = [], 0, _spool_limit(), int(time.time())
+    batches, limit, shipped_at = [(start, 0)], _spool_limit(), int(time.time())  # (last seq, spool offset) each
     with tempfile.SpooledTemporaryFile(max_size=SHIP_SPOOL_MEMORY) as spool:
         try:
             for event, body, digest in _verified(path, _file_lines(path), key, expect, _expected_run_id(path),
@@ -1695,15 +1683,13 @@ def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, ba
                 if seq == top and line_sha != top_sha:
                     raise IntegrityError(path, seq, "differs from the line ClickHouse holds at this seq: a fork or "
                                                     "a local rewrite; nothing was sent")
-                if seq > start and cut is None:
-                    if batches and batches[-1][1] >= limit:
-                        cut = head
+                if seq > start and full is None:
+                    if batches[-1][1] >= limit:
+                        full = head
                     else:
                         spool.write(_row(base, event, body, line_sha, shipped_at))
-                        rows += 1
-                        if rows == batch_rows or spool.tell() - (batches[-1][1] if batches else 0) >= batch_bytes:
-                            batches.append((rows, spool.tell(), seq))
-                            rows = 0
+                        if seq - batches[-1][0] == batch_rows or spool.tell() - batches[-1][1] >= batch_bytes:
+                            batches.append((seq, spool.tell()))
                 head = (seq, digest)
         except TornTailError as exc:
             torn = exc
@@ -1712,20 +1698,17 @@ def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, ba
             raise IntegrityError(path, head[0] + 1, f"ClickHouse holds this ledger up to seq {top} but the file ends "
                                                     f"at seq {head[0]}: it was cut or rewritten after it was shipped; "
                                                     f"nothing was sent")
-        if rows:
-            batches.append((rows, spool.tell(), head[0]))
+        last = full[0] if full else head[0]
+        if last > batches[-1][0]:
+            batches.append((last, spool.tell()))
         spool.seek(0)
-        sent, offset = 0, 0
-        for count, end, _last in batches:
+        for (sent, offset), (seq, end) in zip(batches, batches[1:]):
             try:
                 client.query(f"INSERT INTO {client.name} FORMAT JSONEachRow", data=spool.read(end - offset))
             except ClickHouseError as exc:
-                raise ClickHouseError(f"{exc}; {sent:,} of {sum(b[0] for b in batches):,} new lines of {path} were "
-                                      f"sent, the next run resumes at seq {start + sent + 1}", exc.exit_code) from None
-            sent, offset = sent + count, end
-    last = cut[0] if cut else head[0]
-    return Shipped(path, ledger_id, start + 1, last if sent else start, head, torn,
-                   more=head[0] - last if cut else 0, resent=resend and sent > 0)
+                raise ClickHouseError(f"{exc}; {sent - start:,} of {last - start:,} new lines of {path} were sent, "
+                                      f"the next run resumes at seq {sent + 1}", exc.exit_code) from None
+    return Shipped(path, ledger_id, start + 1, last, head, torn, more=head[0] - last, resent=resend and last > start)
 
 
 # -- verify --from ---------------------------------------------------------------

@@ -400,6 +400,25 @@ def test_library_call_shares_the_ledger_and_returns_the_record(server, tmp_path)
         ask.ask(PROMPT, ledger=tmp_path / "x.jsonl", base_url=server.base_url, model="", api_key=KEY)
 
 
+def test_until_bounds_the_retries_and_each_attempt(server, tmp_path):
+    """A retry whose wait ends past `until` is not made (nor claimed in the record); one that fits is (the
+    waits go to `sleep`, so an ignored `until` would show as a retry, not as an hour asleep)."""
+    server.queue({"name": "rate_limited", "retry_after": 3600}, {"name": "rate_limited", "retry_after": 0}, "ok")
+    waits = []
+    record = ask.chat([{"role": "user", "content": PROMPT}], ledger=tmp_path / "calls.jsonl",
+                      base_url=server.base_url, model="fake-model", api_key=KEY, retries=3, max_wait=7200,
+                      until=time.monotonic() + 1800, sleep=waits.append)
+    assert record["error_type"] == "rate_limited" and record["attempt"] == 1 and "retry_in_s" not in record
+    assert waits == [] and len(server.requests) == 1
+    record = ask.chat([{"role": "user", "content": PROMPT}], ledger=tmp_path / "calls.jsonl",
+                      base_url=server.base_url, model="fake-model", api_key=KEY, retries=3,
+                      until=time.monotonic() + 1800, sleep=waits.append)
+    assert record["error_type"] is None and record["attempt"] == 2 and waits == [0]
+    with pytest.raises(ask.ConfigError):
+        ask.chat([{"role": "user", "content": PROMPT}], ledger=tmp_path / "calls.jsonl", base_url=server.base_url,
+                 model="fake-model", api_key=KEY, until=float("nan"))
+
+
 @pytest.mark.real
 @pytest.mark.skipif(not (os.environ.get("REAL_BASE_URL") and os.environ.get("REAL_MODEL_ID")),
                     reason="set REAL_BASE_URL, REAL_MODEL_ID (and REAL_API_KEY) to try a real endpoint")

@@ -657,6 +657,34 @@ def test_every_field_of_every_json_type_audits_the_same_from_clickhouse(clickhou
     assert summary["model_calls"] == len(ask.MODEL_CALL_FIELDS) * len(JSON_VALUES) and 0 < summary["malformed"]
 
 
+# The table as format 1.x's ship made it, column for column: a table made by an earlier version, not by today's
+# ship_ddl(), so a change to the columns (or to how they are filled) cannot pass unseen.
+TABLE_1X = ", ".join(["ledger_id String", "host String", "path String", "seq UInt64", "run_id String", "kind String",
+                      "at String", "at_time DateTime", "raw String", "line_sha256 String", "prev String",
+                      "shipped_at DateTime", "request_model Nullable(String)", "response_model Nullable(String)",
+                      "base_url Nullable(String)", "attempt Nullable(Int64)", "error_type Nullable(String)",
+                      "usage_status Nullable(String)", "usage_reported Nullable(UInt8)",
+                      "latency_ms Nullable(Float64)", "system_fingerprint Nullable(String)", "check Nullable(UInt8)",
+                      "input_tokens Nullable(Int64)", "output_tokens Nullable(Int64)", "total_tokens Nullable(Int64)",
+                      "est_input_tokens Nullable(Int64)", "est_output_tokens Nullable(Int64)", "malformed UInt8"])
+
+
+def test_a_table_an_earlier_version_made_is_shipped_to_and_read(clickhouse, db, tmp_path, server):
+    clickhouse.query(f"CREATE DATABASE {db}")
+    clickhouse.query(f"CREATE TABLE {db}.ledger_lines ({TABLE_1X}) ENGINE = ReplacingMergeTree "
+                     f"ORDER BY (ledger_id, seq)")
+    ledger = tmp_path / "calls.jsonl"
+    calls(ledger, server, DAY1, ["ok", "no_usage"])
+    proc = ship(clickhouse, db, ledger)
+    assert proc.returncode == 0 and "2 new lines (seq 1..2)" in proc.out, proc.out + proc.err
+    (row,) = rows(clickhouse, f"SELECT request_model, input_tokens, malformed FROM {db}.ledger_lines FINAL "
+                              f"WHERE seq = 1")
+    assert row == {"request_model": "fake-model", "input_tokens": 21, "malformed": 0}
+    assert verify_from(clickhouse, db).returncode == 0
+    local, remote = run_script("audit.py", ledger, "--json"), audit_from(clickhouse, db, "--json")
+    assert remote.returncode == 0 and _comparable(json.loads(remote.out)) == _comparable(json.loads(local.out))
+
+
 def test_a_full_spool_ships_what_it_holds_and_the_next_run_the_rest(clickhouse, db, tmp_path, monkeypatch):
     ledger = tmp_path / "a.jsonl"
     notes(ledger, 7)
