@@ -296,14 +296,19 @@ def _daemon(tmp_path, runs):
     subprocess.run(["git", "-C", str(repo), "-c", "user.email=t@example.com", "-c", "user.name=t", "commit", "-q",
                     "--allow-empty", "-m", "init"], check=True)
     env = clean_env(BASE_URL="http://127.0.0.1:9/v1", API_KEY=KEY, MODEL_ID="m")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "agent.py"), "serve", "--repo", str(repo), "--port", "0",
-                             "--runs-dir", str(runs)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    return _started([sys.executable, str(ROOT / "agent.py"), "serve", "--repo", str(repo), "--port", "0",
+                     "--runs-dir", str(runs)], r"serving on (http://127\.0\.0\.1:[0-9]+)\n", "the daemon", env=env)
+
+
+def _started(argv, pattern, what, env=None):
+    """Start argv and read the first line it prints; returns (process, the pattern's group 1)."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     ready, _w, _x = select.select([proc.stdout], [], [], 60)
     line = proc.stdout.readline().decode() if ready else ""
-    match = re.fullmatch(r"serving on (http://127\.0\.0\.1:[0-9]+)\n", line)
+    match = re.match(pattern, line)
     if not match:
         proc.kill()
-        raise AssertionError(f"the daemon did not start: {line!r}")
+        raise AssertionError(f"{what} did not start: {line!r}")
     return proc, match.group(1)
 
 
@@ -335,15 +340,8 @@ def test_run_ids_link_to_the_timelines_the_daemon_serves(tmp_path):
 
 def _stand_in():
     """`python3 tests/fake_openai.py PORT` as the README starts it, on a free port."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "fake_openai.py"), "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL)
-    ready, _w, _x = select.select([proc.stdout], [], [], 60)
-    line = proc.stdout.readline().decode() if ready else ""
-    match = re.match(r"fake OpenAI-compatible server at (http://127\.0\.0\.1:[0-9]+/v1) ", line)
-    if not match:
-        proc.kill()
-        raise AssertionError(f"the stand-in did not start: {line!r}")
-    return proc, match.group(1)
+    return _started([sys.executable, str(ROOT / "tests" / "fake_openai.py"), "0"],
+                    r"fake OpenAI-compatible server at (http://127\.0\.0\.1:[0-9]+/v1) ", "the stand-in")
 
 
 @pytest.fixture
