@@ -126,9 +126,8 @@ class TornTailError(IntegrityError):
 
     def __init__(self, path, line, offset, length, head):
         self.offset, self.length, self.head = offset, length, head
-        super().__init__(path, line, f"torn tail: {length} bytes at offset {offset} without a newline "
-                                     f"(a writer crashed mid-append; the next append moves them to "
-                                     f"{Path(path).name}.torn)")
+        super().__init__(path, line, f"torn tail: {length} bytes at offset {offset} without a newline (a writer "
+                                     f"died mid-append; the next append moves them to {Path(path).name}.torn)")
 
 
 class OutputError(LedgerError):
@@ -191,10 +190,10 @@ def _genesis(key):
 
 def parse_head(text):
     """'SEQ HASH' or 'SEQ:HASH' -> (seq, hash)."""
-    parts = re.split(r"[:\s]+", text.strip())
-    if len(parts) != 2 or not re.fullmatch(r"[0-9]+", parts[0]) or not re.fullmatch(r"[0-9a-f]{64}", parts[1].lower()):
+    match = re.fullmatch(r"([0-9]+)[:\s]+([0-9a-fA-F]{64})", text.strip())
+    if not match:
         raise UsageError(f"not a ledger head (want SEQ:HASH): {printable(text)!r}")
-    return int(parts[0]), parts[1].lower()
+    return int(match.group(1)), match.group(2).lower()
 
 
 # ----------------------------------------------------------------------------
@@ -287,15 +286,13 @@ def _compiled_shapes():  # on first use: verify never needs them
 
 
 class Redactor:
-    """Masks known secret values, secret shapes (tokens, credentials in URLs, key=value assignments)
-    and, in payloads, whole values under secret key names."""
+    """Masks known secret values and secret shapes (tokens, credentials in URLs, key=value assignments)."""
 
     def __init__(self, values=()):
         self.values = tuple(sorted({v for v in values if isinstance(v, str) and len(v) >= MIN_SECRET_CHARS},
                                    key=len, reverse=True))  # longest first: a secret holding another goes whole
 
     def text(self, text):
-        """`text` with every secret masked."""
         for value in self.values:
             if value in text:
                 text = text.replace(value, REDACTED)
@@ -324,8 +321,7 @@ def is_secret_env_name(name):
 
 
 def secret_values(extra=()):
-    """The exact secret strings to mask: our env vars, every env var whose name names a secret
-    (GITHUB_TOKEN, DB_PASSWORD, STRIPE_KEY...), those listed in LEDGER_REDACT_ENV, and `extra`."""
+    """The values to mask: of our env vars, of every env var with a secret's name or listed in LEDGER_REDACT_ENV."""
     listed = {n.strip() for n in os.environ.get(REDACT_ENV_LIST, "").split(",") if n.strip()}
     values = {value for name, value in os.environ.items()
               if name in SECRET_ENV_VARS or name in listed or is_secret_env_name(name)}
@@ -338,16 +334,14 @@ def redact_text(text, values=None):
     return Redactor(secret_values() if values is None else values).text(text)
 
 
-class _BadValue(Exception):
+class _BadValue(Exception):  # not JSON the writer writes; `where` is filled in on the way out
     def __init__(self, reason):
         super().__init__(reason)
         self.reason, self.where = reason, []
 
 
 def _clean(value, redactor, depth=1):
-    """A copy of a payload with every secret masked (values under secret key names; secret values and shapes in
-    every string, keys included), checked on the way: exact JSON types only (a Counter or an int key is refused
-    every time), within MAX_DEPTH. Raises _BadValue."""
+    # a masked copy, checked on the way: exact JSON types only (a Counter or an int key is refused), MAX_DEPTH
     kind = type(value)
     if kind is str:
         return redactor.text(value)
@@ -381,16 +375,12 @@ def _clean(value, redactor, depth=1):
 
 
 def _clean_payload(payload, redactor):
-    """(payload as stored, its JSON text), or PayloadError naming the place."""
     try:
         clean = _clean(payload, redactor)
         text = _dumps(clean)
         text.encode("utf-8")
     except _BadValue as exc:
-        where = exc.where[::-1]
-        if len(where) > 8:
-            where = where[:4] + ["…"] + where[-2:]
-        raise PayloadError(f"payload{''.join(where)}: {exc.reason}; nothing was written") from None
+        raise PayloadError(f"payload{''.join(exc.where[::-1])}: {exc.reason}; nothing was written") from None
     except UnicodeEncodeError as exc:
         raise PayloadError(f"payload holds a lone surrogate ({exc.object[exc.start:exc.end]!a}), which is not "
                            f"UTF-8; nothing was written") from None
@@ -398,10 +388,9 @@ def _clean_payload(payload, redactor):
 
 
 def payload_problem(payload, limit=MAX_LINE_BYTES // 2):
-    """Why `payload` could not be written as an event's payload (not plain JSON, nested too deep, a lone
-    surrogate, over `limit` bytes of JSON), or None. Lets a caller decide before it records."""
+    """Why `payload` could not be written (not plain JSON, too deep, over `limit` bytes of JSON), or None."""
     try:
-        _clean, text = _clean_payload(payload, Redactor())
+        _stored, text = _clean_payload(payload, Redactor())
     except PayloadError as exc:
         return str(exc).replace("; nothing was written", "")
     return f"payload is larger than {limit} bytes of JSON" if len(text.encode("utf-8")) > limit else None
@@ -416,7 +405,6 @@ _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=F
 # ----------------------------------------------------------------------------
 
 def _named(exc, path):
-    """The same OSError, naming `path` when it names no file."""
     if isinstance(exc, OSError) and not exc.filename:
         return OSError(exc.errno, exc.strerror or str(exc), str(path))
     return exc
@@ -431,8 +419,7 @@ def _fsync_dir(path):
 
 
 def _rfind_newline(fd, stop):
-    """Offset of the last b"\\n" before `stop`: -1 when the file's start comes first, None when there is none
-    within MAX_LINE_BYTES. Reads backwards in growing chunks, never more than MAX_LINE_BYTES in all."""
+    """Offset of the last newline before `stop`; -1: none before the file's start; None: none in a line's length."""
     pos, step = stop, 4096
     while pos > 0 and stop - pos < MAX_LINE_BYTES:
         start = max(0, pos - step, stop - MAX_LINE_BYTES)
@@ -444,12 +431,11 @@ def _rfind_newline(fd, stop):
 
 
 def _scan_tail(fd, size, path):
-    """(end, last): end is the offset just past the last newline (0: none), last the last complete line without
-    its newline (b"": none; None: longer than any line of the format). Reads at most two lines from the end."""
+    """(offset past the last newline, the last complete line: b"" if none, None if too long), read from the end."""
     last_nl = _rfind_newline(fd, size)
     if last_nl is None:
-        raise IntegrityError(path, None, f"the file ends in more than {MAX_LINE_BYTES} bytes without a newline, "
-                                         f"more than any line of the format; refusing to append")
+        raise IntegrityError(path, None, f"the file ends in more than {MAX_LINE_BYTES} bytes without a newline; "
+                                         f"refusing to append")
     if last_nl == -1:
         return 0, b""
     prev_nl = _rfind_newline(fd, last_nl)
@@ -457,7 +443,7 @@ def _scan_tail(fd, size, path):
 
 
 def _write_or_undo(fd, data, size, fsync=True):
-    """Write `data` at the end of a file `size` bytes long, and fsync; on failure cut it back: no half record."""
+    """Write `data` to the end of a file `size` bytes long, and fsync; on failure cut it back to `size`."""
     try:
         view = memoryview(data)
         while view:
@@ -486,8 +472,7 @@ def _after_fork_in_child():
             ledger._fd = None
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Ledger:
@@ -504,7 +489,7 @@ class Ledger:
         if type(self.run_id) is not str or not _RUN_ID_RE.match(self.run_id):
             raise UsageError(f"bad run id {printable(self.run_id)!r}: letters, digits and _.:- only, at most 128")
         if not 0 < max_line_bytes <= MAX_LINE_BYTES:
-            raise UsageError(f"max_line_bytes must be between 1 and {MAX_LINE_BYTES} (the format's limit)")
+            raise UsageError(f"max_line_bytes must be 1 to {MAX_LINE_BYTES}")
         self.key, self.fsync, self.max_line_bytes = _resolve_key(key), fsync, max_line_bytes
         self.clock = clock  # returns `at`; replaceable for importing history and for tests
         self.extra_secrets = tuple(s for s in secrets if s)
@@ -532,7 +517,7 @@ class Ledger:
                 self._fd = None
 
     def _locked(self, work):
-        """work(fd) under the thread lock and the file's exclusive flock. I/O errors name the file."""
+        """work(fd) under the thread lock and the file's exclusive flock; I/O errors name the file."""
         with self._lock:
             try:
                 if self._fd is None:
@@ -569,21 +554,18 @@ class Ledger:
             raise UsageError(f"{self.path}: ledger is not keyed but a key was given ({KEY_ENV}); "
                              f"refusing to mix keyed and unkeyed lines")
         if prev != _genesis(self.key):
-            raise IntegrityError(self.path, 1, "prev is not the HMAC of the empty string under this key "
-                                               "(wrong key?); refusing to append")
+            raise IntegrityError(self.path, 1, "prev is not this key's genesis (wrong key?); refusing to append")
         self._mode_checked = True
 
     def check(self):
-        """Check under the lock, writing nothing, that the next append can succeed (a torn tail is fine: the
-        next append recovers it); return the file's head (seq, hash)."""
+        """The file's head (seq, hash) if the next append can succeed (a torn tail it recovers); writes nothing."""
         def tail(fd):
             seq, prev = self._next(*_scan_tail(fd, os.fstat(fd).st_size, self.path))
             return seq - 1, prev
         return self._locked(tail)
 
     def append(self, kind, payload=None):
-        """Append one event and return it as written (payload masked). Raises PayloadError (nothing written)
-        for a bad kind or payload, LedgerError or OSError for file trouble."""
+        """Append one event; return it as written (payload masked). PayloadError: nothing was written."""
         if type(kind) is not str or not _KIND_RE.match(kind):
             raise PayloadError(f"bad kind {printable(kind)!r}: lower-case [a-z][a-z0-9_.]*")
         payload = {} if payload is None else payload
@@ -602,18 +584,12 @@ class Ledger:
 
     def _next(self, end, last):
         """(seq, prev) for the line after `last`, the file's last complete line."""
-        if last is None:
-            raise IntegrityError(self.path, None, f"the last line is longer than {MAX_LINE_BYTES} bytes, "
-                                                  f"so no writer of this format wrote it; refusing to append")
-        if not last:
-            if end:
-                raise IntegrityError(self.path, None, "the last line is blank; a ledger has no blank lines, and "
-                                                      "taking it for an empty file would restart at seq 1; "
-                                                      "refusing to append (run verify)")
+        if not last and not end:
             return 1, _genesis(self.key)
-        match = _SEQ_PREFIX_RE.match(last)  # seq leads every line: no need to parse a 1 MiB line
+        match = last and _SEQ_PREFIX_RE.match(last)  # seq leads every line: no need to parse a 1 MiB line
         if not match:
-            what = "white space only" if not last.strip() else "not a ledger line"
+            what = ("longer than a line can be" if last is None else "blank" if not last
+                    else "white space only" if not last.strip() else "not a ledger line")
             raise IntegrityError(self.path, None, f"the last line is {what}; refusing to append (run verify)")
         return int(match.group(1)) + 1, line_hash(last, self.key)
 
@@ -626,14 +602,12 @@ class Ledger:
         raw = ('{"seq":%d,"run_id":"%s","kind":"%s","at":"%s","payload":%s,"prev":"%s"}'
                % (seq, self.run_id, kind, at, payload_json, prev)).encode("utf-8")
         if len(raw) + 1 > self.max_line_bytes:
-            raise PayloadError(f"event is {len(raw) + 1} bytes, over the {self.max_line_bytes}-byte line limit; "
-                               f"store large bodies with store_artifact()")
+            raise PayloadError(f"event is {len(raw) + 1} bytes, over the {self.max_line_bytes}-byte line limit")
         _write_or_undo(fd, raw + b"\n", size, self.fsync)
         self.head = (seq, line_hash(raw, self.key))
         return {"seq": seq, "run_id": self.run_id, "kind": kind, "at": at, "payload": clean, "prev": prev}
 
     def _recover_torn_tail(self, fd, size, end, last):
-        """Move the bytes after the last newline to <ledger>.torn, cut them off, record ledger_recovered."""
         fragment = os.pread(fd, size - end, end)
         digest = hashlib.sha256(fragment).hexdigest()
         sidecar = Path(str(self.path) + ".torn")
@@ -655,31 +629,22 @@ class Ledger:
 
     def decide(self, stage, decision, rationale, alternatives=(), **extra):
         """Record a decision before acting on it: what, why, and what else was possible."""
-        for name, value in (("stage", stage), ("decision", decision)):
-            if not isinstance(value, str) or not value.strip():
-                raise PayloadError(f"decide(): {name} must be a non-empty string")
-        return self.append("decision", dict({"stage": stage, "decision": decision, "rationale": rationale,
-                                             "alternatives": list(alternatives)}, **extra))
+        return self.append("decision", {"stage": stage, "decision": decision, "rationale": rationale,
+                                        "alternatives": list(alternatives), **extra})
 
     def store_artifact(self, data, *, redact_secrets=True):
-        """Write a body content-addressed under artifacts/ beside the ledger; return its reference."""
+        """store_artifact() under artifacts/ beside the ledger."""
         return store_artifact(self.path.parent / "artifacts", data, redact_secrets=redact_secrets,
                               redactor=self.redactor)
 
 
 def store_artifact(directory, data, *, redact_secrets=True, extra_secrets=(), redactor=None):
-    """Store bytes or text as `directory/<sha256>` (dir 0700, file 0600), UTF-8 text masked first, safe from
-    many threads and processes at once. Returns {"sha256", "size", "path"}, the path relative to the
-    directory's parent."""
+    """Store bytes or text (masked first) as directory/<sha256>; return {"sha256", "size", "path"}."""
     if isinstance(data, str):
         data = data.encode("utf-8", "backslashreplace")  # a lone surrogate stays visible as \\udXXX
     if redact_secrets:
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:
-            text = None  # not text: stored as it is
-        if text is not None:
-            data = (redactor or Redactor(secret_values(extra_secrets))).text(text).encode("utf-8")
+        with contextlib.suppress(UnicodeDecodeError):  # not UTF-8 text: stored as it is
+            data = (redactor or Redactor(secret_values(extra_secrets))).text(data.decode("utf-8")).encode("utf-8")
     directory = Path(directory)
     digest = hashlib.sha256(data).hexdigest()
     target = directory / digest
@@ -711,7 +676,6 @@ class Run:
         self.dir = self.runs_dir / run_id
         self.closed = False
         self.append, self.decide, self.store_artifact = ledger.append, ledger.decide, ledger.store_artifact
-        self.add_secret = ledger.add_secret
 
     def __enter__(self):
         return self
@@ -722,8 +686,7 @@ class Run:
 
     def close(self, outcome, **summary):
         """Append run_closed, then anchor this run's head in runs/index.jsonl."""
-        self.ledger.append("run_closed", dict({"outcome": outcome}, **{k: v for k, v in summary.items()
-                                                                        if v is not None}))
+        self.ledger.append("run_closed", {"outcome": outcome, **{k: v for k, v in summary.items() if v is not None}})
         seq, digest = self.ledger.head
         with Ledger(self.runs_dir / INDEX_NAME, self.run_id, key=self.ledger.key or b"", fsync=self.ledger.fsync,
                     secrets=self.ledger.extra_secrets) as index:
@@ -735,8 +698,7 @@ class Run:
 
 
 def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
-    """Create runs_dir/<run id>/ (never reused) and return a Run writing to its events.jsonl.
-    A given `run_id` (allocated earlier, e.g. by the webhook daemon) must be new too."""
+    """Create runs_dir/<run id>/ (never reused, a given run_id too) and return a Run writing to its events.jsonl."""
     runs_dir, given = Path(runs_dir), run_id
     runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     if given is not None and (type(given) is not str or not _RUN_ID_RE.match(given)):
@@ -748,8 +710,7 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
             break
         except FileExistsError:
             if given:
-                raise UsageError(f"{runs_dir / run_id}: that run already exists; a run directory is never "
-                                 f"reused") from None
+                raise UsageError(f"{runs_dir / run_id}: that run already exists (never reused)") from None
     return Run(runs_dir, run_id, Ledger(runs_dir / run_id / EVENTS_NAME, run_id, key=key, fsync=fsync, secrets=secrets))
 
 
@@ -758,56 +719,47 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
 # ----------------------------------------------------------------------------
 
 def _expected_run_id(path):
-    """runs/<run id>/events.jsonl, as open_run() makes it, must hold only that run's events."""
+    # runs/<run id>/events.jsonl, as open_run() makes it, holds only that run's events
     path = Path(path)
     return path.parent.name if path.name == EVENTS_NAME and _OUR_RUN_ID_RE.match(path.parent.name) else None
 
 
-class _NotWritten(ValueError):
-    """JSON that parses but that the writer never writes."""
-
-
-def _no_duplicates(items):
-    if len({name for name, _value in items}) != len(items):
-        seen = [name for name, _value in items]
-        raise _NotWritten(f"duplicate key {next(n for n in seen if seen.count(n) > 1)!r} in one object")
-    return dict(items)
-
-
-def _no_constant(name):
-    raise _NotWritten(f"{name} is not JSON the writer writes")
-
-
-def _finite(literal):
-    value = float(literal)
-    if value in (float("inf"), float("-inf")):
-        raise _NotWritten(f"the number {literal[:40]} overflows to Infinity")
-    return value
-
-
 def _form_problem(body):
-    """Why a line is not the JSON text the writer would have written, before any field is looked at."""
+    def no_duplicates(items):
+        seen = set()
+        for name, _value in items:
+            if name in seen:
+                raise _BadValue(f"duplicate key {name!r} in one object")
+            seen.add(name)
+        return dict(items)
+
+    def no_constant(name):
+        raise _BadValue(f"{name} is not JSON the writer writes")
+
+    def finite(literal):
+        if float(literal) in (float("inf"), float("-inf")):
+            raise _BadValue(f"the number {literal[:40]} overflows to Infinity")
+        return float(literal)
+
     if not body.strip():
         return "blank line" if not body else "white space only"
     if b"\x00" in body:
         return "NUL byte in line"
     try:
-        json.loads(body.decode("utf-8"), object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
-                   parse_float=_finite)
+        json.loads(body.decode("utf-8"), object_pairs_hook=no_duplicates, parse_constant=no_constant,
+                   parse_float=finite)
     except UnicodeDecodeError as exc:
         return f"not UTF-8 (byte {exc.start})"
-    except _NotWritten as exc:
-        return str(exc)
+    except _BadValue as exc:
+        return exc.reason
     except ValueError as exc:
         return f"broken JSON: {exc}"
     except RecursionError:
         return "nested too deeply to read"
-    return ("not in the writer's compact form (white space, escapes or number format differ from what "
-            "the writer writes)")
+    return "not in the writer's compact form (white space, escapes or number format differ)"
 
 
 def _envelope_problem(event, lineno, run_id, known):
-    """Why a parsed line's envelope is not one the writer writes, or None."""
     if type(event) is not dict:
         return "line is not a JSON object"
     if tuple(event) != FIELDS:
@@ -837,36 +789,27 @@ def _envelope_problem(event, lineno, run_id, known):
 
 def _chain_error(path, lineno, prev, key):
     if lineno > 1:
-        return IntegrityError(path, lineno, f"prev does not match line {lineno - 1} "
-                                            f"(a line was changed, removed, inserted or reordered)")
+        return IntegrityError(path, lineno, f"prev does not match line {lineno - 1} (changed, removed or moved)")
     if prev == GENESIS and key:
-        return IntegrityError(path, 1, "ledger is not keyed but a key was given: "
-                                       "a keyed ledger rewritten without its key looks like this")
+        return IntegrityError(path, 1, "ledger is not keyed but a key was given (or was rewritten without it)")
     if prev != GENESIS and not key:
         return KeyRequiredError(path)
-    return IntegrityError(path, 1, "prev is not the HMAC of the empty string under this key: "
-                                   "wrong key, or line 1 was rewritten")
+    return IntegrityError(path, 1, "prev is not this key's genesis: wrong key, or line 1 was rewritten")
 
 
 def iter_lines(path, *, key=None, run_id=None):
-    """Yield (event, raw_line, line_hash) for each line, verifying seq, fields, the writer's exact form
-    and the chain. A damaged line raises IntegrityError; a torn last line raises TornTailError after
-    every good line was yielded. No line longer than MAX_LINE_BYTES is read into memory.
-    `key=None` reads LEDGER_KEY; run_id defaults to the run directory's name."""
-    run_id = _expected_run_id(path) if run_id is None else run_id
-    return _check_lines(path, _file_lines(path), _resolve_key(key), run_id)
+    """Yield (event, raw line, its hash), verifying each line; TornTailError after every good line of a torn file."""
+    return verified_events(path, key=key, run_id=run_id)
 
 
 @contextlib.contextmanager
 def _file_lines(path):
-    """The lines of a file, each read with a bounded readline (a C iterator: no cost per line)."""
     with open(path, "rb") as handle:
         yield iter(functools.partial(handle.readline, MAX_LINE_BYTES), b"")
 
 
 def _check_lines(path, source, key, run_id):
-    """The line checks behind iter_lines, on `source`: a context manager giving lines, each ending in b"\n"
-    (the last one may not: a torn tail), from a file or from ClickHouse. `key` is resolved (bytes or None)."""
+    # `source`: a context manager giving lines (of a file, or the rows of ClickHouse); `key`: bytes or None
     expected_prev, known, sha256 = _genesis(key), set(), hashlib.sha256
     lineno = offset = 0
     with source as lines:
@@ -874,21 +817,18 @@ def _check_lines(path, source, key, run_id):
             lineno += 1
             if raw[-1:] != b"\n":
                 if len(raw) >= MAX_LINE_BYTES:
-                    raise IntegrityError(path, lineno, f"line is longer than the format's {MAX_LINE_BYTES}-byte "
-                                                       f"limit (no writer of this format wrote it)")
+                    raise IntegrityError(path, lineno, f"line is longer than the format's {MAX_LINE_BYTES}-byte limit")
                 raise TornTailError(path, lineno, offset, len(raw), (lineno - 1, expected_prev))
             offset += len(raw)
             body = raw[:-1]
-            # Exactly the writer's bytes: the parsed line, encoded again by the writer's own encoder, must
-            # give back the same text (no white space, escapes, duplicate keys or number forms of its own).
+            # exactly the writer's bytes: encoded again by the writer's own encoder, the line gives back its text
             try:
                 text = body.decode("utf-8")
                 event, end = _SCANNER(text, 0)
                 canonical = end == len(text) and _dumps(event) == text
             except (ValueError, StopIteration, RecursionError):
                 raise IntegrityError(path, lineno, _form_problem(body)) from None
-            # The common good line passes this one test (verify's bench guard needs it inline); any other
-            # line is named by _envelope_problem, in the order of the format's rules.
+            # the common good line passes this one inline test (verify's bench guard); any other is named below
             if not (canonical and type(event) is dict and tuple(event) == FIELDS and event["seq"] == lineno
                     and type(event["seq"]) is int and event["prev"] == expected_prev
                     and (event["run_id"], event["kind"]) in known and type(event["payload"]) is dict
@@ -910,29 +850,25 @@ def read_events(path, *, key=None, run_id=None):
 
 
 def verified_events(path, *, key=None, expect=None, run_id=None):
-    """iter_lines() that also holds the ledger to a head published earlier, `expect` = (seq, hash): the line at
-    that seq must have that hash, and the ledger must reach it (seq 0: the genesis value of this key)."""
+    """iter_lines() that also holds the ledger to a head published earlier, `expect` = (seq, hash)."""
     run_id = _expected_run_id(path) if run_id is None else run_id
     return _verified(path, _file_lines(path), _resolve_key(key), expect, run_id)
 
 
 def _verified(path, source, key, expect, run_id, expected="the expected head is", ends="the ledger ends at"):
-    """The one verifying reader: _check_lines() of `source`, held to the head `expect` (see verified_events).
-    Files (verify, report, ship) and the rows ClickHouse holds (verify --from) all go through it."""
+    # the one verifying reader of files (verify, report, ship) and of the rows of ClickHouse (verify --from)
     count = 0
     for event, raw, digest in _check_lines(path, source, key, run_id):
         count = event["seq"]
         if expect and count == expect[0] and digest != expect[1]:
-            raise IntegrityError(path, count, "does not match the expected head: the history up to "
-                                              "the published head was rewritten")
+            raise IntegrityError(path, count, "does not match the expected head: the history up to it was rewritten")
         yield event, raw, digest
     _reached(path, expect, count, key, expected, ends)
 
 
 def _reached(path, expect, count, key, expected="the expected head is", ends="the ledger ends at"):
     if expect and expect[0] == 0 and expect[1] != _genesis(key):
-        raise IntegrityError(path, None, "the expected head is seq 0, but its hash is not this ledger's "
-                                         "genesis value (another key, or keyed vs unkeyed)")
+        raise IntegrityError(path, None, "the expected head is seq 0, but its hash is not this key's genesis")
     if expect and expect[0] > count:
         raise IntegrityError(path, count + 1 if count else None,
                              f"truncated: {expected} seq {expect[0]} but {ends} seq {count}")
@@ -949,7 +885,6 @@ class Verified:
 
 
 def _tally_lines(path, lines, key):
-    """Verified for the (event, raw, digest) of `lines`, read to the end."""
     count, head = 0, (0, _genesis(key))
     for event, _raw, digest in lines:
         count, head = event["seq"], (event["seq"], digest)
@@ -957,16 +892,14 @@ def _tally_lines(path, lines, key):
 
 
 def verify(path, *, key=None, expect_head=None, run_id=None):
-    """Verify a whole ledger; return Verified, or raise IntegrityError/KeyRequiredError.
-    `expect_head` = (seq, hash) published earlier (see verified_events)."""
+    """Verify a whole ledger (held to `expect_head`, as verified_events); return Verified or raise."""
     key = _resolve_key(key)
     return _tally_lines(path, verified_events(path, key=key or b"", expect=expect_head, run_id=run_id), key)
 
 
 def run_ledgers(runs_dir, key=None):
-    """[(path, expected head or None)]: RUNS_DIR/index.jsonl, then every run in it (a closed run with the head
-    its index entry recorded), then the runs the index names whose events.jsonl is missing. The index is read
-    as far as it verifies (verifying it says why it stops); a head that is not (int, str) fails its run."""
+    """[(path, expected head or None)]: index.jsonl, every run (a closed one with its index head), then the runs
+    the index names whose events.jsonl is missing. The index is read as far as it verifies."""
     runs_dir, heads = Path(runs_dir), {}
     index = runs_dir / INDEX_NAME
     try:
@@ -984,8 +917,7 @@ def run_ledgers(runs_dir, key=None):
 
 
 def verify_runs(runs_dir, *, key=None):
-    """Verify runs/index.jsonl and every runs/*/events.jsonl, checking closed runs against the index.
-    Yields (path, Verified or an exception) for each, past any that cannot be read."""
+    """Yield (path, Verified or the exception) for each of run_ledgers(), closed runs held to their index heads."""
     for path, expect in run_ledgers(runs_dir, key):
         try:
             if expect is not None and not path.exists():
@@ -993,8 +925,7 @@ def verify_runs(runs_dir, *, key=None):
             result = verify(path, key=key, expect_head=_checked_head(expect, path))
             if expect and result.count > expect[0]:
                 raise IntegrityError(path, expect[0] + 1, f"{result.count - expect[0]} line(s) after the run "
-                                                          f"closed at seq {expect[0]} (nothing is written to a "
-                                                          f"closed run)")
+                                                          f"closed at seq {expect[0]}")
             yield path, result
         except (LedgerError, OSError) as exc:
             yield path, exc
