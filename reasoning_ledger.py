@@ -902,18 +902,15 @@ def run_ledgers(runs_dir, key=None):
     the index names whose events.jsonl is missing. The index is read as far as it verifies."""
     runs_dir, heads = Path(runs_dir), {}
     index = runs_dir / INDEX_NAME
-    try:
+    with contextlib.suppress(LedgerError, OSError):
         for event in read_events(index, key=key or b"", run_id=None) if index.exists() else ():
             entry = event["payload"]
             if event["kind"] == "run_closed" and type(entry.get("run")) is str:
                 heads[entry["run"]] = (entry.get("head_seq"), entry.get("head_hash"))
-    except (LedgerError, OSError):
-        pass
-    found = [(index, None)] if index.exists() else []
     runs = sorted(runs_dir.glob(f"*/{EVENTS_NAME}"))
-    found += [(events, heads.get(events.parent.name)) for events in runs]
-    return found + [(runs_dir / run_id / EVENTS_NAME, heads[run_id])
-                    for run_id in sorted(set(heads) - {events.parent.name for events in runs})]
+    missing = sorted(set(heads) - {events.parent.name for events in runs})
+    return (([(index, None)] if index.exists() else []) + [(events, heads.get(events.parent.name)) for events in runs]
+            + [(runs_dir / run_id / EVENTS_NAME, heads[run_id]) for run_id in missing])
 
 
 def verify_runs(runs_dir, *, key=None):
