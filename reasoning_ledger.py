@@ -541,19 +541,19 @@ class Ledger:
         first = os.pread(fd, 4096, 0)
         if b"\n" not in first:
             first = os.pread(fd, MAX_LINE_BYTES, 0)
-        if b"\n" not in first:  # empty (or one torn fragment): the line about to be written sets the mode
+        first, newline, _rest = first.partition(b"\n")
+        if not newline:  # empty (or one torn fragment): the line about to be written sets the mode
             return
-        first = first[:first.index(b"\n")]
         match = _PREV_SUFFIX_RE.search(first)
         if not match or not _SEQ_PREFIX_RE.match(first):
             raise IntegrityError(self.path, 1, "not a ledger line; refusing to append")
         prev = match.group(1).decode()
-        if prev != _genesis(self.key) and not self.key:
-            raise KeyRequiredError(self.path)
-        if prev == GENESIS and self.key:
-            raise UsageError(f"{self.path}: ledger is not keyed but a key was given ({KEY_ENV}); "
-                             f"refusing to mix keyed and unkeyed lines")
         if prev != _genesis(self.key):
+            if not self.key:
+                raise KeyRequiredError(self.path)
+            if prev == GENESIS:
+                raise UsageError(f"{self.path}: ledger is not keyed but a key was given; refusing to mix keyed "
+                                 f"and unkeyed lines")
             raise IntegrityError(self.path, 1, "prev is not this key's genesis (wrong key?); refusing to append")
         self._mode_checked = True
 
@@ -651,8 +651,7 @@ def store_artifact(directory, data, *, redact_secrets=True, extra_secrets=(), re
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not target.exists():
-            # unique per writer: threads of one process storing the same body must not share a temp file
-            tmp = directory / f".{digest[:16]}.{os.getpid()}.{threading.get_ident()}.{os.urandom(4).hex()}.tmp"
+            tmp = directory / f".{digest[:16]}.{os.urandom(8).hex()}.tmp"  # one per writer, even in one process
             fd = os.open(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
                 _write_or_undo(fd, data, 0)
