@@ -42,18 +42,16 @@ __version__ = "1.1.0"
 # What a vendoring script needs; the toolkit's own scripts also use the CLI kit below (error, write_out, ...).
 __all__ = [
     "Ledger", "Run", "open_run", "store_artifact", "read_events", "iter_lines", "verified_events", "verify",
-    "verify_runs", "run_ledgers", "Verified", "line_hash", "parse_head", "new_run_id", "utc_now", "key_from_env",
+    "verify_runs", "run_ledgers", "Verified", "parse_head", "new_run_id", "utc_now",
     "Redactor", "redact_text", "secret_values",
     "LedgerError", "UsageError", "PayloadError", "KeyRequiredError", "IntegrityError", "TornTailError",
-    "OutputError", "EXIT_CODES", "FORMAT_VERSION", "GENESIS", "MAX_LINE_BYTES", "KEY_ENV", "INDEX_NAME",
-    "EVENTS_NAME", "main",
+    "OutputError", "EXIT_CODES", "KEY_ENV", "INDEX_NAME", "EVENTS_NAME", "main",
 ]
 
 # ----------------------------------------------------------------------------
-# Constants
+# Constants and errors
 # ----------------------------------------------------------------------------
 
-FORMAT_VERSION = 1
 FIELDS = ("seq", "run_id", "kind", "at", "payload", "prev")
 GENESIS = "0" * 64
 MAX_LINE_BYTES = 1024 * 1024  # a line, newline included, is at most this long: the format's limit
@@ -67,16 +65,8 @@ INDEX_NAME = "index.jsonl"
 EVENTS_NAME = "events.jsonl"
 
 # One exit-code table for every script of the toolkit.
-EXIT_OK = 0        # done
-EXIT_FAILED = 1    # what was checked or asked for failed: an integrity failure, a failed call, an agent error
-EXIT_USAGE = 2     # usage, configuration or I/O error: nothing was done
-EXIT_CHECK = 3     # an answer came back but a check failed (ask.py); the judge rejected the proposal (agent.py)
-EXIT_CHANGED = 4   # audit.py --fail-on-change found changes
-EXIT_OUTPUT = 5    # the result could not be written to stdout (closed, full, not encodable); it was recorded
-EXIT_LOCKED = 6    # agent.py: another run holds the repository's lock
-EXIT_BUDGET = 7    # agent.py: the budget ran out before an accepted proposal
-EXIT_PROPOSAL = 8  # agent.py: a proposal was accepted by the judge and written for a human to review
-EXIT_STUCK = 9     # agent.py: the model sent the same reply (or the same unusable one) max_repeats times
+(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CHECK, EXIT_CHANGED, EXIT_OUTPUT, EXIT_LOCKED, EXIT_BUDGET, EXIT_PROPOSAL,
+ EXIT_STUCK) = range(10)
 EXIT_CODES = {
     EXIT_OK: "ok",
     EXIT_FAILED: "failed: integrity failure (verify, audit, ship), failed call (ask), error outcome (agent)",
@@ -94,16 +84,11 @@ _KIND_RE = re.compile(r"[a-z][a-z0-9_.]*\Z")
 _AT_RE = re.compile(r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
                     r"\.[0-9]{6}Z\Z")
 _OUR_RUN_ID_RE = re.compile(r"[0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8}\Z")
-_HEX64_RE = re.compile(r"[0-9a-f]{64}\Z")
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
 _SEQ_PREFIX_RE = re.compile(rb'\{"seq":([1-9][0-9]*),')
 _PREV_SUFFIX_RE = re.compile(rb',"prev":"([0-9a-f]{64})"\}\Z')
 _INT_LIMIT = 10 ** 4300  # Python 3.11+ refuses to print longer ints; a line must read back everywhere
 
-
-# ----------------------------------------------------------------------------
-# Errors
-# ----------------------------------------------------------------------------
 
 class LedgerError(Exception):
     """Base of every error the toolkit raises on purpose. `exit_code` is what a script exits with."""
@@ -133,8 +118,7 @@ class IntegrityError(LedgerError):
 
     def __init__(self, path, line, reason):
         self.path, self.line, self.reason = str(path), line, reason
-        where = f"{path}: line {line}" if line else f"{path}"
-        super().__init__(f"{where}: {reason}")
+        super().__init__(f"{path}: line {line}: {reason}" if line else f"{path}: {reason}")
 
 
 class TornTailError(IntegrityError):
@@ -142,9 +126,8 @@ class TornTailError(IntegrityError):
 
     def __init__(self, path, line, offset, length, head):
         self.offset, self.length, self.head = offset, length, head
-        super().__init__(path, line, f"torn tail: {length} bytes at offset {offset} without a newline "
-                                     f"(a writer crashed mid-append; the next append moves them to "
-                                     f"{Path(path).name}.torn)")
+        super().__init__(path, line, f"torn tail: {length} bytes at offset {offset} without a newline (a writer "
+                                     f"died mid-append; the next append moves them to {Path(path).name}.torn)")
 
 
 class OutputError(LedgerError):
@@ -167,71 +150,58 @@ def utc_now():
 
 
 def new_run_id():
-    """A run id that sorts by creation time and carries a random suffix."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return now.strftime("%Y%m%dT%H%M%S.%fZ") + "-" + os.urandom(4).hex()
+    """A run id that sorts by creation time and carries a random suffix: 20261129T120000.123456Z-1a2b3c4d."""
+    return utc_now().replace("-", "").replace(":", "") + "-" + os.urandom(4).hex()
 
 
-_valid_days = set()
+@functools.lru_cache(maxsize=4096)  # a ledger's lines share a few days
+def _day_exists(day):
+    try:
+        datetime.date(int(day[:4]), int(day[5:7]), int(day[8:10]))
+    except ValueError:
+        return False
+    return True
 
 
 def _at_ok(at):
     """`at` as the writer writes it: the exact shape, ASCII digits, and a date that exists."""
-    if type(at) is not str or not _AT_RE.match(at):
-        return False
-    day = at[:10]
-    if day not in _valid_days:
-        try:
-            datetime.date(int(day[:4]), int(day[5:7]), int(day[8:10]))
-        except ValueError:
-            return False
-        if len(_valid_days) < 100000:
-            _valid_days.add(day)
-    return True
+    return type(at) is str and _AT_RE.match(at) is not None and _day_exists(at[:10])
 
 
 def _key_bytes(key):
-    if key is None or key == b"" or key == "":
+    if not key:
         return None
     return key.encode("utf-8") if isinstance(key, str) else bytes(key)
 
 
-def key_from_env(name=KEY_ENV):
-    """The HMAC key in environment variable `name`, or None."""
-    return _key_bytes(os.environ.get(name))
-
-
 def _resolve_key(key):
     """key=None reads LEDGER_KEY; b"" or "" means explicitly unkeyed."""
-    return _key_bytes(key) if key is not None else key_from_env()
-
-
-def _genesis(key):
-    return hmac.new(key, b"", hashlib.sha256).hexdigest() if key else GENESIS
+    return _key_bytes(os.environ.get(KEY_ENV) if key is None else key)
 
 
 def line_hash(raw, key=None):
     """SHA-256 (or HMAC-SHA256 with `key`) of one stored line, without its newline."""
-    if key:
-        return hmac.new(key, raw, hashlib.sha256).hexdigest()
-    return hashlib.sha256(raw).hexdigest()
+    return (hmac.new(key, raw, hashlib.sha256) if key else hashlib.sha256(raw)).hexdigest()
+
+
+def _genesis(key):
+    return line_hash(b"", key) if key else GENESIS
 
 
 def parse_head(text):
     """'SEQ HASH' or 'SEQ:HASH' -> (seq, hash)."""
-    parts = re.split(r"[:\s]+", text.strip())
-    if len(parts) != 2 or not re.fullmatch(r"[0-9]+", parts[0]) or not _HEX64_RE.match(parts[1].lower()):
+    match = re.fullmatch(r"([0-9]+)[:\s]+([0-9a-fA-F]{64})", text.strip())
+    if not match:
         raise UsageError(f"not a ledger head (want SEQ:HASH): {printable(text)!r}")
-    return int(parts[0]), parts[1].lower()
+    return int(match.group(1)), match.group(2).lower()
 
 
 # ----------------------------------------------------------------------------
 # Redaction
 # ----------------------------------------------------------------------------
 
-# A key name is split into segments on "_", "-", "." and camelCase; it names a secret when its last
-# segment is one of these words, or its last two are one of these pairs. input_tokens, max_tokens and
-# token_count end in other words and stay.
+# A key name is split into segments on "_", "-", "." and camelCase; it names a secret when its last segment is
+# one of these words, or its last two one of these pairs (input_tokens, max_tokens, token_count stay).
 _SECRET_WORDS = frozenset(("token", "secret", "password", "passwd", "passphrase", "credential", "credentials",
                            "apikey", "session", "cookie", "authorization"))
 _SECRET_PAIRS = frozenset((("api", "key"), ("private", "key"), ("access", "key"), ("secret", "key"),
@@ -254,16 +224,16 @@ def is_secret_key(name):
 
 
 def _mask_scheme(m):
-    """Bearer/Basic followed by a word that looks like a credential, not prose: 8+ characters with a digit, a
-    capital after the first letter or token punctuation, or 20+ characters of anything."""
+    # a credential, not prose ("a bearer token"): 20+ characters, or 8+ with a digit, token punctuation or a
+    # capital after the first letter
     word = m.group(3).rstrip(".")
-    credential = len(word) >= 8 and (len(word) >= 20 or any(c.isdigit() for c in word)
-                                     or any(c.isupper() for c in word[1:]) or any(c in "_~+/=" for c in word))
+    credential = len(word) >= 20 or len(word) >= 8 and (any(c.isdigit() or c in "_~+/=" for c in word)
+                                                         or any(c.isupper() for c in word[1:]))
     return m.group(1) + m.group(2) + REDACTED if credential else m.group(0)
 
 
 def _mask_userinfo(m):
-    """A URL's user part with a password, or one that is a token (16+ characters, letters and digits)."""
+    # a URL's user part with a password, or one that is a token (16+ characters, letters and digits)
     user = m.group(2)
     token = len(user) >= 16 and any(c.isdigit() for c in user) and any(c.isalpha() for c in user)
     return m.group(1) + REDACTED + "@" if ":" in user or token else m.group(0)
@@ -299,12 +269,8 @@ _SHAPES = (
     (r"\b([A-Za-z][A-Za-z0-9_.-]{0,63})([\"']?[ \t]*[:=][ \t]*)(?:\"([^\"\r\n]*)\"|'([^'\r\n]*)'|([^\s\"',;&]+))", 0,
      _mask_assignment),
 )
-
-
-# What every shape needs to match at all: ":", "=" or "@" (headers, assignments, URLs), its own literal
-# start, or for bearer/basic the word under the shape's own case folding. A string holding none of them is
-# left as it is: substring tests cost a tenth of the shapes (tests/BENCH.md), and tests/test_redaction.py
-# holds this list to the shapes.
+# What every shape needs to match at all (tests/test_redaction.py holds this to the shapes): a string with none
+# of these skips the shapes, at a tenth of their cost (tests/BENCH.md).
 _SCHEME_WORD = re.compile(r"b(?:earer|asic)\s", re.I)
 
 
@@ -315,28 +281,24 @@ def _may_match(text):
 
 
 @functools.lru_cache(maxsize=1)
-def _compiled_shapes():
-    """Compiled on first use: `verify` never needs them."""
+def _compiled_shapes():  # on first use: verify never needs them
     return tuple((re.compile(src, flags), repl) for src, flags, repl in _SHAPES)
 
 
 class Redactor:
-    """Masks known secret values, secret shapes (tokens, credentials in URLs, key=value assignments)
-    and, in payloads, whole values under secret key names."""
+    """Masks known secret values and secret shapes (tokens, credentials in URLs, key=value assignments)."""
 
     def __init__(self, values=()):
         self.values = tuple(sorted({v for v in values if isinstance(v, str) and len(v) >= MIN_SECRET_CHARS},
                                    key=len, reverse=True))  # longest first: a secret holding another goes whole
 
     def text(self, text):
-        """`text` with every secret masked."""
         for value in self.values:
             if value in text:
                 text = text.replace(value, REDACTED)
-        if not _may_match(text):
-            return text
-        for pattern, repl in _compiled_shapes():
-            text = pattern.sub(repl, text)
+        if _may_match(text):
+            for pattern, repl in _compiled_shapes():
+                text = pattern.sub(repl, text)
         return text
 
 
@@ -348,9 +310,7 @@ SECRET_ENV_NAMES = ("SSHPASS", "DATABASE_URL", "*_DATABASE_URL", "REDIS_URL", "M
 
 
 def is_secret_env_name(name):
-    """An environment variable's name that names a secret (docs/secrets.md): as is_secret_key; a name ending
-    in KEY or DSN or holding WEBHOOK; a last segment ending in a credential word (PGPASSWORD) or, after
-    another segment, a short one (MYSQL_PWD, REDISCLI_AUTH, but not PWD); and the SECRET_ENV_NAMES."""
+    """An environment variable's name that names a secret, by the five rules of docs/secrets.md."""
     import fnmatch
     segments = _segments(name)
     last = segments[-1] if segments else ""
@@ -361,8 +321,7 @@ def is_secret_env_name(name):
 
 
 def secret_values(extra=()):
-    """The exact secret strings to mask: our env vars, every env var whose name names a secret
-    (GITHUB_TOKEN, DB_PASSWORD, STRIPE_KEY...), those listed in LEDGER_REDACT_ENV, and `extra`."""
+    """The values to mask: of our env vars, of every env var with a secret's name or listed in LEDGER_REDACT_ENV."""
     listed = {n.strip() for n in os.environ.get(REDACT_ENV_LIST, "").split(",") if n.strip()}
     values = {value for name, value in os.environ.items()
               if name in SECRET_ENV_VARS or name in listed or is_secret_env_name(name)}
@@ -375,31 +334,32 @@ def redact_text(text, values=None):
     return Redactor(secret_values() if values is None else values).text(text)
 
 
-class _BadValue(Exception):
+class _BadValue(Exception):  # not JSON the writer writes; `where` is filled in on the way out
     def __init__(self, reason):
         super().__init__(reason)
         self.reason, self.where = reason, []
 
 
 def _clean(value, redactor, depth=1):
-    """A copy of a payload with every secret masked (values under secret key names; secret values and
-    shapes in every string, keys included), checked on the way: plain JSON within MAX_DEPTH, exact types
-    only (a Counter or an int key is refused every time). Raises _BadValue."""
+    # a masked copy, checked on the way: exact JSON types only (a Counter or an int key is refused), MAX_DEPTH
     kind = type(value)
     if kind is str:
         return redactor.text(value)
-    if kind is not dict and kind is not list and kind is not tuple:
-        _check_scalar(value)
+    if kind is int and not -_INT_LIMIT < value < _INT_LIMIT:
+        raise _BadValue("an integer longer than 4300 digits cannot be read back on Python 3.11+")
+    if kind is float and (value != value or value in (float("inf"), float("-inf"))):
+        raise _BadValue(f"{value!r} is not valid JSON (NaN/Infinity)")
+    if value is None or kind is bool or kind is int or kind is float:
         return value
+    if kind is not dict and kind is not list and kind is not tuple:
+        raise _BadValue(f"a {kind.__name__} is not a JSON type")
     if depth > MAX_DEPTH:
         raise _BadValue(f"nested deeper than {MAX_DEPTH} levels (or circular)")
-    is_dict = kind is dict
-    out = {} if is_dict else []
-    for k, v in (value.items() if is_dict else enumerate(value)):
+    out = {} if kind is dict else []
+    for k, v in (value.items() if kind is dict else enumerate(value)):
         try:
-            t = type(v)
-            masked = v if v is None or t is bool else redactor.text(v) if t is str else _clean(v, redactor, depth + 1)
-            if not is_dict:
+            masked = _clean(v, redactor, depth + 1)
+            if kind is not dict:
                 out.append(masked)
                 continue
             if type(k) is not str:
@@ -407,66 +367,44 @@ def _clean(value, redactor, depth=1):
             name = redactor.text(k)
             while name in out:  # two keys that mask to the same text both stay
                 name += "~"
-            out[name] = REDACTED if v is not None and t is not bool and is_secret_key(k) else masked
+            out[name] = REDACTED if v is not None and type(v) is not bool and is_secret_key(k) else masked
         except _BadValue as exc:
-            exc.where.append(f".{k}" if is_dict and type(k) is str else f"[{k!r}]")
+            exc.where.append(f".{k}" if kind is dict and type(k) is str else f"[{k!r}]")
             raise
     return out
 
 
-def _check_scalar(value):
-    kind = type(value)
-    if kind is int:
-        if not -_INT_LIMIT < value < _INT_LIMIT:
-            raise _BadValue("an integer longer than 4300 digits cannot be read back on Python 3.11+")
-    elif kind is float:
-        if value != value or value in (float("inf"), float("-inf")):
-            raise _BadValue(f"{value!r} is not valid JSON (NaN/Infinity)")
-    elif not (kind is bool or value is None):
-        raise _BadValue(f"a {kind.__name__} is not a JSON type")
-
-
 def _clean_payload(payload, redactor):
-    """(payload_as_stored, its JSON text) or PayloadError naming the place."""
     try:
         clean = _clean(payload, redactor)
-    except _BadValue as exc:
-        where = list(reversed(exc.where))
-        if len(where) > 8:
-            where = where[:4] + ["…"] + where[-2:]
-        raise PayloadError(f"payload{''.join(where)}: {exc.reason}; nothing was written") from None
-    text = _dumps(clean)
-    try:
+        text = _dumps(clean)
         text.encode("utf-8")
+    except _BadValue as exc:
+        raise PayloadError(f"payload{''.join(exc.where[::-1])}: {exc.reason}; nothing was written") from None
     except UnicodeEncodeError as exc:
-        raise PayloadError(f"payload holds a lone surrogate ({text[exc.start:exc.end]!a}), which is not "
+        raise PayloadError(f"payload holds a lone surrogate ({exc.object[exc.start:exc.end]!a}), which is not "
                            f"UTF-8; nothing was written") from None
     return clean, text
 
 
 def payload_problem(payload, limit=MAX_LINE_BYTES // 2):
-    """Why `payload` could not be written as an event's payload (not plain JSON, nested too deep, a lone
-    surrogate, over `limit` bytes of JSON), or None. Lets a caller decide before it records."""
+    """Why `payload` could not be written (not plain JSON, too deep, over `limit` bytes of JSON), or None."""
     try:
-        _clean, text = _clean_payload(payload, Redactor())
+        _stored, text = _clean_payload(payload, Redactor())
     except PayloadError as exc:
         return str(exc).replace("; nothing was written", "")
-    if len(text.encode("utf-8")) > limit:
-        return f"payload is larger than {limit} bytes of JSON"
-    return None
+    return f"payload is larger than {limit} bytes of JSON" if len(text.encode("utf-8")) > limit else None
 
 
 _SCANNER = json.JSONDecoder().scan_once
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False, check_circular=False)
-_dumps = _ENCODER.encode
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False, check_circular=False).encode
 
 
 # ----------------------------------------------------------------------------
-# Low-level file helpers
+# Writing: low-level file helpers, Ledger, store_artifact, runs
 # ----------------------------------------------------------------------------
 
 def _named(exc, path):
-    """The same OSError, naming `path` when it names no file."""
     if isinstance(exc, OSError) and not exc.filename:
         return OSError(exc.errno, exc.strerror or str(exc), str(path))
     return exc
@@ -480,63 +418,45 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def _rfind_newline(fd, stop, limit):
-    """Offset of the last b"\\n" before `stop`; -1 when the file's start comes first; None when none is
-    within `limit` bytes. Reads backwards in growing chunks, never more than `limit` in all."""
+def _rfind_newline(fd, stop):
+    """Offset of the last newline before `stop`; -1: none before the file's start; None: none in a line's length."""
     pos, step = stop, 4096
-    while pos > 0:
-        if stop - pos >= limit:
-            return None
-        start = max(0, pos - step, stop - limit)
+    while pos > 0 and stop - pos < MAX_LINE_BYTES:
+        start = max(0, pos - step, stop - MAX_LINE_BYTES)
         i = os.pread(fd, pos - start, start).rfind(b"\n")
         if i != -1:
             return start + i
-        pos, step = start, min(step * 4, 1 << 20)
-    return -1
+        pos, step = start, step * 4
+    return -1 if pos == 0 else None
 
 
 def _scan_tail(fd, size, path):
-    """(end, last_line): end is the offset just past the last '\\n' (0 when none), last_line the bytes
-    of the last complete line without its newline (b"" when there is none, None when it is longer than
-    any line of the format). Reads from the end only, at most two lines' worth."""
-    last_nl = _rfind_newline(fd, size, MAX_LINE_BYTES)
+    """(offset past the last newline, the last complete line: b"" if none, None if too long), read from the end."""
+    last_nl = _rfind_newline(fd, size)
     if last_nl is None:
-        raise IntegrityError(path, None, f"the file ends in more than {MAX_LINE_BYTES} bytes without a newline, "
-                                         f"more than any line of the format; refusing to append")
+        raise IntegrityError(path, None, f"the file ends in more than {MAX_LINE_BYTES} bytes without a newline; "
+                                         f"refusing to append")
     if last_nl == -1:
         return 0, b""
-    prev_nl = _rfind_newline(fd, last_nl, MAX_LINE_BYTES)
-    if prev_nl is None:
-        return last_nl + 1, None
-    return last_nl + 1, os.pread(fd, last_nl - prev_nl - 1, prev_nl + 1)
+    prev_nl = _rfind_newline(fd, last_nl)
+    return last_nl + 1, None if prev_nl is None else os.pread(fd, last_nl - prev_nl - 1, prev_nl + 1)
 
 
-def _read_first_line(fd, limit=MAX_LINE_BYTES):
-    buf, pos = b"", 0
-    while len(buf) < limit:
-        chunk = os.pread(fd, 65536, pos)
-        if not chunk:
-            return None
-        nl = chunk.find(b"\n")
-        if nl != -1:
-            return buf + chunk[:nl]
-        buf += chunk
-        pos += len(chunk)
-    return None
+def _write_or_undo(fd, data, size, fsync=True):
+    """Write `data` to the end of a file `size` bytes long, and fsync; on failure cut it back to `size`."""
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            view = view[n:]
+        if fsync:
+            os.fsync(fd)
+    except OSError:
+        os.ftruncate(fd, size)
+        raise
 
-
-def _write_all(fd, data):
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        view = view[n:]
-
-
-# ----------------------------------------------------------------------------
-# Writing
-# ----------------------------------------------------------------------------
 
 _LIVE_LEDGERS = weakref.WeakSet()
 
@@ -547,21 +467,17 @@ def _after_fork_in_child():
     for ledger in list(_LIVE_LEDGERS):
         ledger._lock = threading.Lock()
         if ledger._fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(ledger._fd)
-            except OSError:
-                pass
             ledger._fd = None
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Ledger:
-    """An append-only ledger file. Safe to share between threads, processes (forked or not) and
-    objects: every append holds a thread lock and an exclusive flock, and derives seq and prev from
-    the file itself."""
+    """An append-only ledger file, safe to share between threads, processes (forked or not) and objects: every
+    append holds a thread lock and an exclusive flock, and derives seq and prev from the file itself."""
 
     def __init__(self, path, run_id=None, *, key=None, fsync=True, max_line_bytes=MAX_LINE_BYTES,
                  secrets=(), clock=utc_now):
@@ -573,17 +489,13 @@ class Ledger:
         if type(self.run_id) is not str or not _RUN_ID_RE.match(self.run_id):
             raise UsageError(f"bad run id {printable(self.run_id)!r}: letters, digits and _.:- only, at most 128")
         if not 0 < max_line_bytes <= MAX_LINE_BYTES:
-            raise UsageError(f"max_line_bytes must be between 1 and {MAX_LINE_BYTES} (the format's limit)")
-        self.key = _resolve_key(key)
-        self.fsync = fsync
-        self.max_line_bytes = max_line_bytes
+            raise UsageError(f"max_line_bytes must be 1 to {MAX_LINE_BYTES}")
+        self.key, self.fsync, self.max_line_bytes = _resolve_key(key), fsync, max_line_bytes
+        self.clock = clock  # returns `at`; replaceable for importing history and for tests
         self.extra_secrets = tuple(s for s in secrets if s)
         self.redactor = Redactor(secret_values(self.extra_secrets))  # env read once, not per append
-        self.clock = clock  # returns `at`; replaceable for importing history and for tests
         self.head = None  # (seq, hash) of the last line this object wrote
-        self._fd = None
-        self._mode_checked = False
-        self._lock = threading.Lock()
+        self._fd, self._mode_checked, self._lock = None, False, threading.Lock()
         _LIVE_LEDGERS.add(self)
 
     def add_secret(self, value):
@@ -604,65 +516,59 @@ class Ledger:
                 os.close(self._fd)
                 self._fd = None
 
-    def _open(self):
-        if self._fd is None:
-            created = not self.path.exists()
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-            if created and self.fsync:
-                _fsync_dir(self.path)
-        return self._fd
-
     def _locked(self, work):
-        """Run work(fd) holding the thread lock and the file's exclusive flock. I/O errors name the file."""
+        """work(fd) under the thread lock and the file's exclusive flock; I/O errors name the file."""
         with self._lock:
             try:
-                fd = self._open()
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                if self._fd is None:
+                    created = not self.path.exists()
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    self._fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+                    if created and self.fsync:
+                        _fsync_dir(self.path)
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
                 try:
                     if not self._mode_checked:
-                        self._check_mode(fd)
-                    return work(fd)
+                        self._check_mode(self._fd)
+                    return work(self._fd)
                 finally:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
             except OSError as exc:
                 raise _named(exc, self.path) from None
 
     def _check_mode(self, fd):
         """Refuse to mix keyed and unkeyed lines in one file (checked once per object)."""
-        first = _read_first_line(fd)
-        if first is None:  # empty (or one torn fragment): the line we are about to write sets the mode
+        first = os.pread(fd, 4096, 0)
+        if b"\n" not in first:
+            first = os.pread(fd, MAX_LINE_BYTES, 0)
+        first, newline, _rest = first.partition(b"\n")
+        if not newline:  # empty (or one torn fragment): the line about to be written sets the mode
             return
         match = _PREV_SUFFIX_RE.search(first)
         if not match or not _SEQ_PREFIX_RE.match(first):
             raise IntegrityError(self.path, 1, "not a ledger line; refusing to append")
         prev = match.group(1).decode()
-        if prev == GENESIS and self.key:
-            raise UsageError(f"{self.path}: ledger is not keyed but a key was given ({KEY_ENV}); "
-                             f"refusing to mix keyed and unkeyed lines")
-        if prev != GENESIS and not self.key:
-            raise KeyRequiredError(self.path)
-        if self.key and prev != _genesis(self.key):
-            raise IntegrityError(self.path, 1, "prev is not the HMAC of the empty string under this key "
-                                               "(wrong key?); refusing to append")
+        if prev != _genesis(self.key):
+            if not self.key:
+                raise KeyRequiredError(self.path)
+            if prev == GENESIS:
+                raise UsageError(f"{self.path}: ledger is not keyed but a key was given; refusing to mix keyed "
+                                 f"and unkeyed lines")
+            raise IntegrityError(self.path, 1, "prev is not this key's genesis (wrong key?); refusing to append")
         self._mode_checked = True
 
     def check(self):
-        """Check under the lock, writing nothing, that the next append can succeed (a torn tail is fine: the
-        next append recovers it); return the file's head (seq, hash)."""
+        """The file's head (seq, hash) if the next append can succeed (a torn tail it recovers); writes nothing."""
         def tail(fd):
-            end, last = _scan_tail(fd, os.fstat(fd).st_size, self.path)
-            seq, prev = self._next(end, last)
+            seq, prev = self._next(*_scan_tail(fd, os.fstat(fd).st_size, self.path))
             return seq - 1, prev
         return self._locked(tail)
 
     def append(self, kind, payload=None):
-        """Append one event and return it as written (payload redacted). Raises PayloadError
-        (nothing written) for a bad kind or payload, LedgerError/OSError for file trouble."""
+        """Append one event; return it as written (payload masked). PayloadError: nothing was written."""
         if type(kind) is not str or not _KIND_RE.match(kind):
             raise PayloadError(f"bad kind {printable(kind)!r}: lower-case [a-z][a-z0-9_.]*")
-        if payload is None:
-            payload = {}
+        payload = {} if payload is None else payload
         if type(payload) is not dict:
             raise PayloadError(f"payload must be a JSON object (a dict), not a {type(payload).__name__}; "
                                f"nothing was written")
@@ -678,18 +584,12 @@ class Ledger:
 
     def _next(self, end, last):
         """(seq, prev) for the line after `last`, the file's last complete line."""
-        if last is None:
-            raise IntegrityError(self.path, None, f"the last line is longer than {MAX_LINE_BYTES} bytes, "
-                                                  f"so no writer of this format wrote it; refusing to append")
-        if not last:
-            if end:
-                raise IntegrityError(self.path, None, "the last line is blank; a ledger has no blank lines, and "
-                                                      "taking it for an empty file would restart at seq 1; "
-                                                      "refusing to append (run verify)")
+        if not last and not end:
             return 1, _genesis(self.key)
-        match = _SEQ_PREFIX_RE.match(last)  # seq leads every line: no need to parse a 1 MiB line
+        match = last and _SEQ_PREFIX_RE.match(last)  # seq leads every line: no need to parse a 1 MiB line
         if not match:
-            what = "white space only" if not last.strip() else "not a ledger line"
+            what = ("longer than a line can be" if last is None else "blank" if not last
+                    else "white space only" if not last.strip() else "not a ledger line")
             raise IntegrityError(self.path, None, f"the last line is {what}; refusing to append (run verify)")
         return int(match.group(1)) + 1, line_hash(last, self.key)
 
@@ -702,15 +602,8 @@ class Ledger:
         raw = ('{"seq":%d,"run_id":"%s","kind":"%s","at":"%s","payload":%s,"prev":"%s"}'
                % (seq, self.run_id, kind, at, payload_json, prev)).encode("utf-8")
         if len(raw) + 1 > self.max_line_bytes:
-            raise PayloadError(f"event is {len(raw) + 1} bytes, over the {self.max_line_bytes}-byte line limit; "
-                               f"store large bodies with store_artifact()")
-        try:
-            _write_all(fd, raw + b"\n")
-            if self.fsync:
-                os.fsync(fd)
-        except OSError:
-            os.ftruncate(fd, size)  # never leave half a line behind us
-            raise
+            raise PayloadError(f"event is {len(raw) + 1} bytes, over the {self.max_line_bytes}-byte line limit")
+        _write_or_undo(fd, raw + b"\n", size, self.fsync)
         self.head = (seq, line_hash(raw, self.key))
         return {"seq": seq, "run_id": self.run_id, "kind": kind, "at": at, "payload": clean, "prev": prev}
 
@@ -722,13 +615,7 @@ class Ledger:
         try:
             sfd = os.open(str(sidecar), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
             try:
-                before = os.fstat(sfd).st_size
-                try:
-                    _write_all(sfd, header + fragment + b"\n")
-                    os.fsync(sfd)
-                except OSError:
-                    os.ftruncate(sfd, before)  # no half record in the sidecar
-                    raise
+                _write_or_undo(sfd, header + fragment + b"\n", os.fstat(sfd).st_size)
             finally:
                 os.close(sfd)
         except OSError as exc:
@@ -742,61 +629,43 @@ class Ledger:
 
     def decide(self, stage, decision, rationale, alternatives=(), **extra):
         """Record a decision before acting on it: what, why, and what else was possible."""
-        for name, value in (("stage", stage), ("decision", decision)):
-            if not isinstance(value, str) or not value.strip():
-                raise PayloadError(f"decide(): {name} must be a non-empty string")
-        payload = {"stage": stage, "decision": decision, "rationale": rationale,
-                   "alternatives": list(alternatives)}
-        payload.update(extra)
-        return self.append("decision", payload)
+        return self.append("decision", {"stage": stage, "decision": decision, "rationale": rationale,
+                                        "alternatives": list(alternatives), **extra})
 
     def store_artifact(self, data, *, redact_secrets=True):
-        """Write a body content-addressed under artifacts/ beside the ledger; return its reference."""
+        """store_artifact() under artifacts/ beside the ledger."""
         return store_artifact(self.path.parent / "artifacts", data, redact_secrets=redact_secrets,
                               redactor=self.redactor)
 
 
 def store_artifact(directory, data, *, redact_secrets=True, extra_secrets=(), redactor=None):
-    """Store bytes or text as `directory/<sha256>` (dir 0700, file 0600), UTF-8 text redacted first.
-    Safe from many threads and processes at once. Returns {"sha256", "size", "path"}, the path
-    relative to the directory's parent."""
+    """Store bytes or text (masked first) as directory/<sha256>; return {"sha256", "size", "path"}."""
     if isinstance(data, str):
         data = data.encode("utf-8", "backslashreplace")  # a lone surrogate stays visible as \\udXXX
     if redact_secrets:
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:
-            pass
-        else:
-            redactor = redactor or Redactor(secret_values(extra_secrets))
-            data = redactor.text(text).encode("utf-8")
+        with contextlib.suppress(UnicodeDecodeError):  # not UTF-8 text: stored as it is
+            data = (redactor or Redactor(secret_values(extra_secrets))).text(data.decode("utf-8")).encode("utf-8")
     directory = Path(directory)
     digest = hashlib.sha256(data).hexdigest()
     target = directory / digest
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not target.exists():
-            # unique per writer: threads of one process storing the same body must not share a temp file
-            tmp = directory / f".{digest[:16]}.{os.getpid()}.{threading.get_ident()}.{os.urandom(4).hex()}.tmp"
+            tmp = directory / f".{digest[:16]}.{os.urandom(8).hex()}.tmp"  # one per writer, even in one process
             fd = os.open(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                _write_all(fd, data)
-                os.fsync(fd)
+                _write_or_undo(fd, data, 0)
             except OSError:
-                os.close(fd)
                 os.unlink(str(tmp))
                 raise
-            os.close(fd)
+            finally:
+                os.close(fd)
             os.replace(str(tmp), str(target))
             _fsync_dir(target)
     except OSError as exc:
         raise _named(exc, target) from None
     return {"sha256": digest, "size": len(data), "path": f"{directory.name}/{digest}"}
 
-
-# ----------------------------------------------------------------------------
-# Runs
-# ----------------------------------------------------------------------------
 
 class Run:
     """One run directory runs/<run_id>/ holding events.jsonl and artifacts/."""
@@ -805,32 +674,18 @@ class Run:
         self.runs_dir, self.run_id, self.ledger = Path(runs_dir), run_id, ledger
         self.dir = self.runs_dir / run_id
         self.closed = False
+        self.append, self.decide, self.store_artifact = ledger.append, ledger.decide, ledger.store_artifact
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
         if not self.closed:
-            self.close("error" if exc_type else "closed",
-                       error=f"{exc_type.__name__}: {exc}" if exc_type else None)
-
-    def append(self, kind, payload=None):
-        return self.ledger.append(kind, payload)
-
-    def decide(self, *args, **kwargs):
-        return self.ledger.decide(*args, **kwargs)
-
-    def store_artifact(self, data, **kwargs):
-        return self.ledger.store_artifact(data, **kwargs)
-
-    def add_secret(self, value):
-        self.ledger.add_secret(value)
+            self.close("error" if exc_type else "closed", error=f"{exc_type.__name__}: {exc}" if exc_type else None)
 
     def close(self, outcome, **summary):
         """Append run_closed, then anchor this run's head in runs/index.jsonl."""
-        payload = {"outcome": outcome}
-        payload.update({k: v for k, v in summary.items() if v is not None})
-        self.ledger.append("run_closed", payload)
+        self.ledger.append("run_closed", {"outcome": outcome, **{k: v for k, v in summary.items() if v is not None}})
         seq, digest = self.ledger.head
         with Ledger(self.runs_dir / INDEX_NAME, self.run_id, key=self.ledger.key or b"", fsync=self.ledger.fsync,
                     secrets=self.ledger.extra_secrets) as index:
@@ -842,8 +697,7 @@ class Run:
 
 
 def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
-    """Create runs_dir/<run id>/ (never reused) and return a Run writing to its events.jsonl.
-    A given `run_id` (allocated earlier, e.g. by the webhook daemon) must be new too."""
+    """Create runs_dir/<run id>/ (never reused, a given run_id too) and return a Run writing to its events.jsonl."""
     runs_dir, given = Path(runs_dir), run_id
     runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     if given is not None and (type(given) is not str or not _RUN_ID_RE.match(given)):
@@ -855,10 +709,8 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
             break
         except FileExistsError:
             if given:
-                raise UsageError(f"{runs_dir / run_id}: that run already exists; a run directory is never "
-                                 f"reused") from None
-    ledger = Ledger(runs_dir / run_id / EVENTS_NAME, run_id, key=key, fsync=fsync, secrets=secrets)
-    return Run(runs_dir, run_id, ledger)
+                raise UsageError(f"{runs_dir / run_id}: that run already exists (never reused)") from None
+    return Run(runs_dir, run_id, Ledger(runs_dir / run_id / EVENTS_NAME, run_id, key=key, fsync=fsync, secrets=secrets))
 
 
 # ----------------------------------------------------------------------------
@@ -866,63 +718,47 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
 # ----------------------------------------------------------------------------
 
 def _expected_run_id(path):
-    """runs/<run id>/events.jsonl, as open_run() makes it, must hold only that run's events."""
+    # runs/<run id>/events.jsonl, as open_run() makes it, holds only that run's events
     path = Path(path)
-    if path.name == EVENTS_NAME and _OUR_RUN_ID_RE.match(path.parent.name):
-        return path.parent.name
-    return None
+    return path.parent.name if path.name == EVENTS_NAME and _OUR_RUN_ID_RE.match(path.parent.name) else None
 
 
-def _not_canonical(text):
-    """Why a line that parses is still not what the writer writes."""
-    def pairs(items):
+def _form_problem(body):
+    def no_duplicates(items):
         seen = set()
         for name, _value in items:
             if name in seen:
-                raise ValueError(f"duplicate key {name!r} in one object")
+                raise _BadValue(f"duplicate key {name!r} in one object")
             seen.add(name)
         return dict(items)
 
-    def constant(name):
-        raise ValueError(f"{name} is not JSON the writer writes")
+    def no_constant(name):
+        raise _BadValue(f"{name} is not JSON the writer writes")
 
-    def number(literal):
-        value = float(literal)
-        if value in (float("inf"), float("-inf")):
-            raise ValueError(f"the number {literal[:40]} overflows to Infinity")
-        return value
+    def finite(literal):
+        if float(literal) in (float("inf"), float("-inf")):
+            raise _BadValue(f"the number {literal[:40]} overflows to Infinity")
+        return float(literal)
 
-    try:
-        json.loads(text, object_pairs_hook=pairs, parse_constant=constant, parse_float=number)
-    except ValueError as exc:
-        return str(exc)
-    except RecursionError:
-        return "nested too deeply to read"
-    return ("not in the writer's compact form (white space, escapes or number format differ from what "
-            "the writer writes)")
-
-
-def _unparsed(body):
-    """Why a line is not a JSON text the writer wrote, before any field is looked at."""
     if not body.strip():
         return "blank line" if not body else "white space only"
     if b"\x00" in body:
         return "NUL byte in line"
     try:
-        text = body.decode("utf-8")
+        json.loads(body.decode("utf-8"), object_pairs_hook=no_duplicates, parse_constant=no_constant,
+                   parse_float=finite)
     except UnicodeDecodeError as exc:
         return f"not UTF-8 (byte {exc.start})"
-    try:
-        json.loads(text)
+    except _BadValue as exc:
+        return exc.reason
     except ValueError as exc:
         return f"broken JSON: {exc}"
     except RecursionError:
         return "nested too deeply to read"
-    return _not_canonical(text)
+    return "not in the writer's compact form (white space, escapes or number format differ)"
 
 
 def _envelope_problem(event, lineno, run_id, known):
-    """Why a parsed line's envelope is not one the writer writes, or None."""
     if type(event) is not dict:
         return "line is not a JSON object"
     if tuple(event) != FIELDS:
@@ -947,45 +783,32 @@ def _envelope_problem(event, lineno, run_id, known):
         return f"bad timestamp {printable(at)!r} (want a real UTC time as YYYY-MM-DDTHH:MM:SS.ffffffZ)"
     if type(payload) is not dict:
         return "payload is not a JSON object"
-    if type(prev) is not str:
-        return "prev is not a string"
-    return None
+    return None if type(prev) is str else "prev is not a string"
 
 
 def _chain_error(path, lineno, prev, key):
     if lineno > 1:
-        return IntegrityError(path, lineno, f"prev does not match line {lineno - 1} "
-                                            f"(a line was changed, removed, inserted or reordered)")
+        return IntegrityError(path, lineno, f"prev does not match line {lineno - 1} (changed, removed or moved)")
     if prev == GENESIS and key:
-        return IntegrityError(path, 1, "ledger is not keyed but a key was given: "
-                                       "a keyed ledger rewritten without its key looks like this")
+        return IntegrityError(path, 1, "ledger is not keyed but a key was given (or was rewritten without it)")
     if prev != GENESIS and not key:
         return KeyRequiredError(path)
-    return IntegrityError(path, 1, "prev is not the HMAC of the empty string under this key: "
-                                   "wrong key, or line 1 was rewritten")
+    return IntegrityError(path, 1, "prev is not this key's genesis: wrong key, or line 1 was rewritten")
 
 
 def iter_lines(path, *, key=None, run_id=None):
-    """Yield (event, raw_line, line_hash) for each line, verifying seq, fields, the writer's exact form
-    and the chain. A damaged line raises IntegrityError; a torn last line raises TornTailError after
-    every good line was yielded. No line longer than MAX_LINE_BYTES is read into memory.
-    `key=None` reads LEDGER_KEY; run_id defaults to the run directory's name."""
-    key = _resolve_key(key)
-    if run_id is None:
-        run_id = _expected_run_id(path)
-    return _check_lines(path, _file_lines(path), key, run_id)
+    """Yield (event, raw line, its hash), verifying each line; TornTailError after every good line of a torn file."""
+    return verified_events(path, key=key, run_id=run_id)
 
 
 @contextlib.contextmanager
 def _file_lines(path):
-    """The lines of a file, each read with a bounded readline (a C iterator: no cost per line)."""
     with open(path, "rb") as handle:
         yield iter(functools.partial(handle.readline, MAX_LINE_BYTES), b"")
 
 
 def _check_lines(path, source, key, run_id):
-    """The line checks behind iter_lines, on `source`: a context manager giving lines, each ending in b"\n"
-    (the last one may not: a torn tail), from a file or from ClickHouse. `key` is resolved (bytes or None)."""
+    # `source`: a context manager giving lines (of a file, or the rows of ClickHouse); `key`: bytes or None
     expected_prev, known, sha256 = _genesis(key), set(), hashlib.sha256
     lineno = offset = 0
     with source as lines:
@@ -993,27 +816,24 @@ def _check_lines(path, source, key, run_id):
             lineno += 1
             if raw[-1:] != b"\n":
                 if len(raw) >= MAX_LINE_BYTES:
-                    raise IntegrityError(path, lineno, f"line is longer than the format's {MAX_LINE_BYTES}-byte "
-                                                       f"limit (no writer of this format wrote it)")
+                    raise IntegrityError(path, lineno, f"line is longer than the format's {MAX_LINE_BYTES}-byte limit")
                 raise TornTailError(path, lineno, offset, len(raw), (lineno - 1, expected_prev))
             offset += len(raw)
             body = raw[:-1]
-            # Exactly the writer's bytes: the parsed line, encoded again by the writer's own encoder, must
-            # give back the same text (no white space, escapes, duplicate keys or number forms of its own).
+            # exactly the writer's bytes: encoded again by the writer's own encoder, the line gives back its text
             try:
                 text = body.decode("utf-8")
                 event, end = _SCANNER(text, 0)
                 canonical = end == len(text) and _dumps(event) == text
             except (ValueError, StopIteration, RecursionError):
-                raise IntegrityError(path, lineno, _unparsed(body)) from None
-            # The common good line passes this one test (verify's bench guard needs it inline); any other
-            # line is named by _envelope_problem, in the order of the format's rules.
+                raise IntegrityError(path, lineno, _form_problem(body)) from None
+            # the common good line passes this one inline test (verify's bench guard); any other is named below
             if not (canonical and type(event) is dict and tuple(event) == FIELDS and event["seq"] == lineno
                     and type(event["seq"]) is int and event["prev"] == expected_prev
                     and (event["run_id"], event["kind"]) in known and type(event["payload"]) is dict
                     and _at_ok(event["at"])):
-                problem = (_envelope_problem(event, lineno, run_id, known)
-                           or (None if canonical else _not_canonical(text)))
+                problem = _envelope_problem(event, lineno, run_id, known) or (None if canonical else
+                                                                              _form_problem(body))
                 if problem:
                     raise IntegrityError(path, lineno, problem)
                 if event["prev"] != expected_prev:
@@ -1029,32 +849,26 @@ def read_events(path, *, key=None, run_id=None):
 
 
 def verified_events(path, *, key=None, expect=None, run_id=None):
-    """iter_lines() that also holds the ledger to a head published earlier, `expect` = (seq, hash): the line at
-    that seq must have that hash, and the ledger must reach it (seq 0: the genesis value of this key)."""
-    key = _resolve_key(key)
-    return _verified(path, _file_lines(path), key, expect, _expected_run_id(path) if run_id is None else run_id)
+    """iter_lines() that also holds the ledger to a head published earlier, `expect` = (seq, hash)."""
+    run_id = _expected_run_id(path) if run_id is None else run_id
+    return _verified(path, _file_lines(path), _resolve_key(key), expect, run_id)
 
 
 def _verified(path, source, key, expect, run_id, expected="the expected head is", ends="the ledger ends at"):
-    """The one verifying reader: _check_lines() of `source`, held to the head `expect` (see verified_events).
-    Files (verify, report, ship) and the rows ClickHouse holds (verify --from) all go through it."""
+    # the one verifying reader of files (verify, report, ship) and of the rows of ClickHouse (verify --from)
     count = 0
     for event, raw, digest in _check_lines(path, source, key, run_id):
         count = event["seq"]
         if expect and count == expect[0] and digest != expect[1]:
-            raise IntegrityError(path, count, "does not match the expected head: the history up to "
-                                              "the published head was rewritten")
+            raise IntegrityError(path, count, "does not match the expected head: the history up to it was rewritten")
         yield event, raw, digest
     _reached(path, expect, count, key, expected, ends)
 
 
 def _reached(path, expect, count, key, expected="the expected head is", ends="the ledger ends at"):
-    if not expect:
-        return
-    if expect[0] == 0 and expect[1] != _genesis(key):
-        raise IntegrityError(path, None, "the expected head is seq 0, but its hash is not this ledger's "
-                                         "genesis value (another key, or keyed vs unkeyed)")
-    if expect[0] > count:
+    if expect and expect[0] == 0 and expect[1] != _genesis(key):
+        raise IntegrityError(path, None, "the expected head is seq 0, but its hash is not this key's genesis")
+    if expect and expect[0] > count:
         raise IntegrityError(path, count + 1 if count else None,
                              f"truncated: {expected} seq {expect[0]} but {ends} seq {count}")
 
@@ -1070,7 +884,6 @@ class Verified:
 
 
 def _tally_lines(path, lines, key):
-    """Verified for the (event, raw, digest) of `lines`, read to the end."""
     count, head = 0, (0, _genesis(key))
     for event, _raw, digest in lines:
         count, head = event["seq"], (event["seq"], digest)
@@ -1078,35 +891,29 @@ def _tally_lines(path, lines, key):
 
 
 def verify(path, *, key=None, expect_head=None, run_id=None):
-    """Verify a whole ledger; return Verified, or raise IntegrityError/KeyRequiredError.
-    `expect_head` = (seq, hash) published earlier (see verified_events)."""
+    """Verify a whole ledger (held to `expect_head`, as verified_events); return Verified or raise."""
     key = _resolve_key(key)
     return _tally_lines(path, verified_events(path, key=key or b"", expect=expect_head, run_id=run_id), key)
 
 
 def run_ledgers(runs_dir, key=None):
-    """[(path, expected head or None)]: RUNS_DIR/index.jsonl, then every run in it (a closed run with the head
-    its index entry recorded), then the runs the index names whose events.jsonl is missing. The index is read
-    as far as it verifies (verifying it says why it stops); a head that is not (int, str) fails its run."""
+    """[(path, expected head or None)]: index.jsonl, every run (a closed one with its index head), then the runs
+    the index names whose events.jsonl is missing. The index is read as far as it verifies."""
     runs_dir, heads = Path(runs_dir), {}
     index = runs_dir / INDEX_NAME
-    try:
+    with contextlib.suppress(LedgerError, OSError):
         for event in read_events(index, key=key or b"", run_id=None) if index.exists() else ():
             entry = event["payload"]
             if event["kind"] == "run_closed" and type(entry.get("run")) is str:
                 heads[entry["run"]] = (entry.get("head_seq"), entry.get("head_hash"))
-    except (LedgerError, OSError):
-        pass
-    found = [(index, None)] if index.exists() else []
     runs = sorted(runs_dir.glob(f"*/{EVENTS_NAME}"))
-    found += [(events, heads.get(events.parent.name)) for events in runs]
-    return found + [(runs_dir / run_id / EVENTS_NAME, heads[run_id])
-                    for run_id in sorted(set(heads) - {events.parent.name for events in runs})]
+    missing = sorted(set(heads) - {events.parent.name for events in runs})
+    return (([(index, None)] if index.exists() else []) + [(events, heads.get(events.parent.name)) for events in runs]
+            + [(runs_dir / run_id / EVENTS_NAME, heads[run_id]) for run_id in missing])
 
 
 def verify_runs(runs_dir, *, key=None):
-    """Verify runs/index.jsonl and every runs/*/events.jsonl, checking closed runs against the index.
-    Yields (path, Verified or an exception) for each, past any that cannot be read."""
+    """Yield (path, Verified or the exception) for each of run_ledgers(), closed runs held to their index heads."""
     for path, expect in run_ledgers(runs_dir, key):
         try:
             if expect is not None and not path.exists():
@@ -1114,8 +921,7 @@ def verify_runs(runs_dir, *, key=None):
             result = verify(path, key=key, expect_head=_checked_head(expect, path))
             if expect and result.count > expect[0]:
                 raise IntegrityError(path, expect[0] + 1, f"{result.count - expect[0]} line(s) after the run "
-                                                          f"closed at seq {expect[0]} (nothing is written to a "
-                                                          f"closed run)")
+                                                          f"closed at seq {expect[0]}")
             yield path, result
         except (LedgerError, OSError) as exc:
             yield path, exc
