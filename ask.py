@@ -961,7 +961,6 @@ def _models_call(redactor, split, api_key, timeout, limit):
 PROXY_ROUTES = {"/chat/completions": "POST", "/completions": "POST", "/responses": "POST", "/embeddings": "POST",
                 "/models": "GET"}
 PROXY_LISTEN = "127.0.0.1:8787"
-PROXY_TIMEOUT = 600.0          # an agent's long stream is one attempt: its deadline is longer than ask.py's
 PROXY_MAX_BODY = 32 * 1024 * 1024
 MAX_HEADER_CHARS = 200
 _PROXY_OPTIONS = (  # flag, type, default, least value (None: above 0), help
@@ -969,10 +968,9 @@ _PROXY_OPTIONS = (  # flag, type, default, least value (None: above 0), help
     ("--grace", float, 10.0, 0, "seconds for the requests in flight at SIGTERM"),
     ("--idle-timeout", float, 15.0, None, "seconds a keep-alive connection may idle"),
     ("--read-timeout", float, 30.0, None, "seconds to read one request, head and body"),
-    ("--timeout", float, PROXY_TIMEOUT, None, "seconds for a whole upstream attempt"),
+    ("--timeout", float, 600.0, None, "seconds for a whole upstream attempt, a long stream included"),
     ("--max-response-bytes", int, DEFAULT_MAX_RESPONSE_BYTES, 1024, "the largest upstream body or stream"))
 _PASS_BACK = ("content-type", "retry-after", "retry-after-ms", "x-request-id", "openai-processing-ms")
-_CALL_KEYS = ("tool_calls", "function_call", "arguments", "output")
 _WHOLE_ERRORS = ("api_error", "malformed_response", "empty_content")  # the stream ended by itself
 
 
@@ -1000,8 +998,7 @@ def _as_text(content):
 
 
 def _client_messages(route, body):
-    """(messages, token_ids): what a client sent as [{role, content}] text, for the record's prompt fields,
-    and how many token ids a `prompt` or `input` given as token arrays holds."""
+    """(messages, token ids): a client's prompt as [{role, content}] text, and the ids of any token arrays."""
     tokens, items = 0, []
     if route == "/chat/completions":
         items = body.get("messages") if type(body.get("messages")) is list else [body.get("messages")]
@@ -1022,7 +1019,8 @@ def _client_messages(route, body):
     for item in [i if type(i) is dict else {"role": "user", "content": i} for i in items if i is not None]:
         role = item.get("role") if type(item.get("role")) is str else (
             "tool" if str(item.get("type", "")).endswith("_output") else "assistant")
-        calls = "".join(v if type(v) is str else _json_text(v) for k, v in item.items() if k in _CALL_KEYS)
+        calls = "".join(v if type(v) is str else _json_text(v) for k, v in item.items()
+                        if k in ("tool_calls", "function_call", "arguments", "output"))
         messages.append({"role": "system" if role == "developer" else role[:40],
                          "content": _as_text(item.get("content")) + calls})
     return messages, tokens
@@ -1070,10 +1068,7 @@ class _ProxyServer(rl.CappedServer):
         try:
             _append(self.book, kind, record)
         except RecordError as exc:  # the answer still goes to the client: a paid answer is never thrown away
-            self.log_error(str(exc))
-
-    def log_error(self, text):
-        rl.error(text, self.secrets)
+            rl.error(str(exc), self.secrets)
 
 
 class _ProxyHandler(socketserver.StreamRequestHandler):
@@ -1098,13 +1093,11 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
                                    f"{_ms_since(self.started)} ms"), file=sys.stderr, flush=True)
 
     def _await_request(self):
-        """Wait up to --idle-timeout for the next request; at shutdown an idle connection closes at once (a
-        request already sent gets its 503)."""
+        """Wait --idle-timeout for a request; at shutdown none (a request already sent gets its 503)."""
         app = self.server
-        with app.lock:
+        with app.lock:  # stop() shuts the idle connections; one that comes later does not wait
             stopping = app.stopping
-            if not stopping:
-                app.idle.add(self.connection)
+            app.idle.add(self.connection)
         try:
             self.connection.settimeout(0.0 if stopping else app.args.idle_timeout)
             return bool(self.rfile.peek(1))
@@ -1272,8 +1265,7 @@ class _Relay:
         try:
             for raw in self.held + [b""]:
                 self._write(raw)
-            if whole:
-                self.handler.wfile.write(b"0\r\n\r\n")
+            self.handler.wfile.write(b"0\r\n\r\n" if whole else b"")
         except (_CallFailed, OSError):
             whole = False
         self.handler.close = self.handler.close or not whole
