@@ -1050,11 +1050,11 @@ def _error_json(message, code, kind="proxy_error"):
 class _ProxyServer(rl.CappedServer):
     """The settings, the one Ledger and a thread per connection, at most --max-connections (past that a 503)."""
 
-    def __init__(self, address, args, upstream, token, ledger_path):
+    def __init__(self, address, args, upstream, token):
         base_url, self.model, self.api_key = upstream
         self.args, self.split, self.token = args, split_base_url(base_url), token
         self.secrets = [s for s in (self.api_key, token) if s]
-        self.book = rl.Ledger(ledger_path, os.environ.get("LEDGER_RUN_ID") or None, fsync=not args.no_fsync,
+        self.book = rl.Ledger(args.ledger, os.environ.get("LEDGER_RUN_ID") or None, fsync=not args.no_fsync,
                               secrets=self.secrets)
         _check_ledger(self.book)
         busy = _http_answer(503, _error_json("too many connections; retry later", "busy"), [("Retry-After", "1")],
@@ -1324,9 +1324,8 @@ _ASK_FLAGS = ("system", "max_tokens", "temperature", "stream", "retries", "timeo
 def _run(args):
     base_url, model, api_key = settings_from_env(args.base_url, args.model, need_model=not args.models)
     secrets = [api_key]  # the numbers are checked once, by chat() and list_models(), before anything is sent
-    ledger_path = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
     if args.models:
-        record = list_models(ledger=ledger_path, base_url=base_url, api_key=api_key, timeout=args.timeout,
+        record = list_models(ledger=args.ledger, base_url=base_url, api_key=api_key, timeout=args.timeout,
                              max_response_bytes=args.max_response_bytes)
         if record["error_type"]:
             rl.error(f"{record['error_type']}: {record['error_message']} ({record['base_url']})", secrets)
@@ -1340,7 +1339,7 @@ def _run(args):
         rl.warn(f"attempt {result['attempt']} failed ({result['error_type']}: {result['error_message']}); "
                 f"retrying in {wait:.2f} s", secrets)
     try:
-        record = ask(prompt, ledger=ledger_path, base_url=base_url, model=model, api_key=api_key,
+        record = ask(prompt, ledger=args.ledger, base_url=base_url, model=model, api_key=api_key,
                      on_text=rl.write_out if args.stream and not args.json else None, on_retry=announce_retry,
                      **{name: getattr(args, name) for name in _ASK_FLAGS})
         _print_answer(record, args)
@@ -1349,7 +1348,7 @@ def _run(args):
             _print_answer(exc.record, args)  # a paid answer is never thrown away
         raise
     except rl.OutputError as exc:  # chat() raises a stream's failed print once the attempt's line is written
-        rl.error(f"{exc} (the call is recorded in {ledger_path})", secrets)
+        rl.error(f"{exc} (the call is recorded in {args.ledger})", secrets)
         return rl.EXIT_OUTPUT
     if record["response_model"] and record["response_model"] != model:
         rl.warn(f"asked for {model!r}, the server says it ran {record['response_model']!r}", secrets)
@@ -1405,15 +1404,14 @@ def _run_proxy(args):
     host, port = match.group(1), int(match.group(2))
     if token is None and not _is_loopback(host):
         raise ConfigError(f"--listen {host}: set PROXY_TOKEN to listen on anything but loopback")
-    ledger_path = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
-    server = _ProxyServer((host, port), args, upstream, token, ledger_path)
+    server = _ProxyServer((host, port), args, upstream, token)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True).start()
     shown = f"[{host}]" if ":" in host else host
     rl.write_out(f"proxy: listening on http://{shown}:{server.server_address[1]}/v1 -> {server.split[1]} "
-                 f"(ledger {ledger_path})\n")
+                 f"(ledger {args.ledger})\n")
     while not stop.wait(1.0):
         pass
     server.stop(args.grace)  # new requests 503, idle connections closed; then no new connections
@@ -1426,6 +1424,7 @@ def main(argv=None):
     args, code = rl.parse_cli(_proxy_parser() if proxy else _build_parser(), argv[proxy:])
     if args is None:
         return code
+    args.ledger = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
     secrets = [os.environ.get(name) for name in ("API_KEY", "OPENAI_API_KEY", "PROXY_TOKEN")]
     return rl.run_cli(_run_proxy if proxy else _run, args, secrets=[s for s in secrets if s])
 
