@@ -1179,13 +1179,14 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         return record
 
     def _call(self, route, raw):
-        app, body, messages, tokens, refused = self.server, {}, [], 0, None
+        app, refused = self.server, None
         try:
-            parsed = json.loads(raw.decode("utf-8"))
-            if type(parsed) is not dict:
+            body = json.loads(raw.decode("utf-8"))
+            if type(body) is not dict:
                 raise ValueError("not a JSON object")
-            (messages, tokens), body = _client_messages(route, parsed), parsed
+            messages, tokens = _client_messages(route, body)
         except (ValueError, RecursionError) as exc:
+            body, messages, tokens = {}, [], 0
             refused = _CallFailed("invalid_request", f"the request body cannot be read: {str(exc)[:200]}")
         model = body.get("model")
         if refused is None and (type(model) is not str or not model):
