@@ -1277,13 +1277,11 @@ class _Relay:
 def _read_prompt(source):
     if source is None and sys.stdin.isatty():
         raise ConfigError("no prompt: pipe one in (python ask.py < prompt.txt) or name a file")
-    if source in (None, "-"):
-        data = sys.stdin.buffer.read()
-    else:
-        with open(source, "rb") as handle:
-            data = handle.read()
     try:
-        return data.decode("utf-8")
+        if source in (None, "-"):
+            return sys.stdin.buffer.read().decode("utf-8")
+        with open(source, "rb") as handle:
+            return handle.read().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"the prompt is not UTF-8 (byte {exc.start})") from None
 
