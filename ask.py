@@ -961,13 +961,16 @@ def _models_call(redactor, split, api_key, timeout, limit):
 PROXY_ROUTES = {"/chat/completions": "POST", "/completions": "POST", "/responses": "POST", "/embeddings": "POST",
                 "/models": "GET"}
 PROXY_LISTEN = "127.0.0.1:8787"
-PROXY_TIMEOUT = 600.0          # an agent's long stream is one attempt: its deadline is longer than ask.py's
 PROXY_MAX_BODY = 32 * 1024 * 1024
-PROXY_READ_S = 30.0            # to read one request, head and body; cancelled once the body is in
-PROXY_IDLE_S = 15.0
 MAX_HEADER_CHARS = 200
+_PROXY_OPTIONS = (  # flag, type, default, least value (None: above 0), help
+    ("--max-connections", int, 64, 1, "past this many at once, 503 with Retry-After"),
+    ("--grace", float, 10.0, 0, "seconds for the requests in flight at SIGTERM"),
+    ("--idle-timeout", float, 15.0, None, "seconds a keep-alive connection may idle"),
+    ("--read-timeout", float, 30.0, None, "seconds to read one request, head and body"),
+    ("--timeout", float, 600.0, None, "seconds for a whole upstream attempt, a long stream included"),
+    ("--max-response-bytes", int, DEFAULT_MAX_RESPONSE_BYTES, 1024, "the largest upstream body or stream"))
 _PASS_BACK = ("content-type", "retry-after", "retry-after-ms", "x-request-id", "openai-processing-ms")
-_CALL_KEYS = ("tool_calls", "function_call", "arguments", "output")
 _WHOLE_ERRORS = ("api_error", "malformed_response", "empty_content")  # the stream ended by itself
 
 
@@ -989,20 +992,13 @@ def _as_text(content):
         return content or ""
     if type(content) is not list:
         return _json_text(content)
-    out = []
-    for part in content:
-        if type(part) is dict and type(part.get("text")) is str:
-            out.append(part["text"])
-        elif type(part) is dict:
-            out.append(f"[{str(part.get('type', 'part'))[:40]}]")
-        else:
-            out.append(part if type(part) is str else _json_text(part))
-    return "".join(out)
+    return "".join(part["text"] if type(part) is dict and type(part.get("text")) is str
+                   else f"[{str(part.get('type', 'part'))[:40]}]" if type(part) is dict
+                   else part if type(part) is str else _json_text(part) for part in content)
 
 
 def _client_messages(route, body):
-    """(messages, token_ids): what a client sent as [{role, content}] text, for the record's prompt fields,
-    and how many token ids a `prompt` or `input` given as token arrays holds."""
+    """(messages, token ids): a client's prompt as [{role, content}] text, and the ids of any token arrays."""
     tokens, items = 0, []
     if route == "/chat/completions":
         items = body.get("messages") if type(body.get("messages")) is list else [body.get("messages")]
@@ -1020,14 +1016,11 @@ def _client_messages(route, body):
             else:
                 items.append({"role": "user", "content": one})
     messages = []
-    for item in items:
-        if item is None:
-            continue
-        item = item if type(item) is dict else {"role": "user", "content": item}
-        kind = str(item.get("type", ""))
-        role = item.get("role") if type(item.get("role")) is str else "tool" if kind.endswith("_output") else (
-            "assistant")
-        calls = "".join(v if type(v) is str else _json_text(v) for k, v in item.items() if k in _CALL_KEYS)
+    for item in [i if type(i) is dict else {"role": "user", "content": i} for i in items if i is not None]:
+        role = item.get("role") if type(item.get("role")) is str else (
+            "tool" if str(item.get("type", "")).endswith("_output") else "assistant")
+        calls = "".join(v if type(v) is str else _json_text(v) for k, v in item.items()
+                        if k in ("tool_calls", "function_call", "arguments", "output"))
         messages.append({"role": "system" if role == "developer" else role[:40],
                          "content": _as_text(item.get("content")) + calls})
     return messages, tokens
@@ -1055,16 +1048,13 @@ def _error_json(message, code, kind="proxy_error"):
 
 
 class _ProxyServer(rl.CappedServer):
-    """The settings, the one Ledger and a thread per connection, at most --max-connections (past that a 503
-    with Retry-After)."""
+    """The settings, the one Ledger and a thread per connection, at most --max-connections (past that a 503)."""
 
-    def __init__(self, address, args, upstream, token, ledger_path):
+    def __init__(self, address, args, upstream, token):
         base_url, self.model, self.api_key = upstream
-        self.split, self.token, self.verbose = split_base_url(base_url), token, args.verbose
-        self.timeout, self.limit, self.idle_s, self.read_s = (args.timeout, args.max_response_bytes,
-                                                              args.idle_timeout, args.read_timeout)
+        self.args, self.split, self.token = args, split_base_url(base_url), token
         self.secrets = [s for s in (self.api_key, token) if s]
-        self.book = rl.Ledger(ledger_path, os.environ.get("LEDGER_RUN_ID") or None, fsync=not args.no_fsync,
+        self.book = rl.Ledger(args.ledger, os.environ.get("LEDGER_RUN_ID") or None, fsync=not args.no_fsync,
                               secrets=self.secrets)
         _check_ledger(self.book)
         busy = _http_answer(503, _error_json("too many connections; retry later", "busy"), [("Retry-After", "1")],
@@ -1078,131 +1068,106 @@ class _ProxyServer(rl.CappedServer):
         try:
             _append(self.book, kind, record)
         except RecordError as exc:  # the answer still goes to the client: a paid answer is never thrown away
-            self.log_error(str(exc))
-
-    def log_error(self, text):
-        rl.error(text, self.secrets)
+            rl.error(str(exc), self.secrets)
 
 
 class _ProxyHandler(socketserver.StreamRequestHandler):
-    """One client connection: requests in turn (keep-alive), each under a read deadline, then forwarded."""
-
-    def setup(self):
-        super().setup()
-        self.app = self.server
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each event goes out at once
+    """One client connection: requests in turn (keep-alive), each read under --read-timeout, then forwarded."""
 
     def handle(self):
-        self.close = False
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each event goes out at once
+        args, self.close = self.server.args, False
         while not self.close and self._await_request():
-            self.deadline, self.status, self.started = rl.Deadline(self.app.read_s), None, time.perf_counter()
+            self.started, self.status, self.method, self.path = time.perf_counter(), None, "-", "-"
+            self.deadline = rl.Deadline(args.read_timeout)
             self.deadline.watch(self.connection)
-            self.connection.settimeout(self.app.read_s)
+            self.connection.settimeout(args.read_timeout)
             try:
                 self._one_request()
             except OSError:  # the client went away: nothing to answer
                 return
             finally:
                 self.deadline.cancel()
+            if args.verbose:
+                print(rl.printable(f"proxy: {self.client_address[0]} {self.method} {self.path[:200]} {self.status} "
+                                   f"{_ms_since(self.started)} ms"), file=sys.stderr, flush=True)
 
     def _await_request(self):
-        """Wait up to the idle timeout for the next request; a shutdown closes an idle connection at once (a
-        request already sent gets its 503)."""
-        with self.app.lock:
-            stopping = self.app.stopping
-            if not stopping:
-                self.app.idle.add(self.connection)
+        """Wait --idle-timeout for a request; at shutdown none (a request already sent gets its 503)."""
+        app = self.server
+        with app.lock:  # stop() shuts the idle connections; one that comes later does not wait
+            stopping = app.stopping
+            app.idle.add(self.connection)
         try:
-            self.connection.settimeout(0.0 if stopping else self.app.idle_s)
+            self.connection.settimeout(0.0 if stopping else app.args.idle_timeout)
             return bool(self.rfile.peek(1))
         except OSError:
             return False
         finally:
-            with self.app.lock:
-                self.app.idle.discard(self.connection)
+            with app.lock:
+                app.idle.discard(self.connection)
 
     def _one_request(self):
-        self.method, self.path, self.body_read = "-", "-", False
         try:
-            if not self._read_head():
-                self.close = True
-                return
-            self._route()
-        except _CallFailed as refused:  # refused before anything was sent upstream
-            self.close = self.close or (not self.body_read and (self.headers.get("Content-Length") or "0") != "0")
-            self._error(refused.status, refused.message, refused.error_type, refused.headers or ())
-        if self.app.verbose:
-            print(rl.printable(f"proxy: {self.client_address[0]} {self.method} {self.path[:200]} {self.status} "
-                               f"{_ms_since(self.started)} ms"), file=sys.stderr, flush=True)
+            route, raw = self._read_request()
+        except _CallFailed as refused:  # nothing was sent upstream; a body left unread ends the connection
+            self.close = self.close or "Transfer-Encoding" in self.headers or (
+                self.headers.get("Content-Length") or "0") != "0"
+            return self._error(refused.status, refused.message, refused.error_type, refused.headers or ())
+        self.deadline.cancel()  # the body is in: from here the upstream's deadline bounds the request
+        self.connection.settimeout(self.server.args.timeout + self.server.args.read_timeout)
+        return self._models() if route == "/models" else self._call(route, raw)
 
-    def _read_head(self):
-        line = self.rfile.readline(65537)
-        if not line:
-            return False
+    def _read_request(self):
+        """(route, body) of a request that passes every check; raises _CallFailed to refuse it."""
+        app, line, self.close = self.server, self.rfile.readline(65537), True
         parts = line.decode("latin-1").split()
         if len(line) > 65536 or len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
-            self.close = True
             raise _CallFailed("invalid_request", "not an HTTP/1.x request line", 400)
-        self.method, self.path = parts[0], rl.redact_text(parts[1], self.app.secrets)
+        self.method, self.path = parts[0], rl.redact_text(parts[1], app.secrets)
         try:
             self.headers = http.client.parse_headers(self.rfile)
         except http.client.HTTPException:
-            self.close = True
             raise _CallFailed("invalid_request", "the request headers are too long or too many", 431) from None
-        connection = (self.headers.get("Connection") or "").lower()
+        header = self.headers.get
+        connection = (header("Connection") or "").lower()
         self.close = "close" in connection or (parts[2] == "HTTP/1.0" and "keep-alive" not in connection)
-        return True
-
-    def _route(self):
-        app, path = self.app, self.path.split("?", 1)[0]
+        host = (header("Host") or "").strip()
+        host = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
+        path = self.path.split("?", 1)[0]
         route = path[3:].rstrip("/") if path.startswith("/v1/") else None
         if app.stopping:
             self.close = True
             raise _CallFailed("unavailable", "the proxy is shutting down", 503, [("Retry-After", "1")])
-        if app.token:
-            given = (self.headers.get("Authorization") or "").encode("latin-1", "replace")
-            if not hmac.compare_digest(given, f"Bearer {app.token}".encode()):
-                raise _CallFailed("invalid_api_key", "the proxy token is required as the API key", 401)
-        else:
-            host = (self.headers.get("Host") or "").strip()
-            name = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
-            if not _is_loopback(name):
-                raise _CallFailed("forbidden", "Host must be a loopback name (set PROXY_TOKEN to serve others)", 403)
+        if app.token and not hmac.compare_digest((header("Authorization") or "").encode("latin-1", "replace"),
+                                                 f"Bearer {app.token}".encode()):
+            raise _CallFailed("invalid_api_key", "the proxy token is required as the API key", 401)
+        if not app.token and not _is_loopback(host):
+            raise _CallFailed("forbidden", "Host must be a loopback name (set PROXY_TOKEN to serve others)", 403)
         if route not in PROXY_ROUTES:
             raise _CallFailed("not_found", f"no route {path[:200]}", 404)
         if self.method != PROXY_ROUTES[route]:
             raise _CallFailed("method_not_allowed", f"use {PROXY_ROUTES[route]}", 405, [("Allow", PROXY_ROUTES[route])])
-        raw = self._read_body() if self.method == "POST" else b""
-        self.body_read = True
-        self.deadline.cancel()  # the body is in: from here the upstream's deadline bounds the request
-        self.connection.settimeout(app.timeout + app.read_s)
-        return self._models() if route == "/models" else self._call(route, raw)
-
-    def _read_body(self):
-        length = self.headers.get("Content-Length") or ""
-        if self.headers.get("Transfer-Encoding") or not length.isdigit():
-            self.close = True
+        length = header("Content-Length") or ("" if self.method == "POST" else "0")
+        if header("Transfer-Encoding") or not length.isdigit():
             raise _CallFailed("length_required", "send the body with Content-Length", 411)
         if int(length) > PROXY_MAX_BODY:
-            self.close = True
             raise _CallFailed("request_too_large", f"the body is over {PROXY_MAX_BODY} bytes", 413)
-        if (self.headers.get("Expect") or "").lower() == "100-continue":
+        if (header("Expect") or "").lower() == "100-continue":
             self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         raw = self.rfile.read(int(length))
         if len(raw) < int(length):
-            self.close = True
             raise _CallFailed("incomplete_body", "the body is shorter than its Content-Length", 400)
-        return raw
+        return route, raw
 
     def _record(self, route, model, stream, attempt, messages, tokens, body):
         """The record of one upstream attempt: a direct call's, plus the client's route, address and headers."""
         number = body.get("temperature")
-        number = number if type(number) in (int, float) and math.isfinite(number) else None
         limits = [body.get(k) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")]
         limits = [n for n in limits if type(n) is int and 0 < n < 2 ** 63]
-        _request, recorded, host, port = self.app.split
-        record = _new_record(model, recorded, host, port, stream, attempt, messages,
-                             {"temperature": number, "max_tokens": limits[0] if limits else None})
+        record = _new_record(model, *self.server.split[1:], stream, attempt, messages, {
+            "temperature": number if type(number) in (int, float) and abs(number) < math.inf else None,
+            "max_tokens": limits[0] if limits else None})
         if tokens:
             record["est_input_tokens"] += tokens
             record["est_method"] = EST_METHOD + " + token ids counted"
@@ -1214,7 +1179,7 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         return record
 
     def _call(self, route, raw):
-        app, refused = self.app, None
+        app, refused = self.server, None
         try:
             body = json.loads(raw.decode("utf-8"))
             if type(body) is not dict:
@@ -1241,9 +1206,9 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         if injected:
             body["stream_options"] = dict(options, include_usage=True)
         result, failure, state, out = _attempts(
-            _endpoint(app.split[0], route), body, new_record, app.append, api_key=app.api_key, timeout=app.timeout,
-            limit=app.limit, redactor=app.book.redactor, relay=functools.partial(_Relay, self, injected) if stream
-            else None, tools_answer=True)
+            _endpoint(app.split[0], route), body, new_record, app.append, api_key=app.api_key,
+            timeout=app.args.timeout, limit=app.args.max_response_bytes, redactor=app.book.redactor,
+            relay=functools.partial(_Relay, self, injected) if stream else None, tools_answer=True)
         return self._answer(result, failure, state, out)
 
     def _answer(self, record, failure, state, out):
@@ -1253,14 +1218,15 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         if "raw" in state:  # a body that parsed goes back as it is, whatever the record says of it
             return self._send(state["status"], state["raw"], _passed_back(state["headers"]))
         if failure.body is not None and failure.status >= 400:
-            body = failure.body.replace(self.app.api_key.encode(), rl.REDACTED.encode())
+            body = failure.body.replace(self.server.api_key.encode(), rl.REDACTED.encode())
             return self._send(failure.status, body, _passed_back(failure.headers))
         return self._error(502, f"upstream: {record['error_message']}", record["error_type"])
 
     def _models(self):
-        record, raw, failure, headers = _models_call(self.app.book.redactor, self.app.split, self.app.api_key,
-                                                     self.app.timeout, self.app.limit)
-        self.app.append("models_list", record)
+        app = self.server
+        record, raw, failure, headers = _models_call(app.book.redactor, app.split, app.api_key, app.args.timeout,
+                                                     app.args.max_response_bytes)
+        app.append("models_list", record)
         return self._answer(record, failure, {"raw": raw, "status": 200, "headers": headers} if raw else {}, None)
 
     def _send(self, status, body, headers=(), chunked=False):
@@ -1298,11 +1264,9 @@ class _Relay:
     def end(self, whole):
         """Send what was held; a whole stream ends cleanly, a broken one by closing the connection."""
         try:
-            for raw in self.held:
+            for raw in self.held + [b""]:
                 self._write(raw)
-            self._write(b"")
-            if whole:
-                self.handler.wfile.write(b"0\r\n\r\n")
+            self.handler.wfile.write(b"0\r\n\r\n" if whole else b"")
         except (_CallFailed, OSError):
             whole = False
         self.handler.close = self.handler.close or not whole
@@ -1311,15 +1275,13 @@ class _Relay:
 
 
 def _read_prompt(source):
-    if source in (None, "-"):
-        if source is None and sys.stdin.isatty():
-            raise ConfigError("no prompt: pipe one in (python ask.py < prompt.txt) or name a file")
-        data = sys.stdin.buffer.read()
-    else:
-        with open(source, "rb") as handle:
-            data = handle.read()
+    if source is None and sys.stdin.isatty():
+        raise ConfigError("no prompt: pipe one in (python ask.py < prompt.txt) or name a file")
     try:
-        return data.decode("utf-8")
+        if source in (None, "-"):
+            return sys.stdin.buffer.read().decode("utf-8")
+        with open(source, "rb") as handle:
+            return handle.read().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"the prompt is not UTF-8 (byte {exc.start})") from None
 
@@ -1339,29 +1301,30 @@ def _build_parser():
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--stream", action="store_true", help="stream the answer; records time-to-first-token")
-    p.add_argument("--retries", type=int, default=0, help="retries on 408/409/429/5xx/timeouts/broken answers "
-                                                          "(default 0)")
+    p.add_argument("--retries", type=int, default=0, help="retries on 408/409/429/5xx/timeouts/broken answers")
     p.add_argument("--backoff", type=float, default=1.0, help="first retry wait in seconds, doubled each time")
     p.add_argument("--max-wait", type=float, default=60.0, help="cap on any one wait, Retry-After included")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                   help=f"seconds for a whole attempt, connect to last byte (default {DEFAULT_TIMEOUT:g})")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds for a whole attempt, connect to "
+                   f"last byte (default {DEFAULT_TIMEOUT:g})")
     p.add_argument("--max-response-bytes", type=int, default=DEFAULT_MAX_RESPONSE_BYTES,
                    help=f"largest body or stream accepted (default {DEFAULT_MAX_RESPONSE_BYTES})")
     p.add_argument("--expect", metavar="REGEX", help="the answer must match this regex (else exit 3)")
     p.add_argument("--expect-json", action="store_true", help="the answer must be JSON (else exit 3)")
-    p.add_argument("--strict-model", action="store_true",
-                   help="the served model must equal the requested one (else exit 3)")
+    p.add_argument("--strict-model", action="store_true", help="the served model must be the one asked (else exit 3)")
     p.add_argument("--store-text", action="store_true", help="keep prompt and answer as artifacts")
     p.add_argument("--json", action="store_true", help="print the whole record instead of the text")
     return p
 
 
+_ASK_FLAGS = ("system", "max_tokens", "temperature", "stream", "retries", "timeout", "expect", "expect_json",
+              "strict_model", "store_text", "backoff", "max_wait", "max_response_bytes")
+
+
 def _run(args):
     base_url, model, api_key = settings_from_env(args.base_url, args.model, need_model=not args.models)
     secrets = [api_key]  # the numbers are checked once, by chat() and list_models(), before anything is sent
-    ledger_path = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
     if args.models:
-        record = list_models(ledger=ledger_path, base_url=base_url, api_key=api_key, timeout=args.timeout,
+        record = list_models(ledger=args.ledger, base_url=base_url, api_key=api_key, timeout=args.timeout,
                              max_response_bytes=args.max_response_bytes)
         if record["error_type"]:
             rl.error(f"{record['error_type']}: {record['error_message']} ({record['base_url']})", secrets)
@@ -1375,19 +1338,16 @@ def _run(args):
         rl.warn(f"attempt {result['attempt']} failed ({result['error_type']}: {result['error_message']}); "
                 f"retrying in {wait:.2f} s", secrets)
     try:
-        record = ask(prompt, ledger=ledger_path, base_url=base_url, model=model, api_key=api_key,
-                     system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
-                     stream=args.stream, retries=args.retries, timeout=args.timeout, expect=args.expect,
-                     expect_json=args.expect_json, strict_model=args.strict_model, store_text=args.store_text,
-                     backoff=args.backoff, max_wait=args.max_wait, max_response_bytes=args.max_response_bytes,
-                     on_text=rl.write_out if args.stream and not args.json else None, on_retry=announce_retry)
+        record = ask(prompt, ledger=args.ledger, base_url=base_url, model=model, api_key=api_key,
+                     on_text=rl.write_out if args.stream and not args.json else None, on_retry=announce_retry,
+                     **{name: getattr(args, name) for name in _ASK_FLAGS})
         _print_answer(record, args)
     except RecordError as exc:
         if exc.record.get("text") and not args.stream:
             _print_answer(exc.record, args)  # a paid answer is never thrown away
         raise
     except rl.OutputError as exc:  # chat() raises a stream's failed print once the attempt's line is written
-        rl.error(f"{exc} (the call is recorded in {ledger_path})", secrets)
+        rl.error(f"{exc} (the call is recorded in {args.ledger})", secrets)
         return rl.EXIT_OUTPUT
     if record["response_model"] and record["response_model"] != model:
         rl.warn(f"asked for {model!r}, the server says it ran {record['response_model']!r}", secrets)
@@ -1421,14 +1381,8 @@ def _proxy_parser():
     p.add_argument("--listen", default=PROXY_LISTEN, metavar="HOST:PORT", help=f"default {PROXY_LISTEN}; port 0 "
                    "picks a free one")
     p.add_argument("--ledger", help=f"default $LEDGER, then ./{DEFAULT_LEDGER}")
-    p.add_argument("--max-connections", type=int, default=64, help="past this, 503 with Retry-After (default 64)")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds for requests in flight at SIGTERM (10)")
-    p.add_argument("--idle-timeout", type=float, default=PROXY_IDLE_S, help="keep-alive idle seconds (15)")
-    p.add_argument("--read-timeout", type=float, default=PROXY_READ_S, help="seconds to read one request, head and "
-                   f"body ({PROXY_READ_S:g})")
-    p.add_argument("--timeout", type=float, default=PROXY_TIMEOUT, help=f"seconds for a whole upstream attempt "
-                   f"({PROXY_TIMEOUT:g})")
-    p.add_argument("--max-response-bytes", type=int, default=DEFAULT_MAX_RESPONSE_BYTES)
+    for flag, kind, default, _least, text in _PROXY_OPTIONS:
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
     p.add_argument("--no-fsync", action="store_true", help="lines reach the kernel before the answer (kill -9 "
                    "loses none) but are not forced to disk one by one")
     p.add_argument("--verbose", action="store_true", help="one line per request on stderr")
@@ -1437,31 +1391,26 @@ def _proxy_parser():
 
 def _run_proxy(args):
     import signal
-    upstream = settings_from_env(need_model=False)
-    token = os.environ.get("PROXY_TOKEN") or None
+    upstream, token = settings_from_env(need_model=False), os.environ.get("PROXY_TOKEN") or None
     if token is not None and not re.fullmatch(r"[\x21-\x7e]+", token):
         raise ConfigError("PROXY_TOKEN must be printable ASCII without spaces (the token is not shown)")
-    for name, value, minimum in (("--max-connections", args.max_connections, 1), ("--grace", args.grace, 0),
-                                 ("--max-response-bytes", args.max_response_bytes, 1024)):
-        _check_number(name, value, minimum=minimum)
-    for name, value in (("--timeout", args.timeout), ("--idle-timeout", args.idle_timeout),
-                        ("--read-timeout", args.read_timeout)):
-        _check_number(name, value, above=0)
+    for flag, _kind, _default, least, _text in _PROXY_OPTIONS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        _check_number(flag, value, minimum=least, above=0 if least is None else None)
     match = re.fullmatch(r"\[?([^\[\]]*?)\]?:([0-9]{1,5})", args.listen)
     if not match or int(match.group(2)) > 65535:
         raise ConfigError(f"--listen must be HOST:PORT, not {args.listen!r}")
     host, port = match.group(1), int(match.group(2))
     if token is None and not _is_loopback(host):
         raise ConfigError(f"--listen {host}: set PROXY_TOKEN to listen on anything but loopback")
-    ledger_path = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
-    server = _ProxyServer((host, port), args, upstream, token, ledger_path)
+    server = _ProxyServer((host, port), args, upstream, token)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True).start()
     shown = f"[{host}]" if ":" in host else host
     rl.write_out(f"proxy: listening on http://{shown}:{server.server_address[1]}/v1 -> {server.split[1]} "
-                 f"(ledger {ledger_path})\n")
+                 f"(ledger {args.ledger})\n")
     while not stop.wait(1.0):
         pass
     server.stop(args.grace)  # new requests 503, idle connections closed; then no new connections
@@ -1474,6 +1423,7 @@ def main(argv=None):
     args, code = rl.parse_cli(_proxy_parser() if proxy else _build_parser(), argv[proxy:])
     if args is None:
         return code
+    args.ledger = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
     secrets = [os.environ.get(name) for name in ("API_KEY", "OPENAI_API_KEY", "PROXY_TOKEN")]
     return rl.run_cli(_run_proxy if proxy else _run, args, secrets=[s for s in secrets if s])
 
