@@ -14,10 +14,8 @@ MODEL_ID (--model). Optional: LEDGER (--ledger, default ./calls.jsonl), LEDGER_R
 Exit codes: 0 ok, 1 the call failed, 2 usage/config/ledger error, 3 answer received but a check failed,
 5 stdout could not be written (the call is recorded).
 
-Library (the one code path for a model call; agent.py uses it):
-  record = ask.chat([{"role": "user", "content": "2+2?"}], ledger=ledger_or_run_or_path,
-                    base_url=..., model=..., api_key=..., max_tokens=200)
-  record["text"], record["error_type"]
+Library (the one code path for a model call; agent.py uses it): ask.chat(messages, ledger=..., base_url=...,
+model=..., api_key=...) returns the last attempt's record plus "text" (docs/ask.md).
 """
 
 import argparse
@@ -706,16 +704,10 @@ def _attempts(url, body, new_record, append, *, api_key, timeout, limit, redacto
 @contextlib.contextmanager
 def _opened(ledger, api_key):
     """A Ledger that can take a line: the one given, a Run's, or one opened on a path (and closed after)."""
-    if isinstance(ledger, rl.Run):
-        ledger = ledger.ledger
-    owned = isinstance(ledger, (str, os.PathLike))
-    if owned:
-        book = rl.Ledger(ledger, os.environ.get("LEDGER_RUN_ID") or None, secrets=(api_key,))
-    elif isinstance(ledger, rl.Ledger):
-        book = ledger
-        book.add_secret(api_key)
-    else:
-        raise TypeError(f"ledger must be a Ledger, a Run or a path, not a {type(ledger).__name__}")
+    ledger = ledger.ledger if isinstance(ledger, rl.Run) else ledger
+    owned = not isinstance(ledger, rl.Ledger)
+    book = rl.Ledger(ledger, os.environ.get("LEDGER_RUN_ID") or None, secrets=(api_key,)) if owned else ledger
+    book.add_secret(api_key)
     try:
         _check_ledger(book)
         yield book
@@ -752,13 +744,12 @@ def chat(messages, *, ledger, base_url, model, api_key, max_tokens=None, tempera
         raise ConfigError('messages must be a non-empty list of {"role": str, "content": str}')
     if not any(m["role"] != "system" and m["content"].strip() for m in messages):
         raise ConfigError("the prompt is empty")
-    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
-        raise ConfigError("max_tokens must be a positive integer")
-    if type(retries) is not int or type(max_response_bytes) is not int:
-        raise ConfigError("retries and max_response_bytes must be integers")
+    if any(type(n) is not int for n in (retries, max_response_bytes, 1 if max_tokens is None else max_tokens)):
+        raise ConfigError("retries, max_tokens and max_response_bytes must be integers")
     for name, value, minimum, above in (("temperature", temperature, None, None), ("timeout", timeout, None, 0),
                                         ("max_wait", max_wait, 0, None), ("backoff", backoff, 0, None),
                                         ("until", until, None, None), ("retries", retries, 0, None),
+                                        ("max_tokens", max_tokens, 1, None),
                                         ("max_response_bytes", max_response_bytes, 1024, None)):
         _check_number(name, value, minimum, above)
     try:
