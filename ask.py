@@ -46,7 +46,6 @@ __version__ = "1.1.0"
 __all__ = ["chat", "ask", "list_models", "settings_from_env", "split_base_url", "retryable", "estimate_tokens",
            "ConfigError", "RecordError", "MODEL_CALL_FIELDS", "MODEL_CALL_OPTIONAL", "DEFAULT_MAX_RESPONSE_BYTES"]
 
-
 # --- Constants ---
 
 DEFAULT_LEDGER = "calls.jsonl"
@@ -169,7 +168,7 @@ def _check_number(name, value, minimum=None, above=None):
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"{name} must be a finite number, not {value!r}")
-    if minimum is not None and value < minimum or above is not None and value <= above:
+    if (minimum is not None and value < minimum) or (above is not None and value <= above):
         raise ConfigError(f"{name} must be {'at least' if above is None else 'greater than'} "
                           f"{minimum if above is None else above}")
 
@@ -214,7 +213,7 @@ _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 def _server_text(value, where, problems, limit=None):
     """A string the server chose, safe to record: another type, a lone surrogate or an over-long value is noted."""
-    if value is None or type(value) is not str:
+    if type(value) is not str:
         if value is not None:
             problems.append(f"{where} is a {type(value).__name__}, not a string")
         return None
@@ -296,9 +295,7 @@ def run_checks(text, *, expect=None, expect_json=False, strict_model=False, requ
         ok = response_model == request_model
         results.append((ok, f"served model {'is' if ok else 'is not'} the requested one "
                             f"({response_model!r} vs {request_model!r})"))
-    if not results:
-        return None, None
-    return all(ok for ok, _ in results), "; ".join(detail for _, detail in results)
+    return (all(ok for ok, _ in results), "; ".join(detail for _, detail in results)) if results else (None, None)
 
 # --- Transport: no redirects, one deadline for the whole attempt, bounded reads ---
 
@@ -434,10 +431,10 @@ def _take(record, data, key, state, problems, status, headers):
     """A whole answer (key "message") or a stream chunk ("delta") of chat, completions, the Responses API or
     embeddings into record and state; returns its text (None for embeddings)."""
     whole, kind, choices = key == "message", data.get("type"), data.get("choices")
-    if kind == "error" or data.get("error") is not None and not (whole and (choices or data.get("output"))):
+    if kind == "error" or (data.get("error") is not None and not (whole and (choices or data.get("output")))):
         _api_error(data.get("error") or data, status, headers,
                    f"HTTP {status} with an error body" if whole else "error in the stream")
-    if whole and isinstance(data.get("output"), list) or type(kind) is str and kind.startswith("response."):
+    if (whole and isinstance(data.get("output"), list)) or (type(kind) is str and kind.startswith("response.")):
         return _take_response(record, data, whole, state, problems, status, headers)
     _fill_ids(record, data, problems)
     if whole or data.get("usage") is not None:
@@ -520,7 +517,7 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems, 
             text = line.rstrip(b"\r\n")
             if text.startswith(b"data:"):
                 data.append(text[5:].strip())
-            if line and (text and data[-1:] != [b"[DONE]"] or not text and len(raw) == 1):
+            if line and ((text and data[-1:] != [b"[DONE]"]) or (not text and len(raw) == 1)):
                 continue  # the event goes on (a lone blank line goes out with the next one)
             if not (line or data):
                 break
@@ -627,11 +624,10 @@ class _Printer:
     """The caller's on_text; once it raises it is called no more, and the exception waits for the line."""
 
     def __init__(self, on_text):
-        self.on_text, self.raised, self.printed = on_text, None, False
+        self.on_text, self.raised = on_text, None
 
     def __call__(self, piece):
         if self.on_text is not None and self.raised is None:
-            self.printed = True
             try:
                 self.on_text(piece)
             except Exception as exc:  # the caller's code: kept, and raised again once the line is written
@@ -683,7 +679,8 @@ def _attempts(url, body, new_record, append, *, api_key, timeout, limit, redacto
         if text and store is not None:
             record["response_artifact"] = store(text)
         wait, sent_options = None, "stream_options" in body
-        if failure is not None and not (printer.printed or (out is not None and out.began)):
+        printed = on_text is not None and record["ttft_ms"] is not None  # a stream already shown is not sent twice
+        if failure is not None and not (printed or (out is not None and out.began)):
             wait = _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, until)
         dropped = dropped or (sent_options and "stream_options" not in body)
         result = dict(record, text=text if failure is None or failure.error_type == "malformed_response" else None)
