@@ -14,13 +14,12 @@ MODEL_ID (--model). Optional: LEDGER (--ledger, default ./calls.jsonl), LEDGER_R
 Exit codes: 0 ok, 1 the call failed, 2 usage/config/ledger error, 3 answer received but a check failed,
 5 stdout could not be written (the call is recorded).
 
-Library (the one code path for a model call; agent.py uses it):
-  record = ask.chat([{"role": "user", "content": "2+2?"}], ledger=ledger_or_run_or_path,
-                    base_url=..., model=..., api_key=..., max_tokens=200)
-  record["text"], record["error_type"]
+Library (the one code path for a model call; agent.py uses it): ask.chat(messages, ledger=..., base_url=...,
+model=..., api_key=...) returns the last attempt's record plus "text" (docs/ask.md).
 """
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -98,8 +97,7 @@ class ConfigError(rl.UsageError):
 
 
 class RecordError(rl.UsageError):
-    """The call was made but its ledger line could not be written; `.record` holds what was received, answer
-    included, so a paid answer is never thrown away."""
+    """The call was made but its ledger line could not be written; `.record` holds what was received."""
 
     def __init__(self, message, record):
         super().__init__(message)
@@ -118,8 +116,7 @@ class _CallFailed(Exception):
 
 
 def settings_from_env(base_url=None, model=None, api_key=None, environ=None, need_model=True):
-    """(base_url, model, api_key) from flags, then BASE_URL/MODEL_ID/API_KEY and the OPENAI_* names; there are
-    no defaults. Raises ConfigError naming every missing setting, or for a malformed key or URL."""
+    """(base_url, model, api_key) from flags, then the environment; no defaults. Raises ConfigError."""
     env = os.environ if environ is None else environ
     base_url = base_url or env.get("BASE_URL") or env.get("OPENAI_BASE_URL")
     model = model or env.get("MODEL_ID")
@@ -137,30 +134,23 @@ def settings_from_env(base_url=None, model=None, api_key=None, environ=None, nee
 
 
 def check_api_key(api_key):
-    """The key goes into an HTTP header: refuse what would break it or send something else."""
-    if api_key != api_key.strip():
-        raise ConfigError("API_KEY has white space or a line break around it; remove it (the key is not shown)")
-    if not re.fullmatch(r"[\x21-\x7e]+", api_key):
-        raise ConfigError("API_KEY must be printable ASCII without spaces or line breaks (the key is not shown)")
+    if not re.fullmatch(r"[\x21-\x7e]+", api_key):  # it goes into an HTTP header
+        raise ConfigError("API_KEY must be printable ASCII, with no white space or line break in or around it "
+                          "(the key is not shown)")
 
 
 def split_base_url(base_url):
     """(request_base, recorded_base, host, port): the first keeps a query string (api-version=...), the
     recorded one drops user:password, query and fragment. Raises ConfigError for a bad URL."""
     safe = rl.redact_text(re.split(r"[?#]", base_url, maxsplit=1)[0])  # no query, fragment or credentials
-    if re.search(r"[\x00-\x20\x7f]", base_url):
-        raise ConfigError(f"BASE_URL has white space or a control character in it: {safe!r}")
     try:
         parts = urllib.parse.urlsplit(base_url)
-    except ValueError:
-        raise ConfigError(f"BASE_URL is not a URL: {safe!r}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"BASE_URL must be an http(s) URL like https://host/v1, not {safe!r}")
-    try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        parts.hostname.encode("idna")
+        (parts.hostname or "").encode("idna")
     except (ValueError, UnicodeError):
         raise ConfigError(f"BASE_URL has a bad host or port: {safe!r}") from None
+    if re.search(r"[\x00-\x20\x7f]", base_url) or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"BASE_URL must be an http(s) URL like https://host/v1, with no white space, not {safe!r}")
     host = parts.hostname
     netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
     path = parts.path.rstrip("/")
@@ -178,10 +168,9 @@ def _check_number(name, value, minimum=None, above=None):
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"{name} must be a finite number, not {value!r}")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{name} must be at least {minimum}")
-    if above is not None and value <= above:
-        raise ConfigError(f"{name} must be greater than {above}")
+    if (minimum is not None and value < minimum) or (above is not None and value <= above):
+        raise ConfigError(f"{name} must be {'at least' if above is None else 'greater than'} "
+                          f"{minimum if above is None else above}")
 
 # --- What a server says ---
 
@@ -191,58 +180,49 @@ def estimate_tokens(chars):
 
 
 def _count(value):
-    """A reported token count: a non-negative int, else None (never 0 by default, never a guess)."""
-    return value if type(value) is int and 0 <= value < 2 ** 63 else None
+    return value if type(value) is int and 0 <= value < 2 ** 63 else None  # never 0 by default, never a guess
 
 
 def _code(value):
-    """A server's error code as recorded: a string or number, cut to 100 characters."""
     return str(value)[:100] if isinstance(value, (str, int)) and not isinstance(value, bool) else None
 
 
 def parse_usage(usage):
     """Reported usage only. Returns the fields and usage_status: complete/partial/zero/absent/malformed."""
-    fields = {"usage_reported": False, "usage_status": "absent" if usage is None else "malformed"}
-    names = ("input_tokens", "output_tokens", "total_tokens", "cached_input_tokens", "reasoning_output_tokens")
-    fields.update(dict.fromkeys(names))
-    if not isinstance(usage, dict):
-        return fields
+    got = usage if isinstance(usage, dict) else {}
 
-    def details(*keys):
-        found = next((usage[key] for key in keys if usage.get(key)), {})
-        return found if isinstance(found, dict) else {}
-    fields.update(input_tokens=_count(usage.get("prompt_tokens", usage.get("input_tokens"))),
-                  output_tokens=_count(usage.get("completion_tokens", usage.get("output_tokens"))),
-                  total_tokens=_count(usage.get("total_tokens")),
-                  cached_input_tokens=_count(details("prompt_tokens_details", "input_tokens_details")
-                                             .get("cached_tokens")),
-                  reasoning_output_tokens=_count(details("completion_tokens_details", "output_tokens_details")
-                                                 .get("reasoning_tokens")))
-    known = [fields[name] for name in names[:3] if fields[name] is not None]
-    if known:
-        fields["usage_reported"] = True
-        fields["usage_status"] = "zero" if not any(known) else "partial" if len(known) < 3 else "complete"
-    return fields
+    def detail(keys, name):
+        found = next((got[key] for key in keys if got.get(key)), {})
+        return _count(found.get(name)) if isinstance(found, dict) else None
+    fields = {"input_tokens": _count(got.get("prompt_tokens", got.get("input_tokens"))),
+              "output_tokens": _count(got.get("completion_tokens", got.get("output_tokens"))),
+              "total_tokens": _count(got.get("total_tokens")),
+              "cached_input_tokens": detail(("prompt_tokens_details", "input_tokens_details"), "cached_tokens"),
+              "reasoning_output_tokens": detail(("completion_tokens_details", "output_tokens_details"),
+                                                "reasoning_tokens")}
+    known = [value for value in list(fields.values())[:3] if value is not None]
+    if usage is None or not known:
+        status = "absent" if usage is None else "malformed"
+    else:
+        status = "zero" if not any(known) else "partial" if len(known) < 3 else "complete"
+    return dict(fields, usage_reported=bool(known), usage_status=status)
 
 
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
 def _server_text(value, where, problems, limit=None):
-    """A string the server chose, made safe to record: None stays None; another type, a lone surrogate or
-    (with `limit`) an over-long value is noted in `problems` and repaired."""
-    if value is None:
-        return None
+    """A string the server chose, safe to record: another type, a lone surrogate or an over-long value is noted."""
     if type(value) is not str:
-        problems.append(f"{where} is a {type(value).__name__}, not a string")
+        if value is not None:
+            problems.append(f"{where} is a {type(value).__name__}, not a string")
         return None
     if _SURROGATE_RE.search(value):
         problems.append(f"{where} holds a lone surrogate (not Unicode text)")
         value = _SURROGATE_RE.sub("\ufffd", value)
     if limit is not None and len(value) > limit:
         problems.append(f"{where} was cut from {len(value)} to {limit} characters")
-        value = value[:limit]
-    return value
+    return value[:limit]
 
 
 def _content_text(content, where, problems):
@@ -261,29 +241,24 @@ def _content_text(content, where, problems):
 def retry_after_seconds(headers, now=None):
     """The server's requested wait: retry-after-ms, or Retry-After in seconds or as an HTTP date."""
     lower = {k.lower(): v for k, v in headers.items()} if headers else {}
-    try:
-        seconds = float(lower["retry-after-ms"]) / 1000.0
-    except (KeyError, TypeError, ValueError):
-        value = lower.get("retry-after")
-        if value is None:
-            return None
+    for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
         try:
-            seconds = float(value)
-        except ValueError:
-            import email.utils  # only on this rare path
-            try:
-                moment = email.utils.parsedate_to_datetime(value)
-            except (TypeError, ValueError, IndexError):
-                return None
-            if moment is None:
-                return None
-            seconds = moment.timestamp() - (time.time() if now is None else now)
-    return max(0.0, seconds) if math.isfinite(seconds) else None
+            seconds = float(lower[name]) / scale
+            break
+        except (KeyError, TypeError, ValueError):
+            seconds = None
+    if seconds is None and "retry-after" in lower:
+        import email.utils  # only on this rare path
+        try:
+            moment = email.utils.parsedate_to_datetime(lower["retry-after"]).timestamp()
+        except (TypeError, ValueError, IndexError, AttributeError):
+            return None
+        seconds = moment - (time.time() if now is None else now)
+    return max(0.0, seconds) if seconds is not None and math.isfinite(seconds) else None
 
 
 def _error_from_body(raw, content_type):
-    """(message, code): the server's own error message and code from a JSON body, the <title> of an HTML
-    page, or the text."""
+    """(message, code): from a JSON error body, the <title> of an HTML page, or the text."""
     text = raw.decode("utf-8", "replace").strip()
     try:
         data = json.loads(text)
@@ -320,50 +295,43 @@ def run_checks(text, *, expect=None, expect_json=False, strict_model=False, requ
         ok = response_model == request_model
         results.append((ok, f"served model {'is' if ok else 'is not'} the requested one "
                             f"({response_model!r} vs {request_model!r})"))
-    if not results:
-        return None, None
-    return all(ok for ok, _ in results), "; ".join(detail for _, detail in results)
+    return (all(ok for ok, _ in results), "; ".join(detail for _, detail in results)) if results else (None, None)
 
 # --- Transport: no redirects, one deadline for the whole attempt, bounded reads ---
 
 
-def _classify(exc, deadline):
-    """(error_type, message) for a failure below a complete HTTP answer."""
+def _classify(exc, deadline):  # a failure below a complete HTTP answer
+    import ssl  # already loaded by urllib.request
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
     if deadline.expired:
         return "timeout", f"no complete answer within {deadline.seconds:g} s (--timeout bounds the whole attempt)"
-    reason = getattr(exc, "reason", exc) if isinstance(exc, urllib.error.URLError) else exc
-    import ssl  # already loaded by urllib.request
     if isinstance(reason, (socket.timeout, TimeoutError)):
         return "timeout", "timed out"
     if isinstance(reason, socket.gaierror):
         return "dns_error", f"name resolution failed: {reason.strerror or reason}"
     if isinstance(reason, ConnectionRefusedError):
         return "connection_refused", "connection refused"
-    if isinstance(reason, (ssl.SSLError, ssl.CertificateError)):
+    if isinstance(reason, ssl.SSLError):
         return "tls_error", f"TLS error: {reason}"
     if isinstance(reason, http.client.IncompleteRead):
         return "truncated_response", f"the body was cut short ({len(reason.partial)} bytes arrived)"
-    if isinstance(reason, http.client.HTTPException):
-        detail = str(reason)[:200]
-        return "connection_error", f"broken HTTP answer: {type(reason).__name__}{': ' + detail if detail else ''}"
-    return "connection_error", f"{type(reason).__name__}: {reason}"
+    return "connection_error", f"{type(reason).__name__}: {str(reason)[:200]}"
 
 
-def _open(url, *, api_key, deadline, body=None, accept="application/json"):
-    """Send one request; return the response of a 2xx. Raises _CallFailed for anything else."""
-    headers = {"Authorization": f"Bearer {api_key}", "User-Agent": USER_AGENT, "Accept": accept}
-    data = None
+def _open(url, record, problems, *, api_key, deadline, limit, body=None):
+    """Send one request (GET without a body); return the response of a 2xx, its head in `record`. Raises
+    _CallFailed for anything else, or for a body announced over `limit`."""
+    stream = bool(body and body.get("stream"))
+    headers = {"Authorization": f"Bearer {api_key}", "User-Agent": USER_AGENT,
+               "Accept": "text/event-stream" if stream else "application/json"}
     if body is not None:
-        data = json.dumps(body).encode("ascii")  # \\u escapes: any text, lone surrogates included, goes out
         headers["Content-Type"] = "application/json"
-    request = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
+    data = None if body is None else json.dumps(body).encode("ascii")  # \u escapes: lone surrogates go out too
     try:
-        return rl.http_open(request, deadline)
+        response = rl.http_open(urllib.request.Request(url, data=data, headers=headers), deadline)
     except urllib.error.HTTPError as exc:
-        try:
+        with exc:
             raw = _read_body(exc, MAX_ERROR_BODY_BYTES, deadline, tolerant=True)
-        finally:
-            exc.close()
         if 300 <= exc.code < 400:
             location = exc.headers.get("Location", "") if exc.headers else ""
             host = urllib.parse.urlsplit(location).netloc.rpartition("@")[2][:200] or "(no Location)"
@@ -376,47 +344,44 @@ def _open(url, *, api_key, deadline, body=None, accept="application/json"):
                           code=code, body=raw) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         raise _CallFailed(*_classify(exc, deadline)) from None
+    record["http_status"] = response.status
+    _fill_head(record, response.headers, problems)
+    declared = response.headers.get("Content-Length", "")
+    if declared.isdigit() and int(declared) > limit:
+        response.close()
+        raise _CallFailed("response_too_large", f"the body announces {declared} bytes, over the {limit}-byte "
+                                                f"limit (--max-response-bytes)", response.status, response.headers)
+    return response
 
 
 def _read_body(response, limit, deadline, tolerant=False):
-    """The body, at most `limit` bytes, checked against Content-Length; `tolerant` (error bodies) returns
-    what arrived instead of failing."""
-    status = getattr(response, "status", None) or getattr(response, "code", None)
-    chunks, total = [], 0
+    """The body, at most `limit` bytes, checked against Content-Length, unless `tolerant` (an error's body)."""
+    failed = None
     try:
-        while True:
-            chunk = response.read(min(65536, limit + 1 - total))
-            if not chunk:
-                break
-            total += len(chunk)
-            if total > limit:
-                if tolerant:
-                    break
-                raise _CallFailed("response_too_large", f"the body is over the {limit}-byte limit "
-                                                        f"(--max-response-bytes)", status, response.headers)
-            chunks.append(chunk)
+        raw = response.read(limit + 1)
     except (OSError, http.client.HTTPException) as exc:
-        if tolerant:
-            return b"".join(chunks)
-        raise _CallFailed(*_classify(exc, deadline), status, response.headers) from None
-    if not tolerant and deadline.expired:
-        raise _CallFailed(*_classify(None, deadline), status, response.headers)
-    if not tolerant and getattr(response, "length", None):
-        raise _CallFailed("truncated_response", f"the body ended {response.length} bytes short of its "
-                                                f"Content-Length", status, response.headers)
-    return b"".join(chunks)
+        raw, failed = b"", _classify(exc, deadline)
+    if tolerant:
+        return raw[:limit]
+    if len(raw) > limit:
+        failed = "response_too_large", f"the body is over the {limit}-byte limit (--max-response-bytes)"
+    elif deadline.expired:
+        failed = _classify(None, deadline)
+    elif failed is None and response.length:
+        failed = "truncated_response", f"the body ended {response.length} bytes short of its Content-Length"
+    if failed is not None:
+        raise _CallFailed(*failed, response.status, response.headers)
+    return raw
 
 
-def _parse_json(raw, what, problems, status, headers, content_type=""):
+def _parse_json(raw, what, problems, status, headers):
     """A JSON object from raw bytes. NaN and Infinity are noted in problems and read as null."""
-    def constant(name):
-        problems.append(f"{name} in the {what}")
     try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=constant)
+        data = json.loads(raw.decode("utf-8"), parse_constant=lambda name: problems.append(f"{name} in the {what}"))
     except UnicodeDecodeError:
         raise _CallFailed("invalid_json", f"HTTP {status} but the {what} is not UTF-8", status, headers) from None
     except ValueError:
-        message = _error_from_body(raw, content_type)[0]
+        message = _error_from_body(raw, headers.get("Content-Type", ""))[0]
         error_type = "html_response" if message.startswith("an HTML page") else "invalid_json"
         raise _CallFailed(error_type, f"HTTP {status} but the {what} is not JSON: {message[:200]}", status,
                           headers) from None
@@ -444,32 +409,51 @@ def _new_record(model, recorded_base, host, port, stream, attempt, messages, opt
     system_chars = sum(map(len, system))
     prompt_chars = sum(len(m["content"]) for m in messages) - system_chars
     record = dict.fromkeys(MODEL_CALL_FIELDS)
-    record.update(parse_usage(None))
-    record.update({
-        "request_model": model, "base_url": recorded_base, "server_address": host, "server_port": port,
-        "stream": stream, "attempt": attempt,
-        "prompt_sha256": _sha256(users[-1] if users else ""), "prompt_chars": prompt_chars,
-        "system_chars": system_chars, "message_count": len(messages),
-        "messages_sha256": _sha256(json.dumps(messages, ensure_ascii=False, separators=(",", ":"))),
-        "est_input_tokens": estimate_tokens(prompt_chars + system_chars), "est_method": EST_METHOD,
-        "ratelimit": {}, "temperature": options.get("temperature"), "max_tokens": options.get("max_tokens"),
-    })
+    record.update(parse_usage(None), request_model=model, base_url=recorded_base, server_address=host,
+                  server_port=port, stream=stream, attempt=attempt, prompt_sha256=_sha256(users[-1] if users else ""),
+                  prompt_chars=prompt_chars, system_chars=system_chars, message_count=len(messages),
+                  messages_sha256=_sha256(json.dumps(messages, ensure_ascii=False, separators=(",", ":"))),
+                  est_input_tokens=estimate_tokens(prompt_chars + system_chars), est_method=EST_METHOD,
+                  ratelimit={}, temperature=options.get("temperature"), max_tokens=options.get("max_tokens"))
     if system:
         record["system_sha256"] = _sha256("\n".join(system))
     return record
 
 
 def _fill_ids(record, data, problems):
-    """response_model, response_id and system_fingerprint from an answer object or stream chunk."""
     for name, key in (("response_model", "model"), ("response_id", "id"), ("system_fingerprint", "system_fingerprint")):
         value = _server_text(data.get(key), key, problems, MAX_FIELD_CHARS)
         if value is not None:
             record[name] = value
 
 
+def _take(record, data, key, state, problems, status, headers):
+    """A whole answer (key "message") or a stream chunk ("delta") of chat, completions, the Responses API or
+    embeddings into record and state; returns its text (None for embeddings)."""
+    whole, kind, choices = key == "message", data.get("type"), data.get("choices")
+    if kind == "error" or (data.get("error") is not None and not (whole and (choices or data.get("output")))):
+        _api_error(data.get("error") or data, status, headers,
+                   f"HTTP {status} with an error body" if whole else "error in the stream")
+    if (whole and isinstance(data.get("output"), list)) or (type(kind) is str and kind.startswith("response.")):
+        return _take_response(record, data, whole, state, problems, status, headers)
+    _fill_ids(record, data, problems)
+    if whole or data.get("usage") is not None:
+        state["usage"] = data.get("usage")
+    if whole and data.get("object") == "list" and isinstance(data.get("data"), list):
+        state["tools"] = state["embedding"] = True  # an answer, without text
+        return None
+    if whole and (not isinstance(choices, list) or not choices):
+        raise _CallFailed("no_choices", f"HTTP {status} but the response has no choices", status, headers)
+    if type(choices or []) is not list:
+        problems.append(f"a stream chunk's choices is a {type(choices).__name__}, not a list")
+        return ""
+    return "".join(_choice_text(record, choice, key, "choices[0]" if whole else "a stream choice", state, problems)
+                   for choice in (choices[:1] if whole else choices or [])
+                   if whole or type(choice) is not dict or choice.get("index", 0) == 0)
+
+
 def _choice_text(record, choice, key, where, state, problems):
-    """One choice's text, whole (key "message") or a stream's piece (key "delta"), with its finish_reason
-    and whether it calls a tool."""
+    """One choice's text, whole or a stream's piece, with its finish_reason and whether it calls a tool."""
     if type(choice) is not dict:
         problems.append(f"{where} is a {type(choice).__name__}, not an object")
         return ""
@@ -487,89 +471,73 @@ def _choice_text(record, choice, key, where, state, problems):
     return _content_text(part.get("content"), f"{where}.{key}.content", problems)
 
 
-def _fill_from_completion(record, data, problems, status, headers, state):
-    """Fill `record` from a chat.completion, text_completion, Responses API response or embedding list;
-    return the answer text (None for embeddings). state["tools"] is set when the answer needs no text."""
-    choices = data.get("choices")
-    if data.get("error") is not None and not choices and not data.get("output"):
-        _api_error(data["error"], status, headers, f"HTTP {status} with an error body")
-    _fill_ids(record, data, problems)
-    record.update(parse_usage(data.get("usage")))
-    if data.get("object") == "list" and isinstance(data.get("data"), list):  # embeddings: input tokens only
-        if record["input_tokens"] is not None and record["output_tokens"] is None:
-            record["usage_status"] = "complete"
-        state["tools"] = True  # an answer, without text
-        return None
-    if isinstance(data.get("output"), list):  # the Responses API
-        record["finish_reason"] = _server_text(data.get("status"), "status", problems, MAX_FIELD_CHARS)
-        texts = []
-        for item in data["output"]:
-            if type(item) is not dict:
-                problems.append(f"an output item is a {type(item).__name__}, not an object")
-            elif item.get("type") == "message":
-                texts.append(_content_text(item.get("content"), "output[].content", problems))
-            else:
-                state["tools"] = state.get("tools") or item.get("type") == "function_call"
-        return "".join(texts)
-    if not isinstance(choices, list) or not choices:
-        raise _CallFailed("no_choices", f"HTTP {status} but the response has no choices", status, headers)
-    return _choice_text(record, choices[0], "message", "choices[0]", state, problems)
-
-
 _RESPONSE_DONE = ("response.completed", "response.incomplete", "response.failed")
 
 
-def _sse_events(response, limit, deadline):
-    """Yield (raw, data) per server-sent event, split at blank lines (and after `data: [DONE]`): raw is the
-    event as sent, data its data: lines (None if none). Lines and the whole stream are capped."""
-    status, headers = response.status, response.headers
-    raw, data, total = [], [], 0
-    while True:
-        line = response.readline(MAX_SSE_LINE_BYTES + 1)
-        if not line:
-            if data:
-                yield b"".join(raw), b"\n".join(data)
-            return
-        total += len(line)
-        if total > limit or (len(line) > MAX_SSE_LINE_BYTES and not line.endswith(b"\n")):
-            raise _CallFailed("response_too_large", f"the stream is over the {limit}-byte limit or has a line "
-                                                    f"over {MAX_SSE_LINE_BYTES} bytes", status, headers)
-        if not line.endswith(b"\n"):
-            raise _CallFailed("truncated_stream", "the stream was cut in the middle of an event", status, headers)
-        raw.append(line)
-        line = line.rstrip(b"\r\n")
-        if line.startswith(b"data:"):
-            data.append(line[5:].strip())
-        if (not line or data[-1:] == [b"[DONE]"]) and (data or len(raw) > 1 or line):
-            yield b"".join(raw), (b"\n".join(data) if data else None)
-            raw, data = [], []
-        if deadline.expired:
-            raise _CallFailed(*_classify(None, deadline), status, headers)
+def _take_response(record, data, whole, state, problems, status, headers):
+    """The Responses API: a whole response, or one of a stream's response.* events."""
+    kind = data.get("type")
+    if kind == "response.output_text.delta":
+        return _server_text(data.get("delta"), "delta", problems) or ""
+    response = data if whole else data.get("response")
+    if type(response) is dict:
+        _fill_ids(record, response, problems)
+        state["usage"] = response.get("usage", state.get("usage"))
+        if whole or kind in _RESPONSE_DONE:
+            record["finish_reason"] = _server_text(response.get("status"), "status", problems, MAX_FIELD_CHARS)
+            state["done"] = True
+        if kind == "response.failed":
+            _api_error(response.get("error"), status, headers, "the response failed")
+    texts = []
+    for item in data["output"] if whole else [data["item"]] if type(data.get("item")) is dict else []:
+        if type(item) is not dict:
+            problems.append(f"an output item is a {type(item).__name__}, not an object")
+        elif whole and item.get("type") == "message":
+            texts.append(_content_text(item.get("content"), "output[].content", problems))
+        else:
+            state["tools"] = state.get("tools") or item.get("type") == "function_call"
+    return "".join(texts)
 
 
 def _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state):
-    """Read server-sent events to [DONE], a finish_reason, or the Responses API's response.completed; return
-    the text. `relay(raw, chunk)` gets each event as it arrives (the proxy)."""
-    parts, status, headers = [], response.status, response.headers
+    """Read server-sent events to [DONE], a finish_reason or response.completed; return the text. Lines and
+    the stream are capped; `relay(raw, chunk)` gets each event as sent, as it arrives (the proxy)."""
+    status, headers = response.status, response.headers
+    parts, raw, data, total = [], [], [], 0
     try:
-        for raw, data in _sse_events(response, limit, deadline):
-            chunk = None
-            if data is not None and data != b"[DONE]":
-                chunk = _parse_json(data, "stream chunk", problems, status, headers) if data[:1] == b"{" else None
-                if chunk is None:
-                    problems.append(f"a stream chunk is not a JSON object: {data[:80]!r}")
-            if relay is not None:
-                relay(raw, chunk)
-            if data == b"[DONE]":
-                state["done"] = True
+        while not (state.get("done") or deadline.expired):
+            line = response.readline(MAX_SSE_LINE_BYTES + 1)
+            total += len(line)
+            if total > limit or (len(line) > MAX_SSE_LINE_BYTES and not line.endswith(b"\n")):
+                raise _CallFailed("response_too_large", f"the stream is over the {limit}-byte limit or has a line "
+                                                        f"over {MAX_SSE_LINE_BYTES} bytes", status, headers)
+            if line and not line.endswith(b"\n"):
+                raise _CallFailed("truncated_stream", "the stream was cut in the middle of an event", status, headers)
+            raw.append(line)
+            text = line.rstrip(b"\r\n")
+            if text.startswith(b"data:"):
+                data.append(text[5:].strip())
+            if line and ((text and data[-1:] != [b"[DONE]"]) or (not text and len(raw) == 1)):
+                continue  # the event goes on (a lone blank line goes out with the next one)
+            if not (line or data):
                 break
-            piece = _take_chunk(record, chunk, state, problems, status, headers) if chunk else ""
+            event, chunk = b"\n".join(data) if data else None, None
+            if event == b"[DONE]":
+                state["done"] = True
+            elif event is not None and event[:1] == b"{":
+                chunk = _parse_json(event, "stream chunk", problems, status, headers)
+            elif event is not None:
+                problems.append(f"a stream chunk is not a JSON object: {event[:80]!r}")
+            if relay is not None:
+                relay(b"".join(raw), chunk)
+            raw, data = [], []
+            piece = _take(record, chunk, "delta", state, problems, status, headers) if chunk else ""
             if piece:
                 if record["ttft_ms"] is None:
                     record["ttft_ms"] = _ms_since(started)
                 parts.append(piece)
                 on_text(piece)
-            if state.get("done"):
+            if not line:
                 break
         if deadline.expired:
             raise _CallFailed(*_classify(None, deadline), status, headers)
@@ -578,55 +546,12 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems, 
     finally:
         record["response_chars"] = sum(map(len, parts))
         record["est_output_tokens"] = estimate_tokens(record["response_chars"])
-        record.update(parse_usage(state.get("usage")))
     if not (state.get("done") or state.get("finished")):
         raise _CallFailed("truncated_stream", "the stream ended without a finish_reason or [DONE]", status, headers)
     return "".join(parts)
 
 
-def _take_chunk(record, chunk, state, problems, status, headers):
-    """One stream chunk (chat, completions or the Responses API) into record/state; returns its text."""
-    kind = chunk.get("type")
-    if chunk.get("error") is not None or kind == "error":
-        _api_error(chunk.get("error") or chunk, status, headers, "error in the stream")
-    if type(kind) is str and kind.startswith("response."):
-        item = chunk.get("item")
-        state["tools"] = state.get("tools") or (type(item) is dict and item.get("type") == "function_call")
-        if kind == "response.output_text.delta":
-            return _server_text(chunk.get("delta"), "delta", problems) or ""
-        response = chunk.get("response")
-        if type(response) is dict:
-            _fill_ids(record, response, problems)
-            state["usage"] = response.get("usage", state.get("usage"))
-            if kind in _RESPONSE_DONE:
-                record["finish_reason"] = _server_text(response.get("status"), "status", problems, MAX_FIELD_CHARS)
-                state["done"] = True
-            if kind == "response.failed":
-                _api_error(response.get("error"), status, headers, "the response failed")
-        return ""
-    _fill_ids(record, chunk, problems)
-    if chunk.get("usage") is not None:
-        state["usage"] = chunk["usage"]
-    choices = chunk.get("choices") or []
-    if type(choices) is not list:
-        problems.append(f"a stream chunk's choices is a {type(choices).__name__}, not a list")
-        return ""
-    return "".join(_choice_text(record, choice, "delta", "a stream choice", state, problems) for choice in choices
-                   if type(choice) is not dict or choice.get("index", 0) == 0)
-
-
-def _took(response, record, problems, limit):
-    """The head of a 2xx answer into `record`; a body announced too large raises."""
-    record["http_status"] = response.status
-    _fill_head(record, response.headers, problems)
-    declared = response.headers.get("Content-Length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _CallFailed("response_too_large", f"the body announces {declared} bytes, over the {limit}-byte "
-                                                f"limit (--max-response-bytes)", response.status, response.headers)
-
-
 def _fill_head(record, headers, problems):
-    """request_id and the rate-limit headers (at most 32, each cut) of any answer."""
     record["request_id"] = _server_text(headers.get("x-request-id") or headers.get("request-id"),
                                         "request-id header", problems, MAX_FIELD_CHARS)
     record["ratelimit"] = limits = {}
@@ -637,50 +562,42 @@ def _fill_head(record, headers, problems):
 
 
 def _one_attempt(url, body, record, started, *, api_key, deadline, limit, on_text, problems, relay, state):
-    """Send once; fill `record` (all but latency_ms); return the answer text. Raises _CallFailed. `relay` gets
-    a stream's events, `state` the answer's status, headers and (parsed) raw body (the proxy's)."""
-    stream = bool(body.get("stream"))
-    response = _open(url, api_key=api_key, deadline=deadline, body=body,
-                     accept="text/event-stream" if stream else "application/json")
-    with response:
-        _took(response, record, problems, limit)
+    """Send once; fill `record` but latency_ms and `state` (status, headers, a parsed body's bytes); return the
+    text. Raises _CallFailed."""
+    with _open(url, record, problems, api_key=api_key, deadline=deadline, limit=limit, body=body) as response:
         state["status"], state["headers"] = response.status, response.headers
-        if stream:
-            if relay is not None:
-                relay.headers = response.headers
-            return _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state)
-        raw = _read_body(response, limit, deadline)
-        data = _parse_json(raw, "body", problems, response.status, response.headers,
-                           response.headers.get("Content-Type", ""))
-        state["raw"] = raw
-        return _fill_from_completion(record, data, problems, response.status, response.headers, state)
+        try:
+            if body.get("stream"):
+                if relay is not None:
+                    relay.headers = response.headers
+                return _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state)
+            raw = _read_body(response, limit, deadline)
+            data = _parse_json(raw, "body", problems, response.status, response.headers)
+            state["raw"] = raw
+            return _take(record, data, "message", state, problems, response.status, response.headers)
+        finally:
+            record.update(parse_usage(state.get("usage")))
+            if state.get("embedding") and record["input_tokens"] is not None and record["output_tokens"] is None:
+                record["usage_status"] = "complete"  # embeddings have input tokens only
 
 
 def _finish(record, started, text, failure, problems, redactor, answered=False):
-    """The finishing steps of every attempt, one-shot, proxied or refused: latency, sizes, problems and the
+    """The last steps of every attempt, one-shot, proxied, refused or /models: latency, sizes, problems and the
     failure, if any, into `record`. Returns the failure (None on success)."""
     record["latency_ms"] = _ms_since(started)  # to the end of the body, or to the failure
-    if text is not None and not record["stream"]:
+    if text is not None:
         record["response_chars"] = len(text)
         record["est_output_tokens"] = estimate_tokens(len(text))
     if problems:
         record["malformed"] = problems[:MAX_PROBLEMS]
-        if failure is None:
-            failure = _CallFailed("malformed_response", "the answer arrived but the body is malformed: "
-                                  + "; ".join(problems[:3]), record["http_status"])
+    if problems and failure is None:
+        failure = _CallFailed("malformed_response", "the answer arrived but the body is malformed: "
+                              + "; ".join(problems[:3]), record["http_status"])
     if failure is None and not answered and not text.strip():
         failure = _CallFailed("empty_content", f"HTTP {record['http_status']} but the answer is empty",
                               record["http_status"])
-    if failure is not None:
-        _record_failure(record, failure, redactor)
-    return failure
-
-
-def _ms_since(started):
-    return round((time.perf_counter() - started) * 1000, 1)
-
-
-def _record_failure(record, failure, redactor):
+    if failure is None:
+        return None
     record["error_type"] = failure.error_type
     record["error_message"] = redactor.text(failure.message)[:MAX_ERROR_CHARS]
     if failure.code is not None:
@@ -691,29 +608,30 @@ def _record_failure(record, failure, redactor):
         record["redirect_host"] = failure.redirect_host
     if failure.headers is not None:
         _fill_head(record, failure.headers, [])
+    return failure
+
+
+def _ms_since(started):
+    return round((time.perf_counter() - started) * 1000, 1)
 
 
 def retryable(record):
-    """Whether a failed attempt (its record) is worth retrying: a timeout, a dropped or cut answer, a busy or
-    broken server. A client error (bad key, unknown model, a malformed answer) is not."""
+    """Whether a failed attempt is worth retrying: a timeout, a dropped or cut answer, a busy or broken server."""
     return record["error_type"] in RETRYABLE_ERRORS or record["http_status"] in RETRYABLE_STATUS
 
 
 class _Printer:
-    """Calls the caller's on_text; if it raises, stops calling it and keeps the exception, so the attempt
-    still ends in its ledger line before the exception is raised again."""
+    """The caller's on_text; once it raises it is called no more, and the exception waits for the line."""
 
     def __init__(self, on_text):
-        self.on_text, self.raised, self.printed = on_text, None, False
+        self.on_text, self.raised = on_text, None
 
     def __call__(self, piece):
-        if self.on_text is None or self.raised is not None:
-            return
-        self.printed = True
-        try:
-            self.on_text(piece)
-        except Exception as exc:  # the caller's code: kept, and raised again once the line is written
-            self.raised = exc
+        if self.on_text is not None and self.raised is None:
+            try:
+                self.on_text(piece)
+            except Exception as exc:  # the caller's code: kept, and raised again once the line is written
+                self.raised = exc
 
 
 def _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, until):
@@ -737,18 +655,15 @@ def _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, unti
 def _attempts(url, body, new_record, append, *, api_key, timeout, limit, redactor, retries=0, checks=None,
               store=None, backoff=1.0, max_wait=60.0, on_text=None, on_retry=None, sleep=time.sleep, relay=None,
               tools_answer=False, until=None):
-    """Every attempt of one call, each one model_call line through `append`: retried on a retryable failure
-    (up to `retries`, within `until`, a time.monotonic() reading) and once without stream_options for a server
-    that refuses them. Returns (result, failure, state, relay) of the last attempt; result is its record plus
-    "text"."""
+    """Every attempt of one call, each one model_call line through `append`, retried as _retry_wait says.
+    Returns (result, failure, state, relay) of the last attempt; result is its record plus "text"."""
     attempt, dropped = 0, False
     while True:
         attempt += 1
         record, printer, out = new_record(attempt), _Printer(on_text), relay() if relay else None
         if dropped:
             record["stream_options_dropped"] = True
-        text, failure, problems, state = None, None, [], {}
-        started = time.perf_counter()
+        text, failure, problems, state, started = None, None, [], {}, time.perf_counter()
         deadline = rl.Deadline(timeout if until is None else max(0.001, min(timeout, until - time.monotonic())))
         try:
             text = _one_attempt(url, body, record, started, api_key=api_key, deadline=deadline, limit=limit,
@@ -764,7 +679,8 @@ def _attempts(url, body, new_record, append, *, api_key, timeout, limit, redacto
         if text and store is not None:
             record["response_artifact"] = store(text)
         wait, sent_options = None, "stream_options" in body
-        if failure is not None and not (printer.printed or (out is not None and out.began)):
+        printed = on_text is not None and record["ttft_ms"] is not None  # a stream already shown is not sent twice
+        if failure is not None and not (printed or (out is not None and out.began)):
             wait = _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, until)
         dropped = dropped or (sent_options and "stream_options" not in body)
         result = dict(record, text=text if failure is None or failure.error_type == "malformed_response" else None)
@@ -782,16 +698,19 @@ def _attempts(url, body, new_record, append, *, api_key, timeout, limit, redacto
         sleep(wait)
 
 
-def _ledger_for(ledger, api_key):
-    """(Ledger, owned): a Ledger, a Run's ledger, or a new Ledger on a path (closed by us)."""
-    if isinstance(ledger, rl.Run):
-        ledger = ledger.ledger
-    if isinstance(ledger, rl.Ledger):
-        ledger.add_secret(api_key)
-        return ledger, False
-    if isinstance(ledger, (str, os.PathLike)):
-        return rl.Ledger(ledger, os.environ.get("LEDGER_RUN_ID") or None, secrets=(api_key,)), True
-    raise TypeError(f"ledger must be a Ledger, a Run or a path, not a {type(ledger).__name__}")
+@contextlib.contextmanager
+def _opened(ledger, api_key):
+    """A Ledger that can take a line: the one given, a Run's, or one opened on a path (and closed after)."""
+    ledger = ledger.ledger if isinstance(ledger, rl.Run) else ledger
+    owned = not isinstance(ledger, rl.Ledger)
+    book = rl.Ledger(ledger, os.environ.get("LEDGER_RUN_ID") or None, secrets=(api_key,)) if owned else ledger
+    book.add_secret(api_key)
+    try:
+        _check_ledger(book)
+        yield book
+    finally:
+        if owned:
+            book.close()
 
 
 def _check_ledger(book):
@@ -809,84 +728,56 @@ def _append(book, kind, record):
                           f"{rl.error_text(exc)}", record) from exc
 
 
-def _check_call(messages, model, max_tokens, retries, max_response_bytes, expect):
-    """Refuse a call's arguments before anything is sent; returns `expect` compiled."""
-    if not model:
-        raise ConfigError("MODEL_ID is not set (export MODEL_ID=..., or pass --model); there is no default")
-    if not isinstance(messages, list) or not messages:
-        raise ConfigError("messages must be a non-empty list of {role, content}")
-    for i, message in enumerate(messages):
-        if (type(message) is not dict or type(message.get("role")) is not str
-                or type(message.get("content")) is not str):
-            raise ConfigError(f"messages[{i}] must be {{\"role\": str, \"content\": str}}")
-    if not any(m["role"] != "system" and m["content"].strip() for m in messages):
-        raise ConfigError("the prompt is empty")
-    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
-        raise ConfigError("max_tokens must be a positive integer")
-    if type(retries) is not int or retries < 0:
-        raise ConfigError("retries must be a non-negative integer")
-    if type(max_response_bytes) is not int or max_response_bytes < 1024:
-        raise ConfigError("max_response_bytes must be an integer of at least 1024")
-    try:
-        return re.compile(expect) if expect is not None and not hasattr(expect, "search") else expect
-    except re.error as exc:
-        raise ConfigError(f"--expect is not a valid regular expression: {exc}") from None
-
-
 def chat(messages, *, ledger, base_url, model, api_key, max_tokens=None, temperature=None, stream=False,
          retries=0, timeout=DEFAULT_TIMEOUT, expect=None, expect_json=False, strict_model=False,
          store_text=False, backoff=1.0, max_wait=60.0, max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES,
          on_text=None, on_retry=None, sleep=time.sleep, until=None):
-    """Send `messages` to {base_url}/chat/completions as `model`; append one model_call event per attempt to
-    `ledger` (a Ledger, a Run, or a path). Returns the last attempt's record, as logged, plus "text" (the
-    answer; also kept for a malformed_response). Endpoint failures do not raise: they are in the record.
-    Raises ConfigError before anything is sent (settings, arguments, a ledger that cannot take the line),
-    and RecordError when the line of a finished call cannot be written.
-    `timeout` bounds each whole attempt; `until` (a time.monotonic() reading) bounds them all: each attempt's
-    timeout is cut to it, and no retry starts with less than MIN_ATTEMPT_S left. on_retry(record, wait) is told
-    before each retry."""
-    expect = _check_call(messages, model, max_tokens, retries, max_response_bytes, expect)
+    """Send `messages` to {base_url}/chat/completions, one model_call line per attempt; return the last
+    attempt's record plus "text". Failures are in the record; ConfigError means nothing was sent (docs/ask.md)."""
+    if not model:
+        raise ConfigError("MODEL_ID is not set (export MODEL_ID=..., or pass --model); there is no default")
+    if not isinstance(messages, list) or not messages or not all(
+            type(m) is dict and type(m.get("role")) is str and type(m.get("content")) is str for m in messages):
+        raise ConfigError('messages must be a non-empty list of {"role": str, "content": str}')
+    if not any(m["role"] != "system" and m["content"].strip() for m in messages):
+        raise ConfigError("the prompt is empty")
+    if any(type(n) is not int for n in (retries, max_response_bytes, 1 if max_tokens is None else max_tokens)):
+        raise ConfigError("retries, max_tokens and max_response_bytes must be integers")
+    for name, value, minimum, above in (("temperature", temperature, None, None), ("timeout", timeout, None, 0),
+                                        ("max_wait", max_wait, 0, None), ("backoff", backoff, 0, None),
+                                        ("until", until, None, None), ("retries", retries, 0, None),
+                                        ("max_tokens", max_tokens, 1, None),
+                                        ("max_response_bytes", max_response_bytes, 1024, None)):
+        _check_number(name, value, minimum, above)
+    try:
+        expect = re.compile(expect) if isinstance(expect, str) else expect
+    except re.error as exc:
+        raise ConfigError(f"--expect is not a valid regular expression: {exc}") from None
     check_api_key(api_key)
     request_base, recorded_base, host, port = split_base_url(base_url)
-    _check_number("temperature", temperature)
-    _check_number("timeout", timeout, above=0)
-    _check_number("max_wait", max_wait, minimum=0)
-    _check_number("backoff", backoff, minimum=0)
-    _check_number("until", until)
     body = {"model": model, "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
     options = {"max_tokens": max_tokens, "temperature": temperature}
     body.update((name, value) for name, value in options.items() if value is not None)
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
-    book, owned = _ledger_for(ledger, api_key)
-    try:
-        _check_ledger(book)
-        artifacts = _prompt_artifacts(book, messages) if store_text else {}
+    with _opened(ledger, api_key) as book:
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+        artifacts = {"prompt_artifact": book.store_artifact(users[-1] if users else "")} if store_text else {}
+        if store_text and system:
+            artifacts["system_artifact"] = book.store_artifact(system)
+        if store_text and len(messages) > len(users[-1:]) + (1 if system else 0):
+            artifacts["messages_artifact"] = book.store_artifact(json.dumps(messages, ensure_ascii=False, indent=1))
 
         def new_record(attempt):
             return dict(_new_record(model, recorded_base, host, port, bool(stream), attempt, messages, options),
                         **artifacts)
-        checks = dict(expect=expect, expect_json=expect_json, strict_model=strict_model)
         return _attempts(_endpoint(request_base, "/chat/completions"), body, new_record,
                          functools.partial(_append, book), api_key=api_key, timeout=timeout,
                          limit=max_response_bytes, redactor=book.redactor, retries=retries,
-                         checks=checks if expect is not None or expect_json or strict_model else None,
+                         checks=dict(expect=expect, expect_json=expect_json, strict_model=strict_model),
                          store=book.store_artifact if store_text else None, backoff=backoff, max_wait=max_wait,
                          on_text=on_text, on_retry=on_retry, sleep=sleep, until=until)[0]
-    finally:
-        if owned:
-            book.close()
-
-
-def _prompt_artifacts(book, messages):
-    users = [m["content"] for m in messages if m["role"] == "user"]
-    system = "\n".join(m["content"] for m in messages if m["role"] == "system")
-    artifacts = {"prompt_artifact": book.store_artifact(users[-1] if users else "")}
-    if system:
-        artifacts["system_artifact"] = book.store_artifact(system)
-    if len(messages) > len(users[-1:]) + (1 if system else 0):
-        artifacts["messages_artifact"] = book.store_artifact(json.dumps(messages, ensure_ascii=False, indent=1))
-    return artifacts
 
 
 def ask(prompt, *, system=None, **kwargs):
@@ -898,28 +789,14 @@ def ask(prompt, *, system=None, **kwargs):
 
 
 def list_models(*, ledger, base_url, api_key, timeout=DEFAULT_TIMEOUT, max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES):
-    """GET {base_url}/models; append one models_list event; return its record (model_ids sorted, and
-    context_tokens {id: window} for the models whose entry states a window)."""
+    """GET {base_url}/models; append one models_list event; return its record (docs/ask.md, docs/small-models.md)."""
     check_api_key(api_key)
     split = split_base_url(base_url)
     _check_number("timeout", timeout, above=0)
-    book, owned = _ledger_for(ledger, api_key)
-    try:
-        _check_ledger(book)
+    with _opened(ledger, api_key) as book:
         record = _models_call(book.redactor, split, api_key, timeout, max_response_bytes)[0]
         _append(book, "models_list", record)
-    finally:
-        if owned:
-            book.close()
     return record
-
-
-def _listed_window(item):
-    """A model's context window as a /models entry states it: vLLM's max_model_len, llama.cpp's
-    meta.n_ctx_train, or context_length (OpenRouter, LM Studio); None when it states none."""
-    meta = item.get("meta") if isinstance(item.get("meta"), dict) else {}
-    return next((value for value in (item.get("max_model_len"), meta.get("n_ctx_train"), item.get("context_length"))
-                 if type(value) is int and value > 0), None)
 
 
 def _models_call(redactor, split, api_key, timeout, limit):
@@ -931,29 +808,33 @@ def _models_call(redactor, split, api_key, timeout, limit):
     started, deadline = time.perf_counter(), rl.Deadline(timeout)
     problems, raw, failure, headers = [], None, None, None
     try:
-        response = _open(_endpoint(request_base, "/models"), api_key=api_key, deadline=deadline)
-        with response:
-            _took(response, record, problems, limit)
+        with _open(_endpoint(request_base, "/models"), record, problems, api_key=api_key, deadline=deadline,
+                   limit=limit) as response:
             headers = response.headers
             raw = _read_body(response, limit, deadline)
-            data = _parse_json(raw, "body", problems, response.status, headers, headers.get("Content-Type", ""))
+            data = _parse_json(raw, "body", problems, response.status, headers)
         items = data.get("data")
         if not isinstance(items, list):
             raise _CallFailed("invalid_json", "HTTP 200 but the body has no data list", 200)
         items = [item for item in items if isinstance(item, dict)]
         ids = {_server_text(item.get("id"), "data[].id", problems, MAX_FIELD_CHARS) for item in items} - {None}
         record["model_ids"], record["count"] = sorted(ids)[:10000], len(ids)
-        windows = {item["id"]: _listed_window(item) for item in items if item.get("id") in ids and _listed_window(item)}
+        windows = {}
+        for item in items:  # vLLM's max_model_len, llama.cpp's meta.n_ctx_train, or context_length
+            meta = item.get("meta") if isinstance(item.get("meta"), dict) else {}
+            window = [n for n in (item.get("max_model_len"), meta.get("n_ctx_train"), item.get("context_length"))
+                      if type(n) is int and n > 0]
+            if window and type(item.get("id")) is str and item["id"] in ids:
+                windows[item["id"]] = window[0]
         if windows:
             record["context_tokens"] = dict(sorted(windows.items())[:10000])
         if problems:
             record["malformed"] = problems[:MAX_PROBLEMS]
     except _CallFailed as exc:
         failure, raw = exc, None
-        _record_failure(record, exc, redactor)
     finally:
         deadline.cancel()
-    record["latency_ms"] = _ms_since(started)
+    _finish(record, started, None, failure, [], redactor, answered=True)
     return record, raw, failure, headers
 
 # --- The recording proxy: `ask.py proxy`, every upstream attempt of every client one model_call line ---
