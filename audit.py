@@ -95,12 +95,6 @@ def model_call_view(payload):
     return view, malformed
 
 
-def _count_label(counter, label, n=1):
-    if label not in counter and len(counter) >= MAX_LABELS:
-        label = OTHER
-    counter[label] = counter.get(label, 0) + n
-
-
 def _label(value):
     return "-" if value is None else str(value)
 
@@ -129,6 +123,10 @@ def _ranked(counter):
 
 def _add(counter, key, n):
     counter[key] = counter.get(key, 0) + n
+
+
+def _count_label(counter, label, n=1):
+    _add(counter, label if label in counter or len(counter) < MAX_LABELS else OTHER, n)
 
 
 def find_ledgers(paths):
@@ -342,10 +340,8 @@ class Audit:
 
     def unlisted(self):
         """The model strings asked for at an endpoint whose latest /models list (ask.py --models) lacks them."""
-        latest, calls = {}, {}
-        for (base, _day), (at, ids) in self.listings.items():
-            if base not in latest or latest[base][0] < at:
-                latest[base] = (at, ids)
+        latest = {base: listing for (base, _day), listing in sorted(self.listings.items(), key=lambda kv: kv[1][0])}
+        calls = {}
         for (model, base, _day), group in self.groups.items():
             _add(calls, (model, base), group.calls)
         return [{"request_model": model, "base_url": base, "calls": n, "listed_at": latest[base][0]}
@@ -545,13 +541,12 @@ def _model_table(rows, by_day, wide, endpoints):
         return _num(value) if value is None or wide or value < 10000 else _short(value)
     day = ["day"] if by_day else []
     if wide:
-        columns = ["model", "base_url"] + day + ["calls", "ok", "failed", "no_usage", "checks", "in_tok", "out_tok",
-                                                 "est_in~", "est_out~", "min_ms", "p50_ms", "p95_ms", "max_ms",
-                                                 "retries", "served"]
+        columns = ["model", "base_url"] + day + ("calls ok failed no_usage checks in_tok out_tok est_in~ est_out~ "
+                                                 "min_ms p50_ms p95_ms max_ms retries served").split()
     else:
-        columns = ["model"] + (["at"] if len(endpoints) > 1 else []) + day + [
-            "calls", "failed", "no_usage", "checks", "in_tok", "out_tok", "est~", "p50_ms", "p95_ms"] + (
-            [] if by_day else ["retries"]) + ["served"]
+        columns = ["model"] + (["at"] if len(endpoints) > 1 else []) + day + (
+            "calls failed no_usage checks in_tok out_tok est~ p50_ms p95_ms" + ("" if by_day else " retries")
+            + " served").split()
     body = []
     for r in rows:
         est = None if r["est_input_tokens"] is None else r["est_input_tokens"] + (r["est_output_tokens"] or 0)
@@ -624,7 +619,7 @@ def _sums(rows):
     sums["errors"] = {}
     for r in rows:
         for name, count in r["errors"].items():
-            sums["errors"][name] = sums["errors"].get(name, 0) + count
+            _add(sums["errors"], name, count)
     return sums
 
 
@@ -1104,10 +1099,9 @@ def _errors_section(audit, days, series):
     by_day, totals, shown = {}, {}, set(days)
     for (_model, _base, day), group in audit.groups.items():
         for name, n in group.errors.items():
-            totals[name] = totals.get(name, 0) + n
+            _add(totals, name, n)
             if day in shown:
-                per = by_day.setdefault(day, {})
-                per[name] = per.get(name, 0) + n
+                _add(by_day.setdefault(day, {}), name, n)
     out = ['<h2 id="errors">Errors by day and type</h2>']
     if not totals:
         return out + ["<p>No failed calls.</p>"]
