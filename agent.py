@@ -1090,12 +1090,9 @@ class Workspace:
 
     def _git_diff(self):
         """The change under review (uncommitted, or the --ref commit's), less the sections of denied files."""
-        if self.ref:
-            raw = git(self.repo, "show", "--no-color", "--no-ext-diff", "--no-textconv", "--format=", self.ref,
-                      check=False)
-        else:
-            raw = git(self.repo, "diff", "--no-color", "--no-ext-diff", "--no-textconv", "HEAD",
-                      check=False) if resolve_ref(self.repo, None) else b""
+        command, *rest = ["show", "--format=", self.ref] if self.ref else ["diff", "HEAD"]
+        raw = git(self.repo, command, "--no-color", "--no-ext-diff", "--no-textconv", *rest, check=False) \
+            if self.ref or resolve_ref(self.repo, None) else b""
         kept = []
         for section in re.split(rb"(?m)^(?=diff )", raw):  # --git, --cc, --combined: every format git writes
             files = diff_section_files(section.decode("utf-8", "replace"))
