@@ -2581,16 +2581,14 @@ class ReplayWorld:
                                          "patch_sha256": None, "recount": False, "files": []}
 
 
+# What replay compares of each decision, after its kind (budget_exhausted and stuck: the limit)
+_DECISION_FIELDS = {"tool_allowed": ("step", "tool", "rule"), "tool_denied": ("step", "tool", "rule"),
+                    "model_proposed": ("step", "tool"), "proposal_malformed": ("step",), "patch_rejected": ("step",),
+                    "decision": ("stage", "proposal_sha256")}
+
+
 def _decision_key(kind, payload):
-    if kind in ("tool_allowed", "tool_denied"):
-        return (kind, payload["step"], payload["tool"], payload["rule"])
-    if kind == "model_proposed":
-        return (kind, payload["step"], payload["tool"])
-    if kind in ("proposal_malformed", "patch_rejected"):
-        return (kind, payload["step"])
-    if kind == "decision":
-        return (kind, payload.get("stage"), payload.get("proposal_sha256"))
-    return (kind, payload.get("limit"))
+    return (kind, *(payload.get(field) for field in _DECISION_FIELDS.get(kind, ("limit",))))
 
 
 def replay_run(run_dir, tools=None):
