@@ -1150,23 +1150,19 @@ _TOOL_DOCS = {
 
 
 def _looks_like_diff(text):
-    """Only a unified diff: it starts with its first file header and has a hunk."""
     text = text.lstrip()
-    return (text.startswith("diff --git ") or text.startswith("--- ")) and bool(
-        re.search(r"(?m)^--- \S.*\n\+\+\+ \S.*\n@@ ", text))
+    return text.startswith(("diff --git ", "--- ")) and bool(re.search(r"(?m)^--- \S.*\n\+\+\+ \S.*\n@@ ", text))
 
 
 def _action(obj):
     if type(obj) is not dict or "tool" not in obj:
         return None
-    tool, args, reason = obj.get("tool"), obj.get("args", {}), obj.get("reason", "")
+    tool, args, reason = obj["tool"], obj.get("args", {}), obj.get("reason", "")
     if type(tool) is not str or not tool or len(tool) > 64:
         raise Malformed('"tool" must be a tool name (a short string)')
-    if args is None:
-        args = {}
-    if type(args) is not dict:
+    if type(args) is not dict and args is not None:
         raise Malformed('"args" must be a JSON object')
-    return {"tool": tool, "args": args, "reason": reason if type(reason) is str else ""}
+    return {"tool": tool, "args": args or {}, "reason": reason if type(reason) is str else ""}
 
 
 def parse_reply(text):
@@ -1174,27 +1170,24 @@ def parse_reply(text):
     stripped = text.strip()
     if not stripped:
         raise Malformed("the reply is empty")
-    whole = [(stripped, "json")] + [(block.strip(), "fenced_json") for lang, block in _FENCE_RE.findall(text)
+    fenced = _FENCE_RE.findall(text)
+    whole = [(stripped, "json")] + [(block.strip(), "fenced_json") for lang, block in fenced
                                     if lang.lower() in ("", "json", "javascript", "js")]
-    for candidate, form in whole:
+    embedded = [(m.start(), "embedded_json") for m in itertools.islice(re.finditer(r"\{", text), 50)]
+    decode = json.JSONDecoder().raw_decode
+    for candidate, form in whole + embedded:
         try:
-            action = _action(json.loads(candidate)) if candidate.startswith("{") else None
+            if form == "embedded_json":
+                action = _action(decode(text, candidate)[0])
+            else:
+                action = _action(json.loads(candidate)) if candidate.startswith("{") else None
         except (ValueError, RecursionError):
             continue
         if action:
             return action, form
-    decoder = json.JSONDecoder()
-    for match in itertools.islice(re.finditer(r"\{", text), 50):
-        try:
-            obj, _end = decoder.raw_decode(text, match.start())
-        except (ValueError, RecursionError):
-            continue
-        action = _action(obj)
-        if action:
-            return action, "embedded_json"
-    fences = [block for lang, block in _FENCE_RE.findall(text) if _looks_like_diff(block)]
-    if len(fences) == 1 and not text.replace(fences[0], "").replace("```", "").strip(" \n\tdiffpatch"):
-        return {"tool": "propose_patch", "args": {"patch": fences[0].strip("\n") + "\n"}, "reason": ""}, "fenced_diff"
+    diffs = [block for _lang, block in fenced if _looks_like_diff(block)]
+    if len(diffs) == 1 and not text.replace(diffs[0], "").replace("```", "").strip(" \n\tdiffpatch"):
+        return {"tool": "propose_patch", "args": {"patch": diffs[0].strip("\n") + "\n"}, "reason": ""}, "fenced_diff"
     if _looks_like_diff(stripped) and not re.search(r"(?m)^```", stripped):
         return {"tool": "propose_patch", "args": {"patch": stripped + "\n"}, "reason": ""}, "diff"
     raise Malformed('no action found: answer with one JSON object {"tool": NAME, "args": {...}, "reason": TEXT}, '
@@ -1211,9 +1204,7 @@ def system_prompt(policy):
              '{"tool": "NAME", "args": {...}, "reason": "why this step"}',
              "",
              "Tools:"]
-    for tool in BUILTINS:
-        if tool in policy.builtins:
-            lines.append(f"- {tool} {_TOOL_DOCS[tool]}")
+    lines += [f"- {tool} {_TOOL_DOCS[tool]}" for tool in BUILTINS if tool in policy.builtins]
     for name, plugin in sorted(policy.plugins.items()):
         args = ", ".join(f'"{a}": "..."' for a in plugin.args)
         lines.append(f"- {name} {{{args}}}: {plugin.description}")
@@ -1224,35 +1215,30 @@ def system_prompt(policy):
     return "\n".join(lines)
 
 
-def first_prompt(tests_output, diff, budget):
+def first_prompt(tests_output, diff, budget_line):
     return (f"The tests fail (exit {tests_output.returncode if not tests_output.timed_out else 'timeout'}). "
             f"Their output, cut to the end that matters:\n\n{tests_output.text(6000)}\n\n"
             f"The change under review (git diff):\n\n{diff[:6000] or '(no uncommitted changes)'}\n\n"
-            f"{_budget_line(budget)}\nPropose the next action. If you can already fix it, answer with propose_patch.")
-
-
-def _budget_line(budget):
-    return (f"Budget left: {budget['steps']} steps, {budget['model_calls']} model calls, {budget['tokens']:,} "
-            f"tokens, {budget['seconds']:.0f} seconds.")
+            f"{budget_line}\nPropose the next action. If you can already fix it, answer with propose_patch.")
 
 
 # == The host loop, shared by a live run and by replay =========================
 
-class _Stop(Exception):
-    """The loop ends here: outcome (budget_exhausted or error), and what to record."""
+class _Exit(Exception):
+    """The loop ends: its outcome, the event that says why (none when a replay runs out of replies), and the
+    accepted patch check of a proposal."""
 
-    def __init__(self, outcome, kind, payload):
+    def __init__(self, outcome, kind=None, payload=None, check=None):
         super().__init__(outcome)
-        self.outcome, self.kind, self.payload = outcome, kind, payload
+        self.outcome, self.kind, self.payload, self.check = outcome, kind, payload, check
 
 
 class Budget:
     """What the run has spent: steps, model calls, tokens (reported or estimated, and which), wall time."""
 
     def __init__(self, limits):
-        self.limits = limits
+        self.limits, self.sources = limits, set()
         self.steps = self.model_calls = self.tokens = 0
-        self.sources = set()
 
     def add(self, call):
         self.model_calls += call["attempts"]
@@ -1264,17 +1250,15 @@ class Budget:
                 "tokens_source": _source(self.sources), "elapsed_s": round(elapsed, 3)}
 
     def exhausted(self, elapsed):
-        for name, used in (("max_steps", self.steps), ("max_model_calls", self.model_calls),
-                           ("max_total_tokens", self.tokens), ("max_wall_s", elapsed)):
-            if used >= self.limits[name]:
-                return name, used
-        return None
+        used = {"max_steps": self.steps, "max_model_calls": self.model_calls, "max_total_tokens": self.tokens,
+                "max_wall_s": elapsed}
+        return next(((name, n) for name, n in used.items() if n >= self.limits[name]), None)
 
-    def left(self, elapsed):
+    def line(self, elapsed):
         limits = self.limits
-        return {"steps": limits["max_steps"] - self.steps, "model_calls": limits["max_model_calls"] - self.model_calls,
-                "tokens": max(0, limits["max_total_tokens"] - self.tokens),
-                "seconds": max(0.0, limits["max_wall_s"] - elapsed)}
+        return (f"Budget left: {limits['max_steps'] - self.steps} steps, {limits['max_model_calls'] - self.model_calls}"
+                f" model calls, {max(0, limits['max_total_tokens'] - self.tokens):,} tokens, "
+                f"{max(0.0, limits['max_wall_s'] - elapsed):.0f} seconds.")
 
 
 def _source(sources):
@@ -1283,17 +1267,15 @@ def _source(sources):
 
 def _excerpt(text, limit=EXCERPT_BYTES):
     data = text.encode("utf-8", "replace")
-    if len(data) <= limit:
-        return text
-    return "[...] " + data[-limit:].decode("utf-8", "ignore")
+    return text if len(data) <= limit else "[...] " + data[-limit:].decode("utf-8", "ignore")
 
 
 def _fit(messages, limit):
     """Keep the conversation within `limit` chars: shorten old outputs, drop old exchanges, cut the longest."""
-    size = sum(len(m["content"]) for m in messages)
+    size = before = sum(len(m["content"]) for m in messages)
     if size <= limit:
         return None
-    before, shortened, dropped, cut_short = size, 0, 0, 0
+    shortened = dropped = cut_short = 0
     for message in messages[2:-2]:
         if size <= limit:
             break
@@ -1303,8 +1285,7 @@ def _fit(messages, limit):
             size -= cut - 60
             shortened += 1
     while size > limit and len(messages) > 4:
-        removed = messages.pop(2)["content"], messages.pop(2)["content"]
-        size -= sum(map(len, removed))
+        size -= len(messages.pop(2)["content"]) + len(messages.pop(2)["content"])
         dropped += 1
     for message in sorted(messages, key=lambda m: (m["role"] == "system", -len(m["content"]))):
         excess, text = size - limit, message["content"]
@@ -1329,12 +1310,9 @@ MAX_TOKEN_RATIO = 8.0  # server tokens per chars/4 estimate believed at most (CJ
 
 
 def overflow_sizes(message):
-    """(window, prompt tokens) an overflow answer states (OpenAI, vLLM, llama.cpp wordings), or None."""
-    found = []
-    for regex in (_WINDOW_RE, _PROMPT_RE):
-        match = regex.search(message or "")
-        found.append(int(next(g for g in match.groups() if g)) if match else None)
-    return tuple(found)
+    """(window, prompt tokens) an overflow answer states (OpenAI, vLLM, llama.cpp wordings), each or None."""
+    found = [regex.search(message or "") for regex in (_WINDOW_RE, _PROMPT_RE)]
+    return tuple(int(next(g for g in match.groups() if g)) if match else None for match in found)
 
 
 class ContextPlan:
@@ -1378,74 +1356,95 @@ class ContextPlan:
 
 def drive(world, policy, messages):
     """The host loop, for a live run or a replay (`world`). Returns (outcome, accepted patch check or None)."""
-    budget = Budget(policy.budget)
-    limits = dict(policy.budget)
-    last, repeats = None, 0
-    while True:
-        elapsed = world.elapsed()
+    return _Loop(world, policy, messages).run()
+
+
+class _Loop:
+    """run() steps until an _Exit; step() queries the model, then executes what it asked for."""
+
+    def __init__(self, world, policy, messages):
+        self.world, self.policy, self.messages, self.limits = world, policy, messages, policy.budget
+        self.budget, self.last, self.repeats = Budget(policy.budget), None, 0
+
+    def run(self):
+        try:
+            while True:
+                self.step()
+        except _Exit as end:
+            if end.kind:
+                self.world.record(end.kind, end.payload)
+            return end.outcome, end.check
+
+    def step(self):
+        step, text, call, checked = self.query()
+        feedback = self.execute(step, text, call, checked) + self.repeated(step, text, checked)
+        self.messages += [{"role": "assistant", "content": text},
+                          {"role": "user", "content": feedback + "\n" + self.budget.line(self.world.elapsed())}]
+
+    def query(self):
+        budget, elapsed = self.budget, self.world.elapsed()
         spent = budget.exhausted(elapsed)
         if spent:
-            world.record("budget_exhausted", {"limit": spent[0], "used": spent[1], "max": limits[spent[0]],
-                                              "budget": budget.snapshot(elapsed)})
-            return "budget_exhausted", None
+            limit, used = spent
+            raise _Exit("budget_exhausted", "budget_exhausted", {"limit": limit, "used": used,
+                                                                 "max": self.limits[limit],
+                                                                 "budget": budget.snapshot(elapsed)})
         checked = budget.snapshot(elapsed)
         budget.steps += 1
-        step = budget.steps
-        world.fit(step, messages, limits)
+        text, call = self.world.ask(budget.steps, self.messages, budget, self.limits)
+        budget.add(call)
+        return budget.steps, text, call, checked
+
+    def repeated(self, step, text, checked):
+        """The notice before the last repeat allowed; raises _Exit (stuck) at it."""
         try:
-            text, call = world.ask(step, messages, budget, limits)
-        finally:
-            budget.add(world.last_call)
-        feedback = _step(world, policy, step, text, call, checked, budget)
-        messages.append({"role": "assistant", "content": text})
-        if isinstance(feedback, dict):
-            return "proposal", feedback
-        key = _repeat_key(text)
-        repeats, last = (repeats + 1 if key == last else 1), key
-        if repeats >= limits["max_repeats"]:
-            world.record("stuck", {"step": step, "repeats": repeats, "unusable": key[1], "budget": checked})
-            return "stuck", None
-        if repeats == limits["max_repeats"] - 1:
-            feedback += (f"\nYou have sent the same {'unusable ' if key[1] else ''}reply {repeats} times in a row. "
-                         f"If the next one is the same again, the host ends the run: answer differently.")
-        messages.append({"role": "user", "content": feedback + "\n" + _budget_line(budget.left(world.elapsed()))})
+            parse_reply(text)
+            key = hashlib.sha256(text.strip().encode("utf-8", "surrogatepass")).hexdigest(), None
+        except Malformed as bad:
+            key = "", bad.reason
+        self.repeats, self.last = (self.repeats + 1 if key == self.last else 1), key
+        if self.repeats >= self.limits["max_repeats"]:
+            raise _Exit("stuck", "stuck", {"step": step, "repeats": self.repeats, "unusable": key[1],
+                                           "budget": checked})
+        if self.repeats < self.limits["max_repeats"] - 1:
+            return ""
+        return (f"\nYou have sent the same {'unusable ' if key[1] else ''}reply {self.repeats} times in a row. "
+                f"If the next one is the same again, the host ends the run: answer differently.")
 
+    def execute(self, step, text, call, checked):
+        world, policy, answer = self.world, self.policy, '{"tool": NAME, "args": {...}, "reason": TEXT}.'
+        try:
+            action, form = world.parse(step, text)
+            problem = rl.payload_problem({"args": action["args"], "reason": action["reason"]})
+        except Malformed as bad:
+            action, problem = None, bad.reason
+        if problem:  # unreadable; or nested too deep, a lone surrogate, too large: not recordable, so no action
+            world.record("proposal_malformed", {"step": step, "reason": problem if action is None else
+                                                f"the action cannot be recorded: {problem}",
+                                                "excerpt": _excerpt(text, 500), "budget": checked, "call": call})
+            if action is None:
+                return f"The host could not read your reply: {problem}. Answer with one JSON object {answer}"
+            return f"The host could not record your action ({problem}). Answer with one plain JSON object {answer}"
+        tool, args = action["tool"], action["args"]
+        world.record("model_proposed", {"step": step, "form": form, "tool": tool, "args": args,
+                                        "reason": action["reason"], "budget": checked, "call": call})
+        verdict = check_action(action, policy, world.resolver(step))
+        world.record("tool_allowed" if verdict.allowed else "tool_denied", {
+            "step": step, "tool": tool, "args": args, "rule": verdict.rule, "reason": verdict.reason,
+            "paths": verdict.paths})
+        if not verdict.allowed:
+            return f"Denied by the host: {tool}: {verdict.reason} (rule {verdict.rule}). Choose another action."
+        if tool == "propose_patch":
+            return self.propose(step, action)
+        plugin = policy.plugins.get(tool)
+        cap = plugin.output_bytes if plugin and plugin.output_bytes else policy.caps["output_bytes"]
+        output, shown = world.run_tool(step, tool, args, cap)
+        status = "timed out" if output.timed_out else f"exit {output.returncode}"
+        cut = f", {output.size:,} bytes, cut to {cap:,}" if output.size > cap else ""
+        return f"Result of {tool} ({status}{cut}):\n{shown}"
 
-def _repeat_key(text):
-    """(digest, None) of a readable reply, ("", reason) of an unusable one: equal keys are repeats."""
-    try:
-        parse_reply(text)
-    except Malformed as bad:
-        return "", bad.reason
-    return hashlib.sha256(text.strip().encode("utf-8", "surrogatepass")).hexdigest(), None
-
-
-def _step(world, policy, step, text, call, checked, budget):
-    """One reply: returns what to tell the model, or the accepted patch check."""
-    try:
-        action, form = world.parse(step, text)
-    except Malformed as bad:
-        world.record("proposal_malformed", {"step": step, "reason": bad.reason, "excerpt": _excerpt(text, 500),
-                                            "budget": checked, "call": call})
-        return (f"The host could not read your reply: {bad.reason}. Answer with one JSON object "
-                '{"tool": NAME, "args": {...}, "reason": TEXT}.')
-    tool, args = action["tool"], action["args"]
-    problem = rl.payload_problem({"args": args, "reason": action["reason"]})
-    if problem:  # nested too deep, a lone surrogate, too large: it could not be recorded, so it is not an action
-        world.record("proposal_malformed", {"step": step, "reason": f"the action cannot be recorded: {problem}",
-                                            "excerpt": _excerpt(text, 500), "budget": checked, "call": call})
-        return (f"The host could not record your action ({problem}). Answer with one plain JSON object "
-                '{"tool": NAME, "args": {...}, "reason": TEXT}.')
-    world.record("model_proposed", {"step": step, "form": form, "tool": tool, "args": args,
-                                    "reason": action["reason"], "budget": checked, "call": call})
-    verdict = check_action(action, policy, world.resolver(step))
-    common = {"step": step, "tool": tool, "args": args, "rule": verdict.rule, "reason": verdict.reason,
-              "paths": verdict.paths}
-    if not verdict.allowed:
-        world.record("tool_denied", common)
-        return f"Denied by the host: {tool}: {verdict.reason} (rule {verdict.rule}). Choose another action."
-    world.record("tool_allowed", common)
-    if tool == "propose_patch":
+    def propose(self, step, action):
+        args, world = action["args"], self.world
         check = world.check_patch(step, args["patch"])
         if not check["applies"]:
             rule = {"rule": check["rule"]} if check.get("rule") else {}
@@ -1461,14 +1460,7 @@ def _step(world, policy, step, text, call, checked, budget):
                                   "alternatives": list(args.get("alternatives") or []), "step": step,
                                   "patch_sha256": check["patch_sha256"], "proposal_sha256": check["proposal_sha256"],
                                   "recount": check["recount"], "files": check["files"]})
-        return check
-    output = world.execute(step, tool, args)
-    cap = policy.plugins[tool].output_bytes if tool in policy.plugins and policy.plugins[tool].output_bytes \
-        else policy.caps["output_bytes"]
-    shown = world.record_result(step, tool, output, cap)
-    status = "timed out" if output.timed_out else f"exit {output.returncode}"
-    cut = f", {output.size:,} bytes, cut to {cap:,}" if output.size > cap else ""
-    return f"Result of {tool} ({status}{cut}):\n{shown}"
+        raise _Exit("proposal", check=check)
 
 
 class LiveWorld:
@@ -1476,74 +1468,50 @@ class LiveWorld:
 
     def __init__(self, run, workspace, settings, started):
         self.run, self.ws, self.settings, self.started = run, workspace, settings, started
-        self.last_call = {"attempts": 0, "tokens": 0, "tokens_source": "estimated"}
         self.plan, self.shrunk_at = ContextPlan(workspace.policy.budget.get("context_tokens")), None
+        self.record, self.parse = run.append, _parse
 
     def elapsed(self):
         return time.monotonic() - self.started
 
-    def fit(self, step, messages, limits):
-        trimmed = _fit(messages, self.plan.chars(limits, len(messages)))
-        if trimmed:
-            self.record("context_trimmed", dict(trimmed, step=step))
-
-    def _shrink(self, step, messages, limits, record, sent):
-        """After an overflow answer: learn the window and ratio, then cut messages and max_tokens to fit."""
-        window, prompt = overflow_sizes(record["error_message"])
-        self.plan.learn(prompt, record["est_input_tokens"])
-        before = sum(len(m["content"]) for m in messages)
-        self.plan.know(window or (self.plan.tokens(messages) + sent) // 2)
-        trimmed = _fit(messages, self.plan.chars(limits, len(messages))) or {}
-        self.record("context_shrunk", dict(
-            trimmed, step=step, error_code=record["error_code"], stated_window=window, stated_prompt_tokens=prompt,
-            window_tokens=self.plan.window, before_chars=before, after_chars=sum(len(m["content"]) for m in messages),
-            before_max_tokens=sent, after_max_tokens=self.plan.max_tokens(limits, messages)))
-
-    def record(self, kind, payload):
-        return self.run.append(kind, payload)
-
     def resolver(self, step):
         return self.ws.resolve
 
-    def parse(self, step, text):
-        return parse_reply(text)
-
     def ask(self, step, messages, budget, limits):
         """One model turn through ask.chat(), which retries within the wall budget; a context overflow shrinks
-        the context once and asks again. Raises _Stop."""
-        self.last_call = call = {"attempts": 0, "tokens": 0, "tokens_source": "estimated", "latency_ms": 0.0}
-        sources, retries = set(), CALL_RETRIES
+        the context once and asks again. Raises _Exit."""
+        trimmed = _fit(messages, self.plan.chars(limits, len(messages)))
+        if trimmed:
+            self.record("context_trimmed", dict(trimmed, step=step))
+        call, sources = {"attempts": 0, "tokens": 0, "tokens_source": "estimated", "latency_ms": 0.0}, set()
 
         def tally(record, wait=None):  # every attempt counts against the budget, retries and overflows too
-            call["attempts"] += 1
-            call["latency_ms"] = round(call["latency_ms"] + (record["latency_ms"] or 0), 1)
             tokens, source = _call_tokens(record)
-            call["tokens"] += tokens
             sources.add(source)
-            call["tokens_source"] = _source(sources)
+            call.update(attempts=call["attempts"] + 1, tokens=call["tokens"] + tokens, tokens_source=_source(sources),
+                        latency_ms=round(call["latency_ms"] + (record["latency_ms"] or 0), 1))
+        retries = CALL_RETRIES
         record = self._chat(messages, budget, limits, retries, tally, "before model call")
         if _context_too_long(record) and self.shrunk_at != step:  # a second one for this step is an error
-            self.shrunk_at = step
-            self._shrink(step, messages, limits, record, record["max_tokens"])
-            retries = max(0, CALL_RETRIES - record["attempt"])  # the attempts before the shrink count
+            self.shrunk_at, retries = step, max(0, CALL_RETRIES - record["attempt"])  # the attempts before count
+            self._shrink(step, messages, limits, record)
             record = self._chat(messages, budget, limits, retries, tally, "model call")
         if not record["error_type"]:
             self.plan.learn(record["input_tokens"], record["est_input_tokens"])
             call["reply_sha256"] = hashlib.sha256(record["text"].encode("utf-8", "surrogatepass")).hexdigest()
             call["reply_artifact"] = self.run.store_artifact(record["text"])
-            return record["text"], dict(call)
+            return record["text"], call
         # a timeout at the wall, or a retry ask.chat left undone (it does only when the wall has no time for it)
         if (record["error_type"] == "timeout" and self.elapsed() >= limits["max_wall_s"] - ask.MIN_ATTEMPT_S) or (
                 ask.retryable(record) and record["attempt"] <= retries):
             raise self._out_of_wall(budget, limits, "model call")
         code = f" ({record['error_code']})" if record["error_code"] else ""
-        raise _Stop("error", "error", {"type": "ModelEndpointError", "stage": "model",
+        raise _Exit("error", "error", {"type": "ModelEndpointError", "stage": "model",
                                        "message": f"the model endpoint failed: {record['error_type']}{code}: "
                                                   f"{record['error_message']}",
                                        "error_type": record["error_type"], "error_code": record["error_code"]})
 
     def _chat(self, messages, budget, limits, retries, tally, during):
-        """ask.chat() with its retries, each attempt's timeout cut to the wall budget; every attempt tallied."""
         if limits["max_wall_s"] - self.elapsed() < ask.MIN_ATTEMPT_S:  # no call is made now
             raise self._out_of_wall(budget, limits, during)
         base_url, model, api_key = self.settings
@@ -1554,32 +1522,44 @@ class LiveWorld:
         tally(record)
         return record
 
+    def _shrink(self, step, messages, limits, record):
+        """After an overflow answer: learn the window and ratio, then cut messages and max_tokens to fit."""
+        window, prompt = overflow_sizes(record["error_message"])
+        self.plan.learn(prompt, record["est_input_tokens"])
+        before, sent = sum(len(m["content"]) for m in messages), record["max_tokens"]
+        self.plan.know(window or (self.plan.tokens(messages) + sent) // 2)
+        trimmed = _fit(messages, self.plan.chars(limits, len(messages))) or {}
+        self.record("context_shrunk", dict(
+            trimmed, step=step, error_code=record["error_code"], stated_window=window, stated_prompt_tokens=prompt,
+            window_tokens=self.plan.window, before_chars=before, after_chars=sum(len(m["content"]) for m in messages),
+            before_max_tokens=sent, after_max_tokens=self.plan.max_tokens(limits, messages)))
+
     def _out_of_wall(self, budget, limits, during):
-        return _Stop("budget_exhausted", "budget_exhausted", {
+        return _Exit("budget_exhausted", "budget_exhausted", {
             "limit": "max_wall_s", "used": round(self.elapsed(), 3), "max": limits["max_wall_s"],
             "budget": budget.snapshot(self.elapsed()), "during": during})
 
-    def execute(self, step, tool, args):
-        return self.ws.execute(tool, args)
-
-    def record_result(self, step, tool, output, cap):
-        """Record tool_result (digest, excerpt, output artifact); return the masked text the model sees."""
+    def run_tool(self, step, tool, args, cap):
+        """Run it, record tool_result (digest, excerpt, output artifact); (Output, the masked text the model sees)."""
+        output = self.ws.execute(tool, args)
         full = output.artifact_bytes()
-        artifact = self.run.store_artifact(full)
         shown = self.run.ledger.redactor.text(output.text(cap))
-        self.run.append("tool_result", {"step": step, "tool": tool, "returncode": output.returncode,
-                                        "timed_out": output.timed_out, "size": output.size,
-                                        "sha256": hashlib.sha256(full).hexdigest(), "truncated": output.size > cap,
-                                        "duration_ms": output.duration_ms, "output_artifact": artifact,
-                                        "excerpt": _excerpt(shown, 800), **(output.sandbox or {})})
-        return shown
+        self.record("tool_result", {"step": step, "tool": tool, "returncode": output.returncode,
+                                    "timed_out": output.timed_out, "size": output.size,
+                                    "sha256": hashlib.sha256(full).hexdigest(), "truncated": output.size > cap,
+                                    "duration_ms": output.duration_ms, "output_artifact": self.run.store_artifact(full),
+                                    "excerpt": _excerpt(shown, 800), **(output.sandbox or {})})
+        return output, shown
 
     def check_patch(self, step, patch):
         return check_patch(self.ws.root, patch, self.run.ledger.redactor, self.ws.policy, self.ws.resolve)
 
 
+def _parse(step, text):
+    return parse_reply(text)
+
+
 def _call_tokens(record):
-    """(tokens, source) of one model call: reported where the server gave them, else estimated."""
     if record["total_tokens"] is not None:
         return record["total_tokens"], "reported"
     if record["input_tokens"] is not None and record["output_tokens"] is not None:
@@ -1592,8 +1572,7 @@ def _context_too_long(record):
         return True
     return record["http_status"] in (400, 413, 422) and bool(re.search(
         r"context.?length|maximum context|context window|context size|too many tokens|prompt is too long|"
-        r"reduce the length",
-        record["error_message"] or "", re.I))
+        r"reduce the length", record["error_message"] or "", re.I))
 
 
 # What git does with a patch: paths (a rename as both), added paths, special (a symlink or a submodule), and
@@ -1604,14 +1583,14 @@ GitReading = collections.namedtuple("GitReading", "paths added special blobs", d
 def git_reading(tree, patch_bytes, flags, env):
     """The patch as git applies it to a throwaway index of `tree`, the reading the rules trust; None if not."""
     with tempfile.TemporaryDirectory(prefix="agent-index-", dir=Path(tree).parent) as scratch:
-        index_env = dict(env, GIT_INDEX_FILE=os.path.join(scratch, "index"))
-
-        def run(*args, data=None):
-            return subprocess.run(["git", "-C", str(tree), *args], input=data, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, env=index_env, timeout=120)
-        if run("read-tree", "HEAD").returncode or run("apply", "--cached", *flags, "-", data=patch_bytes).returncode:
+        env = dict(env, GIT_INDEX_FILE=os.path.join(scratch, "index"))
+        try:
+            git(tree, "read-tree", "HEAD", env=env)
+            git(tree, "apply", "--cached", *flags, "-", input=patch_bytes, env=env)
+        except RepoError:
             return None
-        raw = run("diff", "--cached", "--raw", "-z", "--no-renames", "--no-ext-diff", "HEAD").stdout
+        raw = git(tree, "diff", "--cached", "--raw", "-z", "--no-renames", "--no-ext-diff", "HEAD", env=env,
+                  check=False)
     fields = raw.split(b"\0")
     paths, added, special, blobs = [], [], False, {}
     for meta, name in zip(fields[0::2], fields[1::2]):  # ":old_mode new_mode old_sha new_sha status", path
@@ -1627,21 +1606,18 @@ def git_reading(tree, patch_bytes, flags, env):
     return GitReading(paths, added, special, blobs)
 
 
-def check_patch(scratch, patch, redactor, policy=None, resolve=None):
-    """Does the patch apply (`git apply --check`, then `--recount`) and pass the path rules? The proposal."""
+def check_patch(scratch, patch, redactor, policy, resolve):
+    """Does the patch apply (`git apply --check`, then `--recount`) and pass the path rules and tripwires? The
+    proposal is git's own diff when it took --recount."""
     patch_bytes = patch.encode("utf-8", "surrogateescape")
     result = {"applies": False, "recount": False, "message": "", "files": patch_files(patch)[0],
               "patch_sha256": hashlib.sha256(patch_bytes).hexdigest(), "proposal_sha256": None, "proposal": None}
     if any(value in patch for value in redactor.values):  # the proposal is written as is: refuse, never mask
-        result["rule"] = "patch.secret"
-        result["message"] = ("the patch holds the value of a secret (from the environment or a .env file); a "
-                             "patch must not (rule patch.secret)")
-        return result
+        return dict(result, rule="patch.secret", message="the patch holds the value of a secret (from the environment "
+                    "or a .env file); a patch must not (rule patch.secret)")
     with tempfile.TemporaryDirectory(prefix="agent-patch-", dir=Path(scratch).parent) as work:
-        clone = Path(work) / "tree"
-        env = _scratch_git_env(work)
-        subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(scratch), str(clone)], env=env, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+        clone, env = Path(work) / "tree", _scratch_git_env(work)
+        git(work, "clone", "-q", "--no-hardlinks", str(scratch), str(clone), env=env, timeout=300)
         for flags in ([], ["--recount"]):
             proc = subprocess.run(["git", "-C", str(clone), "apply", "--check", "--verbose", *flags, "-"],
                                   input=patch_bytes, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
@@ -1650,30 +1626,23 @@ def check_patch(scratch, patch, redactor, policy=None, resolve=None):
                 break
             if not result["message"]:
                 result["message"] = redactor.text(proc.stdout.decode("utf-8", "replace").strip())[-1500:]
-        if proc.returncode != 0:
+        else:
             return result
         reading = git_reading(clone, patch_bytes, flags, env)
         refusal = _refuse_git_reading(reading, policy, resolve)
-        fired = tripwires(clone, reading, policy.tripwires, env) if policy is not None and not refusal else []
+        fired = [] if refusal else tripwires(clone, reading, policy.tripwires, env)
         if fired:
             refusal = (f"the patch trips {fired[0]['rule']} ({fired[0]['path']}: {fired[0]['what']}); a fix must "
                        f"not need it: change the code without it (rule {fired[0]['rule']})")
         if refusal:
-            result["message"] = refusal
-            return result
-        result["applies"], result["recount"], result["files"] = True, bool(flags), reading.paths
+            return dict(result, message=refusal)
+        proposal = patch_bytes
         if flags:
-            subprocess.run(["git", "-C", str(clone), "apply", *flags, "-"], input=patch_bytes, env=env, check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
-            subprocess.run(["git", "-C", str(clone), "add", "-A"], env=env, check=True, timeout=120)
-            proposal = subprocess.run(["git", "-C", str(clone), "diff", "--cached", "--no-color"], env=env,
-                                      stdout=subprocess.PIPE, check=True, timeout=120).stdout
-        else:
-            proposal = patch_bytes
-    result["message"] = ""
-    result["proposal"] = proposal
-    result["proposal_sha256"] = hashlib.sha256(proposal).hexdigest()
-    return result
+            git(clone, "apply", *flags, "-", input=patch_bytes, env=env)
+            git(clone, "add", "-A", env=env)
+            proposal = git(clone, "-c", "core.quotepath=true", "diff", "--cached", "--no-color", env=env)  # git's own
+    return dict(result, applies=True, recount=bool(flags), files=reading.paths, proposal=proposal,
+                proposal_sha256=hashlib.sha256(proposal).hexdigest())
 
 
 def _shadows_a_module(path):
@@ -1690,14 +1659,13 @@ def _shadows_a_module(path):
 
 
 def _refuse_git_reading(reading, policy, resolve):
-    """Why the paths and modes git reads in a patch are refused, or None."""
     if reading is None:
         return "git cannot apply this patch to the baseline's index"
     if reading.special:
         return "git reads this patch as making a symlink or a submodule (rule patch.mode)"
     if not reading.paths:
         return "git reads no file in this patch (rule patch.no_files)"
-    for name in reading.paths if policy is not None else ():
+    for name in reading.paths:
         try:
             check_path(name, policy, resolve, {}, what="a file in the patch,")
         except _Deny as deny:
@@ -1759,17 +1727,15 @@ def run_agent(repo, *, settings, ref=None, runs_dir=DEFAULT_RUNS, tools=DEFAULT_
               max_wall_s=None, run_id=None, origin=None):
     """One run on `repo`: (outcome, run_id, proposal path or None). Failures after open are recorded."""
     policy = load_policy(tools)
-    if max_steps is not None:
-        policy.budget["max_steps"] = max_steps
-    if max_wall_s is not None:
-        policy.budget["max_wall_s"] = max_wall_s
+    for name, value in (("max_steps", max_steps), ("max_wall_s", max_wall_s)):
+        if value is not None:
+            policy.budget[name] = value
     repo = repo_root(repo)
     commit = resolve_ref(repo, ref)
     run_id = run_id or rl.new_run_id()
     lock = take_lock(repo, run_id)
     try:
-        secrets = [settings[2]] + repo_secrets(repo, commit if ref else None)
-        run = rl.open_run(runs_dir, run_id=run_id, secrets=secrets)
+        run = rl.open_run(runs_dir, run_id=run_id, secrets=[settings[2]] + repo_secrets(repo, commit if ref else None))
         started = time.monotonic()
         scratch = Path(tempfile.mkdtemp(prefix=f"agent-{run.run_id}-"))  # every temp dir of the run is in it
         try:
@@ -1788,8 +1754,11 @@ def run_agent(repo, *, settings, ref=None, runs_dir=DEFAULT_RUNS, tools=DEFAULT_
         if _SIGNALS["noted"] and outcome != "error":
             outcome, proposal = "error", None
             _record_error(run, _terminated(" while the run was being closed"), "".join(traceback.format_stack()))
-        summary = _closing_summary(run, outcome)
-        run.close(outcome, **summary)
+        events = list(rl.read_events(run.ledger.path))
+        verdicts = [e["payload"].get("verdict") for e in events if e["kind"] == "judge_verdict"]
+        run.close(outcome, steps=sum(e["kind"] in ("model_proposed", "proposal_malformed") for e in events),
+                  proposal=PROPOSAL_NAME if (run.dir / PROPOSAL_NAME).exists() else None,
+                  verdict=verdicts[-1] if verdicts else None)
         return outcome, run.run_id, proposal
     finally:
         os.close(lock)
@@ -1798,14 +1767,6 @@ def run_agent(repo, *, settings, ref=None, runs_dir=DEFAULT_RUNS, tools=DEFAULT_
 def _record_error(run, exc, trace):
     run.append("error", {"type": type(exc).__name__, "message": rl.error_text(exc)[:2000],
                          "traceback_artifact": run.store_artifact(trace)})
-
-
-def _closing_summary(run, outcome):
-    events = list(rl.read_events(run.ledger.path))
-    verdicts = [e["payload"] for e in events if e["kind"] == "judge_verdict"]
-    proposed = [e for e in events if e["kind"] in ("model_proposed", "proposal_malformed")]
-    return {"steps": len(proposed), "proposal": PROPOSAL_NAME if (run.dir / PROPOSAL_NAME).exists() else None,
-            "verdict": verdicts[-1].get("verdict") if verdicts else None}
 
 
 def _remove_tree(path):
@@ -1821,20 +1782,21 @@ def _remove_tree(path):
 
 
 def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origin):
-    base_url, model, _key = settings
-    tree = scratch / "tree"
-    digest = snapshot(repo, commit if ref else None, tree)
-    dirty = bool(git(repo, "status", "--porcelain=v1", "-z", "--untracked-files=normal")) if not ref else False
-    tools_ref = _exact_artifact(run, policy.text, "tools.json")
+    base_url, model, api_key = settings
+    if any(value in policy.text for value in run.ledger.redactor.values):  # stored unmasked: replay reads it again
+        raise rl.UsageError("tools.json holds the value of a secret (the value is not shown); it cannot be recorded")
+    digest = snapshot(repo, commit if ref else None, scratch / "tree")
+    dirty = False if ref else bool(git(repo, "status", "--porcelain=v1", "-z", "--untracked-files=normal"))
     box = probe_sandbox(policy, _hidden_paths(repo, run.dir.parent))
     run.append("run_started", {
         "repo": str(repo), "ref": ref, "commit": commit, "dirty": dirty, "tree_digest": digest,
-        "tools_path": policy.source, "tools_sha256": policy.sha256, "tools_artifact": tools_ref,
+        "tools_path": policy.source, "tools_sha256": policy.sha256,
+        "tools_artifact": run.store_artifact(policy.text, redact_secrets=False),
         "model": model, "base_url": ask.split_base_url(base_url)[1], "budget": policy.budget,
         "test_command": policy.test_command, "agent_version": __version__,
         "python": sys.version.split()[0], **box.record(), **origin})
     require_box(box, policy)
-    workspace = Workspace(repo, commit if ref else None, tree, policy, run.ledger.redactor, box)
+    workspace = Workspace(repo, commit if ref else None, scratch / "tree", policy, run.ledger.redactor, box)
     baseline = _tests(run, workspace, scratch)
     broken = _test_command_broken(policy.test_command, baseline)
     if broken:
@@ -1850,41 +1812,23 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
     run.append("prompt_context", {"diff_artifact": run.store_artifact(diff), "diff_chars": len(diff)})
     messages = [{"role": "system", "content": system_prompt(policy)},
                 {"role": "user", "content": run.ledger.redactor.text(first_prompt(
-                    baseline["output"], diff, Budget(policy.budget).left(0.0)))}]
+                    baseline["output"], diff, Budget(policy.budget).line(0.0)))}]
     world = LiveWorld(run, workspace, settings, started)
     if policy.budget["context_tokens"] is None:
-        world.plan.know(_listed_window(run, settings, policy.budget["call_timeout_s"]))
-    try:
-        outcome, check = drive(world, policy, messages)
-    except _Stop as stop:
-        run.append(stop.kind, stop.payload)
-        return stop.outcome, None
+        listed = ask.list_models(ledger=run, base_url=base_url, api_key=api_key,
+                                 timeout=min(30, policy.budget["call_timeout_s"]))  # recorded as models_list
+        world.plan.know((listed.get("context_tokens") or {}).get(model))
+    outcome, check = drive(world, policy, messages)
     if outcome != "proposal":
         return outcome, None
     path = run.dir / PROPOSAL_NAME  # after the decision that accepted it: its exact bytes, never masked
-    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(check["proposal"])
+    path.touch(0o600, exist_ok=False)
+    path.write_bytes(check["proposal"])
     verdict = _judge_in_child(run, policy, scratch, box)
     return ("proposal_accepted" if verdict == "accept" else "proposal_rejected_by_judge"), path
 
 
-def _listed_window(run, settings, timeout):
-    """The model's context window as /models lists it (recorded as models_list), or None."""
-    base_url, model, api_key = settings
-    listed = ask.list_models(ledger=run, base_url=base_url, api_key=api_key, timeout=min(30, timeout))
-    return (listed.get("context_tokens") or {}).get(model)
-
-
-def _exact_artifact(run, text, what):
-    """Store text used again byte for byte, unmasked; refused when it holds a known secret value."""
-    if any(value in text for value in run.ledger.redactor.values):
-        raise rl.UsageError(f"{what} holds the value of a secret (the value is not shown); it cannot be recorded")
-    return run.store_artifact(text, redact_secrets=False)
-
-
 def _tests(run, workspace, scratch):
-    """Run the test command and record tests_run: exit code, duration, output, pytest's per-test outcomes."""
     (scratch / "out").mkdir(exist_ok=True)  # out/: the one host directory a box writes
     output, outcomes = workspace.run_tests(scratch / "out")
     payload = {"command": workspace.policy.test_command, "returncode": output.returncode,
@@ -1955,10 +1899,8 @@ def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
         raise rl.UsageError(f"{run_dir}: the run is closed; its verdict is in its ledger")
     started = next(e["payload"] for e in events if e["kind"] == "run_started")
     baseline = next(e["payload"] for e in events if e["kind"] == "tests_run")
-    decision = decisions[-1]
     policy = policy_from_text(_artifact_text(run_dir, started["tools_artifact"]), "the run's tools.json")
-    before = json.loads(_artifact_text(run_dir, baseline["outcomes_artifact"])) if baseline.get("outcomes_artifact") \
-        else None
+    before = baseline.get("outcomes_artifact") and json.loads(_artifact_text(run_dir, baseline["outcomes_artifact"]))
     patch = (run_dir / PROPOSAL_NAME).read_bytes()
     repo, commit = Path(started["repo"]), started["commit"] if started.get("ref") else None
     hide = _hidden_paths(repo, run_dir.parent)
@@ -1972,13 +1914,13 @@ def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
                        secrets=list(secrets) + repo_secrets(repo, commit))
     with tempfile.TemporaryDirectory(prefix="agent-judge-") as work:
         tree = Path(work) / "tree"
-        if hashlib.sha256(patch).hexdigest() != decision.get("proposal_sha256"):
+        if hashlib.sha256(patch).hexdigest() != decisions[-1].get("proposal_sha256"):
             verdict["reason"] = "proposal.patch is not the patch the decision accepted"
         elif snapshot(repo, commit, tree) != started["tree_digest"]:
             verdict["reason"] = "the repository changed since the run started; the judge cannot compare"
         else:
-            _judge_tree(Path(work), patch, policy, before, Workspace(repo, None, tree, policy, ledger.redactor, box),
-                        ledger, verdict)
+            _judge_tree(Path(work), patch, policy, before,
+                        Workspace(repo, None, tree, policy, ledger.redactor, box), ledger, verdict)
     ledger.append("judge_verdict", verdict)
     ledger.close()
     return verdict
@@ -1996,20 +1938,15 @@ def _judge_tree(work, patch, policy, before, workspace, ledger, verdict):
     proc = subprocess.run(["git", "-C", str(tree), "apply", "-"], input=patch, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, env=env, timeout=120)
     verdict["applies"] = proc.returncode == 0 and not reading.special
-    if reading.special:
-        verdict["reason"] = "git reads the patch as making a symlink or a submodule"
+    if reading.special or not verdict["applies"]:
+        verdict["reason"] = "git reads the patch as making a symlink or a submodule" if reading.special else \
+            "the patch does not apply: " + proc.stdout.decode("utf-8", "replace")[-500:]
         return
-    if not verdict["applies"]:
-        verdict["reason"] = "the patch does not apply: " + proc.stdout.decode("utf-8", "replace")[-500:]
-        return
-    plants = plant_known_answers(tree, policy, before) if policy.known_answers else "off"
-    if isinstance(plants, KnownAnswers):
-        verdict["known_answers"] = "planted"
+    plants = plant_known_answers(tree, policy, before) if policy.known_answers else None
+    if isinstance(plants, str):
+        verdict["known_answers"], verdict["known_answers_reason"], plants = "not planted", plants, None
     else:
-        verdict["known_answers"] = "off" if plants == "off" else "not planted"
-        if plants != "off":
-            verdict["known_answers_reason"] = plants
-        plants = None
+        verdict["known_answers"] = "planted" if plants else "off"
     (work / "out").mkdir()  # out/: the one directory of the judge's that the box may write
     output, after = workspace.run_tests(work / "out")
     after, passed, subverted = plants.read(output, after) if plants else (after, None, None)
@@ -2058,9 +1995,8 @@ def _rule(verdict, policy):
         return "reject", "judge.runner_subverted", (f"the test runner did not report the judge's known answers "
                                                     f"({verdict['runner_subverted']}): the patch subverts it")
     if verdict.get("results_missing"):
-        return "reject", "judge.results_missing", (
-            "the tests gave per-test results before the patch and none with it: the patch stops "
-            "or bypasses the test runner")
+        return "reject", "judge.results_missing", ("the tests gave per-test results before the patch and none with "
+                                                   "it: the patch stops or bypasses the test runner")
     if verdict["vanished"]:
         return "reject", "judge.tests_vanished", f"tests that ran before are gone or skipped: " \
                                                  f"{', '.join(verdict['vanished'][:5])}"
@@ -2081,6 +2017,8 @@ _PYTEST_VALUE_OPTS = {"-p", "-c", "-o", "-W", "-r", "--rootdir", "--confcutdir",
 _DESELECTING = {"-k", "-m", "--lf", "--last-failed", "--deselect", "-x", "--exitfirst", "--maxfail", "--sw",
                 "--stepwise", "--random-order", "--random-order-bucket", "--random-order-seed", "-f", "--failfast",
                 "-p randomly", "-p random_order"}
+_UNITTEST_VALUES = {"-s": "start", "--start-directory": "start", "-p": "pattern", "--pattern": "pattern",
+                    "-t": "top", "--top-level-directory": "top"}
 
 
 def _runner(argv):
@@ -2099,31 +2037,23 @@ def _runner(argv):
 
 def _unittest_discovery(args):
     """(start directory, pattern, why nothing can be planted or None) of `python -m unittest ARGS`."""
-    start, pattern, rest = ".", "test*.py", list(args)
-    if rest[:1] == ["discover"]:
-        rest, positional, index = rest[1:], [], 0
-        while index < len(rest):
-            arg = rest[index]
-            if arg in ("-s", "--start-directory", "-p", "--pattern", "-t", "--top-level-directory", "-k"):
-                if arg in ("-s", "--start-directory"):
-                    start = rest[index + 1] if index + 1 < len(rest) else start
-                elif arg in ("-p", "--pattern"):
-                    pattern = rest[index + 1] if index + 1 < len(rest) else pattern
-                elif arg == "-k":
-                    return start, pattern, "-k can deselect the known answers"
-                index += 2
-                continue
-            if not arg.startswith("-"):
-                positional.append(arg)
-            elif arg in _DESELECTING:
-                return start, pattern, f"{arg} can stop the run before the known answers run"
-            index += 1
-        start, pattern = (positional + [start])[0], (positional[1:] + [pattern])[0]
-    elif any(not a.startswith("-") for a in rest):
-        return start, pattern, "the test command names test modules"
-    elif any(a in _DESELECTING or a == "-k" for a in rest):
-        return start, pattern, "the test command can deselect or stop before the known answers"
-    return start, pattern, None
+    given, positional, rest = {"start": ".", "pattern": "test*.py"}, [], list(args[1:])
+    if args[:1] != ["discover"]:
+        why = ("the test command names test modules" if any(not a.startswith("-") for a in args) else
+               "the test command can deselect or stop before the known answers" if any(
+                   a in _DESELECTING for a in args) else None)
+        return given["start"], given["pattern"], why
+    while rest:
+        arg = rest.pop(0)
+        if arg == "-k":
+            return given["start"], given["pattern"], "-k can deselect the known answers"
+        if arg in _UNITTEST_VALUES:
+            given[_UNITTEST_VALUES[arg]] = rest.pop(0) if rest else given.get(_UNITTEST_VALUES[arg])
+        elif not arg.startswith("-"):
+            positional.append(arg)
+        elif arg in _DESELECTING:
+            return given["start"], given["pattern"], f"{arg} can stop the run before the known answers run"
+    return (positional + [given["start"]])[0], (positional[1:] + [given["pattern"]])[0], None
 
 
 def _runner_patterns(argv):
@@ -2131,13 +2061,10 @@ def _runner_patterns(argv):
     runner, args = _runner(argv)
     if runner == "pytest":
         return ["test_*.py", "*_test.py", "conftest.py"]
-    if runner == "unittest":
-        return ["test*.py", "tests.py", _unittest_discovery(args)[1]]
-    return []
+    return ["test*.py", "tests.py", _unittest_discovery(args)[1]] if runner == "unittest" else []
 
 
 def _pytest_why_not(args, tree):
-    """Why nothing can be planted for `pytest ARGS` in `tree`, or None."""
     index = 0
     while index < len(args):
         arg, option = args[index], args[index].split("=", 1)[0]
@@ -2174,7 +2101,6 @@ class KnownAnswers:
         """(per-test results less the plants, whether the project's tests pass, why the runner is not believed)."""
         if output.timed_out:
             return after, False, None
-        text = (output.head + output.tail).decode("utf-8", "replace")
         if self.runner == "pytest":
             mine = {t: o for t, o in (after or {}).items() if t.endswith((f"::{self.fail}", f"::{self.ok}"))}
             rest = None if after is None else {t: o for t, o in after.items() if t not in mine}
@@ -2184,12 +2110,13 @@ class KnownAnswers:
             why = None if ok else f"planted failure {got.get(self.fail, 'missing')}, planted pass " \
                                   f"{got.get(self.ok, 'missing')}, exit {output.returncode}"
             return rest, passed, why
-        named = re.findall(r"(?m)^(?:FAIL|ERROR): (\S+)", text)
+        text = (output.head + output.tail).decode("utf-8", "replace")
+        named, wrote = re.findall(r"(?m)^(?:FAIL|ERROR): (\S+)", text), f"known-answer-{self.token}" in text
         ran = re.search(r"(?m)^Ran \d+ tests? in ", text)
-        ok = named.count(self.fail) == 1 and f"known-answer-{self.token}" in text and ran and output.returncode == 1
+        ok = named.count(self.fail) == 1 and wrote and ran and output.returncode == 1
         why = None if ok else (f"planted failure {'reported' if self.fail in named else 'not reported'}, planted "
-                               f"pass {'ran' if f'known-answer-{self.token}' in text else 'did not run'}, "
-                               f"{'a' if ran else 'no'} Ran line, exit {output.returncode}")
+                               f"pass {'ran' if wrote else 'did not run'}, {'a' if ran else 'no'} Ran line, exit "
+                               f"{output.returncode}")
         return after, bool(ok) and named == [self.fail], why
 
     def label(self, text):
@@ -2202,8 +2129,7 @@ def plant_known_answers(tree, policy, before):
     """Plant a must-fail and a must-pass test where the runner collects; KnownAnswers, or why not."""
     import fnmatch
     runner, args = _runner(policy.test_command)
-    tag, token = os.urandom(6).hex(), os.urandom(12).hex()
-    plants = KnownAnswers(runner, tag, token)
+    tag = os.urandom(6).hex()
     if runner == "pytest":
         why = _pytest_why_not(args, tree)
         place = None if why else _collected_file(tree, before)
@@ -2222,9 +2148,11 @@ def plant_known_answers(tree, policy, before):
         where = tree / start
     else:
         return "the test runner is neither pytest nor unittest"
-    if name is None or not where.is_dir() or not _under(os.path.realpath(where), os.path.realpath(tree)):
-        return "no file name fits the runner's pattern for test files" if name is None else \
-            "the test directory is not inside the copy"
+    if name is None:
+        return "no file name fits the runner's pattern for test files"
+    if not where.is_dir() or not _under(os.path.realpath(where), os.path.realpath(tree)):
+        return "the test directory is not inside the copy"
+    plants = KnownAnswers(runner, tag, os.urandom(12).hex())
     (where / name).write_text(plants.source(), encoding="utf-8")
     return plants
 
@@ -2268,9 +2196,8 @@ def tripwires(tree, reading, enabled, env):
                     seen[(rule, what)] -= 1
                 else:
                     fired.append((rule, path, f"line {line}: {what}"))
-    fired = [f for f in fired if f[0] in enabled]
     fired.sort(key=lambda f: TRIPWIRES.index(f[0]))
-    return [{"rule": r, "path": p, "what": w} for r, p, w in fired]
+    return [{"rule": r, "path": p, "what": w} for r, p, w in fired if r in enabled]
 
 
 def _blob(tree, sha, env):
@@ -2278,7 +2205,6 @@ def _blob(tree, sha, env):
 
 
 def _dotted(node):
-    """`a.b.c` for a chain of attributes on a name, else None."""
     names = []
     while isinstance(node, ast.Attribute):
         names.append(node.attr)
@@ -2292,20 +2218,17 @@ def _py_tripwires(source):
         module = ast.parse(source)
     except (SyntaxError, ValueError):
         return []  # it does not compile: the tests say so
-    found = []
-    for node in ast.walk(module):
-        for rule, what in _node_tripwires(node):
-            found.append((rule, what, getattr(node, "lineno", 0)))
+    found = [(rule, what, getattr(node, "lineno", 0)) for node in ast.walk(module) for rule, what in
+             _node_tripwires(node)]
     for node in _import_time(module.body):
-        call = node.func if isinstance(node, ast.Call) else node.exc if isinstance(node, ast.Raise) else None
-        name = _dotted(call.func if isinstance(call, ast.Call) else call) if call is not None else None
+        target = node.func if isinstance(node, ast.Call) else node.exc
+        name = _dotted(target.func if isinstance(target, ast.Call) else target)
         if name in ("sys.exit", "exit", "quit", "SystemExit", "unittest.main", "os.abort"):
             found.append(("tripwire.exit_paths", f"{name} at import", node.lineno))
     return found
 
 
 def _node_tripwires(node):
-    """The tripwires one ast node fires, whatever its place."""
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         base = node.module or "" if isinstance(node, ast.ImportFrom) else ""
         names = [base] if base else []
@@ -2361,66 +2284,41 @@ def _call_tripwires(node):
             yield "tripwire.process_control", f"{keyword.arg}="
 
 
-def _import_time(body):
-    """Calls and raises that run at import: module and class bodies, not functions nor `__main__`."""
-    for stmt in body:
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+def _import_time(nodes):
+    """Calls and raises that run at import: in module and class bodies, not in functions, lambdas or `__main__`."""
+    for node in nodes:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             continue
-        if isinstance(stmt, ast.If) and "__name__" in ast.dump(stmt.test) and "__main__" in ast.dump(stmt.test):
-            yield from _import_time(stmt.orelse)
+        if isinstance(node, ast.If) and "__name__" in ast.dump(node.test) and "__main__" in ast.dump(node.test):
+            yield from _import_time(node.orelse)
             continue
-        if isinstance(stmt, ast.Raise):
-            yield stmt
-        inner = [getattr(stmt, f, []) for f in ("body", "orelse", "finalbody", "handlers")]
-        nested = [s for block in inner for s in block if isinstance(s, ast.stmt)]
-        handlers = [s for block in inner for s in block if isinstance(s, ast.excepthandler)]
-        yield from _import_time(nested + [s for h in handlers for s in h.body])
-        for part in _shallow(stmt):
-            if isinstance(part, ast.Call):
-                yield part
-
-
-def _shallow(stmt):
-    """The expressions of a statement itself, not of its nested statements or any function or lambda."""
-    todo = [child for child in ast.iter_child_nodes(stmt) if not isinstance(child, (ast.stmt, ast.excepthandler))]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.Lambda, ast.FunctionDef)):
-            continue
-        yield node
-        todo.extend(ast.iter_child_nodes(node))
+        if isinstance(node, (ast.Call, ast.Raise)):
+            yield node
+        yield from _import_time(ast.iter_child_nodes(node))
 
 
 # == Replay: the same decisions from the record, with no model, no tool and no network ==
 
-class _ReplayEnd(Exception):
-    """The recorded replies ran out."""
-
-
 class ReplayWorld:
-    """A recorded run as the host's world: replies, resolutions and clock from the ledger."""
+    """A recorded run as the host's world: replies, resolutions, git's answers and clock from the ledger."""
 
     def __init__(self, run_dir, events):
-        self.run_dir, self.produced = Path(run_dir), []
+        self.run_dir, self.produced, self.steps = Path(run_dir), [], 0
         self.replies, self.clock, self.paths, self.checks = [], [], {}, {}
-        self.last_call = {"attempts": 0, "tokens": 0, "tokens_source": "estimated"}
         for event in events:
             kind, payload = event["kind"], event["payload"]
+            if kind in ("model_proposed", "proposal_malformed", "budget_exhausted"):
+                self.clock.append(payload["budget"]["elapsed_s"])
             if kind in ("model_proposed", "proposal_malformed"):
                 self.replies.append(payload)
-                self.clock.append(payload["budget"]["elapsed_s"])
-            elif kind == "budget_exhausted":
-                self.clock.append(payload["budget"]["elapsed_s"])
             elif kind in ("tool_allowed", "tool_denied"):
                 self.paths.setdefault(payload["step"], {}).update(payload.get("paths") or {})
             elif kind == "patch_rejected":
                 self.checks[payload["step"]] = {"applies": False, "message": payload["message"],
                                                 "patch_sha256": payload["patch_sha256"], "rule": payload.get("rule")}
             elif kind == "decision" and payload.get("stage") == "proposal":
-                self.checks[payload["step"]] = {"applies": True, "recount": payload["recount"],
-                                                "files": payload["files"], "patch_sha256": payload["patch_sha256"],
-                                                "proposal_sha256": payload["proposal_sha256"], "message": ""}
-        self.steps = 0
+                self.checks[payload["step"]] = dict({k: payload[k] for k in ("recount", "files", "patch_sha256",
+                                                                             "proposal_sha256")}, applies=True)
 
     def elapsed(self):
         return self.clock[min(self.steps, len(self.clock) - 1)] if self.clock else 0.0
@@ -2432,14 +2330,11 @@ class ReplayWorld:
         recorded = {posixpath.normpath(g): r for g, r in reversed(list(self.paths.get(step, {}).items()))}
         return lambda norm: recorded.get(norm, norm)  # not resolved in the recorded run: taken at its word
 
-    def fit(self, step, messages, limits):
-        pass  # the recorded replies were what the model answered, whatever the messages held
-
-    def ask(self, step, messages, budget, limits):
+    def ask(self, step, messages, budget, limits):  # what the model answered, whatever the messages held
         if step > len(self.replies):
-            raise _ReplayEnd()
-        self.steps, self.last_call = step, self.replies[step - 1]["call"]
-        return _artifact_text(self.run_dir, self.last_call["reply_artifact"]), self.last_call
+            raise _Exit("replayed")
+        self.steps, call = step, self.replies[step - 1]["call"]
+        return _artifact_text(self.run_dir, call["reply_artifact"]), call
 
     def parse(self, step, text):
         """The action as the live run read it (the stored reply is masked, which can change how it parses)."""
@@ -2448,29 +2343,22 @@ class ReplayWorld:
             raise Malformed(payload["reason"])
         return {"tool": payload["tool"], "args": payload["args"], "reason": payload["reason"]}, payload["form"]
 
-    def execute(self, step, tool, args):
-        return _text_output(0, "(replayed: the recorded output is in the ledger)", time.monotonic())
-
-    def record_result(self, step, tool, output, cap):
-        return output.text(cap)
+    def run_tool(self, step, tool, args, cap):
+        return _text_output(0, "(replayed: the recorded output is in the ledger)", time.monotonic()), ""
 
     def check_patch(self, step, patch):
-        if step in self.checks:
-            return self.checks[step]
-        return {"applies": False, "message": "(not checked in the recorded run)", "patch_sha256": None,
-                "recount": False, "files": []}
+        return self.checks.get(step) or {"applies": False, "message": "(not checked in the recorded run)",
+                                         "patch_sha256": None, "recount": False, "files": []}
+
+
+# What replay compares of each decision, after its kind (budget_exhausted and stuck: the limit)
+_DECISION_FIELDS = {"tool_allowed": ("step", "tool", "rule"), "tool_denied": ("step", "tool", "rule"),
+                    "model_proposed": ("step", "tool"), "proposal_malformed": ("step",), "patch_rejected": ("step",),
+                    "decision": ("stage", "proposal_sha256")}
 
 
 def _decision_key(kind, payload):
-    if kind in ("tool_allowed", "tool_denied"):
-        return (kind, payload["step"], payload["tool"], payload["rule"])
-    if kind == "model_proposed":
-        return (kind, payload["step"], payload["tool"])
-    if kind in ("proposal_malformed", "patch_rejected"):
-        return (kind, payload["step"])
-    if kind == "decision":
-        return (kind, payload.get("stage"), payload.get("proposal_sha256"))
-    return (kind, payload.get("limit"))
+    return (kind, *(payload.get(field) for field in _DECISION_FIELDS.get(kind, ("limit",))))
 
 
 def replay_run(run_dir, tools=None):
@@ -2480,47 +2368,42 @@ def replay_run(run_dir, tools=None):
     started = next((e["payload"] for e in events if e["kind"] == "run_started"), None)
     if started is None:
         raise rl.UsageError(f"{run_dir}: no run_started event: not an agent run")
-    recorded_policy = policy_from_text(_artifact_text(run_dir, started["tools_artifact"]), "the run's tools.json")
-    policy = load_policy(tools) if tools else recorded_policy
+    policy = load_policy(tools) if tools else policy_from_text(_artifact_text(run_dir, started["tools_artifact"]),
+                                                               "the run's tools.json")
     if tools is None:  # a run recorded before max_repeats existed was never stopped for repeating itself
         policy.budget = {**DEFAULT_BUDGET, "max_repeats": float("inf"), **started["budget"]}
     world = ReplayWorld(run_dir, events)
-    try:
-        drive(world, policy, [{"role": "system", "content": ""}, {"role": "user", "content": ""}])
-    except (_ReplayEnd, _Stop):
-        pass
+    drive(world, policy, [{"role": "system", "content": ""}, {"role": "user", "content": ""}])
     recorded = [(e["seq"], _decision_key(e["kind"], e["payload"]), e) for e in events if e["kind"] in DECISION_KINDS]
     produced = [_decision_key(k, p) for k, p in world.produced if k in DECISION_KINDS]
-    proposal = run_dir / PROPOSAL_NAME
     divergences = []
-    for i, (seq, key, event) in enumerate(recorded):
+    for i in range(max(len(recorded), len(produced))):
+        seq, key = recorded[i][:2] if i < len(recorded) else (None, None)
         got = produced[i] if i < len(produced) else None
         if got != key:
             divergences.append((seq, key, got))
             break
-    else:
-        if len(produced) > len(recorded):
-            divergences.append((None, None, produced[len(recorded)]))
-    decided = [e["payload"] for _s, _k, e in recorded if e["kind"] == "decision"]
-    if decided and proposal.exists() and hashlib.sha256(proposal.read_bytes()).hexdigest() != decided[-1].get(
-            "proposal_sha256"):
-        divergences.append((None, ("proposal.patch", decided[-1].get("proposal_sha256")),
-                            ("proposal.patch", hashlib.sha256(proposal.read_bytes()).hexdigest())))
-    flips = []
-    if tools is not None:
-        tools_at = {k[1]: k for k in produced if k[0] in ("tool_allowed", "tool_denied")}
-        for seq, key, event in recorded:
-            now = tools_at.get(key[1]) if key[0] in ("tool_allowed", "tool_denied") else None
-            if now is not None and (now[0], now[3]) != (key[0], key[3]):
-                p = event["payload"]
-                flips.append(f"seq {seq} step {key[1]}: {p['tool']} {json.dumps(p['args'], ensure_ascii=False)[:120]}: "
-                             f"{key[0][5:]} by {key[3]} -> {now[0][5:]} by {now[3]}")
-        recorded_budget = [k for _s, k, _e in recorded if k[0] == "budget_exhausted"]
-        produced_budget = [k for k in produced if k[0] == "budget_exhausted"]
-        if produced_budget != recorded_budget:
-            flips.append(f"budget: {recorded_budget[0][1] if recorded_budget else 'not exhausted'} -> "
-                         f"{produced_budget[0][1] if produced_budget else 'not exhausted'}")
-    return divergences, flips
+    decided = [e["payload"].get("proposal_sha256") for _s, _k, e in recorded if e["kind"] == "decision"]
+    proposal = run_dir / PROPOSAL_NAME
+    digest = hashlib.sha256(proposal.read_bytes()).hexdigest() if decided and proposal.exists() else None
+    if digest and digest != decided[-1]:
+        divergences.append((None, ("proposal.patch", decided[-1]), ("proposal.patch", digest)))
+    return divergences, (_flips(recorded, produced) if tools is not None else [])
+
+
+def _flips(recorded, produced):
+    flips, tools_at = [], {k[1]: k for k in produced if k[0] in ("tool_allowed", "tool_denied")}
+    for seq, key, event in recorded:
+        now = tools_at.get(key[1]) if key[0] in ("tool_allowed", "tool_denied") else None
+        if now is not None and (now[0], now[3]) != (key[0], key[3]):
+            p = event["payload"]
+            flips.append(f"seq {seq} step {key[1]}: {p['tool']} {json.dumps(p['args'], ensure_ascii=False)[:120]}: "
+                         f"{key[0][5:]} by {key[3]} -> {now[0][5:]} by {now[3]}")
+    ends = [[k[1] for k in keys if k[0] == "budget_exhausted"] for keys in ([k for _s, k, _e in recorded], produced)]
+    if ends[0] != ends[1]:
+        was, now = (end[0] if end else "not exhausted" for end in ends)
+        flips.append(f"budget: {was} -> {now}")
+    return flips
 
 
 # == The record of runs ========================================================
@@ -2529,11 +2412,9 @@ def list_runs(runs_dir):
     """One row per run: id, started, outcome, steps, tokens, and whether it verifies against the index."""
     import audit  # its run summaries: one reader of the agent's events
     runs_dir = Path(runs_dir)
-    status = {}
-    for path, result in rl.verify_runs(runs_dir):
-        if Path(path).name == rl.EVENTS_NAME:
-            status[Path(path).parent.name] = "ok" if isinstance(result, rl.Verified) else (
-                "FAIL" if isinstance(result, rl.IntegrityError) else "ERROR")
+    status = {Path(path).parent.name: "ok" if isinstance(result, rl.Verified) else
+              "FAIL" if isinstance(result, rl.IntegrityError) else "ERROR"
+              for path, result in rl.verify_runs(runs_dir) if Path(path).name == rl.EVENTS_NAME}
     summary = audit.Audit()
     for events in sorted(runs_dir.glob(f"*/{rl.EVENTS_NAME}")):
         if status.get(events.parent.name) == "ok":
@@ -2562,7 +2443,6 @@ def run_reason(events):
 
 
 def _tokens_cell(row):
-    """Reported tokens as 1,234; estimated ones as 1,234~; none as -."""
     if row["tokens"] is None:
         return "-"
     return f"{row['tokens']:,}" + ("~" if row["tokens_source"] == "estimated" else "")
