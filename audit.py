@@ -704,8 +704,7 @@ _MAX_CELL_LABELS = 5       # served models, fingerprints or error types named in
 _MAX_CHART_DAYS = 120      # the per-day charts show the latest days
 _MARKER_DAYS = 45          # a dot (with a tooltip) on every day up to this many days
 _MAX_TEXT = 512            # a longer ledger string is cut on the page (ask.py cuts server strings there too)
-_CHART = (640, 290, (66, 14, 626, 232))     # width, height, plot box (left, top, right, bottom)
-_HIST = (440, 250, (56, 26, 428, 196))
+_SIZE, _BOX = (640, 290), (66, 26, 626, 232)  # every chart: width, height; plot box (left, top, right, bottom)
 _HEADINGS = {
     "request_model": "Model (requested)", "base_url": "Endpoint", "day": "Day", "calls": "Calls", "failed": "Failed",
     "no_usage": "No usage", "checked": "Checked", "passed": "Checks passed", "input_tokens": "Input tokens (reported)",
@@ -716,7 +715,8 @@ _HEADINGS = {
     "outcome": "Outcome", "judge_verdict": "Judge verdict", "steps": "Steps", "tools_allowed": "Tools allowed",
     "tools_denied": "Tools denied", "model_calls": "Model calls", "est_tokens": "Tokens (estimated)",
     "why": "Why it ended", "what": "What changed", "detail": "Detail", "previous_day": "Compared with",
-    "path": "Ledger", "status": "Status", "lines": "Events", "reason": "Note"}
+    "path": "Ledger", "status": "Status", "lines": "Events", "reason": "Note", "label": "Model",
+    "reported": "Tokens (reported)"}
 # The tables lead with what is read first, so a narrow window scrolls only past the token counts.
 _HTML_MODEL_COLUMNS = ("request_model", "base_url", "day", "calls", "failed", "latency_p50_ms", "latency_p95_ms",
                        "latency_max_ms", "response_models", "errors", "no_usage", "checked", "passed",
@@ -726,29 +726,35 @@ _HTML_RUN_COLUMNS = ("run_id", "started", "outcome", "why", "judge_verdict", "st
 _WHAT = {"response_model": "Served model", "system_fingerprint": "System fingerprint",
          "latency_p50": "Latency p50", "latency_p95": "Latency p95", "usage": "Usage reporting",
          "error_rate": "Error rate", "checks": "Check pass rate", "models_list": "Models listed"}
-_TEXT_TH = ' class="t"'
 _TEXT_FIELDS = {"request_model", "base_url", "day", "response_models", "errors", "run_id", "started", "outcome",
-                "judge_verdict", "what", "detail", "previous_day", "path", "status", "reason", "why"}
+                "judge_verdict", "what", "detail", "previous_day", "path", "status", "reason", "why", "label"}
 _CSS = (
-    "body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1400px;padding:0 24px;color:#1f2328;"
-    "line-height:1.4}h2{margin:32px 0 8px;padding-top:8px;border-top:1px solid #e3e3e3}"
-    "h3{font-size:14px;margin:0 0 4px;overflow-wrap:anywhere}h3 .ep{display:block;font-weight:400;font-size:12px}"
-    ".sub,.note,figcaption,.card .k,.card .s{color:#555;font-size:13px}.warn{color:#a33a00}nav a{margin-right:14px}"
+    "body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1400px;padding:0 24px;color:#1f2328}"
+    "h2{margin:32px 0 8px;padding-top:8px;border-top:1px solid #e3e3e3}h3{font-size:14px;margin:0 0 4px;"
+    "overflow-wrap:anywhere}h3 .ep{display:block;font-weight:400;font-size:12px}.warn,td.bad{color:#a33a00}"
+    ".sub,.note,figcaption,.card .k,.card .s{color:#555;font-size:13px}nav a{margin-right:14px}"
     ".cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(140px,1fr));gap:10px}"
     ".card{border:1px solid #ddd;border-radius:8px;padding:8px 12px}.card .v{font-size:22px;font-weight:600}"
-    ".scroll{overflow:auto;max-height:80vh;border:1px solid #ddd;margin:8px 0}"
-    "table{border-collapse:separate;border-spacing:0;font-size:13px;width:100%}"
-    "th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;vertical-align:top;white-space:nowrap;"
-    "font-variant-numeric:tabular-nums}th{background:#f3f4f6;position:sticky;top:0;white-space:normal}"
-    "td.t,th.t,th:first-child,td:first-child{text-align:left}td.w,td:first-child{white-space:normal;"
-    "min-width:10em;max-width:28em;overflow-wrap:anywhere}td.null{color:#aaa}td.bad{color:#a33a00;font-weight:600}"
-    ".key{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:6px;print-color-adjust:exact}"
+    ".scroll{overflow:auto;max-height:80vh;border:1px solid #ddd;margin:8px 0}table{border-collapse:separate;"
+    "border-spacing:0;font-size:13px;width:100%}th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;"
+    "vertical-align:top;white-space:nowrap}th{background:#f3f4f6;position:sticky;top:0;white-space:normal}"
+    ".t{text-align:left}td.w,td:first-child{white-space:normal;min-width:10em;max-width:28em;overflow-wrap:anywhere}"
+    "td.null{color:#aaa}.key{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:6px}"
     ".key.dash{background:repeating-linear-gradient(90deg,#8c8c8c 0 4px,#fff 4px 6px)!important}"
     ".legend{list-style:none;padding:0;display:flex;flex-wrap:wrap;gap:4px 18px;font-size:13px}"
-    ".charts,.hists{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:18px 28px}"
-    "figure{margin:0;min-width:0}svg{max-width:100%;height:auto;display:block}svg text{font-size:11px;fill:#333}"
-    "svg .lbl{font-size:10px}svg .gl{stroke:#e6e6e6}svg .axis{stroke:#888}svg .mark{stroke:#333;"
-    "stroke-dasharray:4 3}")
+    ".charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:18px 28px}"
+    "figure{margin:0}svg{max-width:100%;height:auto}svg text{font-size:11px;fill:#333}svg .gl{stroke:#e6e6e6}"
+    "svg .axis{stroke:#888}svg .mark{stroke:#333;stroke-dasharray:4 3}")
+# The per-day line charts: class, heading, y axis, unit in a dot's tooltip, the figure of one day
+# from (calls, ok, usage_calls, reported, estimated), None for a gap; a format for a share (else counts).
+_DAY_CHARTS = (
+    ("calls-per-day", "Calls per day", "calls", "calls", lambda c, o, u, r, e: c, None),
+    ("error-rate-per-day", "Failed calls (% of calls)", "% of calls failed", "of calls failed",
+     lambda c, o, u, r, e: 100.0 * (c - o) / c if c else None, "{:.3g}%".format),
+    ("tokens-per-day", "Tokens reported by servers (input + output)", "tokens (reported)", "tokens",
+     lambda c, o, u, r, e: r if u else None, None),
+    ("est-tokens-per-day", "Tokens estimated (chars/4, input + output)", "tokens (estimated)", "tokens",
+     lambda c, o, u, r, e: e if c else None, None))
 
 
 def _e(value):
@@ -775,36 +781,38 @@ def _key(colour, dashed=False):
 
 def _chart_models(audit):
     """(series, order): a series for each of the MAX_CHART_MODELS busiest (model, base_url) pairs and a grey one
-    for the rest, each with its calls, per-day [calls, ok, usage_calls, reported, estimated tokens], errors by
-    type and ok latencies; order ranks every pair, busiest first."""
+    for the rest, each with its calls and [(day, Group)]; order ranks every pair, busiest first."""
     totals = {}
     for (model, base, _day), group in audit.groups.items():
         _add(totals, (model, base), group.calls)
     order = sorted(totals, key=lambda k: (-totals[k], str(k[0]), str(k[1])))
     folded = (OTHER, OTHER) if audit.folded and (OTHER, OTHER) in totals else None
-    ranked = [key for key in order if key != folded]
-    top, rest = ranked[:MAX_CHART_MODELS], ranked[MAX_CHART_MODELS:]
+    top = [key for key in order if key != folded][:MAX_CHART_MODELS]
     series = [{"key": key, "label": f"{_label(key[0])} @ {_label(key[1])}", "colour": colour, "dashed": False}
               for key, colour in zip(top, _PALETTE)]
-    if rest or folded:
-        many = f"{len(rest):,}{'+' if folded else ''}"
-        calls = sum(totals[k] for k in rest) + (totals[folded] if folded else 0)
-        series.append({"key": None, "colour": _GREY, "dashed": True,
-                       "label": f"{many} other model string{'' if many == '1' else 's'} ({calls:,} calls)"})
-    for one in series:
-        one.update(calls=0, days={}, errors={}, latencies=[])
+    rest = [key for key in order if key not in top]
+    if rest:
+        many = f"{len(rest) - bool(folded):,}{'+' if folded else ''}"
+        series.append({"key": None, "colour": _GREY, "dashed": True, "label": f"{many} other model string"
+                       f"{'' if many == '1' else 's'} ({sum(totals[k] for k in rest):,} calls)"})
     index = {key: i for i, key in enumerate(top)}
-    for (model, base, day), g in audit.groups.items():
+    for one in series:
+        one.update(calls=0, groups=[])
+    for (model, base, day), group in audit.groups.items():
         one = series[index.get((model, base), len(top))]
-        one["calls"] += g.calls
-        slot = one["days"].setdefault(day, [0, 0, 0, 0, 0])
-        for i, value in enumerate((g.calls, g.ok, g.usage_calls, g.input_tokens + g.output_tokens,
-                                   g.est_input_tokens + g.est_output_tokens)):
-            slot[i] += value
-        for name, n in g.errors.items():
-            _add(one["errors"], name, n)
-        one["latencies"].extend(g.latencies)
+        one["calls"] += group.calls
+        one["groups"].append((day, group))
     return series, order
+
+
+def _day_figures(one, days):
+    """[calls, ok, usage_calls, reported, estimated tokens] of a series on each of the days."""
+    sums = {day: [0] * 5 for day in days}
+    for day, g in one["groups"]:
+        for i, value in enumerate((g.calls, g.ok, g.usage_calls, g.input_tokens + g.output_tokens,
+                                   g.est_input_tokens + g.est_output_tokens) if day in sums else ()):
+            sums[day][i] += value
+    return [sums[day] for day in days]
 
 
 def _scale(top, integer=True, ticks=4):
@@ -817,116 +825,79 @@ def _scale(top, integer=True, ticks=4):
     return step, step * math.ceil(top / step - 1e-9)
 
 
-def _svg(css_class, width, height, title, attrs=""):
-    return (f'<svg class="{css_class}"{attrs} xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" role="img"><title>{_e(title)}</title>')
-
-
-def _frame(css_class, title, size, top_value, y_title, x_ticks, x_title, fmt=_short, integer=True, attrs=""):
-    """(parts, y_of): an SVG's opening, a y axis covering `top_value`, an x axis with ticks [(x, label)]."""
-    width, height, (left, top, right, bottom) = size
+def _frame(cls, title, top_value, y_title, x_ticks, x_title, fmt=_short, integer=True, attrs=""):
+    """(parts, y_of): an SVG's opening and its axes: y from 0 to cover top_value, x ticks [(x, label)]."""
+    (width, height), (left, top, right, bottom) = _SIZE, _BOX
     step, ymax = _scale(top_value, integer)
-    parts = [_svg(css_class, width, height, title, attrs)]
+
+    def y_of(value):
+        return bottom - (bottom - top) * value / ymax
+    parts = [f'<svg class="{cls}"{attrs} xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" role="img"><title>{_e(title)}</title>']
     for i in range(int(round(ymax / step)) + 1):
-        y = bottom - (bottom - top) * i * step / ymax
-        parts.append(f'<line class="gl" x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}"/>'
-                     f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_e(fmt(i * step))}</text>')
-    parts.append(f'<text class="ax" text-anchor="middle" transform="translate(14 {(top + bottom) / 2:.0f}) '
-                 f'rotate(-90)">{_e(y_title)}</text><line class="axis" x1="{left}" y1="{bottom}" x2="{right}" '
-                 f'y2="{bottom}"/>')
+        parts.append(f'<line class="gl" x1="{left}" y1="{y_of(i * step):.1f}" x2="{right}" y2="{y_of(i * step):.1f}"/>'
+                     f'<text x="{left - 6}" y="{y_of(i * step) + 4:.1f}" text-anchor="end">{_e(fmt(i * step))}</text>')
     parts += [f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_e(label)}</text>' for x, label in x_ticks]
-    parts.append(f'<text class="ax" x="{(left + right) / 2:.0f}" y="{bottom + 38}" text-anchor="middle">'
-                 f'{_e(x_title)}</text>')
-    return parts, lambda value: bottom - (bottom - top) * value / ymax
+    parts.append(f'<text text-anchor="middle" transform="translate(14 {(top + bottom) / 2:.0f}) rotate(-90)">'
+                 f'{_e(y_title)}</text><line class="axis" x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}"/>'
+                 f'<text x="{(left + right) / 2:.0f}" y="{bottom + 38}" text-anchor="middle">{_e(x_title)}</text>')
+    return parts, y_of
 
 
-def _day_frame(css_class, title, top_value, y_title, days, fmt=_short, integer=True):
-    """(parts, y_of, xs): _frame for a chart over days, a band per day (xs: their centres), 12 labels at most."""
-    left, _top, right, _bottom = _CHART[2]
-    band = (right - left) / max(len(days), 1)
-    xs = [left + band * (i + 0.5) for i in range(len(days))]
-    every = max(1, math.ceil(len(days) / 12))
-    ticks = [(x, day[5:] if _is_date(day) else day) for i, (day, x) in enumerate(zip(days, xs)) if i % every == 0]
-    years = sorted({d[:4] for d in days if _is_date(d)})
-    x_title = "day (UTC" + (", " + _DASH.join(sorted({years[0], years[-1]})) if years else "") + ")"
-    parts, y_of = _frame(css_class, title, _CHART, top_value, y_title, ticks, x_title, fmt, integer)
-    return parts, y_of, xs
+def _bands(labels):
+    """The centre of each category's band across the plot box, and (x, label) for at most 12 of them."""
+    band = (_BOX[2] - _BOX[0]) / max(len(labels), 1)
+    xs = [_BOX[0] + band * (i + 0.5) for i in range(len(labels))]
+    every = max(1, math.ceil(len(labels) / 12))
+    return xs, [(x, label) for i, (x, label) in enumerate(zip(xs, labels)) if i % every == 0]
 
 
-def _line_chart(css_class, title, y_title, unit, days, series, integer=True, fmt=_short):
-    """One line per series over the days; a gap where a value is null (nothing to show), never a 0."""
-    values = [v for *_s, vals in series for v in vals if v is not None]
-    parts, y_of, xs = _day_frame(css_class, title, max(values, default=0), y_title, days, fmt, integer)
-    for label, colour, dashed, vals in series:
-        parts.append(f'<g class="series" data-series="{_e(label)}"><title>{_e(label)}</title>')
-        dash = ' stroke-dasharray="6 4"' if dashed else ""
-        for present, points in itertools.groupby(zip(xs, vals), key=lambda point: point[1] is not None):
-            points = list(points)
-            if present and len(points) > 1:
-                parts.append(f'<polyline fill="none" stroke="{colour}" stroke-width="2.2" stroke-linejoin="round"'
-                             f'{dash} points="{" ".join(f"{x:.1f},{y_of(v):.1f}" for x, v in points)}"/>')
-        points = [(x, day, v) for x, day, v in zip(xs, days, vals) if v is not None]
+def _rect(x, y, width, height, colour, title, error_type=None):
+    kind = "" if error_type is None else f' data-error-type="{_e(error_type)}"'
+    return (f'<rect{kind} x="{x:.1f}" y="{y:.1f}" width="{width:.1f}" height="{height:.1f}" fill="{colour}">'
+            f"<title>{_e(title)}</title></rect>")
+
+
+def _line_chart(cls, title, y_title, unit, axis, lines, fmt=None):
+    """One line per (series, values) over the days; a gap where a value is null (nothing to show), never a 0."""
+    days, labels, x_title = axis
+    xs, ticks = _bands(labels)
+    top = max((v for _s, values in lines for v in values if v is not None), default=0)
+    parts, y_of = _frame(cls, title, top, y_title, ticks, x_title, fmt or _short, fmt is None)
+    for s, values in lines:
+        parts.append(f'<g class="series" data-series="{_e(s["label"])}"><title>{_e(s["label"])}</title>')
+        dash = ' stroke-dasharray="6 4"' if s["dashed"] else ""
+        for present, run in itertools.groupby(zip(xs, values), key=lambda point: point[1] is not None):
+            run = list(run)
+            if present and len(run) > 1:
+                parts.append(f'<polyline fill="none" stroke="{s["colour"]}" stroke-width="2.2"{dash} points="'
+                             + " ".join(f"{x:.1f},{y_of(v):.1f}" for x, v in run) + '"/>')
+        points = [(x, day, v) for x, day, v in zip(xs, days, values) if v is not None]
         for x, day, v in points if len(days) <= _MARKER_DAYS or len(points) == 1 else ():
-            parts.append(f'<circle cx="{x:.1f}" cy="{y_of(v):.1f}" r="3.2" fill="{colour}" stroke="#fff" '
-                         f'stroke-width="1"><title>{_e(label)} \u00b7 {_e(day)}: '
-                         f'{_e(_num(v) if integer else fmt(v))} {_e(unit)}</title></circle>')
+            parts.append(f'<circle cx="{x:.1f}" cy="{y_of(v):.1f}" r="3.2" fill="{s["colour"]}" stroke="#fff">'
+                         f'<title>{_e(s["label"])} \u00b7 {_e(day)}: {(fmt or _num)(v)} {unit}</title></circle>')
         parts.append("</g>")
     return "".join(parts + ["</svg>"])
 
 
-def _bar(x, y, width, height, colour, title, error_type=None):
-    kind = "" if error_type is None else f'data-error-type="{_e(error_type)}" '
-    return (f'<rect {kind}x="{x:.1f}" y="{y:.1f}" width="{width:.1f}" height="{height:.1f}" fill="{colour}">'
-            f"<title>{title}</title></rect>")
-
-
-def _errors_chart(days, counts, types, colours):
-    """Stacked bars: one <g class="day"> per day, one rect per error type that happened that day."""
-    totals = [sum(counts.get(d, {}).values()) for d in days]
-    parts, y_of, xs = _day_frame("errors-per-day", "failed calls per day, by error type", max(totals, default=0),
-                                 "failed calls", days)
-    left, _top, right, bottom = _CHART[2]
-    width = min((right - left) / max(len(days), 1) * 0.7, 56)
-    for day, x, total in zip(days, xs, totals):
-        parts.append(f'<g class="day" data-day="{_e(day)}">')
+def _stacked_chart(cls, kind, cats, labels, counts, types, colours, x_title):
+    """Failed calls in stacked bars: a <g class=kind> per category, a rect per error type that happened there."""
+    left, _top, right, bottom = _BOX
+    totals = [sum(per.values()) for per in counts]
+    xs, ticks = _bands(labels)
+    parts, y_of = _frame(cls, f"failed calls per {kind}, by error type", max(totals, default=0), "failed calls",
+                         ticks, x_title)
+    width = min((right - left) / max(len(cats), 1) * 0.7, 56)
+    for cat, x, per, total in zip(cats, xs, counts, totals):
+        parts.append(f'<g class="{kind}" data-{kind}="{_e(cat)}">')
         y = bottom
-        for name in types:
-            n = counts.get(day, {}).get(name)
-            if n:
-                h = bottom - y_of(n)
-                y -= h
-                parts.append(_bar(x - width / 2, y, width, h, colours[name], f"{_e(day)}: {_e(name)} \u00d7 {n:,}",
-                                  name))
-        if total and len(days) <= _MARKER_DAYS:
-            parts.append(f'<text class="lbl" x="{x:.1f}" y="{y - 4:.1f}" text-anchor="middle">{total:,}</text>')
-        parts.append("</g>")
-    return "".join(parts + ["</svg>"])
-
-
-def _errors_by_model_chart(series, types, colours):
-    """One horizontal stacked bar per chart series: its failed calls, coloured by error type."""
-    width, left, right, row = _CHART[0], 10, _CHART[0] - 150, 40
-    bottom = 8 + row * len(series)
-    step, xmax = _scale(max((sum(s["errors"].values()) for s in series), default=0))
-    parts = [_svg("errors-per-model", width, bottom + 44, "failed calls per model, by error type")]
-    for i in range(int(round(xmax / step)) + 1):
-        x = left + (right - left) * i * step / xmax
-        parts.append(f'<line class="gl" x1="{x:.1f}" y1="4" x2="{x:.1f}" y2="{bottom}"/>'
-                     f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_short(i * step)}</text>')
-    parts.append(f'<text class="ax" x="{(left + right) / 2:.0f}" y="{bottom + 38}" text-anchor="middle">'
-                 "failed calls</text>")
-    for i, s in enumerate(series):
-        label, per, y, x = s["label"], s["errors"], 8 + i * row, left
-        parts.append(f'<g class="model" data-model="{_e(label if s["key"] else OTHER)}">'
-                     f'<rect x="{left}" y="{y + 3}" width="10" height="10" rx="2" fill="{s["colour"]}"/>'
-                     f'<text x="{left + 15}" y="{y + 12}">{_e(_elide(label, 90, "end"))}</text>')
         for name in (name for name in types if per.get(name)):
-            w = (right - left) * per[name] / xmax
-            parts.append(_bar(x, y + 17, w, 14, colours[name], f"{_e(label)}: {_e(name)} \u00d7 {per[name]:,}", name))
-            x += w
-        failed, n = sum(per.values()), s["calls"]
-        share = f" \u00b7 {failed / n:.1%} of {n:,} calls" if n else ""
-        parts.append(f'<text x="{x + 6:.1f}" y="{y + 28}">{failed:,}{share}</text></g>')
+            y -= bottom - y_of(per[name])
+            parts.append(_rect(x - width / 2, y, width, bottom - y_of(per[name]), colours[name],
+                               f"{cat}: {name} \u00d7 {per[name]:,}", name))
+        if total and len(cats) <= _MARKER_DAYS:
+            parts.append(f'<text x="{x:.1f}" y="{y - 4:.1f}" text-anchor="middle">{total:,}</text>')
+        parts.append("</g>")
     return "".join(parts + ["</svg>"])
 
 
@@ -937,99 +908,81 @@ def _round_125(value, up):
                 if (m * k >= value * (1 - 1e-9) if up else m * k <= value * (1 + 1e-9)))
 
 
-def _latency_histogram(model, ordered, colour, bins=32):
-    """Log-scale bins of sorted latencies, so a cold-start hump stands apart; p50 and p95 marked."""
-    width, height, (left, top, right, bottom) = _HIST
-    attrs = f' data-model="{_e(model)}"'
+def _latency_histogram(label, ordered, colour, bins=32):
+    """Log-scale bins of sorted ok latencies, so a cold-start hump stands apart; p50 and p95 marked."""
+    left, top, right, bottom = _BOX
+    attrs, x_title = f' data-model="{_e(label)}"', "latency (ms, log scale)"
     if not ordered:
-        return (_svg("latency-histogram", width, 40, f"latency of {model}: no successful calls", attrs)
-                + '<text x="8" y="24">no successful call with a latency</text></svg>')
-    low, high = _round_125(max(ordered[0], 1.0), False), _round_125(max(ordered[-1], 1.0), True)
-    high = high if high > low else _round_125(low * 1.5, True)
-    ticks = [m * 10 ** k for k in range(int(math.floor(math.log10(low))), int(math.ceil(math.log10(high))) + 1)
-             for m in (1, 2, 5) if low * (1 - 1e-9) <= m * 10 ** k <= high * (1 + 1e-9)]
+        parts, _y = _frame("latency-histogram", f"latency of {label}: no successful calls", 0, "ok calls", [],
+                           x_title, attrs=attrs)
+        return "".join(parts) + f'<text x="{left + 8}" y="{top + 20}">no successful call with a latency</text></svg>'
+    low = _round_125(max(ordered[0], 1.0), False)
+    high = _round_125(max(ordered[-1], low * 1.5), True)
+    lo, span = math.log10(low), math.log10(high / low)
+    ticks = [m * 10 ** k for k in range(math.floor(lo), math.ceil(math.log10(high)) + 1) for m in (1, 2, 5)
+             if low * (1 - 1e-9) <= m * 10 ** k <= high * (1 + 1e-9)]
     ticks = ticks if len(ticks) <= 9 else [t for t in ticks if str(int(t)).startswith("1")]
-    lo, span = math.log10(low), math.log10(high) - math.log10(low)
 
     def x_of(value):
         return left + (right - left) * (math.log10(max(value, 1.0)) - lo) / span
     counts = [0] * bins
     for value in ordered:
-        counts[min(max(int((math.log10(max(value, 1.0)) - lo) / span * bins), 0), bins - 1)] += 1
-    x_ticks = [(x_of(t), f"{t:g} ms" if t < 1000 else f"{t / 1000:g} s") for t in ticks]
-    parts, y_of = _frame("latency-histogram", f"latency of {model} (ms, log scale)", _HIST, max(counts), "ok calls",
-                         x_ticks, "latency (ms, log scale)", attrs=attrs)
+        counts[min(max(int((x_of(value) - left) / (right - left) * bins), 0), bins - 1)] += 1
+    parts, y_of = _frame("latency-histogram", f"latency of {label} (ms, log scale)", max(counts), "ok calls",
+                         [(x_of(t), f"{t:g} ms" if t < 1000 else f"{t / 1000:g} s") for t in ticks], x_title,
+                         attrs=attrs)
     bw = (right - left) / bins
     for i, n in enumerate(counts):
+        a, b = (10 ** (lo + span * j / bins) for j in (i, i + 1))
         if n:
-            a, b = (10 ** (lo + span * j / bins) for j in (i, i + 1))
-            parts.append(_bar(left + i * bw + 0.5, y_of(n), bw - 1, bottom - y_of(n), colour,
-                              f"{_ms_text(a)} \u2013 {_ms_text(b)}: {n:,} calls"))
-    for row, (name, q) in enumerate((("p50", 50), ("p95", 95))):
-        value = percentile(ordered, q)
-        x = x_of(value)
+            parts.append(_rect(left + i * bw + 0.5, y_of(n), bw - 1, bottom - y_of(n), colour,
+                               f"{_ms_text(a)} \u2013 {_ms_text(b)}: {n:,} calls"))
+    for row, q in enumerate((50, 95)):
+        x = x_of(percentile(ordered, q))
         anchor, dx = ("end", -3) if x > right - 90 else ("start", 3)
         parts.append(f'<line class="mark" x1="{x:.1f}" y1="{top - 12 + 12 * row}" x2="{x:.1f}" y2="{bottom}"/>'
-                     f'<text class="lbl" x="{x + dx:.1f}" y="{top - 4 + 12 * row}" text-anchor="{anchor}">'
-                     f'{name} {_ms_text(value)}</text>')
+                     f'<text x="{x + dx:.1f}" y="{top - 4 + 12 * row}" text-anchor="{anchor}">'
+                     f'p{q} {_ms_text(percentile(ordered, q))}</text>')
     return "".join(parts + ["</svg>"])
 
 
-def _td(field, value):
+def _td(field, row, colours, runs_url):
     """One cell: counts with separators, ms as ms, label counts as 'name ×n', null as a dash."""
-    text = " t" if field in _TEXT_FIELDS else ""
+    value, cls = row.get(field), ("t" if field in _TEXT_FIELDS else "")
+    if field == "request_model" and not (value is None and "what" in row):
+        return f'<td class="t">{_key(colours.get((value, row["base_url"]), _GREY))}{_e(_label(value))}</td>'
+    if field == "label":
+        return f'<td class="t">{_key(row["colour"], row["dashed"])}{_e(value)}</td>'
+    if field == "request_model":
+        return '<td class="t">(models list)</td>'
     if value is None or value == {} or value == "":
-        return f'<td class="null{text}">{_DASH}</td>'
+        return f'<td class="null {cls}">{_DASH}</td>'
     if isinstance(value, dict):
         ranked = _ranked(value)
-        more = len(ranked) - _MAX_CELL_LABELS
-        return ('<td class="t w">' + ", ".join(f"{_e(_label(name))}\u00a0\u00d7{count:,}" for name, count
-                                               in ranked[:_MAX_CELL_LABELS]) + (f" and {more:,} more" if more > 0
-                                                                                 else "") + "</td>")
-    if field == "started" and isinstance(value, str) and len(value) >= 19 and value[10:11] == "T":
+        more = f" and {len(ranked) - _MAX_CELL_LABELS:,} more" if len(ranked) > _MAX_CELL_LABELS else ""
+        return ('<td class="t w">' + ", ".join(f"{_e(_label(name))}\u00a0\u00d7{n:,}" for name, n
+                                               in ranked[:_MAX_CELL_LABELS]) + f"{more}</td>")
+    if field == "run_id" and rl._OUR_RUN_ID_RE.match(str(value)):  # only an id of agent.py's shape is a link
+        return f'<td class="t"><a href="{_e(runs_url + value)}">{_e(value)}</a></td>'
+    if field == "started" and isinstance(value, str) and value[10:11] == "T":
         return f'<td class="t" title="{_e(value)}">{_e(value[:10] + " " + value[11:19])}</td>'
+    if field == "what":
+        return f'<td class="t" title="{_e(value)}">{_e(_WHAT.get(value, value))}</td>'
+    if isinstance(value, str) or field in _TEXT_FIELDS:
+        return f'<td class="{cls}{" w" if field in ("why", "base_url", "detail") else ""}">{_e(value)}</td>'
     if field.endswith("_ms"):
         return f"<td>{_fmt_ms(value)}</td>"
-    if text:
-        return f'<td class="t{" w" if field in ("why", "base_url", "detail") else ""}">{_e(value)}</td>'
-    bad = ' class="bad"' if field in ("failed", "malformed", "tools_denied", "errors") and value else ""
-    return f"<td{bad}>{_num(value, _DASH)}</td>"
+    bad = ' class="bad"' if field in ("failed", "tools_denied", "errors") and value else ""
+    return f"<td{bad}>{_num(value)}</td>"
 
 
-def _html_table(css_class, columns, rows, cells=None):
-    """A table of `rows` (dicts); `cells` maps a field to the function that draws its cell instead of _td."""
-    cells = cells or {}
-    heads = "".join(f'<th{_TEXT_TH if c in _TEXT_FIELDS else ""} scope="col" data-field="{_e(c)}" title="{_e(c)}">'
-                    f"{_e(_HEADINGS.get(c, c))}</th>" for c in columns)
-    body = ["<tr>" + "".join(cells[c](row) if c in cells else _td(c, row[c]) for c in columns) + "</tr>"
-            for row in rows]
+def _html_table(css_class, columns, rows, colours=None, runs_url=""):
+    """A table of `rows` (dicts), a column per field, its heading for people and the field name in title."""
+    heads = "".join(f'<th{" class=t" if c in _TEXT_FIELDS else ""} scope="col" data-field="{c}" title="{c}">'
+                    f"{_HEADINGS[c]}</th>" for c in columns)
+    body = ["<tr>" + "".join(_td(c, row, colours or {}, runs_url) for c in columns) + "</tr>" for row in rows]
     return "\n".join([f'<div class="scroll"><table class="{css_class}"><thead><tr>{heads}</tr></thead><tbody>']
                      + body + ["</tbody></table></div>"])
-
-
-def _model_cell(colours):
-    def cell(row):
-        if row["request_model"] is None and "what" in row:
-            return '<td class="t">(models list)</td>'
-        key = (row["request_model"], row["base_url"])
-        return f'<td class="t">{_key(colours.get(key, _GREY))}{_e(_label(row["request_model"]))}</td>'
-    return cell
-
-
-def _models_section(rows, by_day, colours, order):
-    rank = {key: i for i, key in enumerate(order)}
-    shown = sorted(rows, key=lambda r: rank.get((r["request_model"], r["base_url"]), len(rank)))[:_MAX_TABLE_ROWS]
-    out = ["<h2 id=\"models\">Models" + (" by day" if by_day else "") + "</h2>",
-           '<p class="note">One row per model string (the model asked for, at its endpoint)'
-           + (" and day" if by_day else "") + ", busiest first. Reported tokens are what servers said; "
-           "estimated tokens are chars/4 and are never added to them. \u2013 means nothing was reported. "
-           "OK calls, malformed payloads, minimum latency and fingerprints: --json or --csv.</p>",
-           _html_table("models", [c for c in _HTML_MODEL_COLUMNS if by_day or c != "day"], shown,
-                       {"request_model": _model_cell(colours)})]
-    if len(rows) > len(shown):
-        out.append(f'<p class="note">{len(rows) - len(shown):,} quieter rows are not shown here; '
-                   f"--json or --csv has every row.</p>")
-    return out
 
 
 def _summary_cards(audit, sums, changes, runs, days):
@@ -1052,93 +1005,79 @@ def _summary_cards(audit, sums, changes, runs, days):
                                       f'<div class="s">{_e(s)}</div></div>' for k, v, s in cards] + ["</div>"]
 
 
-def _per_day_section(series, days):
+def _per_day_section(series, axis):
     """A line chart per figure over the days, per model; with one day of data, that day's figures in a table."""
+    days = axis[0]
     if not days:
         return ['<h2 id="per-day">Per day</h2><p>No model calls.</p>']
-    legend = "".join(f'<li data-model="{_e(s["label"] if s["key"] else OTHER)}">{_key(s["colour"], s["dashed"])}'
-                     f'{_e(s["label"])}' + (f' <span class="note">{s["calls"]:,} calls</span>' if s["key"] else "")
-                     + "</li>" for s in series)
+    legend = "".join(f'<li data-model="{_e(s["label"])}">{_key(s["colour"], s["dashed"])}{_e(s["label"])}'
+                     + (f' <span class="note">{s["calls"]:,} calls</span>' if s["key"] else "") + "</li>"
+                     for s in series)
     out = ['<h2 id="per-day">Per day, per model</h2>', f'<ul class="legend" data-legend="models">{legend}</ul>']
+    figures = [_day_figures(s, days) for s in series]
     if len(days) == 1:
-        rows = []
-        for s in series:
-            calls, ok, usage, reported, est = s["days"].get(days[0], (0, 0, 0, 0, 0))
-            failed = f"{calls - ok:,} ({(calls - ok) / calls:.1%})" if calls else _DASH
-            rows.append(f'<tr><td class="t">{_key(s["colour"], s["dashed"])}{_e(s["label"])}</td><td>{calls:,}</td>'
-                        f"<td>{failed}</td><td>{_num(reported if usage else None, _DASH)}</td><td>{est:,}</td></tr>")
-        head = "".join(f'<th scope="col">{h}</th>' for h in ("Model", "Calls", "Failed", "Tokens reported",
-                                                            "Tokens estimated"))
+        rows = [dict(s, calls=c, failed=f"{c - o:,} ({(c - o) / c:.1%})" if c else None, reported=r if u else None,
+                     est_tokens=e) for s, [(c, o, u, r, e)] in zip(series, figures)]
         return out + [f'<p class="note one-day">One day of data ({_e(days[0])}): the per-day charts start with the '
-                      "second day. That day, per model:</p>", f'<div class="scroll"><table class="one-day"><thead><tr>'
-                      f'{head}</tr></thead><tbody>{"".join(rows)}</tbody></table></div>']
-
-    def lines(pick):  # pick(calls, ok, usage_calls, reported, estimated) -> the value of one day, or None
-        return [(s["label"], s["colour"], s["dashed"], [pick(*s["days"].get(d, (0, 0, 0, 0, 0))) for d in days])
-                for s in series]
-    charts = [
-        ("Calls per day", _line_chart("calls-per-day", "model calls per day, per model", "calls", "calls", days,
-                                      lines(lambda c, o, u, r, e: c))),
-        ("Failed calls (% of calls)", _line_chart(
-            "error-rate-per-day", "share of calls that failed, per day and model", "% of calls failed",
-            "of calls failed", days, lines(lambda c, o, u, r, e: 100.0 * (c - o) / c if c else None),
-            integer=False, fmt="{:.3g}%".format)),
-        ("Tokens reported by servers (input + output)", _line_chart(
-            "tokens-per-day", "reported tokens per day, per model", "tokens (reported)", "tokens", days,
-            lines(lambda c, o, u, r, e: r if u else None))),
-        ("Tokens estimated (chars/4, input + output)", _line_chart(
-            "est-tokens-per-day", "estimated tokens per day, per model", "tokens (estimated)", "tokens", days,
-            lines(lambda c, o, u, r, e: e if c else None)))]
-    return out + ['<p class="note">A gap in a line: nothing to show that day (no calls, or no usage reported). '
-                  "Reported and estimated tokens are separate charts and are never added together.</p>",
-                  '<div class="charts">'] + [f"<figure><h3>{_e(title)}</h3>{svg}</figure>" for title, svg in charts] + [
-                  "</div>"]
+                      "second day. That day, per model:</p>",
+                      _html_table("one-day", ("label", "calls", "failed", "reported", "est_tokens"), rows)]
+    out += ['<p class="note">A gap in a line: nothing to show that day (no calls, or no usage reported). '
+            "Reported and estimated tokens are separate charts and are never added together.</p>",
+            '<div class="charts">']
+    for cls, title, y_title, unit, pick, fmt in _DAY_CHARTS:
+        lines = [(s, [pick(*day) for day in figs]) for s, figs in zip(series, figures)]
+        out.append(f"<figure><h3>{title}</h3>{_line_chart(cls, title, y_title, unit, axis, lines, fmt)}</figure>")
+    return out + ["</div>"]
 
 
-def _errors_section(audit, days, series):
-    by_day, totals, shown = {}, {}, set(days)
-    for (_model, _base, day), group in audit.groups.items():
+def _errors_section(series, axis):
+    """Failed calls per day and per model, by error type; the quieter types share one grey."""
+    totals = {}
+    for _day, group in (pair for s in series for pair in s["groups"]):
         for name, n in group.errors.items():
             _add(totals, name, n)
-            if day in shown:
-                _add(by_day.setdefault(day, {}), name, n)
     out = ['<h2 id="errors">Errors by day and type</h2>']
     if not totals:
         return out + ["<p>No failed calls.</p>"]
     ranked = sorted(totals, key=lambda n: (-totals[n], str(n)))
-    types, rest = ranked[:len(_ERROR_PALETTE)], ranked[len(_ERROR_PALETTE):]
-    colours = dict(zip(types, _ERROR_PALETTE))
-    if rest:  # the quieter error types share one grey, in every chart
-        label = f"{len(rest):,} other error types"
-        colours[label], totals[label] = _ERROR_GREY, sum(totals[name] for name in rest)
-        for per in list(by_day.values()) + [s["errors"] for s in series]:
-            moved = sum(per.pop(name, 0) for name in rest)
-            if moved:
-                per[label] = moved
-        types.append(label)
-    legend = "".join(f'<li data-error-type="{_e(t)}">{_key(colours[t])}{_e(t)} '
-                     f'<span class="note">{totals[t]:,}</span></li>' for t in types)
-    per_day = ("<figure><h3>Failed calls per day, by error type (all models)</h3>"
-               + _errors_chart(days, by_day, types, colours) + "</figure>") if len(days) > 1 else ""
-    return out + [f'<ul class="legend" data-legend="error-types">{legend}</ul>', '<div class="charts">' + per_day
-                  + "<figure><h3>Failed calls by model and error type</h3>"
-                  + _errors_by_model_chart(series, types, colours) + "</figure></div>"]
+    colours = dict(zip(ranked, _ERROR_PALETTE))
+    other = f"{len(ranked) - len(colours):,} other error types"
+    types = ranked[:len(colours)] + ([other] if len(ranked) > len(colours) else [])
+    colours[other] = _ERROR_GREY
+    by_day, by_model = {day: {} for day in axis[0]}, [{} for _s in series]
+    for s, per in zip(series, by_model):
+        for day, group in s["groups"]:
+            for name, n in group.errors.items():
+                _add(per, name if name in colours else other, n)
+                if day in by_day:
+                    _add(by_day[day], name if name in colours else other, n)
+    legend = "".join(f'<li data-error-type="{_e(t)}">{_key(colours[t])}{_e(t)} <span class="note">'
+                     f"{sum(per.get(t, 0) for per in by_model):,}</span></li>" for t in types)
+    out += [f'<ul class="legend" data-legend="error-types">{legend}</ul>', '<div class="charts">']
+    if len(axis[0]) > 1:
+        out.append("<figure><h3>Failed calls per day, by error type (all models)</h3>" + _stacked_chart(
+            "errors-per-day", "day", axis[0], axis[1], list(by_day.values()), types, colours, axis[2]) + "</figure>")
+    fit = max(4, int((_BOX[2] - _BOX[0]) / len(series) / 6.5))  # a model's name cut to its bar's width
+    names = [_elide(_label(s["key"][0]) if s["key"] else "other", fit, "end") for s in series]
+    return out + ["<figure><h3>Failed calls by model and error type</h3>" + _stacked_chart(
+        "errors-per-model", "model", [s["label"] for s in series], names, by_model, types, colours,
+        "model, busiest first") + "</figure></div>"]
 
 
 def _latency_section(series):
     out = ['<h2 id="latency">Latency per model</h2>',
            '<p class="note">Successful calls only, log-scale bins: a second hump to the right is usually cold '
-           "starts or queueing. Dashed lines mark p50 and p95.</p>", '<div class="hists">']
+           "starts or queueing. Dashed lines mark p50 and p95.</p>", '<div class="charts">']
     for s in series:
         if s["key"] is None:
             return out + ["</div>", f'<p class="note">{_key(_GREY, True)}{_e(s["label"])}: no histogram (only the '
                                     f"{MAX_CHART_MODELS} busiest model strings get one).</p>"]
-        ordered = sorted(s["latencies"])
+        ordered = sorted(v for _day, group in s["groups"] for v in group.latencies)
         caption = (f"{len(ordered):,} ok calls \u00b7 p50 {_ms_text(percentile(ordered, 50))} \u00b7 p95 "
                    f"{_ms_text(percentile(ordered, 95))} \u00b7 max {_ms_text(ordered[-1] if ordered else None)}")
         out.append(f'<figure><h3>{_key(s["colour"])}{_e(_label(s["key"][0]))}<span class="ep">'
                    f'{_e(_label(s["key"][1]))}</span></h3>{_latency_histogram(s["label"], ordered, s["colour"])}'
-                   f"<figcaption>{_e(caption)}</figcaption></figure>")
+                   f"<figcaption>{caption}</figcaption></figure>")
     return out + ["</div>"]
 
 
@@ -1148,10 +1087,8 @@ def _lists_sections(audit, changes, runs, runs_url, colours):
     if not changes:
         out.append("<p>Nothing changed from one day to the next.</p>")
     else:
-        def what_cell(change):
-            return f'<td class="t" title="{_e(change["what"])}">{_e(_WHAT.get(change["what"], change["what"]))}</td>'
         out.append(_html_table("changes", ("day", "request_model", "base_url", "what", "detail", "previous_day"),
-                               changes[:_MAX_LIST_ROWS], {"request_model": _model_cell(colours), "what": what_cell}))
+                               changes[:_MAX_LIST_ROWS], colours))
     if len(changes) > _MAX_LIST_ROWS:
         out.append(f'<p class="note">{len(changes) - _MAX_LIST_ROWS:,} more changes: see the text report or '
                    "--json.</p>")
@@ -1161,14 +1098,9 @@ def _lists_sections(audit, changes, runs, runs_url, colours):
                 f"{_e(runs_url)}ID: the timeline agent.py serve shows (--runs-url sets where).</p>"]
         if len(runs) > len(shown):
             out.append(f'<p class="note">The latest {len(shown):,} runs; --json has all {len(runs):,}.</p>')
-
-        def run_cell(row):  # only an id of agent.py's own shape becomes a link
-            if not rl._OUR_RUN_ID_RE.match(row["run_id"]):
-                return _td("run_id", row["run_id"])
-            return f'<td class="t"><a href="{_e(runs_url + row["run_id"])}">{_e(row["run_id"])}</a></td>'
-        out.append(_html_table("runs", _HTML_RUN_COLUMNS, shown, {"run_id": run_cell}))
+        out.append(_html_table("runs", _HTML_RUN_COLUMNS, shown, runs_url=runs_url))
     return out + [f'<h2 id="ledgers">Ledgers read ({len(audit.ledgers):,})</h2><details><summary>show the list'
-                  "</summary>", _html_table("ledgers", ["path", "status", "lines", "reason"],
+                  "</summary>", _html_table("ledgers", ("path", "status", "lines", "reason"),
                                             audit.ledgers[:_MAX_LIST_ROWS]), "</details>"]
 
 
@@ -1177,29 +1109,42 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
     colours = {s["key"]: s["colour"] for s in series if s["key"]}
     # the x axis: every calendar day to the last (at most _MAX_CHART_DAYS), or the days found if some are not dates
     days = sorted({day for (_m, _b, day) in audit.groups})
-    if days and all(map(_is_date, days)):
+    dated = bool(days) and all(map(_is_date, days))
+    if dated:
         first = datetime.date.fromisoformat(days[0])
         span = (datetime.date.fromisoformat(days[-1]) - first).days
         days = [(first + datetime.timedelta(n)).isoformat()
                 for n in range(max(0, span + 1 - _MAX_CHART_DAYS), span + 1)]
     days = days[-_MAX_CHART_DAYS:]
-    sums = _sums(rows)
+    years = _DASH.join(sorted({days[0][:4], days[-1][:4]})) if dated else ""
+    axis = (days, [day[5:] if dated else day for day in days], f"day (UTC{', ' + years if years else ''})")
+    rank = {key: i for i, key in enumerate(order)}
+    shown = sorted(rows, key=lambda r: rank.get((r["request_model"], r["base_url"]), len(rank)))[:_MAX_TABLE_ROWS]
+    sums, files = _sums(rows), len(audit.ledgers)
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
            "<title>reasoning-ledger audit</title>", f"<style>{_CSS}</style>", "</head><body>",
            "<h1>Model calls audit</h1>",
-           f'<p class="sub">{len(audit.ledgers):,} ledger{"s" if len(audit.ledgers) != 1 else ""}, '
-           f"{sums['calls']:,} model calls, " + ("verified (every hash chain checked)." if verified else
-                                                '<strong class="warn">UNVERIFIED</strong>.') + "</p>",
-           '<nav><a href="#models">Models</a><a href="#per-day">Per day</a><a href="#errors">Errors</a>'
+           f'<p class="sub">{files:,} ledger{"s" if files != 1 else ""}, {sums["calls"]:,} model calls, '
+           + ("verified (every hash chain checked)." if verified else '<strong class="warn">UNVERIFIED</strong>.')
+           + "</p>", '<nav><a href="#models">Models</a><a href="#per-day">Per day</a><a href="#errors">Errors</a>'
            '<a href="#latency">Latency</a><a href="#changes">Changes</a>'
            + ('<a href="#runs">Agent runs</a>' if runs else "") + '<a href="#ledgers">Ledgers</a></nav>']
     if not verified:
         out.append('<p class="warn"><strong>UNVERIFIED</strong> (--no-verify): the hash chain was not checked; '
                    "anything on this page may have been edited.</p>")
     out += [f'<p class="warn">{_e(line)}</p>' for line in _warnings(audit)[:_MAX_LIST_ROWS]]
-    out += _summary_cards(audit, sums, changes, runs, days) + _models_section(rows, by_day, colours, order)
-    out += _per_day_section(series, days) + _errors_section(audit, days, series) + _latency_section(series)
+    out += _summary_cards(audit, sums, changes, runs, days)
+    out += ["<h2 id=\"models\">Models" + (" by day" if by_day else "") + "</h2>",
+            '<p class="note">One row per model string (the model asked for, at its endpoint)'
+            + (" and day" if by_day else "") + ", busiest first. Reported tokens are what servers said; "
+            "estimated tokens are chars/4 and are never added to them. \u2013 means nothing was reported. "
+            "OK calls, malformed payloads, minimum latency and fingerprints: --json or --csv.</p>",
+            _html_table("models", [c for c in _HTML_MODEL_COLUMNS if by_day or c != "day"], shown, colours)]
+    if len(rows) > len(shown):
+        out.append(f'<p class="note">{len(rows) - len(shown):,} quieter rows are not shown here; '
+                   f"--json or --csv has every row.</p>")
+    out += _per_day_section(series, axis) + _errors_section(series, axis) + _latency_section(series)
     out += _lists_sections(audit, changes, runs, runs_url, colours) + ["</body></html>"]
     return "\n".join(out) + "\n"
 
