@@ -705,18 +705,15 @@ _MAX_CHART_DAYS = 120      # the per-day charts show the latest days
 _MARKER_DAYS = 45          # a dot (with a tooltip) on every day up to this many days
 _MAX_TEXT = 512            # a longer ledger string is cut on the page (ask.py cuts server strings there too)
 _SIZE, _BOX = (640, 290), (66, 26, 626, 232)  # every chart: width, height; plot box (left, top, right, bottom)
+# Column headings for people (the rest: the field name in words); each heading's title is its field name.
 _HEADINGS = {
-    "request_model": "Model (requested)", "base_url": "Endpoint", "day": "Day", "calls": "Calls", "failed": "Failed",
-    "no_usage": "No usage", "checked": "Checked", "passed": "Checks passed", "input_tokens": "Input tokens (reported)",
-    "output_tokens": "Output tokens (reported)", "est_input_tokens": "Input tokens (estimated)",
-    "est_output_tokens": "Output tokens (estimated)", "latency_p50_ms": "Latency p50 (ms)",
-    "latency_p95_ms": "Latency p95 (ms)", "latency_max_ms": "Latency max (ms)", "retries": "Retries",
-    "response_models": "Served models", "errors": "Errors", "run_id": "Run", "started": "Started (UTC)",
-    "outcome": "Outcome", "judge_verdict": "Judge verdict", "steps": "Steps", "tools_allowed": "Tools allowed",
-    "tools_denied": "Tools denied", "model_calls": "Model calls", "est_tokens": "Tokens (estimated)",
-    "why": "Why it ended", "what": "What changed", "detail": "Detail", "previous_day": "Compared with",
-    "path": "Ledger", "status": "Status", "lines": "Events", "reason": "Note", "label": "Model",
-    "reported": "Tokens (reported)"}
+    "request_model": "Model (requested)", "base_url": "Endpoint", "passed": "Checks passed",
+    "input_tokens": "Input tokens (reported)", "output_tokens": "Output tokens (reported)",
+    "est_input_tokens": "Input tokens (estimated)", "est_output_tokens": "Output tokens (estimated)",
+    "latency_p50_ms": "Latency p50 (ms)", "latency_p95_ms": "Latency p95 (ms)", "latency_max_ms": "Latency max (ms)",
+    "response_models": "Served models", "run_id": "Run", "started": "Started (UTC)", "est_tokens": "Tokens (estimated)",
+    "why": "Why it ended", "what": "What changed", "previous_day": "Compared with", "path": "Ledger", "lines": "Events",
+    "reason": "Note", "label": "Model", "reported": "Tokens (reported)"}
 # The tables lead with what is read first, so a narrow window scrolls only past the token counts.
 _HTML_MODEL_COLUMNS = ("request_model", "base_url", "day", "calls", "failed", "latency_p50_ms", "latency_p95_ms",
                        "latency_max_ms", "response_models", "errors", "no_usage", "checked", "passed",
@@ -729,24 +726,22 @@ _WHAT = {"response_model": "Served model", "system_fingerprint": "System fingerp
 _TEXT_FIELDS = {"request_model", "base_url", "day", "response_models", "errors", "run_id", "started", "outcome",
                 "judge_verdict", "what", "detail", "previous_day", "path", "status", "reason", "why", "label"}
 _CSS = (
-    "body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1400px;padding:0 24px;color:#1f2328}"
-    "h2{margin:32px 0 8px;padding-top:8px;border-top:1px solid #e3e3e3}h3{font-size:14px;margin:0 0 4px;"
-    "overflow-wrap:anywhere}h3 .ep{display:block;font-weight:400;font-size:12px}.warn,td.bad{color:#a33a00}"
-    ".sub,.note,figcaption,.card .k,.card .s{color:#555;font-size:13px}nav a{margin-right:14px}"
-    ".cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(140px,1fr));gap:10px}"
-    ".card{border:1px solid #ddd;border-radius:8px;padding:8px 12px}.card .v{font-size:22px;font-weight:600}"
-    ".scroll{overflow:auto;max-height:80vh;border:1px solid #ddd;margin:8px 0}table{border-collapse:separate;"
-    "border-spacing:0;font-size:13px;width:100%}th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;"
-    "vertical-align:top;white-space:nowrap}th{background:#f3f4f6;position:sticky;top:0;white-space:normal}"
-    ".t{text-align:left}td.w,td:first-child{white-space:normal;min-width:10em;max-width:28em;overflow-wrap:anywhere}"
-    "td.null{color:#aaa}.key{display:inline-block;width:11px;height:11px;border-radius:2px;margin-right:6px}"
-    ".key.dash{background:repeating-linear-gradient(90deg,#8c8c8c 0 4px,#fff 4px 6px)!important}"
-    ".legend{list-style:none;padding:0;display:flex;flex-wrap:wrap;gap:4px 18px;font-size:13px}"
+    "body{font:14px system-ui,sans-serif;margin:24px auto;max-width:1400px;padding:0 24px;color:#1f2328}"
+    "h2{margin-top:32px;padding-top:8px;border-top:1px solid #ddd}h3{font-size:14px;overflow-wrap:anywhere}"
+    "h3 span{display:block;font-weight:400}.note,figcaption,.k,.s{color:#555;font-size:13px}.warn,.bad{color:#a33a00}"
+    "nav a{margin-right:14px}.cards{display:flex;flex-wrap:wrap;gap:10px}.v{font-size:22px;font-weight:600}"
+    ".card{border:1px solid #ddd;border-radius:8px;padding:8px 12px;min-width:140px}"
+    ".scroll{overflow:auto;max-height:80vh;border:1px solid #ddd}table{border-collapse:collapse;width:100%}"
+    "th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;vertical-align:top;white-space:nowrap}"
+    "th{background:#f3f4f6;position:sticky;top:0}.t{text-align:left;white-space:normal;overflow-wrap:anywhere}"
+    ".null{color:#aaa}.key{display:inline-block;width:11px;height:11px;margin-right:6px}"
+    ".dash{background:repeating-linear-gradient(90deg,#8c8c8c 0 4px,#fff 4px 6px)!important}"
+    ".legend{list-style:none;padding:0;display:flex;flex-wrap:wrap;gap:4px 18px}figure{margin:0}"
     ".charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:18px 28px}"
-    "figure{margin:0}svg{max-width:100%;height:auto}svg text{font-size:11px;fill:#333}svg .gl{stroke:#e6e6e6}"
-    "svg .axis{stroke:#888}svg .mark{stroke:#333;stroke-dasharray:4 3}")
-# The per-day line charts: class, heading, y axis, unit in a dot's tooltip, the figure of one day
-# from (calls, ok, usage_calls, reported, estimated), None for a gap; a format for a share (else counts).
+    "svg{max-width:100%;height:auto}svg text{font-size:11px;fill:#333}.gl{stroke:#e6e6e6}.axis{stroke:#888}"
+    ".mark{stroke:#333;stroke-dasharray:4 3}")
+# The per-day line charts: class, heading, y axis, unit in a dot's tooltip, a day's figure from (calls, ok,
+# usage_calls, reported, estimated tokens) or None for a gap, and the format of a share (else a count).
 _DAY_CHARTS = (
     ("calls-per-day", "Calls per day", "calls", "calls", lambda c, o, u, r, e: c, None),
     ("error-rate-per-day", "Failed calls (% of calls)", "% of calls failed", "of calls failed",
@@ -781,7 +776,8 @@ def _key(colour, dashed=False):
 
 def _chart_models(audit):
     """(series, order): a series for each of the MAX_CHART_MODELS busiest (model, base_url) pairs and a grey one
-    for the rest, each with its calls and [(day, Group)]; order ranks every pair, busiest first."""
+    for the rest, each with its calls, [(day, Group)] and per-day [calls, ok, usage_calls, reported, estimated];
+    order ranks every pair, busiest first."""
     totals = {}
     for (model, base, _day), group in audit.groups.items():
         _add(totals, (model, base), group.calls)
@@ -797,46 +793,39 @@ def _chart_models(audit):
                        f"{'' if many == '1' else 's'} ({sum(totals[k] for k in rest):,} calls)"})
     index = {key: i for i, key in enumerate(top)}
     for one in series:
-        one.update(calls=0, groups=[])
-    for (model, base, day), group in audit.groups.items():
+        one.update(calls=0, groups=[], days={})
+    for (model, base, day), g in audit.groups.items():
         one = series[index.get((model, base), len(top))]
-        one["calls"] += group.calls
-        one["groups"].append((day, group))
+        one["calls"] += g.calls
+        one["groups"].append((day, g))
+        figures = (g.calls, g.ok, g.usage_calls, g.input_tokens + g.output_tokens,
+                   g.est_input_tokens + g.est_output_tokens)
+        one["days"][day] = [a + b for a, b in zip(one["days"].get(day, (0,) * 5), figures)]
     return series, order
 
 
-def _day_figures(one, days):
-    """[calls, ok, usage_calls, reported, estimated tokens] of a series on each of the days."""
-    sums = {day: [0] * 5 for day in days}
-    for day, g in one["groups"]:
-        for i, value in enumerate((g.calls, g.ok, g.usage_calls, g.input_tokens + g.output_tokens,
-                                   g.est_input_tokens + g.est_output_tokens) if day in sums else ()):
-            sums[day][i] += value
-    return [sums[day] for day in days]
-
-
-def _scale(top, integer=True, ticks=4):
-    """(step, ymax): a round tick step and the axis top that covers `top`."""
-    top = top if top and top > 0 else 1
-    mag = 10 ** math.floor(math.log10(top / ticks))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag * ticks >= top)
-    if integer:
-        step = max(1, math.ceil(step))
-    return step, step * math.ceil(top / step - 1e-9)
+def _round_125(value, up):
+    """The nearest 1-2-5 value (..., 1, 2, 5, 10, 20, ...) at or above `value` (up) or at or below it."""
+    k = 10 ** math.floor(math.log10(value))
+    return next(m * k for m in ((1, 2, 5, 10) if up else (5, 2, 1))
+                if (m * k >= value * (1 - 1e-9) if up else m * k <= value * (1 + 1e-9)))
 
 
 def _frame(cls, title, top_value, y_title, x_ticks, x_title, fmt=_short, integer=True, attrs=""):
-    """(parts, y_of): an SVG's opening and its axes: y from 0 to cover top_value, x ticks [(x, label)]."""
+    """(parts, y_of): an SVG's opening and its axes: y from 0 past top_value in about 4 round steps, x ticks
+    [(x, label)]."""
     (width, height), (left, top, right, bottom) = _SIZE, _BOX
-    step, ymax = _scale(top_value, integer)
+    step = _round_125(top_value / 4 if top_value and top_value > 0 else 0.25, True)
+    step = max(1, math.ceil(step)) if integer else step
+    ymax = step * math.ceil((top_value or 0) / step - 1e-9) or step
 
     def y_of(value):
         return bottom - (bottom - top) * value / ymax
     parts = [f'<svg class="{cls}"{attrs} xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" role="img"><title>{_e(title)}</title>']
-    for i in range(int(round(ymax / step)) + 1):
-        parts.append(f'<line class="gl" x1="{left}" y1="{y_of(i * step):.1f}" x2="{right}" y2="{y_of(i * step):.1f}"/>'
-                     f'<text x="{left - 6}" y="{y_of(i * step) + 4:.1f}" text-anchor="end">{_e(fmt(i * step))}</text>')
+    for y, value in ((y_of(i * step), i * step) for i in range(int(round(ymax / step)) + 1)):
+        parts.append(f'<line class="gl" x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}"/>'
+                     f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_e(fmt(value))}</text>')
     parts += [f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_e(label)}</text>' for x, label in x_ticks]
     parts.append(f'<text text-anchor="middle" transform="translate(14 {(top + bottom) / 2:.0f}) rotate(-90)">'
                  f'{_e(y_title)}</text><line class="axis" x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}"/>'
@@ -845,10 +834,9 @@ def _frame(cls, title, top_value, y_title, x_ticks, x_title, fmt=_short, integer
 
 
 def _bands(labels):
-    """The centre of each category's band across the plot box, and (x, label) for at most 12 of them."""
     band = (_BOX[2] - _BOX[0]) / max(len(labels), 1)
     xs = [_BOX[0] + band * (i + 0.5) for i in range(len(labels))]
-    every = max(1, math.ceil(len(labels) / 12))
+    every = max(1, math.ceil(len(labels) / 12))  # at most 12 labels on the axis
     return xs, [(x, label) for i, (x, label) in enumerate(zip(xs, labels)) if i % every == 0]
 
 
@@ -901,23 +889,11 @@ def _stacked_chart(cls, kind, cats, labels, counts, types, colours, x_title):
     return "".join(parts + ["</svg>"])
 
 
-def _round_125(value, up):
-    """The nearest 1-2-5 value (..., 1, 2, 5, 10, 20, ...) at or above `value` (up) or at or below it."""
-    k = 10 ** math.floor(math.log10(value))
-    return next(m * k for m in ((1, 2, 5, 10) if up else (5, 2, 1))
-                if (m * k >= value * (1 - 1e-9) if up else m * k <= value * (1 + 1e-9)))
-
-
 def _latency_histogram(label, ordered, colour, bins=32):
     """Log-scale bins of sorted ok latencies, so a cold-start hump stands apart; p50 and p95 marked."""
     left, top, right, bottom = _BOX
-    attrs, x_title = f' data-model="{_e(label)}"', "latency (ms, log scale)"
-    if not ordered:
-        parts, _y = _frame("latency-histogram", f"latency of {label}: no successful calls", 0, "ok calls", [],
-                           x_title, attrs=attrs)
-        return "".join(parts) + f'<text x="{left + 8}" y="{top + 20}">no successful call with a latency</text></svg>'
-    low = _round_125(max(ordered[0], 1.0), False)
-    high = _round_125(max(ordered[-1], low * 1.5), True)
+    low = _round_125(max(ordered[0], 1.0) if ordered else 100.0, False)
+    high = _round_125(max(ordered[-1] if ordered else 0, low * 1.5), True)
     lo, span = math.log10(low), math.log10(high / low)
     ticks = [m * 10 ** k for k in range(math.floor(lo), math.ceil(math.log10(high)) + 1) for m in (1, 2, 5)
              if low * (1 - 1e-9) <= m * 10 ** k <= high * (1 + 1e-9)]
@@ -929,78 +905,70 @@ def _latency_histogram(label, ordered, colour, bins=32):
     for value in ordered:
         counts[min(max(int((x_of(value) - left) / (right - left) * bins), 0), bins - 1)] += 1
     parts, y_of = _frame("latency-histogram", f"latency of {label} (ms, log scale)", max(counts), "ok calls",
-                         [(x_of(t), f"{t:g} ms" if t < 1000 else f"{t / 1000:g} s") for t in ticks], x_title,
-                         attrs=attrs)
-    bw = (right - left) / bins
+                         [(x_of(t), f"{t:g} ms" if t < 1000 else f"{t / 1000:g} s") for t in ticks],
+                         "latency (ms, log scale)", attrs=f' data-model="{_e(label)}"')
     for i, n in enumerate(counts):
-        a, b = (10 ** (lo + span * j / bins) for j in (i, i + 1))
         if n:
-            parts.append(_rect(left + i * bw + 0.5, y_of(n), bw - 1, bottom - y_of(n), colour,
+            a, b = (10 ** (lo + span * j / bins) for j in (i, i + 1))
+            parts.append(_rect(x_of(a) + 0.5, y_of(n), (right - left) / bins - 1, bottom - y_of(n), colour,
                                f"{_ms_text(a)} \u2013 {_ms_text(b)}: {n:,} calls"))
-    for row, q in enumerate((50, 95)):
+    for row, q in enumerate((50, 95) if ordered else ()):
         x = x_of(percentile(ordered, q))
         anchor, dx = ("end", -3) if x > right - 90 else ("start", 3)
         parts.append(f'<line class="mark" x1="{x:.1f}" y1="{top - 12 + 12 * row}" x2="{x:.1f}" y2="{bottom}"/>'
                      f'<text x="{x + dx:.1f}" y="{top - 4 + 12 * row}" text-anchor="{anchor}">'
                      f'p{q} {_ms_text(percentile(ordered, q))}</text>')
+    if not ordered:
+        parts.append(f'<text x="{left + 8}" y="{top + 20}">no successful call with a latency</text>')
     return "".join(parts + ["</svg>"])
 
 
 def _td(field, row, colours, runs_url):
     """One cell: counts with separators, ms as ms, label counts as 'name ×n', null as a dash."""
-    value, cls = row.get(field), ("t" if field in _TEXT_FIELDS else "")
-    if field == "request_model" and not (value is None and "what" in row):
-        return f'<td class="t">{_key(colours.get((value, row["base_url"]), _GREY))}{_e(_label(value))}</td>'
-    if field == "label":
-        return f'<td class="t">{_key(row["colour"], row["dashed"])}{_e(value)}</td>'
+    value = row.get(field)
     if field == "request_model":
-        return '<td class="t">(models list)</td>'
+        if value is None and "what" in row:
+            return '<td class="t">(models list)</td>'
+        return f'<td class="t">{_key(colours.get((value, row["base_url"]), _GREY))}{_e(_label(value))}</td>'
     if value is None or value == {} or value == "":
-        return f'<td class="null {cls}">{_DASH}</td>'
+        return f'<td class="null">{_DASH}</td>'
     if isinstance(value, dict):
         ranked = _ranked(value)
         more = f" and {len(ranked) - _MAX_CELL_LABELS:,} more" if len(ranked) > _MAX_CELL_LABELS else ""
-        return ('<td class="t w">' + ", ".join(f"{_e(_label(name))}\u00a0\u00d7{n:,}" for name, n
-                                               in ranked[:_MAX_CELL_LABELS]) + f"{more}</td>")
+        return ('<td class="t">' + ", ".join(f"{_e(_label(name))}\u00a0\u00d7{n:,}" for name, n
+                                             in ranked[:_MAX_CELL_LABELS]) + f"{more}</td>")
     if field == "run_id" and rl._OUR_RUN_ID_RE.match(str(value)):  # only an id of agent.py's shape is a link
         return f'<td class="t"><a href="{_e(runs_url + value)}">{_e(value)}</a></td>'
-    if field == "started" and isinstance(value, str) and value[10:11] == "T":
-        return f'<td class="t" title="{_e(value)}">{_e(value[:10] + " " + value[11:19])}</td>'
     if field == "what":
         return f'<td class="t" title="{_e(value)}">{_e(_WHAT.get(value, value))}</td>'
     if isinstance(value, str) or field in _TEXT_FIELDS:
-        return f'<td class="{cls}{" w" if field in ("why", "base_url", "detail") else ""}">{_e(value)}</td>'
-    if field.endswith("_ms"):
-        return f"<td>{_fmt_ms(value)}</td>"
+        return f'<td class="t">{_e(value)}</td>'
     bad = ' class="bad"' if field in ("failed", "tools_denied", "errors") and value else ""
-    return f"<td{bad}>{_num(value)}</td>"
+    return f"<td{bad}>{_fmt_ms(value) if field.endswith('_ms') else _num(value)}</td>"
 
 
 def _html_table(css_class, columns, rows, colours=None, runs_url=""):
-    """A table of `rows` (dicts), a column per field, its heading for people and the field name in title."""
     heads = "".join(f'<th{" class=t" if c in _TEXT_FIELDS else ""} scope="col" data-field="{c}" title="{c}">'
-                    f"{_HEADINGS[c]}</th>" for c in columns)
-    body = ["<tr>" + "".join(_td(c, row, colours or {}, runs_url) for c in columns) + "</tr>" for row in rows]
-    return "\n".join([f'<div class="scroll"><table class="{css_class}"><thead><tr>{heads}</tr></thead><tbody>']
-                     + body + ["</tbody></table></div>"])
+                    f'{_HEADINGS.get(c) or c.replace("_", " ").capitalize()}</th>' for c in columns)
+    body = "\n".join("<tr>" + "".join(_td(c, row, colours or {}, runs_url) for c in columns) + "</tr>"
+                     for row in rows)
+    return (f'<div class="scroll"><table class="{css_class}"><thead><tr>{heads}</tr></thead><tbody>\n{body}\n'
+            "</tbody></table></div>")
 
 
-def _summary_cards(audit, sums, changes, runs, days):
+def _summary_cards(audit, sums, days):
     calls, ok, measured = sums["calls"], sums["ok"], sums["usage_calls"]
-    reported = [sums[k] if measured else None for k in ("input_tokens", "output_tokens")]
-    estimated = [sums[k] for k in ("est_input_tokens", "est_output_tokens")]
     latencies = sorted(v for g in audit.groups.values() for v in g.latencies)
     strings = f"{len(audit.model_strings):,}{'+' if audit.folded else ''} model strings"
     cards = [("Model calls", f"{calls:,}", f"{strings} \u00b7 {len(days):,} days"),
              ("Failed", f"{calls - ok:,}", f"{(calls - ok) / calls:.1%} of calls" if calls else ""),
              ("No usage reported", f"{sums['no_usage']:,}", f"of {ok:,} ok calls"),
-             ("Tokens reported", _short(sum(reported)) if measured else _DASH,
-              f"{_num(reported[0], _DASH)} in \u00b7 {_num(reported[1], _DASH)} out \u00b7 from {measured:,} calls"),
-             ("Tokens estimated", _short(sum(estimated)), f"chars/4: {estimated[0]:,} in \u00b7 {estimated[1]:,} out"),
+             ("Tokens reported", _short(sums["input_tokens"] + sums["output_tokens"]) if measured else _DASH,
+              f"{sums['input_tokens']:,} in \u00b7 {sums['output_tokens']:,} out \u00b7 from {measured:,} calls"),
+             ("Tokens estimated", _short(sums["est_input_tokens"] + sums["est_output_tokens"]),
+              f"chars/4: {sums['est_input_tokens']:,} in \u00b7 {sums['est_output_tokens']:,} out"),
              ("Latency p50", _ms_text(percentile(latencies, 50)),
-              f"p95 {_ms_text(percentile(latencies, 95))} \u00b7 ok calls"),
-             ("Changes", f"{len(changes):,}", "day over day"),
-             ("Agent runs", f"{len(runs):,}", f"{sum(1 for r in runs if r['errors']):,} with errors")]
+              f"p95 {_ms_text(percentile(latencies, 95))} \u00b7 ok calls")]
     return ['<div class="cards">'] + [f'<div class="card"><div class="k">{_e(k)}</div><div class="v">{_e(v)}</div>'
                                       f'<div class="s">{_e(s)}</div></div>' for k, v, s in cards] + ["</div>"]
 
@@ -1014,7 +982,7 @@ def _per_day_section(series, axis):
                      + (f' <span class="note">{s["calls"]:,} calls</span>' if s["key"] else "") + "</li>"
                      for s in series)
     out = ['<h2 id="per-day">Per day, per model</h2>', f'<ul class="legend" data-legend="models">{legend}</ul>']
-    figures = [_day_figures(s, days) for s in series]
+    figures = [[s["days"].get(day, (0,) * 5) for day in days] for s in series]
     if len(days) == 1:
         rows = [dict(s, calls=c, failed=f"{c - o:,} ({(c - o) / c:.1%})" if c else None, reported=r if u else None,
                      est_tokens=e) for s, [(c, o, u, r, e)] in zip(series, figures)]
@@ -1032,28 +1000,26 @@ def _per_day_section(series, axis):
 
 def _errors_section(series, axis):
     """Failed calls per day and per model, by error type; the quieter types share one grey."""
+    found = [(i, day, name, n) for i, s in enumerate(series) for day, g in s["groups"] for name, n in g.errors.items()]
+    if not found:
+        return ['<h2 id="errors">Errors by day and type</h2><p>No failed calls.</p>']
     totals = {}
-    for _day, group in (pair for s in series for pair in s["groups"]):
-        for name, n in group.errors.items():
-            _add(totals, name, n)
-    out = ['<h2 id="errors">Errors by day and type</h2>']
-    if not totals:
-        return out + ["<p>No failed calls.</p>"]
+    for _i, _day, name, n in found:
+        _add(totals, name, n)
     ranked = sorted(totals, key=lambda n: (-totals[n], str(n)))
     colours = dict(zip(ranked, _ERROR_PALETTE))
     other = f"{len(ranked) - len(colours):,} other error types"
     types = ranked[:len(colours)] + ([other] if len(ranked) > len(colours) else [])
     colours[other] = _ERROR_GREY
     by_day, by_model = {day: {} for day in axis[0]}, [{} for _s in series]
-    for s, per in zip(series, by_model):
-        for day, group in s["groups"]:
-            for name, n in group.errors.items():
-                _add(per, name if name in colours else other, n)
-                if day in by_day:
-                    _add(by_day[day], name if name in colours else other, n)
+    for i, day, name, n in found:
+        _add(by_model[i], name if name in colours else other, n)
+        if day in by_day:
+            _add(by_day[day], name if name in colours else other, n)
     legend = "".join(f'<li data-error-type="{_e(t)}">{_key(colours[t])}{_e(t)} <span class="note">'
                      f"{sum(per.get(t, 0) for per in by_model):,}</span></li>" for t in types)
-    out += [f'<ul class="legend" data-legend="error-types">{legend}</ul>', '<div class="charts">']
+    out = ['<h2 id="errors">Errors by day and type</h2>', f'<ul class="legend" data-legend="error-types">{legend}</ul>',
+           '<div class="charts">']
     if len(axis[0]) > 1:
         out.append("<figure><h3>Failed calls per day, by error type (all models)</h3>" + _stacked_chart(
             "errors-per-day", "day", axis[0], axis[1], list(by_day.values()), types, colours, axis[2]) + "</figure>")
@@ -1073,32 +1039,27 @@ def _latency_section(series):
             return out + ["</div>", f'<p class="note">{_key(_GREY, True)}{_e(s["label"])}: no histogram (only the '
                                     f"{MAX_CHART_MODELS} busiest model strings get one).</p>"]
         ordered = sorted(v for _day, group in s["groups"] for v in group.latencies)
-        caption = (f"{len(ordered):,} ok calls \u00b7 p50 {_ms_text(percentile(ordered, 50))} \u00b7 p95 "
-                   f"{_ms_text(percentile(ordered, 95))} \u00b7 max {_ms_text(ordered[-1] if ordered else None)}")
-        out.append(f'<figure><h3>{_key(s["colour"])}{_e(_label(s["key"][0]))}<span class="ep">'
-                   f'{_e(_label(s["key"][1]))}</span></h3>{_latency_histogram(s["label"], ordered, s["colour"])}'
-                   f"<figcaption>{caption}</figcaption></figure>")
+        out.append(f'<figure><h3>{_key(s["colour"])}{_e(_label(s["key"][0]))}<span>{_e(_label(s["key"][1]))}'
+                   f'</span></h3>{_latency_histogram(s["label"], ordered, s["colour"])}<figcaption>{len(ordered):,} '
+                   f"ok calls \u00b7 p50 {_ms_text(percentile(ordered, 50))} \u00b7 p95 "
+                   f"{_ms_text(percentile(ordered, 95))} \u00b7 max {_ms_text(ordered[-1] if ordered else None)}"
+                   "</figcaption></figure>")
     return out + ["</div>"]
 
 
 def _lists_sections(audit, changes, runs, runs_url, colours):
     """The changes (the first _MAX_LIST_ROWS), the agent runs (the latest) and the ledgers read."""
-    out = [f'<h2 id="changes">Changes day over day ({len(changes):,})</h2>']
-    if not changes:
-        out.append("<p>Nothing changed from one day to the next.</p>")
-    else:
-        out.append(_html_table("changes", ("day", "request_model", "base_url", "what", "detail", "previous_day"),
-                               changes[:_MAX_LIST_ROWS], colours))
+    out = [f'<h2 id="changes">Changes day over day ({len(changes):,})</h2>', _html_table(
+        "changes", ("day", "request_model", "base_url", "what", "detail", "previous_day"), changes[:_MAX_LIST_ROWS],
+        colours) if changes else "<p>Nothing changed from one day to the next.</p>"]
     if len(changes) > _MAX_LIST_ROWS:
         out.append(f'<p class="note">{len(changes) - _MAX_LIST_ROWS:,} more changes: see the text report or '
                    "--json.</p>")
     if runs:
-        shown = runs[-_MAX_LIST_ROWS:]
-        out += [f'<h2 id="runs">Agent runs ({len(runs):,})</h2>', '<p class="note">A run id links to '
-                f"{_e(runs_url)}ID: the timeline agent.py serve shows (--runs-url sets where).</p>"]
-        if len(runs) > len(shown):
-            out.append(f'<p class="note">The latest {len(shown):,} runs; --json has all {len(runs):,}.</p>')
-        out.append(_html_table("runs", _HTML_RUN_COLUMNS, shown, runs_url=runs_url))
+        out += [f'<h2 id="runs">Agent runs ({len(runs):,})</h2>', f'<p class="note">A run id links to {_e(runs_url)}'
+                "ID: the timeline agent.py serve shows (--runs-url sets where)."
+                + (f" The latest {_MAX_LIST_ROWS:,}; --json has all." if len(runs) > _MAX_LIST_ROWS else "")
+                + "</p>", _html_table("runs", _HTML_RUN_COLUMNS, runs[-_MAX_LIST_ROWS:], runs_url=runs_url)]
     return out + [f'<h2 id="ledgers">Ledgers read ({len(audit.ledgers):,})</h2><details><summary>show the list'
                   "</summary>", _html_table("ledgers", ("path", "status", "lines", "reason"),
                                             audit.ledgers[:_MAX_LIST_ROWS]), "</details>"]
@@ -1123,9 +1084,8 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
     sums, files = _sums(rows), len(audit.ledgers)
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
-           "<title>reasoning-ledger audit</title>", f"<style>{_CSS}</style>", "</head><body>",
-           "<h1>Model calls audit</h1>",
-           f'<p class="sub">{files:,} ledger{"s" if files != 1 else ""}, {sums["calls"]:,} model calls, '
+           f"<title>reasoning-ledger audit</title><style>{_CSS}</style></head><body><h1>Model calls audit</h1>",
+           f'<p class="note">{files:,} ledger{"s" if files != 1 else ""}, {sums["calls"]:,} model calls, '
            + ("verified (every hash chain checked)." if verified else '<strong class="warn">UNVERIFIED</strong>.')
            + "</p>", '<nav><a href="#models">Models</a><a href="#per-day">Per day</a><a href="#errors">Errors</a>'
            '<a href="#latency">Latency</a><a href="#changes">Changes</a>'
@@ -1134,16 +1094,14 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
         out.append('<p class="warn"><strong>UNVERIFIED</strong> (--no-verify): the hash chain was not checked; '
                    "anything on this page may have been edited.</p>")
     out += [f'<p class="warn">{_e(line)}</p>' for line in _warnings(audit)[:_MAX_LIST_ROWS]]
-    out += _summary_cards(audit, sums, changes, runs, days)
-    out += ["<h2 id=\"models\">Models" + (" by day" if by_day else "") + "</h2>",
-            '<p class="note">One row per model string (the model asked for, at its endpoint)'
-            + (" and day" if by_day else "") + ", busiest first. Reported tokens are what servers said; "
-            "estimated tokens are chars/4 and are never added to them. \u2013 means nothing was reported. "
-            "OK calls, malformed payloads, minimum latency and fingerprints: --json or --csv.</p>",
-            _html_table("models", [c for c in _HTML_MODEL_COLUMNS if by_day or c != "day"], shown, colours)]
-    if len(rows) > len(shown):
-        out.append(f'<p class="note">{len(rows) - len(shown):,} quieter rows are not shown here; '
-                   f"--json or --csv has every row.</p>")
+    out += _summary_cards(audit, sums, days) + [
+        f'<h2 id="models">Models{" by day" if by_day else ""}</h2><p class="note">One row per model string (the '
+        f'model asked for, at its endpoint){" and day" if by_day else ""}, busiest first. Reported tokens are what '
+        "servers said; estimated tokens are chars/4 and are never added to them. \u2013 means nothing was reported."
+        " OK calls, malformed payloads, minimum latency and fingerprints: --json or --csv."
+        + (f" The {len(shown):,} busiest rows; --json or --csv has all {len(rows):,}." if len(rows) > len(shown)
+           else "") + "</p>",
+        _html_table("models", [c for c in _HTML_MODEL_COLUMNS if by_day or c != "day"], shown, colours)]
     out += _per_day_section(series, axis) + _errors_section(series, axis) + _latency_section(series)
     out += _lists_sections(audit, changes, runs, runs_url, colours) + ["</body></html>"]
     return "\n".join(out) + "\n"
