@@ -775,9 +775,8 @@ def _key(colour, dashed=False):
 
 
 def _chart_models(audit):
-    """(series, order): a series for each of the MAX_CHART_MODELS busiest (model, base_url) pairs and a grey one
-    for the rest, each with its calls, [(day, Group)] and per-day [calls, ok, usage_calls, reported, estimated];
-    order ranks every pair, busiest first."""
+    """(series, order): the MAX_CHART_MODELS busiest (model, base_url) pairs and one grey series for the rest,
+    each with [(day, Group)] and per-day figures (_DAY_CHARTS); order ranks every pair, busiest first."""
     totals = {}
     for (model, base, _day), group in audit.groups.items():
         _add(totals, (model, base), group.calls)
@@ -804,18 +803,12 @@ def _chart_models(audit):
     return series, order
 
 
-def _round_125(value, up):
-    """The nearest 1-2-5 value (..., 1, 2, 5, 10, 20, ...) at or above `value` (up) or at or below it."""
-    k = 10 ** math.floor(math.log10(value))
-    return next(m * k for m in ((1, 2, 5, 10) if up else (5, 2, 1))
-                if (m * k >= value * (1 - 1e-9) if up else m * k <= value * (1 + 1e-9)))
-
-
 def _frame(cls, title, top_value, y_title, x_ticks, x_title, fmt=_short, integer=True, attrs=""):
-    """(parts, y_of): an SVG's opening and its axes: y from 0 past top_value in about 4 round steps, x ticks
-    [(x, label)]."""
+    """(parts, y_of): an SVG's opening, a y axis from 0 in about 4 steps of 1, 2 or 5, x ticks [(x, label)]."""
     (width, height), (left, top, right, bottom) = _SIZE, _BOX
-    step = _round_125(top_value / 4 if top_value and top_value > 0 else 0.25, True)
+    rough = top_value / 4 if top_value and top_value > 0 else 0.25
+    step = next(m * 10 ** math.floor(math.log10(rough)) for m in (1, 2, 5, 10)
+                if m * 10 ** math.floor(math.log10(rough)) >= rough * (1 - 1e-9))
     step = max(1, math.ceil(step)) if integer else step
     ymax = step * math.ceil((top_value or 0) / step - 1e-9) or step
 
@@ -892,12 +885,10 @@ def _stacked_chart(cls, kind, cats, labels, counts, types, colours, x_title):
 def _latency_histogram(label, ordered, colour, bins=32):
     """Log-scale bins of sorted ok latencies, so a cold-start hump stands apart; p50 and p95 marked."""
     left, top, right, bottom = _BOX
-    low = _round_125(max(ordered[0], 1.0) if ordered else 100.0, False)
-    high = _round_125(max(ordered[-1] if ordered else 0, low * 1.5), True)
-    lo, span = math.log10(low), math.log10(high / low)
-    ticks = [m * 10 ** k for k in range(math.floor(lo), math.ceil(math.log10(high)) + 1) for m in (1, 2, 5)
-             if low * (1 - 1e-9) <= m * 10 ** k <= high * (1 + 1e-9)]
-    ticks = ticks if len(ticks) <= 9 else [t for t in ticks if str(int(t)).startswith("1")]
+    lo = math.floor(math.log10(max(ordered[0], 1.0))) if ordered else 2  # whole decades of ms
+    span = max(math.ceil(math.log10(max(ordered[-1], 1.0))) - lo, 1) if ordered else 1
+    ticks = [m * 10 ** k for k in range(lo, lo + span + 1) for m in ((1, 2, 5) if span < 3 else (1,))
+             if m * 10 ** k <= 10 ** (lo + span)]
 
     def x_of(value):
         return left + (right - left) * (math.log10(max(value, 1.0)) - lo) / span
@@ -924,7 +915,6 @@ def _latency_histogram(label, ordered, colour, bins=32):
 
 
 def _td(field, row, colours, runs_url):
-    """One cell: counts with separators, ms as ms, label counts as 'name ×n', null as a dash."""
     value = row.get(field)
     if field == "request_model":
         if value is None and "what" in row:
@@ -964,11 +954,9 @@ def _summary_cards(audit, sums, days):
              ("Failed", f"{calls - ok:,}", f"{(calls - ok) / calls:.1%} of calls" if calls else ""),
              ("No usage reported", f"{sums['no_usage']:,}", f"of {ok:,} ok calls"),
              ("Tokens reported", _short(sums["input_tokens"] + sums["output_tokens"]) if measured else _DASH,
-              f"{sums['input_tokens']:,} in \u00b7 {sums['output_tokens']:,} out \u00b7 from {measured:,} calls"),
-             ("Tokens estimated", _short(sums["est_input_tokens"] + sums["est_output_tokens"]),
-              f"chars/4: {sums['est_input_tokens']:,} in \u00b7 {sums['est_output_tokens']:,} out"),
-             ("Latency p50", _ms_text(percentile(latencies, 50)),
-              f"p95 {_ms_text(percentile(latencies, 95))} \u00b7 ok calls")]
+              f"in + out, from {measured:,} calls"),
+             ("Tokens estimated", _short(sums["est_input_tokens"] + sums["est_output_tokens"]), "chars/4, in + out"),
+             ("Latency p50", _ms_text(percentile(latencies, 50)), f"p95 {_ms_text(percentile(latencies, 95))}")]
     return ['<div class="cards">'] + [f'<div class="card"><div class="k">{_e(k)}</div><div class="v">{_e(v)}</div>'
                                       f'<div class="s">{_e(s)}</div></div>' for k, v, s in cards] + ["</div>"]
 
@@ -999,7 +987,6 @@ def _per_day_section(series, axis):
 
 
 def _errors_section(series, axis):
-    """Failed calls per day and per model, by error type; the quieter types share one grey."""
     found = [(i, day, name, n) for i, s in enumerate(series) for day, g in s["groups"] for name, n in g.errors.items()]
     if not found:
         return ['<h2 id="errors">Errors by day and type</h2><p>No failed calls.</p>']
@@ -1048,13 +1035,10 @@ def _latency_section(series):
 
 
 def _lists_sections(audit, changes, runs, runs_url, colours):
-    """The changes (the first _MAX_LIST_ROWS), the agent runs (the latest) and the ledgers read."""
-    out = [f'<h2 id="changes">Changes day over day ({len(changes):,})</h2>', _html_table(
+    more = f"; the first {_MAX_LIST_ROWS:,} here, the rest in --json" if len(changes) > _MAX_LIST_ROWS else ""
+    out = [f'<h2 id="changes">Changes day over day ({len(changes):,}{more})</h2>', _html_table(
         "changes", ("day", "request_model", "base_url", "what", "detail", "previous_day"), changes[:_MAX_LIST_ROWS],
         colours) if changes else "<p>Nothing changed from one day to the next.</p>"]
-    if len(changes) > _MAX_LIST_ROWS:
-        out.append(f'<p class="note">{len(changes) - _MAX_LIST_ROWS:,} more changes: see the text report or '
-                   "--json.</p>")
     if runs:
         out += [f'<h2 id="runs">Agent runs ({len(runs):,})</h2>', f'<p class="note">A run id links to {_e(runs_url)}'
                 "ID: the timeline agent.py serve shows (--runs-url sets where)."
@@ -1069,14 +1053,12 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
     series, order = _chart_models(audit)
     colours = {s["key"]: s["colour"] for s in series if s["key"]}
     # the x axis: every calendar day to the last (at most _MAX_CHART_DAYS), or the days found if some are not dates
-    days = sorted({day for (_m, _b, day) in audit.groups})
+    days = sorted({day for (_m, _b, day) in audit.groups})[-_MAX_CHART_DAYS:]
     dated = bool(days) and all(map(_is_date, days))
     if dated:
-        first = datetime.date.fromisoformat(days[0])
-        span = (datetime.date.fromisoformat(days[-1]) - first).days
-        days = [(first + datetime.timedelta(n)).isoformat()
-                for n in range(max(0, span + 1 - _MAX_CHART_DAYS), span + 1)]
-    days = days[-_MAX_CHART_DAYS:]
+        last = datetime.date.fromisoformat(days[-1])
+        n = min((last - datetime.date.fromisoformat(days[0])).days, _MAX_CHART_DAYS - 1)
+        days = [(last - datetime.timedelta(i)).isoformat() for i in range(n, -1, -1)]
     years = _DASH.join(sorted({days[0][:4], days[-1][:4]})) if dated else ""
     axis = (days, [day[5:] if dated else day for day in days], f"day (UTC{', ' + years if years else ''})")
     rank = {key: i for i, key in enumerate(order)}
