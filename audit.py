@@ -740,15 +740,15 @@ _CSS = (
     ".charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:18px 28px}"
     "svg{max-width:100%;height:auto}svg text{font-size:11px;fill:#333}.gl{stroke:#e6e6e6}.axis{stroke:#888}"
     ".mark{stroke:#333;stroke-dasharray:4 3}")
-# The per-day line charts: class, heading, y axis, unit in a dot's tooltip, a day's figure from (calls, ok,
+# The per-day line charts: class, heading, unit (y axis and tooltips), a day's figure from (calls, ok,
 # usage_calls, reported, estimated tokens) or None for a gap, and the format of a share (else a count).
 _DAY_CHARTS = (
-    ("calls-per-day", "Calls per day", "calls", "calls", lambda c, o, u, r, e: c, None),
-    ("error-rate-per-day", "Failed calls (% of calls)", "% of calls failed", "of calls failed",
+    ("calls-per-day", "Calls per day", "calls", lambda c, o, u, r, e: c, None),
+    ("error-rate-per-day", "Failed calls (% of calls)", "of calls failed",
      lambda c, o, u, r, e: 100.0 * (c - o) / c if c else None, "{:.3g}%".format),
-    ("tokens-per-day", "Tokens reported by servers (input + output)", "tokens (reported)", "tokens",
+    ("tokens-per-day", "Tokens reported by servers (input + output)", "tokens",
      lambda c, o, u, r, e: r if u else None, None),
-    ("est-tokens-per-day", "Tokens estimated (chars/4, input + output)", "tokens (estimated)", "tokens",
+    ("est-tokens-per-day", "Tokens estimated (chars/4, input + output)", "tokens",
      lambda c, o, u, r, e: e if c else None, None))
 
 
@@ -839,12 +839,12 @@ def _rect(x, y, width, height, colour, title, error_type=None):
             f"<title>{_e(title)}</title></rect>")
 
 
-def _line_chart(cls, title, y_title, unit, axis, lines, fmt=None):
+def _line_chart(cls, title, unit, axis, lines, fmt=None):
     """One line per (series, values) over the days; a gap where a value is null (nothing to show), never a 0."""
     days, labels, x_title = axis
     xs, ticks = _bands(labels)
     top = max((v for _s, values in lines for v in values if v is not None), default=0)
-    parts, y_of = _frame(cls, title, top, y_title, ticks, x_title, fmt or _short, fmt is None)
+    parts, y_of = _frame(cls, title, top, unit, ticks, x_title, fmt or _short, fmt is None)
     for s, values in lines:
         parts.append(f'<g class="series" data-series="{_e(s["label"])}"><title>{_e(s["label"])}</title>')
         dash = ' stroke-dasharray="6 4"' if s["dashed"] else ""
@@ -980,9 +980,9 @@ def _per_day_section(series, axis):
     out += ['<p class="note">A gap in a line: nothing to show that day (no calls, or no usage reported). '
             "Reported and estimated tokens are separate charts and are never added together.</p>",
             '<div class="charts">']
-    for cls, title, y_title, unit, pick, fmt in _DAY_CHARTS:
+    for cls, title, unit, pick, fmt in _DAY_CHARTS:
         lines = [(s, [pick(*day) for day in figs]) for s, figs in zip(series, figures)]
-        out.append(f"<figure><h3>{title}</h3>{_line_chart(cls, title, y_title, unit, axis, lines, fmt)}</figure>")
+        out.append(f"<figure><h3>{title}</h3>{_line_chart(cls, title, unit, axis, lines, fmt)}</figure>")
     return out + ["</div>"]
 
 
@@ -1028,9 +1028,7 @@ def _latency_section(series):
         ordered = sorted(v for _day, group in s["groups"] for v in group.latencies)
         out.append(f'<figure><h3>{_key(s["colour"])}{_e(_label(s["key"][0]))}<span>{_e(_label(s["key"][1]))}'
                    f'</span></h3>{_latency_histogram(s["label"], ordered, s["colour"])}<figcaption>{len(ordered):,} '
-                   f"ok calls \u00b7 p50 {_ms_text(percentile(ordered, 50))} \u00b7 p95 "
-                   f"{_ms_text(percentile(ordered, 95))} \u00b7 max {_ms_text(ordered[-1] if ordered else None)}"
-                   "</figcaption></figure>")
+                   f"ok calls \u00b7 max {_ms_text(ordered[-1] if ordered else None)}</figcaption></figure>")
     return out + ["</div>"]
 
 
@@ -1068,13 +1066,11 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
            f"<title>reasoning-ledger audit</title><style>{_CSS}</style></head><body><h1>Model calls audit</h1>",
            f'<p class="note">{files:,} ledger{"s" if files != 1 else ""}, {sums["calls"]:,} model calls, '
-           + ("verified (every hash chain checked)." if verified else '<strong class="warn">UNVERIFIED</strong>.')
-           + "</p>", '<nav><a href="#models">Models</a><a href="#per-day">Per day</a><a href="#errors">Errors</a>'
+           + ("verified (every hash chain checked)." if verified else '<strong class="warn">UNVERIFIED</strong> '
+              "(--no-verify): the hash chain was not checked; anything on this page may have been edited.")
+           + '</p><nav><a href="#models">Models</a><a href="#per-day">Per day</a><a href="#errors">Errors</a>'
            '<a href="#latency">Latency</a><a href="#changes">Changes</a>'
            + ('<a href="#runs">Agent runs</a>' if runs else "") + '<a href="#ledgers">Ledgers</a></nav>']
-    if not verified:
-        out.append('<p class="warn"><strong>UNVERIFIED</strong> (--no-verify): the hash chain was not checked; '
-                   "anything on this page may have been edited.</p>")
     out += [f'<p class="warn">{_e(line)}</p>' for line in _warnings(audit)[:_MAX_LIST_ROWS]]
     out += _summary_cards(audit, sums, days) + [
         f'<h2 id="models">Models{" by day" if by_day else ""}</h2><p class="note">One row per model string (the '
