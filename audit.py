@@ -909,8 +909,6 @@ def _latency_histogram(label, ordered, colour, bins=32):
         parts.append(f'<line class="mark" x1="{x:.1f}" y1="{top - 12 + 12 * row}" x2="{x:.1f}" y2="{bottom}"/>'
                      f'<text x="{x + dx:.1f}" y="{top - 4 + 12 * row}" text-anchor="{anchor}">'
                      f'p{q} {_ms_text(percentile(ordered, q))}</text>')
-    if not ordered:
-        parts.append(f'<text x="{left + 8}" y="{top + 20}">no successful call with a latency</text>')
     return "".join(parts + ["</svg>"])
 
 
