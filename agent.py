@@ -3011,9 +3011,6 @@ class _Server(rl.CappedServer):
     def refused(self, client_address):
         self.app.connection_refused(client_address[0])
 
-    def log_error(self, text):
-        self.app.log(f"error: {text}")
-
 
 class _Handler(BaseHTTPRequestHandler):
     """One request per connection, then closed. The socket's timeout bounds a read, the rl.Deadline them all."""
@@ -3042,29 +3039,22 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(408, {"error": "the request took too long"})
         if self.sent and self.sent[0] >= 400 and self.stage in ("request", "body"):
             self._linger()
+        self.deadline.cancel()
+        if self.raw_requestline:  # nothing sent (a browser's idle preconnect) is no request; a timeout is an event
+            status, size = self.sent or ("-", 0)
+            self.app.log(f"{self.client_address[0]} {rl.printable(self.command or '-')} {self.route} {status} "
+                         f"{size} {(time.monotonic() - self.started) * 1000:.1f} {self.delivery or '-'}")
 
     def _linger(self):
         """Drain what the client still sends, for a moment: a close with unread input resets the answer unread."""
         end = time.monotonic() + LINGER_S
         try:
             self.connection.shutdown(socket.SHUT_WR)
-            while time.monotonic() < end:
-                self.connection.settimeout(max(0.01, end - time.monotonic()))
-                if not self.connection.recv(65536):
-                    break
+            self.connection.settimeout(LINGER_S)
+            while time.monotonic() < end and self.connection.recv(65536):
+                pass
         except OSError:  # a timeout too
             pass
-
-    def finish(self):
-        self.deadline.cancel()
-        try:
-            super().finish()
-        except OSError:
-            pass
-        if self.raw_requestline:  # nothing sent (a browser's idle preconnect) is no request; a timeout is an event
-            status, size = self.sent or ("-", 0)
-            self.app.log(f"{self.client_address[0]} {rl.printable(self.command or '-')} {self.route} {status} "
-                         f"{size} {(time.monotonic() - self.started) * 1000:.1f} {self.delivery or '-'}")
 
     def log_message(self, format, *args):  # the access log is ours (finish)
         pass
@@ -3151,27 +3141,27 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/runs":
             return self._reply(200, {"runs": self.app.runs()})
         if path == "/":
-            return self._html(index_html(self.app.runs()))
+            return self._reply(200, index_html(self.app.runs()))
         match = _RUN_URL_RE.match(path)  # before the file system is touched
         found = self.app.run_events(match.group(1)) if match else None
         if found is None:
             raise Refused(404, None, "no such run")
         if "text/html" not in (self.headers.get("Accept") or "").lower():
             return self._reply(200, found)
-        return self._html(timeline_html(found, self.app.settings.runs_dir / found["run_id"]))
+        return self._reply(200, timeline_html(found, self.app.settings.runs_dir / found["run_id"]))
 
-    def _html(self, page):
-        self._reply(200, page.encode("utf-8"), {"Content-Security-Policy": _PAGE_POLICY}, "text/html; charset=utf-8")
-
-    def _reply(self, status, body, headers=None, content_type="application/json"):
-        data = body if isinstance(body, bytes) else (json.dumps(body, ensure_ascii=False) + "\n").encode("utf-8")
+    def _reply(self, status, body, headers=None):
+        """The answer, then the connection closes: a str is an HTML page (under a policy that runs nothing)."""
+        page = type(body) is str
+        data = (body if page else json.dumps(body, ensure_ascii=False) + "\n").encode("utf-8")
+        kind = {"Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": _PAGE_POLICY} if page else {
+            "Content-Type": "application/json"}
         self.sent = (status, len(data))
         try:
             self.connection.settimeout(self.deadline.remaining() + RESPONSE_GRACE_S)
             self.send_response(status)
-            for name, value in {"Content-Type": content_type, "Content-Length": str(len(data)),
-                                "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", **(headers or {}),
-                                "Connection": "close"}.items():
+            for name, value in {**kind, "Content-Length": str(len(data)), "Cache-Control": "no-store",
+                                "X-Content-Type-Options": "nosniff", **(headers or {}), "Connection": "close"}.items():
                 self.send_header(name, value)
             self.end_headers()
             if self.command != "HEAD":
@@ -3237,46 +3227,36 @@ class Daemon:
 
     def start(self):
         """Lock the runs directory, bind, recover what an earlier daemon left, serve. Returns http://host:port."""
-        s = self.settings
+        s, path = self.settings, self.settings.runs_dir / DAEMON_LEDGER
         s.runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         # one daemon per runs directory: two would both pick up the same unfinished deliveries
         self._lock_fd = _hold_lock(s.runs_dir / "daemon.lock", f"another daemon serves {s.runs_dir}", "")
         try:
-            try:
-                if (s.runs_dir / DAEMON_LEDGER).exists():
-                    rl.verify(s.runs_dir / DAEMON_LEDGER)
-            except rl.TornTailError:
-                pass  # a crash mid-append: the first append below moves the fragment aside and records it
-            try:
-                self.server = _Server(self)
-            except OSError as exc:
-                raise rl.UsageError(f"cannot listen on {s.host}:{s.port}: {exc.strerror or exc}") from None
-            host, port = self.server.server_address[:2]
-            address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-            self.ledger = rl.Ledger(s.runs_dir / DAEMON_LEDGER, f"daemon-{rl.new_run_id()}", secrets=s.secrets)
-            shown = ("token_required", "max_body", "queue", "max_connections", "grace_s", "kill_after_s", "fetch",
-                     "allow_hosts")
-            self.record("daemon_started", dict(
-                {name: getattr(s, name) for name in shown}, address=address, pid=os.getpid(), repo=str(s.repo),
-                runs_dir=str(s.runs_dir), tools=str(s.tools), tools_sha256=s.policy.sha256, secrets=len(s.keys),
-                read_token=bool(s.read_token), backlog=_Server.request_queue_size, request_timeout_s=s.request_timeout,
-                agent_version=__version__, python=sys.version.split()[0]))
-            self._recover()
-        except Exception:  # not started: let go of the port and the lock, then the caller reports it
-            if self.server is not None:
-                self.server.server_close()
-            os.close(self._lock_fd)
-            raise
+            if path.exists():
+                rl.verify(path)
+        except rl.TornTailError:
+            pass  # a crash mid-append: the first append below moves the fragment aside and records it
+        try:
+            self.server = _Server(self)
+        except OSError as exc:
+            raise rl.UsageError(f"cannot listen on {s.host}:{s.port}: {exc.strerror or exc}") from None
+        host, port = self.server.server_address[:2]
+        address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        self.ledger = rl.Ledger(path, f"daemon-{rl.new_run_id()}", secrets=s.secrets)
+        shown = ("token_required", "max_body", "queue", "max_connections", "grace_s", "kill_after_s", "fetch",
+                 "allow_hosts")
+        self.record("daemon_started", dict(
+            {name: getattr(s, name) for name in shown}, address=address, pid=os.getpid(), repo=str(s.repo),
+            runs_dir=str(s.runs_dir), tools=str(s.tools), tools_sha256=s.policy.sha256, secrets=len(s.keys),
+            read_token=bool(s.read_token), backlog=_Server.request_queue_size, request_timeout_s=s.request_timeout,
+            agent_version=__version__, python=sys.version.split()[0]))
+        self._recover()
         self.say(f"serving on {address}")  # before the worker can say a run started
         self.worker = threading.Thread(target=self._work, name="worker", daemon=True)
-        self.serving = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="accept", daemon=True)
+        self.serving = threading.Thread(target=self.server.serve_forever, args=(0.2,), name="accept", daemon=True)
         self.worker.start()
         self.serving.start()
         return address
-
-    def alive(self):
-        return self.serving.is_alive() and self.worker.is_alive()
 
     def stop(self, signum=None):
         """Stop accepting, finish the requests in flight, give a run --grace-s; what is queued stays recorded."""
@@ -3475,9 +3455,7 @@ class Daemon:
                 code, output = None, "git fetch timed out after 300 s"
             self.record("git_fetch", {"run_id": item["run_id"], "delivery": item["delivery"], "returncode": code,
                                       "duration_ms": round((time.monotonic() - started) * 1000, 1), "output": output})
-        has = after and subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{after}^{{commit}}"],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_git_env(),
-                                       timeout=60).returncode == 0
+        has = after and git(repo, "cat-file", "-t", after, check=False, timeout=60).strip() == b"commit"
         return after if has else None
 
     def _closed(self, run_id):
@@ -3772,7 +3750,7 @@ def _cmd_serve(args):
                 "this is allowed on a loopback address only")
     if daemon.settings.token_required and not daemon.settings.read_token:
         rl.warn("no read token (READ_TOKEN): /, /runs and /runs/<id> answer 401 to everyone")
-    while not received and daemon.alive():
+    while not received and daemon.serving.is_alive() and daemon.worker.is_alive():
         time.sleep(0.1)
     daemon.stop(received[0] if received else None)
     if not received:
