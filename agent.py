@@ -3056,7 +3056,7 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:  # a timeout too
             pass
 
-    def log_message(self, format, *args):  # the access log is ours (finish)
+    def log_message(self, format, *args):  # the access log is ours (handle)
         pass
 
     def version_string(self):
@@ -3309,8 +3309,7 @@ class Daemon:
         self._say(self.redactor.text(line))
 
     def check_host(self, headers):
-        """DNS rebinding: only a Host naming this daemon is answered, and an Origin must name it too (no Host:
-        not a browser). Raises Refused."""
+        """DNS rebinding: only a Host (if any: else not a browser) and an Origin naming this daemon are answered."""
         host, origin = headers.get("Host"), headers.get("Origin")
         if host is not None and not self._names_us(host):
             raise Refused(421, "bad_host", "the Host header does not name this daemon (see --allow-host)")
@@ -3426,12 +3425,11 @@ class Daemon:
             return code, how, output.read().decode("utf-8", "replace")
 
     def _watch(self, pid, poll):
-        """Wait for a run; past --kill-after-s ("killed") or a stop's grace ("terminated"), SIGTERM to its process
-        group (the agent closes its run), then SIGKILL. Returns (exit code, None or how it was ended)."""
+        """(exit code, how it ended: None, "killed" past --kill-after-s, "terminated" past a stop's grace)."""
         kill_at = time.monotonic() + self.settings.kill_after_s
         ended, code = _wait(poll, lambda: min(kill_at, self.stop_at or kill_at))
         how = None if ended else "killed" if time.monotonic() >= kill_at else "terminated"
-        for signum in (signal.SIGTERM, signal.SIGKILL) if how else ():
+        for signum in (signal.SIGTERM, signal.SIGKILL) if how else ():  # on SIGTERM the agent closes its run
             try:
                 os.killpg(pid, signum)
             except (ProcessLookupError, PermissionError):
@@ -3643,13 +3641,12 @@ def _cmd_run(args):
     events = _events_of(Path(args.runs_dir) / run_id)
     unboxed = _unboxed(events)
     if unboxed and not unboxed.startswith('tools.json sets "sandbox": "off"'):
-        rl.warn(rl.printable(f"run {run_id}: the tests and tools ran without a sandbox: {unboxed}"))
+        rl.warn(f"run {run_id}: the tests and tools ran without a sandbox: {unboxed}")
     ended = ([e["payload"] for e in events if e["kind"] == outcome] or [None])[-1]  # error, budget_exhausted
     if outcome == "error" and ended:
-        rl.error(rl.printable(f"run {run_id}: {ended.get('type')}: {ended.get('message')}")[:500])
+        rl.error(f"run {run_id}: {ended.get('type')}: {ended.get('message')}"[:500])
     elif outcome == "budget_exhausted" and ended:
-        rl.warn(rl.printable(f"run {run_id}: budget exhausted: {ended.get('limit')} ({ended.get('used')} of "
-                             f"{ended.get('max')})"))
+        rl.warn(f"run {run_id}: budget exhausted: {ended.get('limit')} ({ended.get('used')} of {ended.get('max')})")
     elif outcome == "stuck":
         rl.warn(f"run {run_id}: " + run_reason(events))
     if args.ship_to:  # bounded: a ClickHouse that hangs delays the run's exit by SHIP_RUN_DEADLINE_S at most
@@ -3667,8 +3664,8 @@ def _ship_run(client, runs_dir, run_id):
     except (rl.LedgerError, OSError) as exc:
         failed = [(runs_dir / run_id, exc)]
     for path, problem in failed:
-        rl.warn(rl.printable(f"run {run_id}: {path} not shipped to ClickHouse at {client.where}: "
-                             f"{rl.error_text(problem)}; `reasoning_ledger.py ship --all {runs_dir}` sends it later"))
+        rl.warn(f"run {run_id}: {path} not shipped to ClickHouse at {client.where}: {rl.error_text(problem)}; "
+                f"`reasoning_ledger.py ship --all {runs_dir}` sends it later")
 
 
 def _events_of(run_dir):
