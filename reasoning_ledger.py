@@ -1131,62 +1131,35 @@ def _checked_head(expect, path):
 # HTTP: never a redirect, one deadline for a whole request (ask.py, ship and the daemon use it), one server
 # ----------------------------------------------------------------------------
 
-class _Timer:
-    __slots__ = ("fn", "cancelled")
-
-    def __init__(self, fn):
-        self.fn, self.cancelled = fn, False
-
-    def cancel(self):
-        self.cancelled = True
+_timers = {}  # {pid: (heap of (at, id, Deadline), its Condition)}: a forked child starts a timer thread of its own
 
 
-class _Timers:
-    """One thread that calls every function scheduled with call_at(), at its time."""
-
-    def __init__(self):
-        self.heap, self.count, self.wake = [], 0, threading.Condition()
-        threading.Thread(target=self._run, name="call-at", daemon=True).start()
-
-    def _run(self):
-        import heapq
-        while True:
-            with self.wake:
-                while self.heap and self.heap[0][2].cancelled:
-                    heapq.heappop(self.heap)
-                due = self.heap[0][0] - time.monotonic() if self.heap else None
-                if due is None or due > 0:
-                    self.wake.wait(due)
-                    continue
-                timer = heapq.heappop(self.heap)[2]
-            if not timer.cancelled:
-                timer.fn()
-
-
-_timers = {}  # {pid: the process's _Timers}: a forked child has no timer thread of its own yet
-_timers_lock = threading.Lock()
-
-
-def call_at(at, fn):
-    """Call fn() when time.monotonic() reaches `at`, from the process's one timer thread (a thread per
-    deadline costs more than a call to a local server). Returns a handle with cancel()."""
+def _timer():
+    """The process's one thread that expires every Deadline at its time (a thread per deadline costs more
+    than a call to a local server)."""
     import heapq
-    timers = _timers.get(os.getpid())
-    if timers is None:  # the first deadline of this process (a forked child's included)
-        with _timers_lock:
-            timers = _timers.get(os.getpid()) or _timers.setdefault(os.getpid(), _Timers())
-    timer = _Timer(fn)
-    with timers.wake:
-        timers.count += 1
-        heapq.heappush(timers.heap, (at, timers.count, timer))
-        timers.wake.notify()
+    fresh = ([], threading.Condition())
+    heap, wake = timer = _timers.setdefault(os.getpid(), fresh)
+
+    def run():
+        while True:
+            with wake:
+                while heap and heap[0][2].cancelled:
+                    heapq.heappop(heap)
+                due = heap[0][0] - time.monotonic() if heap else None
+                if due is None or due > 0:
+                    wake.wait(due)
+                    continue
+                deadline = heapq.heappop(heap)[2]
+            deadline.expire()
+    if timer is fresh:
+        threading.Thread(target=run, name="deadlines", daemon=True).start()
     return timer
 
 
-def shut(sock, how=None):
-    """Shut a socket down (both ways by default), whatever state it is in."""
+def shut(sock, how=socket.SHUT_RDWR):
     try:
-        sock.shutdown(socket.SHUT_RDWR if how is None else how)
+        sock.shutdown(how)
     except OSError:
         pass
 
@@ -1197,16 +1170,20 @@ class Deadline:
     the deadline passes. Deadline(None) has none."""
 
     def __init__(self, seconds):
-        self.seconds = seconds
+        import heapq
+        self.seconds, self.expired, self.cancelled = seconds, False, False
         self.at = time.monotonic() + seconds if seconds else None
-        self.expired = self.cancelled = False
         self._sockets, self._lock = [], threading.Lock()
-        self._timer = call_at(self.at, self.expire) if seconds else None
+        if seconds:
+            heap, wake = _timers.get(os.getpid()) or _timer()
+            with wake:
+                heapq.heappush(heap, (self.at, id(self), self))
+                wake.notify()
 
     def remaining(self):
         return max(0.001, self.at - time.monotonic()) if self.at is not None else None
 
-    def watch(self, sock, how=None):
+    def watch(self, sock, how=socket.SHUT_RDWR):
         """Shut `sock` (both ways, or `how`) when the deadline passes."""
         with self._lock:
             self._sockets.append((sock, how))
@@ -1224,8 +1201,6 @@ class Deadline:
     def cancel(self):
         with self._lock:
             self.cancelled = True
-        if self._timer is not None:
-            self._timer.cancel()
 
 
 _http = threading.local()  # this thread's opener, and the deadline of the request it is making
@@ -1246,10 +1221,6 @@ def _build_opener():
     import http.client
     import urllib.request
 
-    class NoRedirect(urllib.request.HTTPRedirectHandler):
-        def redirect_request(self, req, fp, code, msg, headers, newurl):
-            return None
-
     def watched(connection_class):
         def make(host, **kwargs):
             conn = connection_class(host, **kwargs)
@@ -1258,24 +1229,24 @@ def _build_opener():
             return conn
         return make
 
-    class Plain(urllib.request.HTTPHandler):
+    class Watched(urllib.request.AbstractHTTPHandler):
+        http_request = https_request = urllib.request.AbstractHTTPHandler.do_request_
+
         def http_open(self, req):
             return self.do_open(watched(http.client.HTTPConnection), req)
 
-    class Secure(urllib.request.HTTPSHandler):
         def https_open(self, req):  # the certificates (~20 ms) load only once an https URL is used
             return self.do_open(watched(http.client.HTTPSConnection), req, context=_tls_context())
 
-    opener = urllib.request.OpenerDirector()
-    for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(), Plain(), Secure(),
-                    urllib.request.HTTPDefaultErrorHandler(), NoRedirect(), urllib.request.HTTPErrorProcessor()):
+    opener = urllib.request.OpenerDirector()  # no redirect handler: a 3xx is an HTTPError
+    for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(), Watched(),
+                    urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor()):
         opener.add_handler(handler)
     return opener
 
 
 @functools.lru_cache(maxsize=None)
 def _tls_context():
-    """One default TLS context per process (loading the certificates is the costly part)."""
     import ssl
     return ssl.create_default_context()
 
@@ -1305,19 +1276,19 @@ class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         with self.done:
             full = self.active >= self.max_connections
             self.active += not full
-        if not full:
+        if full:
+            self.refused(client_address)
             try:
-                return super().process_request(request, client_address)
-            except RuntimeError:  # no thread could be started
-                self._release()
-                raise
-        self.refused(client_address)
+                request.settimeout(1.0)
+                request.sendall(self.busy)
+            except OSError:
+                pass
+            return self.shutdown_request(request)
         try:
-            request.settimeout(1.0)
-            request.sendall(self.busy)
-        except OSError:
-            pass
-        self.shutdown_request(request)
+            super().process_request(request, client_address)
+        except RuntimeError:  # no thread could be started
+            self._release()
+            raise
 
     def process_request_thread(self, request, client_address):
         try:
@@ -1330,11 +1301,6 @@ class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
             self.active -= 1
             self.done.notify_all()
 
-    def wait_idle(self, timeout):
-        """Wait up to `timeout` seconds for every connection to end."""
-        with self.done:
-            self.done.wait_for(lambda: not self.active, timeout)
-
     def stop(self, grace):
         """Idle connections closed at once, then no new connection; those in flight get `grace` seconds."""
         with self.lock:
@@ -1343,7 +1309,8 @@ class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
                 shut(sock)
         self.shutdown()
         self.server_close()
-        self.wait_idle(grace)
+        with self.done:
+            self.done.wait_for(lambda: not self.active, grace)
 
 
 # ----------------------------------------------------------------------------
@@ -1405,40 +1372,34 @@ def sql_string(text):
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _ship_url(url):
-    """(base URL, 'host:port'). Refuses credentials, queries and fragments without echoing the URL."""
-    import urllib.parse
-    if not url:
-        raise UsageError(f"no ClickHouse URL: pass --to URL or set {SHIP_URL_ENV} (e.g. http://127.0.0.1:8123)")
-    try:
-        parts = urllib.parse.urlsplit(url.strip())
-        port = parts.port
-    except ValueError:
-        raise UsageError("the ClickHouse URL is not a valid URL (want http://HOST:PORT)") from None
-    if "@" in parts.netloc:
-        raise UsageError(f"the ClickHouse URL holds a user name or password; set {SHIP_USER_ENV} and "
-                         f"{SHIP_PASSWORD_ENV} instead (a URL shows in process lists and logs)")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UsageError("the ClickHouse URL must be http://HOST[:PORT] or https://HOST[:PORT]")
-    if parts.query or parts.fragment or "?" in url or "#" in url:
-        raise UsageError("the ClickHouse URL must not carry a query or fragment; use --database and --table")
-    where = f"{parts.hostname}:{port or (443 if parts.scheme == 'https' else 80)}"
-    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}/", where
-
-
 class ClickHouse:
     """ClickHouse's HTTP interface: POST only, never a redirect, user and password as headers (from
     CLICKHOUSE_USER/CLICKHOUSE_PASSWORD), a deadline per request, bounded retries with backoff."""
 
     def __init__(self, url=None, *, database=SHIP_DATABASE, table=SHIP_TABLE, timeout=SHIP_TIMEOUT,
                  deadline=None, retries=SHIP_RETRIES, environ=None):
+        import urllib.parse
         env = os.environ if environ is None else environ
-        self.base, self.where = _ship_url(url if url is not None else env.get(SHIP_URL_ENV))
+        url = (url if url is not None else env.get(SHIP_URL_ENV) or "").strip()
+        if not url:
+            raise UsageError(f"no ClickHouse URL: pass --to URL or set {SHIP_URL_ENV} (e.g. http://127.0.0.1:8123)")
+        try:  # a URL is never echoed: it may hold a password
+            parts = urllib.parse.urlsplit(url)
+            self.where = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+        except ValueError:
+            raise UsageError("the ClickHouse URL is not a valid URL (want http://HOST:PORT)") from None
+        if "@" in parts.netloc:
+            raise UsageError(f"the ClickHouse URL holds a user name or password; set {SHIP_USER_ENV} and "
+                             f"{SHIP_PASSWORD_ENV} instead (a URL shows in process lists and logs)")
+        if parts.scheme not in ("http", "https") or not parts.hostname or "?" in url or "#" in url:
+            raise UsageError("the ClickHouse URL must be http[s]://HOST[:PORT], with no query or fragment "
+                             "(use --database and --table)")
         for what, name in (("--database", database), ("--table", table)):
             if type(name) is not str or not _NAME_RE.match(name):
                 raise UsageError(f"{what}: want letters, digits and _ (a ClickHouse name), got {printable(name)!r}")
-        if not (timeout > 0 and retries >= 0 and (deadline is None or deadline > 0)):
+        if not (timeout > 0 and (deadline is None or deadline > 0)):
             raise UsageError("--timeout and --deadline must be positive numbers")
+        self.base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}/"
         self.database, self.table, self.name = database, table, f"{database}.{table}"
         self.timeout, self.retries = float(timeout), int(retries)
         self.ends = time.monotonic() + deadline if deadline else None
@@ -1451,13 +1412,13 @@ class ClickHouse:
 
     def query(self, sql, data=None, params=None, stream=False):
         """Run one statement; return the answer's bytes (with `stream`, the response to read and close).
-        With `data` (the body) the SQL goes in ?query=. Raises ClickHouseError."""
+        With `data` (the body) the SQL goes in ?query=. Raises ClickHouseError, after the retries."""
         started = time.monotonic()
         for attempt in range(1, self.retries + 2):
             try:
                 return self._once(sql, data, params, stream)
             except ClickHouseError as exc:
-                delay = min(8.0, 0.5 * 2 ** (attempt - 1))
+                delay = 0.5 * 2 ** (attempt - 1)
                 if exc.exit_code != EXIT_FAILED:
                     raise ClickHouseError(f"ClickHouse at {self.where}: {exc}", exc.exit_code) from None
                 if attempt > self.retries or (self.ends and self.ends - time.monotonic() < delay + 0.1):
@@ -1465,22 +1426,7 @@ class ClickHouse:
                     raise ClickHouseError(f"ClickHouse at {self.where}: {exc} ({took})") from None
                 time.sleep(delay)
 
-    def rows(self, sql):
-        """The answer of a SELECT as dicts (64-bit integers as numbers)."""
-        body = self.query(sql + " FORMAT JSONEachRow", params={"wait_end_of_query": 1,
-                                                               "output_format_json_quote_64bit_integers": 0})
-        try:
-            return [json.loads(line) for line in body.decode("utf-8").splitlines() if line]
-        except ValueError as exc:
-            raise ClickHouseError(f"ClickHouse at {self.where}: an answer that is not JSON lines ({exc})",
-                                  EXIT_USAGE) from None
-
-    def stream(self, sql):
-        """A streamed answer; wait_end_of_query makes an error come as an HTTP error, never inside the rows."""
-        return self.query(sql, params={"wait_end_of_query": 1}, stream=True)
-
     def _once(self, sql, data, params, stream):
-        """One request; a ClickHouseError of exit 1 is worth another."""
         import http.client
         import urllib.error
         import urllib.parse
@@ -1505,54 +1451,63 @@ class ClickHouse:
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = getattr(exc, "reason", exc)
             raise ClickHouseError(f"no complete answer within {seconds:.3g} s" if deadline.expired else
-                                  printable(error_text(reason) if isinstance(reason, OSError) else str(reason)
-                                            or type(reason).__name__)) from None
+                                  printable(error_text(reason))) from None
         finally:
             deadline.cancel()
 
-    def columns(self):
-        """{name: type} of the table; {} when it does not exist."""
-        return {row["name"]: row["type"] for row in self.rows(
-            f"SELECT name, type FROM system.columns WHERE database = {sql_string(self.database)} "
-            f"AND table = {sql_string(self.table)}")}
+    def rows(self, sql):
+        """The answer of a SELECT as dicts (64-bit integers as numbers)."""
+        body = self.query(sql + " FORMAT JSONEachRow", params={"wait_end_of_query": 1,
+                                                               "output_format_json_quote_64bit_integers": 0})
+        try:
+            return [json.loads(line) for line in body.splitlines() if line]
+        except ValueError:
+            raise ClickHouseError(f"ClickHouse at {self.where}: an answer that is not JSON lines", EXIT_USAGE) \
+                from None
 
-    def ensure_table(self):
-        """Create the database and the table when missing; refuse a table of another shape."""
-        found = self.columns()
+    def stream(self, sql):
+        """A streamed answer; wait_end_of_query makes an error come as an HTTP error, never inside the rows."""
+        return self.query(sql, params={"wait_end_of_query": 1}, stream=True)
+
+    def ensure_table(self, create=True):
+        """Create the database and the table when missing (with `create`, else raise: nothing was shipped to
+        it yet); refuse a table of another shape."""
+        sql = (f"SELECT name, type FROM system.columns WHERE database = {sql_string(self.database)} "
+               f"AND table = {sql_string(self.table)}")
+        found = {row["name"]: row["type"] for row in self.rows(sql)}
+        if not found and not create:
+            raise ClickHouseError(f"ClickHouse at {self.where}: no table {self.name} (nothing shipped to it yet?)",
+                                  EXIT_USAGE)
         if not found:
             self.query(f"CREATE DATABASE IF NOT EXISTS {self.database}")
             self.query(ship_ddl(self.database, self.table))
-            found = self.columns()
+            found = {row["name"]: row["type"] for row in self.rows(sql)}
         for name, kind in SHIP_COLUMNS:
             if found.get(name) != kind:
-                what = f"has {name} {found[name]}" if name in found else f"has no column {name}"
-                raise ClickHouseError(f"ClickHouse at {self.where}: table {self.name} {what}, want {kind}: it was "
+                what = f"{name} {found[name]}" if name in found else f"no column {name}"
+                raise ClickHouseError(f"ClickHouse at {self.where}: table {self.name} has {what}, want {kind}: it was "
                                       f"not made by this tool (or by another version); pick another with --table",
                                       EXIT_USAGE)
 
     def require_table(self):
         """Raise (exit 2) when the table is missing: nothing was shipped to it yet."""
-        if not self.columns():
-            raise ClickHouseError(f"ClickHouse at {self.where}: no table {self.name} (nothing shipped to it yet?)",
-                                  EXIT_USAGE)
+        self.ensure_table(create=False)
 
 
 def _http_error(exc):
-    """The ClickHouseError of an HTTP error answer, with ClickHouse's text as one short printable line
-    ('HTTP 404: Code: 60, Table x.y doesn't exist.'). A 5xx, 408 or 429 is worth a retry (exit 1)."""
+    """The ClickHouseError of an HTTP error answer, ClickHouse's text as one short printable line. A 5xx, 408
+    or 429 is worth a retry (exit 1)."""
     import http.client
     import urllib.parse
     if 300 <= exc.code < 400:
-        location = exc.headers.get("Location", "") if exc.headers else ""
-        host = urllib.parse.urlsplit(location).netloc.rpartition("@")[2][:200] or "(no Location)"
-        return ClickHouseError(f"HTTP {exc.code}: a redirect to {printable(host)} was not followed (the password "
-                               f"is never sent to another URL; fix the URL)", EXIT_USAGE)
+        host = urllib.parse.urlsplit(exc.headers.get("Location", "")).netloc.rpartition("@")[2][:200]
+        return ClickHouseError(f"HTTP {exc.code}: a redirect to {printable(host or '(no Location)')} was not "
+                               f"followed (the password is never sent to another URL; fix the URL)", EXIT_USAGE)
     try:
         text = (exc.read(65536).decode("utf-8", "replace").strip().splitlines() or [""])[0]
     except (OSError, http.client.HTTPException):
         text = ""
-    match = re.match(r"Code: (\d+), e\.displayText\(\) = (?:DB::Exception: )?(.*?)(?:, e\.what\(\) = .*)?\Z", text)
-    text = f"Code: {match.group(1)}, {match.group(2)}" if match else text
+    text = re.sub(r"e\.displayText\(\) = (DB::Exception: )?|, e\.what\(\) = .*", "", text)  # 18.16's form
     answer = f"HTTP {exc.code}: {printable(text[:300]) or 'no message'}"
     if exc.code >= 500 or exc.code in (408, 429):
         return ClickHouseError(answer)
@@ -1569,14 +1524,14 @@ class Shipped:
         self.sent = max(0, last - first + 1)
 
     def text(self):
-        head = f"head {self.head[0]} {self.head[1]}"
+        where = f"{printable(self.path)}  {self.ledger_id[:12]}"
         if not self.sent:
-            return f"up to date {printable(self.path)}  {self.ledger_id[:12]}  {head}"
+            return f"up to date {where}  head {self.head[0]} {self.head[1]}"
         lines = "line" if self.sent == 1 else "lines"
         what = f"{lines} re-sent" if self.resent else f"new {lines}"
         more = f", {self.more:,} more next run" if self.more else ""
-        return (f"shipped {printable(self.path)}  {self.ledger_id[:12]}  {self.sent:,} {what} "
-                f"(seq {self.first}..{self.last}){more}  {head}")
+        return (f"shipped {where}  {self.sent:,} {what} "
+                f"(seq {self.first}..{self.last}){more}  head {self.head[0]} {self.head[1]}")
 
 
 def _row(base, event, body, line_sha, shipped_at):
@@ -1627,11 +1582,10 @@ def ship(targets, client, *, key=None, host=None, batch_rows=SHIP_BATCH_ROWS, ba
     """Send the new verified lines of each (path, expected head or None) to ClickHouse, reading the ledgers only.
     Yields (path, Shipped or the IntegrityError/KeyRequiredError/OSError that stopped it: then nothing of it
     was sent). A ClickHouseError propagates: the next run resumes where this one stopped."""
-    import socket
     key, host = _resolve_key(key), host or socket.gethostname()
     if not 0 < batch_rows <= SHIP_MAX_BATCH_ROWS:
         raise UsageError(f"--batch-rows must be between 1 and {SHIP_MAX_BATCH_ROWS:,}")
-    ids = {}
+    ids = {}  # {path: SHA-256 of line 1, None without a complete line, or the OSError of reading it}
     for path, _expect in targets:
         try:
             with _file_lines(path) as lines:
@@ -1641,7 +1595,7 @@ def ship(targets, client, *, key=None, host=None, batch_rows=SHIP_BATCH_ROWS, ba
             ids[path] = _named(exc, path)
     try:
         client.ensure_table()
-        wanted, heads = sorted({i for i in ids.values() if type(i) is str}), {}
+        wanted, heads = sorted(i for i in set(ids.values()) if type(i) is str), {}
         for i in range(0, len(wanted), 500):  # ClickHouse's max_query_size is 256 KiB
             heads.update((row["ledger_id"], (row["top"], row["sha"], row["n"])) for row in client.rows(
                 f"SELECT ledger_id, max(seq) AS top, argMax(line_sha256, seq) AS sha, count() AS n FROM "
@@ -1663,46 +1617,43 @@ def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, ba
     """Verify the whole ledger (as verify does) while spooling rows for the lines ClickHouse lacks, then send
     them in batches; rows past the spool's limit wait for the next run."""
     import tempfile
-    if ledger_id is None:
-        if expect and expect[0]:
-            raise IntegrityError(path, None, f"the index records seq {expect[0]} for this run, but it has no "
-                                             f"complete line")
+    texts = ("index.jsonl records", "the run ends at")
+    if ledger_id is None:  # no complete line yet
+        _reached(path, expect, 0, key, *texts)
         return Shipped(path, "-" * 12, 1, 0, (0, _genesis(key)))
     top, top_sha, stored = server or (0, None, 0)
     resend = stored < top  # ClickHouse lost rows (deleted?): send them all again; FINAL keeps one of each
-    start, head, torn, full = 0 if resend else top, (0, _genesis(key)), None, None
+    start = 0 if resend else top
+    head, torn, last, marks = (0, _genesis(key)), None, None, [(start, 0)]  # marks: (last seq, spool offset)
     base = {"ledger_id": ledger_id, "host": host, "path": os.path.abspath(path)}
-    batches, limit, shipped_at = [(start, 0)], _spool_limit(), int(time.time())  # (last seq, spool offset) each
+    limit, shipped_at = _spool_limit(), int(time.time())
     with tempfile.SpooledTemporaryFile(max_size=SHIP_SPOOL_MEMORY) as spool:
         try:
             for event, body, digest in _verified(path, _file_lines(path), key, expect, _expected_run_id(path),
-                                                 "index.jsonl records", "the run ends at"):
+                                                 *texts):
                 seq, line_sha = event["seq"], hashlib.sha256(body).hexdigest() if key else digest
                 if seq == 1 and line_sha != ledger_id:
                     raise IntegrityError(path, 1, "line 1 changed while it was being shipped (the file was replaced)")
                 if seq == top and line_sha != top_sha:
                     raise IntegrityError(path, seq, "differs from the line ClickHouse holds at this seq: a fork or "
                                                     "a local rewrite; nothing was sent")
-                if seq > start and full is None:
-                    if batches[-1][1] >= limit:
-                        full = head
-                    else:
-                        spool.write(_row(base, event, body, line_sha, shipped_at))
-                        if seq - batches[-1][0] == batch_rows or spool.tell() - batches[-1][1] >= batch_bytes:
-                            batches.append((seq, spool.tell()))
+                if seq > start and last is None:
+                    spool.write(_row(base, event, body, line_sha, shipped_at))
+                    if seq - marks[-1][0] == batch_rows or spool.tell() - marks[-1][1] >= batch_bytes:
+                        marks.append((seq, spool.tell()))
+                        last = seq if spool.tell() >= limit else None
                 head = (seq, digest)
         except TornTailError as exc:
             torn = exc
-            _reached(path, expect, head[0], key, "index.jsonl records", "the run ends at")
+            _reached(path, expect, head[0], key, *texts)
         if head[0] < top:
             raise IntegrityError(path, head[0] + 1, f"ClickHouse holds this ledger up to seq {top} but the file ends "
                                                     f"at seq {head[0]}: it was cut or rewritten after it was shipped; "
                                                     f"nothing was sent")
-        last = full[0] if full else head[0]
-        if last > batches[-1][0]:
-            batches.append((last, spool.tell()))
+        last = last or head[0]
+        marks += [(last, spool.tell())] if last > marks[-1][0] else []
         spool.seek(0)
-        for (sent, offset), (seq, end) in zip(batches, batches[1:]):
+        for (sent, offset), (_seq, end) in zip(marks, marks[1:]):
             try:
                 client.query(f"INSERT INTO {client.name} FORMAT JSONEachRow", data=spool.read(end - offset))
             except ClickHouseError as exc:
@@ -1733,18 +1684,16 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
     where = condition if condition is not None else ("WHERE " + " OR ".join(
         f"substring(ledger_id, 1, {len(p)}) = {sql_string(p)}" for p in ledger_ids) if ledger_ids else "")
     listed = {row["ledger_id"]: row for row in shipped_ledgers(client, where)}
+    if expect_head is not None and len(listed) > 1:
+        raise UsageError(f"--expect-head goes with exactly one ledger; {len(listed)} match")
     for prefix in ledger_ids:
         if not any(found.startswith(prefix) for found in listed):
             yield ({"ledger_id": prefix, "last_host": None, "last_path": None, "n": 0},
-                   IntegrityError(f"clickhouse:{prefix}", None, "ClickHouse holds no line of this ledger (never "
-                                                                "shipped, or deleted)"))
-    if expect_head is not None and len(listed) != 1:
-        raise UsageError(f"--expect-head goes with exactly one ledger; {len(listed)} match")
+                   IntegrityError(f"clickhouse:{prefix}", None, "ClickHouse holds no line of this ledger"))
     with client.stream(f"SELECT ledger_id, seq, line_sha256, raw FROM {client.name} FINAL {where} "
                        f"ORDER BY ledger_id, seq FORMAT TSVRaw") as response:
         for ledger_id, rows in itertools.groupby(_stored_rows(response, client), key=lambda row: row[0]):
-            ledger = listed.pop(ledger_id, None) or {"ledger_id": ledger_id, "last_host": None, "last_path": None,
-                                                     "n": None}
+            ledger = listed.pop(ledger_id, None) or {"ledger_id": ledger_id, "last_host": None, "last_path": None}
             name = f"clickhouse:{ledger_id}"
             run_id = _expected_run_id(ledger["last_path"]) if ledger["last_path"] else None
             lines = contextlib.nullcontext(_stored_lines(name, ledger_id, rows))
@@ -1754,26 +1703,7 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
             except (IntegrityError, KeyRequiredError) as exc:
                 yield ledger, exc
     for ledger in listed.values():
-        yield ledger, IntegrityError(f"clickhouse:{ledger['ledger_id']}", None, "its rows vanished while it was "
-                                                                                "being read")
-
-
-def _stored_lines(name, ledger_id, rows):
-    """The stored lines of one ledger, each checked for seq continuity and its line_sha256 (and ledger_id)."""
-    for expected, (_ledger_id, seq, sha, line) in enumerate(rows, 1):
-        if seq is None:
-            raise IntegrityError(name, expected, sha)
-        if seq != expected:
-            raise IntegrityError(name, expected, f"missing from ClickHouse: the next row stored is seq {seq} "
-                                                 f"(a row was deleted)" if seq > expected else f"seq {seq} comes twice")
-        digest = hashlib.sha256(line[:-1]).hexdigest()
-        if digest != sha:
-            raise IntegrityError(name, seq, "line_sha256 is not the SHA-256 of the stored line (the row was altered "
-                                            "in ClickHouse)")
-        if seq == 1 and digest != ledger_id:
-            raise IntegrityError(name, 1, "ledger_id is not the SHA-256 of line 1 (the row was altered, or filed "
-                                          "under another ledger)")
-        yield line
+        yield ledger, IntegrityError(f"clickhouse:{ledger['ledger_id']}", None, "its rows vanished while they were read")
 
 
 def _stored_rows(response, client):
@@ -1794,6 +1724,21 @@ def _stored_rows(response, client):
     except (OSError, http.client.HTTPException) as exc:
         raise ClickHouseError(f"ClickHouse at {client.where}: the answer was cut short "
                               f"({printable(error_text(exc))})", EXIT_USAGE) from None
+
+
+def _stored_lines(name, ledger_id, rows):
+    """The stored lines of one ledger, each checked for seq continuity and its line_sha256 (and ledger_id)."""
+    for expected, (_ledger_id, seq, sha, line) in enumerate(rows, 1):
+        if seq is None:
+            raise IntegrityError(name, expected, sha)
+        if seq != expected:
+            raise IntegrityError(name, expected, f"missing from ClickHouse: the next row stored is seq {seq} "
+                                                 f"(a row was deleted)" if seq > expected else f"seq {seq} comes twice")
+        digest = hashlib.sha256(line[:-1]).hexdigest()
+        if digest != sha or (seq == 1 and digest != ledger_id):
+            raise IntegrityError(name, seq, f"{'line_sha256' if digest != sha else 'ledger_id'} is not the SHA-256 "
+                                            f"of the stored line (the row was altered in ClickHouse)")
+        yield line
 
 
 # ----------------------------------------------------------------------------
