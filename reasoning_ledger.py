@@ -1746,18 +1746,12 @@ def _stored_lines(name, ledger_id, rows):
 # ----------------------------------------------------------------------------
 
 _CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escape_control(match):
-    char = match.group()
-    return _ESCAPES.get(char) or ("\\x%02x" % ord(char) if ord(char) < 256 else "\\u%04x" % ord(char))
 
 
 def printable(value):
-    """str(value) with control characters escaped, so text from a ledger or a server can neither forge
-    a line nor drive a terminal."""
-    return _CONTROL_RE.sub(_escape_control, value if type(value) is str else str(value))
+    """str(value) with control characters escaped (\\n, \\x1b, \\u2028), so text from a ledger or a server can
+    neither forge a line nor drive a terminal."""
+    return _CONTROL_RE.sub(lambda match: repr(match.group())[1:-1], value if type(value) is str else str(value))
 
 
 def error(message, secrets=(), label="error"):
@@ -1767,7 +1761,6 @@ def error(message, secrets=(), label="error"):
 
 
 def warn(message, secrets=()):
-    """One 'warning: …' line on stderr, like error()."""
     error(message, secrets, "warning")
 
 
@@ -1777,19 +1770,19 @@ _stdout_dead = []  # the OutputError that ended stdout: later writes raise it ag
 def write_out(text):
     """Write text to stdout and flush. A stdout that is closed, full or cannot encode the text raises
     OutputError; later writes are dropped, and the interpreter's last flush cannot fail."""
-    if _stdout_dead:
-        raise _stdout_dead[0]
-    if sys.stdout is None:  # started with stdout closed (>&-)
+    if not _stdout_dead and sys.stdout is None:  # started with stdout closed (>&-)
         _stdout_dead.append(OutputError("stdout is closed"))
+    if _stdout_dead:
         raise _stdout_dead[0]
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
     except (OSError, UnicodeEncodeError) as exc:
-        reason = ("stdout is closed" if isinstance(exc, BrokenPipeError) else
+        pipe = isinstance(exc, BrokenPipeError)
+        reason = ("stdout is closed" if pipe else
                   f"stdout cannot encode the text as {sys.stdout.encoding}" if isinstance(exc, UnicodeEncodeError)
                   else f"cannot write to stdout: {error_text(exc)}")
-        _stdout_dead.append(OutputError(reason, pipe=isinstance(exc, BrokenPipeError)))
+        _stdout_dead.append(OutputError(reason, pipe=pipe))
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
@@ -1807,16 +1800,13 @@ def error_text(exc):
 
 
 def run_cli(command, args, secrets=()):
-    """Run one command of a script's CLI. The toolkit's own errors and OS errors become one error line
-    and their exit code; anything else is a bug and keeps its traceback."""
+    """command(args); the toolkit's own errors and OS errors become one error line and their exit code, anything
+    else is a bug and keeps its traceback."""
     try:
         return command(args)
-    except LedgerError as exc:
-        error(str(exc), secrets)
-        return exc.exit_code
-    except OSError as exc:
+    except (LedgerError, OSError) as exc:
         error(error_text(exc), secrets)
-        return EXIT_USAGE
+        return exc.exit_code if isinstance(exc, LedgerError) else EXIT_USAGE
     except KeyboardInterrupt:
         error("interrupted")
         return 130
@@ -1839,31 +1829,25 @@ def parse_cli(parser, argv):
 
 
 def exit_codes_epilog(*codes):
-    """The rows of EXIT_CODES a script uses, for its --help."""
     return "exit codes:\n" + "\n".join(f"  {c}  {EXIT_CODES[c]}" for c in codes)
 
 
 def parse_time(text, end=False, now=None):
     """A date (YYYY-MM-DD), an ISO time, `today`, `yesterday`, or an age (`36h`, `7d`: that long before now)
     -> the ledger's `at` string form for comparing. `end` makes a day its last microsecond."""
-    text = text.strip()
-    now = now or datetime.datetime.now(datetime.timezone.utc)
+    text, now = text.strip(), now or datetime.datetime.now(datetime.timezone.utc)
     if text in ("today", "yesterday"):
         text = (now - datetime.timedelta(days=1 if text == "yesterday" else 0)).strftime("%Y-%m-%d")
     age = re.fullmatch(r"([0-9]{1,5})([hd])", text)
-    if age:
-        hours = int(age.group(1)) * (24 if age.group(2) == "d" else 1)
-        return (now - datetime.timedelta(hours=hours)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     try:
-        if re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text):
-            day = datetime.datetime.strptime(text, "%Y-%m-%d")
-            if end:
-                day += datetime.timedelta(days=1) - datetime.timedelta(microseconds=1)
-            moment = day.replace(tzinfo=datetime.timezone.utc)
+        if age:
+            moment = now - datetime.timedelta(hours=int(age.group(1)) * (24 if age.group(2) == "d" else 1))
+        elif re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text):
+            moment = datetime.datetime.strptime(text, "%Y-%m-%d").replace(tzinfo=datetime.timezone.utc)
+            moment += datetime.timedelta(days=1, microseconds=-1) if end else datetime.timedelta()
         else:
             moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-            if moment.tzinfo is None:
-                moment = moment.replace(tzinfo=datetime.timezone.utc)
+            moment = moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)
     except ValueError:
         raise UsageError(f"not a date, an ISO time, today, yesterday or an age like 7d: {printable(text)!r}") \
             from None
@@ -1916,21 +1900,18 @@ def _tally(results, good, inside="", after=""):
 
 
 def _verified_line(result):
-    lines = f"{result.count} line{'' if result.count == 1 else 's'}"
-    return f"ok    {printable(result.path)}  {lines}  head {result.head_text()}"
+    return f"ok    {printable(result.path)}  {result.count} line{'' if result.count == 1 else 's'}  " \
+           f"head {result.head_text()}"
 
 
 def _cmd_verify(args):
     if args.from_url is not None:
         return _cmd_verify_from(args)
-    if not args.paths and not args.all:
-        raise UsageError("verify needs a PATH, --all RUNS_DIR or --from URL")
+    _check_targets(args, "verify")
     if args.expect_head is not None and (len(args.paths) != 1 or args.all):
         raise UsageError("--expect-head goes with exactly one PATH")
     expect = parse_head(args.expect_head) if args.expect_head is not None else None
     key, results = _cli_key(args), []
-    if args.all and not Path(args.all).is_dir():
-        raise UsageError(f"--all: no such directory: {args.all}")
     for path in args.paths:
         try:
             results.append((path, verify(path, key=key, expect_head=expect), ""))
@@ -1954,14 +1935,14 @@ _ARTIFACT_RE = re.compile(r"artifacts/[0-9a-f]{64}\Z")
 
 
 def _artifact(ledger_path, ref):
-    """The text of an artifact a payload refers to ({"path": "artifacts/<sha256>"}, at most 1 MiB), or None."""
+    """The text of an artifact a payload refers to ({"path": "artifacts/<sha256>"}, at most 1 MiB), or ""."""
     if type(ref) is not dict or type(ref.get("path")) is not str or not _ARTIFACT_RE.match(ref["path"]):
-        return None
+        return ""
     try:
         with open(Path(ledger_path).parent / ref["path"], "rb") as handle:
             return handle.read(1 << 20).decode("utf-8", "replace")
     except OSError:
-        return None
+        return ""
 
 
 def _tests_meaning(path, payload):
@@ -1993,7 +1974,7 @@ def _event_summary(path, event):
         parts.append(_tests_meaning(path, payload))
     call = payload.get("call") if type(payload.get("call")) is dict else {}
     reply = _artifact(path, payload.get("response_artifact") or call.get("reply_artifact"))
-    line = next((s.strip() for s in (reply or "").splitlines() if s.strip()), "")
+    line = next((s.strip() for s in reply.splitlines() if s.strip()), "")
     if line:
         parts.append(f"reply: {line if len(line) <= 120 else line[:119] + '…'}")
     if payload.get("rationale"):
@@ -2003,10 +1984,10 @@ def _event_summary(path, event):
 
 def _cmd_report(args):
     _check_targets(args, "report")
-    targets = [(Path(p), None) for p in args.paths] + (run_ledgers(args.all, _cli_key(args)) if args.all else [])
+    key = _cli_key(args)
+    targets = [(Path(p), None) for p in args.paths] + (run_ledgers(args.all, key) if args.all else [])
     since = parse_time(args.since) if args.since else None
     until = parse_time(args.until, end=True) if args.until else None
-    key = _cli_key(args)
     try:
         for path, expect in targets:
             if len(targets) > 1 and not args.json:
@@ -2046,28 +2027,24 @@ def _cmd_append(args):
     return EXIT_OK
 
 
-def _still_growing(torn):
-    """True when the file grew past the torn tail since it was read: an append was in progress."""
-    try:
-        return os.path.getsize(torn.path) > torn.offset + torn.length
-    except OSError:
-        return False
-
-
 def _cmd_ship(args):
     _check_targets(args, "ship")
-    targets = ship_targets(args.paths, args.all, _cli_key(args))
+    key = _cli_key(args)
     client = ClickHouse(args.to, database=args.database, table=args.table, timeout=args.timeout,
                         deadline=args.deadline)
-    sent = []
+    targets, sent = ship_targets(args.paths, args.all, key), []
 
     def shipped(result):
         sent.append(result.sent)
-        if result.torn and not _still_growing(result.torn):
-            warn(f"{result.torn}; the lines before it were shipped, the torn bytes were not (a crash, not "
-                 f"tampering)")
+        torn = result.torn
+        try:  # a file that grew past its torn tail since it was read: an append was in progress
+            quiet = torn is None or os.path.getsize(torn.path) > torn.offset + torn.length
+        except OSError:
+            quiet = False
+        if not quiet:
+            warn(f"{torn}; the lines before it were shipped, the torn bytes were not (a crash, not tampering)")
         return result.text()
-    results = ship(targets, client, key=_cli_key(args), host=args.host, batch_rows=args.batch_rows)
+    results = ship(targets, client, key=key, host=args.host, batch_rows=args.batch_rows)
     counts, code = _tally(((path, result, "") for path, result in results), shipped,
                           after="; nothing of {} was shipped")
     write_out(f"{counts['ok']}/{len(targets)} ledgers shipped or up to date, {sum(sent):,} new lines sent to "
@@ -2111,8 +2088,8 @@ _COMMANDS = (
         (("--expect-head",), {"metavar": "SEQ:HASH", "help": "a head published earlier (finds truncation)"}),
         (("--from",), {"dest": "from_url", "nargs": "?", "const": "", "metavar": "URL",
                        "help": f"re-verify the lines shipped to ClickHouse at URL (default ${SHIP_URL_ENV})"}),
-        (("--ledger-id",), {"action": "append", "metavar": "ID", "help": "with --from: only this ledger (or "
-                                                                          "prefix; repeatable)"}),
+        (("--ledger-id",), {"action": "append", "metavar": "ID",
+                            "help": "with --from: only this ledger (or prefix; repeatable)"}),
         (("--timeout",), {"type": float, "default": 300.0, "metavar": "S", "help": "seconds a request (300)"}),
     ] + _CLICKHOUSE, _cmd_verify),
     ("ship", "send the verified lines of ledgers to ClickHouse (resumable; for cron)", [
