@@ -1131,12 +1131,12 @@ def _checked_head(expect, path):
 # HTTP: never a redirect, one deadline for a whole request (ask.py, ship and the daemon use it), one server
 # ----------------------------------------------------------------------------
 
-_timers = {}  # {pid: (heap of (at, id, Deadline), its Condition)}: a forked child starts a timer thread of its own
+# {pid: (heap of (at, id, Deadline), Condition)}: one thread a process expires every Deadline (a thread per
+# deadline costs more than a call to a local server); a forked child starts its own.
+_timers = {}
 
 
 def _timer():
-    """The process's one thread that expires every Deadline at its time (a thread per deadline costs more
-    than a call to a local server)."""
     import heapq
     fresh = ([], threading.Condition())
     heap, wake = timer = _timers.setdefault(os.getpid(), fresh)
@@ -1165,9 +1165,8 @@ def shut(sock, how=socket.SHUT_RDWR):
 
 
 class Deadline:
-    """The deadline of a whole request, connect to last byte. Socket timeouts bound each read; a server
-    that trickles one byte at a time passes every one of them, so every socket watched is shut down when
-    the deadline passes. Deadline(None) has none."""
+    """The deadline of a whole request, connect to last byte: a server that trickles one byte at a time passes
+    every socket timeout, so every socket watched is shut down when it passes. Deadline(None) has none."""
 
     def __init__(self, seconds):
         import heapq
@@ -1203,14 +1202,12 @@ class Deadline:
             self.cancelled = True
 
 
-_http = threading.local()  # this thread's opener, and the deadline of the request it is making
+_http = threading.local()  # this thread's opener (one costs more to build than a local call), and its deadline
 
 
 def http_open(request, deadline, timeout=None):
-    """Open a urllib Request: proxies from the environment, never a redirect (a 3xx raises HTTPError, so a
-    key or password is never sent to another URL), every socket under `deadline`, each read under
-    `timeout` (default: the deadline's remaining time). One opener per thread: building one costs more
-    than a call to a local server."""
+    """Open a urllib Request: proxies from the environment, never a redirect (a 3xx raises HTTPError, so no key
+    goes to another URL), every socket under `deadline`, each read under `timeout` (default: what remains)."""
     if getattr(_http, "opener", None) is None:
         _http.opener = _build_opener()
     _http.deadline = deadline
@@ -1252,14 +1249,13 @@ def _tls_context():
 
 
 class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    """A thread per connection, at most `max_connections` at once: past that `busy` (an answer's bytes) is sent
-    and the connection closed. Handlers add their idle keep-alive sockets to `idle` (under `lock`); stop() shuts
-    those, stops accepting and waits for the requests in flight."""
+    """A thread per connection, at most `max_connections` (past that `busy`, an answer's bytes, and a close).
+    Handlers add their idle keep-alive sockets to `idle` (under `lock`), which stop() shuts at once."""
     daemon_threads, block_on_close, allow_reuse_address, request_queue_size = True, False, True, 128
 
     def __init__(self, address, handler, max_connections, busy):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.max_connections, self.busy, self.active, self.done = max_connections, busy, 0, threading.Condition()
+        self.max_connections, self.busy, self.slots = max_connections, busy, threading.Semaphore(max_connections)
         self.lock, self.idle, self.stopping = threading.Lock(), set(), False
         super().__init__(address, handler)
 
@@ -1273,10 +1269,7 @@ class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self.log_error(f"connection from {client_address[0]}: {type(sys.exc_info()[1]).__name__}")
 
     def process_request(self, request, client_address):
-        with self.done:
-            full = self.active >= self.max_connections
-            self.active += not full
-        if full:
+        if not self.slots.acquire(blocking=False):
             self.refused(client_address)
             try:
                 request.settimeout(1.0)
@@ -1287,19 +1280,14 @@ class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         try:
             super().process_request(request, client_address)
         except RuntimeError:  # no thread could be started
-            self._release()
+            self.slots.release()
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._release()
-
-    def _release(self):
-        with self.done:
-            self.active -= 1
-            self.done.notify_all()
+            self.slots.release()
 
     def stop(self, grace):
         """Idle connections closed at once, then no new connection; those in flight get `grace` seconds."""
@@ -1309,8 +1297,10 @@ class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
                 shut(sock)
         self.shutdown()
         self.server_close()
-        with self.done:
-            self.done.wait_for(lambda: not self.active, grace)
+        ends = time.monotonic() + grace
+        for _ in range(self.max_connections):  # every slot back: every request done
+            if not self.slots.acquire(timeout=max(0.0, ends - time.monotonic())):
+                break
 
 
 # ----------------------------------------------------------------------------
@@ -1337,19 +1327,18 @@ _STORED_ROW_RE = re.compile(rb"([0-9a-f]{64})\t([0-9]{1,20})\t([0-9a-f]{64})\t")
 # JSON string, Int64: an integer within Int64, UInt8: true or false, Float64: a number) is shipped as NULL, and
 # the row's `malformed` is 1 when audit.py reads the field (all but total_tokens): the local audit's rule, so SQL
 # counts what the audit counts. The typing is done here: ClickHouse 18.16 has no JSON functions to do it.
-SHIP_CALL_FIELDS = tuple((name, f"Nullable({kind})") for name, kind in (
+SHIP_CALL_FIELDS = (
     ("request_model", "String"), ("response_model", "String"), ("base_url", "String"), ("attempt", "Int64"),
     ("error_type", "String"), ("usage_status", "String"), ("usage_reported", "UInt8"), ("latency_ms", "Float64"),
     ("system_fingerprint", "String"), ("check", "UInt8"), ("input_tokens", "Int64"), ("output_tokens", "Int64"),
-    ("total_tokens", "Int64"), ("est_input_tokens", "Int64"), ("est_output_tokens", "Int64")))
-_SHIP_TYPES = {"Nullable(String)": (str,), "Nullable(Int64)": (int,), "Nullable(UInt8)": (bool,),
-               "Nullable(Float64)": (float, int)}
+    ("total_tokens", "Int64"), ("est_input_tokens", "Int64"), ("est_output_tokens", "Int64"))
+_SHIP_TYPES = {"String": (str,), "Int64": (int,), "UInt8": (bool,), "Float64": (float, int)}
 # ledger_id is the SHA-256 of line 1; `raw` the exact line; line_sha256 its plain SHA-256 (keyed ledgers too);
 # at_time `at` in Unix seconds (0 outside 1970..2105).
 SHIP_COLUMNS = (("ledger_id", "String"), ("host", "String"), ("path", "String"), ("seq", "UInt64"),
                 ("run_id", "String"), ("kind", "String"), ("at", "String"), ("at_time", "DateTime"),
                 ("raw", "String"), ("line_sha256", "String"), ("prev", "String"), ("shipped_at", "DateTime"),
-                ) + SHIP_CALL_FIELDS + (("malformed", "UInt8"),)
+                ) + tuple((name, f"Nullable({kind})") for name, kind in SHIP_CALL_FIELDS) + (("malformed", "UInt8"),)
 
 
 def ship_ddl(database=SHIP_DATABASE, table=SHIP_TABLE):
@@ -1373,8 +1362,7 @@ def sql_string(text):
 
 
 class ClickHouse:
-    """ClickHouse's HTTP interface: POST only, never a redirect, user and password as headers (from
-    CLICKHOUSE_USER/CLICKHOUSE_PASSWORD), a deadline per request, bounded retries with backoff."""
+    """ClickHouse's HTTP interface: POST only, never a redirect, credentials as headers, deadlines, retries."""
 
     def __init__(self, url=None, *, database=SHIP_DATABASE, table=SHIP_TABLE, timeout=SHIP_TIMEOUT,
                  deadline=None, retries=SHIP_RETRIES, environ=None):
@@ -1403,20 +1391,18 @@ class ClickHouse:
         self.database, self.table, self.name = database, table, f"{database}.{table}"
         self.timeout, self.retries = float(timeout), int(retries)
         self.ends = time.monotonic() + deadline if deadline else None
-        self._headers = {"User-Agent": f"reasoning-ledger/{__version__}"}
         user, password = env.get(SHIP_USER_ENV), env.get(SHIP_PASSWORD_ENV)
-        if user or password:
-            self._headers["X-ClickHouse-User"] = user or "default"
-        if password:
-            self._headers["X-ClickHouse-Key"] = password
+        headers = {"User-Agent": f"reasoning-ledger/{__version__}", "X-ClickHouse-Key": password,
+                   "X-ClickHouse-User": user or (password and "default")}
+        self._headers = {name: value for name, value in headers.items() if value}
 
-    def query(self, sql, data=None, params=None, stream=False):
-        """Run one statement; return the answer's bytes (with `stream`, the response to read and close).
-        With `data` (the body) the SQL goes in ?query=. Raises ClickHouseError, after the retries."""
+    def query(self, sql, data=None, stream=False):
+        """Run one statement (with `data`, the body, the SQL goes in ?query=); return the answer's bytes, or with
+        `stream` the response to read and close. wait_end_of_query makes an error an HTTP error, never in rows."""
         started = time.monotonic()
         for attempt in range(1, self.retries + 2):
             try:
-                return self._once(sql, data, params, stream)
+                return self._once(sql, data, stream)
             except ClickHouseError as exc:
                 delay = 0.5 * 2 ** (attempt - 1)
                 if exc.exit_code != EXIT_FAILED:
@@ -1426,13 +1412,14 @@ class ClickHouse:
                     raise ClickHouseError(f"ClickHouse at {self.where}: {exc} ({took})") from None
                 time.sleep(delay)
 
-    def _once(self, sql, data, params, stream):
+    def _once(self, sql, data, stream):
         import http.client
         import urllib.error
         import urllib.parse
         import urllib.request
-        query = dict(params or {}, **({"query": sql} if data is not None else {}))
-        request = urllib.request.Request(self.base + ("?" + urllib.parse.urlencode(query) if query else ""),
+        query = {"wait_end_of_query": 1, "output_format_json_quote_64bit_integers": 0}
+        query.update({"query": sql} if data is not None else {})
+        request = urllib.request.Request(self.base + "?" + urllib.parse.urlencode(query),
                                          data=sql.encode("utf-8") if data is None else data,
                                          headers=self._headers, method="POST")
         seconds = min(self.timeout, self.ends - time.monotonic()) if self.ends else self.timeout
@@ -1457,21 +1444,17 @@ class ClickHouse:
 
     def rows(self, sql):
         """The answer of a SELECT as dicts (64-bit integers as numbers)."""
-        body = self.query(sql + " FORMAT JSONEachRow", params={"wait_end_of_query": 1,
-                                                               "output_format_json_quote_64bit_integers": 0})
         try:
-            return [json.loads(line) for line in body.splitlines() if line]
+            return [json.loads(line) for line in self.query(sql + " FORMAT JSONEachRow").splitlines() if line]
         except ValueError:
             raise ClickHouseError(f"ClickHouse at {self.where}: an answer that is not JSON lines", EXIT_USAGE) \
                 from None
 
     def stream(self, sql):
-        """A streamed answer; wait_end_of_query makes an error come as an HTTP error, never inside the rows."""
-        return self.query(sql, params={"wait_end_of_query": 1}, stream=True)
+        return self.query(sql, stream=True)
 
     def ensure_table(self, create=True):
-        """Create the database and the table when missing (with `create`, else raise: nothing was shipped to
-        it yet); refuse a table of another shape."""
+        """Create the table (and database) when missing, or without `create` raise; refuse another shape."""
         sql = (f"SELECT name, type FROM system.columns WHERE database = {sql_string(self.database)} "
                f"AND table = {sql_string(self.table)}")
         found = {row["name"]: row["type"] for row in self.rows(sql)}
@@ -1495,8 +1478,6 @@ class ClickHouse:
 
 
 def _http_error(exc):
-    """The ClickHouseError of an HTTP error answer, ClickHouse's text as one short printable line. A 5xx, 408
-    or 429 is worth a retry (exit 1)."""
     import http.client
     import urllib.parse
     if 300 <= exc.code < 400:
@@ -1509,7 +1490,7 @@ def _http_error(exc):
         text = ""
     text = re.sub(r"e\.displayText\(\) = (DB::Exception: )?|, e\.what\(\) = .*", "", text)  # 18.16's form
     answer = f"HTTP {exc.code}: {printable(text[:300]) or 'no message'}"
-    if exc.code >= 500 or exc.code in (408, 429):
+    if exc.code >= 500 or exc.code in (408, 429):  # worth a retry
         return ClickHouseError(answer)
     hint = f" (check {SHIP_USER_ENV} / {SHIP_PASSWORD_ENV})" if exc.code in (401, 403) else ""
     return ClickHouseError(answer + hint, EXIT_USAGE)
@@ -1535,7 +1516,6 @@ class Shipped:
 
 
 def _row(base, event, body, line_sha, shipped_at):
-    """One JSONEachRow row, newline included, for a verified line."""
     at = event["at"]
     seconds = (datetime.date(int(at[:4]), int(at[5:7]), int(at[8:10])).toordinal() - 719163) * 86400 + (
         int(at[11:13]) * 3600 + int(at[14:16]) * 60 + int(at[17:19]))
@@ -1549,7 +1529,7 @@ def _row(base, event, body, line_sha, shipped_at):
             if value is None:
                 continue
             if type(value) in _SHIP_TYPES[kind] and (type(value) is not int or -1 << 63 <= value < 1 << 63):
-                row[name] = float(value) if kind == "Nullable(Float64)" else value
+                row[name] = float(value) if kind == "Float64" else value
             else:
                 malformed = malformed or name != "total_tokens"
         row["malformed"] = int(malformed)
@@ -1557,8 +1537,7 @@ def _row(base, event, body, line_sha, shipped_at):
     return _dumps(row).encode("utf-8") + b"\n"
 
 
-def _spool_limit():
-    """The bytes of rows one run spools: SHIP_SPOOL_MAX, or half the free space of the temp dir."""
+def _spool_limit():  # SHIP_SPOOL_MAX, or half the free space of the temp dir
     import shutil
     import tempfile
     try:
@@ -1568,8 +1547,7 @@ def _spool_limit():
 
 
 def ship_targets(paths, runs_dir=None, key=None):
-    """[(path, expected head or None)]: the PATHs, then RUNS_DIR's ledgers as run_ledgers() lists them; a ledger
-    named twice once, with the head its index records."""
+    """[(path, expected head or None)]: the PATHs, then run_ledgers(RUNS_DIR); a ledger named twice once."""
     unique = {}
     for path, expect in [(Path(p), None) for p in paths] + (run_ledgers(runs_dir, key) if runs_dir else []):
         real = os.path.realpath(path)
@@ -1579,9 +1557,8 @@ def ship_targets(paths, runs_dir=None, key=None):
 
 
 def ship(targets, client, *, key=None, host=None, batch_rows=SHIP_BATCH_ROWS, batch_bytes=SHIP_BATCH_BYTES):
-    """Send the new verified lines of each (path, expected head or None) to ClickHouse, reading the ledgers only.
-    Yields (path, Shipped or the IntegrityError/KeyRequiredError/OSError that stopped it: then nothing of it
-    was sent). A ClickHouseError propagates: the next run resumes where this one stopped."""
+    """Send the new verified lines of each (path, expected head or None) to ClickHouse. Yields (path, Shipped or
+    the LedgerError/OSError that stopped it: nothing of it was sent); a ClickHouseError propagates."""
     key, host = _resolve_key(key), host or socket.gethostname()
     if not 0 < batch_rows <= SHIP_MAX_BATCH_ROWS:
         raise UsageError(f"--batch-rows must be between 1 and {SHIP_MAX_BATCH_ROWS:,}")
@@ -1614,8 +1591,7 @@ def ship(targets, client, *, key=None, host=None, batch_rows=SHIP_BATCH_ROWS, ba
 
 
 def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, batch_bytes):
-    """Verify the whole ledger (as verify does) while spooling rows for the lines ClickHouse lacks, then send
-    them in batches; rows past the spool's limit wait for the next run."""
+    """Verify the whole ledger while spooling the rows ClickHouse lacks (up to its limit), then send them."""
     import tempfile
     texts = ("index.jsonl records", "the run ends at")
     if ledger_id is None:  # no complete line yet
@@ -1672,9 +1648,8 @@ def shipped_ledgers(client, condition=""):
 
 
 def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, condition=None):
-    """Re-verify shipped ledgers from the raw lines ClickHouse holds, with verify's checks and each row's
-    line_sha256, seq and ledger_id. Yields (ledger dict as shipped_ledgers(), Verified, IntegrityError or
-    KeyRequiredError). `ledger_ids`: ids or their starts; `condition`: a SQL WHERE clause instead."""
+    """Re-verify the raw lines ClickHouse holds, and each row's line_sha256, seq and ledger_id. Yields (ledger as
+    shipped_ledgers(), Verified or the error); `ledger_ids`: ids or their starts, or a SQL WHERE `condition`."""
     import itertools
     key = _resolve_key(key)
     for prefix in ledger_ids:
@@ -1703,12 +1678,11 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
             except (IntegrityError, KeyRequiredError) as exc:
                 yield ledger, exc
     for ledger in listed.values():
-        yield ledger, IntegrityError(f"clickhouse:{ledger['ledger_id']}", None, "its rows vanished while they were read")
+        yield ledger, IntegrityError(f"clickhouse:{ledger['ledger_id']}", None, "its rows vanished while read")
 
 
 def _stored_rows(response, client):
-    """(ledger_id, seq, line_sha256, line + newline) for each row of a TSVRaw answer; a row not in that shape
-    (too long, or a value holding a tab or a newline) as (last ledger_id, None, reason, b"")."""
+    """(ledger_id, seq, line_sha256, line) for each TSVRaw row; one of another shape as (last id, None, why, b"")."""
     import http.client
     last, read = "", functools.partial(response.readline, MAX_LINE_BYTES + 256)
     try:
@@ -1727,7 +1701,6 @@ def _stored_rows(response, client):
 
 
 def _stored_lines(name, ledger_id, rows):
-    """The stored lines of one ledger, each checked for seq continuity and its line_sha256 (and ledger_id)."""
     for expected, (_ledger_id, seq, sha, line) in enumerate(rows, 1):
         if seq is None:
             raise IntegrityError(name, expected, sha)
@@ -1800,8 +1773,7 @@ def error_text(exc):
 
 
 def run_cli(command, args, secrets=()):
-    """command(args); the toolkit's own errors and OS errors become one error line and their exit code, anything
-    else is a bug and keeps its traceback."""
+    """command(args); our errors and OS errors become one error line and their exit code (others are bugs)."""
     try:
         return command(args)
     except (LedgerError, OSError) as exc:
@@ -1859,7 +1831,6 @@ def parse_time(text, end=False, now=None):
 # ----------------------------------------------------------------------------
 
 def _cli_key(args):
-    """The key named by --key-env (b"" for explicitly unkeyed when LEDGER_KEY is unset)."""
     value = os.environ.get(args.key_env)
     if args.key_env != KEY_ENV and value is None:
         raise UsageError(f"--key-env {args.key_env}: that environment variable is not set")
@@ -1874,9 +1845,8 @@ def _check_targets(args, command):
 
 
 def _tally(results, good, inside="", after=""):
-    """One line per (path, result, suffix): good(result) for a Verified or Shipped, FAIL for an integrity
-    failure, ERROR for a ledger that could not be read. Returns (counts, exit code): a FAIL (1) outranks an
-    ERROR (2). `after` may hold {} for 'it' or 'them', the failed ledgers."""
+    """One line per (path, result, suffix): good(result), FAIL or ERROR. Returns (counts, exit code): a FAIL (1)
+    outranks an ERROR (2). `after` may hold {} for 'it' or 'them', the failed ledgers."""
     counts = {"ok": 0, "fail": 0, "error": 0}
     for path, result, suffix in results:
         if isinstance(result, (Verified, Shipped)):
@@ -1935,7 +1905,6 @@ _ARTIFACT_RE = re.compile(r"artifacts/[0-9a-f]{64}\Z")
 
 
 def _artifact(ledger_path, ref):
-    """The text of an artifact a payload refers to ({"path": "artifacts/<sha256>"}, at most 1 MiB), or ""."""
     if type(ref) is not dict or type(ref.get("path")) is not str or not _ARTIFACT_RE.match(ref["path"]):
         return ""
     try:
@@ -1946,7 +1915,6 @@ def _artifact(ledger_path, ref):
 
 
 def _tests_meaning(path, payload):
-    """'tests passed (12 passed)' or 'tests FAILED (exit 1): test_a, test_b'."""
     counts = payload.get("counts") if type(payload.get("counts")) is dict else {}
     tally = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
     if payload.get("passed") is True:
@@ -1963,8 +1931,7 @@ def _tests_meaning(path, payload):
 
 
 def _event_summary(path, event):
-    """One line: the envelope, the fields that say what happened, and what it means (a failed check, a test
-    run's result, a model reply's first line), then the rationale."""
+    """The envelope, the fields that say what happened, what it means (a failed check, tests, a reply)."""
     payload = event["payload"]
     parts = [event["at"], f"#{event['seq']}", event["kind"]] + [
         f"{name}={payload[name]}" for name in _REPORT_FIELDS if payload.get(name) not in (None, "", [], {})]
