@@ -1209,37 +1209,32 @@ def http_open(request, deadline, timeout=None):
     """Open a urllib Request: proxies from the environment, never a redirect (a 3xx raises HTTPError, so no key
     goes to another URL), every socket under `deadline`, each read under `timeout` (default: what remains)."""
     if getattr(_http, "opener", None) is None:
-        _http.opener = _build_opener()
+        import http.client
+        import urllib.request
+
+        def watched(connection_class):
+            def make(host, **kwargs):
+                conn = connection_class(host, **kwargs)
+                create, deadline = conn._create_connection, _http.deadline
+                conn._create_connection = lambda *args, **kw: deadline.watch(create(*args, **kw))
+                return conn
+            return make
+
+        class Watched(urllib.request.AbstractHTTPHandler):
+            http_request = https_request = urllib.request.AbstractHTTPHandler.do_request_
+
+            def http_open(self, req):
+                return self.do_open(watched(http.client.HTTPConnection), req)
+
+            def https_open(self, req):  # the certificates (~20 ms) load only once an https URL is used
+                return self.do_open(watched(http.client.HTTPSConnection), req, context=_tls_context())
+
+        _http.opener = urllib.request.OpenerDirector()  # no redirect handler: a 3xx is an HTTPError
+        for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(), Watched(),
+                        urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor()):
+            _http.opener.add_handler(handler)
     _http.deadline = deadline
     return _http.opener.open(request, timeout=timeout if timeout is not None else deadline.remaining())
-
-
-def _build_opener():
-    import http.client
-    import urllib.request
-
-    def watched(connection_class):
-        def make(host, **kwargs):
-            conn = connection_class(host, **kwargs)
-            create, deadline = conn._create_connection, _http.deadline
-            conn._create_connection = lambda *args, **kw: deadline.watch(create(*args, **kw))
-            return conn
-        return make
-
-    class Watched(urllib.request.AbstractHTTPHandler):
-        http_request = https_request = urllib.request.AbstractHTTPHandler.do_request_
-
-        def http_open(self, req):
-            return self.do_open(watched(http.client.HTTPConnection), req)
-
-        def https_open(self, req):  # the certificates (~20 ms) load only once an https URL is used
-            return self.do_open(watched(http.client.HTTPSConnection), req, context=_tls_context())
-
-    opener = urllib.request.OpenerDirector()  # no redirect handler: a 3xx is an HTTPError
-    for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(), Watched(),
-                    urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor()):
-        opener.add_handler(handler)
-    return opener
 
 
 @functools.lru_cache(maxsize=None)
@@ -1668,7 +1663,7 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
     with client.stream(f"SELECT ledger_id, seq, line_sha256, raw FROM {client.name} FINAL {where} "
                        f"ORDER BY ledger_id, seq FORMAT TSVRaw") as response:
         for ledger_id, rows in itertools.groupby(_stored_rows(response, client), key=lambda row: row[0]):
-            ledger = listed.pop(ledger_id, None) or {"ledger_id": ledger_id, "last_host": None, "last_path": None}
+            ledger = listed.get(ledger_id) or {"ledger_id": ledger_id, "last_host": None, "last_path": None}
             name = f"clickhouse:{ledger_id}"
             run_id = _expected_run_id(ledger["last_path"]) if ledger["last_path"] else None
             lines = contextlib.nullcontext(_stored_lines(name, ledger_id, rows))
@@ -1677,8 +1672,6 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
                                                            ends="ClickHouse holds up to"), key)
             except (IntegrityError, KeyRequiredError) as exc:
                 yield ledger, exc
-    for ledger in listed.values():
-        yield ledger, IntegrityError(f"clickhouse:{ledger['ledger_id']}", None, "its rows vanished while read")
 
 
 def _stored_rows(response, client):
@@ -1844,9 +1837,9 @@ def _check_targets(args, command):
         raise UsageError(f"--all: no such directory: {args.all}")
 
 
-def _tally(results, good, inside="", after=""):
-    """One line per (path, result, suffix): good(result), FAIL or ERROR. Returns (counts, exit code): a FAIL (1)
-    outranks an ERROR (2). `after` may hold {} for 'it' or 'them', the failed ledgers."""
+def _tally(results, good, summary, inside="", after=""):
+    """One line per (path, result, suffix): good(result), FAIL or ERROR; then summary(ok, total). Returns the exit
+    code: a FAIL (1) outranks an ERROR (2). `after` may hold {} for 'it' or 'them', the failed ledgers."""
     counts = {"ok": 0, "fail": 0, "error": 0}
     for path, result, suffix in results:
         if isinstance(result, (Verified, Shipped)):
@@ -1858,15 +1851,16 @@ def _tally(results, good, inside="", after=""):
             state, line = "error", f"ERROR {printable(text if text.startswith(str(path)) else f'{path}: {text}')}"
         counts[state] += 1
         write_out(line + suffix + "\n")
+    write_out(summary(counts["ok"], sum(counts.values())) + "\n")
     if counts["fail"]:
         them = "it" if counts["fail"] == 1 else "them"
         error(f"integrity check failed ({counts['fail']} ledger{'s' if them == 'them' else ''}{inside})"
               + after.format(them))
-        return counts, EXIT_FAILED
+        return EXIT_FAILED
     if counts["error"]:
         error("some ledgers could not be read or need a key")
-        return counts, EXIT_USAGE
-    return counts, EXIT_OK
+        return EXIT_USAGE
+    return EXIT_OK
 
 
 def _verified_line(result):
@@ -1888,9 +1882,7 @@ def _cmd_verify(args):
         except (LedgerError, OSError) as exc:
             results.append((path, exc, ""))
     results += [(path, result, "") for path, result in verify_runs(args.all, key=key)] if args.all else []
-    counts, code = _tally(results, _verified_line)
-    write_out(f"{counts['ok']}/{len(results)} ledgers valid\n")
-    return code
+    return _tally(results, _verified_line, "{}/{} ledgers valid".format)
 
 
 def _cmd_head(args):
@@ -1999,7 +1991,7 @@ def _cmd_ship(args):
     key = _cli_key(args)
     client = ClickHouse(args.to, database=args.database, table=args.table, timeout=args.timeout,
                         deadline=args.deadline)
-    targets, sent = ship_targets(args.paths, args.all, key), []
+    sent = []
 
     def shipped(result):
         sent.append(result.sent)
@@ -2011,12 +2003,11 @@ def _cmd_ship(args):
         if not quiet:
             warn(f"{torn}; the lines before it were shipped, the torn bytes were not (a crash, not tampering)")
         return result.text()
-    results = ship(targets, client, key=key, host=args.host, batch_rows=args.batch_rows)
-    counts, code = _tally(((path, result, "") for path, result in results), shipped,
-                          after="; nothing of {} was shipped")
-    write_out(f"{counts['ok']}/{len(targets)} ledgers shipped or up to date, {sum(sent):,} new lines sent to "
-              f"{client.where} {client.name}\n")
-    return code
+    results = ship(ship_targets(args.paths, args.all, key), client, key=key, host=args.host,
+                   batch_rows=args.batch_rows)
+    return _tally(((path, result, "") for path, result in results), shipped, lambda ok, total: (
+        f"{ok}/{total} ledgers shipped or up to date, {sum(sent):,} new lines sent to {client.where} {client.name}"),
+        after="; nothing of {} was shipped")
 
 
 def _cmd_verify_from(args):
@@ -2027,20 +2018,17 @@ def _cmd_verify_from(args):
     if expect is not None and len(ids) != 1:
         raise UsageError("--expect-head with --from goes with exactly one --ledger-id")
     client = ClickHouse(args.from_url or None, database=args.database, table=args.table, timeout=args.timeout)
-    found = []
 
     def rows():
         for ledger, result in verify_shipped(client, ledger_ids=ids, key=_cli_key(args), expect_head=expect):
-            found.append(ledger)
             shown = ledger["last_path"] is not None and isinstance(result, (Verified, IntegrityError))
             where = f"  {printable(ledger['last_host'])}:{printable(ledger['last_path'])}" if shown else ""
             yield f"clickhouse:{ledger['ledger_id']}", result, where
     try:
-        counts, code = _tally(rows(), _verified_line, inside=" in ClickHouse")
+        return _tally(rows(), _verified_line, lambda ok, total: (
+            f"{ok}/{total} ledgers valid in {client.where} {client.name}"), inside=" in ClickHouse")
     except ClickHouseError as exc:  # ClickHouse could not be read: like a file that cannot be read
         raise ClickHouseError(str(exc), EXIT_USAGE) from None
-    write_out(f"{counts['ok']}/{len(found)} ledgers valid in {client.where} {client.name}\n")
-    return code
 
 
 # (name, help, [(flags, argparse keywords)], handler): the commands and their options; docs/format.md and
