@@ -1474,11 +1474,9 @@ class ClickHouse:
 
 def _http_error(exc):
     import http.client
-    import urllib.parse
     if 300 <= exc.code < 400:
-        host = urllib.parse.urlsplit(exc.headers.get("Location", "")).netloc.rpartition("@")[2][:200]
-        return ClickHouseError(f"HTTP {exc.code}: a redirect to {printable(host or '(no Location)')} was not "
-                               f"followed (the password is never sent to another URL; fix the URL)", EXIT_USAGE)
+        return ClickHouseError(f"HTTP {exc.code}: a redirect was not followed (the password is never sent to "
+                               f"another URL; fix the URL)", EXIT_USAGE)
     try:
         text = (exc.read(65536).decode("utf-8", "replace").strip().splitlines() or [""])[0]
     except (OSError, http.client.HTTPException):
@@ -2031,63 +2029,57 @@ def _cmd_verify_from(args):
         raise ClickHouseError(str(exc), EXIT_USAGE) from None
 
 
-# (name, help, [(flags, argparse keywords)], handler): the commands and their options; docs/format.md and
-# docs/ledger.md carry the longer story.
-_ALL = (("--all",), {"metavar": "RUNS_DIR", "help": "also RUNS_DIR/index.jsonl and every run in it"})
-_PATHS = (("paths",), {"nargs": "*", "metavar": "PATH"})
-_CLICKHOUSE = [(("--database",), {"default": SHIP_DATABASE, "metavar": "DB", "help": f"default {SHIP_DATABASE}"}),
-               (("--table",), {"default": SHIP_TABLE, "metavar": "T", "help": f"default {SHIP_TABLE}"})]
-_COMMANDS = (
-    ("verify", "check ledgers; exit 1 on any integrity failure", [
-        _PATHS, _ALL,
-        (("--expect-head",), {"metavar": "SEQ:HASH", "help": "a head published earlier (finds truncation)"}),
-        (("--from",), {"dest": "from_url", "nargs": "?", "const": "", "metavar": "URL",
-                       "help": f"re-verify the lines shipped to ClickHouse at URL (default ${SHIP_URL_ENV})"}),
-        (("--ledger-id",), {"action": "append", "metavar": "ID",
-                            "help": "with --from: only this ledger (or prefix; repeatable)"}),
-        (("--timeout",), {"type": float, "default": 300.0, "metavar": "S", "help": "seconds a request (300)"}),
-    ] + _CLICKHOUSE, _cmd_verify),
-    ("ship", "send the verified lines of ledgers to ClickHouse (resumable; for cron)", [
-        _PATHS, _ALL,
-        (("--to",), {"metavar": "URL", "help": f"ClickHouse's HTTP interface (default ${SHIP_URL_ENV}); user and "
-                                               f"password from ${SHIP_USER_ENV} / ${SHIP_PASSWORD_ENV}"}),
-        (("--timeout",), {"type": float, "default": SHIP_TIMEOUT, "metavar": "S",
-                          "help": f"seconds a request ({SHIP_TIMEOUT:g})"}),
-        (("--batch-rows",), {"type": int, "default": SHIP_BATCH_ROWS, "metavar": "N",
-                             "help": f"lines per INSERT ({SHIP_BATCH_ROWS:,}; at most {SHIP_BATCH_BYTES >> 20} MiB)"}),
-        (("--deadline",), {"type": float, "default": SHIP_DEADLINE, "metavar": "S",
-                           "help": f"seconds for the whole run; the next run resumes ({SHIP_DEADLINE:g})"}),
-        (("--host",), {"help": "host name recorded with each line (default: this machine's)"}),
-    ] + _CLICKHOUSE, _cmd_ship),
-    ("head", "print the anchor 'SEQ HASH' of a verified ledger", [(("path",), {"metavar": "PATH"})], _cmd_head),
-    ("report", "one readable line per event: what it says and what it means", [
-        _PATHS, _ALL, (("--kind",), {"action": "append", "help": "only this kind (repeatable)"}),
-        (("--stage",), {"help": "only decisions of this stage"}),
-        (("--run",), {"help": "only this run id (or prefix)"}),
-        (("--since",), {"help": "date or ISO time (UTC)"}), (("--until",), {"help": "date (inclusive) or ISO time"}),
-        (("--json",), {"action": "store_true", "help": "print the matching lines unchanged"}),
-    ], _cmd_report),
-    ("append", "append one event; prints the new head", [
-        (("path",), {"metavar": "PATH"}), (("--kind",), {"required": True}),
-        (("--run-id",), {"help": "default: $LEDGER_RUN_ID or a new id"}),
-        (("--payload",), {"help": "a JSON object (default: stdin when it is not a terminal)"}),
-    ], _cmd_append),
-)
-
-
 def _build_parser():
     parser = ArgumentParser(prog="reasoning_ledger.py", description="Append-only, hash-chained JSONL ledger.",
                             epilog=exit_codes_epilog(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_OUTPUT),
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=__version__)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, text, options, handler in _COMMANDS:
-        p = sub.add_parser(name, help=text)
-        for flags, keywords in options:
-            p.add_argument(*flags, **keywords)
+    sub, commands = parser.add_subparsers(dest="command", metavar="COMMAND"), {}
+    for name, text, handler in (
+            ("verify", "check ledgers; exit 1 on any integrity failure", _cmd_verify),
+            ("ship", "send the verified lines of ledgers to ClickHouse (resumable; for cron)", _cmd_ship),
+            ("head", "print the anchor 'SEQ HASH' of a verified ledger", _cmd_head),
+            ("report", "one readable line per event: what it says and what it means", _cmd_report),
+            ("append", "append one event; prints the new head", _cmd_append)):
+        p = commands[name] = sub.add_parser(name, help=text)
+        p.set_defaults(func=handler)
+        if name in ("head", "append"):
+            p.add_argument("path", metavar="PATH")
+        else:
+            p.add_argument("paths", nargs="*", metavar="PATH")
+            p.add_argument("--all", metavar="RUNS_DIR", help="also RUNS_DIR/index.jsonl and every run in it")
+        if name in ("verify", "ship"):
+            p.add_argument("--database", default=SHIP_DATABASE, metavar="DB", help=f"default {SHIP_DATABASE}")
+            p.add_argument("--table", default=SHIP_TABLE, metavar="T", help=f"default {SHIP_TABLE}")
         p.add_argument("--key-env", default=KEY_ENV, metavar="NAME",
                        help=f"environment variable holding the HMAC key (default {KEY_ENV})")
-        p.set_defaults(func=handler)
+    p = commands["verify"]
+    p.add_argument("--expect-head", metavar="SEQ:HASH", help="a head published earlier (finds truncation)")
+    p.add_argument("--from", dest="from_url", nargs="?", const="", metavar="URL",
+                   help=f"re-verify the lines shipped to ClickHouse at URL (default ${SHIP_URL_ENV})")
+    p.add_argument("--ledger-id", action="append", metavar="ID", help="with --from: this ledger (or prefix), repeatable")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds a request (300)")
+    p = commands["ship"]
+    p.add_argument("--to", metavar="URL", help=f"ClickHouse's HTTP interface (default ${SHIP_URL_ENV}); user and "
+                                              f"password from ${SHIP_USER_ENV} / ${SHIP_PASSWORD_ENV}")
+    p.add_argument("--timeout", type=float, default=SHIP_TIMEOUT, metavar="S",
+                   help=f"seconds a request ({SHIP_TIMEOUT:g})")
+    p.add_argument("--batch-rows", type=int, default=SHIP_BATCH_ROWS, metavar="N",
+                   help=f"lines per INSERT ({SHIP_BATCH_ROWS:,}; at most {SHIP_BATCH_BYTES >> 20} MiB)")
+    p.add_argument("--deadline", type=float, default=SHIP_DEADLINE, metavar="S",
+                   help=f"seconds for the whole run; the next run resumes ({SHIP_DEADLINE:g})")
+    p.add_argument("--host", help="host name recorded with each line (default: this machine's)")
+    p = commands["report"]
+    p.add_argument("--kind", action="append", help="only this kind (repeatable)")
+    p.add_argument("--stage", help="only decisions of this stage")
+    p.add_argument("--run", help="only this run id (or prefix)")
+    p.add_argument("--since", help="date or ISO time (UTC)")
+    p.add_argument("--until", help="date (inclusive) or ISO time")
+    p.add_argument("--json", action="store_true", help="print the matching lines unchanged")
+    p = commands["append"]
+    p.add_argument("--kind", required=True)
+    p.add_argument("--run-id", help="default: $LEDGER_RUN_ID or a new id")
+    p.add_argument("--payload", help="a JSON object (default: stdin when it is not a terminal)")
     return parser
 
 
