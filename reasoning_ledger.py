@@ -1963,13 +1963,12 @@ def _cmd_report(args):
 
 def _cmd_append(args):
     text = args.payload
-    if text is None and not sys.stdin.isatty():
-        try:
-            text = sys.stdin.buffer.read().decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise PayloadError(f"payload is not UTF-8 (byte {exc.start})") from None
     try:
+        if text is None and not sys.stdin.isatty():
+            text = sys.stdin.buffer.read().decode("utf-8")
         payload = json.loads(text) if text and text.strip() else {}
+    except UnicodeDecodeError as exc:
+        raise PayloadError(f"payload is not UTF-8 (byte {exc.start})") from None
     except ValueError as exc:
         raise PayloadError(f"payload is not valid JSON: {exc}") from None
     except RecursionError:
