@@ -31,6 +31,7 @@ import ast
 import base64
 import binascii
 import collections
+import contextlib
 import difflib
 import errno
 import fcntl
@@ -40,6 +41,7 @@ import html
 import ipaddress
 import itertools
 import json
+import math
 import os
 import posixpath
 import re
@@ -79,16 +81,15 @@ DEFAULT_DENY = (".git/", ".env*", "*.pem", "*.key", "id_*", "*.p12", "*.pfx", "*
 DEFAULT_BUDGET = {"max_steps": 24, "max_model_calls": 40, "max_total_tokens": 300000, "max_wall_s": 900,
                   "max_tokens_per_call": 2048, "call_timeout_s": 180, "max_context_chars": 60000,
                   "context_tokens": None, "max_repeats": 3}
-BUDGET_MINIMUM = {"context_tokens": 255, "max_repeats": 2}  # greater than this (else 0); 3 repeats: 1 notice
 DEFAULT_CAPS = {"output_bytes": 16384, "timeout_s": 60, "cpu_s": 900, "address_space_bytes": 8 << 30,
                 "file_size_bytes": 1 << 30, "open_files": 4096, "processes": 4096}
 SANDBOX_MODES = ("auto", "required", "off")
 TRIPWIRES = ("tripwire.runner_internals", "tripwire.interpreter_state", "tripwire.exit_paths",
              "tripwire.process_control", "tripwire.packaging_metadata", "tripwire.startup_hook")
 DEFAULT_TEST_PATHS = ("test_*.py", "*_test.py", "test*.py", "tests.py", "tests/", "test/", "*_spec.*", "spec/",
-                      "__tests__/", "*.test.*",
-                      "conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml", ".pytest.toml", "tox.ini",
-                      "setup.cfg", "pyproject.toml", "noxfile.py", "sitecustomize.py", "usercustomize.py", "*.pth")
+                      "__tests__/", "*.test.*", "conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml",
+                      ".pytest.toml", "tox.ini", "setup.cfg", "pyproject.toml", "noxfile.py", "sitecustomize.py",
+                      "usercustomize.py", "*.pth")
 MAX_TOOLS_FILE = 1024 * 1024
 SHIP_RUN_DEADLINE_S = 120  # run --ship-to: the longest shipping may delay the end of a run
 MAX_PATH_CHARS = 1024
@@ -140,42 +141,44 @@ class _Terminated(Exception):
 
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
 _PLACEHOLDER_RE = re.compile(r"\{([a-z][a-z0-9_]{0,31})\}")
-_GLOB_TOKENS = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}  # longest first
+_GLOB_TOKENS = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}
+# tools.json's shape, for check-tools: an object is a dict (a key ending in "!" is required, "*" stands for a
+# name the user chooses), anything else names a check in _leaf_problems. The defaults are the tables above.
+_PLUGIN = {"description!": "text", "argv!": "argv", "args!": {"*": {"pattern!": "regex", "path": "bool"}},
+           "timeout_s": "number", "output_bytes": "number"}
+_SCHEMA = {"version!": "version", "test_command!": "command", "test_timeout_s": "number", "builtins": "builtins",
+           "paths": {"allow": "globs", "deny": "globs"}, "budget": dict.fromkeys(DEFAULT_BUDGET, "number"),
+           "caps": dict.fromkeys(DEFAULT_CAPS, "number"), "sandbox": "sandbox", "plugins": {"*": _PLUGIN},
+           "judge": {"test_paths": "strings", "allow_test_changes": "bool", "known_answers": "bool",
+                     "tripwires_off": "tripwires"}}
+_REAL_KEYS = ("max_wall_s", "call_timeout_s", "timeout_s", "test_timeout_s")  # the other numbers are integers
+_MINIMUM = {"context_tokens": 255, "max_repeats": 2, "output_bytes": 255}  # greater than this (else 0)
 
 
 def _glob_regex(pattern, ignore_case=False):
     """A gitignore-like glob as a regex over a repo-relative POSIX path ('/' anchors it, '**' spans dirs)."""
     body = pattern.strip("/") if pattern.startswith("/") else pattern.rstrip("/")
-    anchored = "/" in pattern.rstrip("/")
-    out, i = [], 0
-    while i < len(body):
-        token = next((t for t in _GLOB_TOKENS if body.startswith(t, i)), None)
-        if token:
-            out.append(_GLOB_TOKENS[token])
-            i += len(token)
-        elif body[i] == "[" and "]" in body[i + 2:]:
-            end = body.index("]", i + 2)
-            inner = body[i + 1:end]
-            out.append("[" + ("^" + re.escape(inner[1:]) if inner.startswith("!") else re.escape(inner)) + "]")
-            i = end + 1
+    out = []
+    for i, part in enumerate(re.split(r"(\*\*/|\*\*|\*|\?|\[.[^\]]*\])", body)):
+        if i % 2 == 0:
+            out.append(re.escape(part))
+        elif part in _GLOB_TOKENS:
+            out.append(_GLOB_TOKENS[part])
         else:
-            out.append(re.escape(body[i]))
-            i += 1
-    regex = ("^" if anchored else "^(?:.*/)?") + "".join(out) + "(?:/.*)?$"
-    return re.compile(regex, re.I if ignore_case else 0)
+            inner = part[1:-1]
+            out.append("[" + ("^" + re.escape(inner[1:]) if inner.startswith("!") else re.escape(inner)) + "]")
+    anchored = "/" in pattern.rstrip("/")
+    return re.compile(("^" if anchored else "^(?:.*/)?") + "".join(out) + "(?:/.*)?$", re.I if ignore_case else 0)
 
 
 class Plugin:
     """A user-declared tool: an argv template filled by arguments that fully match their regex. No shell."""
 
     def __init__(self, name, spec):
-        self.name = name
-        self.description = spec["description"]
-        self.argv = list(spec["argv"])
+        self.name, self.description, self.argv = name, spec["description"], list(spec["argv"])
         self.args = {arg: {"pattern": re.compile(a["pattern"]), "source": a["pattern"], "path": a.get("path", False)}
                      for arg, a in spec["args"].items()}
-        self.timeout_s = spec.get("timeout_s")
-        self.output_bytes = spec.get("output_bytes")
+        self.timeout_s, self.output_bytes = spec.get("timeout_s"), spec.get("output_bytes")
 
     def command(self, args):
         return [_PLACEHOLDER_RE.sub(lambda m: args[m.group(1)], part) for part in self.argv]
@@ -187,18 +190,15 @@ class Policy:
     def __init__(self, data, text, source):
         self.source, self.text = str(source), text
         self.sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        self.version = data["version"]
-        self.test_command = list(data["test_command"])
+        self.version, self.test_command = data["version"], list(data["test_command"])
         self.test_timeout_s = data.get("test_timeout_s", 300)
         self.builtins = frozenset(data.get("builtins", ()))
-        paths = data.get("paths", {})
+        paths, judge = data.get("paths", {}), data.get("judge", {})
         self.allow = [(g, _glob_regex(g)) for g in paths.get("allow", ["**"])]
-        deny = list(paths.get("deny", DEFAULT_DENY))
-        self.deny = [(g, _glob_regex(g, ignore_case=True)) for g in list(HARD_DENY) + [d for d in deny
-                                                                                       if d not in HARD_DENY]]
+        deny = list(HARD_DENY) + [d for d in paths.get("deny", DEFAULT_DENY) if d not in HARD_DENY]
+        self.deny = [(g, _glob_regex(g, ignore_case=True)) for g in deny]
         self.budget = dict(DEFAULT_BUDGET, **data.get("budget", {}))
         self.caps = dict(DEFAULT_CAPS, **data.get("caps", {}))
-        judge = data.get("judge", {})
         discovery = _runner_patterns(self.test_command)  # the runner's own, whatever tools.json lists
         self.test_paths = [(g, _glob_regex(g)) for g in list(judge.get("test_paths", DEFAULT_TEST_PATHS)) + discovery]
         self.allow_test_changes = judge.get("allow_test_changes", False)
@@ -212,9 +212,6 @@ class Policy:
         """The deny glob that matches `path`, or None."""
         return next((glob for glob, regex in self.deny if regex.match(path)), None)
 
-    def allowed_by(self, path):
-        return next((glob for glob, regex in self.allow if regex.match(path)), None)
-
     def is_test_path(self, path):
         return any(regex.match(path) for _glob, regex in self.test_paths)
 
@@ -222,163 +219,95 @@ class Policy:
         return tool in self.builtins or tool in self.plugins
 
 
-def _problems(data):
-    """Every problem of a parsed tools.json, each naming its place."""
-    problems = []
+def _unknown(text, name, known):
+    near = difflib.get_close_matches(name, known, n=1)
+    return text + (f"; did you mean {near[0]!r}?" if near else f"; known: {', '.join(known)}")
 
-    def check_keys(where, obj, allowed, required=()):  # allowed None: any key (names the user chose)
-        if type(obj) is not dict:
-            problems.append(f"{where}: must be an object")
-            return False
-        for key in obj:
-            if allowed is not None and key not in allowed:
-                near = difflib.get_close_matches(key, allowed, n=1)
-                problems.append(f"{where}.{key}: unknown key" + (f"; did you mean {near[0]!r}?" if near else
-                                                                  f"; known keys: {', '.join(allowed)}"))
-        for key in required:
-            if key not in obj:
-                problems.append(f"{where}.{key}: missing (required)")
-        return True
 
-    def number(where, value, minimum=0, integer=False):
-        finite = type(value) is float and not integer and value == value and abs(value) != float("inf")
-        ok = type(value) is int or finite
-        if not ok or value <= minimum:
-            problems.append(f"{where}: must be {'an integer' if integer else 'a number'} greater than {minimum}")
-
-    def strings(where, value, nonempty=True):
-        if type(value) is not list or not all(type(v) is str and v for v in value) or (nonempty and not value):
-            problems.append(f"{where}: must be a {'non-empty ' if nonempty else ''}list of non-empty strings")
-            return False
-        return True
-
-    top = ("version", "test_command", "test_timeout_s", "builtins", "paths", "budget", "caps", "judge", "plugins",
-           "sandbox")
-    if not check_keys("tools.json", data, top, ("version", "test_command")):
-        return problems
-    if "version" in data and data["version"] != 1:
-        problems.append("tools.json.version: must be 1 (this agent.py reads version 1)")
-    if "test_command" in data:
-        strings("test_command", data["test_command"])
-    if "test_timeout_s" in data:
-        number("test_timeout_s", data["test_timeout_s"])
-    _list_problems(data, problems, check_keys, strings)
-    if "budget" in data and check_keys("budget", data["budget"], tuple(DEFAULT_BUDGET)):
-        for key, value in data["budget"].items():
-            if key in DEFAULT_BUDGET and not (key == "context_tokens" and value is None):  # null: learned
-                number(f"budget.{key}", value, BUDGET_MINIMUM.get(key, 0), key not in ("max_wall_s", "call_timeout_s"))
-    if "caps" in data and check_keys("caps", data["caps"], tuple(DEFAULT_CAPS)):
-        if "output_bytes" in data["caps"]:
-            number("caps.output_bytes", data["caps"]["output_bytes"], minimum=255, integer=True)
-        if "timeout_s" in data["caps"]:
-            number("caps.timeout_s", data["caps"]["timeout_s"])
-    _box_problems(data, problems, check_keys, number, strings)
-    if "plugins" in data:
-        check_keys("plugins", data["plugins"], None)
-    for name, spec in (data.get("plugins") or {}).items() if type(data.get("plugins")) is dict else ():
-        _plugin_problems(name, spec, problems, check_keys, number, strings)
+def _problems(value, rule=_SCHEMA, where="tools.json", key=""):
+    """Every problem of a parsed tools.json held to `rule` (a shape of _SCHEMA), each naming its place."""
+    if not isinstance(rule, dict):
+        return _leaf_problems(where, value, rule, key)
+    if type(value) is not dict:
+        return [f"{where}: must be an object"]
+    known = {name.rstrip("!"): sub for name, sub in rule.items()}
+    problems = [f"{where}.{name[:-1]}: missing (required)" for name in rule if name[-1] == "!" and
+                name[:-1] not in value]
+    for name, item in value.items():
+        if "*" in known and not _NAME_RE.match(name):
+            problems.append(f"{where}.{name}: a name is [a-z][a-z0-9_]*, at most 32 characters")
+        elif name not in known and "*" not in known:
+            problems.append(_unknown(f"{where}.{name}: unknown key", name, tuple(known)))
+        else:
+            problems += _problems(item, known.get(name, known.get("*")), f"{where}.{name}", name)
+    if rule is _PLUGIN:
+        problems += _plugin_problems(where, key, value)
     return problems
 
 
-def _list_problems(data, problems, check_keys, strings):
-    """The problems of tools.json's lists of names: builtins, and the path globs."""
-    if "builtins" in data and strings("builtins", data["builtins"], nonempty=False):
-        for name in data["builtins"]:
-            if name not in BUILTINS:
-                near = difflib.get_close_matches(name, BUILTINS, n=1)
-                problems.append(f"builtins: unknown tool {name!r}" + (f"; did you mean {near[0]!r}?" if near else
-                                                                      f"; the built-ins are {', '.join(BUILTINS)}"))
-        if len(set(data["builtins"])) != len(data["builtins"]):
-            problems.append("builtins: a tool is listed twice")
-    if "paths" in data and check_keys("paths", data["paths"], ("allow", "deny")):
-        for key in ("allow", "deny"):
-            if key in data["paths"] and strings(f"paths.{key}", data["paths"][key], nonempty=False):
-                for glob in data["paths"][key]:
-                    if "\x00" in glob or ".." in glob.split("/"):
-                        problems.append(f"paths.{key}: {glob!r} is not a glob of repository paths")
+def _leaf_problems(where, value, rule, key):
+    if rule == "number":
+        integer, minimum = key not in _REAL_KEYS, _MINIMUM.get(key, 0)
+        finite = type(value) is float and not integer and math.isfinite(value)
+        if (type(value) is int or finite) and value > minimum or (key == "context_tokens" and value is None):
+            return []  # context_tokens null: learned from the endpoint
+        return [f"{where}: must be {'an integer' if integer else 'a number'} greater than {minimum}"]
+    if rule == "bool" and type(value) is not bool:
+        return [f"{where}: must be true or false"]
+    if rule == "text" and (type(value) is not str or not value.strip()):
+        return [f"{where}: must be a non-empty string (the model reads it)"]
+    if rule == "version" and value != 1:
+        return [f"{where}: must be 1 (this agent.py reads version 1)"]
+    if rule == "sandbox" and value not in SANDBOX_MODES:
+        return [f"{where}: must be one of {', '.join(map(repr, SANDBOX_MODES))}"]
+    if rule == "regex":
+        try:
+            re.compile(value)
+        except (re.error, TypeError) as exc:
+            return [f"{where}: bad regex: {exc}"]
+    if rule in ("bool", "text", "version", "sandbox", "regex"):
+        return []
+    nonempty = rule in ("command", "argv")
+    if type(value) is not list or not all(type(v) is str and v for v in value) or (nonempty and not value):
+        return [f"{where}: must be a {'non-empty ' if nonempty else ''}list of non-empty strings"]
+    if rule == "builtins":
+        return [_unknown(f"{where}: unknown tool {name!r}", name, BUILTINS) for name in value if name not in BUILTINS] \
+            + ([f"{where}: a tool is listed twice"] if len(set(value)) < len(value) else [])
+    if rule == "globs":
+        return [f"{where}: {g!r} is not a glob of repository paths" for g in value
+                if "\x00" in g or ".." in g.split("/")]
+    if rule == "tripwires" and value != ["*"] and not set(value) <= set(TRIPWIRES):
+        return [f"{where}: names from {', '.join(TRIPWIRES)}, or [\"*\"] for all"]
+    return []
 
 
-def _box_problems(data, problems, check_keys, number, strings):
-    """The sandbox's keys: `sandbox`, the rlimits in `caps`, and the judge's."""
-    for key in ("cpu_s", "address_space_bytes", "file_size_bytes", "open_files", "processes"):
-        if type(data.get("caps")) is dict and key in data["caps"]:
-            number(f"caps.{key}", data["caps"][key], integer=True)
-    if "sandbox" in data and data["sandbox"] not in SANDBOX_MODES:
-        problems.append(f"sandbox: must be one of {', '.join(map(repr, SANDBOX_MODES))}")
-    judge_keys = ("test_paths", "allow_test_changes", "known_answers", "tripwires_off")
-    if "judge" in data and check_keys("judge", data["judge"], judge_keys):
-        if "test_paths" in data["judge"]:
-            strings("judge.test_paths", data["judge"]["test_paths"], nonempty=False)
-        for key in ("allow_test_changes", "known_answers"):
-            if key in data["judge"] and type(data["judge"][key]) is not bool:
-                problems.append(f"judge.{key}: must be true or false")
-        off = data["judge"].get("tripwires_off", [])
-        if strings("judge.tripwires_off", off, nonempty=False) and off != ["*"] and not set(off) <= set(TRIPWIRES):
-            problems.append(f"judge.tripwires_off: names from {', '.join(TRIPWIRES)}, or [\"*\"] for all")
-
-
-def _plugin_problems(name, spec, problems, check_keys, number, strings):
-    where = f"plugins.{name}"
-    if not _NAME_RE.match(name):
-        problems.append(f"{where}: a tool name is [a-z][a-z0-9_]*, at most 32 characters")
-    if name in BUILTINS:
-        problems.append(f"{where}: {name!r} is a built-in; give the plugin another name")
-    if not check_keys(where, spec, ("description", "argv", "args", "timeout_s", "output_bytes"),
-                      ("description", "argv", "args")):
-        return
-    if "description" in spec and (type(spec["description"]) is not str or not spec["description"].strip()):
-        problems.append(f"{where}.description: must be a non-empty string (the model reads it)")
-    declared = {}
-    if "args" in spec and check_keys(f"{where}.args", spec["args"], None):
-        for arg, arg_spec in spec["args"].items():
-            here = f"{where}.args.{arg}"
-            if not _NAME_RE.match(arg):
-                problems.append(f"{here}: an argument name is [a-z][a-z0-9_]*")
-            if not check_keys(here, arg_spec, ("pattern", "path"), ("pattern",)):
-                continue
-            if "pattern" in arg_spec:
-                if type(arg_spec["pattern"]) is not str or not arg_spec["pattern"]:
-                    problems.append(f"{here}.pattern: must be a regular expression")
-                else:
-                    try:
-                        re.compile(arg_spec["pattern"])
-                    except re.error as exc:
-                        problems.append(f"{here}.pattern: bad regex: {exc}")
-            if "path" in arg_spec and type(arg_spec["path"]) is not bool:
-                problems.append(f"{here}.path: must be true or false")
-            declared[arg] = arg_spec
-    if "argv" in spec and strings(f"{where}.argv", spec["argv"]):
-        used = set()
-        for i, part in enumerate(spec["argv"]):
-            names = _PLACEHOLDER_RE.findall(part)
-            if i == 0 and names:
-                problems.append(f"{where}.argv[0]: the program is fixed; it cannot be a placeholder")
-            if _PLACEHOLDER_RE.sub("", part).count("{") or _PLACEHOLDER_RE.sub("", part).count("}"):
-                problems.append(f"{where}.argv[{i}]: a brace that is not a {{placeholder}}")
-            for placeholder in names:
-                used.add(placeholder)
-                if placeholder not in declared and "args" in spec:
-                    problems.append(f"{where}.argv[{i}]: {{{placeholder}}} is not declared in args")
-        for arg in declared:
-            if arg not in used:
-                problems.append(f"{where}.args.{arg}: declared but not used in argv")
-    for key, integer, minimum in (("timeout_s", False, 0), ("output_bytes", True, 255)):
-        if key in spec:
-            number(f"{where}.{key}", spec[key], minimum=minimum, integer=integer)
+def _plugin_problems(where, name, spec):
+    """What the shape does not say of a plugin: its name, and the placeholders of its argv."""
+    problems = [f"{where}: {name!r} is a built-in; give the plugin another name"] if name in BUILTINS else []
+    argv, declared = spec.get("argv"), spec.get("args")
+    if type(argv) is not list or not all(type(part) is str for part in argv) or type(declared) is not dict:
+        return problems
+    used = set()
+    for i, part in enumerate(argv):
+        names = _PLACEHOLDER_RE.findall(part)
+        used.update(names)
+        if i == 0 and names:
+            problems.append(f"{where}.argv[0]: the program is fixed; it cannot be a placeholder")
+        if "{" in _PLACEHOLDER_RE.sub("", part) or "}" in _PLACEHOLDER_RE.sub("", part):
+            problems.append(f"{where}.argv[{i}]: a brace that is not a {{placeholder}}")
+        problems += [f"{where}.argv[{i}]: {{{p}}} is not declared in args" for p in names if p not in declared]
+    return problems + [f"{where}.args.{arg}: declared but not used in argv" for arg in declared if arg not in used]
 
 
 def _no_duplicate_keys(pairs):
-    seen = {}
-    for key, value in pairs:
-        if key in seen:
-            raise ValueError(f"duplicate key {key!r}")
-        seen[key] = value
-    return seen
+    twice = [key for key, count in collections.Counter(key for key, _value in pairs).items() if count > 1]
+    if twice:
+        raise ValueError(f"duplicate key {twice[0]!r}")
+    return dict(pairs)
 
 
 def load_policy(path):
     """Read and validate a tools.json. Raises PolicyError with every problem; OSError when unreadable."""
-    path = Path(path)
     with open(path, "rb") as handle:
         raw = handle.read(MAX_TOOLS_FILE + 1)
     if len(raw) > MAX_TOOLS_FILE:
@@ -411,6 +340,7 @@ _BUILTIN_ARGS = {
     "run_tests": {},
     "propose_patch": {"patch": ("patch", True), "rationale": ("text", False), "alternatives": ("texts", False)},
 }
+_TEXT_LIMITS = {"text": MAX_TEXT_ARG_CHARS, "pattern": MAX_GREP_PATTERN, "patch": MAX_PATCH_BYTES}
 
 
 # The policy's answer for one action, with how each path resolved (so replay decides the same way).
@@ -429,17 +359,12 @@ def check_path(path, policy, resolve, paths, what="path"):
         raise _Deny("args.type", f"{what} must be a non-empty string")
     if "\x00" in path:
         raise _Deny("path.nul", f"{what} contains a NUL byte")
-    if len(path) > MAX_PATH_CHARS:
-        raise _Deny("arg.too_long", f"{what} is longer than {MAX_PATH_CHARS} characters")
-    if path.startswith("-"):
-        raise _Deny("arg.option", f"{what} {path!r} starts with '-', which a program would read as an option")
+    _check_option(what, path, MAX_PATH_CHARS)
     if path.startswith(("/", "~", "\\")) or re.match(r"[A-Za-z]:[\\/]", path):
         raise _Deny("path.absolute", f"{what} {path!r} is absolute; paths are relative to the repository root")
     if ".." in re.split(r"[/\\]", path):
         raise _Deny("path.dotdot", f"{what} {path!r} climbs with '..'; paths stay inside the repository")
     norm = posixpath.normpath(path.replace("\\", "/"))
-    if norm in ("", "."):
-        norm = "."
     glob = policy.denied_by(norm) if norm != "." else None
     if glob:
         raise _Deny("path.denied", f"{what} {path!r} matches the deny glob {glob!r}")
@@ -451,9 +376,16 @@ def check_path(path, policy, resolve, paths, what="path"):
     glob = policy.denied_by(resolved) if resolved != "." else None
     if glob:
         raise _Deny("path.denied", f"{what} {path!r} resolves to {resolved!r}, which matches the deny glob {glob!r}")
-    if norm != "." and not policy.allowed_by(norm):
+    if norm != "." and not any(regex.match(norm) for _glob, regex in policy.allow):
         raise _Deny("path.not_allowed", f"{what} {path!r} matches no allow glob")
     return norm
+
+
+def _check_option(name, value, limit):
+    if len(value) > limit:
+        raise _Deny("arg.too_long", f"{name} is longer than {limit} characters")
+    if value.startswith("-"):
+        raise _Deny("arg.option", f"{name} {value!r} starts with '-', which a program would read as an option")
 
 
 def patch_files(patch):
@@ -461,31 +393,27 @@ def patch_files(patch):
     files, problems = [], []
     for line in patch.splitlines():
         if line.startswith(("--- ", "+++ ")):
-            name = _diff_path(line[4:])
+            names = [_diff_path(line[4:])]
         elif line.startswith(("rename from ", "rename to ", "copy from ", "copy to ")):
-            name = _diff_path(line.split(" ", 2)[2], prefixed=False)
-        elif line.startswith("diff --git "):
-            parts = line[11:].split(" b/", 1)
-            name = _diff_path(parts[0]) if len(parts) == 2 else None
-            if name is not None and name not in files:
-                files.append(name)
-            name = _diff_path("b/" + parts[1]) if len(parts) == 2 else None
+            names = [_diff_path(line.split(" ", 2)[2], prefixed=False)]
+        elif line.startswith("diff --git ") and " b/" in line[11:]:
+            old, new = line[11:].split(" b/", 1)
+            names = [_diff_path(old), _diff_path("b/" + new)]
         else:
+            names = []
             if line.startswith("GIT binary patch") or (line.startswith("Binary files ") and " differ" in line):
                 problems.append(("patch.binary", "the patch changes a binary file; propose text changes only"))
-            if re.match(r"(new file |new |old |deleted file )?mode\s+\+?0*1[26]0000", line) or re.match(
-                    r"index \S+ 0*1[26]0000", line):
+            if re.match(r"(new file |new |old |deleted file )?mode\s+\+?0*1[26]0000|index \S+ 0*1[26]0000", line):
                 problems.append(("patch.mode", "the patch creates a symlink or a submodule"))
-            continue
-        if name is not None and name not in files:
-            files.append(name)
+        for name in names:
+            if name is not None and name not in files:
+                files.append(name)
     return files, problems
 
 
 def diff_section_files(section):
     """Every path one section of git's output names; empty when none can be read (then it is left out)."""
-    files, _problems = patch_files(section)
-    header = section.split("\n", 1)[0]
+    files, header = patch_files(section)[0], section.split("\n", 1)[0]
     match = re.match(r"diff --(?:cc|combined) (.+)", header)
     if match:
         files.append(_diff_path(match.group(1), prefixed=False))
@@ -497,18 +425,12 @@ def diff_section_files(section):
 def _diff_path(text, prefixed=True):
     text = text.split("\t")[0].rstrip("\r")
     text = re.sub(r" +[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9:.]+( [+-][0-9]{4})?\Z", "", text)  # diff -u's timestamp
-    if text.startswith('"') and text.endswith('"') and len(text) > 1:
-        text = _unquote_c(text[1:-1])
+    if text.startswith('"') and text.endswith('"') and len(text) > 1:  # C-quoted, octal escapes of UTF-8 bytes
+        raw = text[1:-1].encode("latin-1", "backslashreplace").decode("unicode_escape").encode("latin-1", "replace")
+        text = raw.decode("utf-8", "replace")
     if text == "/dev/null":
         return None
-    if prefixed and text[:2] in ("a/", "b/"):
-        text = text[2:]
-    return text
-
-
-def _unquote_c(text):
-    raw = text.encode("latin-1", "backslashreplace").decode("unicode_escape").encode("latin-1", "replace")
-    return raw.decode("utf-8", "replace")
+    return text[2:] if prefixed and text[:2] in ("a/", "b/") else text
 
 
 def check_action(action, policy, resolve):
@@ -520,8 +442,18 @@ def check_action(action, policy, resolve):
             what = "a built-in that this tools.json does not enable" if tool in BUILTINS else \
                 "not a tool this host offers"
             raise _Deny("tool.unknown", f"{tool!r} is {what}")
-        if tool in policy.plugins:
-            _check_plugin(policy.plugins[tool], args, policy, resolve, paths)
+        plugin = policy.plugins.get(tool)
+        spec = {name: ("plugin", True) for name in plugin.args} if plugin else _BUILTIN_ARGS[tool]
+        for name in args:
+            if name not in spec:
+                raise _Deny("args.unknown", f"{tool} takes no argument {name!r} "
+                                            f"(it takes: {', '.join(spec) or 'none'})")
+        for name, (kind, required) in spec.items():
+            if args.get(name) is not None or (plugin and name in args):  # a plugin's null is a wrong type
+                _check_arg(name, args[name], kind, plugin, policy, resolve, paths)
+            elif required:
+                raise _Deny("args.missing", f"{tool} needs the argument {name!r}")
+        if plugin:
             return Verdict(True, f"plugin.{tool}", f"plugin {tool} with arguments that match their patterns", paths)
         _check_builtin(tool, args, policy, resolve, paths)
     except _Deny as deny:
@@ -529,36 +461,32 @@ def check_action(action, policy, resolve):
     return Verdict(True, f"builtin.{tool}", f"{tool} is enabled and every path is allowed", paths)
 
 
-def _check_builtin(tool, args, policy, resolve, paths):
-    spec = _BUILTIN_ARGS[tool]
-    for name in args:
-        if name not in spec:
-            raise _Deny("args.unknown", f"{tool} takes no argument {name!r} (it takes: {', '.join(spec) or 'none'})")
-    for name, (kind, required) in spec.items():
-        if name not in args or args[name] is None:
-            if required:
-                raise _Deny("args.missing", f"{tool} needs the argument {name!r}")
-            continue
-        value = args[name]
-        if kind == "path":
+def _check_arg(name, value, kind, plugin, policy, resolve, paths):
+    if kind == "path":
+        check_path(value, policy, resolve, paths, what=name)
+    elif kind == "int" and (type(value) is not int or not 1 <= value <= 10 ** 7):
+        raise _Deny("args.type", f"{name} must be a positive integer")
+    elif kind == "texts" and (type(value) is not list or len(value) > 20 or
+                              not all(type(v) is str and len(v) <= MAX_TEXT_ARG_CHARS for v in value)):
+        raise _Deny("args.type", f"{name} must be a list of at most 20 strings")
+    elif kind in ("text", "pattern", "patch", "plugin"):
+        if type(value) is not str:
+            raise _Deny("args.type", f"{name} must be a string")
+        if kind != "plugin" and len(value.encode("utf-8", "surrogatepass")) > _TEXT_LIMITS[kind]:
+            raise _Deny("arg.too_long", f"{name} is longer than {_TEXT_LIMITS[kind]} bytes")
+        if "\x00" in value:
+            raise _Deny("arg.nul", f"{name} contains a NUL byte")
+    if kind == "plugin":
+        _check_option(name, value, MAX_PLUGIN_ARG_CHARS)
+        if not plugin.args[name]["pattern"].fullmatch(value):
+            raise _Deny("arg.pattern", f"{name} {value!r} does not match {plugin.args[name]['source']!r}")
+        if plugin.args[name]["path"]:
             check_path(value, policy, resolve, paths, what=name)
-        elif kind == "int":
-            if type(value) is not int or not 1 <= value <= 10 ** 7:
-                raise _Deny("args.type", f"{name} must be a positive integer")
-        elif kind in ("text", "pattern", "patch"):
-            limit = {"text": MAX_TEXT_ARG_CHARS, "pattern": MAX_GREP_PATTERN, "patch": MAX_PATCH_BYTES}[kind]
-            if type(value) is not str:
-                raise _Deny("args.type", f"{name} must be a string")
-            if len(value.encode("utf-8", "surrogatepass")) > limit:
-                raise _Deny("arg.too_long", f"{name} is longer than {limit} bytes")
-            if "\x00" in value:
-                raise _Deny("arg.nul", f"{name} contains a NUL byte")
-        elif kind == "texts":
-            if type(value) is not list or not all(type(v) is str and len(v) <= MAX_TEXT_ARG_CHARS for v in value) \
-                    or len(value) > 20:
-                raise _Deny("args.type", f"{name} must be a list of at most 20 strings")
-    if tool == "read_file" and args.get("start_line") and args.get("end_line") and \
-            args["end_line"] < args["start_line"]:
+
+
+def _check_builtin(tool, args, policy, resolve, paths):  # what holds between its arguments, and in a patch
+    start, end = args.get("start_line"), args.get("end_line")
+    if tool == "read_file" and start and end and end < start:
         raise _Deny("args.type", "end_line is before start_line")
     if tool == "grep":
         try:
@@ -574,29 +502,6 @@ def _check_builtin(tool, args, policy, resolve, paths):
                                           "@@ hunks)")
         for name in files:
             check_path(name, policy, resolve, paths, what="a file in the patch,")
-
-
-def _check_plugin(plugin, args, policy, resolve, paths):
-    for name in args:
-        if name not in plugin.args:
-            raise _Deny("args.unknown", f"{plugin.name} takes no argument {name!r} (it takes: "
-                                        f"{', '.join(plugin.args) or 'none'})")
-    for name, spec in plugin.args.items():
-        if name not in args:
-            raise _Deny("args.missing", f"{plugin.name} needs the argument {name!r}")
-        value = args[name]
-        if type(value) is not str:
-            raise _Deny("args.type", f"{name} must be a string")
-        if "\x00" in value:
-            raise _Deny("arg.nul", f"{name} contains a NUL byte")
-        if len(value) > MAX_PLUGIN_ARG_CHARS:
-            raise _Deny("arg.too_long", f"{name} is longer than {MAX_PLUGIN_ARG_CHARS} characters")
-        if value.startswith("-"):
-            raise _Deny("arg.option", f"{name} {value!r} starts with '-', which the program would read as an option")
-        if not spec["pattern"].fullmatch(value):
-            raise _Deny("arg.pattern", f"{name} {value!r} does not match {spec['source']!r}")
-        if spec["path"]:
-            check_path(value, policy, resolve, paths, what=name)
 
 
 # == The repository: read-only git, snapshots, secrets =========================
@@ -617,11 +522,9 @@ def git(repo, *args, input=None, check=True, timeout=120, env=None):
 
 def repo_root(path):
     """The top of the git work tree holding `path`, resolved."""
-    path = Path(path)
-    if not path.is_dir():
+    if not Path(path).is_dir():
         raise RepoError(f"--repo {path}: not a directory")
-    top = git(path, "rev-parse", "--show-toplevel").decode("utf-8", "surrogateescape").strip()
-    return Path(top).resolve()
+    return Path(git(path, "rev-parse", "--show-toplevel").decode("utf-8", "surrogateescape").strip()).resolve()
 
 
 def resolve_ref(repo, ref):
@@ -636,10 +539,17 @@ def snapshot(repo, ref, dest):
     """Copy the tree at `ref` (or the working tree as it is) into `dest`, a git repo of its own; its digest."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    if ref:
-        _snapshot_ref(repo, ref, dest)
-    else:
-        _snapshot_worktree(repo, dest)
+    links = []  # made last, so nothing is ever written through one
+    for rel, executable, target, content in _ref_entries(repo, ref) if ref else _worktree_entries(repo):
+        if target is not None:
+            links.append((rel, target))
+            continue
+        fd = _create(dest, rel, executable)
+        if fd is not None:
+            with os.fdopen(fd, "wb") as writer:
+                writer.write(content)
+    for rel, target in links:
+        _create(dest, rel, link=target)
     digest = tree_digest(dest)
     env = _scratch_git_env(dest.parent)
     for args in (["init", "-q"], ["add", "-A", "-f"],
@@ -657,78 +567,68 @@ def _scratch_git_env(ceiling):
                      "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"})
 
 
-def _snapshot_worktree(repo, dest):
-    """The working tree's files as on disk; a path with a symlinked parent is skipped (it leads outside)."""
-    listing = git(repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
-    files, links = [], []
-    for raw in sorted(set(listing.split(b"\0"))):
-        rel = os.fsdecode(raw)
-        if not rel or not _plain_parents(repo, rel):
+def _worktree_entries(repo):
+    """(path, executable, link target, content) of the files as on disk, none under a symlinked dir (outside)."""
+    listing, real = git(repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard"), os.path.realpath(repo)
+    for rel in sorted({os.fsdecode(raw) for raw in listing.split(b"\0") if raw}):
+        path = os.path.join(repo, rel)
+        if not _safe_rel(rel) or os.path.realpath(os.path.dirname(path)) != os.path.dirname(os.path.join(real, rel)):
             continue
-        src = os.path.join(repo, rel)
         try:
-            info = os.lstat(src)
-        except FileNotFoundError:
-            continue  # deleted in the working tree: as the user has it
-        if stat.S_ISLNK(info.st_mode):
-            links.append((rel, os.readlink(src)))
-        elif stat.S_ISREG(info.st_mode):
-            files.append((rel, info.st_mode & 0o111))
-    for rel, executable in files:
-        try:
-            reader_fd = os.open(os.path.join(repo, rel), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            mode = os.lstat(path).st_mode
         except OSError:
-            continue  # gone, or replaced by a symlink, since it was listed
-        with os.fdopen(reader_fd, "rb") as reader:
-            if not stat.S_ISREG(os.fstat(reader_fd).st_mode):  # still a plain file once opened
-                continue
-            fd = _create(dest, rel, executable)
-            if fd is None:
-                continue
-            with os.fdopen(fd, "wb") as writer:
-                shutil.copyfileobj(reader, writer, 1 << 20)
-    for rel, target in links:  # last: no file above is ever written through one of them
-        _create(dest, rel, link=target)
+            continue  # deleted in the working tree: as the user has it
+        if stat.S_ISLNK(mode):
+            yield rel, False, os.readlink(path), None
+        elif stat.S_ISREG(mode):
+            content = _read_plain_file(path, None, os.O_NOFOLLOW)
+            if content is not None:  # else gone, or replaced by a symlink, since it was listed
+                yield rel, mode & 0o111, None, content
+
+
+def _ref_entries(repo, ref):
+    """(path, executable, link target, content) of every blob in commit `ref`, from git's objects."""
+    entries = []
+    for record in git(repo, "ls-tree", "-r", "-z", ref).split(b"\0"):
+        meta, _, name = record.partition(b"\t")
+        if record and meta.split()[1] == b"blob" and _safe_rel(os.fsdecode(name)):
+            entries.append((meta.split()[0], meta.split()[2], os.fsdecode(name)))
+    batch = subprocess.Popen(["git", "-C", str(repo), "cat-file", "--batch"], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env=_git_env())
+    feeder = threading.Thread(target=_feed_stdin, args=(batch.stdin, b"".join(sha + b"\n" for _m, sha, _n in entries)),
+                              daemon=True)
+    feeder.start()
+    try:
+        for mode, sha, name in entries:
+            header = batch.stdout.readline().split()
+            if len(header) != 3:
+                raise RepoError(f"{ref}: git cannot read object {sha.decode()} (a shallow or damaged repository)")
+            content = batch.stdout.read(int(header[2]) + 1)[:-1]  # and the newline after it
+            yield name, mode == b"100755", os.fsdecode(content) if mode == b"120000" else None, content
+    finally:
+        feeder.join()
+        batch.stdout.close()
+        batch.wait()
 
 
 def _safe_rel(rel):
-    """A relative path git would check out: no `..`, no `.git` component in any case (a crafted `.git` would
-    redirect git, and `.GIT` is `.git` on a case-insensitive filesystem)."""
+    """A path git would check out: no `..`, no `.git` in any case (`.GIT` is `.git` on a case-insensitive disk)."""
     return bool(rel) and not rel.startswith("/") and not any(
         part in ("", ".", "..") or part.lower() == ".git" for part in rel.split("/"))
 
 
-def _plain_parents(root, rel):
-    """True when `rel` is safe and every parent of it under `root` is a real directory (not a symlink)."""
-    parts = rel.split("/")
-    try:
-        return _safe_rel(rel) and all(stat.S_ISDIR(os.lstat(os.path.join(root, *parts[:end])).st_mode)
-                                      for end in range(1, len(parts)))
-    except OSError:
-        return False
-
-
-def _parent_dir(dest, rel):
-    """dest/rel's parent, made as plain directories; None where one is a symlink or a file."""
+def _create(dest, rel, executable=False, link=None):
+    """Open dest/rel to write (an fd) or make it a symlink to `link`; None, not through a symlink nor over a path."""
     if not _safe_rel(rel):
         return None
-    current = str(dest)
+    parent = str(dest)
     for part in rel.split("/")[:-1]:
-        current = os.path.join(current, part)
+        parent = os.path.join(parent, part)
         try:
-            os.mkdir(current, 0o755)
+            os.mkdir(parent, 0o755)
         except FileExistsError:
-            if not stat.S_ISDIR(os.lstat(current).st_mode):
+            if not stat.S_ISDIR(os.lstat(parent).st_mode):
                 return None
-    return current
-
-
-def _create(dest, rel, executable=False, link=None):
-    """Open dest/rel for writing (an fd), or make it a symlink to `link` (None); never through a symlink nor
-    over an existing path (None)."""
-    parent = _parent_dir(dest, rel)
-    if parent is None:
-        return None
     path = os.path.join(parent, rel.rsplit("/", 1)[-1])
     try:
         if link is not None:
@@ -739,51 +639,11 @@ def _create(dest, rel, executable=False, link=None):
         return None
 
 
-def _snapshot_ref(repo, ref, dest):
-    """The tree of commit `ref` from git's objects; symlinks made last, so nothing is written through one."""
-    entries = []
-    for record in git(repo, "ls-tree", "-r", "-z", ref).split(b"\0"):
-        if not record:
-            continue
-        meta, _, name = record.partition(b"\t")
-        mode, kind, sha = meta.split()
-        if kind == b"blob" and _safe_rel(os.fsdecode(name)):
-            entries.append((mode.decode(), sha.decode(), os.fsdecode(name)))
-    if not entries:
-        return
-    batch = subprocess.Popen(["git", "-C", str(repo), "cat-file", "--batch"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, env=_git_env())
-    shas = "".join(sha + "\n" for _m, sha, _n in entries).encode()
-    feeder = threading.Thread(target=_feed_stdin, args=(batch.stdin, shas), daemon=True)
-    feeder.start()
-    links = []
-    try:
-        for mode, sha, name in entries:
-            header = batch.stdout.readline().split()
-            if len(header) != 3:
-                raise RepoError(f"{ref}: git cannot read object {sha} (a shallow or damaged repository)")
-            content = batch.stdout.read(int(header[2]) + 1)[:-1]  # and the newline after it
-            if mode == "120000":
-                links.append((name, os.fsdecode(content)))
-                continue
-            fd = _create(dest, name, mode == "100755")
-            if fd is not None:
-                with os.fdopen(fd, "wb") as writer:
-                    writer.write(content)
-    finally:
-        feeder.join()
-        batch.stdout.close()
-        batch.wait()
-    for name, target in links:
-        _create(dest, name, link=target)
-
-
 def tree_digest(root):
     """SHA-256 over the sorted (path, kind, mode, content digest) of every file under `root` but .git."""
     digest = hashlib.sha256()
-    root = Path(root)
     for path in sorted(_walk_files(root)):
-        full = root / path
+        full = os.path.join(root, path)
         info = os.lstat(full)
         if stat.S_ISLNK(info.st_mode):
             entry = f"link {path} {os.readlink(full)}"
@@ -821,62 +681,50 @@ def repo_secrets(repo, commit=None):
         blobs = [meta.split()[2].decode() for meta, path in entries if meta.split()[1:2] == [b"blob"] and
                  any(part.lower().startswith(b".env") for part in path.split(b"/"))]
         texts += [git(repo, "cat-file", "blob", blob, check=False)[:256 * 1024] for blob in blobs[:200]]
-    values = []
-    for text in texts:
-        values += dotenv_values((text or b"").decode("utf-8", "replace"))
-    return [value for value in dict.fromkeys(values) if value]
+    return list(dict.fromkeys(v for text in texts for v in dotenv_values((text or b"").decode("utf-8", "replace"))))
 
 
-_ENV_KEY_RE = re.compile(r"[ \t]*(?:export[ \t]+)?[A-Za-z_][A-Za-z0-9_.-]*[ \t]*[=:][ \t]*")
+_ENV_RE = re.compile(r"^[ \t]*(?:export[ \t]+)?[A-Za-z_][A-Za-z0-9_.-]*[ \t]*[=:][ \t]*"  # KEY=, then the value:
+                     r'(?:"((?:\\[\s\S]|[^"\\])*\\?)(?:"|\Z)'  # double-quoted (to the end when not closed),
+                     r"|'((?:\\[\s\S]|[^'\\])*\\?)(?:'|\Z)"  # single-quoted,
+                     r"|([^\n]*))", re.M)  # or bare
 _ENV_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "a": "\a", "b": "\b", "f": "\f", "v": "\v"}
 
 
 def dotenv_values(text):
     """Every value a .env file sets, as dotenv reads it; each raw and decoded, since either may be printed."""
-    text = text.lstrip("\ufeff")
-    values, pos = [], 0
-    while pos < len(text):
-        end = text.find("\n", pos)
-        end = len(text) if end < 0 else end
-        match = _ENV_KEY_RE.match(text, pos, end)
-        if not match:
-            pos = end + 1
+    values = []
+    for match in _ENV_RE.finditer(text.lstrip("\ufeff")):
+        double, single, bare = match.groups()
+        if bare is not None:  # unquoted: `a#b` is one value, ` # note` a comment; both readings are masked
+            values += [bare, re.split(r"\s#", bare.strip(), maxsplit=1)[0]]
             continue
-        start = match.end()
-        quote = text[start:start + 1]
-        if quote in ('"', "'"):
-            close = start + 1
-            while close < len(text) and text[close] != quote:
-                close += 2 if text[close] == "\\" else 1
-            raw = text[start + 1:close]
-            decoded = re.sub(r"\\(.)", lambda m: _ENV_ESCAPES.get(m.group(1), m.group(1)) if quote == '"'
-                             else m.group(1) if m.group(1) in "\\'" else m.group(0), raw, flags=re.S)
-            values += [raw, decoded] + [line.strip() for line in decoded.splitlines() if len(line.strip()) >= 8]
-            end = text.find("\n", close)
-            end = len(text) if end < 0 else end
-        else:  # unquoted: `a#b` is one value, ` # note` a comment; both readings are masked
-            bare = text[start:end].strip()
-            values += [bare, re.split(r"\s#", bare, maxsplit=1)[0].strip()]
-        pos = end + 1
+        raw = double if double is not None else single
+        decoded = re.sub(r"\\(.)", lambda m: _ENV_ESCAPES.get(m.group(1), m.group(1)) if double is not None
+                         else m.group(1) if m.group(1) in "\\'" else m.group(0), raw, flags=re.S)
+        values += [raw, decoded] + [line.strip() for line in decoded.splitlines() if len(line.strip()) >= 8]
     return [value.strip() for value in values if value.strip()]
 
 
-def _read_plain_file(path, limit):
-    """Up to `limit` bytes of a regular file, or None (never blocks on a FIFO or reads a device)."""
+def _read_plain_file(path, limit, flags=0):
+    """Up to `limit` bytes (None: all) of a regular file, or None (never blocks on a FIFO or reads a device)."""
     try:
-        fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | flags)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as handle:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return handle.read(limit)
+        return handle.read(limit) if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
 
 # == Processes: argv only, a timeout, the whole process group killed, output capped ==
 
 _SETTINGS = ("BASE_URL", "OPENAI_BASE_URL", "API_KEY", "OPENAI_API_KEY", "MODEL_ID", "LEDGER_KEY", "WEBHOOK_SECRET",
              "WEBHOOK_SECRET_FILE", "READ_TOKEN", "CLICKHOUSE_PASSWORD", "LEDGER_SHIP_URL")
+_PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # empty and private in the box
+_RLIMITS = (("RLIMIT_CPU", "cpu_s"), ("RLIMIT_AS", "address_space_bytes"), ("RLIMIT_FSIZE", "file_size_bytes"),
+            ("RLIMIT_NOFILE", "open_files"), ("RLIMIT_NPROC", "processes"), ("RLIMIT_CORE", None))
+_CHILDREN = set()  # process groups running now, killed when the run is terminated
+_REAPING = False  # this process is a child subreaper: run_program kills what a program left behind
 
 
 def _child_env():
@@ -890,10 +738,8 @@ def _subreaper():
     global _REAPING
     if sys.platform.startswith("linux"):
         import ctypes  # only for this one call
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             _REAPING = ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-        except (OSError, AttributeError):
-            pass
 
 
 class SandboxError(rl.UsageError):
@@ -911,13 +757,11 @@ class Sandbox:
         return {"sandbox": self.kind, **({"sandbox_reason": self.reason} if self.kind == "none" else {})}
 
     def limit(self):
-        """preexec_fn: the rlimits, in the child before it runs the program."""
+        """preexec_fn: the rlimits, in the child before it runs the program (never above the hard limit)."""
         import resource
-        for name, key in (("RLIMIT_CPU", "cpu_s"), ("RLIMIT_AS", "address_space_bytes"),
-                          ("RLIMIT_FSIZE", "file_size_bytes"), ("RLIMIT_NOFILE", "open_files"),
-                          ("RLIMIT_NPROC", "processes"), ("RLIMIT_CORE", None)):
+        for name, key in _RLIMITS:
             which = getattr(resource, name)
-            _soft, hard = resource.getrlimit(which)
+            hard = resource.getrlimit(which)[1]
             value = self.caps[key] if key else 0
             value = value if hard == resource.RLIM_INFINITY else min(value, hard)
             resource.setrlimit(which, (value, value))
@@ -931,12 +775,10 @@ class Sandbox:
                 args += ["--tmpfs", path]
             elif os.path.exists(path):
                 args += ["--ro-bind", "/dev/null", path]
-        for path in _PRIVATE_DIRS:
-            args += ["--tmpfs", path]
-        for path in _program_roots(program, env, self.hide):
-            args += ["--ro-bind", path, path]
-        for path in [str(cwd)] + [str(p) for p in writable]:  # after the private /tmp: they usually live there
-            args += ["--bind", path, path]
+        args += [arg for path in _PRIVATE_DIRS for arg in ("--tmpfs", path)]
+        args += [arg for path in _program_roots(program, env, self.hide) for arg in ("--ro-bind", path, path)]
+        # after the private /tmp: cwd and `writable` usually live there
+        args += [arg for path in [str(cwd)] + [str(p) for p in writable] for arg in ("--bind", path, path)]
         if "PYENV_DIR" in env:  # a pyenv shim cds to where pyenv was first called, which may be hidden here
             args += ["--setenv", "PYENV_DIR", str(cwd)]
         return args + ["--chdir", str(cwd), "--", program] + list(argv[1:])
@@ -949,27 +791,23 @@ def _hidden_paths(repo, runs_dir):
     return [p for p in (os.path.realpath(h) for h in hidden if h) if p != "/"]  # HOME=/ hides nothing
 
 
-_PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # empty and private in the box
-
-
 def _program_roots(program, env, hidden):
     """The hidden trees a program needs (its HOME top dir, a venv's base, ~/.local); never repo or runs."""
     home = os.path.realpath(os.path.expanduser("~"))
-    places = [os.path.dirname(program), os.path.dirname(os.path.realpath(program)), env.get("PYENV_ROOT") or ""]
+    places = [os.path.dirname(program), os.path.dirname(os.path.realpath(program)), env.get("PYENV_ROOT") or "",
+              os.path.join(home, ".local")]
     cfg = Path(os.path.dirname(os.path.dirname(program))) / "pyvenv.cfg"
     if cfg.is_file():
-        homes = [line.split("=", 1)[1].strip() for line in cfg.read_text("utf-8", "replace").splitlines()
-                 if line.split("=", 1)[0].strip() == "home" and "=" in line]
-        places += [os.path.realpath(h) for h in homes]
-    places.append(os.path.join(home, ".local"))
+        places += [os.path.realpath(line.split("=", 1)[1].strip()) for line in cfg.read_text("utf-8", "replace")
+                   .splitlines() if "=" in line and line.split("=", 1)[0].strip() == "home"]
+    others = [h for h in hidden if h != home]  # the repository, runs and lock dirs: never in, never over
     roots = []
     for place in (os.path.realpath(p) for p in places if p and os.path.isdir(p)):
-        if not _under(place, home):  # a prefix (a venv in /tmp, say) the box hides: its parent, bin/'s prefix
-            root = os.path.dirname(place) if _under(place, *hidden, *_PRIVATE_DIRS) else None
-        else:
+        if _under(place, home):
             root = os.path.join(home, os.path.relpath(place, home).split(os.sep)[0])
-        others = [h for h in hidden if h != home]  # the repository, runs and lock dirs: never in, never over
-        if root and root not in (home, "/", *_PRIVATE_DIRS) and root not in roots and not _under(root, *others) \
+        else:  # a prefix (a venv in /tmp, say) the box hides: its parent, bin/'s prefix
+            root = os.path.dirname(place) if _under(place, *hidden, *_PRIVATE_DIRS) else None
+        if root and root not in (home, "/", *_PRIVATE_DIRS, *roots) and not _under(root, *others) \
                 and not any(_under(h, root) for h in others):
             roots.append(root)
     return roots
@@ -983,21 +821,19 @@ def probe_sandbox(policy, hide):
     """Once per run: does bwrap box a trivial command here? A Sandbox, kind "none" and why when not."""
     if policy.sandbox == "off":
         return Sandbox("none", 'tools.json sets "sandbox": "off"', hide, policy.caps)
-    box = Sandbox("bwrap", None, hide, policy.caps)
-    true = shutil.which("true")
+    box, true = Sandbox("bwrap", None, hide, policy.caps), shutil.which("true")
     if not box.bwrap or not true:
-        why = "bwrap is not installed (the Debian package bubblewrap)"
-    else:
-        with tempfile.TemporaryDirectory(prefix="agent-probe-") as cwd:
-            try:
-                proc = subprocess.run(box.wrap(true, [true], cwd, _child_env()), stdin=subprocess.DEVNULL,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
-                why = None if proc.returncode == 0 else (
-                    f"bwrap does not work here (exit {proc.returncode}: "
-                    f"{proc.stdout.decode('utf-8', 'replace').strip()[:300]})")
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                why = f"bwrap does not work here: {rl.error_text(exc)}"
-    return box if why is None else Sandbox("none", why, hide, policy.caps)
+        return Sandbox("none", "bwrap is not installed (the Debian package bubblewrap)", hide, policy.caps)
+    with tempfile.TemporaryDirectory(prefix="agent-probe-") as cwd:
+        try:
+            proc = subprocess.run(box.wrap(true, [true], cwd, _child_env()), stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return Sandbox("none", f"bwrap does not work here: {rl.error_text(exc)}", hide, policy.caps)
+    if proc.returncode == 0:
+        return box
+    output = proc.stdout.decode("utf-8", "replace").strip()[:300]
+    return Sandbox("none", f"bwrap does not work here (exit {proc.returncode}: {output})", hide, policy.caps)
 
 
 def require_box(box, policy):
@@ -1008,39 +844,25 @@ def require_box(box, policy):
 
 
 def _children():
-    """This process's children, from /proc (Linux); empty elsewhere."""
     found = set()
     for path in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
-        try:
+        with contextlib.suppress(OSError):  # the thread ended
             found.update(int(pid) for pid in path.read_text().split())
-        except OSError:
-            continue  # the thread ended
     return found
 
 
 def _kill_strays(known):
     """Kill and reap every child not in `known` until none is left (a stray's children come back in turn)."""
-    killed = 0
     for _round in range(1000):
         strays = _children() - known
         if not strays:
-            break
+            return
         for pid in strays:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         for pid in strays:
-            try:
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
-            except ChildProcessError:
-                pass
-        killed += len(strays)
-    return killed
-
-
-_CHILDREN = set()  # process groups running now, killed when the run is terminated
-_REAPING = False  # this process is a child subreaper: run_program kills what a program left behind
 
 
 class Output:
@@ -1062,48 +884,46 @@ class Output:
             data[-half:].decode("utf-8", "replace")
 
     def artifact_bytes(self):
-        data = self.head + self.tail
-        if len(data) < self.size:
-            cut = f"\n[... {self.size - len(data):,} bytes not kept ...]\n".encode()
-            return data[:len(self.head)] + cut + self.tail
-        return data
+        cut = self.size - len(self.head) - len(self.tail)
+        return self.head + (f"\n[... {cut:,} bytes not kept ...]\n".encode() if cut > 0 else b"") + self.tail
 
 
 def run_program(argv, cwd, timeout, env=None, input=None, keep=MAX_ARTIFACT_BYTES, tail_keep=65536, box=None,
                 writable=()):
     """Run argv (no shell) in its own group, boxed, killed on timeout with what it left; output capped."""
     started = time.monotonic()
-    deadline = started + timeout
     env = env if env is not None else _child_env()
     known = _children() if _REAPING else set()
+    record = box.record() if box else None
     try:
-        command = _boxed(argv, cwd, env, box, writable)
-        proc = subprocess.Popen(command, cwd=str(cwd), stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                close_fds=True,
+        proc = subprocess.Popen(_boxed(argv, cwd, env, box, writable), cwd=str(cwd), env=env, stdout=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
                                 preexec_fn=box.limit if box else None)
     except OSError as exc:
         return Output(None, f"cannot run {argv[0]}: {rl.error_text(exc)}".encode(), b"", 0,
                       round((time.monotonic() - started) * 1000, 1), error=rl.error_text(exc), errno=exc.errno,
-                      sandbox=box.record() if box else None)
+                      sandbox=record)
     _CHILDREN.add(proc.pid)
     if input is not None:
         threading.Thread(target=_feed_stdin, args=(proc.stdin, input), daemon=True).start()
     held = {"head": bytearray(), "tail": bytearray(), "size": 0}
     timed_out = False
     try:
-        timed_out = _read_until_exit(proc, deadline, held, keep, tail_keep)
+        timed_out = _read_until_exit(proc, started + timeout, held, keep, tail_keep)
     finally:
         _kill_group(proc.pid)  # on a timeout, and any background child left holding the output open
         proc.wait()
-        _drain(proc.stdout.fileno(), held, keep, tail_keep)
+        os.set_blocking(proc.stdout.fileno(), False)
+        with contextlib.suppress(OSError):  # what is still in the pipe once the group is gone
+            for chunk in iter(lambda: os.read(proc.stdout.fileno(), 65536), b""):
+                _keep(held, chunk, keep, tail_keep)
         proc.stdout.close()
         _CHILDREN.discard(proc.pid)
         if _REAPING:
             _kill_strays(known)
     return Output(None if timed_out else proc.returncode, bytes(held["head"]), bytes(held["tail"]), held["size"],
-                  round((time.monotonic() - started) * 1000, 1), timed_out=timed_out,
-                  sandbox=box.record() if box else None)
+                  round((time.monotonic() - started) * 1000, 1), timed_out=timed_out, sandbox=record)
 
 
 def _boxed(argv, cwd, env, box, writable):
@@ -1119,96 +939,59 @@ def _boxed(argv, cwd, env, box, writable):
     return box.wrap(program, argv, cwd, env, writable)
 
 
-def _read_until_exit(proc, deadline, box, keep, tail_keep):
-    """Read output until exit and EOF, exit with a child holding the pipe, or the deadline (True)."""
+def _read_until_exit(proc, deadline, held, keep, tail_keep):
+    """Read output until the program exits (a child of it may still hold the pipe) or the deadline (True)."""
     fd = proc.stdout.fileno()
-    try:
-        pidfd = os.pidfd_open(proc.pid)
-    except (AttributeError, OSError):  # not Linux, or a kernel before 5.3
-        pidfd = None
     with selectors.DefaultSelector() as selector:
-        selector.register(fd, selectors.EVENT_READ, "output")
-        if pidfd is not None:
-            selector.register(pidfd, selectors.EVENT_READ, "exit")
-        try:
-            while True:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return True
-                events = selector.select(remaining if pidfd is not None else min(remaining, 0.05))
-                if pidfd is None and proc.poll() is not None:
-                    return False  # the rest of the output, if any, is drained after the group is gone
-                for key, _mask in events:
-                    if key.data == "exit":
-                        return False
-                    chunk = os.read(fd, 65536)
-                    if chunk:
-                        _keep(box, chunk, keep, tail_keep)
-                    else:
-                        selector.unregister(fd)
-        finally:
-            if pidfd is not None:
-                os.close(pidfd)
-
-
-def _drain(fd, box, keep, tail_keep):
-    """What is still in the pipe once the group is gone."""
-    os.set_blocking(fd, False)
-    try:
-        while True:
+        selector.register(fd, selectors.EVENT_READ)
+        while proc.poll() is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return True
+            if not selector.select(min(remaining, 0.05)):
+                continue
             chunk = os.read(fd, 65536)
-            if not chunk:
-                return
-            _keep(box, chunk, keep, tail_keep)
-    except (BlockingIOError, OSError):
-        return
+            if not chunk:  # EOF: only the exit is left to wait for
+                try:
+                    proc.wait(remaining)
+                except subprocess.TimeoutExpired:
+                    return True
+                return False
+            _keep(held, chunk, keep, tail_keep)
+    return False
 
 
-def _keep(box, chunk, keep, tail_keep):
-    box["size"] += len(chunk)
-    room = keep - len(box["head"])
-    if room > 0:
-        box["head"] += chunk[:room]
-        chunk = chunk[room:]
-    if chunk:
-        box["tail"] += chunk
-        if len(box["tail"]) > tail_keep:
-            del box["tail"][:-tail_keep]
+def _keep(held, chunk, keep, tail_keep):
+    held["size"] += len(chunk)
+    room = max(keep - len(held["head"]), 0)
+    held["head"] += chunk[:room]
+    held["tail"] += chunk[room:]
+    del held["tail"][:-tail_keep]
 
 
 def _feed_stdin(stream, data):
-    try:
+    with contextlib.suppress(OSError):
         stream.write(data)
         stream.close()
-    except OSError:
-        pass
 
 
 def _kill_group(pgid):
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 # == Tools =====================================================================
 
 GREP_SCRIPT = r"""
-import os, re, sys
-pattern = re.compile(sys.argv[1])
-limit = int(sys.argv[2])
-found = 0
-for rel in sys.stdin.read().split("\0"):
-    if not rel:
-        continue
+import re, sys
+pattern, limit, found = re.compile(sys.argv[1]), int(sys.argv[2]), 0
+for rel in filter(None, sys.stdin.read().split("\0")):
     try:
         with open(rel, "rb") as handle:
             data = handle.read(2 * 1024 * 1024)
     except OSError:
         continue
-    if b"\0" in data[:8192]:
-        continue
-    for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+    for number, line in enumerate(data.decode("utf-8", "replace").splitlines() if b"\0" not in data[:8192] else (), 1):
         if pattern.search(line):
             print(f"{rel}:{number}: {line[:300]}")
             found += 1
@@ -1230,9 +1013,7 @@ class Workspace:
     def resolve(self, rel):
         root = os.path.realpath(self.root)
         real = os.path.realpath(os.path.join(root, rel))
-        if real != root and not real.startswith(root + os.sep):
-            return None
-        return posixpath.normpath(os.path.relpath(real, root).replace(os.sep, "/"))
+        return posixpath.normpath(os.path.relpath(real, root).replace(os.sep, "/")) if _under(real, root) else None
 
     def run_tests(self, out=None):
         """(Output, pytest's per-test outcomes or None); `out`: a directory the box may write JUnit XML to."""
@@ -1246,37 +1027,38 @@ class Workspace:
 
     def execute(self, tool, args):
         """Run an allowed action. Returns an Output."""
-        started = time.monotonic()
+        started, timeout = time.monotonic(), self.policy.caps["timeout_s"]
         if tool in self.policy.plugins:
             plugin = self.policy.plugins[tool]
-            return run_program(plugin.command(args), self.root, plugin.timeout_s or self.policy.caps["timeout_s"],
-                               env=self.env, box=self.box)
+            return run_program(plugin.command(args), self.root, plugin.timeout_s or timeout, env=self.env,
+                               box=self.box)
         if tool == "run_tests":
             return self.run_tests()[0]
         if tool == "grep":
             files = self._files(args.get("path") or ".")
             if not files:
                 return _text_output(1, "no files to search", started)
-            return run_program([sys.executable, "-I", "-c", GREP_SCRIPT, args["pattern"], "500"], self.root,
-                               self.policy.caps["timeout_s"], env=dict(self.env, PYTHONIOENCODING="utf-8"),
-                               input="\0".join(files).encode("utf-8", "surrogateescape"), box=self.box)
-        if tool == "git_diff":
-            return _text_output(0, self._git_diff() or "(no changes)", started)
+            return run_program([sys.executable, "-I", "-c", GREP_SCRIPT, args["pattern"], "500"], self.root, timeout,
+                               env=dict(self.env, PYTHONIOENCODING="utf-8"), box=self.box,
+                               input="\0".join(files).encode("utf-8", "surrogateescape"))
         if tool == "git_log":
-            n = min(max(args.get("n") or 10, 1), 50)
-            out = git(self.repo, "log", f"-n{n}", "--no-color", "--date=short", "--format=%h %ad %an: %s",
-                      self.ref or "HEAD", check=False)
+            out = git(self.repo, "log", f"-n{min(args.get('n') or 10, 50)}", "--no-color", "--date=short",
+                      "--format=%h %ad %an: %s", self.ref or "HEAD", check=False)
             return _text_output(0, out.decode("utf-8", "replace") or "(no commits)", started)
         if tool == "read_file":
             return self._read_file(args, started)
-        if tool == "list_files":
-            return self._list_files(args.get("path") or ".", started)
-        raise ValueError(f"no such tool {tool!r}")  # check_action allows only known tools
+        if tool == "git_diff":
+            return _text_output(0, self._git_diff() or "(no changes)", started)
+        rel = args.get("path") or "."  # list_files, the last tool check_action allows
+        if not (self.root / rel).exists():
+            return _text_output(1, f"{rel}: no such file or directory", started)
+        files = self._files(rel)
+        text = "\n".join(files[:2000]) + (f"\n[... {len(files) - 2000} more]" if len(files) > 2000 else "")
+        return _text_output(0, text or "(no files)", started)
 
     def _read_file(self, args, started):
-        path = self.root / args["path"]
         try:
-            with open(path, "rb") as handle:
+            with open(self.root / args["path"], "rb") as handle:
                 data = handle.read(MAX_ARTIFACT_BYTES)
         except IsADirectoryError:
             return _text_output(1, f"{args['path']} is a directory; use list_files", started)
@@ -1285,10 +1067,8 @@ class Workspace:
         if b"\0" in data[:8192]:
             return _text_output(1, f"{args['path']} is a binary file ({len(data)} bytes); not shown", started)
         lines = data.decode("utf-8", "replace").splitlines()
-        first = args.get("start_line") or 1
-        last = min(args.get("end_line") or len(lines), len(lines))
-        width = len(str(last))
-        body = "\n".join(f"{n:>{width}}| {lines[n - 1]}" for n in range(first, last + 1))
+        first, last = args.get("start_line") or 1, min(args.get("end_line") or len(lines), len(lines))
+        body = "\n".join(f"{n:>{len(str(last))}}| {lines[n - 1]}" for n in range(first, last + 1))
         return _text_output(0, body if lines else "(empty file)", started)
 
     def _files(self, rel):
@@ -1308,21 +1088,11 @@ class Workspace:
                 break
         return out
 
-    def _list_files(self, rel, started):
-        if not (self.root / rel).exists():
-            return _text_output(1, f"{rel}: no such file or directory", started)
-        files = self._files(rel)
-        text = "\n".join(files[:2000]) + (f"\n[... {len(files) - 2000} more]" if len(files) > 2000 else "")
-        return _text_output(0, text or "(no files)", started)
-
     def _git_diff(self):
         """The change under review (uncommitted, or the --ref commit's), less the sections of denied files."""
-        if self.ref:
-            raw = git(self.repo, "show", "--no-color", "--no-ext-diff", "--no-textconv", "--format=", self.ref,
-                      check=False)
-        else:
-            raw = git(self.repo, "diff", "--no-color", "--no-ext-diff", "--no-textconv", "HEAD",
-                      check=False) if resolve_ref(self.repo, None) else b""
+        command, *rest = ["show", "--format=", self.ref] if self.ref else ["diff", "HEAD"]
+        raw = git(self.repo, command, "--no-color", "--no-ext-diff", "--no-textconv", *rest, check=False) \
+            if self.ref or resolve_ref(self.repo, None) else b""
         kept = []
         for section in re.split(rb"(?m)^(?=diff )", raw):  # --git, --cc, --combined: every format git writes
             files = diff_section_files(section.decode("utf-8", "replace"))
@@ -1349,10 +1119,10 @@ def junit_outcomes(path):
         return None
     outcomes = {}
     for case in tree.iter("testcase"):
-        name = f"{case.get('classname', '')}::{case.get('name', '')}"
         kinds = {child.tag for child in case}
-        outcomes[name] = ("failed" if "failure" in kinds else "error" if "error" in kinds
-                          else "skipped" if "skipped" in kinds else "passed")
+        outcomes[f"{case.get('classname', '')}::{case.get('name', '')}"] = (
+            "failed" if "failure" in kinds else "error" if "error" in kinds else "skipped" if "skipped" in kinds
+            else "passed")
     return outcomes
 
 
@@ -1380,23 +1150,19 @@ _TOOL_DOCS = {
 
 
 def _looks_like_diff(text):
-    """Only a unified diff: it starts with its first file header and has a hunk."""
     text = text.lstrip()
-    return (text.startswith("diff --git ") or text.startswith("--- ")) and bool(
-        re.search(r"(?m)^--- \S.*\n\+\+\+ \S.*\n@@ ", text))
+    return text.startswith(("diff --git ", "--- ")) and bool(re.search(r"(?m)^--- \S.*\n\+\+\+ \S.*\n@@ ", text))
 
 
 def _action(obj):
     if type(obj) is not dict or "tool" not in obj:
         return None
-    tool, args, reason = obj.get("tool"), obj.get("args", {}), obj.get("reason", "")
+    tool, args, reason = obj["tool"], obj.get("args", {}), obj.get("reason", "")
     if type(tool) is not str or not tool or len(tool) > 64:
         raise Malformed('"tool" must be a tool name (a short string)')
-    if args is None:
-        args = {}
-    if type(args) is not dict:
+    if type(args) is not dict and args is not None:
         raise Malformed('"args" must be a JSON object')
-    return {"tool": tool, "args": args, "reason": reason if type(reason) is str else ""}
+    return {"tool": tool, "args": args or {}, "reason": reason if type(reason) is str else ""}
 
 
 def parse_reply(text):
@@ -1404,27 +1170,24 @@ def parse_reply(text):
     stripped = text.strip()
     if not stripped:
         raise Malformed("the reply is empty")
-    whole = [(stripped, "json")] + [(block.strip(), "fenced_json") for lang, block in _FENCE_RE.findall(text)
+    fenced = _FENCE_RE.findall(text)
+    whole = [(stripped, "json")] + [(block.strip(), "fenced_json") for lang, block in fenced
                                     if lang.lower() in ("", "json", "javascript", "js")]
-    for candidate, form in whole:
+    embedded = [(m.start(), "embedded_json") for m in itertools.islice(re.finditer(r"\{", text), 50)]
+    decode = json.JSONDecoder().raw_decode
+    for candidate, form in whole + embedded:
         try:
-            action = _action(json.loads(candidate)) if candidate.startswith("{") else None
+            if form == "embedded_json":
+                action = _action(decode(text, candidate)[0])
+            else:
+                action = _action(json.loads(candidate)) if candidate.startswith("{") else None
         except (ValueError, RecursionError):
             continue
         if action:
             return action, form
-    decoder = json.JSONDecoder()
-    for match in itertools.islice(re.finditer(r"\{", text), 50):
-        try:
-            obj, _end = decoder.raw_decode(text, match.start())
-        except (ValueError, RecursionError):
-            continue
-        action = _action(obj)
-        if action:
-            return action, "embedded_json"
-    fences = [block for lang, block in _FENCE_RE.findall(text) if _looks_like_diff(block)]
-    if len(fences) == 1 and not text.replace(fences[0], "").replace("```", "").strip(" \n\tdiffpatch"):
-        return {"tool": "propose_patch", "args": {"patch": fences[0].strip("\n") + "\n"}, "reason": ""}, "fenced_diff"
+    diffs = [block for _lang, block in fenced if _looks_like_diff(block)]
+    if len(diffs) == 1 and not text.replace(diffs[0], "").replace("```", "").strip(" \n\tdiffpatch"):
+        return {"tool": "propose_patch", "args": {"patch": diffs[0].strip("\n") + "\n"}, "reason": ""}, "fenced_diff"
     if _looks_like_diff(stripped) and not re.search(r"(?m)^```", stripped):
         return {"tool": "propose_patch", "args": {"patch": stripped + "\n"}, "reason": ""}, "diff"
     raise Malformed('no action found: answer with one JSON object {"tool": NAME, "args": {...}, "reason": TEXT}, '
@@ -1441,9 +1204,7 @@ def system_prompt(policy):
              '{"tool": "NAME", "args": {...}, "reason": "why this step"}',
              "",
              "Tools:"]
-    for tool in BUILTINS:
-        if tool in policy.builtins:
-            lines.append(f"- {tool} {_TOOL_DOCS[tool]}")
+    lines += [f"- {tool} {_TOOL_DOCS[tool]}" for tool in BUILTINS if tool in policy.builtins]
     for name, plugin in sorted(policy.plugins.items()):
         args = ", ".join(f'"{a}": "..."' for a in plugin.args)
         lines.append(f"- {name} {{{args}}}: {plugin.description}")
@@ -1454,35 +1215,30 @@ def system_prompt(policy):
     return "\n".join(lines)
 
 
-def first_prompt(tests_output, diff, budget):
+def first_prompt(tests_output, diff, budget_line):
     return (f"The tests fail (exit {tests_output.returncode if not tests_output.timed_out else 'timeout'}). "
             f"Their output, cut to the end that matters:\n\n{tests_output.text(6000)}\n\n"
             f"The change under review (git diff):\n\n{diff[:6000] or '(no uncommitted changes)'}\n\n"
-            f"{_budget_line(budget)}\nPropose the next action. If you can already fix it, answer with propose_patch.")
-
-
-def _budget_line(budget):
-    return (f"Budget left: {budget['steps']} steps, {budget['model_calls']} model calls, {budget['tokens']:,} "
-            f"tokens, {budget['seconds']:.0f} seconds.")
+            f"{budget_line}\nPropose the next action. If you can already fix it, answer with propose_patch.")
 
 
 # == The host loop, shared by a live run and by replay =========================
 
-class _Stop(Exception):
-    """The loop ends here: outcome (budget_exhausted or error), and what to record."""
+class _Exit(Exception):
+    """The loop ends: its outcome, the event that says why (none when a replay runs out of replies), and the
+    accepted patch check of a proposal."""
 
-    def __init__(self, outcome, kind, payload):
+    def __init__(self, outcome, kind=None, payload=None, check=None):
         super().__init__(outcome)
-        self.outcome, self.kind, self.payload = outcome, kind, payload
+        self.outcome, self.kind, self.payload, self.check = outcome, kind, payload, check
 
 
 class Budget:
     """What the run has spent: steps, model calls, tokens (reported or estimated, and which), wall time."""
 
     def __init__(self, limits):
-        self.limits = limits
+        self.limits, self.sources = limits, set()
         self.steps = self.model_calls = self.tokens = 0
-        self.sources = set()
 
     def add(self, call):
         self.model_calls += call["attempts"]
@@ -1494,17 +1250,15 @@ class Budget:
                 "tokens_source": _source(self.sources), "elapsed_s": round(elapsed, 3)}
 
     def exhausted(self, elapsed):
-        for name, used in (("max_steps", self.steps), ("max_model_calls", self.model_calls),
-                           ("max_total_tokens", self.tokens), ("max_wall_s", elapsed)):
-            if used >= self.limits[name]:
-                return name, used
-        return None
+        used = {"max_steps": self.steps, "max_model_calls": self.model_calls, "max_total_tokens": self.tokens,
+                "max_wall_s": elapsed}
+        return next(((name, n) for name, n in used.items() if n >= self.limits[name]), None)
 
-    def left(self, elapsed):
+    def line(self, elapsed):
         limits = self.limits
-        return {"steps": limits["max_steps"] - self.steps, "model_calls": limits["max_model_calls"] - self.model_calls,
-                "tokens": max(0, limits["max_total_tokens"] - self.tokens),
-                "seconds": max(0.0, limits["max_wall_s"] - elapsed)}
+        return (f"Budget left: {limits['max_steps'] - self.steps} steps, {limits['max_model_calls'] - self.model_calls}"
+                f" model calls, {max(0, limits['max_total_tokens'] - self.tokens):,} tokens, "
+                f"{max(0.0, limits['max_wall_s'] - elapsed):.0f} seconds.")
 
 
 def _source(sources):
@@ -1513,17 +1267,15 @@ def _source(sources):
 
 def _excerpt(text, limit=EXCERPT_BYTES):
     data = text.encode("utf-8", "replace")
-    if len(data) <= limit:
-        return text
-    return "[...] " + data[-limit:].decode("utf-8", "ignore")
+    return text if len(data) <= limit else "[...] " + data[-limit:].decode("utf-8", "ignore")
 
 
 def _fit(messages, limit):
     """Keep the conversation within `limit` chars: shorten old outputs, drop old exchanges, cut the longest."""
-    size = sum(len(m["content"]) for m in messages)
+    size = before = sum(len(m["content"]) for m in messages)
     if size <= limit:
         return None
-    before, shortened, dropped, cut_short = size, 0, 0, 0
+    shortened = dropped = cut_short = 0
     for message in messages[2:-2]:
         if size <= limit:
             break
@@ -1533,8 +1285,7 @@ def _fit(messages, limit):
             size -= cut - 60
             shortened += 1
     while size > limit and len(messages) > 4:
-        removed = messages.pop(2)["content"], messages.pop(2)["content"]
-        size -= sum(map(len, removed))
+        size -= len(messages.pop(2)["content"]) + len(messages.pop(2)["content"])
         dropped += 1
     for message in sorted(messages, key=lambda m: (m["role"] == "system", -len(m["content"]))):
         excess, text = size - limit, message["content"]
@@ -1559,12 +1310,9 @@ MAX_TOKEN_RATIO = 8.0  # server tokens per chars/4 estimate believed at most (CJ
 
 
 def overflow_sizes(message):
-    """(window, prompt tokens) an overflow answer states (OpenAI, vLLM, llama.cpp wordings), or None."""
-    found = []
-    for regex in (_WINDOW_RE, _PROMPT_RE):
-        match = regex.search(message or "")
-        found.append(int(next(g for g in match.groups() if g)) if match else None)
-    return tuple(found)
+    """(window, prompt tokens) an overflow answer states (OpenAI, vLLM, llama.cpp wordings), each or None."""
+    found = [regex.search(message or "") for regex in (_WINDOW_RE, _PROMPT_RE)]
+    return tuple(int(next(g for g in match.groups() if g)) if match else None for match in found)
 
 
 class ContextPlan:
@@ -1608,74 +1356,95 @@ class ContextPlan:
 
 def drive(world, policy, messages):
     """The host loop, for a live run or a replay (`world`). Returns (outcome, accepted patch check or None)."""
-    budget = Budget(policy.budget)
-    limits = dict(policy.budget)
-    last, repeats = None, 0
-    while True:
-        elapsed = world.elapsed()
+    return _Loop(world, policy, messages).run()
+
+
+class _Loop:
+    """run() steps until an _Exit; step() queries the model, then executes what it asked for."""
+
+    def __init__(self, world, policy, messages):
+        self.world, self.policy, self.messages, self.limits = world, policy, messages, policy.budget
+        self.budget, self.last, self.repeats = Budget(policy.budget), None, 0
+
+    def run(self):
+        try:
+            while True:
+                self.step()
+        except _Exit as end:
+            if end.kind:
+                self.world.record(end.kind, end.payload)
+            return end.outcome, end.check
+
+    def step(self):
+        step, text, call, checked = self.query()
+        feedback = self.execute(step, text, call, checked) + self.repeated(step, text, checked)
+        self.messages += [{"role": "assistant", "content": text},
+                          {"role": "user", "content": feedback + "\n" + self.budget.line(self.world.elapsed())}]
+
+    def query(self):
+        budget, elapsed = self.budget, self.world.elapsed()
         spent = budget.exhausted(elapsed)
         if spent:
-            world.record("budget_exhausted", {"limit": spent[0], "used": spent[1], "max": limits[spent[0]],
-                                              "budget": budget.snapshot(elapsed)})
-            return "budget_exhausted", None
+            limit, used = spent
+            raise _Exit("budget_exhausted", "budget_exhausted", {"limit": limit, "used": used,
+                                                                 "max": self.limits[limit],
+                                                                 "budget": budget.snapshot(elapsed)})
         checked = budget.snapshot(elapsed)
         budget.steps += 1
-        step = budget.steps
-        world.fit(step, messages, limits)
+        text, call = self.world.ask(budget.steps, self.messages, budget, self.limits)
+        budget.add(call)
+        return budget.steps, text, call, checked
+
+    def repeated(self, step, text, checked):
+        """The notice before the last repeat allowed; raises _Exit (stuck) at it."""
         try:
-            text, call = world.ask(step, messages, budget, limits)
-        finally:
-            budget.add(world.last_call)
-        feedback = _step(world, policy, step, text, call, checked, budget)
-        messages.append({"role": "assistant", "content": text})
-        if isinstance(feedback, dict):
-            return "proposal", feedback
-        key = _repeat_key(text)
-        repeats, last = (repeats + 1 if key == last else 1), key
-        if repeats >= limits["max_repeats"]:
-            world.record("stuck", {"step": step, "repeats": repeats, "unusable": key[1], "budget": checked})
-            return "stuck", None
-        if repeats == limits["max_repeats"] - 1:
-            feedback += (f"\nYou have sent the same {'unusable ' if key[1] else ''}reply {repeats} times in a row. "
-                         f"If the next one is the same again, the host ends the run: answer differently.")
-        messages.append({"role": "user", "content": feedback + "\n" + _budget_line(budget.left(world.elapsed()))})
+            parse_reply(text)
+            key = hashlib.sha256(text.strip().encode("utf-8", "surrogatepass")).hexdigest(), None
+        except Malformed as bad:
+            key = "", bad.reason
+        self.repeats, self.last = (self.repeats + 1 if key == self.last else 1), key
+        if self.repeats >= self.limits["max_repeats"]:
+            raise _Exit("stuck", "stuck", {"step": step, "repeats": self.repeats, "unusable": key[1],
+                                           "budget": checked})
+        if self.repeats < self.limits["max_repeats"] - 1:
+            return ""
+        return (f"\nYou have sent the same {'unusable ' if key[1] else ''}reply {self.repeats} times in a row. "
+                f"If the next one is the same again, the host ends the run: answer differently.")
 
+    def execute(self, step, text, call, checked):
+        world, policy, answer = self.world, self.policy, '{"tool": NAME, "args": {...}, "reason": TEXT}.'
+        try:
+            action, form = world.parse(step, text)
+            problem = rl.payload_problem({"args": action["args"], "reason": action["reason"]})
+        except Malformed as bad:
+            action, problem = None, bad.reason
+        if problem:  # unreadable; or nested too deep, a lone surrogate, too large: not recordable, so no action
+            world.record("proposal_malformed", {"step": step, "reason": problem if action is None else
+                                                f"the action cannot be recorded: {problem}",
+                                                "excerpt": _excerpt(text, 500), "budget": checked, "call": call})
+            if action is None:
+                return f"The host could not read your reply: {problem}. Answer with one JSON object {answer}"
+            return f"The host could not record your action ({problem}). Answer with one plain JSON object {answer}"
+        tool, args = action["tool"], action["args"]
+        world.record("model_proposed", {"step": step, "form": form, "tool": tool, "args": args,
+                                        "reason": action["reason"], "budget": checked, "call": call})
+        verdict = check_action(action, policy, world.resolver(step))
+        world.record("tool_allowed" if verdict.allowed else "tool_denied", {
+            "step": step, "tool": tool, "args": args, "rule": verdict.rule, "reason": verdict.reason,
+            "paths": verdict.paths})
+        if not verdict.allowed:
+            return f"Denied by the host: {tool}: {verdict.reason} (rule {verdict.rule}). Choose another action."
+        if tool == "propose_patch":
+            return self.propose(step, action)
+        plugin = policy.plugins.get(tool)
+        cap = plugin.output_bytes if plugin and plugin.output_bytes else policy.caps["output_bytes"]
+        output, shown = world.run_tool(step, tool, args, cap)
+        status = "timed out" if output.timed_out else f"exit {output.returncode}"
+        cut = f", {output.size:,} bytes, cut to {cap:,}" if output.size > cap else ""
+        return f"Result of {tool} ({status}{cut}):\n{shown}"
 
-def _repeat_key(text):
-    """(digest, None) of a readable reply, ("", reason) of an unusable one: equal keys are repeats."""
-    try:
-        parse_reply(text)
-    except Malformed as bad:
-        return "", bad.reason
-    return hashlib.sha256(text.strip().encode("utf-8", "surrogatepass")).hexdigest(), None
-
-
-def _step(world, policy, step, text, call, checked, budget):
-    """One reply: returns what to tell the model, or the accepted patch check."""
-    try:
-        action, form = world.parse(step, text)
-    except Malformed as bad:
-        world.record("proposal_malformed", {"step": step, "reason": bad.reason, "excerpt": _excerpt(text, 500),
-                                            "budget": checked, "call": call})
-        return (f"The host could not read your reply: {bad.reason}. Answer with one JSON object "
-                '{"tool": NAME, "args": {...}, "reason": TEXT}.')
-    tool, args = action["tool"], action["args"]
-    problem = rl.payload_problem({"args": args, "reason": action["reason"]})
-    if problem:  # nested too deep, a lone surrogate, too large: it could not be recorded, so it is not an action
-        world.record("proposal_malformed", {"step": step, "reason": f"the action cannot be recorded: {problem}",
-                                            "excerpt": _excerpt(text, 500), "budget": checked, "call": call})
-        return (f"The host could not record your action ({problem}). Answer with one plain JSON object "
-                '{"tool": NAME, "args": {...}, "reason": TEXT}.')
-    world.record("model_proposed", {"step": step, "form": form, "tool": tool, "args": args,
-                                    "reason": action["reason"], "budget": checked, "call": call})
-    verdict = check_action(action, policy, world.resolver(step))
-    common = {"step": step, "tool": tool, "args": args, "rule": verdict.rule, "reason": verdict.reason,
-              "paths": verdict.paths}
-    if not verdict.allowed:
-        world.record("tool_denied", common)
-        return f"Denied by the host: {tool}: {verdict.reason} (rule {verdict.rule}). Choose another action."
-    world.record("tool_allowed", common)
-    if tool == "propose_patch":
+    def propose(self, step, action):
+        args, world = action["args"], self.world
         check = world.check_patch(step, args["patch"])
         if not check["applies"]:
             rule = {"rule": check["rule"]} if check.get("rule") else {}
@@ -1691,14 +1460,7 @@ def _step(world, policy, step, text, call, checked, budget):
                                   "alternatives": list(args.get("alternatives") or []), "step": step,
                                   "patch_sha256": check["patch_sha256"], "proposal_sha256": check["proposal_sha256"],
                                   "recount": check["recount"], "files": check["files"]})
-        return check
-    output = world.execute(step, tool, args)
-    cap = policy.plugins[tool].output_bytes if tool in policy.plugins and policy.plugins[tool].output_bytes \
-        else policy.caps["output_bytes"]
-    shown = world.record_result(step, tool, output, cap)
-    status = "timed out" if output.timed_out else f"exit {output.returncode}"
-    cut = f", {output.size:,} bytes, cut to {cap:,}" if output.size > cap else ""
-    return f"Result of {tool} ({status}{cut}):\n{shown}"
+        raise _Exit("proposal", check=check)
 
 
 class LiveWorld:
@@ -1706,74 +1468,50 @@ class LiveWorld:
 
     def __init__(self, run, workspace, settings, started):
         self.run, self.ws, self.settings, self.started = run, workspace, settings, started
-        self.last_call = {"attempts": 0, "tokens": 0, "tokens_source": "estimated"}
         self.plan, self.shrunk_at = ContextPlan(workspace.policy.budget.get("context_tokens")), None
+        self.record, self.parse = run.append, _parse
 
     def elapsed(self):
         return time.monotonic() - self.started
 
-    def fit(self, step, messages, limits):
-        trimmed = _fit(messages, self.plan.chars(limits, len(messages)))
-        if trimmed:
-            self.record("context_trimmed", dict(trimmed, step=step))
-
-    def _shrink(self, step, messages, limits, record, sent):
-        """After an overflow answer: learn the window and ratio, then cut messages and max_tokens to fit."""
-        window, prompt = overflow_sizes(record["error_message"])
-        self.plan.learn(prompt, record["est_input_tokens"])
-        before = sum(len(m["content"]) for m in messages)
-        self.plan.know(window or (self.plan.tokens(messages) + sent) // 2)
-        trimmed = _fit(messages, self.plan.chars(limits, len(messages))) or {}
-        self.record("context_shrunk", dict(
-            trimmed, step=step, error_code=record["error_code"], stated_window=window, stated_prompt_tokens=prompt,
-            window_tokens=self.plan.window, before_chars=before, after_chars=sum(len(m["content"]) for m in messages),
-            before_max_tokens=sent, after_max_tokens=self.plan.max_tokens(limits, messages)))
-
-    def record(self, kind, payload):
-        return self.run.append(kind, payload)
-
     def resolver(self, step):
         return self.ws.resolve
 
-    def parse(self, step, text):
-        return parse_reply(text)
-
     def ask(self, step, messages, budget, limits):
         """One model turn through ask.chat(), which retries within the wall budget; a context overflow shrinks
-        the context once and asks again. Raises _Stop."""
-        self.last_call = call = {"attempts": 0, "tokens": 0, "tokens_source": "estimated", "latency_ms": 0.0}
-        sources, retries = set(), CALL_RETRIES
+        the context once and asks again. Raises _Exit."""
+        trimmed = _fit(messages, self.plan.chars(limits, len(messages)))
+        if trimmed:
+            self.record("context_trimmed", dict(trimmed, step=step))
+        call, sources = {"attempts": 0, "tokens": 0, "tokens_source": "estimated", "latency_ms": 0.0}, set()
 
         def tally(record, wait=None):  # every attempt counts against the budget, retries and overflows too
-            call["attempts"] += 1
-            call["latency_ms"] = round(call["latency_ms"] + (record["latency_ms"] or 0), 1)
             tokens, source = _call_tokens(record)
-            call["tokens"] += tokens
             sources.add(source)
-            call["tokens_source"] = _source(sources)
+            call.update(attempts=call["attempts"] + 1, tokens=call["tokens"] + tokens, tokens_source=_source(sources),
+                        latency_ms=round(call["latency_ms"] + (record["latency_ms"] or 0), 1))
+        retries = CALL_RETRIES
         record = self._chat(messages, budget, limits, retries, tally, "before model call")
         if _context_too_long(record) and self.shrunk_at != step:  # a second one for this step is an error
-            self.shrunk_at = step
-            self._shrink(step, messages, limits, record, record["max_tokens"])
-            retries = max(0, CALL_RETRIES - record["attempt"])  # the attempts before the shrink count
+            self.shrunk_at, retries = step, max(0, CALL_RETRIES - record["attempt"])  # the attempts before count
+            self._shrink(step, messages, limits, record)
             record = self._chat(messages, budget, limits, retries, tally, "model call")
         if not record["error_type"]:
             self.plan.learn(record["input_tokens"], record["est_input_tokens"])
             call["reply_sha256"] = hashlib.sha256(record["text"].encode("utf-8", "surrogatepass")).hexdigest()
             call["reply_artifact"] = self.run.store_artifact(record["text"])
-            return record["text"], dict(call)
+            return record["text"], call
         # a timeout at the wall, or a retry ask.chat left undone (it does only when the wall has no time for it)
         if (record["error_type"] == "timeout" and self.elapsed() >= limits["max_wall_s"] - ask.MIN_ATTEMPT_S) or (
                 ask.retryable(record) and record["attempt"] <= retries):
             raise self._out_of_wall(budget, limits, "model call")
         code = f" ({record['error_code']})" if record["error_code"] else ""
-        raise _Stop("error", "error", {"type": "ModelEndpointError", "stage": "model",
+        raise _Exit("error", "error", {"type": "ModelEndpointError", "stage": "model",
                                        "message": f"the model endpoint failed: {record['error_type']}{code}: "
                                                   f"{record['error_message']}",
                                        "error_type": record["error_type"], "error_code": record["error_code"]})
 
     def _chat(self, messages, budget, limits, retries, tally, during):
-        """ask.chat() with its retries, each attempt's timeout cut to the wall budget; every attempt tallied."""
         if limits["max_wall_s"] - self.elapsed() < ask.MIN_ATTEMPT_S:  # no call is made now
             raise self._out_of_wall(budget, limits, during)
         base_url, model, api_key = self.settings
@@ -1784,32 +1522,44 @@ class LiveWorld:
         tally(record)
         return record
 
+    def _shrink(self, step, messages, limits, record):
+        """After an overflow answer: learn the window and ratio, then cut messages and max_tokens to fit."""
+        window, prompt = overflow_sizes(record["error_message"])
+        self.plan.learn(prompt, record["est_input_tokens"])
+        before, sent = sum(len(m["content"]) for m in messages), record["max_tokens"]
+        self.plan.know(window or (self.plan.tokens(messages) + sent) // 2)
+        trimmed = _fit(messages, self.plan.chars(limits, len(messages))) or {}
+        self.record("context_shrunk", dict(
+            trimmed, step=step, error_code=record["error_code"], stated_window=window, stated_prompt_tokens=prompt,
+            window_tokens=self.plan.window, before_chars=before, after_chars=sum(len(m["content"]) for m in messages),
+            before_max_tokens=sent, after_max_tokens=self.plan.max_tokens(limits, messages)))
+
     def _out_of_wall(self, budget, limits, during):
-        return _Stop("budget_exhausted", "budget_exhausted", {
+        return _Exit("budget_exhausted", "budget_exhausted", {
             "limit": "max_wall_s", "used": round(self.elapsed(), 3), "max": limits["max_wall_s"],
             "budget": budget.snapshot(self.elapsed()), "during": during})
 
-    def execute(self, step, tool, args):
-        return self.ws.execute(tool, args)
-
-    def record_result(self, step, tool, output, cap):
-        """Record tool_result (digest, excerpt, output artifact); return the masked text the model sees."""
+    def run_tool(self, step, tool, args, cap):
+        """Run it, record tool_result (digest, excerpt, output artifact); (Output, the masked text the model sees)."""
+        output = self.ws.execute(tool, args)
         full = output.artifact_bytes()
-        artifact = self.run.store_artifact(full)
         shown = self.run.ledger.redactor.text(output.text(cap))
-        self.run.append("tool_result", {"step": step, "tool": tool, "returncode": output.returncode,
-                                        "timed_out": output.timed_out, "size": output.size,
-                                        "sha256": hashlib.sha256(full).hexdigest(), "truncated": output.size > cap,
-                                        "duration_ms": output.duration_ms, "output_artifact": artifact,
-                                        "excerpt": _excerpt(shown, 800), **(output.sandbox or {})})
-        return shown
+        self.record("tool_result", {"step": step, "tool": tool, "returncode": output.returncode,
+                                    "timed_out": output.timed_out, "size": output.size,
+                                    "sha256": hashlib.sha256(full).hexdigest(), "truncated": output.size > cap,
+                                    "duration_ms": output.duration_ms, "output_artifact": self.run.store_artifact(full),
+                                    "excerpt": _excerpt(shown, 800), **(output.sandbox or {})})
+        return output, shown
 
     def check_patch(self, step, patch):
         return check_patch(self.ws.root, patch, self.run.ledger.redactor, self.ws.policy, self.ws.resolve)
 
 
+def _parse(step, text):
+    return parse_reply(text)
+
+
 def _call_tokens(record):
-    """(tokens, source) of one model call: reported where the server gave them, else estimated."""
     if record["total_tokens"] is not None:
         return record["total_tokens"], "reported"
     if record["input_tokens"] is not None and record["output_tokens"] is not None:
@@ -1822,8 +1572,7 @@ def _context_too_long(record):
         return True
     return record["http_status"] in (400, 413, 422) and bool(re.search(
         r"context.?length|maximum context|context window|context size|too many tokens|prompt is too long|"
-        r"reduce the length",
-        record["error_message"] or "", re.I))
+        r"reduce the length", record["error_message"] or "", re.I))
 
 
 # What git does with a patch: paths (a rename as both), added paths, special (a symlink or a submodule), and
@@ -1834,14 +1583,14 @@ GitReading = collections.namedtuple("GitReading", "paths added special blobs", d
 def git_reading(tree, patch_bytes, flags, env):
     """The patch as git applies it to a throwaway index of `tree`, the reading the rules trust; None if not."""
     with tempfile.TemporaryDirectory(prefix="agent-index-", dir=Path(tree).parent) as scratch:
-        index_env = dict(env, GIT_INDEX_FILE=os.path.join(scratch, "index"))
-
-        def run(*args, data=None):
-            return subprocess.run(["git", "-C", str(tree), *args], input=data, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, env=index_env, timeout=120)
-        if run("read-tree", "HEAD").returncode or run("apply", "--cached", *flags, "-", data=patch_bytes).returncode:
+        env = dict(env, GIT_INDEX_FILE=os.path.join(scratch, "index"))
+        try:
+            git(tree, "read-tree", "HEAD", env=env)
+            git(tree, "apply", "--cached", *flags, "-", input=patch_bytes, env=env)
+        except RepoError:
             return None
-        raw = run("diff", "--cached", "--raw", "-z", "--no-renames", "--no-ext-diff", "HEAD").stdout
+        raw = git(tree, "diff", "--cached", "--raw", "-z", "--no-renames", "--no-ext-diff", "HEAD", env=env,
+                  check=False)
     fields = raw.split(b"\0")
     paths, added, special, blobs = [], [], False, {}
     for meta, name in zip(fields[0::2], fields[1::2]):  # ":old_mode new_mode old_sha new_sha status", path
@@ -1857,21 +1606,18 @@ def git_reading(tree, patch_bytes, flags, env):
     return GitReading(paths, added, special, blobs)
 
 
-def check_patch(scratch, patch, redactor, policy=None, resolve=None):
-    """Does the patch apply (`git apply --check`, then `--recount`) and pass the path rules? The proposal."""
+def check_patch(scratch, patch, redactor, policy, resolve):
+    """Does the patch apply (`git apply --check`, then `--recount`) and pass the path rules and tripwires? The
+    proposal is git's own diff when it took --recount."""
     patch_bytes = patch.encode("utf-8", "surrogateescape")
     result = {"applies": False, "recount": False, "message": "", "files": patch_files(patch)[0],
               "patch_sha256": hashlib.sha256(patch_bytes).hexdigest(), "proposal_sha256": None, "proposal": None}
     if any(value in patch for value in redactor.values):  # the proposal is written as is: refuse, never mask
-        result["rule"] = "patch.secret"
-        result["message"] = ("the patch holds the value of a secret (from the environment or a .env file); a "
-                             "patch must not (rule patch.secret)")
-        return result
+        return dict(result, rule="patch.secret", message="the patch holds the value of a secret (from the environment "
+                    "or a .env file); a patch must not (rule patch.secret)")
     with tempfile.TemporaryDirectory(prefix="agent-patch-", dir=Path(scratch).parent) as work:
-        clone = Path(work) / "tree"
-        env = _scratch_git_env(work)
-        subprocess.run(["git", "clone", "-q", "--no-hardlinks", str(scratch), str(clone)], env=env, check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=300)
+        clone, env = Path(work) / "tree", _scratch_git_env(work)
+        git(work, "clone", "-q", "--no-hardlinks", str(scratch), str(clone), env=env, timeout=300)
         for flags in ([], ["--recount"]):
             proc = subprocess.run(["git", "-C", str(clone), "apply", "--check", "--verbose", *flags, "-"],
                                   input=patch_bytes, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
@@ -1880,30 +1626,23 @@ def check_patch(scratch, patch, redactor, policy=None, resolve=None):
                 break
             if not result["message"]:
                 result["message"] = redactor.text(proc.stdout.decode("utf-8", "replace").strip())[-1500:]
-        if proc.returncode != 0:
+        else:
             return result
         reading = git_reading(clone, patch_bytes, flags, env)
         refusal = _refuse_git_reading(reading, policy, resolve)
-        fired = tripwires(clone, reading, policy.tripwires, env) if policy is not None and not refusal else []
+        fired = [] if refusal else tripwires(clone, reading, policy.tripwires, env)
         if fired:
             refusal = (f"the patch trips {fired[0]['rule']} ({fired[0]['path']}: {fired[0]['what']}); a fix must "
                        f"not need it: change the code without it (rule {fired[0]['rule']})")
         if refusal:
-            result["message"] = refusal
-            return result
-        result["applies"], result["recount"], result["files"] = True, bool(flags), reading.paths
+            return dict(result, message=refusal)
+        proposal = patch_bytes
         if flags:
-            subprocess.run(["git", "-C", str(clone), "apply", *flags, "-"], input=patch_bytes, env=env, check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120)
-            subprocess.run(["git", "-C", str(clone), "add", "-A"], env=env, check=True, timeout=120)
-            proposal = subprocess.run(["git", "-C", str(clone), "diff", "--cached", "--no-color"], env=env,
-                                      stdout=subprocess.PIPE, check=True, timeout=120).stdout
-        else:
-            proposal = patch_bytes
-    result["message"] = ""
-    result["proposal"] = proposal
-    result["proposal_sha256"] = hashlib.sha256(proposal).hexdigest()
-    return result
+            git(clone, "apply", *flags, "-", input=patch_bytes, env=env)
+            git(clone, "add", "-A", env=env)
+            proposal = git(clone, "-c", "core.quotepath=true", "diff", "--cached", "--no-color", env=env)  # git's own
+    return dict(result, applies=True, recount=bool(flags), files=reading.paths, proposal=proposal,
+                proposal_sha256=hashlib.sha256(proposal).hexdigest())
 
 
 def _shadows_a_module(path):
@@ -1920,14 +1659,13 @@ def _shadows_a_module(path):
 
 
 def _refuse_git_reading(reading, policy, resolve):
-    """Why the paths and modes git reads in a patch are refused, or None."""
     if reading is None:
         return "git cannot apply this patch to the baseline's index"
     if reading.special:
         return "git reads this patch as making a symlink or a submodule (rule patch.mode)"
     if not reading.paths:
         return "git reads no file in this patch (rule patch.no_files)"
-    for name in reading.paths if policy is not None else ():
+    for name in reading.paths:
         try:
             check_path(name, policy, resolve, {}, what="a file in the patch,")
         except _Deny as deny:
@@ -1989,17 +1727,15 @@ def run_agent(repo, *, settings, ref=None, runs_dir=DEFAULT_RUNS, tools=DEFAULT_
               max_wall_s=None, run_id=None, origin=None):
     """One run on `repo`: (outcome, run_id, proposal path or None). Failures after open are recorded."""
     policy = load_policy(tools)
-    if max_steps is not None:
-        policy.budget["max_steps"] = max_steps
-    if max_wall_s is not None:
-        policy.budget["max_wall_s"] = max_wall_s
+    for name, value in (("max_steps", max_steps), ("max_wall_s", max_wall_s)):
+        if value is not None:
+            policy.budget[name] = value
     repo = repo_root(repo)
     commit = resolve_ref(repo, ref)
     run_id = run_id or rl.new_run_id()
     lock = take_lock(repo, run_id)
     try:
-        secrets = [settings[2]] + repo_secrets(repo, commit if ref else None)
-        run = rl.open_run(runs_dir, run_id=run_id, secrets=secrets)
+        run = rl.open_run(runs_dir, run_id=run_id, secrets=[settings[2]] + repo_secrets(repo, commit if ref else None))
         started = time.monotonic()
         scratch = Path(tempfile.mkdtemp(prefix=f"agent-{run.run_id}-"))  # every temp dir of the run is in it
         try:
@@ -2018,8 +1754,11 @@ def run_agent(repo, *, settings, ref=None, runs_dir=DEFAULT_RUNS, tools=DEFAULT_
         if _SIGNALS["noted"] and outcome != "error":
             outcome, proposal = "error", None
             _record_error(run, _terminated(" while the run was being closed"), "".join(traceback.format_stack()))
-        summary = _closing_summary(run, outcome)
-        run.close(outcome, **summary)
+        events = list(rl.read_events(run.ledger.path))
+        verdicts = [e["payload"].get("verdict") for e in events if e["kind"] == "judge_verdict"]
+        run.close(outcome, steps=sum(e["kind"] in ("model_proposed", "proposal_malformed") for e in events),
+                  proposal=PROPOSAL_NAME if (run.dir / PROPOSAL_NAME).exists() else None,
+                  verdict=verdicts[-1] if verdicts else None)
         return outcome, run.run_id, proposal
     finally:
         os.close(lock)
@@ -2028,14 +1767,6 @@ def run_agent(repo, *, settings, ref=None, runs_dir=DEFAULT_RUNS, tools=DEFAULT_
 def _record_error(run, exc, trace):
     run.append("error", {"type": type(exc).__name__, "message": rl.error_text(exc)[:2000],
                          "traceback_artifact": run.store_artifact(trace)})
-
-
-def _closing_summary(run, outcome):
-    events = list(rl.read_events(run.ledger.path))
-    verdicts = [e["payload"] for e in events if e["kind"] == "judge_verdict"]
-    proposed = [e for e in events if e["kind"] in ("model_proposed", "proposal_malformed")]
-    return {"steps": len(proposed), "proposal": PROPOSAL_NAME if (run.dir / PROPOSAL_NAME).exists() else None,
-            "verdict": verdicts[-1].get("verdict") if verdicts else None}
 
 
 def _remove_tree(path):
@@ -2051,20 +1782,21 @@ def _remove_tree(path):
 
 
 def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origin):
-    base_url, model, _key = settings
-    tree = scratch / "tree"
-    digest = snapshot(repo, commit if ref else None, tree)
-    dirty = bool(git(repo, "status", "--porcelain=v1", "-z", "--untracked-files=normal")) if not ref else False
-    tools_ref = _exact_artifact(run, policy.text, "tools.json")
+    base_url, model, api_key = settings
+    if any(value in policy.text for value in run.ledger.redactor.values):  # stored unmasked: replay reads it again
+        raise rl.UsageError("tools.json holds the value of a secret (the value is not shown); it cannot be recorded")
+    digest = snapshot(repo, commit if ref else None, scratch / "tree")
+    dirty = False if ref else bool(git(repo, "status", "--porcelain=v1", "-z", "--untracked-files=normal"))
     box = probe_sandbox(policy, _hidden_paths(repo, run.dir.parent))
     run.append("run_started", {
         "repo": str(repo), "ref": ref, "commit": commit, "dirty": dirty, "tree_digest": digest,
-        "tools_path": policy.source, "tools_sha256": policy.sha256, "tools_artifact": tools_ref,
+        "tools_path": policy.source, "tools_sha256": policy.sha256,
+        "tools_artifact": run.store_artifact(policy.text, redact_secrets=False),
         "model": model, "base_url": ask.split_base_url(base_url)[1], "budget": policy.budget,
         "test_command": policy.test_command, "agent_version": __version__,
         "python": sys.version.split()[0], **box.record(), **origin})
     require_box(box, policy)
-    workspace = Workspace(repo, commit if ref else None, tree, policy, run.ledger.redactor, box)
+    workspace = Workspace(repo, commit if ref else None, scratch / "tree", policy, run.ledger.redactor, box)
     baseline = _tests(run, workspace, scratch)
     broken = _test_command_broken(policy.test_command, baseline)
     if broken:
@@ -2080,41 +1812,23 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
     run.append("prompt_context", {"diff_artifact": run.store_artifact(diff), "diff_chars": len(diff)})
     messages = [{"role": "system", "content": system_prompt(policy)},
                 {"role": "user", "content": run.ledger.redactor.text(first_prompt(
-                    baseline["output"], diff, Budget(policy.budget).left(0.0)))}]
+                    baseline["output"], diff, Budget(policy.budget).line(0.0)))}]
     world = LiveWorld(run, workspace, settings, started)
     if policy.budget["context_tokens"] is None:
-        world.plan.know(_listed_window(run, settings, policy.budget["call_timeout_s"]))
-    try:
-        outcome, check = drive(world, policy, messages)
-    except _Stop as stop:
-        run.append(stop.kind, stop.payload)
-        return stop.outcome, None
+        listed = ask.list_models(ledger=run, base_url=base_url, api_key=api_key,
+                                 timeout=min(30, policy.budget["call_timeout_s"]))  # recorded as models_list
+        world.plan.know((listed.get("context_tokens") or {}).get(model))
+    outcome, check = drive(world, policy, messages)
     if outcome != "proposal":
         return outcome, None
     path = run.dir / PROPOSAL_NAME  # after the decision that accepted it: its exact bytes, never masked
-    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(check["proposal"])
+    path.touch(0o600, exist_ok=False)
+    path.write_bytes(check["proposal"])
     verdict = _judge_in_child(run, policy, scratch, box)
     return ("proposal_accepted" if verdict == "accept" else "proposal_rejected_by_judge"), path
 
 
-def _listed_window(run, settings, timeout):
-    """The model's context window as /models lists it (recorded as models_list), or None."""
-    base_url, model, api_key = settings
-    listed = ask.list_models(ledger=run, base_url=base_url, api_key=api_key, timeout=min(30, timeout))
-    return (listed.get("context_tokens") or {}).get(model)
-
-
-def _exact_artifact(run, text, what):
-    """Store text used again byte for byte, unmasked; refused when it holds a known secret value."""
-    if any(value in text for value in run.ledger.redactor.values):
-        raise rl.UsageError(f"{what} holds the value of a secret (the value is not shown); it cannot be recorded")
-    return run.store_artifact(text, redact_secrets=False)
-
-
 def _tests(run, workspace, scratch):
-    """Run the test command and record tests_run: exit code, duration, output, pytest's per-test outcomes."""
     (scratch / "out").mkdir(exist_ok=True)  # out/: the one host directory a box writes
     output, outcomes = workspace.run_tests(scratch / "out")
     payload = {"command": workspace.policy.test_command, "returncode": output.returncode,
@@ -2185,10 +1899,8 @@ def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
         raise rl.UsageError(f"{run_dir}: the run is closed; its verdict is in its ledger")
     started = next(e["payload"] for e in events if e["kind"] == "run_started")
     baseline = next(e["payload"] for e in events if e["kind"] == "tests_run")
-    decision = decisions[-1]
     policy = policy_from_text(_artifact_text(run_dir, started["tools_artifact"]), "the run's tools.json")
-    before = json.loads(_artifact_text(run_dir, baseline["outcomes_artifact"])) if baseline.get("outcomes_artifact") \
-        else None
+    before = baseline.get("outcomes_artifact") and json.loads(_artifact_text(run_dir, baseline["outcomes_artifact"]))
     patch = (run_dir / PROPOSAL_NAME).read_bytes()
     repo, commit = Path(started["repo"]), started["commit"] if started.get("ref") else None
     hide = _hidden_paths(repo, run_dir.parent)
@@ -2202,13 +1914,13 @@ def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
                        secrets=list(secrets) + repo_secrets(repo, commit))
     with tempfile.TemporaryDirectory(prefix="agent-judge-") as work:
         tree = Path(work) / "tree"
-        if hashlib.sha256(patch).hexdigest() != decision.get("proposal_sha256"):
+        if hashlib.sha256(patch).hexdigest() != decisions[-1].get("proposal_sha256"):
             verdict["reason"] = "proposal.patch is not the patch the decision accepted"
         elif snapshot(repo, commit, tree) != started["tree_digest"]:
             verdict["reason"] = "the repository changed since the run started; the judge cannot compare"
         else:
-            _judge_tree(Path(work), patch, policy, before, Workspace(repo, None, tree, policy, ledger.redactor, box),
-                        ledger, verdict)
+            _judge_tree(Path(work), patch, policy, before,
+                        Workspace(repo, None, tree, policy, ledger.redactor, box), ledger, verdict)
     ledger.append("judge_verdict", verdict)
     ledger.close()
     return verdict
@@ -2226,20 +1938,15 @@ def _judge_tree(work, patch, policy, before, workspace, ledger, verdict):
     proc = subprocess.run(["git", "-C", str(tree), "apply", "-"], input=patch, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, env=env, timeout=120)
     verdict["applies"] = proc.returncode == 0 and not reading.special
-    if reading.special:
-        verdict["reason"] = "git reads the patch as making a symlink or a submodule"
+    if reading.special or not verdict["applies"]:
+        verdict["reason"] = "git reads the patch as making a symlink or a submodule" if reading.special else \
+            "the patch does not apply: " + proc.stdout.decode("utf-8", "replace")[-500:]
         return
-    if not verdict["applies"]:
-        verdict["reason"] = "the patch does not apply: " + proc.stdout.decode("utf-8", "replace")[-500:]
-        return
-    plants = plant_known_answers(tree, policy, before) if policy.known_answers else "off"
-    if isinstance(plants, KnownAnswers):
-        verdict["known_answers"] = "planted"
+    plants = plant_known_answers(tree, policy, before) if policy.known_answers else None
+    if isinstance(plants, str):
+        verdict["known_answers"], verdict["known_answers_reason"], plants = "not planted", plants, None
     else:
-        verdict["known_answers"] = "off" if plants == "off" else "not planted"
-        if plants != "off":
-            verdict["known_answers_reason"] = plants
-        plants = None
+        verdict["known_answers"] = "planted" if plants else "off"
     (work / "out").mkdir()  # out/: the one directory of the judge's that the box may write
     output, after = workspace.run_tests(work / "out")
     after, passed, subverted = plants.read(output, after) if plants else (after, None, None)
@@ -2288,9 +1995,8 @@ def _rule(verdict, policy):
         return "reject", "judge.runner_subverted", (f"the test runner did not report the judge's known answers "
                                                     f"({verdict['runner_subverted']}): the patch subverts it")
     if verdict.get("results_missing"):
-        return "reject", "judge.results_missing", (
-            "the tests gave per-test results before the patch and none with it: the patch stops "
-            "or bypasses the test runner")
+        return "reject", "judge.results_missing", ("the tests gave per-test results before the patch and none with "
+                                                   "it: the patch stops or bypasses the test runner")
     if verdict["vanished"]:
         return "reject", "judge.tests_vanished", f"tests that ran before are gone or skipped: " \
                                                  f"{', '.join(verdict['vanished'][:5])}"
@@ -2311,6 +2017,8 @@ _PYTEST_VALUE_OPTS = {"-p", "-c", "-o", "-W", "-r", "--rootdir", "--confcutdir",
 _DESELECTING = {"-k", "-m", "--lf", "--last-failed", "--deselect", "-x", "--exitfirst", "--maxfail", "--sw",
                 "--stepwise", "--random-order", "--random-order-bucket", "--random-order-seed", "-f", "--failfast",
                 "-p randomly", "-p random_order"}
+_UNITTEST_VALUES = {"-s": "start", "--start-directory": "start", "-p": "pattern", "--pattern": "pattern",
+                    "-t": "top", "--top-level-directory": "top"}
 
 
 def _runner(argv):
@@ -2329,31 +2037,23 @@ def _runner(argv):
 
 def _unittest_discovery(args):
     """(start directory, pattern, why nothing can be planted or None) of `python -m unittest ARGS`."""
-    start, pattern, rest = ".", "test*.py", list(args)
-    if rest[:1] == ["discover"]:
-        rest, positional, index = rest[1:], [], 0
-        while index < len(rest):
-            arg = rest[index]
-            if arg in ("-s", "--start-directory", "-p", "--pattern", "-t", "--top-level-directory", "-k"):
-                if arg in ("-s", "--start-directory"):
-                    start = rest[index + 1] if index + 1 < len(rest) else start
-                elif arg in ("-p", "--pattern"):
-                    pattern = rest[index + 1] if index + 1 < len(rest) else pattern
-                elif arg == "-k":
-                    return start, pattern, "-k can deselect the known answers"
-                index += 2
-                continue
-            if not arg.startswith("-"):
-                positional.append(arg)
-            elif arg in _DESELECTING:
-                return start, pattern, f"{arg} can stop the run before the known answers run"
-            index += 1
-        start, pattern = (positional + [start])[0], (positional[1:] + [pattern])[0]
-    elif any(not a.startswith("-") for a in rest):
-        return start, pattern, "the test command names test modules"
-    elif any(a in _DESELECTING or a == "-k" for a in rest):
-        return start, pattern, "the test command can deselect or stop before the known answers"
-    return start, pattern, None
+    given, positional, rest = {"start": ".", "pattern": "test*.py"}, [], list(args[1:])
+    if args[:1] != ["discover"]:
+        why = ("the test command names test modules" if any(not a.startswith("-") for a in args) else
+               "the test command can deselect or stop before the known answers" if any(
+                   a in _DESELECTING for a in args) else None)
+        return given["start"], given["pattern"], why
+    while rest:
+        arg = rest.pop(0)
+        if arg == "-k":
+            return given["start"], given["pattern"], "-k can deselect the known answers"
+        if arg in _UNITTEST_VALUES:
+            given[_UNITTEST_VALUES[arg]] = rest.pop(0) if rest else given.get(_UNITTEST_VALUES[arg])
+        elif not arg.startswith("-"):
+            positional.append(arg)
+        elif arg in _DESELECTING:
+            return given["start"], given["pattern"], f"{arg} can stop the run before the known answers run"
+    return (positional + [given["start"]])[0], (positional[1:] + [given["pattern"]])[0], None
 
 
 def _runner_patterns(argv):
@@ -2361,13 +2061,10 @@ def _runner_patterns(argv):
     runner, args = _runner(argv)
     if runner == "pytest":
         return ["test_*.py", "*_test.py", "conftest.py"]
-    if runner == "unittest":
-        return ["test*.py", "tests.py", _unittest_discovery(args)[1]]
-    return []
+    return ["test*.py", "tests.py", _unittest_discovery(args)[1]] if runner == "unittest" else []
 
 
 def _pytest_why_not(args, tree):
-    """Why nothing can be planted for `pytest ARGS` in `tree`, or None."""
     index = 0
     while index < len(args):
         arg, option = args[index], args[index].split("=", 1)[0]
@@ -2404,7 +2101,6 @@ class KnownAnswers:
         """(per-test results less the plants, whether the project's tests pass, why the runner is not believed)."""
         if output.timed_out:
             return after, False, None
-        text = (output.head + output.tail).decode("utf-8", "replace")
         if self.runner == "pytest":
             mine = {t: o for t, o in (after or {}).items() if t.endswith((f"::{self.fail}", f"::{self.ok}"))}
             rest = None if after is None else {t: o for t, o in after.items() if t not in mine}
@@ -2414,12 +2110,13 @@ class KnownAnswers:
             why = None if ok else f"planted failure {got.get(self.fail, 'missing')}, planted pass " \
                                   f"{got.get(self.ok, 'missing')}, exit {output.returncode}"
             return rest, passed, why
-        named = re.findall(r"(?m)^(?:FAIL|ERROR): (\S+)", text)
+        text = (output.head + output.tail).decode("utf-8", "replace")
+        named, wrote = re.findall(r"(?m)^(?:FAIL|ERROR): (\S+)", text), f"known-answer-{self.token}" in text
         ran = re.search(r"(?m)^Ran \d+ tests? in ", text)
-        ok = named.count(self.fail) == 1 and f"known-answer-{self.token}" in text and ran and output.returncode == 1
+        ok = named.count(self.fail) == 1 and wrote and ran and output.returncode == 1
         why = None if ok else (f"planted failure {'reported' if self.fail in named else 'not reported'}, planted "
-                               f"pass {'ran' if f'known-answer-{self.token}' in text else 'did not run'}, "
-                               f"{'a' if ran else 'no'} Ran line, exit {output.returncode}")
+                               f"pass {'ran' if wrote else 'did not run'}, {'a' if ran else 'no'} Ran line, exit "
+                               f"{output.returncode}")
         return after, bool(ok) and named == [self.fail], why
 
     def label(self, text):
@@ -2432,8 +2129,7 @@ def plant_known_answers(tree, policy, before):
     """Plant a must-fail and a must-pass test where the runner collects; KnownAnswers, or why not."""
     import fnmatch
     runner, args = _runner(policy.test_command)
-    tag, token = os.urandom(6).hex(), os.urandom(12).hex()
-    plants = KnownAnswers(runner, tag, token)
+    tag = os.urandom(6).hex()
     if runner == "pytest":
         why = _pytest_why_not(args, tree)
         place = None if why else _collected_file(tree, before)
@@ -2452,9 +2148,11 @@ def plant_known_answers(tree, policy, before):
         where = tree / start
     else:
         return "the test runner is neither pytest nor unittest"
-    if name is None or not where.is_dir() or not _under(os.path.realpath(where), os.path.realpath(tree)):
-        return "no file name fits the runner's pattern for test files" if name is None else \
-            "the test directory is not inside the copy"
+    if name is None:
+        return "no file name fits the runner's pattern for test files"
+    if not where.is_dir() or not _under(os.path.realpath(where), os.path.realpath(tree)):
+        return "the test directory is not inside the copy"
+    plants = KnownAnswers(runner, tag, os.urandom(12).hex())
     (where / name).write_text(plants.source(), encoding="utf-8")
     return plants
 
@@ -2498,9 +2196,8 @@ def tripwires(tree, reading, enabled, env):
                     seen[(rule, what)] -= 1
                 else:
                     fired.append((rule, path, f"line {line}: {what}"))
-    fired = [f for f in fired if f[0] in enabled]
     fired.sort(key=lambda f: TRIPWIRES.index(f[0]))
-    return [{"rule": r, "path": p, "what": w} for r, p, w in fired]
+    return [{"rule": r, "path": p, "what": w} for r, p, w in fired if r in enabled]
 
 
 def _blob(tree, sha, env):
@@ -2508,7 +2205,6 @@ def _blob(tree, sha, env):
 
 
 def _dotted(node):
-    """`a.b.c` for a chain of attributes on a name, else None."""
     names = []
     while isinstance(node, ast.Attribute):
         names.append(node.attr)
@@ -2522,20 +2218,17 @@ def _py_tripwires(source):
         module = ast.parse(source)
     except (SyntaxError, ValueError):
         return []  # it does not compile: the tests say so
-    found = []
-    for node in ast.walk(module):
-        for rule, what in _node_tripwires(node):
-            found.append((rule, what, getattr(node, "lineno", 0)))
+    found = [(rule, what, getattr(node, "lineno", 0)) for node in ast.walk(module) for rule, what in
+             _node_tripwires(node)]
     for node in _import_time(module.body):
-        call = node.func if isinstance(node, ast.Call) else node.exc if isinstance(node, ast.Raise) else None
-        name = _dotted(call.func if isinstance(call, ast.Call) else call) if call is not None else None
+        target = node.func if isinstance(node, ast.Call) else node.exc
+        name = _dotted(target.func if isinstance(target, ast.Call) else target)
         if name in ("sys.exit", "exit", "quit", "SystemExit", "unittest.main", "os.abort"):
             found.append(("tripwire.exit_paths", f"{name} at import", node.lineno))
     return found
 
 
 def _node_tripwires(node):
-    """The tripwires one ast node fires, whatever its place."""
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         base = node.module or "" if isinstance(node, ast.ImportFrom) else ""
         names = [base] if base else []
@@ -2591,66 +2284,41 @@ def _call_tripwires(node):
             yield "tripwire.process_control", f"{keyword.arg}="
 
 
-def _import_time(body):
-    """Calls and raises that run at import: module and class bodies, not functions nor `__main__`."""
-    for stmt in body:
-        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+def _import_time(nodes):
+    """Calls and raises that run at import: in module and class bodies, not in functions, lambdas or `__main__`."""
+    for node in nodes:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             continue
-        if isinstance(stmt, ast.If) and "__name__" in ast.dump(stmt.test) and "__main__" in ast.dump(stmt.test):
-            yield from _import_time(stmt.orelse)
+        if isinstance(node, ast.If) and "__name__" in ast.dump(node.test) and "__main__" in ast.dump(node.test):
+            yield from _import_time(node.orelse)
             continue
-        if isinstance(stmt, ast.Raise):
-            yield stmt
-        inner = [getattr(stmt, f, []) for f in ("body", "orelse", "finalbody", "handlers")]
-        nested = [s for block in inner for s in block if isinstance(s, ast.stmt)]
-        handlers = [s for block in inner for s in block if isinstance(s, ast.excepthandler)]
-        yield from _import_time(nested + [s for h in handlers for s in h.body])
-        for part in _shallow(stmt):
-            if isinstance(part, ast.Call):
-                yield part
-
-
-def _shallow(stmt):
-    """The expressions of a statement itself, not of its nested statements or any function or lambda."""
-    todo = [child for child in ast.iter_child_nodes(stmt) if not isinstance(child, (ast.stmt, ast.excepthandler))]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.Lambda, ast.FunctionDef)):
-            continue
-        yield node
-        todo.extend(ast.iter_child_nodes(node))
+        if isinstance(node, (ast.Call, ast.Raise)):
+            yield node
+        yield from _import_time(ast.iter_child_nodes(node))
 
 
 # == Replay: the same decisions from the record, with no model, no tool and no network ==
 
-class _ReplayEnd(Exception):
-    """The recorded replies ran out."""
-
-
 class ReplayWorld:
-    """A recorded run as the host's world: replies, resolutions and clock from the ledger."""
+    """A recorded run as the host's world: replies, resolutions, git's answers and clock from the ledger."""
 
     def __init__(self, run_dir, events):
-        self.run_dir, self.produced = Path(run_dir), []
+        self.run_dir, self.produced, self.steps = Path(run_dir), [], 0
         self.replies, self.clock, self.paths, self.checks = [], [], {}, {}
-        self.last_call = {"attempts": 0, "tokens": 0, "tokens_source": "estimated"}
         for event in events:
             kind, payload = event["kind"], event["payload"]
+            if kind in ("model_proposed", "proposal_malformed", "budget_exhausted"):
+                self.clock.append(payload["budget"]["elapsed_s"])
             if kind in ("model_proposed", "proposal_malformed"):
                 self.replies.append(payload)
-                self.clock.append(payload["budget"]["elapsed_s"])
-            elif kind == "budget_exhausted":
-                self.clock.append(payload["budget"]["elapsed_s"])
             elif kind in ("tool_allowed", "tool_denied"):
                 self.paths.setdefault(payload["step"], {}).update(payload.get("paths") or {})
             elif kind == "patch_rejected":
                 self.checks[payload["step"]] = {"applies": False, "message": payload["message"],
                                                 "patch_sha256": payload["patch_sha256"], "rule": payload.get("rule")}
             elif kind == "decision" and payload.get("stage") == "proposal":
-                self.checks[payload["step"]] = {"applies": True, "recount": payload["recount"],
-                                                "files": payload["files"], "patch_sha256": payload["patch_sha256"],
-                                                "proposal_sha256": payload["proposal_sha256"], "message": ""}
-        self.steps = 0
+                self.checks[payload["step"]] = dict({k: payload[k] for k in ("recount", "files", "patch_sha256",
+                                                                             "proposal_sha256")}, applies=True)
 
     def elapsed(self):
         return self.clock[min(self.steps, len(self.clock) - 1)] if self.clock else 0.0
@@ -2662,14 +2330,11 @@ class ReplayWorld:
         recorded = {posixpath.normpath(g): r for g, r in reversed(list(self.paths.get(step, {}).items()))}
         return lambda norm: recorded.get(norm, norm)  # not resolved in the recorded run: taken at its word
 
-    def fit(self, step, messages, limits):
-        pass  # the recorded replies were what the model answered, whatever the messages held
-
-    def ask(self, step, messages, budget, limits):
+    def ask(self, step, messages, budget, limits):  # what the model answered, whatever the messages held
         if step > len(self.replies):
-            raise _ReplayEnd()
-        self.steps, self.last_call = step, self.replies[step - 1]["call"]
-        return _artifact_text(self.run_dir, self.last_call["reply_artifact"]), self.last_call
+            raise _Exit("replayed")
+        self.steps, call = step, self.replies[step - 1]["call"]
+        return _artifact_text(self.run_dir, call["reply_artifact"]), call
 
     def parse(self, step, text):
         """The action as the live run read it (the stored reply is masked, which can change how it parses)."""
@@ -2678,29 +2343,22 @@ class ReplayWorld:
             raise Malformed(payload["reason"])
         return {"tool": payload["tool"], "args": payload["args"], "reason": payload["reason"]}, payload["form"]
 
-    def execute(self, step, tool, args):
-        return _text_output(0, "(replayed: the recorded output is in the ledger)", time.monotonic())
-
-    def record_result(self, step, tool, output, cap):
-        return output.text(cap)
+    def run_tool(self, step, tool, args, cap):
+        return _text_output(0, "(replayed: the recorded output is in the ledger)", time.monotonic()), ""
 
     def check_patch(self, step, patch):
-        if step in self.checks:
-            return self.checks[step]
-        return {"applies": False, "message": "(not checked in the recorded run)", "patch_sha256": None,
-                "recount": False, "files": []}
+        return self.checks.get(step) or {"applies": False, "message": "(not checked in the recorded run)",
+                                         "patch_sha256": None, "recount": False, "files": []}
+
+
+# What replay compares of each decision, after its kind (budget_exhausted and stuck: the limit)
+_DECISION_FIELDS = {"tool_allowed": ("step", "tool", "rule"), "tool_denied": ("step", "tool", "rule"),
+                    "model_proposed": ("step", "tool"), "proposal_malformed": ("step",), "patch_rejected": ("step",),
+                    "decision": ("stage", "proposal_sha256")}
 
 
 def _decision_key(kind, payload):
-    if kind in ("tool_allowed", "tool_denied"):
-        return (kind, payload["step"], payload["tool"], payload["rule"])
-    if kind == "model_proposed":
-        return (kind, payload["step"], payload["tool"])
-    if kind in ("proposal_malformed", "patch_rejected"):
-        return (kind, payload["step"])
-    if kind == "decision":
-        return (kind, payload.get("stage"), payload.get("proposal_sha256"))
-    return (kind, payload.get("limit"))
+    return (kind, *(payload.get(field) for field in _DECISION_FIELDS.get(kind, ("limit",))))
 
 
 def replay_run(run_dir, tools=None):
@@ -2710,47 +2368,42 @@ def replay_run(run_dir, tools=None):
     started = next((e["payload"] for e in events if e["kind"] == "run_started"), None)
     if started is None:
         raise rl.UsageError(f"{run_dir}: no run_started event: not an agent run")
-    recorded_policy = policy_from_text(_artifact_text(run_dir, started["tools_artifact"]), "the run's tools.json")
-    policy = load_policy(tools) if tools else recorded_policy
+    policy = load_policy(tools) if tools else policy_from_text(_artifact_text(run_dir, started["tools_artifact"]),
+                                                               "the run's tools.json")
     if tools is None:  # a run recorded before max_repeats existed was never stopped for repeating itself
         policy.budget = {**DEFAULT_BUDGET, "max_repeats": float("inf"), **started["budget"]}
     world = ReplayWorld(run_dir, events)
-    try:
-        drive(world, policy, [{"role": "system", "content": ""}, {"role": "user", "content": ""}])
-    except (_ReplayEnd, _Stop):
-        pass
+    drive(world, policy, [{"role": "system", "content": ""}, {"role": "user", "content": ""}])
     recorded = [(e["seq"], _decision_key(e["kind"], e["payload"]), e) for e in events if e["kind"] in DECISION_KINDS]
     produced = [_decision_key(k, p) for k, p in world.produced if k in DECISION_KINDS]
-    proposal = run_dir / PROPOSAL_NAME
     divergences = []
-    for i, (seq, key, event) in enumerate(recorded):
+    for i in range(max(len(recorded), len(produced))):
+        seq, key = recorded[i][:2] if i < len(recorded) else (None, None)
         got = produced[i] if i < len(produced) else None
         if got != key:
             divergences.append((seq, key, got))
             break
-    else:
-        if len(produced) > len(recorded):
-            divergences.append((None, None, produced[len(recorded)]))
-    decided = [e["payload"] for _s, _k, e in recorded if e["kind"] == "decision"]
-    if decided and proposal.exists() and hashlib.sha256(proposal.read_bytes()).hexdigest() != decided[-1].get(
-            "proposal_sha256"):
-        divergences.append((None, ("proposal.patch", decided[-1].get("proposal_sha256")),
-                            ("proposal.patch", hashlib.sha256(proposal.read_bytes()).hexdigest())))
-    flips = []
-    if tools is not None:
-        tools_at = {k[1]: k for k in produced if k[0] in ("tool_allowed", "tool_denied")}
-        for seq, key, event in recorded:
-            now = tools_at.get(key[1]) if key[0] in ("tool_allowed", "tool_denied") else None
-            if now is not None and (now[0], now[3]) != (key[0], key[3]):
-                p = event["payload"]
-                flips.append(f"seq {seq} step {key[1]}: {p['tool']} {json.dumps(p['args'], ensure_ascii=False)[:120]}: "
-                             f"{key[0][5:]} by {key[3]} -> {now[0][5:]} by {now[3]}")
-        recorded_budget = [k for _s, k, _e in recorded if k[0] == "budget_exhausted"]
-        produced_budget = [k for k in produced if k[0] == "budget_exhausted"]
-        if produced_budget != recorded_budget:
-            flips.append(f"budget: {recorded_budget[0][1] if recorded_budget else 'not exhausted'} -> "
-                         f"{produced_budget[0][1] if produced_budget else 'not exhausted'}")
-    return divergences, flips
+    decided = [e["payload"].get("proposal_sha256") for _s, _k, e in recorded if e["kind"] == "decision"]
+    proposal = run_dir / PROPOSAL_NAME
+    digest = hashlib.sha256(proposal.read_bytes()).hexdigest() if decided and proposal.exists() else None
+    if digest and digest != decided[-1]:
+        divergences.append((None, ("proposal.patch", decided[-1]), ("proposal.patch", digest)))
+    return divergences, (_flips(recorded, produced) if tools is not None else [])
+
+
+def _flips(recorded, produced):
+    flips, tools_at = [], {k[1]: k for k in produced if k[0] in ("tool_allowed", "tool_denied")}
+    for seq, key, event in recorded:
+        now = tools_at.get(key[1]) if key[0] in ("tool_allowed", "tool_denied") else None
+        if now is not None and (now[0], now[3]) != (key[0], key[3]):
+            p = event["payload"]
+            flips.append(f"seq {seq} step {key[1]}: {p['tool']} {json.dumps(p['args'], ensure_ascii=False)[:120]}: "
+                         f"{key[0][5:]} by {key[3]} -> {now[0][5:]} by {now[3]}")
+    ends = [[k[1] for k in keys if k[0] == "budget_exhausted"] for keys in ([k for _s, k, _e in recorded], produced)]
+    if ends[0] != ends[1]:
+        was, now = (end[0] if end else "not exhausted" for end in ends)
+        flips.append(f"budget: {was} -> {now}")
+    return flips
 
 
 # == The record of runs ========================================================
@@ -2759,11 +2412,9 @@ def list_runs(runs_dir):
     """One row per run: id, started, outcome, steps, tokens, and whether it verifies against the index."""
     import audit  # its run summaries: one reader of the agent's events
     runs_dir = Path(runs_dir)
-    status = {}
-    for path, result in rl.verify_runs(runs_dir):
-        if Path(path).name == rl.EVENTS_NAME:
-            status[Path(path).parent.name] = "ok" if isinstance(result, rl.Verified) else (
-                "FAIL" if isinstance(result, rl.IntegrityError) else "ERROR")
+    status = {Path(path).parent.name: "ok" if isinstance(result, rl.Verified) else
+              "FAIL" if isinstance(result, rl.IntegrityError) else "ERROR"
+              for path, result in rl.verify_runs(runs_dir) if Path(path).name == rl.EVENTS_NAME}
     summary = audit.Audit()
     for events in sorted(runs_dir.glob(f"*/{rl.EVENTS_NAME}")):
         if status.get(events.parent.name) == "ok":
@@ -2792,7 +2443,6 @@ def run_reason(events):
 
 
 def _tokens_cell(row):
-    """Reported tokens as 1,234; estimated ones as 1,234~; none as -."""
     if row["tokens"] is None:
         return "-"
     return f"{row['tokens']:,}" + ("~" if row["tokens_source"] == "estimated" else "")

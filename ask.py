@@ -14,13 +14,12 @@ MODEL_ID (--model). Optional: LEDGER (--ledger, default ./calls.jsonl), LEDGER_R
 Exit codes: 0 ok, 1 the call failed, 2 usage/config/ledger error, 3 answer received but a check failed,
 5 stdout could not be written (the call is recorded).
 
-Library (the one code path for a model call; agent.py uses it):
-  record = ask.chat([{"role": "user", "content": "2+2?"}], ledger=ledger_or_run_or_path,
-                    base_url=..., model=..., api_key=..., max_tokens=200)
-  record["text"], record["error_type"]
+Library (the one code path for a model call; agent.py uses it): ask.chat(messages, ledger=..., base_url=...,
+model=..., api_key=...) returns the last attempt's record plus "text" (docs/ask.md).
 """
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -98,8 +97,7 @@ class ConfigError(rl.UsageError):
 
 
 class RecordError(rl.UsageError):
-    """The call was made but its ledger line could not be written; `.record` holds what was received, answer
-    included, so a paid answer is never thrown away."""
+    """The call was made but its ledger line could not be written; `.record` holds what was received."""
 
     def __init__(self, message, record):
         super().__init__(message)
@@ -118,8 +116,7 @@ class _CallFailed(Exception):
 
 
 def settings_from_env(base_url=None, model=None, api_key=None, environ=None, need_model=True):
-    """(base_url, model, api_key) from flags, then BASE_URL/MODEL_ID/API_KEY and the OPENAI_* names; there are
-    no defaults. Raises ConfigError naming every missing setting, or for a malformed key or URL."""
+    """(base_url, model, api_key) from flags, then the environment; no defaults. Raises ConfigError."""
     env = os.environ if environ is None else environ
     base_url = base_url or env.get("BASE_URL") or env.get("OPENAI_BASE_URL")
     model = model or env.get("MODEL_ID")
@@ -137,30 +134,23 @@ def settings_from_env(base_url=None, model=None, api_key=None, environ=None, nee
 
 
 def check_api_key(api_key):
-    """The key goes into an HTTP header: refuse what would break it or send something else."""
-    if api_key != api_key.strip():
-        raise ConfigError("API_KEY has white space or a line break around it; remove it (the key is not shown)")
-    if not re.fullmatch(r"[\x21-\x7e]+", api_key):
-        raise ConfigError("API_KEY must be printable ASCII without spaces or line breaks (the key is not shown)")
+    if not re.fullmatch(r"[\x21-\x7e]+", api_key):  # it goes into an HTTP header
+        raise ConfigError("API_KEY must be printable ASCII, with no white space or line break in or around it "
+                          "(the key is not shown)")
 
 
 def split_base_url(base_url):
     """(request_base, recorded_base, host, port): the first keeps a query string (api-version=...), the
     recorded one drops user:password, query and fragment. Raises ConfigError for a bad URL."""
     safe = rl.redact_text(re.split(r"[?#]", base_url, maxsplit=1)[0])  # no query, fragment or credentials
-    if re.search(r"[\x00-\x20\x7f]", base_url):
-        raise ConfigError(f"BASE_URL has white space or a control character in it: {safe!r}")
     try:
         parts = urllib.parse.urlsplit(base_url)
-    except ValueError:
-        raise ConfigError(f"BASE_URL is not a URL: {safe!r}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"BASE_URL must be an http(s) URL like https://host/v1, not {safe!r}")
-    try:
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        parts.hostname.encode("idna")
+        (parts.hostname or "").encode("idna")
     except (ValueError, UnicodeError):
         raise ConfigError(f"BASE_URL has a bad host or port: {safe!r}") from None
+    if re.search(r"[\x00-\x20\x7f]", base_url) or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"BASE_URL must be an http(s) URL like https://host/v1, with no white space, not {safe!r}")
     host = parts.hostname
     netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
     path = parts.path.rstrip("/")
@@ -178,10 +168,9 @@ def _check_number(name, value, minimum=None, above=None):
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"{name} must be a finite number, not {value!r}")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{name} must be at least {minimum}")
-    if above is not None and value <= above:
-        raise ConfigError(f"{name} must be greater than {above}")
+    if (minimum is not None and value < minimum) or (above is not None and value <= above):
+        raise ConfigError(f"{name} must be {'at least' if above is None else 'greater than'} "
+                          f"{minimum if above is None else above}")
 
 # --- What a server says ---
 
@@ -191,58 +180,49 @@ def estimate_tokens(chars):
 
 
 def _count(value):
-    """A reported token count: a non-negative int, else None (never 0 by default, never a guess)."""
-    return value if type(value) is int and 0 <= value < 2 ** 63 else None
+    return value if type(value) is int and 0 <= value < 2 ** 63 else None  # never 0 by default, never a guess
 
 
 def _code(value):
-    """A server's error code as recorded: a string or number, cut to 100 characters."""
     return str(value)[:100] if isinstance(value, (str, int)) and not isinstance(value, bool) else None
 
 
 def parse_usage(usage):
     """Reported usage only. Returns the fields and usage_status: complete/partial/zero/absent/malformed."""
-    fields = {"usage_reported": False, "usage_status": "absent" if usage is None else "malformed"}
-    names = ("input_tokens", "output_tokens", "total_tokens", "cached_input_tokens", "reasoning_output_tokens")
-    fields.update(dict.fromkeys(names))
-    if not isinstance(usage, dict):
-        return fields
+    got = usage if isinstance(usage, dict) else {}
 
-    def details(*keys):
-        found = next((usage[key] for key in keys if usage.get(key)), {})
-        return found if isinstance(found, dict) else {}
-    fields.update(input_tokens=_count(usage.get("prompt_tokens", usage.get("input_tokens"))),
-                  output_tokens=_count(usage.get("completion_tokens", usage.get("output_tokens"))),
-                  total_tokens=_count(usage.get("total_tokens")),
-                  cached_input_tokens=_count(details("prompt_tokens_details", "input_tokens_details")
-                                             .get("cached_tokens")),
-                  reasoning_output_tokens=_count(details("completion_tokens_details", "output_tokens_details")
-                                                 .get("reasoning_tokens")))
-    known = [fields[name] for name in names[:3] if fields[name] is not None]
-    if known:
-        fields["usage_reported"] = True
-        fields["usage_status"] = "zero" if not any(known) else "partial" if len(known) < 3 else "complete"
-    return fields
+    def detail(keys, name):
+        found = next((got[key] for key in keys if got.get(key)), {})
+        return _count(found.get(name)) if isinstance(found, dict) else None
+    fields = {"input_tokens": _count(got.get("prompt_tokens", got.get("input_tokens"))),
+              "output_tokens": _count(got.get("completion_tokens", got.get("output_tokens"))),
+              "total_tokens": _count(got.get("total_tokens")),
+              "cached_input_tokens": detail(("prompt_tokens_details", "input_tokens_details"), "cached_tokens"),
+              "reasoning_output_tokens": detail(("completion_tokens_details", "output_tokens_details"),
+                                                "reasoning_tokens")}
+    known = [value for value in list(fields.values())[:3] if value is not None]
+    if usage is None or not known:
+        status = "absent" if usage is None else "malformed"
+    else:
+        status = "zero" if not any(known) else "partial" if len(known) < 3 else "complete"
+    return dict(fields, usage_reported=bool(known), usage_status=status)
 
 
 _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
 def _server_text(value, where, problems, limit=None):
-    """A string the server chose, made safe to record: None stays None; another type, a lone surrogate or
-    (with `limit`) an over-long value is noted in `problems` and repaired."""
-    if value is None:
-        return None
+    """A string the server chose, safe to record: another type, a lone surrogate or an over-long value is noted."""
     if type(value) is not str:
-        problems.append(f"{where} is a {type(value).__name__}, not a string")
+        if value is not None:
+            problems.append(f"{where} is a {type(value).__name__}, not a string")
         return None
     if _SURROGATE_RE.search(value):
         problems.append(f"{where} holds a lone surrogate (not Unicode text)")
         value = _SURROGATE_RE.sub("\ufffd", value)
     if limit is not None and len(value) > limit:
         problems.append(f"{where} was cut from {len(value)} to {limit} characters")
-        value = value[:limit]
-    return value
+    return value[:limit]
 
 
 def _content_text(content, where, problems):
@@ -261,29 +241,24 @@ def _content_text(content, where, problems):
 def retry_after_seconds(headers, now=None):
     """The server's requested wait: retry-after-ms, or Retry-After in seconds or as an HTTP date."""
     lower = {k.lower(): v for k, v in headers.items()} if headers else {}
-    try:
-        seconds = float(lower["retry-after-ms"]) / 1000.0
-    except (KeyError, TypeError, ValueError):
-        value = lower.get("retry-after")
-        if value is None:
-            return None
+    for name, scale in (("retry-after-ms", 1000.0), ("retry-after", 1.0)):
         try:
-            seconds = float(value)
-        except ValueError:
-            import email.utils  # only on this rare path
-            try:
-                moment = email.utils.parsedate_to_datetime(value)
-            except (TypeError, ValueError, IndexError):
-                return None
-            if moment is None:
-                return None
-            seconds = moment.timestamp() - (time.time() if now is None else now)
-    return max(0.0, seconds) if math.isfinite(seconds) else None
+            seconds = float(lower[name]) / scale
+            break
+        except (KeyError, TypeError, ValueError):
+            seconds = None
+    if seconds is None and "retry-after" in lower:
+        import email.utils  # only on this rare path
+        try:
+            moment = email.utils.parsedate_to_datetime(lower["retry-after"]).timestamp()
+        except (TypeError, ValueError, IndexError, AttributeError):
+            return None
+        seconds = moment - (time.time() if now is None else now)
+    return max(0.0, seconds) if seconds is not None and math.isfinite(seconds) else None
 
 
 def _error_from_body(raw, content_type):
-    """(message, code): the server's own error message and code from a JSON body, the <title> of an HTML
-    page, or the text."""
+    """(message, code): from a JSON error body, the <title> of an HTML page, or the text."""
     text = raw.decode("utf-8", "replace").strip()
     try:
         data = json.loads(text)
@@ -320,50 +295,43 @@ def run_checks(text, *, expect=None, expect_json=False, strict_model=False, requ
         ok = response_model == request_model
         results.append((ok, f"served model {'is' if ok else 'is not'} the requested one "
                             f"({response_model!r} vs {request_model!r})"))
-    if not results:
-        return None, None
-    return all(ok for ok, _ in results), "; ".join(detail for _, detail in results)
+    return (all(ok for ok, _ in results), "; ".join(detail for _, detail in results)) if results else (None, None)
 
 # --- Transport: no redirects, one deadline for the whole attempt, bounded reads ---
 
 
-def _classify(exc, deadline):
-    """(error_type, message) for a failure below a complete HTTP answer."""
+def _classify(exc, deadline):  # a failure below a complete HTTP answer
+    import ssl  # already loaded by urllib.request
+    reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
     if deadline.expired:
         return "timeout", f"no complete answer within {deadline.seconds:g} s (--timeout bounds the whole attempt)"
-    reason = getattr(exc, "reason", exc) if isinstance(exc, urllib.error.URLError) else exc
-    import ssl  # already loaded by urllib.request
     if isinstance(reason, (socket.timeout, TimeoutError)):
         return "timeout", "timed out"
     if isinstance(reason, socket.gaierror):
         return "dns_error", f"name resolution failed: {reason.strerror or reason}"
     if isinstance(reason, ConnectionRefusedError):
         return "connection_refused", "connection refused"
-    if isinstance(reason, (ssl.SSLError, ssl.CertificateError)):
+    if isinstance(reason, ssl.SSLError):
         return "tls_error", f"TLS error: {reason}"
     if isinstance(reason, http.client.IncompleteRead):
         return "truncated_response", f"the body was cut short ({len(reason.partial)} bytes arrived)"
-    if isinstance(reason, http.client.HTTPException):
-        detail = str(reason)[:200]
-        return "connection_error", f"broken HTTP answer: {type(reason).__name__}{': ' + detail if detail else ''}"
-    return "connection_error", f"{type(reason).__name__}: {reason}"
+    return "connection_error", f"{type(reason).__name__}: {str(reason)[:200]}"
 
 
-def _open(url, *, api_key, deadline, body=None, accept="application/json"):
-    """Send one request; return the response of a 2xx. Raises _CallFailed for anything else."""
-    headers = {"Authorization": f"Bearer {api_key}", "User-Agent": USER_AGENT, "Accept": accept}
-    data = None
+def _open(url, record, problems, *, api_key, deadline, limit, body=None):
+    """Send one request (GET without a body); return the response of a 2xx, its head in `record`. Raises
+    _CallFailed for anything else, or for a body announced over `limit`."""
+    stream = bool(body and body.get("stream"))
+    headers = {"Authorization": f"Bearer {api_key}", "User-Agent": USER_AGENT,
+               "Accept": "text/event-stream" if stream else "application/json"}
     if body is not None:
-        data = json.dumps(body).encode("ascii")  # \\u escapes: any text, lone surrogates included, goes out
         headers["Content-Type"] = "application/json"
-    request = urllib.request.Request(url, data=data, headers=headers, method="POST" if data else "GET")
+    data = None if body is None else json.dumps(body).encode("ascii")  # \u escapes: lone surrogates go out too
     try:
-        return rl.http_open(request, deadline)
+        response = rl.http_open(urllib.request.Request(url, data=data, headers=headers), deadline)
     except urllib.error.HTTPError as exc:
-        try:
+        with exc:
             raw = _read_body(exc, MAX_ERROR_BODY_BYTES, deadline, tolerant=True)
-        finally:
-            exc.close()
         if 300 <= exc.code < 400:
             location = exc.headers.get("Location", "") if exc.headers else ""
             host = urllib.parse.urlsplit(location).netloc.rpartition("@")[2][:200] or "(no Location)"
@@ -376,47 +344,44 @@ def _open(url, *, api_key, deadline, body=None, accept="application/json"):
                           code=code, body=raw) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         raise _CallFailed(*_classify(exc, deadline)) from None
+    record["http_status"] = response.status
+    _fill_head(record, response.headers, problems)
+    declared = response.headers.get("Content-Length", "")
+    if declared.isdigit() and int(declared) > limit:
+        response.close()
+        raise _CallFailed("response_too_large", f"the body announces {declared} bytes, over the {limit}-byte "
+                                                f"limit (--max-response-bytes)", response.status, response.headers)
+    return response
 
 
 def _read_body(response, limit, deadline, tolerant=False):
-    """The body, at most `limit` bytes, checked against Content-Length; `tolerant` (error bodies) returns
-    what arrived instead of failing."""
-    status = getattr(response, "status", None) or getattr(response, "code", None)
-    chunks, total = [], 0
+    """The body, at most `limit` bytes, checked against Content-Length, unless `tolerant` (an error's body)."""
+    failed = None
     try:
-        while True:
-            chunk = response.read(min(65536, limit + 1 - total))
-            if not chunk:
-                break
-            total += len(chunk)
-            if total > limit:
-                if tolerant:
-                    break
-                raise _CallFailed("response_too_large", f"the body is over the {limit}-byte limit "
-                                                        f"(--max-response-bytes)", status, response.headers)
-            chunks.append(chunk)
+        raw = response.read(limit + 1)
     except (OSError, http.client.HTTPException) as exc:
-        if tolerant:
-            return b"".join(chunks)
-        raise _CallFailed(*_classify(exc, deadline), status, response.headers) from None
-    if not tolerant and deadline.expired:
-        raise _CallFailed(*_classify(None, deadline), status, response.headers)
-    if not tolerant and getattr(response, "length", None):
-        raise _CallFailed("truncated_response", f"the body ended {response.length} bytes short of its "
-                                                f"Content-Length", status, response.headers)
-    return b"".join(chunks)
+        raw, failed = b"", _classify(exc, deadline)
+    if tolerant:
+        return raw[:limit]
+    if len(raw) > limit:
+        failed = "response_too_large", f"the body is over the {limit}-byte limit (--max-response-bytes)"
+    elif deadline.expired:
+        failed = _classify(None, deadline)
+    elif failed is None and response.length:
+        failed = "truncated_response", f"the body ended {response.length} bytes short of its Content-Length"
+    if failed is not None:
+        raise _CallFailed(*failed, response.status, response.headers)
+    return raw
 
 
-def _parse_json(raw, what, problems, status, headers, content_type=""):
+def _parse_json(raw, what, problems, status, headers):
     """A JSON object from raw bytes. NaN and Infinity are noted in problems and read as null."""
-    def constant(name):
-        problems.append(f"{name} in the {what}")
     try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=constant)
+        data = json.loads(raw.decode("utf-8"), parse_constant=lambda name: problems.append(f"{name} in the {what}"))
     except UnicodeDecodeError:
         raise _CallFailed("invalid_json", f"HTTP {status} but the {what} is not UTF-8", status, headers) from None
     except ValueError:
-        message = _error_from_body(raw, content_type)[0]
+        message = _error_from_body(raw, headers.get("Content-Type", ""))[0]
         error_type = "html_response" if message.startswith("an HTML page") else "invalid_json"
         raise _CallFailed(error_type, f"HTTP {status} but the {what} is not JSON: {message[:200]}", status,
                           headers) from None
@@ -444,32 +409,51 @@ def _new_record(model, recorded_base, host, port, stream, attempt, messages, opt
     system_chars = sum(map(len, system))
     prompt_chars = sum(len(m["content"]) for m in messages) - system_chars
     record = dict.fromkeys(MODEL_CALL_FIELDS)
-    record.update(parse_usage(None))
-    record.update({
-        "request_model": model, "base_url": recorded_base, "server_address": host, "server_port": port,
-        "stream": stream, "attempt": attempt,
-        "prompt_sha256": _sha256(users[-1] if users else ""), "prompt_chars": prompt_chars,
-        "system_chars": system_chars, "message_count": len(messages),
-        "messages_sha256": _sha256(json.dumps(messages, ensure_ascii=False, separators=(",", ":"))),
-        "est_input_tokens": estimate_tokens(prompt_chars + system_chars), "est_method": EST_METHOD,
-        "ratelimit": {}, "temperature": options.get("temperature"), "max_tokens": options.get("max_tokens"),
-    })
+    record.update(parse_usage(None), request_model=model, base_url=recorded_base, server_address=host,
+                  server_port=port, stream=stream, attempt=attempt, prompt_sha256=_sha256(users[-1] if users else ""),
+                  prompt_chars=prompt_chars, system_chars=system_chars, message_count=len(messages),
+                  messages_sha256=_sha256(json.dumps(messages, ensure_ascii=False, separators=(",", ":"))),
+                  est_input_tokens=estimate_tokens(prompt_chars + system_chars), est_method=EST_METHOD,
+                  ratelimit={}, temperature=options.get("temperature"), max_tokens=options.get("max_tokens"))
     if system:
         record["system_sha256"] = _sha256("\n".join(system))
     return record
 
 
 def _fill_ids(record, data, problems):
-    """response_model, response_id and system_fingerprint from an answer object or stream chunk."""
     for name, key in (("response_model", "model"), ("response_id", "id"), ("system_fingerprint", "system_fingerprint")):
         value = _server_text(data.get(key), key, problems, MAX_FIELD_CHARS)
         if value is not None:
             record[name] = value
 
 
+def _take(record, data, key, state, problems, status, headers):
+    """A whole answer (key "message") or a stream chunk ("delta") of chat, completions, the Responses API or
+    embeddings into record and state; returns its text (None for embeddings)."""
+    whole, kind, choices = key == "message", data.get("type"), data.get("choices")
+    if kind == "error" or (data.get("error") is not None and not (whole and (choices or data.get("output")))):
+        _api_error(data.get("error") or data, status, headers,
+                   f"HTTP {status} with an error body" if whole else "error in the stream")
+    if (whole and isinstance(data.get("output"), list)) or (type(kind) is str and kind.startswith("response.")):
+        return _take_response(record, data, whole, state, problems, status, headers)
+    _fill_ids(record, data, problems)
+    if whole or data.get("usage") is not None:
+        state["usage"] = data.get("usage")
+    if whole and data.get("object") == "list" and isinstance(data.get("data"), list):
+        state["tools"] = state["embedding"] = True  # an answer, without text
+        return None
+    if whole and (not isinstance(choices, list) or not choices):
+        raise _CallFailed("no_choices", f"HTTP {status} but the response has no choices", status, headers)
+    if type(choices or []) is not list:
+        problems.append(f"a stream chunk's choices is a {type(choices).__name__}, not a list")
+        return ""
+    return "".join(_choice_text(record, choice, key, "choices[0]" if whole else "a stream choice", state, problems)
+                   for choice in (choices[:1] if whole else choices or [])
+                   if whole or type(choice) is not dict or choice.get("index", 0) == 0)
+
+
 def _choice_text(record, choice, key, where, state, problems):
-    """One choice's text, whole (key "message") or a stream's piece (key "delta"), with its finish_reason
-    and whether it calls a tool."""
+    """One choice's text, whole or a stream's piece, with its finish_reason and whether it calls a tool."""
     if type(choice) is not dict:
         problems.append(f"{where} is a {type(choice).__name__}, not an object")
         return ""
@@ -487,89 +471,73 @@ def _choice_text(record, choice, key, where, state, problems):
     return _content_text(part.get("content"), f"{where}.{key}.content", problems)
 
 
-def _fill_from_completion(record, data, problems, status, headers, state):
-    """Fill `record` from a chat.completion, text_completion, Responses API response or embedding list;
-    return the answer text (None for embeddings). state["tools"] is set when the answer needs no text."""
-    choices = data.get("choices")
-    if data.get("error") is not None and not choices and not data.get("output"):
-        _api_error(data["error"], status, headers, f"HTTP {status} with an error body")
-    _fill_ids(record, data, problems)
-    record.update(parse_usage(data.get("usage")))
-    if data.get("object") == "list" and isinstance(data.get("data"), list):  # embeddings: input tokens only
-        if record["input_tokens"] is not None and record["output_tokens"] is None:
-            record["usage_status"] = "complete"
-        state["tools"] = True  # an answer, without text
-        return None
-    if isinstance(data.get("output"), list):  # the Responses API
-        record["finish_reason"] = _server_text(data.get("status"), "status", problems, MAX_FIELD_CHARS)
-        texts = []
-        for item in data["output"]:
-            if type(item) is not dict:
-                problems.append(f"an output item is a {type(item).__name__}, not an object")
-            elif item.get("type") == "message":
-                texts.append(_content_text(item.get("content"), "output[].content", problems))
-            else:
-                state["tools"] = state.get("tools") or item.get("type") == "function_call"
-        return "".join(texts)
-    if not isinstance(choices, list) or not choices:
-        raise _CallFailed("no_choices", f"HTTP {status} but the response has no choices", status, headers)
-    return _choice_text(record, choices[0], "message", "choices[0]", state, problems)
-
-
 _RESPONSE_DONE = ("response.completed", "response.incomplete", "response.failed")
 
 
-def _sse_events(response, limit, deadline):
-    """Yield (raw, data) per server-sent event, split at blank lines (and after `data: [DONE]`): raw is the
-    event as sent, data its data: lines (None if none). Lines and the whole stream are capped."""
-    status, headers = response.status, response.headers
-    raw, data, total = [], [], 0
-    while True:
-        line = response.readline(MAX_SSE_LINE_BYTES + 1)
-        if not line:
-            if data:
-                yield b"".join(raw), b"\n".join(data)
-            return
-        total += len(line)
-        if total > limit or (len(line) > MAX_SSE_LINE_BYTES and not line.endswith(b"\n")):
-            raise _CallFailed("response_too_large", f"the stream is over the {limit}-byte limit or has a line "
-                                                    f"over {MAX_SSE_LINE_BYTES} bytes", status, headers)
-        if not line.endswith(b"\n"):
-            raise _CallFailed("truncated_stream", "the stream was cut in the middle of an event", status, headers)
-        raw.append(line)
-        line = line.rstrip(b"\r\n")
-        if line.startswith(b"data:"):
-            data.append(line[5:].strip())
-        if (not line or data[-1:] == [b"[DONE]"]) and (data or len(raw) > 1 or line):
-            yield b"".join(raw), (b"\n".join(data) if data else None)
-            raw, data = [], []
-        if deadline.expired:
-            raise _CallFailed(*_classify(None, deadline), status, headers)
+def _take_response(record, data, whole, state, problems, status, headers):
+    """The Responses API: a whole response, or one of a stream's response.* events."""
+    kind = data.get("type")
+    if kind == "response.output_text.delta":
+        return _server_text(data.get("delta"), "delta", problems) or ""
+    response = data if whole else data.get("response")
+    if type(response) is dict:
+        _fill_ids(record, response, problems)
+        state["usage"] = response.get("usage", state.get("usage"))
+        if whole or kind in _RESPONSE_DONE:
+            record["finish_reason"] = _server_text(response.get("status"), "status", problems, MAX_FIELD_CHARS)
+            state["done"] = True
+        if kind == "response.failed":
+            _api_error(response.get("error"), status, headers, "the response failed")
+    texts = []
+    for item in data["output"] if whole else [data["item"]] if type(data.get("item")) is dict else []:
+        if type(item) is not dict:
+            problems.append(f"an output item is a {type(item).__name__}, not an object")
+        elif whole and item.get("type") == "message":
+            texts.append(_content_text(item.get("content"), "output[].content", problems))
+        else:
+            state["tools"] = state.get("tools") or item.get("type") == "function_call"
+    return "".join(texts)
 
 
 def _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state):
-    """Read server-sent events to [DONE], a finish_reason, or the Responses API's response.completed; return
-    the text. `relay(raw, chunk)` gets each event as it arrives (the proxy)."""
-    parts, status, headers = [], response.status, response.headers
+    """Read server-sent events to [DONE], a finish_reason or response.completed; return the text. Lines and
+    the stream are capped; `relay(raw, chunk)` gets each event as sent, as it arrives (the proxy)."""
+    status, headers = response.status, response.headers
+    parts, raw, data, total = [], [], [], 0
     try:
-        for raw, data in _sse_events(response, limit, deadline):
-            chunk = None
-            if data is not None and data != b"[DONE]":
-                chunk = _parse_json(data, "stream chunk", problems, status, headers) if data[:1] == b"{" else None
-                if chunk is None:
-                    problems.append(f"a stream chunk is not a JSON object: {data[:80]!r}")
-            if relay is not None:
-                relay(raw, chunk)
-            if data == b"[DONE]":
-                state["done"] = True
+        while not (state.get("done") or deadline.expired):
+            line = response.readline(MAX_SSE_LINE_BYTES + 1)
+            total += len(line)
+            if total > limit or (len(line) > MAX_SSE_LINE_BYTES and not line.endswith(b"\n")):
+                raise _CallFailed("response_too_large", f"the stream is over the {limit}-byte limit or has a line "
+                                                        f"over {MAX_SSE_LINE_BYTES} bytes", status, headers)
+            if line and not line.endswith(b"\n"):
+                raise _CallFailed("truncated_stream", "the stream was cut in the middle of an event", status, headers)
+            raw.append(line)
+            text = line.rstrip(b"\r\n")
+            if text.startswith(b"data:"):
+                data.append(text[5:].strip())
+            if line and ((text and data[-1:] != [b"[DONE]"]) or (not text and len(raw) == 1)):
+                continue  # the event goes on (a lone blank line goes out with the next one)
+            if not (line or data):
                 break
-            piece = _take_chunk(record, chunk, state, problems, status, headers) if chunk else ""
+            event, chunk = b"\n".join(data) if data else None, None
+            if event == b"[DONE]":
+                state["done"] = True
+            elif event is not None and event[:1] == b"{":
+                chunk = _parse_json(event, "stream chunk", problems, status, headers)
+            elif event is not None:
+                problems.append(f"a stream chunk is not a JSON object: {event[:80]!r}")
+            if relay is not None:
+                relay(b"".join(raw), chunk)
+            raw, data = [], []
+            piece = _take(record, chunk, "delta", state, problems, status, headers) if chunk else ""
             if piece:
                 if record["ttft_ms"] is None:
                     record["ttft_ms"] = _ms_since(started)
                 parts.append(piece)
                 on_text(piece)
-            if state.get("done"):
+            if not line:
                 break
         if deadline.expired:
             raise _CallFailed(*_classify(None, deadline), status, headers)
@@ -578,55 +546,12 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems, 
     finally:
         record["response_chars"] = sum(map(len, parts))
         record["est_output_tokens"] = estimate_tokens(record["response_chars"])
-        record.update(parse_usage(state.get("usage")))
     if not (state.get("done") or state.get("finished")):
         raise _CallFailed("truncated_stream", "the stream ended without a finish_reason or [DONE]", status, headers)
     return "".join(parts)
 
 
-def _take_chunk(record, chunk, state, problems, status, headers):
-    """One stream chunk (chat, completions or the Responses API) into record/state; returns its text."""
-    kind = chunk.get("type")
-    if chunk.get("error") is not None or kind == "error":
-        _api_error(chunk.get("error") or chunk, status, headers, "error in the stream")
-    if type(kind) is str and kind.startswith("response."):
-        item = chunk.get("item")
-        state["tools"] = state.get("tools") or (type(item) is dict and item.get("type") == "function_call")
-        if kind == "response.output_text.delta":
-            return _server_text(chunk.get("delta"), "delta", problems) or ""
-        response = chunk.get("response")
-        if type(response) is dict:
-            _fill_ids(record, response, problems)
-            state["usage"] = response.get("usage", state.get("usage"))
-            if kind in _RESPONSE_DONE:
-                record["finish_reason"] = _server_text(response.get("status"), "status", problems, MAX_FIELD_CHARS)
-                state["done"] = True
-            if kind == "response.failed":
-                _api_error(response.get("error"), status, headers, "the response failed")
-        return ""
-    _fill_ids(record, chunk, problems)
-    if chunk.get("usage") is not None:
-        state["usage"] = chunk["usage"]
-    choices = chunk.get("choices") or []
-    if type(choices) is not list:
-        problems.append(f"a stream chunk's choices is a {type(choices).__name__}, not a list")
-        return ""
-    return "".join(_choice_text(record, choice, "delta", "a stream choice", state, problems) for choice in choices
-                   if type(choice) is not dict or choice.get("index", 0) == 0)
-
-
-def _took(response, record, problems, limit):
-    """The head of a 2xx answer into `record`; a body announced too large raises."""
-    record["http_status"] = response.status
-    _fill_head(record, response.headers, problems)
-    declared = response.headers.get("Content-Length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise _CallFailed("response_too_large", f"the body announces {declared} bytes, over the {limit}-byte "
-                                                f"limit (--max-response-bytes)", response.status, response.headers)
-
-
 def _fill_head(record, headers, problems):
-    """request_id and the rate-limit headers (at most 32, each cut) of any answer."""
     record["request_id"] = _server_text(headers.get("x-request-id") or headers.get("request-id"),
                                         "request-id header", problems, MAX_FIELD_CHARS)
     record["ratelimit"] = limits = {}
@@ -637,50 +562,42 @@ def _fill_head(record, headers, problems):
 
 
 def _one_attempt(url, body, record, started, *, api_key, deadline, limit, on_text, problems, relay, state):
-    """Send once; fill `record` (all but latency_ms); return the answer text. Raises _CallFailed. `relay` gets
-    a stream's events, `state` the answer's status, headers and (parsed) raw body (the proxy's)."""
-    stream = bool(body.get("stream"))
-    response = _open(url, api_key=api_key, deadline=deadline, body=body,
-                     accept="text/event-stream" if stream else "application/json")
-    with response:
-        _took(response, record, problems, limit)
+    """Send once; fill `record` but latency_ms and `state` (status, headers, a parsed body's bytes); return the
+    text. Raises _CallFailed."""
+    with _open(url, record, problems, api_key=api_key, deadline=deadline, limit=limit, body=body) as response:
         state["status"], state["headers"] = response.status, response.headers
-        if stream:
-            if relay is not None:
-                relay.headers = response.headers
-            return _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state)
-        raw = _read_body(response, limit, deadline)
-        data = _parse_json(raw, "body", problems, response.status, response.headers,
-                           response.headers.get("Content-Type", ""))
-        state["raw"] = raw
-        return _fill_from_completion(record, data, problems, response.status, response.headers, state)
+        try:
+            if body.get("stream"):
+                if relay is not None:
+                    relay.headers = response.headers
+                return _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state)
+            raw = _read_body(response, limit, deadline)
+            data = _parse_json(raw, "body", problems, response.status, response.headers)
+            state["raw"] = raw
+            return _take(record, data, "message", state, problems, response.status, response.headers)
+        finally:
+            record.update(parse_usage(state.get("usage")))
+            if state.get("embedding") and record["input_tokens"] is not None and record["output_tokens"] is None:
+                record["usage_status"] = "complete"  # embeddings have input tokens only
 
 
 def _finish(record, started, text, failure, problems, redactor, answered=False):
-    """The finishing steps of every attempt, one-shot, proxied or refused: latency, sizes, problems and the
+    """The last steps of every attempt, one-shot, proxied, refused or /models: latency, sizes, problems and the
     failure, if any, into `record`. Returns the failure (None on success)."""
     record["latency_ms"] = _ms_since(started)  # to the end of the body, or to the failure
-    if text is not None and not record["stream"]:
+    if text is not None:
         record["response_chars"] = len(text)
         record["est_output_tokens"] = estimate_tokens(len(text))
     if problems:
         record["malformed"] = problems[:MAX_PROBLEMS]
-        if failure is None:
-            failure = _CallFailed("malformed_response", "the answer arrived but the body is malformed: "
-                                  + "; ".join(problems[:3]), record["http_status"])
+    if problems and failure is None:
+        failure = _CallFailed("malformed_response", "the answer arrived but the body is malformed: "
+                              + "; ".join(problems[:3]), record["http_status"])
     if failure is None and not answered and not text.strip():
         failure = _CallFailed("empty_content", f"HTTP {record['http_status']} but the answer is empty",
                               record["http_status"])
-    if failure is not None:
-        _record_failure(record, failure, redactor)
-    return failure
-
-
-def _ms_since(started):
-    return round((time.perf_counter() - started) * 1000, 1)
-
-
-def _record_failure(record, failure, redactor):
+    if failure is None:
+        return None
     record["error_type"] = failure.error_type
     record["error_message"] = redactor.text(failure.message)[:MAX_ERROR_CHARS]
     if failure.code is not None:
@@ -691,29 +608,30 @@ def _record_failure(record, failure, redactor):
         record["redirect_host"] = failure.redirect_host
     if failure.headers is not None:
         _fill_head(record, failure.headers, [])
+    return failure
+
+
+def _ms_since(started):
+    return round((time.perf_counter() - started) * 1000, 1)
 
 
 def retryable(record):
-    """Whether a failed attempt (its record) is worth retrying: a timeout, a dropped or cut answer, a busy or
-    broken server. A client error (bad key, unknown model, a malformed answer) is not."""
+    """Whether a failed attempt is worth retrying: a timeout, a dropped or cut answer, a busy or broken server."""
     return record["error_type"] in RETRYABLE_ERRORS or record["http_status"] in RETRYABLE_STATUS
 
 
 class _Printer:
-    """Calls the caller's on_text; if it raises, stops calling it and keeps the exception, so the attempt
-    still ends in its ledger line before the exception is raised again."""
+    """The caller's on_text; once it raises it is called no more, and the exception waits for the line."""
 
     def __init__(self, on_text):
-        self.on_text, self.raised, self.printed = on_text, None, False
+        self.on_text, self.raised = on_text, None
 
     def __call__(self, piece):
-        if self.on_text is None or self.raised is not None:
-            return
-        self.printed = True
-        try:
-            self.on_text(piece)
-        except Exception as exc:  # the caller's code: kept, and raised again once the line is written
-            self.raised = exc
+        if self.on_text is not None and self.raised is None:
+            try:
+                self.on_text(piece)
+            except Exception as exc:  # the caller's code: kept, and raised again once the line is written
+                self.raised = exc
 
 
 def _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, until):
@@ -737,18 +655,15 @@ def _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, unti
 def _attempts(url, body, new_record, append, *, api_key, timeout, limit, redactor, retries=0, checks=None,
               store=None, backoff=1.0, max_wait=60.0, on_text=None, on_retry=None, sleep=time.sleep, relay=None,
               tools_answer=False, until=None):
-    """Every attempt of one call, each one model_call line through `append`: retried on a retryable failure
-    (up to `retries`, within `until`, a time.monotonic() reading) and once without stream_options for a server
-    that refuses them. Returns (result, failure, state, relay) of the last attempt; result is its record plus
-    "text"."""
+    """Every attempt of one call, each one model_call line through `append`, retried as _retry_wait says.
+    Returns (result, failure, state, relay) of the last attempt; result is its record plus "text"."""
     attempt, dropped = 0, False
     while True:
         attempt += 1
         record, printer, out = new_record(attempt), _Printer(on_text), relay() if relay else None
         if dropped:
             record["stream_options_dropped"] = True
-        text, failure, problems, state = None, None, [], {}
-        started = time.perf_counter()
+        text, failure, problems, state, started = None, None, [], {}, time.perf_counter()
         deadline = rl.Deadline(timeout if until is None else max(0.001, min(timeout, until - time.monotonic())))
         try:
             text = _one_attempt(url, body, record, started, api_key=api_key, deadline=deadline, limit=limit,
@@ -764,7 +679,8 @@ def _attempts(url, body, new_record, append, *, api_key, timeout, limit, redacto
         if text and store is not None:
             record["response_artifact"] = store(text)
         wait, sent_options = None, "stream_options" in body
-        if failure is not None and not (printer.printed or (out is not None and out.began)):
+        printed = on_text is not None and record["ttft_ms"] is not None  # a stream already shown is not sent twice
+        if failure is not None and not (printed or (out is not None and out.began)):
             wait = _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, until)
         dropped = dropped or (sent_options and "stream_options" not in body)
         result = dict(record, text=text if failure is None or failure.error_type == "malformed_response" else None)
@@ -782,16 +698,19 @@ def _attempts(url, body, new_record, append, *, api_key, timeout, limit, redacto
         sleep(wait)
 
 
-def _ledger_for(ledger, api_key):
-    """(Ledger, owned): a Ledger, a Run's ledger, or a new Ledger on a path (closed by us)."""
-    if isinstance(ledger, rl.Run):
-        ledger = ledger.ledger
-    if isinstance(ledger, rl.Ledger):
-        ledger.add_secret(api_key)
-        return ledger, False
-    if isinstance(ledger, (str, os.PathLike)):
-        return rl.Ledger(ledger, os.environ.get("LEDGER_RUN_ID") or None, secrets=(api_key,)), True
-    raise TypeError(f"ledger must be a Ledger, a Run or a path, not a {type(ledger).__name__}")
+@contextlib.contextmanager
+def _opened(ledger, api_key):
+    """A Ledger that can take a line: the one given, a Run's, or one opened on a path (and closed after)."""
+    ledger = ledger.ledger if isinstance(ledger, rl.Run) else ledger
+    owned = not isinstance(ledger, rl.Ledger)
+    book = rl.Ledger(ledger, os.environ.get("LEDGER_RUN_ID") or None, secrets=(api_key,)) if owned else ledger
+    book.add_secret(api_key)
+    try:
+        _check_ledger(book)
+        yield book
+    finally:
+        if owned:
+            book.close()
 
 
 def _check_ledger(book):
@@ -809,84 +728,56 @@ def _append(book, kind, record):
                           f"{rl.error_text(exc)}", record) from exc
 
 
-def _check_call(messages, model, max_tokens, retries, max_response_bytes, expect):
-    """Refuse a call's arguments before anything is sent; returns `expect` compiled."""
-    if not model:
-        raise ConfigError("MODEL_ID is not set (export MODEL_ID=..., or pass --model); there is no default")
-    if not isinstance(messages, list) or not messages:
-        raise ConfigError("messages must be a non-empty list of {role, content}")
-    for i, message in enumerate(messages):
-        if (type(message) is not dict or type(message.get("role")) is not str
-                or type(message.get("content")) is not str):
-            raise ConfigError(f"messages[{i}] must be {{\"role\": str, \"content\": str}}")
-    if not any(m["role"] != "system" and m["content"].strip() for m in messages):
-        raise ConfigError("the prompt is empty")
-    if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
-        raise ConfigError("max_tokens must be a positive integer")
-    if type(retries) is not int or retries < 0:
-        raise ConfigError("retries must be a non-negative integer")
-    if type(max_response_bytes) is not int or max_response_bytes < 1024:
-        raise ConfigError("max_response_bytes must be an integer of at least 1024")
-    try:
-        return re.compile(expect) if expect is not None and not hasattr(expect, "search") else expect
-    except re.error as exc:
-        raise ConfigError(f"--expect is not a valid regular expression: {exc}") from None
-
-
 def chat(messages, *, ledger, base_url, model, api_key, max_tokens=None, temperature=None, stream=False,
          retries=0, timeout=DEFAULT_TIMEOUT, expect=None, expect_json=False, strict_model=False,
          store_text=False, backoff=1.0, max_wait=60.0, max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES,
          on_text=None, on_retry=None, sleep=time.sleep, until=None):
-    """Send `messages` to {base_url}/chat/completions as `model`; append one model_call event per attempt to
-    `ledger` (a Ledger, a Run, or a path). Returns the last attempt's record, as logged, plus "text" (the
-    answer; also kept for a malformed_response). Endpoint failures do not raise: they are in the record.
-    Raises ConfigError before anything is sent (settings, arguments, a ledger that cannot take the line),
-    and RecordError when the line of a finished call cannot be written.
-    `timeout` bounds each whole attempt; `until` (a time.monotonic() reading) bounds them all: each attempt's
-    timeout is cut to it, and no retry starts with less than MIN_ATTEMPT_S left. on_retry(record, wait) is told
-    before each retry."""
-    expect = _check_call(messages, model, max_tokens, retries, max_response_bytes, expect)
+    """Send `messages` to {base_url}/chat/completions, one model_call line per attempt; return the last
+    attempt's record plus "text". Failures are in the record; ConfigError means nothing was sent (docs/ask.md)."""
+    if not model:
+        raise ConfigError("MODEL_ID is not set (export MODEL_ID=..., or pass --model); there is no default")
+    if not isinstance(messages, list) or not messages or not all(
+            type(m) is dict and type(m.get("role")) is str and type(m.get("content")) is str for m in messages):
+        raise ConfigError('messages must be a non-empty list of {"role": str, "content": str}')
+    if not any(m["role"] != "system" and m["content"].strip() for m in messages):
+        raise ConfigError("the prompt is empty")
+    if any(type(n) is not int for n in (retries, max_response_bytes, 1 if max_tokens is None else max_tokens)):
+        raise ConfigError("retries, max_tokens and max_response_bytes must be integers")
+    for name, value, minimum, above in (("temperature", temperature, None, None), ("timeout", timeout, None, 0),
+                                        ("max_wait", max_wait, 0, None), ("backoff", backoff, 0, None),
+                                        ("until", until, None, None), ("retries", retries, 0, None),
+                                        ("max_tokens", max_tokens, 1, None),
+                                        ("max_response_bytes", max_response_bytes, 1024, None)):
+        _check_number(name, value, minimum, above)
+    try:
+        expect = re.compile(expect) if isinstance(expect, str) else expect
+    except re.error as exc:
+        raise ConfigError(f"--expect is not a valid regular expression: {exc}") from None
     check_api_key(api_key)
     request_base, recorded_base, host, port = split_base_url(base_url)
-    _check_number("temperature", temperature)
-    _check_number("timeout", timeout, above=0)
-    _check_number("max_wait", max_wait, minimum=0)
-    _check_number("backoff", backoff, minimum=0)
-    _check_number("until", until)
     body = {"model": model, "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
     options = {"max_tokens": max_tokens, "temperature": temperature}
     body.update((name, value) for name, value in options.items() if value is not None)
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
-    book, owned = _ledger_for(ledger, api_key)
-    try:
-        _check_ledger(book)
-        artifacts = _prompt_artifacts(book, messages) if store_text else {}
+    with _opened(ledger, api_key) as book:
+        users = [m["content"] for m in messages if m["role"] == "user"]
+        system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+        artifacts = {"prompt_artifact": book.store_artifact(users[-1] if users else "")} if store_text else {}
+        if store_text and system:
+            artifacts["system_artifact"] = book.store_artifact(system)
+        if store_text and len(messages) > len(users[-1:]) + (1 if system else 0):
+            artifacts["messages_artifact"] = book.store_artifact(json.dumps(messages, ensure_ascii=False, indent=1))
 
         def new_record(attempt):
             return dict(_new_record(model, recorded_base, host, port, bool(stream), attempt, messages, options),
                         **artifacts)
-        checks = dict(expect=expect, expect_json=expect_json, strict_model=strict_model)
         return _attempts(_endpoint(request_base, "/chat/completions"), body, new_record,
                          functools.partial(_append, book), api_key=api_key, timeout=timeout,
                          limit=max_response_bytes, redactor=book.redactor, retries=retries,
-                         checks=checks if expect is not None or expect_json or strict_model else None,
+                         checks=dict(expect=expect, expect_json=expect_json, strict_model=strict_model),
                          store=book.store_artifact if store_text else None, backoff=backoff, max_wait=max_wait,
                          on_text=on_text, on_retry=on_retry, sleep=sleep, until=until)[0]
-    finally:
-        if owned:
-            book.close()
-
-
-def _prompt_artifacts(book, messages):
-    users = [m["content"] for m in messages if m["role"] == "user"]
-    system = "\n".join(m["content"] for m in messages if m["role"] == "system")
-    artifacts = {"prompt_artifact": book.store_artifact(users[-1] if users else "")}
-    if system:
-        artifacts["system_artifact"] = book.store_artifact(system)
-    if len(messages) > len(users[-1:]) + (1 if system else 0):
-        artifacts["messages_artifact"] = book.store_artifact(json.dumps(messages, ensure_ascii=False, indent=1))
-    return artifacts
 
 
 def ask(prompt, *, system=None, **kwargs):
@@ -898,28 +789,14 @@ def ask(prompt, *, system=None, **kwargs):
 
 
 def list_models(*, ledger, base_url, api_key, timeout=DEFAULT_TIMEOUT, max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES):
-    """GET {base_url}/models; append one models_list event; return its record (model_ids sorted, and
-    context_tokens {id: window} for the models whose entry states a window)."""
+    """GET {base_url}/models; append one models_list event; return its record (docs/ask.md, docs/small-models.md)."""
     check_api_key(api_key)
     split = split_base_url(base_url)
     _check_number("timeout", timeout, above=0)
-    book, owned = _ledger_for(ledger, api_key)
-    try:
-        _check_ledger(book)
+    with _opened(ledger, api_key) as book:
         record = _models_call(book.redactor, split, api_key, timeout, max_response_bytes)[0]
         _append(book, "models_list", record)
-    finally:
-        if owned:
-            book.close()
     return record
-
-
-def _listed_window(item):
-    """A model's context window as a /models entry states it: vLLM's max_model_len, llama.cpp's
-    meta.n_ctx_train, or context_length (OpenRouter, LM Studio); None when it states none."""
-    meta = item.get("meta") if isinstance(item.get("meta"), dict) else {}
-    return next((value for value in (item.get("max_model_len"), meta.get("n_ctx_train"), item.get("context_length"))
-                 if type(value) is int and value > 0), None)
 
 
 def _models_call(redactor, split, api_key, timeout, limit):
@@ -931,29 +808,33 @@ def _models_call(redactor, split, api_key, timeout, limit):
     started, deadline = time.perf_counter(), rl.Deadline(timeout)
     problems, raw, failure, headers = [], None, None, None
     try:
-        response = _open(_endpoint(request_base, "/models"), api_key=api_key, deadline=deadline)
-        with response:
-            _took(response, record, problems, limit)
+        with _open(_endpoint(request_base, "/models"), record, problems, api_key=api_key, deadline=deadline,
+                   limit=limit) as response:
             headers = response.headers
             raw = _read_body(response, limit, deadline)
-            data = _parse_json(raw, "body", problems, response.status, headers, headers.get("Content-Type", ""))
+            data = _parse_json(raw, "body", problems, response.status, headers)
         items = data.get("data")
         if not isinstance(items, list):
             raise _CallFailed("invalid_json", "HTTP 200 but the body has no data list", 200)
         items = [item for item in items if isinstance(item, dict)]
         ids = {_server_text(item.get("id"), "data[].id", problems, MAX_FIELD_CHARS) for item in items} - {None}
         record["model_ids"], record["count"] = sorted(ids)[:10000], len(ids)
-        windows = {item["id"]: _listed_window(item) for item in items if item.get("id") in ids and _listed_window(item)}
+        windows = {}
+        for item in items:  # vLLM's max_model_len, llama.cpp's meta.n_ctx_train, or context_length
+            meta = item.get("meta") if isinstance(item.get("meta"), dict) else {}
+            window = [n for n in (item.get("max_model_len"), meta.get("n_ctx_train"), item.get("context_length"))
+                      if type(n) is int and n > 0]
+            if window and type(item.get("id")) is str and item["id"] in ids:
+                windows[item["id"]] = window[0]
         if windows:
             record["context_tokens"] = dict(sorted(windows.items())[:10000])
         if problems:
             record["malformed"] = problems[:MAX_PROBLEMS]
     except _CallFailed as exc:
         failure, raw = exc, None
-        _record_failure(record, exc, redactor)
     finally:
         deadline.cancel()
-    record["latency_ms"] = _ms_since(started)
+    _finish(record, started, None, failure, [], redactor, answered=True)
     return record, raw, failure, headers
 
 # --- The recording proxy: `ask.py proxy`, every upstream attempt of every client one model_call line ---
@@ -961,13 +842,16 @@ def _models_call(redactor, split, api_key, timeout, limit):
 PROXY_ROUTES = {"/chat/completions": "POST", "/completions": "POST", "/responses": "POST", "/embeddings": "POST",
                 "/models": "GET"}
 PROXY_LISTEN = "127.0.0.1:8787"
-PROXY_TIMEOUT = 600.0          # an agent's long stream is one attempt: its deadline is longer than ask.py's
 PROXY_MAX_BODY = 32 * 1024 * 1024
-PROXY_READ_S = 30.0            # to read one request, head and body; cancelled once the body is in
-PROXY_IDLE_S = 15.0
 MAX_HEADER_CHARS = 200
+_PROXY_OPTIONS = (  # flag, type, default, least value (None: above 0), help
+    ("--max-connections", int, 64, 1, "past this many at once, 503 with Retry-After"),
+    ("--grace", float, 10.0, 0, "seconds for the requests in flight at SIGTERM"),
+    ("--idle-timeout", float, 15.0, None, "seconds a keep-alive connection may idle"),
+    ("--read-timeout", float, 30.0, None, "seconds to read one request, head and body"),
+    ("--timeout", float, 600.0, None, "seconds for a whole upstream attempt, a long stream included"),
+    ("--max-response-bytes", int, DEFAULT_MAX_RESPONSE_BYTES, 1024, "the largest upstream body or stream"))
 _PASS_BACK = ("content-type", "retry-after", "retry-after-ms", "x-request-id", "openai-processing-ms")
-_CALL_KEYS = ("tool_calls", "function_call", "arguments", "output")
 _WHOLE_ERRORS = ("api_error", "malformed_response", "empty_content")  # the stream ended by itself
 
 
@@ -989,20 +873,13 @@ def _as_text(content):
         return content or ""
     if type(content) is not list:
         return _json_text(content)
-    out = []
-    for part in content:
-        if type(part) is dict and type(part.get("text")) is str:
-            out.append(part["text"])
-        elif type(part) is dict:
-            out.append(f"[{str(part.get('type', 'part'))[:40]}]")
-        else:
-            out.append(part if type(part) is str else _json_text(part))
-    return "".join(out)
+    return "".join(part["text"] if type(part) is dict and type(part.get("text")) is str
+                   else f"[{str(part.get('type', 'part'))[:40]}]" if type(part) is dict
+                   else part if type(part) is str else _json_text(part) for part in content)
 
 
 def _client_messages(route, body):
-    """(messages, token_ids): what a client sent as [{role, content}] text, for the record's prompt fields,
-    and how many token ids a `prompt` or `input` given as token arrays holds."""
+    """(messages, token ids): a client's prompt as [{role, content}] text, and the ids of any token arrays."""
     tokens, items = 0, []
     if route == "/chat/completions":
         items = body.get("messages") if type(body.get("messages")) is list else [body.get("messages")]
@@ -1020,14 +897,11 @@ def _client_messages(route, body):
             else:
                 items.append({"role": "user", "content": one})
     messages = []
-    for item in items:
-        if item is None:
-            continue
-        item = item if type(item) is dict else {"role": "user", "content": item}
-        kind = str(item.get("type", ""))
-        role = item.get("role") if type(item.get("role")) is str else "tool" if kind.endswith("_output") else (
-            "assistant")
-        calls = "".join(v if type(v) is str else _json_text(v) for k, v in item.items() if k in _CALL_KEYS)
+    for item in [i if type(i) is dict else {"role": "user", "content": i} for i in items if i is not None]:
+        role = item.get("role") if type(item.get("role")) is str else (
+            "tool" if str(item.get("type", "")).endswith("_output") else "assistant")
+        calls = "".join(v if type(v) is str else _json_text(v) for k, v in item.items()
+                        if k in ("tool_calls", "function_call", "arguments", "output"))
         messages.append({"role": "system" if role == "developer" else role[:40],
                          "content": _as_text(item.get("content")) + calls})
     return messages, tokens
@@ -1055,16 +929,13 @@ def _error_json(message, code, kind="proxy_error"):
 
 
 class _ProxyServer(rl.CappedServer):
-    """The settings, the one Ledger and a thread per connection, at most --max-connections (past that a 503
-    with Retry-After)."""
+    """The settings, the one Ledger and a thread per connection, at most --max-connections (past that a 503)."""
 
-    def __init__(self, address, args, upstream, token, ledger_path):
+    def __init__(self, address, args, upstream, token):
         base_url, self.model, self.api_key = upstream
-        self.split, self.token, self.verbose = split_base_url(base_url), token, args.verbose
-        self.timeout, self.limit, self.idle_s, self.read_s = (args.timeout, args.max_response_bytes,
-                                                              args.idle_timeout, args.read_timeout)
+        self.args, self.split, self.token = args, split_base_url(base_url), token
         self.secrets = [s for s in (self.api_key, token) if s]
-        self.book = rl.Ledger(ledger_path, os.environ.get("LEDGER_RUN_ID") or None, fsync=not args.no_fsync,
+        self.book = rl.Ledger(args.ledger, os.environ.get("LEDGER_RUN_ID") or None, fsync=not args.no_fsync,
                               secrets=self.secrets)
         _check_ledger(self.book)
         busy = _http_answer(503, _error_json("too many connections; retry later", "busy"), [("Retry-After", "1")],
@@ -1078,131 +949,106 @@ class _ProxyServer(rl.CappedServer):
         try:
             _append(self.book, kind, record)
         except RecordError as exc:  # the answer still goes to the client: a paid answer is never thrown away
-            self.log_error(str(exc))
-
-    def log_error(self, text):
-        rl.error(text, self.secrets)
+            rl.error(str(exc), self.secrets)
 
 
 class _ProxyHandler(socketserver.StreamRequestHandler):
-    """One client connection: requests in turn (keep-alive), each under a read deadline, then forwarded."""
-
-    def setup(self):
-        super().setup()
-        self.app = self.server
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each event goes out at once
+    """One client connection: requests in turn (keep-alive), each read under --read-timeout, then forwarded."""
 
     def handle(self):
-        self.close = False
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each event goes out at once
+        args, self.close = self.server.args, False
         while not self.close and self._await_request():
-            self.deadline, self.status, self.started = rl.Deadline(self.app.read_s), None, time.perf_counter()
+            self.started, self.status, self.method, self.path = time.perf_counter(), None, "-", "-"
+            self.deadline = rl.Deadline(args.read_timeout)
             self.deadline.watch(self.connection)
-            self.connection.settimeout(self.app.read_s)
+            self.connection.settimeout(args.read_timeout)
             try:
                 self._one_request()
             except OSError:  # the client went away: nothing to answer
                 return
             finally:
                 self.deadline.cancel()
+            if args.verbose:
+                print(rl.printable(f"proxy: {self.client_address[0]} {self.method} {self.path[:200]} {self.status} "
+                                   f"{_ms_since(self.started)} ms"), file=sys.stderr, flush=True)
 
     def _await_request(self):
-        """Wait up to the idle timeout for the next request; a shutdown closes an idle connection at once (a
-        request already sent gets its 503)."""
-        with self.app.lock:
-            stopping = self.app.stopping
-            if not stopping:
-                self.app.idle.add(self.connection)
+        """Wait --idle-timeout for a request; at shutdown none (a request already sent gets its 503)."""
+        app = self.server
+        with app.lock:  # stop() shuts the idle connections; one that comes later does not wait
+            stopping = app.stopping
+            app.idle.add(self.connection)
         try:
-            self.connection.settimeout(0.0 if stopping else self.app.idle_s)
+            self.connection.settimeout(0.0 if stopping else app.args.idle_timeout)
             return bool(self.rfile.peek(1))
         except OSError:
             return False
         finally:
-            with self.app.lock:
-                self.app.idle.discard(self.connection)
+            with app.lock:
+                app.idle.discard(self.connection)
 
     def _one_request(self):
-        self.method, self.path, self.body_read = "-", "-", False
         try:
-            if not self._read_head():
-                self.close = True
-                return
-            self._route()
-        except _CallFailed as refused:  # refused before anything was sent upstream
-            self.close = self.close or (not self.body_read and (self.headers.get("Content-Length") or "0") != "0")
-            self._error(refused.status, refused.message, refused.error_type, refused.headers or ())
-        if self.app.verbose:
-            print(rl.printable(f"proxy: {self.client_address[0]} {self.method} {self.path[:200]} {self.status} "
-                               f"{_ms_since(self.started)} ms"), file=sys.stderr, flush=True)
+            route, raw = self._read_request()
+        except _CallFailed as refused:  # nothing was sent upstream; a body left unread ends the connection
+            self.close = self.close or "Transfer-Encoding" in self.headers or (
+                self.headers.get("Content-Length") or "0") != "0"
+            return self._error(refused.status, refused.message, refused.error_type, refused.headers or ())
+        self.deadline.cancel()  # the body is in: from here the upstream's deadline bounds the request
+        self.connection.settimeout(self.server.args.timeout + self.server.args.read_timeout)
+        return self._models() if route == "/models" else self._call(route, raw)
 
-    def _read_head(self):
-        line = self.rfile.readline(65537)
-        if not line:
-            return False
+    def _read_request(self):
+        """(route, body) of a request that passes every check; raises _CallFailed to refuse it."""
+        app, line, self.close = self.server, self.rfile.readline(65537), True
         parts = line.decode("latin-1").split()
         if len(line) > 65536 or len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
-            self.close = True
             raise _CallFailed("invalid_request", "not an HTTP/1.x request line", 400)
-        self.method, self.path = parts[0], rl.redact_text(parts[1], self.app.secrets)
+        self.method, self.path = parts[0], rl.redact_text(parts[1], app.secrets)
         try:
             self.headers = http.client.parse_headers(self.rfile)
         except http.client.HTTPException:
-            self.close = True
             raise _CallFailed("invalid_request", "the request headers are too long or too many", 431) from None
-        connection = (self.headers.get("Connection") or "").lower()
+        header = self.headers.get
+        connection = (header("Connection") or "").lower()
         self.close = "close" in connection or (parts[2] == "HTTP/1.0" and "keep-alive" not in connection)
-        return True
-
-    def _route(self):
-        app, path = self.app, self.path.split("?", 1)[0]
+        host = (header("Host") or "").strip()
+        host = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
+        path = self.path.split("?", 1)[0]
         route = path[3:].rstrip("/") if path.startswith("/v1/") else None
         if app.stopping:
             self.close = True
             raise _CallFailed("unavailable", "the proxy is shutting down", 503, [("Retry-After", "1")])
-        if app.token:
-            given = (self.headers.get("Authorization") or "").encode("latin-1", "replace")
-            if not hmac.compare_digest(given, f"Bearer {app.token}".encode()):
-                raise _CallFailed("invalid_api_key", "the proxy token is required as the API key", 401)
-        else:
-            host = (self.headers.get("Host") or "").strip()
-            name = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
-            if not _is_loopback(name):
-                raise _CallFailed("forbidden", "Host must be a loopback name (set PROXY_TOKEN to serve others)", 403)
+        if app.token and not hmac.compare_digest((header("Authorization") or "").encode("latin-1", "replace"),
+                                                 f"Bearer {app.token}".encode()):
+            raise _CallFailed("invalid_api_key", "the proxy token is required as the API key", 401)
+        if not app.token and not _is_loopback(host):
+            raise _CallFailed("forbidden", "Host must be a loopback name (set PROXY_TOKEN to serve others)", 403)
         if route not in PROXY_ROUTES:
             raise _CallFailed("not_found", f"no route {path[:200]}", 404)
         if self.method != PROXY_ROUTES[route]:
             raise _CallFailed("method_not_allowed", f"use {PROXY_ROUTES[route]}", 405, [("Allow", PROXY_ROUTES[route])])
-        raw = self._read_body() if self.method == "POST" else b""
-        self.body_read = True
-        self.deadline.cancel()  # the body is in: from here the upstream's deadline bounds the request
-        self.connection.settimeout(app.timeout + app.read_s)
-        return self._models() if route == "/models" else self._call(route, raw)
-
-    def _read_body(self):
-        length = self.headers.get("Content-Length") or ""
-        if self.headers.get("Transfer-Encoding") or not length.isdigit():
-            self.close = True
+        length = header("Content-Length") or ("" if self.method == "POST" else "0")
+        if header("Transfer-Encoding") or not length.isdigit():
             raise _CallFailed("length_required", "send the body with Content-Length", 411)
         if int(length) > PROXY_MAX_BODY:
-            self.close = True
             raise _CallFailed("request_too_large", f"the body is over {PROXY_MAX_BODY} bytes", 413)
-        if (self.headers.get("Expect") or "").lower() == "100-continue":
+        if (header("Expect") or "").lower() == "100-continue":
             self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         raw = self.rfile.read(int(length))
         if len(raw) < int(length):
-            self.close = True
             raise _CallFailed("incomplete_body", "the body is shorter than its Content-Length", 400)
-        return raw
+        return route, raw
 
     def _record(self, route, model, stream, attempt, messages, tokens, body):
         """The record of one upstream attempt: a direct call's, plus the client's route, address and headers."""
         number = body.get("temperature")
-        number = number if type(number) in (int, float) and math.isfinite(number) else None
         limits = [body.get(k) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")]
         limits = [n for n in limits if type(n) is int and 0 < n < 2 ** 63]
-        _request, recorded, host, port = self.app.split
-        record = _new_record(model, recorded, host, port, stream, attempt, messages,
-                             {"temperature": number, "max_tokens": limits[0] if limits else None})
+        record = _new_record(model, *self.server.split[1:], stream, attempt, messages, {
+            "temperature": number if type(number) in (int, float) and abs(number) < math.inf else None,
+            "max_tokens": limits[0] if limits else None})
         if tokens:
             record["est_input_tokens"] += tokens
             record["est_method"] = EST_METHOD + " + token ids counted"
@@ -1214,7 +1060,7 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         return record
 
     def _call(self, route, raw):
-        app, refused = self.app, None
+        app, refused = self.server, None
         try:
             body = json.loads(raw.decode("utf-8"))
             if type(body) is not dict:
@@ -1241,9 +1087,9 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         if injected:
             body["stream_options"] = dict(options, include_usage=True)
         result, failure, state, out = _attempts(
-            _endpoint(app.split[0], route), body, new_record, app.append, api_key=app.api_key, timeout=app.timeout,
-            limit=app.limit, redactor=app.book.redactor, relay=functools.partial(_Relay, self, injected) if stream
-            else None, tools_answer=True)
+            _endpoint(app.split[0], route), body, new_record, app.append, api_key=app.api_key,
+            timeout=app.args.timeout, limit=app.args.max_response_bytes, redactor=app.book.redactor,
+            relay=functools.partial(_Relay, self, injected) if stream else None, tools_answer=True)
         return self._answer(result, failure, state, out)
 
     def _answer(self, record, failure, state, out):
@@ -1253,14 +1099,15 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         if "raw" in state:  # a body that parsed goes back as it is, whatever the record says of it
             return self._send(state["status"], state["raw"], _passed_back(state["headers"]))
         if failure.body is not None and failure.status >= 400:
-            body = failure.body.replace(self.app.api_key.encode(), rl.REDACTED.encode())
+            body = failure.body.replace(self.server.api_key.encode(), rl.REDACTED.encode())
             return self._send(failure.status, body, _passed_back(failure.headers))
         return self._error(502, f"upstream: {record['error_message']}", record["error_type"])
 
     def _models(self):
-        record, raw, failure, headers = _models_call(self.app.book.redactor, self.app.split, self.app.api_key,
-                                                     self.app.timeout, self.app.limit)
-        self.app.append("models_list", record)
+        app = self.server
+        record, raw, failure, headers = _models_call(app.book.redactor, app.split, app.api_key, app.args.timeout,
+                                                     app.args.max_response_bytes)
+        app.append("models_list", record)
         return self._answer(record, failure, {"raw": raw, "status": 200, "headers": headers} if raw else {}, None)
 
     def _send(self, status, body, headers=(), chunked=False):
@@ -1298,11 +1145,9 @@ class _Relay:
     def end(self, whole):
         """Send what was held; a whole stream ends cleanly, a broken one by closing the connection."""
         try:
-            for raw in self.held:
+            for raw in self.held + [b""]:
                 self._write(raw)
-            self._write(b"")
-            if whole:
-                self.handler.wfile.write(b"0\r\n\r\n")
+            self.handler.wfile.write(b"0\r\n\r\n" if whole else b"")
         except (_CallFailed, OSError):
             whole = False
         self.handler.close = self.handler.close or not whole
@@ -1311,15 +1156,13 @@ class _Relay:
 
 
 def _read_prompt(source):
-    if source in (None, "-"):
-        if source is None and sys.stdin.isatty():
-            raise ConfigError("no prompt: pipe one in (python ask.py < prompt.txt) or name a file")
-        data = sys.stdin.buffer.read()
-    else:
-        with open(source, "rb") as handle:
-            data = handle.read()
+    if source is None and sys.stdin.isatty():
+        raise ConfigError("no prompt: pipe one in (python ask.py < prompt.txt) or name a file")
     try:
-        return data.decode("utf-8")
+        if source in (None, "-"):
+            return sys.stdin.buffer.read().decode("utf-8")
+        with open(source, "rb") as handle:
+            return handle.read().decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"the prompt is not UTF-8 (byte {exc.start})") from None
 
@@ -1339,29 +1182,30 @@ def _build_parser():
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
     p.add_argument("--stream", action="store_true", help="stream the answer; records time-to-first-token")
-    p.add_argument("--retries", type=int, default=0, help="retries on 408/409/429/5xx/timeouts/broken answers "
-                                                          "(default 0)")
+    p.add_argument("--retries", type=int, default=0, help="retries on 408/409/429/5xx/timeouts/broken answers")
     p.add_argument("--backoff", type=float, default=1.0, help="first retry wait in seconds, doubled each time")
     p.add_argument("--max-wait", type=float, default=60.0, help="cap on any one wait, Retry-After included")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
-                   help=f"seconds for a whole attempt, connect to last byte (default {DEFAULT_TIMEOUT:g})")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds for a whole attempt, connect to "
+                   f"last byte (default {DEFAULT_TIMEOUT:g})")
     p.add_argument("--max-response-bytes", type=int, default=DEFAULT_MAX_RESPONSE_BYTES,
                    help=f"largest body or stream accepted (default {DEFAULT_MAX_RESPONSE_BYTES})")
     p.add_argument("--expect", metavar="REGEX", help="the answer must match this regex (else exit 3)")
     p.add_argument("--expect-json", action="store_true", help="the answer must be JSON (else exit 3)")
-    p.add_argument("--strict-model", action="store_true",
-                   help="the served model must equal the requested one (else exit 3)")
+    p.add_argument("--strict-model", action="store_true", help="the served model must be the one asked (else exit 3)")
     p.add_argument("--store-text", action="store_true", help="keep prompt and answer as artifacts")
     p.add_argument("--json", action="store_true", help="print the whole record instead of the text")
     return p
 
 
+_ASK_FLAGS = ("system", "max_tokens", "temperature", "stream", "retries", "timeout", "expect", "expect_json",
+              "strict_model", "store_text", "backoff", "max_wait", "max_response_bytes")
+
+
 def _run(args):
     base_url, model, api_key = settings_from_env(args.base_url, args.model, need_model=not args.models)
     secrets = [api_key]  # the numbers are checked once, by chat() and list_models(), before anything is sent
-    ledger_path = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
     if args.models:
-        record = list_models(ledger=ledger_path, base_url=base_url, api_key=api_key, timeout=args.timeout,
+        record = list_models(ledger=args.ledger, base_url=base_url, api_key=api_key, timeout=args.timeout,
                              max_response_bytes=args.max_response_bytes)
         if record["error_type"]:
             rl.error(f"{record['error_type']}: {record['error_message']} ({record['base_url']})", secrets)
@@ -1375,19 +1219,16 @@ def _run(args):
         rl.warn(f"attempt {result['attempt']} failed ({result['error_type']}: {result['error_message']}); "
                 f"retrying in {wait:.2f} s", secrets)
     try:
-        record = ask(prompt, ledger=ledger_path, base_url=base_url, model=model, api_key=api_key,
-                     system=args.system, max_tokens=args.max_tokens, temperature=args.temperature,
-                     stream=args.stream, retries=args.retries, timeout=args.timeout, expect=args.expect,
-                     expect_json=args.expect_json, strict_model=args.strict_model, store_text=args.store_text,
-                     backoff=args.backoff, max_wait=args.max_wait, max_response_bytes=args.max_response_bytes,
-                     on_text=rl.write_out if args.stream and not args.json else None, on_retry=announce_retry)
+        record = ask(prompt, ledger=args.ledger, base_url=base_url, model=model, api_key=api_key,
+                     on_text=rl.write_out if args.stream and not args.json else None, on_retry=announce_retry,
+                     **{name: getattr(args, name) for name in _ASK_FLAGS})
         _print_answer(record, args)
     except RecordError as exc:
         if exc.record.get("text") and not args.stream:
             _print_answer(exc.record, args)  # a paid answer is never thrown away
         raise
     except rl.OutputError as exc:  # chat() raises a stream's failed print once the attempt's line is written
-        rl.error(f"{exc} (the call is recorded in {ledger_path})", secrets)
+        rl.error(f"{exc} (the call is recorded in {args.ledger})", secrets)
         return rl.EXIT_OUTPUT
     if record["response_model"] and record["response_model"] != model:
         rl.warn(f"asked for {model!r}, the server says it ran {record['response_model']!r}", secrets)
@@ -1421,14 +1262,8 @@ def _proxy_parser():
     p.add_argument("--listen", default=PROXY_LISTEN, metavar="HOST:PORT", help=f"default {PROXY_LISTEN}; port 0 "
                    "picks a free one")
     p.add_argument("--ledger", help=f"default $LEDGER, then ./{DEFAULT_LEDGER}")
-    p.add_argument("--max-connections", type=int, default=64, help="past this, 503 with Retry-After (default 64)")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds for requests in flight at SIGTERM (10)")
-    p.add_argument("--idle-timeout", type=float, default=PROXY_IDLE_S, help="keep-alive idle seconds (15)")
-    p.add_argument("--read-timeout", type=float, default=PROXY_READ_S, help="seconds to read one request, head and "
-                   f"body ({PROXY_READ_S:g})")
-    p.add_argument("--timeout", type=float, default=PROXY_TIMEOUT, help=f"seconds for a whole upstream attempt "
-                   f"({PROXY_TIMEOUT:g})")
-    p.add_argument("--max-response-bytes", type=int, default=DEFAULT_MAX_RESPONSE_BYTES)
+    for flag, kind, default, _least, text in _PROXY_OPTIONS:
+        p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
     p.add_argument("--no-fsync", action="store_true", help="lines reach the kernel before the answer (kill -9 "
                    "loses none) but are not forced to disk one by one")
     p.add_argument("--verbose", action="store_true", help="one line per request on stderr")
@@ -1437,31 +1272,26 @@ def _proxy_parser():
 
 def _run_proxy(args):
     import signal
-    upstream = settings_from_env(need_model=False)
-    token = os.environ.get("PROXY_TOKEN") or None
+    upstream, token = settings_from_env(need_model=False), os.environ.get("PROXY_TOKEN") or None
     if token is not None and not re.fullmatch(r"[\x21-\x7e]+", token):
         raise ConfigError("PROXY_TOKEN must be printable ASCII without spaces (the token is not shown)")
-    for name, value, minimum in (("--max-connections", args.max_connections, 1), ("--grace", args.grace, 0),
-                                 ("--max-response-bytes", args.max_response_bytes, 1024)):
-        _check_number(name, value, minimum=minimum)
-    for name, value in (("--timeout", args.timeout), ("--idle-timeout", args.idle_timeout),
-                        ("--read-timeout", args.read_timeout)):
-        _check_number(name, value, above=0)
+    for flag, _kind, _default, least, _text in _PROXY_OPTIONS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        _check_number(flag, value, minimum=least, above=0 if least is None else None)
     match = re.fullmatch(r"\[?([^\[\]]*?)\]?:([0-9]{1,5})", args.listen)
     if not match or int(match.group(2)) > 65535:
         raise ConfigError(f"--listen must be HOST:PORT, not {args.listen!r}")
     host, port = match.group(1), int(match.group(2))
     if token is None and not _is_loopback(host):
         raise ConfigError(f"--listen {host}: set PROXY_TOKEN to listen on anything but loopback")
-    ledger_path = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
-    server = _ProxyServer((host, port), args, upstream, token, ledger_path)
+    server = _ProxyServer((host, port), args, upstream, token)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True).start()
     shown = f"[{host}]" if ":" in host else host
     rl.write_out(f"proxy: listening on http://{shown}:{server.server_address[1]}/v1 -> {server.split[1]} "
-                 f"(ledger {ledger_path})\n")
+                 f"(ledger {args.ledger})\n")
     while not stop.wait(1.0):
         pass
     server.stop(args.grace)  # new requests 503, idle connections closed; then no new connections
@@ -1474,6 +1304,7 @@ def main(argv=None):
     args, code = rl.parse_cli(_proxy_parser() if proxy else _build_parser(), argv[proxy:])
     if args is None:
         return code
+    args.ledger = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
     secrets = [os.environ.get(name) for name in ("API_KEY", "OPENAI_API_KEY", "PROXY_TOKEN")]
     return rl.run_cli(_run_proxy if proxy else _run, args, secrets=[s for s in secrets if s])
 

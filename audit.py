@@ -37,13 +37,11 @@ __version__ = "1.2.0"
 __all__ = ["Audit", "AuditError", "run_audit", "remote_audit", "run_event_why", "render_text", "render_json",
            "render_csv", "render_html", "MODEL_COLUMNS"]
 
-# ----------------------------------------------------------------------------
-# Constants
-# ----------------------------------------------------------------------------
+# == Constants ==
 
 DEFAULT_LEDGERS = ("calls.jsonl", "runs.jsonl")  # ask.py's default ledger, and the name it once had
 DEFAULT_RUNS = "runs"
-DEFAULT_RUNS_URL = "runs/"  # the HTML links run ids to this + id: `agent.py serve` shows a run's timeline at /runs/ID
+DEFAULT_RUNS_URL = "runs/"  # `agent.py serve` shows a run's timeline at /runs/ID
 DEFAULT_LATENCY_SHIFT = 0.5
 DEFAULT_RATE_JUMP = 0.2
 MIN_LATENCY_SAMPLES = 3
@@ -56,31 +54,28 @@ OTHER = "(other)"
 MAX_CHART_MODELS = 8       # the HTML draws per-model charts for the busiest; the rest are summarised
 TEXT_WIDTH = 120           # the text report fits a terminal this wide, unless --wide
 MIN_CUT_WIDTH = 8          # a name is never cut narrower than this to fit
-ELLIPSIS = "\u2026"         # where a name was cut to fit
+ELLIPSIS = "\u2026"
 
 # The model_call fields this audit reads, each checked against ask.py's definition of its types.
-_READ = ("request_model", "base_url", "attempt", "error_type", "usage_status", "usage_reported", "latency_ms",
-         "response_model", "system_fingerprint", "check", "input_tokens", "output_tokens", "est_input_tokens",
-         "est_output_tokens")
-_TYPES = {name: ask.MODEL_CALL_FIELDS[name] for name in _READ}
+_TYPES = {name: ask.MODEL_CALL_FIELDS[name] for name in (
+    "request_model", "base_url", "attempt", "error_type", "usage_status", "usage_reported", "latency_ms",
+    "response_model", "system_fingerprint", "check", "input_tokens", "output_tokens", "est_input_tokens",
+    "est_output_tokens")}
 
-# agent.py's event kinds that the agent-runs table reads (docs/audit.md, "Agent runs"): a step is a proposal,
-# well formed or not; the why column's kinds are in run_event_why.
+# agent.py's event kinds that the agent-runs table reads (docs/audit.md, "Agent runs").
 _STEP_KINDS = ("model_proposed", "proposal_malformed")
 _RUN_COUNTS = {"tool_allowed": "tools_allowed", "tool_denied": "tools_denied", "error": "errors"}
 _NEW_RUN = {"run_id": None, "path": None, "started": None, "outcome": "open", "judge_verdict": None, "steps": 0,
             "tools_allowed": 0, "tools_denied": 0, "model_calls": 0, "input_tokens": 0, "output_tokens": 0,
             "usage_calls": 0, "est_tokens": 0, "errors": 0, "why": None}
-RUN_COLUMNS = tuple(name for name in _NEW_RUN if name not in ("path", "usage_calls"))  # an agent-runs row's keys
+RUN_COLUMNS = tuple(name for name in _NEW_RUN if name not in ("path", "usage_calls"))
 
 
 class AuditError(rl.UsageError):
     """Bad arguments or unreadable input (exit 2)."""
 
 
-# ----------------------------------------------------------------------------
-# Helpers
-# ----------------------------------------------------------------------------
+# == Helpers ==
 
 def percentile(sorted_values, q):
     """Nearest-rank percentile of an already sorted list (None when empty)."""
@@ -88,8 +83,7 @@ def percentile(sorted_values, q):
 
 
 def model_call_view(payload):
-    """(fields, malformed): the fields read from a model_call payload, each None unless of a type ask.py writes
-    (malformed: one was not), so another tool's payload is counted, never a crash. error_code is kept if a string."""
+    """(fields, malformed): the fields read, each None unless of a type ask.py writes (then malformed is True)."""
     view, malformed = {}, False
     for name, types in _TYPES.items():
         value = payload.get(name)
@@ -101,19 +95,11 @@ def model_call_view(payload):
     return view, malformed
 
 
-def _count_label(counter, label, n=1):
-    """counter[label] += n, with at most MAX_LABELS distinct labels (the rest under OTHER)."""
-    if label not in counter and len(counter) >= MAX_LABELS:
-        label = OTHER
-    counter[label] = counter.get(label, 0) + n
-
-
 def _label(value):
     return "-" if value is None else str(value)
 
 
 def _num(value, null="-"):
-    """A count or a sum as 1,234 (a float with one decimal); null as `null`."""
     if value is None:
         return null
     return f"{value:,}" if isinstance(value, int) else f"{value:,.1f}"
@@ -132,12 +118,15 @@ def _short(value):
 
 
 def _ranked(counter):
-    """The (label, count) pairs of a counter, most frequent first."""
     return sorted(counter.items(), key=lambda kv: (-kv[1], str(kv[0])))
 
 
-def _by_name(counter):
-    return dict(sorted(counter.items(), key=lambda kv: str(kv[0])))
+def _add(counter, key, n):
+    counter[key] = counter.get(key, 0) + n
+
+
+def _count_label(counter, label, n=1):
+    _add(counter, label if label in counter or len(counter) < MAX_LABELS else OTHER, n)
 
 
 def find_ledgers(paths):
@@ -163,16 +152,15 @@ def find_ledgers(paths):
     return list(unique.values())
 
 
-# ----------------------------------------------------------------------------
-# Core: one streaming pass
-# ----------------------------------------------------------------------------
+# == Core: one streaming pass ==
 
 class Group:
     """Counters for one (request_model, base_url, day)."""
 
     COUNTS = ("calls", "ok", "no_usage", "malformed", "checked", "passed", "input_tokens", "output_tokens",
               "usage_calls", "est_input_tokens", "est_output_tokens", "est_output_calls", "retries")
-    __slots__ = COUNTS + ("latencies", "response_models", "fingerprints", "errors")
+    LABELS = ("response_models", "fingerprints", "errors")
+    __slots__ = COUNTS + LABELS + ("latencies",)
 
     def __init__(self):
         for name in self.COUNTS:
@@ -184,15 +172,13 @@ class Group:
         """Count one model_call (its model_call_view)."""
         self.calls += 1
         self.malformed += malformed
-        if (call["attempt"] or 1) > 1:
-            self.retries += 1
+        self.retries += (call["attempt"] or 1) > 1
         measured = call["usage_reported"] is True and call["usage_status"] not in NO_USAGE_STATUSES
         if call["error_type"] is None:
             self.ok += 1
             if call["latency_ms"] is not None:
                 self.latencies.append(call["latency_ms"])
-            if not measured:
-                self.no_usage += 1
+            self.no_usage += not measured
             _count_label(self.response_models, call["response_model"])
             if call["system_fingerprint"] is not None:
                 _count_label(self.fingerprints, call["system_fingerprint"])
@@ -215,14 +201,14 @@ class Group:
         for name in self.COUNTS:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.latencies.extend(other.latencies)
-        for name in ("response_models", "fingerprints", "errors"):
-            mine = getattr(self, name)
+        for name in self.LABELS:
             for label, count in getattr(other, name).items():
-                _count_label(mine, label, count)
+                _count_label(getattr(self, name), label, count)
 
     def row(self, request_model, base_url, day):
         """One row of the model table. A count that nothing reported is None (null), never 0."""
         lat, usage = sorted(self.latencies), self.usage_calls
+        labels = [dict(sorted(getattr(self, name).items(), key=lambda kv: str(kv[0]))) for name in self.LABELS]
         return {
             "request_model": request_model, "base_url": base_url, "day": day,
             "calls": self.calls, "ok": self.ok, "failed": self.calls - self.ok, "no_usage": self.no_usage,
@@ -233,12 +219,13 @@ class Group:
             "est_output_tokens": self.est_output_tokens if self.est_output_calls else None,
             "latency_min_ms": lat[0] if lat else None, "latency_p50_ms": percentile(lat, 50),
             "latency_p95_ms": percentile(lat, 95), "latency_max_ms": lat[-1] if lat else None,
-            "retries": self.retries, "response_models": _by_name(self.response_models),
-            "system_fingerprints": _by_name(self.fingerprints), "errors": _by_name(self.errors),
+            "retries": self.retries, "response_models": labels[0], "system_fingerprints": labels[1],
+            "errors": labels[2],
         }
 
 
 MODEL_COLUMNS = tuple(Group().row(None, None, None))  # a models-table row's keys, in order: the CSV's columns
+
 
 class Audit:
     """Everything the reports need, gathered in one pass over the events."""
@@ -252,10 +239,10 @@ class Audit:
         self.listings = {}          # (base_url, day) -> (at, model_ids) of the day's last listing
         self.runs = {}              # run_id -> agent run summary
         self.ledgers = []           # {"path", "status", "lines", "reason"}
-        self._heads = {}            # runs dir -> {run id: (head seq, head hash)} from its index.jsonl
+        self._heads = {}            # index.jsonl -> {run id: (head seq, head hash)}
 
     def add_file(self, path, verify=True):
-        """Stream one ledger in; returns its status. Raises IntegrityError / KeyRequiredError if it does not hold."""
+        """Stream one ledger in; returns its status. Raises IntegrityError / KeyRequiredError."""
         path = Path(path)
         info = {"path": str(path), "status": "ok", "lines": 0, "reason": None}
         events = self._verified(path, info) if verify else _unverified(path, info)
@@ -264,8 +251,7 @@ class Audit:
         return info
 
     def _verified(self, path, info):
-        """The events of a verified ledger. A closed run is held to the head its index recorded, as `verify --all`
-        holds it: a run rewritten, cut or written to after it closed is refused."""
+        """A closed run is held to the head its index recorded, as `verify --all` holds it."""
         expect, count = self._index_head(path), 0
         try:
             for event, _raw, _digest in rl.verified_events(path, expect=expect):
@@ -280,7 +266,6 @@ class Audit:
                                                          f"seq {expect[0]} (nothing is written to a closed run)")
 
     def _index_head(self, path):
-        """(seq, hash) that runs/index.jsonl recorded for the run at `path`, or None."""
         if path.name != rl.EVENTS_NAME:
             return None
         index = path.parent.parent / rl.INDEX_NAME
@@ -296,20 +281,18 @@ class Audit:
         return head
 
     def _consume(self, events, agent_run, path):
-        since, until, only = self.since, self.until, self.model
         run = None
         for event in events:
             kind, at, payload = event["kind"], event["at"], event["payload"]
-            if (since is not None and at < since) or (until is not None and at > until):
+            if (self.since is not None and at < self.since) or (self.until is not None and at > self.until):
                 continue
             if agent_run:
-                if run is None:
-                    run = self.runs.setdefault(event["run_id"], dict(_NEW_RUN, run_id=event["run_id"], path=str(path),
-                                                                     started=at))
+                run = run or self.runs.setdefault(event["run_id"], dict(_NEW_RUN, run_id=event["run_id"],
+                                                                          path=str(path), started=at))
                 _run_event(run, kind, payload)
             if kind == "model_call":
                 call, malformed = model_call_view(payload)
-                if only is not None and call["request_model"] != only:
+                if self.model is not None and call["request_model"] != self.model:
                     continue
                 session = payload.get("session_id")
                 day = (session if type(session) is str else "-") if self.by_session else at[:10]
@@ -320,10 +303,7 @@ class Audit:
                         model = base = OTHER
                     else:
                         self.model_strings.add((model, base))
-                group = self.groups.get((model, base, day))
-                if group is None:
-                    group = self.groups[(model, base, day)] = Group()
-                group.add(call, malformed)
+                self.groups.setdefault((model, base, day), Group()).add(call, malformed)
             elif kind == "models_list":
                 ids, base = payload.get("model_ids"), payload.get("base_url")
                 if type(ids) is list and type(base) is str and all(type(i) is str for i in ids):
@@ -332,7 +312,6 @@ class Audit:
                     if (previous[0] <= at) if previous else len(self.listings) < MAX_LISTINGS:
                         self.listings[(base, at[:10])] = (at, ids[:10000])
 
-    # -- results ---------------------------------------------------------
     def model_rows(self, by_day=False):
         groups = self.groups
         if not by_day:
@@ -361,12 +340,10 @@ class Audit:
 
     def unlisted(self):
         """The model strings asked for at an endpoint whose latest /models list (ask.py --models) lacks them."""
-        latest, calls = {}, {}
-        for (base, _day), (at, ids) in self.listings.items():
-            if base not in latest or latest[base][0] < at:
-                latest[base] = (at, ids)
+        latest = {base: listing for (base, _day), listing in sorted(self.listings.items(), key=lambda kv: kv[1][0])}
+        calls = {}
         for (model, base, _day), group in self.groups.items():
-            calls[(model, base)] = calls.get((model, base), 0) + group.calls
+            _add(calls, (model, base), group.calls)
         return [{"request_model": model, "base_url": base, "calls": n, "listed_at": latest[base][0]}
                 for (model, base), n in sorted(calls.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1])))
                 if base in latest and model != OTHER and model not in latest[base][1]]
@@ -462,23 +439,25 @@ def run_event_why(kind, payload):
     return why if type(why) is str and why else None
 
 
+def _usage_habit(g):
+    """Did a day's ok calls report usage always, sometimes or never (None: there was no ok call)."""
+    return None if not g.ok else "always" if not g.no_usage else "never" if g.no_usage == g.ok else "sometimes"
+
+
 def compare_days(prev, cur, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAULT_RATE_JUMP,
                  latency_floor=DEFAULT_LATENCY_FLOOR_MS):
     """What differs from one day (a Group) to the next for one model string: yields (what, detail)."""
-    for what, before, after in (("response_model", prev.response_models, cur.response_models),
-                                ("system_fingerprint", prev.fingerprints, cur.fingerprints)):
-        detail = _set_change(before, after, ("new", "gone"))
+    for what, name in (("response_model", "response_models"), ("system_fingerprint", "fingerprints")):
+        detail = _set_change(getattr(prev, name), getattr(cur, name), ("new", "gone"))
         if detail:
             yield what, detail
     if len(prev.latencies) >= MIN_LATENCY_SAMPLES and len(cur.latencies) >= MIN_LATENCY_SAMPLES:
         a, b = sorted(prev.latencies), sorted(cur.latencies)
-        for name, q in (("p50", 50), ("p95", 95)):
+        for q in (50, 95):
             old, new = percentile(a, q), percentile(b, q)
             if old and abs(new - old) / old > latency_shift and abs(new - old) >= latency_floor:
-                yield f"latency_{name}", f"{old:,.0f} -> {new:,.0f} ms ({(new - old) / old:+.0%})"
-    # did each day's ok calls report usage always, sometimes or never (None: there was no ok call)
-    before, after = (None if not g.ok else "always" if not g.no_usage else "never" if g.no_usage == g.ok
-                     else "sometimes" for g in (prev, cur))
+                yield f"latency_p{q}", f"{old:,.0f} -> {new:,.0f} ms ({(new - old) / old:+.0%})"
+    before, after = _usage_habit(prev), _usage_habit(cur)
     if before and after and before != after:
         yield "usage", f"usage reported {before} -> {after}"
     if prev.calls and cur.calls:
@@ -491,23 +470,18 @@ def compare_days(prev, cur, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAU
             yield "checks", f"{old_pass:.0%} -> {new_pass:.0%} of checks passed"
 
 
-# ----------------------------------------------------------------------------
-# Reading back from ClickHouse
-# ----------------------------------------------------------------------------
-
-# `audit.py --from URL` streams the lines every box shipped (`reasoning_ledger.py ship`) through the local pass,
-# ledger by ledger, so every count and renderer is the local audit's own. By default each ledger is re-verified
-# from its stored lines first (as `verify --from`), so "verified" means what it means locally.
+# == Reading back from ClickHouse ==
 
 def remote_audit(client, *, since=None, until=None, model=None, verify=True):
-    """Audit the lines shipped to ClickHouse (an rl.ClickHouse). Returns (audit, failures) like run_audit."""
+    """Audit the lines shipped to ClickHouse (an rl.ClickHouse), each ledger re-verified from its stored lines
+    unless told not to (as `verify --from`), through the local pass. Returns (audit, failures) like run_audit."""
     audit, failures = Audit(since=since, until=until, model=model), []
     client.require_table()
     in_range = "".join(f" AND at {op} {rl.sql_string(t)}" for op, t in ((">=", since), ("<=", until)) if t is not None)
     condition = f"WHERE ledger_id IN (SELECT ledger_id FROM {client.name} WHERE 1{in_range})" if in_range else ""
-    found = ((ledger, None) for ledger in rl.shipped_ledgers(client, condition)) if not verify else (
-        rl.verify_shipped(client, condition=condition))
-    for ledger, result in found:  # the ledgers with lines in range, re-verified unless told not to
+    found = (rl.verify_shipped(client, condition=condition) if verify else
+             ((ledger, None) for ledger in rl.shipped_ledgers(client, condition)))
+    for ledger, result in found:
         if isinstance(result, rl.IntegrityError):
             failures.append(result)
         elif result is not None and not isinstance(result, rl.Verified):
@@ -529,15 +503,11 @@ def remote_audit(client, *, since=None, until=None, model=None, verify=True):
     return audit, []
 
 
-
-# ----------------------------------------------------------------------------
-# Reports: text, JSON, CSV
-# ----------------------------------------------------------------------------
+# == Reports: text, JSON, CSV ==
 
 def _table(headers, rows, text_columns, cut=None, limit=None):
-    """(lines, cut_any): aligned columns, the named text columns to the left, numbers to the right. Cells are
-    made printable, so a ledger value can neither forge a line nor drive the terminal. With a limit, the columns
-    in `cut` ({column: "middle" or "end"}) are narrowed in that order, each down to MIN_CUT_WIDTH, to fit."""
+    """(lines, cut_any): aligned columns, text left and numbers right, cells made printable. With a limit, the
+    columns in `cut` ({column: "middle" or "end"}) are narrowed in that order, down to MIN_CUT_WIDTH, to fit."""
     rows = [[rl.printable(cell) for cell in row] for row in rows]
     widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
     over = sum(widths) + 2 * (len(widths) - 1) - limit if limit else 0
@@ -557,7 +527,6 @@ def _table(headers, rows, text_columns, cut=None, limit=None):
 
 
 def _elide(text, width, where="middle"):
-    """text in `width` characters, ELLIPSIS where the rest was left out (its middle, or its end)."""
     if len(text) <= width:
         return text
     if where == "end":
@@ -567,20 +536,17 @@ def _elide(text, width, where="middle"):
 
 
 def _model_table(rows, by_day, wide, endpoints):
-    """The models table: every column whole with --wide; else endpoints as #n (an `at` column when there is more
-    than one), tokens from 10,000 on in 3 digits, min/max latency and ok left to --wide, and names cut in the
-    middle to fit TEXT_WIDTH."""
+    """The models table: every column whole with --wide; else fitted to TEXT_WIDTH (docs/audit.md)."""
     def tokens(value):
         return _num(value) if value is None or wide or value < 10000 else _short(value)
     day = ["day"] if by_day else []
     if wide:
-        columns = ["model", "base_url"] + day + ["calls", "ok", "failed", "no_usage", "checks", "in_tok", "out_tok",
-                                                 "est_in~", "est_out~", "min_ms", "p50_ms", "p95_ms", "max_ms",
-                                                 "retries", "served"]
+        columns = ["model", "base_url"] + day + ("calls ok failed no_usage checks in_tok out_tok est_in~ est_out~ "
+                                                 "min_ms p50_ms p95_ms max_ms retries served").split()
     else:
-        columns = ["model"] + (["at"] if len(endpoints) > 1 else []) + day + [
-            "calls", "failed", "no_usage", "checks", "in_tok", "out_tok", "est~", "p50_ms", "p95_ms"] + (
-            [] if by_day else ["retries"]) + ["served"]
+        columns = ["model"] + (["at"] if len(endpoints) > 1 else []) + day + (
+            "calls failed no_usage checks in_tok out_tok est~ p50_ms p95_ms" + ("" if by_day else " retries")
+            + " served").split()
     body = []
     for r in rows:
         est = None if r["est_input_tokens"] is None else r["est_input_tokens"] + (r["est_output_tokens"] or 0)
@@ -647,20 +613,18 @@ def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
 
 
 def _sums(rows):
-    """The models table summed, for the summaries of every report: its counts, and the error labels merged."""
     sums = {k: sum(r[k] or 0 for r in rows) for k in ("calls", "ok", "no_usage", "malformed", "usage_calls",
                                                        "input_tokens", "output_tokens", "est_input_tokens",
                                                        "est_output_tokens")}
     sums["errors"] = {}
     for r in rows:
         for name, count in r["errors"].items():
-            sums["errors"][name] = sums["errors"].get(name, 0) + count
+            _add(sums["errors"], name, count)
     return sums
 
 
 def _warnings(audit):
-    """The warnings of every report, as plain text: torn tails, lines skipped, model strings folded, and the
-    model strings an endpoint's /models list does not name."""
+    """Every report's warnings: torn tails, lines skipped, model strings folded, model strings not listed."""
     out = []
     for ledger in audit.ledgers:
         if ledger["status"] == "torn":
@@ -703,13 +667,14 @@ def render_json(audit, rows, changes, runs, verified, by_day):
 
 
 def _csv_cell(value):
-    """A CSV cell. Text a spreadsheet would run as a formula gets a leading ' (OWASP's advice); numbers stay
-    numbers, and null is an empty cell."""
+    """Text a spreadsheet would run as a formula gets a leading ' (OWASP's advice); null is an empty cell."""
     if value is None:
         return ""
     if type(value) in (int, float):
         return value
-    text = json.dumps(value, ensure_ascii=False, sort_keys=True) if isinstance(value, dict) else str(value)
+    if isinstance(value, dict):  # sorted as text: a served model may be null
+        value = json.dumps(dict(sorted(value.items(), key=lambda kv: str(kv[0]))), ensure_ascii=False)
+    text = str(value)
     return "'" + text if text.startswith(("=", "+", "-", "@", "\t", "\r")) else text
 
 
@@ -722,17 +687,13 @@ def render_csv(rows):
     return stream.getvalue()
 
 
-# ----------------------------------------------------------------------------
-# Reports: HTML
-# ----------------------------------------------------------------------------
+# == Reports: HTML ==
 
-# One self-contained page: inline CSS and SVG, no script, nothing fetched. Every value that came from a ledger
-# goes through _e() (html.escape with quote=True), in text, SVG <title>/<text> and attributes alike; colours,
-# sizes and headings come from the constants here.
+# One self-contained page: inline CSS and SVG, no script, nothing fetched. Every value from a ledger goes
+# through _e(), in text, SVG <title>/<text> and attributes alike.
 
 _PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#000000", "#F0E442")  # Okabe-Ito
-# Error types get colours of their own, each far (CIE76 delta E >= 35) from every model colour, so a bar's
-# error type is never read as a model (tests/test_audit_reasons.py measures it on the page).
+# Error types: colours each far (CIE76 delta E >= 35) from every model colour, so an error is never read as a model.
 _ERROR_PALETTE = ("#4B0092", "#661100", "#D41159", "#B2DF8A", "#00441B", "#33A02C")
 _GREY = "#8c8c8c"          # the model strings beyond MAX_CHART_MODELS
 _ERROR_GREY = "#d9d9d9"    # the error types beyond _ERROR_PALETTE
@@ -746,20 +707,17 @@ _MAX_TEXT = 512            # a longer ledger string is cut on the page (ask.py c
 _CHART = (640, 290, (66, 14, 626, 232))     # width, height, plot box (left, top, right, bottom)
 _HIST = (440, 250, (56, 26, 428, 196))
 _HEADINGS = {
-    "request_model": "Model (requested)", "base_url": "Endpoint", "day": "Day", "calls": "Calls", "ok": "OK",
-    "failed": "Failed", "no_usage": "No usage", "malformed": "Malformed", "checked": "Checked",
-    "passed": "Checks passed", "input_tokens": "Input tokens (reported)",
-    "output_tokens": "Output tokens (reported)", "usage_calls": "Calls with usage",
-    "est_input_tokens": "Input tokens (estimated)", "est_output_tokens": "Output tokens (estimated)",
-    "latency_min_ms": "Latency min (ms)", "latency_p50_ms": "Latency p50 (ms)",
+    "request_model": "Model (requested)", "base_url": "Endpoint", "day": "Day", "calls": "Calls", "failed": "Failed",
+    "no_usage": "No usage", "checked": "Checked", "passed": "Checks passed", "input_tokens": "Input tokens (reported)",
+    "output_tokens": "Output tokens (reported)", "est_input_tokens": "Input tokens (estimated)",
+    "est_output_tokens": "Output tokens (estimated)", "latency_p50_ms": "Latency p50 (ms)",
     "latency_p95_ms": "Latency p95 (ms)", "latency_max_ms": "Latency max (ms)", "retries": "Retries",
-    "response_models": "Served models", "system_fingerprints": "System fingerprints", "errors": "Errors",
-    "run_id": "Run", "started": "Started (UTC)", "outcome": "Outcome", "judge_verdict": "Judge verdict",
-    "steps": "Steps", "tools_allowed": "Tools allowed", "tools_denied": "Tools denied", "model_calls": "Model calls",
-    "est_tokens": "Tokens (estimated)", "why": "Why it ended", "what": "What changed", "detail": "Detail",
-    "previous_day": "Compared with", "path": "Ledger", "status": "Status", "lines": "Events", "reason": "Note"}
-# The page's tables lead with what is read first (latency, served models, errors, why a run ended), so a
-# narrow window scrolls only past the token counts; the other columns are in --json and --csv.
+    "response_models": "Served models", "errors": "Errors", "run_id": "Run", "started": "Started (UTC)",
+    "outcome": "Outcome", "judge_verdict": "Judge verdict", "steps": "Steps", "tools_allowed": "Tools allowed",
+    "tools_denied": "Tools denied", "model_calls": "Model calls", "est_tokens": "Tokens (estimated)",
+    "why": "Why it ended", "what": "What changed", "detail": "Detail", "previous_day": "Compared with",
+    "path": "Ledger", "status": "Status", "lines": "Events", "reason": "Note"}
+# The tables lead with what is read first, so a narrow window scrolls only past the token counts.
 _HTML_MODEL_COLUMNS = ("request_model", "base_url", "day", "calls", "failed", "latency_p50_ms", "latency_p95_ms",
                        "latency_max_ms", "response_models", "errors", "no_usage", "checked", "passed",
                        "input_tokens", "output_tokens", "est_input_tokens", "est_output_tokens", "retries")
@@ -769,9 +727,8 @@ _WHAT = {"response_model": "Served model", "system_fingerprint": "System fingerp
          "latency_p50": "Latency p50", "latency_p95": "Latency p95", "usage": "Usage reporting",
          "error_rate": "Error rate", "checks": "Check pass rate", "models_list": "Models listed"}
 _TEXT_TH = ' class="t"'
-_TEXT_FIELDS = {"request_model", "base_url", "day", "response_models", "system_fingerprints", "errors", "run_id",
-                "started", "outcome", "judge_verdict", "what", "detail", "previous_day", "path", "status",
-                "reason", "why"}
+_TEXT_FIELDS = {"request_model", "base_url", "day", "response_models", "errors", "run_id", "started", "outcome",
+                "judge_verdict", "what", "detail", "previous_day", "path", "status", "reason", "why"}
 _CSS = (
     "body{font-family:system-ui,sans-serif;margin:24px auto;max-width:1400px;padding:0 24px;color:#1f2328;"
     "line-height:1.4}h2{margin:32px 0 8px;padding-top:8px;border-top:1px solid #e3e3e3}"
@@ -792,7 +749,6 @@ _CSS = (
     "figure{margin:0;min-width:0}svg{max-width:100%;height:auto;display:block}svg text{font-size:11px;fill:#333}"
     "svg .lbl{font-size:10px}svg .gl{stroke:#e6e6e6}svg .axis{stroke:#888}svg .mark{stroke:#333;"
     "stroke-dasharray:4 3}")
-
 
 
 def _e(value):
@@ -818,13 +774,12 @@ def _key(colour, dashed=False):
 
 
 def _chart_models(audit):
-    """(series, order): the page's one model of the data. A series for each of the MAX_CHART_MODELS busiest
-    (model, base_url) pairs, and a grey one summing up the rest (when there is a rest), each with its calls,
-    per-day sums [calls, ok, usage_calls, reported tokens, estimated tokens], errors by type and ok latencies;
-    order ranks every pair, busiest first."""
+    """(series, order): a series for each of the MAX_CHART_MODELS busiest (model, base_url) pairs and a grey one
+    for the rest, each with its calls, per-day [calls, ok, usage_calls, reported, estimated tokens], errors by
+    type and ok latencies; order ranks every pair, busiest first."""
     totals = {}
     for (model, base, _day), group in audit.groups.items():
-        totals[(model, base)] = totals.get((model, base), 0) + group.calls
+        _add(totals, (model, base), group.calls)
     order = sorted(totals, key=lambda k: (-totals[k], str(k[0]), str(k[1])))
     folded = (OTHER, OTHER) if audit.folded and (OTHER, OTHER) in totals else None
     ranked = [key for key in order if key != folded]
@@ -847,12 +802,10 @@ def _chart_models(audit):
                                    g.est_input_tokens + g.est_output_tokens)):
             slot[i] += value
         for name, n in g.errors.items():
-            one["errors"][name] = one["errors"].get(name, 0) + n
+            _add(one["errors"], name, n)
         one["latencies"].extend(g.latencies)
     return series, order
 
-
-# -- SVG: one frame with axes, lines, stacked bars -----------------------------
 
 def _scale(top, integer=True, ticks=4):
     """(step, ymax): a round tick step and the axis top that covers `top`."""
@@ -864,13 +817,16 @@ def _scale(top, integer=True, ticks=4):
     return step, step * math.ceil(top / step - 1e-9)
 
 
+def _svg(css_class, width, height, title, attrs=""):
+    return (f'<svg class="{css_class}"{attrs} xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" role="img"><title>{_e(title)}</title>')
+
+
 def _frame(css_class, title, size, top_value, y_title, x_ticks, x_title, fmt=_short, integer=True, attrs=""):
-    """(parts, y_of): an SVG's opening, a y axis covering `top_value` with grid lines, and an x axis with its
-    ticks [(x, label)]; y_of(v) is where the value v sits."""
+    """(parts, y_of): an SVG's opening, a y axis covering `top_value`, an x axis with ticks [(x, label)]."""
     width, height, (left, top, right, bottom) = size
     step, ymax = _scale(top_value, integer)
-    parts = [f'<svg class="{css_class}"{attrs} xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'viewBox="0 0 {width} {height}" role="img"><title>{_e(title)}</title>']
+    parts = [_svg(css_class, width, height, title, attrs)]
     for i in range(int(round(ymax / step)) + 1):
         y = bottom - (bottom - top) * i * step / ymax
         parts.append(f'<line class="gl" x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}"/>'
@@ -952,8 +908,7 @@ def _errors_by_model_chart(series, types, colours):
     width, left, right, row = _CHART[0], 10, _CHART[0] - 150, 40
     bottom = 8 + row * len(series)
     step, xmax = _scale(max((sum(s["errors"].values()) for s in series), default=0))
-    parts = [f'<svg class="errors-per-model" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{bottom + 44}" '
-             f'viewBox="0 0 {width} {bottom + 44}" role="img"><title>failed calls per model, by error type</title>']
+    parts = [_svg("errors-per-model", width, bottom + 44, "failed calls per model, by error type")]
     for i in range(int(round(xmax / step)) + 1):
         x = left + (right - left) * i * step / xmax
         parts.append(f'<line class="gl" x1="{x:.1f}" y1="4" x2="{x:.1f}" y2="{bottom}"/>'
@@ -983,14 +938,12 @@ def _round_125(value, up):
 
 
 def _latency_histogram(model, ordered, colour, bins=32):
-    """Log-scale bins of sorted latencies, so a cold-start hump stands apart from the warm one; p50 and p95
-    marked."""
+    """Log-scale bins of sorted latencies, so a cold-start hump stands apart; p50 and p95 marked."""
     width, height, (left, top, right, bottom) = _HIST
     attrs = f' data-model="{_e(model)}"'
     if not ordered:
-        return (f'<svg class="latency-histogram"{attrs} xmlns="http://www.w3.org/2000/svg" width="{width}" '
-                f'height="40" viewBox="0 0 {width} 40" role="img"><title>latency of {_e(model)}: no successful '
-                'calls</title><text x="8" y="24">no successful call with a latency</text></svg>')
+        return (_svg("latency-histogram", width, 40, f"latency of {model}: no successful calls", attrs)
+                + '<text x="8" y="24">no successful call with a latency</text></svg>')
     low, high = _round_125(max(ordered[0], 1.0), False), _round_125(max(ordered[-1], 1.0), True)
     high = high if high > low else _round_125(low * 1.5, True)
     ticks = [m * 10 ** k for k in range(int(math.floor(math.log10(low))), int(math.ceil(math.log10(high))) + 1)
@@ -1022,8 +975,6 @@ def _latency_histogram(model, ordered, colour, bins=32):
     return "".join(parts + ["</svg>"])
 
 
-# -- tables --------------------------------------------------------------------
-
 def _td(field, value):
     """One cell: counts with separators, ms as ms, label counts as 'name ×n', null as a dash."""
     text = " t" if field in _TEXT_FIELDS else ""
@@ -1046,8 +997,7 @@ def _td(field, value):
 
 
 def _html_table(css_class, columns, rows, cells=None):
-    """A table of `rows` (dicts); `cells` maps a field to the function that draws its cell instead of _td. Each
-    <th> keeps its field name in data-field and title."""
+    """A table of `rows` (dicts); `cells` maps a field to the function that draws its cell instead of _td."""
     cells = cells or {}
     heads = "".join(f'<th{_TEXT_TH if c in _TEXT_FIELDS else ""} scope="col" data-field="{_e(c)}" title="{_e(c)}">'
                     f"{_e(_HEADINGS.get(c, c))}</th>" for c in columns)
@@ -1058,7 +1008,6 @@ def _html_table(css_class, columns, rows, cells=None):
 
 
 def _model_cell(colours):
-    """The model column: the model's colour key, and its name (a models_list change has none)."""
     def cell(row):
         if row["request_model"] is None and "what" in row:
             return '<td class="t">(models list)</td>'
@@ -1066,8 +1015,6 @@ def _model_cell(colours):
         return f'<td class="t">{_key(colours.get(key, _GREY))}{_e(_label(row["request_model"]))}</td>'
     return cell
 
-
-# -- sections ------------------------------------------------------------------
 
 def _models_section(rows, by_day, colours, order):
     rank = {key: i for i, key in enumerate(order)}
@@ -1152,10 +1099,9 @@ def _errors_section(audit, days, series):
     by_day, totals, shown = {}, {}, set(days)
     for (_model, _base, day), group in audit.groups.items():
         for name, n in group.errors.items():
-            totals[name] = totals.get(name, 0) + n
+            _add(totals, name, n)
             if day in shown:
-                per = by_day.setdefault(day, {})
-                per[name] = per.get(name, 0) + n
+                _add(by_day.setdefault(day, {}), name, n)
     out = ['<h2 id="errors">Errors by day and type</h2>']
     if not totals:
         return out + ["<p>No failed calls.</p>"]
@@ -1229,8 +1175,7 @@ def _lists_sections(audit, changes, runs, runs_url, colours):
 def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_RUNS_URL):
     series, order = _chart_models(audit)
     colours = {s["key"]: s["colour"] for s in series if s["key"]}
-    # the x axis: every calendar day from the first to the last (the latest _MAX_CHART_DAYS), or the days as found
-    # when some are not dates (an unverified ledger)
+    # the x axis: every calendar day to the last (at most _MAX_CHART_DAYS), or the days found if some are not dates
     days = sorted({day for (_m, _b, day) in audit.groups})
     if days and all(map(_is_date, days)):
         first = datetime.date.fromisoformat(days[0])
@@ -1259,9 +1204,7 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
     return "\n".join(out) + "\n"
 
 
-# ----------------------------------------------------------------------------
-# CLI
-# ----------------------------------------------------------------------------
+# == CLI ==
 
 def _build_parser():
     p = rl.ArgumentParser(
@@ -1302,8 +1245,7 @@ def _build_parser():
 
 def run_audit(paths, *, verify=True, since=None, until=None, model=None, by_session=False):
     """Audit the given ledgers. Returns (audit, failures): failures lists the IntegrityErrors."""
-    audit = Audit(since=since, until=until, model=model, by_session=by_session)
-    failures = []
+    audit, failures = Audit(since=since, until=until, model=model, by_session=by_session), []
     for path in find_ledgers(paths):
         try:
             audit.add_file(path, verify=verify)
@@ -1350,14 +1292,10 @@ def _run(args):
     changes = [] if args.by == "session" else audit.changes(args.latency_shift, args.rate_jump, args.latency_floor)
     runs, verified = audit.run_rows(), not args.no_verify
     if args.html:
-        page = render_html(audit, rows, changes, runs, verified, by_day, runs_url=args.runs_url)
-        Path(args.html).write_text(page, encoding="utf-8")
-    if args.json:
-        rl.write_out(render_json(audit, rows, changes, runs, verified, by_day))
-    elif args.csv:
-        rl.write_out(render_csv(rows))
-    else:
-        rl.write_out(render_text(audit, rows, changes, runs, verified, by_day, wide=args.wide))
+        Path(args.html).write_text(render_html(audit, rows, changes, runs, verified, by_day, runs_url=args.runs_url),
+                                   encoding="utf-8")
+    rl.write_out(render_json(audit, rows, changes, runs, verified, by_day) if args.json else render_csv(rows)
+                 if args.csv else render_text(audit, rows, changes, runs, verified, by_day, wide=args.wide))
     if args.fail_on_change and changes:
         rl.error(f"{len(changes)} change(s) found")
         return rl.EXIT_CHANGED

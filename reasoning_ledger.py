@@ -42,18 +42,16 @@ __version__ = "1.1.0"
 # What a vendoring script needs; the toolkit's own scripts also use the CLI kit below (error, write_out, ...).
 __all__ = [
     "Ledger", "Run", "open_run", "store_artifact", "read_events", "iter_lines", "verified_events", "verify",
-    "verify_runs", "run_ledgers", "Verified", "line_hash", "parse_head", "new_run_id", "utc_now", "key_from_env",
+    "verify_runs", "run_ledgers", "Verified", "parse_head", "new_run_id", "utc_now",
     "Redactor", "redact_text", "secret_values",
     "LedgerError", "UsageError", "PayloadError", "KeyRequiredError", "IntegrityError", "TornTailError",
-    "OutputError", "EXIT_CODES", "FORMAT_VERSION", "GENESIS", "MAX_LINE_BYTES", "KEY_ENV", "INDEX_NAME",
-    "EVENTS_NAME", "main",
+    "OutputError", "EXIT_CODES", "KEY_ENV", "INDEX_NAME", "EVENTS_NAME", "main",
 ]
 
 # ----------------------------------------------------------------------------
-# Constants
+# Constants and errors
 # ----------------------------------------------------------------------------
 
-FORMAT_VERSION = 1
 FIELDS = ("seq", "run_id", "kind", "at", "payload", "prev")
 GENESIS = "0" * 64
 MAX_LINE_BYTES = 1024 * 1024  # a line, newline included, is at most this long: the format's limit
@@ -67,16 +65,8 @@ INDEX_NAME = "index.jsonl"
 EVENTS_NAME = "events.jsonl"
 
 # One exit-code table for every script of the toolkit.
-EXIT_OK = 0        # done
-EXIT_FAILED = 1    # what was checked or asked for failed: an integrity failure, a failed call, an agent error
-EXIT_USAGE = 2     # usage, configuration or I/O error: nothing was done
-EXIT_CHECK = 3     # an answer came back but a check failed (ask.py); the judge rejected the proposal (agent.py)
-EXIT_CHANGED = 4   # audit.py --fail-on-change found changes
-EXIT_OUTPUT = 5    # the result could not be written to stdout (closed, full, not encodable); it was recorded
-EXIT_LOCKED = 6    # agent.py: another run holds the repository's lock
-EXIT_BUDGET = 7    # agent.py: the budget ran out before an accepted proposal
-EXIT_PROPOSAL = 8  # agent.py: a proposal was accepted by the judge and written for a human to review
-EXIT_STUCK = 9     # agent.py: the model sent the same reply (or the same unusable one) max_repeats times
+(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_CHECK, EXIT_CHANGED, EXIT_OUTPUT, EXIT_LOCKED, EXIT_BUDGET, EXIT_PROPOSAL,
+ EXIT_STUCK) = range(10)
 EXIT_CODES = {
     EXIT_OK: "ok",
     EXIT_FAILED: "failed: integrity failure (verify, audit, ship), failed call (ask), error outcome (agent)",
@@ -94,16 +84,11 @@ _KIND_RE = re.compile(r"[a-z][a-z0-9_.]*\Z")
 _AT_RE = re.compile(r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
                     r"\.[0-9]{6}Z\Z")
 _OUR_RUN_ID_RE = re.compile(r"[0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8}\Z")
-_HEX64_RE = re.compile(r"[0-9a-f]{64}\Z")
 _RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
 _SEQ_PREFIX_RE = re.compile(rb'\{"seq":([1-9][0-9]*),')
 _PREV_SUFFIX_RE = re.compile(rb',"prev":"([0-9a-f]{64})"\}\Z')
 _INT_LIMIT = 10 ** 4300  # Python 3.11+ refuses to print longer ints; a line must read back everywhere
 
-
-# ----------------------------------------------------------------------------
-# Errors
-# ----------------------------------------------------------------------------
 
 class LedgerError(Exception):
     """Base of every error the toolkit raises on purpose. `exit_code` is what a script exits with."""
@@ -133,8 +118,7 @@ class IntegrityError(LedgerError):
 
     def __init__(self, path, line, reason):
         self.path, self.line, self.reason = str(path), line, reason
-        where = f"{path}: line {line}" if line else f"{path}"
-        super().__init__(f"{where}: {reason}")
+        super().__init__(f"{path}: line {line}: {reason}" if line else f"{path}: {reason}")
 
 
 class TornTailError(IntegrityError):
@@ -142,9 +126,8 @@ class TornTailError(IntegrityError):
 
     def __init__(self, path, line, offset, length, head):
         self.offset, self.length, self.head = offset, length, head
-        super().__init__(path, line, f"torn tail: {length} bytes at offset {offset} without a newline "
-                                     f"(a writer crashed mid-append; the next append moves them to "
-                                     f"{Path(path).name}.torn)")
+        super().__init__(path, line, f"torn tail: {length} bytes at offset {offset} without a newline (a writer "
+                                     f"died mid-append; the next append moves them to {Path(path).name}.torn)")
 
 
 class OutputError(LedgerError):
@@ -167,71 +150,58 @@ def utc_now():
 
 
 def new_run_id():
-    """A run id that sorts by creation time and carries a random suffix."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-    return now.strftime("%Y%m%dT%H%M%S.%fZ") + "-" + os.urandom(4).hex()
+    """A run id that sorts by creation time and carries a random suffix: 20261129T120000.123456Z-1a2b3c4d."""
+    return utc_now().replace("-", "").replace(":", "") + "-" + os.urandom(4).hex()
 
 
-_valid_days = set()
+@functools.lru_cache(maxsize=4096)  # a ledger's lines share a few days
+def _day_exists(day):
+    try:
+        datetime.date(int(day[:4]), int(day[5:7]), int(day[8:10]))
+    except ValueError:
+        return False
+    return True
 
 
 def _at_ok(at):
     """`at` as the writer writes it: the exact shape, ASCII digits, and a date that exists."""
-    if type(at) is not str or not _AT_RE.match(at):
-        return False
-    day = at[:10]
-    if day not in _valid_days:
-        try:
-            datetime.date(int(day[:4]), int(day[5:7]), int(day[8:10]))
-        except ValueError:
-            return False
-        if len(_valid_days) < 100000:
-            _valid_days.add(day)
-    return True
+    return type(at) is str and _AT_RE.match(at) is not None and _day_exists(at[:10])
 
 
 def _key_bytes(key):
-    if key is None or key == b"" or key == "":
+    if not key:
         return None
     return key.encode("utf-8") if isinstance(key, str) else bytes(key)
 
 
-def key_from_env(name=KEY_ENV):
-    """The HMAC key in environment variable `name`, or None."""
-    return _key_bytes(os.environ.get(name))
-
-
 def _resolve_key(key):
     """key=None reads LEDGER_KEY; b"" or "" means explicitly unkeyed."""
-    return _key_bytes(key) if key is not None else key_from_env()
-
-
-def _genesis(key):
-    return hmac.new(key, b"", hashlib.sha256).hexdigest() if key else GENESIS
+    return _key_bytes(os.environ.get(KEY_ENV) if key is None else key)
 
 
 def line_hash(raw, key=None):
     """SHA-256 (or HMAC-SHA256 with `key`) of one stored line, without its newline."""
-    if key:
-        return hmac.new(key, raw, hashlib.sha256).hexdigest()
-    return hashlib.sha256(raw).hexdigest()
+    return (hmac.new(key, raw, hashlib.sha256) if key else hashlib.sha256(raw)).hexdigest()
+
+
+def _genesis(key):
+    return line_hash(b"", key) if key else GENESIS
 
 
 def parse_head(text):
     """'SEQ HASH' or 'SEQ:HASH' -> (seq, hash)."""
-    parts = re.split(r"[:\s]+", text.strip())
-    if len(parts) != 2 or not re.fullmatch(r"[0-9]+", parts[0]) or not _HEX64_RE.match(parts[1].lower()):
+    match = re.fullmatch(r"([0-9]+)[:\s]+([0-9a-fA-F]{64})", text.strip())
+    if not match:
         raise UsageError(f"not a ledger head (want SEQ:HASH): {printable(text)!r}")
-    return int(parts[0]), parts[1].lower()
+    return int(match.group(1)), match.group(2).lower()
 
 
 # ----------------------------------------------------------------------------
 # Redaction
 # ----------------------------------------------------------------------------
 
-# A key name is split into segments on "_", "-", "." and camelCase; it names a secret when its last
-# segment is one of these words, or its last two are one of these pairs. input_tokens, max_tokens and
-# token_count end in other words and stay.
+# A key name is split into segments on "_", "-", "." and camelCase; it names a secret when its last segment is
+# one of these words, or its last two one of these pairs (input_tokens, max_tokens, token_count stay).
 _SECRET_WORDS = frozenset(("token", "secret", "password", "passwd", "passphrase", "credential", "credentials",
                            "apikey", "session", "cookie", "authorization"))
 _SECRET_PAIRS = frozenset((("api", "key"), ("private", "key"), ("access", "key"), ("secret", "key"),
@@ -254,16 +224,16 @@ def is_secret_key(name):
 
 
 def _mask_scheme(m):
-    """Bearer/Basic followed by a word that looks like a credential, not prose: 8+ characters with a digit, a
-    capital after the first letter or token punctuation, or 20+ characters of anything."""
+    # a credential, not prose ("a bearer token"): 20+ characters, or 8+ with a digit, token punctuation or a
+    # capital after the first letter
     word = m.group(3).rstrip(".")
-    credential = len(word) >= 8 and (len(word) >= 20 or any(c.isdigit() for c in word)
-                                     or any(c.isupper() for c in word[1:]) or any(c in "_~+/=" for c in word))
+    credential = len(word) >= 20 or len(word) >= 8 and (any(c.isdigit() or c in "_~+/=" for c in word)
+                                                         or any(c.isupper() for c in word[1:]))
     return m.group(1) + m.group(2) + REDACTED if credential else m.group(0)
 
 
 def _mask_userinfo(m):
-    """A URL's user part with a password, or one that is a token (16+ characters, letters and digits)."""
+    # a URL's user part with a password, or one that is a token (16+ characters, letters and digits)
     user = m.group(2)
     token = len(user) >= 16 and any(c.isdigit() for c in user) and any(c.isalpha() for c in user)
     return m.group(1) + REDACTED + "@" if ":" in user or token else m.group(0)
@@ -299,12 +269,8 @@ _SHAPES = (
     (r"\b([A-Za-z][A-Za-z0-9_.-]{0,63})([\"']?[ \t]*[:=][ \t]*)(?:\"([^\"\r\n]*)\"|'([^'\r\n]*)'|([^\s\"',;&]+))", 0,
      _mask_assignment),
 )
-
-
-# What every shape needs to match at all: ":", "=" or "@" (headers, assignments, URLs), its own literal
-# start, or for bearer/basic the word under the shape's own case folding. A string holding none of them is
-# left as it is: substring tests cost a tenth of the shapes (tests/BENCH.md), and tests/test_redaction.py
-# holds this list to the shapes.
+# What every shape needs to match at all (tests/test_redaction.py holds this to the shapes): a string with none
+# of these skips the shapes, at a tenth of their cost (tests/BENCH.md).
 _SCHEME_WORD = re.compile(r"b(?:earer|asic)\s", re.I)
 
 
@@ -315,28 +281,24 @@ def _may_match(text):
 
 
 @functools.lru_cache(maxsize=1)
-def _compiled_shapes():
-    """Compiled on first use: `verify` never needs them."""
+def _compiled_shapes():  # on first use: verify never needs them
     return tuple((re.compile(src, flags), repl) for src, flags, repl in _SHAPES)
 
 
 class Redactor:
-    """Masks known secret values, secret shapes (tokens, credentials in URLs, key=value assignments)
-    and, in payloads, whole values under secret key names."""
+    """Masks known secret values and secret shapes (tokens, credentials in URLs, key=value assignments)."""
 
     def __init__(self, values=()):
         self.values = tuple(sorted({v for v in values if isinstance(v, str) and len(v) >= MIN_SECRET_CHARS},
                                    key=len, reverse=True))  # longest first: a secret holding another goes whole
 
     def text(self, text):
-        """`text` with every secret masked."""
         for value in self.values:
             if value in text:
                 text = text.replace(value, REDACTED)
-        if not _may_match(text):
-            return text
-        for pattern, repl in _compiled_shapes():
-            text = pattern.sub(repl, text)
+        if _may_match(text):
+            for pattern, repl in _compiled_shapes():
+                text = pattern.sub(repl, text)
         return text
 
 
@@ -348,9 +310,7 @@ SECRET_ENV_NAMES = ("SSHPASS", "DATABASE_URL", "*_DATABASE_URL", "REDIS_URL", "M
 
 
 def is_secret_env_name(name):
-    """An environment variable's name that names a secret (docs/secrets.md): as is_secret_key; a name ending
-    in KEY or DSN or holding WEBHOOK; a last segment ending in a credential word (PGPASSWORD) or, after
-    another segment, a short one (MYSQL_PWD, REDISCLI_AUTH, but not PWD); and the SECRET_ENV_NAMES."""
+    """An environment variable's name that names a secret, by the five rules of docs/secrets.md."""
     import fnmatch
     segments = _segments(name)
     last = segments[-1] if segments else ""
@@ -361,8 +321,7 @@ def is_secret_env_name(name):
 
 
 def secret_values(extra=()):
-    """The exact secret strings to mask: our env vars, every env var whose name names a secret
-    (GITHUB_TOKEN, DB_PASSWORD, STRIPE_KEY...), those listed in LEDGER_REDACT_ENV, and `extra`."""
+    """The values to mask: of our env vars, of every env var with a secret's name or listed in LEDGER_REDACT_ENV."""
     listed = {n.strip() for n in os.environ.get(REDACT_ENV_LIST, "").split(",") if n.strip()}
     values = {value for name, value in os.environ.items()
               if name in SECRET_ENV_VARS or name in listed or is_secret_env_name(name)}
@@ -375,31 +334,32 @@ def redact_text(text, values=None):
     return Redactor(secret_values() if values is None else values).text(text)
 
 
-class _BadValue(Exception):
+class _BadValue(Exception):  # not JSON the writer writes; `where` is filled in on the way out
     def __init__(self, reason):
         super().__init__(reason)
         self.reason, self.where = reason, []
 
 
 def _clean(value, redactor, depth=1):
-    """A copy of a payload with every secret masked (values under secret key names; secret values and
-    shapes in every string, keys included), checked on the way: plain JSON within MAX_DEPTH, exact types
-    only (a Counter or an int key is refused every time). Raises _BadValue."""
+    # a masked copy, checked on the way: exact JSON types only (a Counter or an int key is refused), MAX_DEPTH
     kind = type(value)
     if kind is str:
         return redactor.text(value)
-    if kind is not dict and kind is not list and kind is not tuple:
-        _check_scalar(value)
+    if kind is int and not -_INT_LIMIT < value < _INT_LIMIT:
+        raise _BadValue("an integer longer than 4300 digits cannot be read back on Python 3.11+")
+    if kind is float and (value != value or value in (float("inf"), float("-inf"))):
+        raise _BadValue(f"{value!r} is not valid JSON (NaN/Infinity)")
+    if value is None or kind is bool or kind is int or kind is float:
         return value
+    if kind is not dict and kind is not list and kind is not tuple:
+        raise _BadValue(f"a {kind.__name__} is not a JSON type")
     if depth > MAX_DEPTH:
         raise _BadValue(f"nested deeper than {MAX_DEPTH} levels (or circular)")
-    is_dict = kind is dict
-    out = {} if is_dict else []
-    for k, v in (value.items() if is_dict else enumerate(value)):
+    out = {} if kind is dict else []
+    for k, v in (value.items() if kind is dict else enumerate(value)):
         try:
-            t = type(v)
-            masked = v if v is None or t is bool else redactor.text(v) if t is str else _clean(v, redactor, depth + 1)
-            if not is_dict:
+            masked = _clean(v, redactor, depth + 1)
+            if kind is not dict:
                 out.append(masked)
                 continue
             if type(k) is not str:
@@ -407,66 +367,44 @@ def _clean(value, redactor, depth=1):
             name = redactor.text(k)
             while name in out:  # two keys that mask to the same text both stay
                 name += "~"
-            out[name] = REDACTED if v is not None and t is not bool and is_secret_key(k) else masked
+            out[name] = REDACTED if v is not None and type(v) is not bool and is_secret_key(k) else masked
         except _BadValue as exc:
-            exc.where.append(f".{k}" if is_dict and type(k) is str else f"[{k!r}]")
+            exc.where.append(f".{k}" if kind is dict and type(k) is str else f"[{k!r}]")
             raise
     return out
 
 
-def _check_scalar(value):
-    kind = type(value)
-    if kind is int:
-        if not -_INT_LIMIT < value < _INT_LIMIT:
-            raise _BadValue("an integer longer than 4300 digits cannot be read back on Python 3.11+")
-    elif kind is float:
-        if value != value or value in (float("inf"), float("-inf")):
-            raise _BadValue(f"{value!r} is not valid JSON (NaN/Infinity)")
-    elif not (kind is bool or value is None):
-        raise _BadValue(f"a {kind.__name__} is not a JSON type")
-
-
 def _clean_payload(payload, redactor):
-    """(payload_as_stored, its JSON text) or PayloadError naming the place."""
     try:
         clean = _clean(payload, redactor)
-    except _BadValue as exc:
-        where = list(reversed(exc.where))
-        if len(where) > 8:
-            where = where[:4] + ["…"] + where[-2:]
-        raise PayloadError(f"payload{''.join(where)}: {exc.reason}; nothing was written") from None
-    text = _dumps(clean)
-    try:
+        text = _dumps(clean)
         text.encode("utf-8")
+    except _BadValue as exc:
+        raise PayloadError(f"payload{''.join(exc.where[::-1])}: {exc.reason}; nothing was written") from None
     except UnicodeEncodeError as exc:
-        raise PayloadError(f"payload holds a lone surrogate ({text[exc.start:exc.end]!a}), which is not "
+        raise PayloadError(f"payload holds a lone surrogate ({exc.object[exc.start:exc.end]!a}), which is not "
                            f"UTF-8; nothing was written") from None
     return clean, text
 
 
 def payload_problem(payload, limit=MAX_LINE_BYTES // 2):
-    """Why `payload` could not be written as an event's payload (not plain JSON, nested too deep, a lone
-    surrogate, over `limit` bytes of JSON), or None. Lets a caller decide before it records."""
+    """Why `payload` could not be written (not plain JSON, too deep, over `limit` bytes of JSON), or None."""
     try:
-        _clean, text = _clean_payload(payload, Redactor())
+        _stored, text = _clean_payload(payload, Redactor())
     except PayloadError as exc:
         return str(exc).replace("; nothing was written", "")
-    if len(text.encode("utf-8")) > limit:
-        return f"payload is larger than {limit} bytes of JSON"
-    return None
+    return f"payload is larger than {limit} bytes of JSON" if len(text.encode("utf-8")) > limit else None
 
 
 _SCANNER = json.JSONDecoder().scan_once
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False, check_circular=False)
-_dumps = _ENCODER.encode
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"), allow_nan=False, check_circular=False).encode
 
 
 # ----------------------------------------------------------------------------
-# Low-level file helpers
+# Writing: low-level file helpers, Ledger, store_artifact, runs
 # ----------------------------------------------------------------------------
 
 def _named(exc, path):
-    """The same OSError, naming `path` when it names no file."""
     if isinstance(exc, OSError) and not exc.filename:
         return OSError(exc.errno, exc.strerror or str(exc), str(path))
     return exc
@@ -480,63 +418,45 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def _rfind_newline(fd, stop, limit):
-    """Offset of the last b"\\n" before `stop`; -1 when the file's start comes first; None when none is
-    within `limit` bytes. Reads backwards in growing chunks, never more than `limit` in all."""
+def _rfind_newline(fd, stop):
+    """Offset of the last newline before `stop`; -1: none before the file's start; None: none in a line's length."""
     pos, step = stop, 4096
-    while pos > 0:
-        if stop - pos >= limit:
-            return None
-        start = max(0, pos - step, stop - limit)
+    while pos > 0 and stop - pos < MAX_LINE_BYTES:
+        start = max(0, pos - step, stop - MAX_LINE_BYTES)
         i = os.pread(fd, pos - start, start).rfind(b"\n")
         if i != -1:
             return start + i
-        pos, step = start, min(step * 4, 1 << 20)
-    return -1
+        pos, step = start, step * 4
+    return -1 if pos == 0 else None
 
 
 def _scan_tail(fd, size, path):
-    """(end, last_line): end is the offset just past the last '\\n' (0 when none), last_line the bytes
-    of the last complete line without its newline (b"" when there is none, None when it is longer than
-    any line of the format). Reads from the end only, at most two lines' worth."""
-    last_nl = _rfind_newline(fd, size, MAX_LINE_BYTES)
+    """(offset past the last newline, the last complete line: b"" if none, None if too long), read from the end."""
+    last_nl = _rfind_newline(fd, size)
     if last_nl is None:
-        raise IntegrityError(path, None, f"the file ends in more than {MAX_LINE_BYTES} bytes without a newline, "
-                                         f"more than any line of the format; refusing to append")
+        raise IntegrityError(path, None, f"the file ends in more than {MAX_LINE_BYTES} bytes without a newline; "
+                                         f"refusing to append")
     if last_nl == -1:
         return 0, b""
-    prev_nl = _rfind_newline(fd, last_nl, MAX_LINE_BYTES)
-    if prev_nl is None:
-        return last_nl + 1, None
-    return last_nl + 1, os.pread(fd, last_nl - prev_nl - 1, prev_nl + 1)
+    prev_nl = _rfind_newline(fd, last_nl)
+    return last_nl + 1, None if prev_nl is None else os.pread(fd, last_nl - prev_nl - 1, prev_nl + 1)
 
 
-def _read_first_line(fd, limit=MAX_LINE_BYTES):
-    buf, pos = b"", 0
-    while len(buf) < limit:
-        chunk = os.pread(fd, 65536, pos)
-        if not chunk:
-            return None
-        nl = chunk.find(b"\n")
-        if nl != -1:
-            return buf + chunk[:nl]
-        buf += chunk
-        pos += len(chunk)
-    return None
+def _write_or_undo(fd, data, size, fsync=True):
+    """Write `data` to the end of a file `size` bytes long, and fsync; on failure cut it back to `size`."""
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            if n <= 0:
+                raise OSError(errno.EIO, "short write")
+            view = view[n:]
+        if fsync:
+            os.fsync(fd)
+    except OSError:
+        os.ftruncate(fd, size)
+        raise
 
-
-def _write_all(fd, data):
-    view = memoryview(data)
-    while view:
-        n = os.write(fd, view)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        view = view[n:]
-
-
-# ----------------------------------------------------------------------------
-# Writing
-# ----------------------------------------------------------------------------
 
 _LIVE_LEDGERS = weakref.WeakSet()
 
@@ -547,21 +467,17 @@ def _after_fork_in_child():
     for ledger in list(_LIVE_LEDGERS):
         ledger._lock = threading.Lock()
         if ledger._fd is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(ledger._fd)
-            except OSError:
-                pass
             ledger._fd = None
 
 
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Ledger:
-    """An append-only ledger file. Safe to share between threads, processes (forked or not) and
-    objects: every append holds a thread lock and an exclusive flock, and derives seq and prev from
-    the file itself."""
+    """An append-only ledger file, safe to share between threads, processes (forked or not) and objects: every
+    append holds a thread lock and an exclusive flock, and derives seq and prev from the file itself."""
 
     def __init__(self, path, run_id=None, *, key=None, fsync=True, max_line_bytes=MAX_LINE_BYTES,
                  secrets=(), clock=utc_now):
@@ -573,17 +489,13 @@ class Ledger:
         if type(self.run_id) is not str or not _RUN_ID_RE.match(self.run_id):
             raise UsageError(f"bad run id {printable(self.run_id)!r}: letters, digits and _.:- only, at most 128")
         if not 0 < max_line_bytes <= MAX_LINE_BYTES:
-            raise UsageError(f"max_line_bytes must be between 1 and {MAX_LINE_BYTES} (the format's limit)")
-        self.key = _resolve_key(key)
-        self.fsync = fsync
-        self.max_line_bytes = max_line_bytes
+            raise UsageError(f"max_line_bytes must be 1 to {MAX_LINE_BYTES}")
+        self.key, self.fsync, self.max_line_bytes = _resolve_key(key), fsync, max_line_bytes
+        self.clock = clock  # returns `at`; replaceable for importing history and for tests
         self.extra_secrets = tuple(s for s in secrets if s)
         self.redactor = Redactor(secret_values(self.extra_secrets))  # env read once, not per append
-        self.clock = clock  # returns `at`; replaceable for importing history and for tests
         self.head = None  # (seq, hash) of the last line this object wrote
-        self._fd = None
-        self._mode_checked = False
-        self._lock = threading.Lock()
+        self._fd, self._mode_checked, self._lock = None, False, threading.Lock()
         _LIVE_LEDGERS.add(self)
 
     def add_secret(self, value):
@@ -604,65 +516,59 @@ class Ledger:
                 os.close(self._fd)
                 self._fd = None
 
-    def _open(self):
-        if self._fd is None:
-            created = not self.path.exists()
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
-            if created and self.fsync:
-                _fsync_dir(self.path)
-        return self._fd
-
     def _locked(self, work):
-        """Run work(fd) holding the thread lock and the file's exclusive flock. I/O errors name the file."""
+        """work(fd) under the thread lock and the file's exclusive flock; I/O errors name the file."""
         with self._lock:
             try:
-                fd = self._open()
-                fcntl.flock(fd, fcntl.LOCK_EX)
+                if self._fd is None:
+                    created = not self.path.exists()
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    self._fd = os.open(str(self.path), os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+                    if created and self.fsync:
+                        _fsync_dir(self.path)
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
                 try:
                     if not self._mode_checked:
-                        self._check_mode(fd)
-                    return work(fd)
+                        self._check_mode(self._fd)
+                    return work(self._fd)
                 finally:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
             except OSError as exc:
                 raise _named(exc, self.path) from None
 
     def _check_mode(self, fd):
         """Refuse to mix keyed and unkeyed lines in one file (checked once per object)."""
-        first = _read_first_line(fd)
-        if first is None:  # empty (or one torn fragment): the line we are about to write sets the mode
+        first = os.pread(fd, 4096, 0)
+        if b"\n" not in first:
+            first = os.pread(fd, MAX_LINE_BYTES, 0)
+        first, newline, _rest = first.partition(b"\n")
+        if not newline:  # empty (or one torn fragment): the line about to be written sets the mode
             return
         match = _PREV_SUFFIX_RE.search(first)
         if not match or not _SEQ_PREFIX_RE.match(first):
             raise IntegrityError(self.path, 1, "not a ledger line; refusing to append")
         prev = match.group(1).decode()
-        if prev == GENESIS and self.key:
-            raise UsageError(f"{self.path}: ledger is not keyed but a key was given ({KEY_ENV}); "
-                             f"refusing to mix keyed and unkeyed lines")
-        if prev != GENESIS and not self.key:
-            raise KeyRequiredError(self.path)
-        if self.key and prev != _genesis(self.key):
-            raise IntegrityError(self.path, 1, "prev is not the HMAC of the empty string under this key "
-                                               "(wrong key?); refusing to append")
+        if prev != _genesis(self.key):
+            if not self.key:
+                raise KeyRequiredError(self.path)
+            if prev == GENESIS:
+                raise UsageError(f"{self.path}: ledger is not keyed but a key was given; refusing to mix keyed "
+                                 f"and unkeyed lines")
+            raise IntegrityError(self.path, 1, "prev is not this key's genesis (wrong key?); refusing to append")
         self._mode_checked = True
 
     def check(self):
-        """Check under the lock, writing nothing, that the next append can succeed (a torn tail is fine: the
-        next append recovers it); return the file's head (seq, hash)."""
+        """The file's head (seq, hash) if the next append can succeed (a torn tail it recovers); writes nothing."""
         def tail(fd):
-            end, last = _scan_tail(fd, os.fstat(fd).st_size, self.path)
-            seq, prev = self._next(end, last)
+            seq, prev = self._next(*_scan_tail(fd, os.fstat(fd).st_size, self.path))
             return seq - 1, prev
         return self._locked(tail)
 
     def append(self, kind, payload=None):
-        """Append one event and return it as written (payload redacted). Raises PayloadError
-        (nothing written) for a bad kind or payload, LedgerError/OSError for file trouble."""
+        """Append one event; return it as written (payload masked). PayloadError: nothing was written."""
         if type(kind) is not str or not _KIND_RE.match(kind):
             raise PayloadError(f"bad kind {printable(kind)!r}: lower-case [a-z][a-z0-9_.]*")
-        if payload is None:
-            payload = {}
+        payload = {} if payload is None else payload
         if type(payload) is not dict:
             raise PayloadError(f"payload must be a JSON object (a dict), not a {type(payload).__name__}; "
                                f"nothing was written")
@@ -678,18 +584,12 @@ class Ledger:
 
     def _next(self, end, last):
         """(seq, prev) for the line after `last`, the file's last complete line."""
-        if last is None:
-            raise IntegrityError(self.path, None, f"the last line is longer than {MAX_LINE_BYTES} bytes, "
-                                                  f"so no writer of this format wrote it; refusing to append")
-        if not last:
-            if end:
-                raise IntegrityError(self.path, None, "the last line is blank; a ledger has no blank lines, and "
-                                                      "taking it for an empty file would restart at seq 1; "
-                                                      "refusing to append (run verify)")
+        if not last and not end:
             return 1, _genesis(self.key)
-        match = _SEQ_PREFIX_RE.match(last)  # seq leads every line: no need to parse a 1 MiB line
+        match = last and _SEQ_PREFIX_RE.match(last)  # seq leads every line: no need to parse a 1 MiB line
         if not match:
-            what = "white space only" if not last.strip() else "not a ledger line"
+            what = ("longer than a line can be" if last is None else "blank" if not last
+                    else "white space only" if not last.strip() else "not a ledger line")
             raise IntegrityError(self.path, None, f"the last line is {what}; refusing to append (run verify)")
         return int(match.group(1)) + 1, line_hash(last, self.key)
 
@@ -702,15 +602,8 @@ class Ledger:
         raw = ('{"seq":%d,"run_id":"%s","kind":"%s","at":"%s","payload":%s,"prev":"%s"}'
                % (seq, self.run_id, kind, at, payload_json, prev)).encode("utf-8")
         if len(raw) + 1 > self.max_line_bytes:
-            raise PayloadError(f"event is {len(raw) + 1} bytes, over the {self.max_line_bytes}-byte line limit; "
-                               f"store large bodies with store_artifact()")
-        try:
-            _write_all(fd, raw + b"\n")
-            if self.fsync:
-                os.fsync(fd)
-        except OSError:
-            os.ftruncate(fd, size)  # never leave half a line behind us
-            raise
+            raise PayloadError(f"event is {len(raw) + 1} bytes, over the {self.max_line_bytes}-byte line limit")
+        _write_or_undo(fd, raw + b"\n", size, self.fsync)
         self.head = (seq, line_hash(raw, self.key))
         return {"seq": seq, "run_id": self.run_id, "kind": kind, "at": at, "payload": clean, "prev": prev}
 
@@ -722,13 +615,7 @@ class Ledger:
         try:
             sfd = os.open(str(sidecar), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
             try:
-                before = os.fstat(sfd).st_size
-                try:
-                    _write_all(sfd, header + fragment + b"\n")
-                    os.fsync(sfd)
-                except OSError:
-                    os.ftruncate(sfd, before)  # no half record in the sidecar
-                    raise
+                _write_or_undo(sfd, header + fragment + b"\n", os.fstat(sfd).st_size)
             finally:
                 os.close(sfd)
         except OSError as exc:
@@ -742,61 +629,43 @@ class Ledger:
 
     def decide(self, stage, decision, rationale, alternatives=(), **extra):
         """Record a decision before acting on it: what, why, and what else was possible."""
-        for name, value in (("stage", stage), ("decision", decision)):
-            if not isinstance(value, str) or not value.strip():
-                raise PayloadError(f"decide(): {name} must be a non-empty string")
-        payload = {"stage": stage, "decision": decision, "rationale": rationale,
-                   "alternatives": list(alternatives)}
-        payload.update(extra)
-        return self.append("decision", payload)
+        return self.append("decision", {"stage": stage, "decision": decision, "rationale": rationale,
+                                        "alternatives": list(alternatives), **extra})
 
     def store_artifact(self, data, *, redact_secrets=True):
-        """Write a body content-addressed under artifacts/ beside the ledger; return its reference."""
+        """store_artifact() under artifacts/ beside the ledger."""
         return store_artifact(self.path.parent / "artifacts", data, redact_secrets=redact_secrets,
                               redactor=self.redactor)
 
 
 def store_artifact(directory, data, *, redact_secrets=True, extra_secrets=(), redactor=None):
-    """Store bytes or text as `directory/<sha256>` (dir 0700, file 0600), UTF-8 text redacted first.
-    Safe from many threads and processes at once. Returns {"sha256", "size", "path"}, the path
-    relative to the directory's parent."""
+    """Store bytes or text (masked first) as directory/<sha256>; return {"sha256", "size", "path"}."""
     if isinstance(data, str):
         data = data.encode("utf-8", "backslashreplace")  # a lone surrogate stays visible as \\udXXX
     if redact_secrets:
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:
-            pass
-        else:
-            redactor = redactor or Redactor(secret_values(extra_secrets))
-            data = redactor.text(text).encode("utf-8")
+        with contextlib.suppress(UnicodeDecodeError):  # not UTF-8 text: stored as it is
+            data = (redactor or Redactor(secret_values(extra_secrets))).text(data.decode("utf-8")).encode("utf-8")
     directory = Path(directory)
     digest = hashlib.sha256(data).hexdigest()
     target = directory / digest
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not target.exists():
-            # unique per writer: threads of one process storing the same body must not share a temp file
-            tmp = directory / f".{digest[:16]}.{os.getpid()}.{threading.get_ident()}.{os.urandom(4).hex()}.tmp"
+            tmp = directory / f".{digest[:16]}.{os.urandom(8).hex()}.tmp"  # one per writer, even in one process
             fd = os.open(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                _write_all(fd, data)
-                os.fsync(fd)
+                _write_or_undo(fd, data, 0)
             except OSError:
-                os.close(fd)
                 os.unlink(str(tmp))
                 raise
-            os.close(fd)
+            finally:
+                os.close(fd)
             os.replace(str(tmp), str(target))
             _fsync_dir(target)
     except OSError as exc:
         raise _named(exc, target) from None
     return {"sha256": digest, "size": len(data), "path": f"{directory.name}/{digest}"}
 
-
-# ----------------------------------------------------------------------------
-# Runs
-# ----------------------------------------------------------------------------
 
 class Run:
     """One run directory runs/<run_id>/ holding events.jsonl and artifacts/."""
@@ -805,32 +674,18 @@ class Run:
         self.runs_dir, self.run_id, self.ledger = Path(runs_dir), run_id, ledger
         self.dir = self.runs_dir / run_id
         self.closed = False
+        self.append, self.decide, self.store_artifact = ledger.append, ledger.decide, ledger.store_artifact
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
         if not self.closed:
-            self.close("error" if exc_type else "closed",
-                       error=f"{exc_type.__name__}: {exc}" if exc_type else None)
-
-    def append(self, kind, payload=None):
-        return self.ledger.append(kind, payload)
-
-    def decide(self, *args, **kwargs):
-        return self.ledger.decide(*args, **kwargs)
-
-    def store_artifact(self, data, **kwargs):
-        return self.ledger.store_artifact(data, **kwargs)
-
-    def add_secret(self, value):
-        self.ledger.add_secret(value)
+            self.close("error" if exc_type else "closed", error=f"{exc_type.__name__}: {exc}" if exc_type else None)
 
     def close(self, outcome, **summary):
         """Append run_closed, then anchor this run's head in runs/index.jsonl."""
-        payload = {"outcome": outcome}
-        payload.update({k: v for k, v in summary.items() if v is not None})
-        self.ledger.append("run_closed", payload)
+        self.ledger.append("run_closed", {"outcome": outcome, **{k: v for k, v in summary.items() if v is not None}})
         seq, digest = self.ledger.head
         with Ledger(self.runs_dir / INDEX_NAME, self.run_id, key=self.ledger.key or b"", fsync=self.ledger.fsync,
                     secrets=self.ledger.extra_secrets) as index:
@@ -842,8 +697,7 @@ class Run:
 
 
 def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
-    """Create runs_dir/<run id>/ (never reused) and return a Run writing to its events.jsonl.
-    A given `run_id` (allocated earlier, e.g. by the webhook daemon) must be new too."""
+    """Create runs_dir/<run id>/ (never reused, a given run_id too) and return a Run writing to its events.jsonl."""
     runs_dir, given = Path(runs_dir), run_id
     runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     if given is not None and (type(given) is not str or not _RUN_ID_RE.match(given)):
@@ -855,10 +709,8 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
             break
         except FileExistsError:
             if given:
-                raise UsageError(f"{runs_dir / run_id}: that run already exists; a run directory is never "
-                                 f"reused") from None
-    ledger = Ledger(runs_dir / run_id / EVENTS_NAME, run_id, key=key, fsync=fsync, secrets=secrets)
-    return Run(runs_dir, run_id, ledger)
+                raise UsageError(f"{runs_dir / run_id}: that run already exists (never reused)") from None
+    return Run(runs_dir, run_id, Ledger(runs_dir / run_id / EVENTS_NAME, run_id, key=key, fsync=fsync, secrets=secrets))
 
 
 # ----------------------------------------------------------------------------
@@ -866,63 +718,47 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
 # ----------------------------------------------------------------------------
 
 def _expected_run_id(path):
-    """runs/<run id>/events.jsonl, as open_run() makes it, must hold only that run's events."""
+    # runs/<run id>/events.jsonl, as open_run() makes it, holds only that run's events
     path = Path(path)
-    if path.name == EVENTS_NAME and _OUR_RUN_ID_RE.match(path.parent.name):
-        return path.parent.name
-    return None
+    return path.parent.name if path.name == EVENTS_NAME and _OUR_RUN_ID_RE.match(path.parent.name) else None
 
 
-def _not_canonical(text):
-    """Why a line that parses is still not what the writer writes."""
-    def pairs(items):
+def _form_problem(body):
+    def no_duplicates(items):
         seen = set()
         for name, _value in items:
             if name in seen:
-                raise ValueError(f"duplicate key {name!r} in one object")
+                raise _BadValue(f"duplicate key {name!r} in one object")
             seen.add(name)
         return dict(items)
 
-    def constant(name):
-        raise ValueError(f"{name} is not JSON the writer writes")
+    def no_constant(name):
+        raise _BadValue(f"{name} is not JSON the writer writes")
 
-    def number(literal):
-        value = float(literal)
-        if value in (float("inf"), float("-inf")):
-            raise ValueError(f"the number {literal[:40]} overflows to Infinity")
-        return value
+    def finite(literal):
+        if float(literal) in (float("inf"), float("-inf")):
+            raise _BadValue(f"the number {literal[:40]} overflows to Infinity")
+        return float(literal)
 
-    try:
-        json.loads(text, object_pairs_hook=pairs, parse_constant=constant, parse_float=number)
-    except ValueError as exc:
-        return str(exc)
-    except RecursionError:
-        return "nested too deeply to read"
-    return ("not in the writer's compact form (white space, escapes or number format differ from what "
-            "the writer writes)")
-
-
-def _unparsed(body):
-    """Why a line is not a JSON text the writer wrote, before any field is looked at."""
     if not body.strip():
         return "blank line" if not body else "white space only"
     if b"\x00" in body:
         return "NUL byte in line"
     try:
-        text = body.decode("utf-8")
+        json.loads(body.decode("utf-8"), object_pairs_hook=no_duplicates, parse_constant=no_constant,
+                   parse_float=finite)
     except UnicodeDecodeError as exc:
         return f"not UTF-8 (byte {exc.start})"
-    try:
-        json.loads(text)
+    except _BadValue as exc:
+        return exc.reason
     except ValueError as exc:
         return f"broken JSON: {exc}"
     except RecursionError:
         return "nested too deeply to read"
-    return _not_canonical(text)
+    return "not in the writer's compact form (white space, escapes or number format differ)"
 
 
 def _envelope_problem(event, lineno, run_id, known):
-    """Why a parsed line's envelope is not one the writer writes, or None."""
     if type(event) is not dict:
         return "line is not a JSON object"
     if tuple(event) != FIELDS:
@@ -947,45 +783,32 @@ def _envelope_problem(event, lineno, run_id, known):
         return f"bad timestamp {printable(at)!r} (want a real UTC time as YYYY-MM-DDTHH:MM:SS.ffffffZ)"
     if type(payload) is not dict:
         return "payload is not a JSON object"
-    if type(prev) is not str:
-        return "prev is not a string"
-    return None
+    return None if type(prev) is str else "prev is not a string"
 
 
 def _chain_error(path, lineno, prev, key):
     if lineno > 1:
-        return IntegrityError(path, lineno, f"prev does not match line {lineno - 1} "
-                                            f"(a line was changed, removed, inserted or reordered)")
+        return IntegrityError(path, lineno, f"prev does not match line {lineno - 1} (changed, removed or moved)")
     if prev == GENESIS and key:
-        return IntegrityError(path, 1, "ledger is not keyed but a key was given: "
-                                       "a keyed ledger rewritten without its key looks like this")
+        return IntegrityError(path, 1, "ledger is not keyed but a key was given (or was rewritten without it)")
     if prev != GENESIS and not key:
         return KeyRequiredError(path)
-    return IntegrityError(path, 1, "prev is not the HMAC of the empty string under this key: "
-                                   "wrong key, or line 1 was rewritten")
+    return IntegrityError(path, 1, "prev is not this key's genesis: wrong key, or line 1 was rewritten")
 
 
 def iter_lines(path, *, key=None, run_id=None):
-    """Yield (event, raw_line, line_hash) for each line, verifying seq, fields, the writer's exact form
-    and the chain. A damaged line raises IntegrityError; a torn last line raises TornTailError after
-    every good line was yielded. No line longer than MAX_LINE_BYTES is read into memory.
-    `key=None` reads LEDGER_KEY; run_id defaults to the run directory's name."""
-    key = _resolve_key(key)
-    if run_id is None:
-        run_id = _expected_run_id(path)
-    return _check_lines(path, _file_lines(path), key, run_id)
+    """Yield (event, raw line, its hash), verifying each line; TornTailError after every good line of a torn file."""
+    return verified_events(path, key=key, run_id=run_id)
 
 
 @contextlib.contextmanager
 def _file_lines(path):
-    """The lines of a file, each read with a bounded readline (a C iterator: no cost per line)."""
     with open(path, "rb") as handle:
         yield iter(functools.partial(handle.readline, MAX_LINE_BYTES), b"")
 
 
 def _check_lines(path, source, key, run_id):
-    """The line checks behind iter_lines, on `source`: a context manager giving lines, each ending in b"\n"
-    (the last one may not: a torn tail), from a file or from ClickHouse. `key` is resolved (bytes or None)."""
+    # `source`: a context manager giving lines (of a file, or the rows of ClickHouse); `key`: bytes or None
     expected_prev, known, sha256 = _genesis(key), set(), hashlib.sha256
     lineno = offset = 0
     with source as lines:
@@ -993,27 +816,24 @@ def _check_lines(path, source, key, run_id):
             lineno += 1
             if raw[-1:] != b"\n":
                 if len(raw) >= MAX_LINE_BYTES:
-                    raise IntegrityError(path, lineno, f"line is longer than the format's {MAX_LINE_BYTES}-byte "
-                                                       f"limit (no writer of this format wrote it)")
+                    raise IntegrityError(path, lineno, f"line is longer than the format's {MAX_LINE_BYTES}-byte limit")
                 raise TornTailError(path, lineno, offset, len(raw), (lineno - 1, expected_prev))
             offset += len(raw)
             body = raw[:-1]
-            # Exactly the writer's bytes: the parsed line, encoded again by the writer's own encoder, must
-            # give back the same text (no white space, escapes, duplicate keys or number forms of its own).
+            # exactly the writer's bytes: encoded again by the writer's own encoder, the line gives back its text
             try:
                 text = body.decode("utf-8")
                 event, end = _SCANNER(text, 0)
                 canonical = end == len(text) and _dumps(event) == text
             except (ValueError, StopIteration, RecursionError):
-                raise IntegrityError(path, lineno, _unparsed(body)) from None
-            # The common good line passes this one test (verify's bench guard needs it inline); any other
-            # line is named by _envelope_problem, in the order of the format's rules.
+                raise IntegrityError(path, lineno, _form_problem(body)) from None
+            # the common good line passes this one inline test (verify's bench guard); any other is named below
             if not (canonical and type(event) is dict and tuple(event) == FIELDS and event["seq"] == lineno
                     and type(event["seq"]) is int and event["prev"] == expected_prev
                     and (event["run_id"], event["kind"]) in known and type(event["payload"]) is dict
                     and _at_ok(event["at"])):
-                problem = (_envelope_problem(event, lineno, run_id, known)
-                           or (None if canonical else _not_canonical(text)))
+                problem = _envelope_problem(event, lineno, run_id, known) or (None if canonical else
+                                                                              _form_problem(body))
                 if problem:
                     raise IntegrityError(path, lineno, problem)
                 if event["prev"] != expected_prev:
@@ -1029,32 +849,26 @@ def read_events(path, *, key=None, run_id=None):
 
 
 def verified_events(path, *, key=None, expect=None, run_id=None):
-    """iter_lines() that also holds the ledger to a head published earlier, `expect` = (seq, hash): the line at
-    that seq must have that hash, and the ledger must reach it (seq 0: the genesis value of this key)."""
-    key = _resolve_key(key)
-    return _verified(path, _file_lines(path), key, expect, _expected_run_id(path) if run_id is None else run_id)
+    """iter_lines() that also holds the ledger to a head published earlier, `expect` = (seq, hash)."""
+    run_id = _expected_run_id(path) if run_id is None else run_id
+    return _verified(path, _file_lines(path), _resolve_key(key), expect, run_id)
 
 
 def _verified(path, source, key, expect, run_id, expected="the expected head is", ends="the ledger ends at"):
-    """The one verifying reader: _check_lines() of `source`, held to the head `expect` (see verified_events).
-    Files (verify, report, ship) and the rows ClickHouse holds (verify --from) all go through it."""
+    # the one verifying reader of files (verify, report, ship) and of the rows of ClickHouse (verify --from)
     count = 0
     for event, raw, digest in _check_lines(path, source, key, run_id):
         count = event["seq"]
         if expect and count == expect[0] and digest != expect[1]:
-            raise IntegrityError(path, count, "does not match the expected head: the history up to "
-                                              "the published head was rewritten")
+            raise IntegrityError(path, count, "does not match the expected head: the history up to it was rewritten")
         yield event, raw, digest
     _reached(path, expect, count, key, expected, ends)
 
 
 def _reached(path, expect, count, key, expected="the expected head is", ends="the ledger ends at"):
-    if not expect:
-        return
-    if expect[0] == 0 and expect[1] != _genesis(key):
-        raise IntegrityError(path, None, "the expected head is seq 0, but its hash is not this ledger's "
-                                         "genesis value (another key, or keyed vs unkeyed)")
-    if expect[0] > count:
+    if expect and expect[0] == 0 and expect[1] != _genesis(key):
+        raise IntegrityError(path, None, "the expected head is seq 0, but its hash is not this key's genesis")
+    if expect and expect[0] > count:
         raise IntegrityError(path, count + 1 if count else None,
                              f"truncated: {expected} seq {expect[0]} but {ends} seq {count}")
 
@@ -1070,7 +884,6 @@ class Verified:
 
 
 def _tally_lines(path, lines, key):
-    """Verified for the (event, raw, digest) of `lines`, read to the end."""
     count, head = 0, (0, _genesis(key))
     for event, _raw, digest in lines:
         count, head = event["seq"], (event["seq"], digest)
@@ -1078,35 +891,29 @@ def _tally_lines(path, lines, key):
 
 
 def verify(path, *, key=None, expect_head=None, run_id=None):
-    """Verify a whole ledger; return Verified, or raise IntegrityError/KeyRequiredError.
-    `expect_head` = (seq, hash) published earlier (see verified_events)."""
+    """Verify a whole ledger (held to `expect_head`, as verified_events); return Verified or raise."""
     key = _resolve_key(key)
     return _tally_lines(path, verified_events(path, key=key or b"", expect=expect_head, run_id=run_id), key)
 
 
 def run_ledgers(runs_dir, key=None):
-    """[(path, expected head or None)]: RUNS_DIR/index.jsonl, then every run in it (a closed run with the head
-    its index entry recorded), then the runs the index names whose events.jsonl is missing. The index is read
-    as far as it verifies (verifying it says why it stops); a head that is not (int, str) fails its run."""
+    """[(path, expected head or None)]: index.jsonl, every run (a closed one with its index head), then the runs
+    the index names whose events.jsonl is missing. The index is read as far as it verifies."""
     runs_dir, heads = Path(runs_dir), {}
     index = runs_dir / INDEX_NAME
-    try:
+    with contextlib.suppress(LedgerError, OSError):
         for event in read_events(index, key=key or b"", run_id=None) if index.exists() else ():
             entry = event["payload"]
             if event["kind"] == "run_closed" and type(entry.get("run")) is str:
                 heads[entry["run"]] = (entry.get("head_seq"), entry.get("head_hash"))
-    except (LedgerError, OSError):
-        pass
-    found = [(index, None)] if index.exists() else []
     runs = sorted(runs_dir.glob(f"*/{EVENTS_NAME}"))
-    found += [(events, heads.get(events.parent.name)) for events in runs]
-    return found + [(runs_dir / run_id / EVENTS_NAME, heads[run_id])
-                    for run_id in sorted(set(heads) - {events.parent.name for events in runs})]
+    missing = sorted(set(heads) - {events.parent.name for events in runs})
+    return (([(index, None)] if index.exists() else []) + [(events, heads.get(events.parent.name)) for events in runs]
+            + [(runs_dir / run_id / EVENTS_NAME, heads[run_id]) for run_id in missing])
 
 
 def verify_runs(runs_dir, *, key=None):
-    """Verify runs/index.jsonl and every runs/*/events.jsonl, checking closed runs against the index.
-    Yields (path, Verified or an exception) for each, past any that cannot be read."""
+    """Yield (path, Verified or the exception) for each of run_ledgers(), closed runs held to their index heads."""
     for path, expect in run_ledgers(runs_dir, key):
         try:
             if expect is not None and not path.exists():
@@ -1114,8 +921,7 @@ def verify_runs(runs_dir, *, key=None):
             result = verify(path, key=key, expect_head=_checked_head(expect, path))
             if expect and result.count > expect[0]:
                 raise IntegrityError(path, expect[0] + 1, f"{result.count - expect[0]} line(s) after the run "
-                                                          f"closed at seq {expect[0]} (nothing is written to a "
-                                                          f"closed run)")
+                                                          f"closed at seq {expect[0]}")
             yield path, result
         except (LedgerError, OSError) as exc:
             yield path, exc
@@ -1131,82 +937,58 @@ def _checked_head(expect, path):
 # HTTP: never a redirect, one deadline for a whole request (ask.py, ship and the daemon use it), one server
 # ----------------------------------------------------------------------------
 
-class _Timer:
-    __slots__ = ("fn", "cancelled")
-
-    def __init__(self, fn):
-        self.fn, self.cancelled = fn, False
-
-    def cancel(self):
-        self.cancelled = True
+# {pid: (heap of (at, id, Deadline), Condition)}: one thread a process expires every Deadline (a thread per
+# deadline costs more than a call to a local server); a forked child starts its own.
+_timers = {}
 
 
-class _Timers:
-    """One thread that calls every function scheduled with call_at(), at its time."""
-
-    def __init__(self):
-        self.heap, self.count, self.wake = [], 0, threading.Condition()
-        threading.Thread(target=self._run, name="call-at", daemon=True).start()
-
-    def _run(self):
-        import heapq
-        while True:
-            with self.wake:
-                while self.heap and self.heap[0][2].cancelled:
-                    heapq.heappop(self.heap)
-                due = self.heap[0][0] - time.monotonic() if self.heap else None
-                if due is None or due > 0:
-                    self.wake.wait(due)
-                    continue
-                timer = heapq.heappop(self.heap)[2]
-            if not timer.cancelled:
-                timer.fn()
-
-
-_timers = {}  # {pid: the process's _Timers}: a forked child has no timer thread of its own yet
-_timers_lock = threading.Lock()
-
-
-def call_at(at, fn):
-    """Call fn() when time.monotonic() reaches `at`, from the process's one timer thread (a thread per
-    deadline costs more than a call to a local server). Returns a handle with cancel()."""
+def _timer():
     import heapq
-    timers = _timers.get(os.getpid())
-    if timers is None:  # the first deadline of this process (a forked child's included)
-        with _timers_lock:
-            timers = _timers.get(os.getpid()) or _timers.setdefault(os.getpid(), _Timers())
-    timer = _Timer(fn)
-    with timers.wake:
-        timers.count += 1
-        heapq.heappush(timers.heap, (at, timers.count, timer))
-        timers.wake.notify()
+    fresh = ([], threading.Condition())
+    heap, wake = timer = _timers.setdefault(os.getpid(), fresh)
+
+    def run():
+        while True:
+            with wake:
+                while heap and heap[0][2].cancelled:
+                    heapq.heappop(heap)
+                due = heap[0][0] - time.monotonic() if heap else None
+                if due is None or due > 0:
+                    wake.wait(due)
+                    continue
+                deadline = heapq.heappop(heap)[2]
+            deadline.expire()
+    if timer is fresh:
+        threading.Thread(target=run, name="deadlines", daemon=True).start()
     return timer
 
 
-def shut(sock, how=None):
-    """Shut a socket down (both ways by default), whatever state it is in."""
+def shut(sock, how=socket.SHUT_RDWR):
     try:
-        sock.shutdown(socket.SHUT_RDWR if how is None else how)
+        sock.shutdown(how)
     except OSError:
         pass
 
 
 class Deadline:
-    """The deadline of a whole request, connect to last byte. Socket timeouts bound each read; a server
-    that trickles one byte at a time passes every one of them, so every socket watched is shut down when
-    the deadline passes. Deadline(None) has none."""
+    """The deadline of a whole request, connect to last byte: a server that trickles one byte at a time passes
+    every socket timeout, so every socket watched is shut down when it passes. Deadline(None) has none."""
 
     def __init__(self, seconds):
-        self.seconds = seconds
+        import heapq
+        self.seconds, self.expired, self.cancelled = seconds, False, False
         self.at = time.monotonic() + seconds if seconds else None
-        self.expired = self.cancelled = False
         self._sockets, self._lock = [], threading.Lock()
-        self._timer = call_at(self.at, self.expire) if seconds else None
+        if seconds:
+            heap, wake = _timers.get(os.getpid()) or _timer()
+            with wake:
+                heapq.heappush(heap, (self.at, id(self), self))
+                wake.notify()
 
     def remaining(self):
         return max(0.001, self.at - time.monotonic()) if self.at is not None else None
 
-    def watch(self, sock, how=None):
+    def watch(self, sock, how=socket.SHUT_RDWR):
         """Shut `sock` (both ways, or `how`) when the deadline passes."""
         with self._lock:
             self._sockets.append((sock, how))
@@ -1224,71 +1006,57 @@ class Deadline:
     def cancel(self):
         with self._lock:
             self.cancelled = True
-        if self._timer is not None:
-            self._timer.cancel()
 
 
-_http = threading.local()  # this thread's opener, and the deadline of the request it is making
+_http = threading.local()  # this thread's opener (one costs more to build than a local call), and its deadline
 
 
 def http_open(request, deadline, timeout=None):
-    """Open a urllib Request: proxies from the environment, never a redirect (a 3xx raises HTTPError, so a
-    key or password is never sent to another URL), every socket under `deadline`, each read under
-    `timeout` (default: the deadline's remaining time). One opener per thread: building one costs more
-    than a call to a local server."""
+    """Open a urllib Request: proxies from the environment, never a redirect (a 3xx raises HTTPError, so no key
+    goes to another URL), every socket under `deadline`, each read under `timeout` (default: what remains)."""
     if getattr(_http, "opener", None) is None:
-        _http.opener = _build_opener()
+        import http.client
+        import urllib.request
+
+        def watched(connection_class):
+            def make(host, **kwargs):
+                conn = connection_class(host, **kwargs)
+                create, deadline = conn._create_connection, _http.deadline
+                conn._create_connection = lambda *args, **kw: deadline.watch(create(*args, **kw))
+                return conn
+            return make
+
+        class Watched(urllib.request.AbstractHTTPHandler):
+            http_request = https_request = urllib.request.AbstractHTTPHandler.do_request_
+
+            def http_open(self, req):
+                return self.do_open(watched(http.client.HTTPConnection), req)
+
+            def https_open(self, req):  # the certificates (~20 ms) load only once an https URL is used
+                return self.do_open(watched(http.client.HTTPSConnection), req, context=_tls_context())
+
+        _http.opener = urllib.request.OpenerDirector()  # no redirect handler: a 3xx is an HTTPError
+        for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(), Watched(),
+                        urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor()):
+            _http.opener.add_handler(handler)
     _http.deadline = deadline
     return _http.opener.open(request, timeout=timeout if timeout is not None else deadline.remaining())
 
 
-def _build_opener():
-    import http.client
-    import urllib.request
-
-    class NoRedirect(urllib.request.HTTPRedirectHandler):
-        def redirect_request(self, req, fp, code, msg, headers, newurl):
-            return None
-
-    def watched(connection_class):
-        def make(host, **kwargs):
-            conn = connection_class(host, **kwargs)
-            create, deadline = conn._create_connection, _http.deadline
-            conn._create_connection = lambda *args, **kw: deadline.watch(create(*args, **kw))
-            return conn
-        return make
-
-    class Plain(urllib.request.HTTPHandler):
-        def http_open(self, req):
-            return self.do_open(watched(http.client.HTTPConnection), req)
-
-    class Secure(urllib.request.HTTPSHandler):
-        def https_open(self, req):  # the certificates (~20 ms) load only once an https URL is used
-            return self.do_open(watched(http.client.HTTPSConnection), req, context=_tls_context())
-
-    opener = urllib.request.OpenerDirector()
-    for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(), Plain(), Secure(),
-                    urllib.request.HTTPDefaultErrorHandler(), NoRedirect(), urllib.request.HTTPErrorProcessor()):
-        opener.add_handler(handler)
-    return opener
-
-
 @functools.lru_cache(maxsize=None)
 def _tls_context():
-    """One default TLS context per process (loading the certificates is the costly part)."""
     import ssl
     return ssl.create_default_context()
 
 
 class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    """A thread per connection, at most `max_connections` at once: past that `busy` (an answer's bytes) is sent
-    and the connection closed. Handlers add their idle keep-alive sockets to `idle` (under `lock`); stop() shuts
-    those, stops accepting and waits for the requests in flight."""
+    """A thread per connection, at most `max_connections` (past that `busy`, an answer's bytes, and a close).
+    Handlers add their idle keep-alive sockets to `idle` (under `lock`), which stop() shuts at once."""
     daemon_threads, block_on_close, allow_reuse_address, request_queue_size = True, False, True, 128
 
     def __init__(self, address, handler, max_connections, busy):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.max_connections, self.busy, self.active, self.done = max_connections, busy, 0, threading.Condition()
+        self.max_connections, self.busy, self.slots = max_connections, busy, threading.Semaphore(max_connections)
         self.lock, self.idle, self.stopping = threading.Lock(), set(), False
         super().__init__(address, handler)
 
@@ -1302,38 +1070,25 @@ class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self.log_error(f"connection from {client_address[0]}: {type(sys.exc_info()[1]).__name__}")
 
     def process_request(self, request, client_address):
-        with self.done:
-            full = self.active >= self.max_connections
-            self.active += not full
-        if not full:
+        if not self.slots.acquire(blocking=False):
+            self.refused(client_address)
             try:
-                return super().process_request(request, client_address)
-            except RuntimeError:  # no thread could be started
-                self._release()
-                raise
-        self.refused(client_address)
+                request.settimeout(1.0)
+                request.sendall(self.busy)
+            except OSError:
+                pass
+            return self.shutdown_request(request)
         try:
-            request.settimeout(1.0)
-            request.sendall(self.busy)
-        except OSError:
-            pass
-        self.shutdown_request(request)
+            super().process_request(request, client_address)
+        except RuntimeError:  # no thread could be started
+            self.slots.release()
+            raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._release()
-
-    def _release(self):
-        with self.done:
-            self.active -= 1
-            self.done.notify_all()
-
-    def wait_idle(self, timeout):
-        """Wait up to `timeout` seconds for every connection to end."""
-        with self.done:
-            self.done.wait_for(lambda: not self.active, timeout)
+            self.slots.release()
 
     def stop(self, grace):
         """Idle connections closed at once, then no new connection; those in flight get `grace` seconds."""
@@ -1343,7 +1098,10 @@ class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
                 shut(sock)
         self.shutdown()
         self.server_close()
-        self.wait_idle(grace)
+        ends = time.monotonic() + grace
+        for _ in range(self.max_connections):  # every slot back: every request done
+            if not self.slots.acquire(timeout=max(0.0, ends - time.monotonic())):
+                break
 
 
 # ----------------------------------------------------------------------------
@@ -1370,19 +1128,18 @@ _STORED_ROW_RE = re.compile(rb"([0-9a-f]{64})\t([0-9]{1,20})\t([0-9a-f]{64})\t")
 # JSON string, Int64: an integer within Int64, UInt8: true or false, Float64: a number) is shipped as NULL, and
 # the row's `malformed` is 1 when audit.py reads the field (all but total_tokens): the local audit's rule, so SQL
 # counts what the audit counts. The typing is done here: ClickHouse 18.16 has no JSON functions to do it.
-SHIP_CALL_FIELDS = tuple((name, f"Nullable({kind})") for name, kind in (
+SHIP_CALL_FIELDS = (
     ("request_model", "String"), ("response_model", "String"), ("base_url", "String"), ("attempt", "Int64"),
     ("error_type", "String"), ("usage_status", "String"), ("usage_reported", "UInt8"), ("latency_ms", "Float64"),
     ("system_fingerprint", "String"), ("check", "UInt8"), ("input_tokens", "Int64"), ("output_tokens", "Int64"),
-    ("total_tokens", "Int64"), ("est_input_tokens", "Int64"), ("est_output_tokens", "Int64")))
-_SHIP_TYPES = {"Nullable(String)": (str,), "Nullable(Int64)": (int,), "Nullable(UInt8)": (bool,),
-               "Nullable(Float64)": (float, int)}
+    ("total_tokens", "Int64"), ("est_input_tokens", "Int64"), ("est_output_tokens", "Int64"))
+_SHIP_TYPES = {"String": (str,), "Int64": (int,), "UInt8": (bool,), "Float64": (float, int)}
 # ledger_id is the SHA-256 of line 1; `raw` the exact line; line_sha256 its plain SHA-256 (keyed ledgers too);
 # at_time `at` in Unix seconds (0 outside 1970..2105).
 SHIP_COLUMNS = (("ledger_id", "String"), ("host", "String"), ("path", "String"), ("seq", "UInt64"),
                 ("run_id", "String"), ("kind", "String"), ("at", "String"), ("at_time", "DateTime"),
                 ("raw", "String"), ("line_sha256", "String"), ("prev", "String"), ("shipped_at", "DateTime"),
-                ) + SHIP_CALL_FIELDS + (("malformed", "UInt8"),)
+                ) + tuple((name, f"Nullable({kind})") for name, kind in SHIP_CALL_FIELDS) + (("malformed", "UInt8"),)
 
 
 def ship_ddl(database=SHIP_DATABASE, table=SHIP_TABLE):
@@ -1405,59 +1162,50 @@ def sql_string(text):
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _ship_url(url):
-    """(base URL, 'host:port'). Refuses credentials, queries and fragments without echoing the URL."""
-    import urllib.parse
-    if not url:
-        raise UsageError(f"no ClickHouse URL: pass --to URL or set {SHIP_URL_ENV} (e.g. http://127.0.0.1:8123)")
-    try:
-        parts = urllib.parse.urlsplit(url.strip())
-        port = parts.port
-    except ValueError:
-        raise UsageError("the ClickHouse URL is not a valid URL (want http://HOST:PORT)") from None
-    if "@" in parts.netloc:
-        raise UsageError(f"the ClickHouse URL holds a user name or password; set {SHIP_USER_ENV} and "
-                         f"{SHIP_PASSWORD_ENV} instead (a URL shows in process lists and logs)")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UsageError("the ClickHouse URL must be http://HOST[:PORT] or https://HOST[:PORT]")
-    if parts.query or parts.fragment or "?" in url or "#" in url:
-        raise UsageError("the ClickHouse URL must not carry a query or fragment; use --database and --table")
-    where = f"{parts.hostname}:{port or (443 if parts.scheme == 'https' else 80)}"
-    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}/", where
-
-
 class ClickHouse:
-    """ClickHouse's HTTP interface: POST only, never a redirect, user and password as headers (from
-    CLICKHOUSE_USER/CLICKHOUSE_PASSWORD), a deadline per request, bounded retries with backoff."""
+    """ClickHouse's HTTP interface: POST only, never a redirect, credentials as headers, deadlines, retries."""
 
     def __init__(self, url=None, *, database=SHIP_DATABASE, table=SHIP_TABLE, timeout=SHIP_TIMEOUT,
                  deadline=None, retries=SHIP_RETRIES, environ=None):
+        import urllib.parse
         env = os.environ if environ is None else environ
-        self.base, self.where = _ship_url(url if url is not None else env.get(SHIP_URL_ENV))
+        url = (url if url is not None else env.get(SHIP_URL_ENV) or "").strip()
+        if not url:
+            raise UsageError(f"no ClickHouse URL: pass --to URL or set {SHIP_URL_ENV} (e.g. http://127.0.0.1:8123)")
+        try:  # a URL is never echoed: it may hold a password
+            parts = urllib.parse.urlsplit(url)
+            self.where = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+        except ValueError:
+            raise UsageError("the ClickHouse URL is not a valid URL (want http://HOST:PORT)") from None
+        if "@" in parts.netloc:
+            raise UsageError(f"the ClickHouse URL holds a user name or password; set {SHIP_USER_ENV} and "
+                             f"{SHIP_PASSWORD_ENV} instead (a URL shows in process lists and logs)")
+        if parts.scheme not in ("http", "https") or not parts.hostname or "?" in url or "#" in url:
+            raise UsageError("the ClickHouse URL must be http[s]://HOST[:PORT], with no query or fragment "
+                             "(use --database and --table)")
         for what, name in (("--database", database), ("--table", table)):
             if type(name) is not str or not _NAME_RE.match(name):
                 raise UsageError(f"{what}: want letters, digits and _ (a ClickHouse name), got {printable(name)!r}")
-        if not (timeout > 0 and retries >= 0 and (deadline is None or deadline > 0)):
+        if not (timeout > 0 and (deadline is None or deadline > 0)):
             raise UsageError("--timeout and --deadline must be positive numbers")
+        self.base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}/"
         self.database, self.table, self.name = database, table, f"{database}.{table}"
         self.timeout, self.retries = float(timeout), int(retries)
         self.ends = time.monotonic() + deadline if deadline else None
-        self._headers = {"User-Agent": f"reasoning-ledger/{__version__}"}
         user, password = env.get(SHIP_USER_ENV), env.get(SHIP_PASSWORD_ENV)
-        if user or password:
-            self._headers["X-ClickHouse-User"] = user or "default"
-        if password:
-            self._headers["X-ClickHouse-Key"] = password
+        headers = {"User-Agent": f"reasoning-ledger/{__version__}", "X-ClickHouse-Key": password,
+                   "X-ClickHouse-User": user or (password and "default")}
+        self._headers = {name: value for name, value in headers.items() if value}
 
-    def query(self, sql, data=None, params=None, stream=False):
-        """Run one statement; return the answer's bytes (with `stream`, the response to read and close).
-        With `data` (the body) the SQL goes in ?query=. Raises ClickHouseError."""
+    def query(self, sql, data=None, stream=False):
+        """Run one statement (with `data`, the body, the SQL goes in ?query=); return the answer's bytes, or with
+        `stream` the response to read and close. wait_end_of_query makes an error an HTTP error, never in rows."""
         started = time.monotonic()
         for attempt in range(1, self.retries + 2):
             try:
-                return self._once(sql, data, params, stream)
+                return self._once(sql, data, stream)
             except ClickHouseError as exc:
-                delay = min(8.0, 0.5 * 2 ** (attempt - 1))
+                delay = 0.5 * 2 ** (attempt - 1)
                 if exc.exit_code != EXIT_FAILED:
                     raise ClickHouseError(f"ClickHouse at {self.where}: {exc}", exc.exit_code) from None
                 if attempt > self.retries or (self.ends and self.ends - time.monotonic() < delay + 0.1):
@@ -1465,28 +1213,14 @@ class ClickHouse:
                     raise ClickHouseError(f"ClickHouse at {self.where}: {exc} ({took})") from None
                 time.sleep(delay)
 
-    def rows(self, sql):
-        """The answer of a SELECT as dicts (64-bit integers as numbers)."""
-        body = self.query(sql + " FORMAT JSONEachRow", params={"wait_end_of_query": 1,
-                                                               "output_format_json_quote_64bit_integers": 0})
-        try:
-            return [json.loads(line) for line in body.decode("utf-8").splitlines() if line]
-        except ValueError as exc:
-            raise ClickHouseError(f"ClickHouse at {self.where}: an answer that is not JSON lines ({exc})",
-                                  EXIT_USAGE) from None
-
-    def stream(self, sql):
-        """A streamed answer; wait_end_of_query makes an error come as an HTTP error, never inside the rows."""
-        return self.query(sql, params={"wait_end_of_query": 1}, stream=True)
-
-    def _once(self, sql, data, params, stream):
-        """One request; a ClickHouseError of exit 1 is worth another."""
+    def _once(self, sql, data, stream):
         import http.client
         import urllib.error
         import urllib.parse
         import urllib.request
-        query = dict(params or {}, **({"query": sql} if data is not None else {}))
-        request = urllib.request.Request(self.base + ("?" + urllib.parse.urlencode(query) if query else ""),
+        query = {"wait_end_of_query": 1, "output_format_json_quote_64bit_integers": 0}
+        query.update({"query": sql} if data is not None else {})
+        request = urllib.request.Request(self.base + "?" + urllib.parse.urlencode(query),
                                          data=sql.encode("utf-8") if data is None else data,
                                          headers=self._headers, method="POST")
         seconds = min(self.timeout, self.ends - time.monotonic()) if self.ends else self.timeout
@@ -1505,56 +1239,57 @@ class ClickHouse:
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = getattr(exc, "reason", exc)
             raise ClickHouseError(f"no complete answer within {seconds:.3g} s" if deadline.expired else
-                                  printable(error_text(reason) if isinstance(reason, OSError) else str(reason)
-                                            or type(reason).__name__)) from None
+                                  printable(error_text(reason))) from None
         finally:
             deadline.cancel()
 
-    def columns(self):
-        """{name: type} of the table; {} when it does not exist."""
-        return {row["name"]: row["type"] for row in self.rows(
-            f"SELECT name, type FROM system.columns WHERE database = {sql_string(self.database)} "
-            f"AND table = {sql_string(self.table)}")}
+    def rows(self, sql):
+        """The answer of a SELECT as dicts (64-bit integers as numbers)."""
+        try:
+            return [json.loads(line) for line in self.query(sql + " FORMAT JSONEachRow").splitlines() if line]
+        except ValueError:
+            raise ClickHouseError(f"ClickHouse at {self.where}: an answer that is not JSON lines", EXIT_USAGE) \
+                from None
 
-    def ensure_table(self):
-        """Create the database and the table when missing; refuse a table of another shape."""
-        found = self.columns()
+    def stream(self, sql):
+        return self.query(sql, stream=True)
+
+    def ensure_table(self, create=True):
+        """Create the table (and database) when missing, or without `create` raise; refuse another shape."""
+        sql = (f"SELECT name, type FROM system.columns WHERE database = {sql_string(self.database)} "
+               f"AND table = {sql_string(self.table)}")
+        found = {row["name"]: row["type"] for row in self.rows(sql)}
+        if not found and not create:
+            raise ClickHouseError(f"ClickHouse at {self.where}: no table {self.name} (nothing shipped to it yet?)",
+                                  EXIT_USAGE)
         if not found:
             self.query(f"CREATE DATABASE IF NOT EXISTS {self.database}")
             self.query(ship_ddl(self.database, self.table))
-            found = self.columns()
+            found = {row["name"]: row["type"] for row in self.rows(sql)}
         for name, kind in SHIP_COLUMNS:
             if found.get(name) != kind:
-                what = f"has {name} {found[name]}" if name in found else f"has no column {name}"
-                raise ClickHouseError(f"ClickHouse at {self.where}: table {self.name} {what}, want {kind}: it was "
+                what = f"{name} {found[name]}" if name in found else f"no column {name}"
+                raise ClickHouseError(f"ClickHouse at {self.where}: table {self.name} has {what}, want {kind}: it was "
                                       f"not made by this tool (or by another version); pick another with --table",
                                       EXIT_USAGE)
 
     def require_table(self):
         """Raise (exit 2) when the table is missing: nothing was shipped to it yet."""
-        if not self.columns():
-            raise ClickHouseError(f"ClickHouse at {self.where}: no table {self.name} (nothing shipped to it yet?)",
-                                  EXIT_USAGE)
+        self.ensure_table(create=False)
 
 
 def _http_error(exc):
-    """The ClickHouseError of an HTTP error answer, with ClickHouse's text as one short printable line
-    ('HTTP 404: Code: 60, Table x.y doesn't exist.'). A 5xx, 408 or 429 is worth a retry (exit 1)."""
     import http.client
-    import urllib.parse
     if 300 <= exc.code < 400:
-        location = exc.headers.get("Location", "") if exc.headers else ""
-        host = urllib.parse.urlsplit(location).netloc.rpartition("@")[2][:200] or "(no Location)"
-        return ClickHouseError(f"HTTP {exc.code}: a redirect to {printable(host)} was not followed (the password "
-                               f"is never sent to another URL; fix the URL)", EXIT_USAGE)
+        return ClickHouseError(f"HTTP {exc.code}: a redirect was not followed (the password is never sent to "
+                               f"another URL; fix the URL)", EXIT_USAGE)
     try:
         text = (exc.read(65536).decode("utf-8", "replace").strip().splitlines() or [""])[0]
     except (OSError, http.client.HTTPException):
         text = ""
-    match = re.match(r"Code: (\d+), e\.displayText\(\) = (?:DB::Exception: )?(.*?)(?:, e\.what\(\) = .*)?\Z", text)
-    text = f"Code: {match.group(1)}, {match.group(2)}" if match else text
+    text = re.sub(r"e\.displayText\(\) = (DB::Exception: )?|, e\.what\(\) = .*", "", text)  # 18.16's form
     answer = f"HTTP {exc.code}: {printable(text[:300]) or 'no message'}"
-    if exc.code >= 500 or exc.code in (408, 429):
+    if exc.code >= 500 or exc.code in (408, 429):  # worth a retry
         return ClickHouseError(answer)
     hint = f" (check {SHIP_USER_ENV} / {SHIP_PASSWORD_ENV})" if exc.code in (401, 403) else ""
     return ClickHouseError(answer + hint, EXIT_USAGE)
@@ -1569,18 +1304,17 @@ class Shipped:
         self.sent = max(0, last - first + 1)
 
     def text(self):
-        head = f"head {self.head[0]} {self.head[1]}"
+        where = f"{printable(self.path)}  {self.ledger_id[:12]}"
         if not self.sent:
-            return f"up to date {printable(self.path)}  {self.ledger_id[:12]}  {head}"
+            return f"up to date {where}  head {self.head[0]} {self.head[1]}"
         lines = "line" if self.sent == 1 else "lines"
         what = f"{lines} re-sent" if self.resent else f"new {lines}"
         more = f", {self.more:,} more next run" if self.more else ""
-        return (f"shipped {printable(self.path)}  {self.ledger_id[:12]}  {self.sent:,} {what} "
-                f"(seq {self.first}..{self.last}){more}  {head}")
+        return (f"shipped {where}  {self.sent:,} {what} "
+                f"(seq {self.first}..{self.last}){more}  head {self.head[0]} {self.head[1]}")
 
 
 def _row(base, event, body, line_sha, shipped_at):
-    """One JSONEachRow row, newline included, for a verified line."""
     at = event["at"]
     seconds = (datetime.date(int(at[:4]), int(at[5:7]), int(at[8:10])).toordinal() - 719163) * 86400 + (
         int(at[11:13]) * 3600 + int(at[14:16]) * 60 + int(at[17:19]))
@@ -1594,7 +1328,7 @@ def _row(base, event, body, line_sha, shipped_at):
             if value is None:
                 continue
             if type(value) in _SHIP_TYPES[kind] and (type(value) is not int or -1 << 63 <= value < 1 << 63):
-                row[name] = float(value) if kind == "Nullable(Float64)" else value
+                row[name] = float(value) if kind == "Float64" else value
             else:
                 malformed = malformed or name != "total_tokens"
         row["malformed"] = int(malformed)
@@ -1602,8 +1336,7 @@ def _row(base, event, body, line_sha, shipped_at):
     return _dumps(row).encode("utf-8") + b"\n"
 
 
-def _spool_limit():
-    """The bytes of rows one run spools: SHIP_SPOOL_MAX, or half the free space of the temp dir."""
+def _spool_limit():  # SHIP_SPOOL_MAX, or half the free space of the temp dir
     import shutil
     import tempfile
     try:
@@ -1613,8 +1346,7 @@ def _spool_limit():
 
 
 def ship_targets(paths, runs_dir=None, key=None):
-    """[(path, expected head or None)]: the PATHs, then RUNS_DIR's ledgers as run_ledgers() lists them; a ledger
-    named twice once, with the head its index records."""
+    """[(path, expected head or None)]: the PATHs, then run_ledgers(RUNS_DIR); a ledger named twice once."""
     unique = {}
     for path, expect in [(Path(p), None) for p in paths] + (run_ledgers(runs_dir, key) if runs_dir else []):
         real = os.path.realpath(path)
@@ -1624,14 +1356,12 @@ def ship_targets(paths, runs_dir=None, key=None):
 
 
 def ship(targets, client, *, key=None, host=None, batch_rows=SHIP_BATCH_ROWS, batch_bytes=SHIP_BATCH_BYTES):
-    """Send the new verified lines of each (path, expected head or None) to ClickHouse, reading the ledgers only.
-    Yields (path, Shipped or the IntegrityError/KeyRequiredError/OSError that stopped it: then nothing of it
-    was sent). A ClickHouseError propagates: the next run resumes where this one stopped."""
-    import socket
+    """Send the new verified lines of each (path, expected head or None) to ClickHouse. Yields (path, Shipped or
+    the LedgerError/OSError that stopped it: nothing of it was sent); a ClickHouseError propagates."""
     key, host = _resolve_key(key), host or socket.gethostname()
     if not 0 < batch_rows <= SHIP_MAX_BATCH_ROWS:
         raise UsageError(f"--batch-rows must be between 1 and {SHIP_MAX_BATCH_ROWS:,}")
-    ids = {}
+    ids = {}  # {path: SHA-256 of line 1, None without a complete line, or the OSError of reading it}
     for path, _expect in targets:
         try:
             with _file_lines(path) as lines:
@@ -1641,7 +1371,7 @@ def ship(targets, client, *, key=None, host=None, batch_rows=SHIP_BATCH_ROWS, ba
             ids[path] = _named(exc, path)
     try:
         client.ensure_table()
-        wanted, heads = sorted({i for i in ids.values() if type(i) is str}), {}
+        wanted, heads = sorted(i for i in set(ids.values()) if type(i) is str), {}
         for i in range(0, len(wanted), 500):  # ClickHouse's max_query_size is 256 KiB
             heads.update((row["ledger_id"], (row["top"], row["sha"], row["n"])) for row in client.rows(
                 f"SELECT ledger_id, max(seq) AS top, argMax(line_sha256, seq) AS sha, count() AS n FROM "
@@ -1660,49 +1390,45 @@ def ship(targets, client, *, key=None, host=None, batch_rows=SHIP_BATCH_ROWS, ba
 
 
 def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, batch_bytes):
-    """Verify the whole ledger (as verify does) while spooling rows for the lines ClickHouse lacks, then send
-    them in batches; rows past the spool's limit wait for the next run."""
+    """Verify the whole ledger while spooling the rows ClickHouse lacks (up to its limit), then send them."""
     import tempfile
-    if ledger_id is None:
-        if expect and expect[0]:
-            raise IntegrityError(path, None, f"the index records seq {expect[0]} for this run, but it has no "
-                                             f"complete line")
+    texts = ("index.jsonl records", "the run ends at")
+    if ledger_id is None:  # no complete line yet
+        _reached(path, expect, 0, key, *texts)
         return Shipped(path, "-" * 12, 1, 0, (0, _genesis(key)))
     top, top_sha, stored = server or (0, None, 0)
     resend = stored < top  # ClickHouse lost rows (deleted?): send them all again; FINAL keeps one of each
-    start, head, torn, full = 0 if resend else top, (0, _genesis(key)), None, None
+    start = 0 if resend else top
+    head, torn, last, marks = (0, _genesis(key)), None, None, [(start, 0)]  # marks: (last seq, spool offset)
     base = {"ledger_id": ledger_id, "host": host, "path": os.path.abspath(path)}
-    batches, limit, shipped_at = [(start, 0)], _spool_limit(), int(time.time())  # (last seq, spool offset) each
+    limit, shipped_at = _spool_limit(), int(time.time())
     with tempfile.SpooledTemporaryFile(max_size=SHIP_SPOOL_MEMORY) as spool:
         try:
             for event, body, digest in _verified(path, _file_lines(path), key, expect, _expected_run_id(path),
-                                                 "index.jsonl records", "the run ends at"):
+                                                 *texts):
                 seq, line_sha = event["seq"], hashlib.sha256(body).hexdigest() if key else digest
                 if seq == 1 and line_sha != ledger_id:
                     raise IntegrityError(path, 1, "line 1 changed while it was being shipped (the file was replaced)")
                 if seq == top and line_sha != top_sha:
                     raise IntegrityError(path, seq, "differs from the line ClickHouse holds at this seq: a fork or "
                                                     "a local rewrite; nothing was sent")
-                if seq > start and full is None:
-                    if batches[-1][1] >= limit:
-                        full = head
-                    else:
-                        spool.write(_row(base, event, body, line_sha, shipped_at))
-                        if seq - batches[-1][0] == batch_rows or spool.tell() - batches[-1][1] >= batch_bytes:
-                            batches.append((seq, spool.tell()))
+                if seq > start and last is None:
+                    spool.write(_row(base, event, body, line_sha, shipped_at))
+                    if seq - marks[-1][0] == batch_rows or spool.tell() - marks[-1][1] >= batch_bytes:
+                        marks.append((seq, spool.tell()))
+                        last = seq if spool.tell() >= limit else None
                 head = (seq, digest)
         except TornTailError as exc:
             torn = exc
-            _reached(path, expect, head[0], key, "index.jsonl records", "the run ends at")
+            _reached(path, expect, head[0], key, *texts)
         if head[0] < top:
             raise IntegrityError(path, head[0] + 1, f"ClickHouse holds this ledger up to seq {top} but the file ends "
                                                     f"at seq {head[0]}: it was cut or rewritten after it was shipped; "
                                                     f"nothing was sent")
-        last = full[0] if full else head[0]
-        if last > batches[-1][0]:
-            batches.append((last, spool.tell()))
+        last = last or head[0]
+        marks += [(last, spool.tell())] if last > marks[-1][0] else []
         spool.seek(0)
-        for (sent, offset), (seq, end) in zip(batches, batches[1:]):
+        for (sent, offset), (_seq, end) in zip(marks, marks[1:]):
             try:
                 client.query(f"INSERT INTO {client.name} FORMAT JSONEachRow", data=spool.read(end - offset))
             except ClickHouseError as exc:
@@ -1721,9 +1447,8 @@ def shipped_ledgers(client, condition=""):
 
 
 def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, condition=None):
-    """Re-verify shipped ledgers from the raw lines ClickHouse holds, with verify's checks and each row's
-    line_sha256, seq and ledger_id. Yields (ledger dict as shipped_ledgers(), Verified, IntegrityError or
-    KeyRequiredError). `ledger_ids`: ids or their starts; `condition`: a SQL WHERE clause instead."""
+    """Re-verify the raw lines ClickHouse holds, and each row's line_sha256, seq and ledger_id. Yields (ledger as
+    shipped_ledgers(), Verified or the error); `ledger_ids`: ids or their starts, or a SQL WHERE `condition`."""
     import itertools
     key = _resolve_key(key)
     for prefix in ledger_ids:
@@ -1733,18 +1458,16 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
     where = condition if condition is not None else ("WHERE " + " OR ".join(
         f"substring(ledger_id, 1, {len(p)}) = {sql_string(p)}" for p in ledger_ids) if ledger_ids else "")
     listed = {row["ledger_id"]: row for row in shipped_ledgers(client, where)}
+    if expect_head is not None and len(listed) > 1:
+        raise UsageError(f"--expect-head goes with exactly one ledger; {len(listed)} match")
     for prefix in ledger_ids:
         if not any(found.startswith(prefix) for found in listed):
             yield ({"ledger_id": prefix, "last_host": None, "last_path": None, "n": 0},
-                   IntegrityError(f"clickhouse:{prefix}", None, "ClickHouse holds no line of this ledger (never "
-                                                                "shipped, or deleted)"))
-    if expect_head is not None and len(listed) != 1:
-        raise UsageError(f"--expect-head goes with exactly one ledger; {len(listed)} match")
+                   IntegrityError(f"clickhouse:{prefix}", None, "ClickHouse holds no line of this ledger"))
     with client.stream(f"SELECT ledger_id, seq, line_sha256, raw FROM {client.name} FINAL {where} "
                        f"ORDER BY ledger_id, seq FORMAT TSVRaw") as response:
         for ledger_id, rows in itertools.groupby(_stored_rows(response, client), key=lambda row: row[0]):
-            ledger = listed.pop(ledger_id, None) or {"ledger_id": ledger_id, "last_host": None, "last_path": None,
-                                                     "n": None}
+            ledger = listed.get(ledger_id) or {"ledger_id": ledger_id, "last_host": None, "last_path": None}
             name = f"clickhouse:{ledger_id}"
             run_id = _expected_run_id(ledger["last_path"]) if ledger["last_path"] else None
             lines = contextlib.nullcontext(_stored_lines(name, ledger_id, rows))
@@ -1753,32 +1476,10 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
                                                            ends="ClickHouse holds up to"), key)
             except (IntegrityError, KeyRequiredError) as exc:
                 yield ledger, exc
-    for ledger in listed.values():
-        yield ledger, IntegrityError(f"clickhouse:{ledger['ledger_id']}", None, "its rows vanished while it was "
-                                                                                "being read")
-
-
-def _stored_lines(name, ledger_id, rows):
-    """The stored lines of one ledger, each checked for seq continuity and its line_sha256 (and ledger_id)."""
-    for expected, (_ledger_id, seq, sha, line) in enumerate(rows, 1):
-        if seq is None:
-            raise IntegrityError(name, expected, sha)
-        if seq != expected:
-            raise IntegrityError(name, expected, f"missing from ClickHouse: the next row stored is seq {seq} "
-                                                 f"(a row was deleted)" if seq > expected else f"seq {seq} comes twice")
-        digest = hashlib.sha256(line[:-1]).hexdigest()
-        if digest != sha:
-            raise IntegrityError(name, seq, "line_sha256 is not the SHA-256 of the stored line (the row was altered "
-                                            "in ClickHouse)")
-        if seq == 1 and digest != ledger_id:
-            raise IntegrityError(name, 1, "ledger_id is not the SHA-256 of line 1 (the row was altered, or filed "
-                                          "under another ledger)")
-        yield line
 
 
 def _stored_rows(response, client):
-    """(ledger_id, seq, line_sha256, line + newline) for each row of a TSVRaw answer; a row not in that shape
-    (too long, or a value holding a tab or a newline) as (last ledger_id, None, reason, b"")."""
+    """(ledger_id, seq, line_sha256, line) for each TSVRaw row; one of another shape as (last id, None, why, b"")."""
     import http.client
     last, read = "", functools.partial(response.readline, MAX_LINE_BYTES + 256)
     try:
@@ -1796,23 +1497,31 @@ def _stored_rows(response, client):
                               f"({printable(error_text(exc))})", EXIT_USAGE) from None
 
 
+def _stored_lines(name, ledger_id, rows):
+    for expected, (_ledger_id, seq, sha, line) in enumerate(rows, 1):
+        if seq is None:
+            raise IntegrityError(name, expected, sha)
+        if seq != expected:
+            raise IntegrityError(name, expected, f"missing from ClickHouse: the next row stored is seq {seq} "
+                                                 f"(a row was deleted)" if seq > expected else f"seq {seq} comes twice")
+        digest = hashlib.sha256(line[:-1]).hexdigest()
+        if digest != sha or (seq == 1 and digest != ledger_id):
+            raise IntegrityError(name, seq, f"{'line_sha256' if digest != sha else 'ledger_id'} is not the SHA-256 "
+                                            f"of the stored line (the row was altered in ClickHouse)")
+        yield line
+
+
 # ----------------------------------------------------------------------------
 # Command line helpers shared by the toolkit's scripts
 # ----------------------------------------------------------------------------
 
 _CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escape_control(match):
-    char = match.group()
-    return _ESCAPES.get(char) or ("\\x%02x" % ord(char) if ord(char) < 256 else "\\u%04x" % ord(char))
 
 
 def printable(value):
-    """str(value) with control characters escaped, so text from a ledger or a server can neither forge
-    a line nor drive a terminal."""
-    return _CONTROL_RE.sub(_escape_control, value if type(value) is str else str(value))
+    """str(value) with control characters escaped (\\n, \\x1b, \\u2028), so text from a ledger or a server can
+    neither forge a line nor drive a terminal."""
+    return _CONTROL_RE.sub(lambda match: repr(match.group())[1:-1], value if type(value) is str else str(value))
 
 
 def error(message, secrets=(), label="error"):
@@ -1822,7 +1531,6 @@ def error(message, secrets=(), label="error"):
 
 
 def warn(message, secrets=()):
-    """One 'warning: …' line on stderr, like error()."""
     error(message, secrets, "warning")
 
 
@@ -1832,19 +1540,19 @@ _stdout_dead = []  # the OutputError that ended stdout: later writes raise it ag
 def write_out(text):
     """Write text to stdout and flush. A stdout that is closed, full or cannot encode the text raises
     OutputError; later writes are dropped, and the interpreter's last flush cannot fail."""
-    if _stdout_dead:
-        raise _stdout_dead[0]
-    if sys.stdout is None:  # started with stdout closed (>&-)
+    if not _stdout_dead and sys.stdout is None:  # started with stdout closed (>&-)
         _stdout_dead.append(OutputError("stdout is closed"))
+    if _stdout_dead:
         raise _stdout_dead[0]
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
     except (OSError, UnicodeEncodeError) as exc:
-        reason = ("stdout is closed" if isinstance(exc, BrokenPipeError) else
+        pipe = isinstance(exc, BrokenPipeError)
+        reason = ("stdout is closed" if pipe else
                   f"stdout cannot encode the text as {sys.stdout.encoding}" if isinstance(exc, UnicodeEncodeError)
                   else f"cannot write to stdout: {error_text(exc)}")
-        _stdout_dead.append(OutputError(reason, pipe=isinstance(exc, BrokenPipeError)))
+        _stdout_dead.append(OutputError(reason, pipe=pipe))
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
@@ -1862,16 +1570,12 @@ def error_text(exc):
 
 
 def run_cli(command, args, secrets=()):
-    """Run one command of a script's CLI. The toolkit's own errors and OS errors become one error line
-    and their exit code; anything else is a bug and keeps its traceback."""
+    """command(args); our errors and OS errors become one error line and their exit code (others are bugs)."""
     try:
         return command(args)
-    except LedgerError as exc:
-        error(str(exc), secrets)
-        return exc.exit_code
-    except OSError as exc:
+    except (LedgerError, OSError) as exc:
         error(error_text(exc), secrets)
-        return EXIT_USAGE
+        return exc.exit_code if isinstance(exc, LedgerError) else EXIT_USAGE
     except KeyboardInterrupt:
         error("interrupted")
         return 130
@@ -1894,31 +1598,25 @@ def parse_cli(parser, argv):
 
 
 def exit_codes_epilog(*codes):
-    """The rows of EXIT_CODES a script uses, for its --help."""
     return "exit codes:\n" + "\n".join(f"  {c}  {EXIT_CODES[c]}" for c in codes)
 
 
 def parse_time(text, end=False, now=None):
     """A date (YYYY-MM-DD), an ISO time, `today`, `yesterday`, or an age (`36h`, `7d`: that long before now)
     -> the ledger's `at` string form for comparing. `end` makes a day its last microsecond."""
-    text = text.strip()
-    now = now or datetime.datetime.now(datetime.timezone.utc)
+    text, now = text.strip(), now or datetime.datetime.now(datetime.timezone.utc)
     if text in ("today", "yesterday"):
         text = (now - datetime.timedelta(days=1 if text == "yesterday" else 0)).strftime("%Y-%m-%d")
     age = re.fullmatch(r"([0-9]{1,5})([hd])", text)
-    if age:
-        hours = int(age.group(1)) * (24 if age.group(2) == "d" else 1)
-        return (now - datetime.timedelta(hours=hours)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     try:
-        if re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text):
-            day = datetime.datetime.strptime(text, "%Y-%m-%d")
-            if end:
-                day += datetime.timedelta(days=1) - datetime.timedelta(microseconds=1)
-            moment = day.replace(tzinfo=datetime.timezone.utc)
+        if age:
+            moment = now - datetime.timedelta(hours=int(age.group(1)) * (24 if age.group(2) == "d" else 1))
+        elif re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text):
+            moment = datetime.datetime.strptime(text, "%Y-%m-%d").replace(tzinfo=datetime.timezone.utc)
+            moment += datetime.timedelta(days=1, microseconds=-1) if end else datetime.timedelta()
         else:
             moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-            if moment.tzinfo is None:
-                moment = moment.replace(tzinfo=datetime.timezone.utc)
+            moment = moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)
     except ValueError:
         raise UsageError(f"not a date, an ISO time, today, yesterday or an age like 7d: {printable(text)!r}") \
             from None
@@ -1930,7 +1628,6 @@ def parse_time(text, end=False, now=None):
 # ----------------------------------------------------------------------------
 
 def _cli_key(args):
-    """The key named by --key-env (b"" for explicitly unkeyed when LEDGER_KEY is unset)."""
     value = os.environ.get(args.key_env)
     if args.key_env != KEY_ENV and value is None:
         raise UsageError(f"--key-env {args.key_env}: that environment variable is not set")
@@ -1944,10 +1641,9 @@ def _check_targets(args, command):
         raise UsageError(f"--all: no such directory: {args.all}")
 
 
-def _tally(results, good, inside="", after=""):
-    """One line per (path, result, suffix): good(result) for a Verified or Shipped, FAIL for an integrity
-    failure, ERROR for a ledger that could not be read. Returns (counts, exit code): a FAIL (1) outranks an
-    ERROR (2). `after` may hold {} for 'it' or 'them', the failed ledgers."""
+def _tally(results, good, summary, inside="", after=""):
+    """One line per (path, result, suffix): good(result), FAIL or ERROR; then summary(ok, total). Returns the exit
+    code: a FAIL (1) outranks an ERROR (2). `after` may hold {} for 'it' or 'them', the failed ledgers."""
     counts = {"ok": 0, "fail": 0, "error": 0}
     for path, result, suffix in results:
         if isinstance(result, (Verified, Shipped)):
@@ -1959,42 +1655,38 @@ def _tally(results, good, inside="", after=""):
             state, line = "error", f"ERROR {printable(text if text.startswith(str(path)) else f'{path}: {text}')}"
         counts[state] += 1
         write_out(line + suffix + "\n")
+    write_out(summary(counts["ok"], sum(counts.values())) + "\n")
     if counts["fail"]:
         them = "it" if counts["fail"] == 1 else "them"
         error(f"integrity check failed ({counts['fail']} ledger{'s' if them == 'them' else ''}{inside})"
               + after.format(them))
-        return counts, EXIT_FAILED
+        return EXIT_FAILED
     if counts["error"]:
         error("some ledgers could not be read or need a key")
-        return counts, EXIT_USAGE
-    return counts, EXIT_OK
+        return EXIT_USAGE
+    return EXIT_OK
 
 
 def _verified_line(result):
-    lines = f"{result.count} line{'' if result.count == 1 else 's'}"
-    return f"ok    {printable(result.path)}  {lines}  head {result.head_text()}"
+    return f"ok    {printable(result.path)}  {result.count} line{'' if result.count == 1 else 's'}  " \
+           f"head {result.head_text()}"
 
 
 def _cmd_verify(args):
     if args.from_url is not None:
         return _cmd_verify_from(args)
-    if not args.paths and not args.all:
-        raise UsageError("verify needs a PATH, --all RUNS_DIR or --from URL")
+    _check_targets(args, "verify")
     if args.expect_head is not None and (len(args.paths) != 1 or args.all):
         raise UsageError("--expect-head goes with exactly one PATH")
     expect = parse_head(args.expect_head) if args.expect_head is not None else None
     key, results = _cli_key(args), []
-    if args.all and not Path(args.all).is_dir():
-        raise UsageError(f"--all: no such directory: {args.all}")
     for path in args.paths:
         try:
             results.append((path, verify(path, key=key, expect_head=expect), ""))
         except (LedgerError, OSError) as exc:
             results.append((path, exc, ""))
     results += [(path, result, "") for path, result in verify_runs(args.all, key=key)] if args.all else []
-    counts, code = _tally(results, _verified_line)
-    write_out(f"{counts['ok']}/{len(results)} ledgers valid\n")
-    return code
+    return _tally(results, _verified_line, "{}/{} ledgers valid".format)
 
 
 def _cmd_head(args):
@@ -2009,18 +1701,16 @@ _ARTIFACT_RE = re.compile(r"artifacts/[0-9a-f]{64}\Z")
 
 
 def _artifact(ledger_path, ref):
-    """The text of an artifact a payload refers to ({"path": "artifacts/<sha256>"}, at most 1 MiB), or None."""
     if type(ref) is not dict or type(ref.get("path")) is not str or not _ARTIFACT_RE.match(ref["path"]):
-        return None
+        return ""
     try:
         with open(Path(ledger_path).parent / ref["path"], "rb") as handle:
             return handle.read(1 << 20).decode("utf-8", "replace")
     except OSError:
-        return None
+        return ""
 
 
 def _tests_meaning(path, payload):
-    """'tests passed (12 passed)' or 'tests FAILED (exit 1): test_a, test_b'."""
     counts = payload.get("counts") if type(payload.get("counts")) is dict else {}
     tally = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
     if payload.get("passed") is True:
@@ -2037,8 +1727,7 @@ def _tests_meaning(path, payload):
 
 
 def _event_summary(path, event):
-    """One line: the envelope, the fields that say what happened, and what it means (a failed check, a test
-    run's result, a model reply's first line), then the rationale."""
+    """The envelope, the fields that say what happened, what it means (a failed check, tests, a reply)."""
     payload = event["payload"]
     parts = [event["at"], f"#{event['seq']}", event["kind"]] + [
         f"{name}={payload[name]}" for name in _REPORT_FIELDS if payload.get(name) not in (None, "", [], {})]
@@ -2048,7 +1737,7 @@ def _event_summary(path, event):
         parts.append(_tests_meaning(path, payload))
     call = payload.get("call") if type(payload.get("call")) is dict else {}
     reply = _artifact(path, payload.get("response_artifact") or call.get("reply_artifact"))
-    line = next((s.strip() for s in (reply or "").splitlines() if s.strip()), "")
+    line = next((s.strip() for s in reply.splitlines() if s.strip()), "")
     if line:
         parts.append(f"reply: {line if len(line) <= 120 else line[:119] + '…'}")
     if payload.get("rationale"):
@@ -2058,10 +1747,10 @@ def _event_summary(path, event):
 
 def _cmd_report(args):
     _check_targets(args, "report")
-    targets = [(Path(p), None) for p in args.paths] + (run_ledgers(args.all, _cli_key(args)) if args.all else [])
+    key = _cli_key(args)
+    targets = [(Path(p), None) for p in args.paths] + (run_ledgers(args.all, key) if args.all else [])
     since = parse_time(args.since) if args.since else None
     until = parse_time(args.until, end=True) if args.until else None
-    key = _cli_key(args)
     try:
         for path, expect in targets:
             if len(targets) > 1 and not args.json:
@@ -2080,13 +1769,12 @@ def _cmd_report(args):
 
 def _cmd_append(args):
     text = args.payload
-    if text is None and not sys.stdin.isatty():
-        try:
-            text = sys.stdin.buffer.read().decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise PayloadError(f"payload is not UTF-8 (byte {exc.start})") from None
     try:
+        if text is None and not sys.stdin.isatty():
+            text = sys.stdin.buffer.read().decode("utf-8")
         payload = json.loads(text) if text and text.strip() else {}
+    except UnicodeDecodeError as exc:
+        raise PayloadError(f"payload is not UTF-8 (byte {exc.start})") from None
     except ValueError as exc:
         raise PayloadError(f"payload is not valid JSON: {exc}") from None
     except RecursionError:
@@ -2101,33 +1789,28 @@ def _cmd_append(args):
     return EXIT_OK
 
 
-def _still_growing(torn):
-    """True when the file grew past the torn tail since it was read: an append was in progress."""
-    try:
-        return os.path.getsize(torn.path) > torn.offset + torn.length
-    except OSError:
-        return False
-
-
 def _cmd_ship(args):
     _check_targets(args, "ship")
-    targets = ship_targets(args.paths, args.all, _cli_key(args))
+    key = _cli_key(args)
     client = ClickHouse(args.to, database=args.database, table=args.table, timeout=args.timeout,
                         deadline=args.deadline)
     sent = []
 
     def shipped(result):
         sent.append(result.sent)
-        if result.torn and not _still_growing(result.torn):
-            warn(f"{result.torn}; the lines before it were shipped, the torn bytes were not (a crash, not "
-                 f"tampering)")
+        torn = result.torn
+        try:  # a file that grew past its torn tail since it was read: an append was in progress
+            quiet = torn is None or os.path.getsize(torn.path) > torn.offset + torn.length
+        except OSError:
+            quiet = False
+        if not quiet:
+            warn(f"{torn}; the lines before it were shipped, the torn bytes were not (a crash, not tampering)")
         return result.text()
-    results = ship(targets, client, key=_cli_key(args), host=args.host, batch_rows=args.batch_rows)
-    counts, code = _tally(((path, result, "") for path, result in results), shipped,
-                          after="; nothing of {} was shipped")
-    write_out(f"{counts['ok']}/{len(targets)} ledgers shipped or up to date, {sum(sent):,} new lines sent to "
-              f"{client.where} {client.name}\n")
-    return code
+    results = ship(ship_targets(args.paths, args.all, key), client, key=key, host=args.host,
+                   batch_rows=args.batch_rows)
+    return _tally(((path, result, "") for path, result in results), shipped, lambda ok, total: (
+        f"{ok}/{total} ledgers shipped or up to date, {sum(sent):,} new lines sent to {client.where} {client.name}"),
+        after="; nothing of {} was shipped")
 
 
 def _cmd_verify_from(args):
@@ -2138,64 +1821,17 @@ def _cmd_verify_from(args):
     if expect is not None and len(ids) != 1:
         raise UsageError("--expect-head with --from goes with exactly one --ledger-id")
     client = ClickHouse(args.from_url or None, database=args.database, table=args.table, timeout=args.timeout)
-    found = []
 
     def rows():
         for ledger, result in verify_shipped(client, ledger_ids=ids, key=_cli_key(args), expect_head=expect):
-            found.append(ledger)
             shown = ledger["last_path"] is not None and isinstance(result, (Verified, IntegrityError))
             where = f"  {printable(ledger['last_host'])}:{printable(ledger['last_path'])}" if shown else ""
             yield f"clickhouse:{ledger['ledger_id']}", result, where
     try:
-        counts, code = _tally(rows(), _verified_line, inside=" in ClickHouse")
+        return _tally(rows(), _verified_line, lambda ok, total: (
+            f"{ok}/{total} ledgers valid in {client.where} {client.name}"), inside=" in ClickHouse")
     except ClickHouseError as exc:  # ClickHouse could not be read: like a file that cannot be read
         raise ClickHouseError(str(exc), EXIT_USAGE) from None
-    write_out(f"{counts['ok']}/{len(found)} ledgers valid in {client.where} {client.name}\n")
-    return code
-
-
-# (name, help, [(flags, argparse keywords)], handler): the commands and their options; docs/format.md and
-# docs/ledger.md carry the longer story.
-_ALL = (("--all",), {"metavar": "RUNS_DIR", "help": "also RUNS_DIR/index.jsonl and every run in it"})
-_PATHS = (("paths",), {"nargs": "*", "metavar": "PATH"})
-_CLICKHOUSE = [(("--database",), {"default": SHIP_DATABASE, "metavar": "DB", "help": f"default {SHIP_DATABASE}"}),
-               (("--table",), {"default": SHIP_TABLE, "metavar": "T", "help": f"default {SHIP_TABLE}"})]
-_COMMANDS = (
-    ("verify", "check ledgers; exit 1 on any integrity failure", [
-        _PATHS, _ALL,
-        (("--expect-head",), {"metavar": "SEQ:HASH", "help": "a head published earlier (finds truncation)"}),
-        (("--from",), {"dest": "from_url", "nargs": "?", "const": "", "metavar": "URL",
-                       "help": f"re-verify the lines shipped to ClickHouse at URL (default ${SHIP_URL_ENV})"}),
-        (("--ledger-id",), {"action": "append", "metavar": "ID", "help": "with --from: only this ledger (or "
-                                                                          "prefix; repeatable)"}),
-        (("--timeout",), {"type": float, "default": 300.0, "metavar": "S", "help": "seconds a request (300)"}),
-    ] + _CLICKHOUSE, _cmd_verify),
-    ("ship", "send the verified lines of ledgers to ClickHouse (resumable; for cron)", [
-        _PATHS, _ALL,
-        (("--to",), {"metavar": "URL", "help": f"ClickHouse's HTTP interface (default ${SHIP_URL_ENV}); user and "
-                                               f"password from ${SHIP_USER_ENV} / ${SHIP_PASSWORD_ENV}"}),
-        (("--timeout",), {"type": float, "default": SHIP_TIMEOUT, "metavar": "S",
-                          "help": f"seconds a request ({SHIP_TIMEOUT:g})"}),
-        (("--batch-rows",), {"type": int, "default": SHIP_BATCH_ROWS, "metavar": "N",
-                             "help": f"lines per INSERT ({SHIP_BATCH_ROWS:,}; at most {SHIP_BATCH_BYTES >> 20} MiB)"}),
-        (("--deadline",), {"type": float, "default": SHIP_DEADLINE, "metavar": "S",
-                           "help": f"seconds for the whole run; the next run resumes ({SHIP_DEADLINE:g})"}),
-        (("--host",), {"help": "host name recorded with each line (default: this machine's)"}),
-    ] + _CLICKHOUSE, _cmd_ship),
-    ("head", "print the anchor 'SEQ HASH' of a verified ledger", [(("path",), {"metavar": "PATH"})], _cmd_head),
-    ("report", "one readable line per event: what it says and what it means", [
-        _PATHS, _ALL, (("--kind",), {"action": "append", "help": "only this kind (repeatable)"}),
-        (("--stage",), {"help": "only decisions of this stage"}),
-        (("--run",), {"help": "only this run id (or prefix)"}),
-        (("--since",), {"help": "date or ISO time (UTC)"}), (("--until",), {"help": "date (inclusive) or ISO time"}),
-        (("--json",), {"action": "store_true", "help": "print the matching lines unchanged"}),
-    ], _cmd_report),
-    ("append", "append one event; prints the new head", [
-        (("path",), {"metavar": "PATH"}), (("--kind",), {"required": True}),
-        (("--run-id",), {"help": "default: $LEDGER_RUN_ID or a new id"}),
-        (("--payload",), {"help": "a JSON object (default: stdin when it is not a terminal)"}),
-    ], _cmd_append),
-)
 
 
 def _build_parser():
@@ -2203,14 +1839,52 @@ def _build_parser():
                             epilog=exit_codes_epilog(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_OUTPUT),
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=__version__)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, text, options, handler in _COMMANDS:
-        p = sub.add_parser(name, help=text)
-        for flags, keywords in options:
-            p.add_argument(*flags, **keywords)
+    sub, commands = parser.add_subparsers(dest="command", metavar="COMMAND"), {}
+    for name, text, handler in (
+            ("verify", "check ledgers; exit 1 on any integrity failure", _cmd_verify),
+            ("ship", "send the verified lines of ledgers to ClickHouse (resumable; for cron)", _cmd_ship),
+            ("head", "print the anchor 'SEQ HASH' of a verified ledger", _cmd_head),
+            ("report", "one readable line per event: what it says and what it means", _cmd_report),
+            ("append", "append one event; prints the new head", _cmd_append)):
+        p = commands[name] = sub.add_parser(name, help=text)
+        p.set_defaults(func=handler)
+        if name in ("head", "append"):
+            p.add_argument("path", metavar="PATH")
+        else:
+            p.add_argument("paths", nargs="*", metavar="PATH")
+            p.add_argument("--all", metavar="RUNS_DIR", help="also RUNS_DIR/index.jsonl and every run in it")
+        if name in ("verify", "ship"):
+            p.add_argument("--database", default=SHIP_DATABASE, metavar="DB", help=f"default {SHIP_DATABASE}")
+            p.add_argument("--table", default=SHIP_TABLE, metavar="T", help=f"default {SHIP_TABLE}")
         p.add_argument("--key-env", default=KEY_ENV, metavar="NAME",
                        help=f"environment variable holding the HMAC key (default {KEY_ENV})")
-        p.set_defaults(func=handler)
+    p = commands["verify"]
+    p.add_argument("--expect-head", metavar="SEQ:HASH", help="a head published earlier (finds truncation)")
+    p.add_argument("--from", dest="from_url", nargs="?", const="", metavar="URL",
+                   help=f"re-verify the lines shipped to ClickHouse at URL (default ${SHIP_URL_ENV})")
+    p.add_argument("--ledger-id", action="append", metavar="ID", help="with --from: this ledger (or prefix), repeatable")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds a request (300)")
+    p = commands["ship"]
+    p.add_argument("--to", metavar="URL", help=f"ClickHouse's HTTP interface (default ${SHIP_URL_ENV}); user and "
+                                              f"password from ${SHIP_USER_ENV} / ${SHIP_PASSWORD_ENV}")
+    p.add_argument("--timeout", type=float, default=SHIP_TIMEOUT, metavar="S",
+                   help=f"seconds a request ({SHIP_TIMEOUT:g})")
+    p.add_argument("--batch-rows", type=int, default=SHIP_BATCH_ROWS, metavar="N",
+                   help=f"lines per INSERT ({SHIP_BATCH_ROWS:,}; at most {SHIP_BATCH_BYTES >> 20} MiB)")
+    p.add_argument("--deadline", type=float, default=SHIP_DEADLINE, metavar="S",
+                   help=f"seconds for the whole run; the next run resumes ({SHIP_DEADLINE:g})")
+    p.add_argument("--host", help="host name recorded with each line (default: this machine's)")
+    p = commands["report"]
+    p.add_argument("--kind", action="append", help="only this kind (repeatable)")
+    p.add_argument("--stage", help="only decisions of this stage")
+    p.add_argument("--run", help="only this run id (or prefix)")
+    p.add_argument("--since", help="date or ISO time (UTC)")
+    p.add_argument("--until", help="date (inclusive) or ISO time")
+    p.add_argument("--json", action="store_true", help="print the matching lines unchanged")
+    p = commands["append"]
+    p.add_argument("--kind", required=True)
+    p.add_argument("--run-id", help="default: $LEDGER_RUN_ID or a new id")
+    p.add_argument("--payload", help="a JSON object (default: stdin when it is not a terminal)")
     return parser
 
 

@@ -132,8 +132,9 @@ def test_kill_9_at_random_moments_never_breaks_the_ledger(tmp_path):
         for proc in procs:
             proc.send_signal(signal.SIGKILL)
         for proc, first in zip(procs, firsts):
-            out, _ = proc.communicate(timeout=30)
-            out = first + out
+            out = first + proc.stdout.read()  # through the buffer readline() filled: communicate() would skip it
+            proc.stdout.close()
+            proc.wait(timeout=30)
             name = proc.args[5]
             for row in out.decode().split("\n")[:-1]:  # a row cut by the kill is not counted
                 seq, i = map(int, row.split())
