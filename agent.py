@@ -2449,13 +2449,11 @@ def _tokens_cell(row):
 
 
 # ----------------------------------------------------------------------------
+# ----------------------------------------------------------------------------
 # The webhook daemon
 # ----------------------------------------------------------------------------
-#
-# `agent.py serve`: signed webhooks start agent runs. A body is read whole (Content-Length only, capped) and
-# authenticated before it is parsed; an accepted delivery is recorded, fsync'd, in RUNS/daemon.jsonl before the
-# answer; one worker runs the queue, each run a child `agent.py run` in its own process group. A restart (after a
-# stop or a kill -9) reads daemon.jsonl to pick up what is left.
+# `agent.py serve` (docs/daemon.md): a body is authenticated before it is parsed, an accepted delivery is in
+# RUNS/daemon.jsonl before the answer, one worker runs the queue, each run a child `agent.py run`.
 
 DAEMON_LEDGER = "daemon.jsonl"
 DEFAULT_HOST = "127.0.0.1"
@@ -2464,12 +2462,10 @@ SIGNATURE_TOLERANCE_S = 300   # Standard Webhooks: a webhook-timestamp more than
 KILL_MARGIN_S = 60            # a run is killed after max_wall_s + 2 x test_timeout_s + this
 TERMINATE_WAIT_S = 5          # SIGTERM to a run's process group, then SIGKILL this much later
 RESPONSE_GRACE_S = 2          # an answer is written within this much after the request's deadline
-LINGER_S, LINGER_BYTES = 1.0, 64 * 1024  # an error answered before the body was read: unread input drained this
-                                         # long (at most this much), so the client reads the answer, not a reset
+LINGER_S = 1.0                # after an error answered before the body was read, unread input is drained this long
 RETRY_AFTER_S = 30            # a full queue asks the sender to come back after this
 CONNECTION_EVENT_EVERY_S = 10  # connections over the cap: at most one connection_limit event this often
 REJECTIONS_PER_S, REJECTIONS_BURST = 5, 50  # an unauthenticated flood must not grow the ledger without bound
-MAX_SECRETS_FILE = 64 * 1024
 MAX_SIGNATURES = 16           # webhook-signature entries looked at
 MAX_EVENTS_SHOWN = 5000       # GET /runs/<id> shows at most this many events
 MAX_SHOWN_CHARS = 4000        # one value on the timeline page
@@ -2482,13 +2478,9 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\
 _DELIVERY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
 _EVENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}\Z")
 _GITHUB_SIG_RE = re.compile(r"sha256=([0-9a-fA-F]{64})\Z")
-_TIMESTAMP_RE = re.compile(r"[0-9]{1,12}\Z")
-_LENGTH_RE = re.compile(r"[0-9]{1,15}\Z")
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?\Z")
 _RUN_URL_RE = re.compile(r"/runs/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8})\Z")  # new_run_id()'s shape only
-_ARTIFACT_REF_RE = re.compile(r"artifacts/[0-9a-f]{64}\Z")
 _HOST_RE = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9_.-]+))(?::[0-9]{1,5})?\Z")  # Host: name[:port], [v6][:port]
-_HOST_NAME_RE = re.compile(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)*\Z")
 
 
 class Refused(Exception):
@@ -2499,14 +2491,8 @@ class Refused(Exception):
         self.status, self.reason, self.message, self.headers = status, reason, message, headers or {}
 
 
-class _TimedOut(Exception):
-    """The request's deadline ended its reads."""
-
-
 Delivery = collections.namedtuple("Delivery", "source delivery event")  # github, standard or unsigned; id; event
 
-
-# -- settings: one object, built once from the arguments and the environment ---
 
 def serve_settings(args, environ):
     """The daemon's settings, from `serve`'s arguments and the environment; a bad one raises UsageError."""
@@ -2530,44 +2516,32 @@ def serve_settings(args, environ):
         raise rl.UsageError(f"refusing to listen on {rl.printable(args.host)}, which is not a loopback address, "
                             f"without a webhook secret: set WEBHOOK_SECRET or WEBHOOK_SECRET_FILE")
     allow = [name.strip().lower().rstrip(".") for name in args.allow_host or ()]
-    for name in allow:
-        if not _HOST_NAME_RE.match(name):
-            raise rl.UsageError(f"--allow-host {rl.printable(name)}: not a host name")
-    tools = Path(args.tools).resolve()
-    policy = load_policy(tools)
     if args.ship_to:
         rl.ClickHouse(args.ship_to)  # the URL's form is checked now, not once per run
+    policy = load_policy(Path(args.tools).resolve())
     names = set(allow) | {args.host.strip("[]").lower()} | ({"localhost", "127.0.0.1", "::1"} if loopback else set())
-    return argparse.Namespace(
-        repo=repo_root(args.repo), tools=tools, policy=policy, runs_dir=Path(args.runs_dir).resolve(),
-        host=args.host, port=args.port, loopback=loopback, allow_hosts=allow, names=names,
-        keys=signing_keys(secrets), read_token=token, token_required=bool(token) or not loopback,
-        secrets=[s for s in secrets + [token, api_key] if s], max_body=args.max_body, queue=args.queue,
-        max_connections=args.max_connections, request_timeout=float(args.request_timeout),
-        grace_s=float(args.grace_s), fetch=args.fetch, ship_to=args.ship_to,
+    return argparse.Namespace(**dict(
+        vars(args), repo=repo_root(args.repo), tools=Path(args.tools).resolve(), policy=policy, allow_hosts=allow,
+        runs_dir=Path(args.runs_dir).resolve(), names=names, keys=signing_keys(secrets), read_token=token,
+        token_required=bool(token) or not loopback, secrets=[s for s in secrets + [token, api_key] if s],
         kill_after_s=float(args.kill_after_s or policy.budget["max_wall_s"] + 2 * policy.test_timeout_s
-                           + KILL_MARGIN_S))
+                           + KILL_MARGIN_S)))
 
 
 def webhook_secrets(environ=None):
     """WEBHOOK_SECRET and the lines of WEBHOOK_SECRET_FILE (blank ones ignored): several serve a rotation."""
     env = os.environ if environ is None else environ
     secrets = [env["WEBHOOK_SECRET"]] if env.get("WEBHOOK_SECRET") else []
-    if not env.get("WEBHOOK_SECRET_FILE"):
-        return secrets
-    try:
-        with open(env["WEBHOOK_SECRET_FILE"], "rb") as handle:
-            raw = handle.read(MAX_SECRETS_FILE + 1)
-        if len(raw) > MAX_SECRETS_FILE:
-            raise rl.UsageError(f"WEBHOOK_SECRET_FILE: larger than {MAX_SECRETS_FILE} bytes")
-        found = [line.rstrip("\r") for line in raw.decode("utf-8").split("\n") if line.strip()]
-    except OSError as exc:
-        raise rl.UsageError(f"WEBHOOK_SECRET_FILE: {rl.error_text(exc)}") from None
-    except UnicodeDecodeError:
-        raise rl.UsageError("WEBHOOK_SECRET_FILE: not UTF-8") from None
-    if not found:
-        raise rl.UsageError("WEBHOOK_SECRET_FILE: holds no secret (one secret a line)")
-    return secrets + found
+    if env.get("WEBHOOK_SECRET_FILE"):
+        try:
+            lines = Path(env["WEBHOOK_SECRET_FILE"]).read_bytes().decode("utf-8").split("\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise rl.UsageError(f"WEBHOOK_SECRET_FILE: {rl.error_text(exc)}") from None
+        found = [line.rstrip("\r") for line in lines if line.strip()]
+        if not found:
+            raise rl.UsageError("WEBHOOK_SECRET_FILE: holds no secret (one secret a line)")
+        secrets += found
+    return secrets
 
 
 def signing_keys(secrets):
@@ -2590,10 +2564,6 @@ def signing_keys(secrets):
 def is_loopback(host):
     """True when every address `host` names is a loopback address."""
     try:
-        return host == "localhost" or ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        pass
-    try:
         infos = socket.getaddrinfo(host, None)
     except (socket.gaierror, UnicodeError):
         raise rl.UsageError(f"--host {rl.printable(host)}: cannot resolve that name") from None
@@ -2602,10 +2572,11 @@ def is_loopback(host):
 
 # -- authentication: before the body is parsed ---------------------------------
 
-def _signed(expected, given):
-    """Does a `given` signature equal an `expected` one? Every pair is compared, each in constant time."""
+def _signed(keys, message, given, encode=bytes):
+    """Is one of `given` the HMAC-SHA256 of `message` under one of `keys`? Every pair compared in constant time."""
     matched = False
-    for digest in expected:
+    for key in keys:
+        digest = encode(hmac.new(key, message, hashlib.sha256).digest())
         for value in given:
             matched |= hmac.compare_digest(digest, value)
     return matched
@@ -2616,7 +2587,7 @@ def verify_github(keys, body, header):
     match = _GITHUB_SIG_RE.match(header or "")
     if not match:
         raise Refused(401, "bad_signature_format", "the signature does not match")
-    if not _signed([hmac.new(key, body, hashlib.sha256).digest() for key, _s in keys], [bytes.fromhex(match[1])]):
+    if not _signed([raw for raw, _s in keys], body, [bytes.fromhex(match[1])]):
         raise Refused(401, "bad_signature", "the signature does not match")
 
 
@@ -2624,20 +2595,13 @@ def verify_standard(keys, body, msg_id, timestamp, header, now=None):
     """Standard Webhooks: `v1,<base64 HMAC-SHA256 of id.timestamp.body>` entries, a timestamp within 5 minutes."""
     if not msg_id or not timestamp or not header:
         raise Refused(401, "missing_signature", "webhook-id, webhook-timestamp and webhook-signature are required")
-    if not _TIMESTAMP_RE.match(timestamp.strip()):
+    if not re.fullmatch(r"[0-9]{1,12}", timestamp.strip()):
         raise Refused(401, "bad_timestamp", "webhook-timestamp must be Unix seconds")
-    if abs((time.time() if now is None else now) - int(timestamp.strip())) > SIGNATURE_TOLERANCE_S:
+    if abs((time.time() if now is None else now) - int(timestamp)) > SIGNATURE_TOLERANCE_S:
         raise Refused(401, "stale_timestamp", "webhook-timestamp is outside the tolerance")
-    signed = msg_id.encode("latin-1") + b"." + timestamp.encode("latin-1") + b"." + body
-    given = []
-    for entry in header.split()[:MAX_SIGNATURES]:
-        version, _, value = entry.partition(",")
-        try:
-            if version == "v1":
-                given.append(base64.b64decode(value, validate=True))
-        except (binascii.Error, ValueError):
-            pass
-    if not _signed([hmac.new(standard, signed, hashlib.sha256).digest() for _g, standard in keys], given):
+    given = [entry[3:].encode("latin-1") for entry in header.split()[:MAX_SIGNATURES] if entry.startswith("v1,")]
+    if not _signed([standard for _g, standard in keys], f"{msg_id}.{timestamp}.".encode("latin-1") + body, given,
+                   base64.b64encode):
         raise Refused(401, "bad_signature", "the signature does not match")
 
 
@@ -2648,12 +2612,10 @@ def authenticate(keys, headers, body, now=None):
         found = Delivery("unsigned", delivery.strip(), headers.get("X-GitHub-Event"))
     elif headers.get("X-Hub-Signature-256") is not None:
         verify_github(keys, body, headers.get("X-Hub-Signature-256").strip())
-        delivery, event = headers.get("X-GitHub-Delivery"), headers.get("X-GitHub-Event")
-        if not delivery:
-            raise Refused(400, "missing_delivery", "X-GitHub-Delivery is required")
-        if not event:
-            raise Refused(400, "missing_event", "X-GitHub-Event is required")
-        found = Delivery("github", delivery.strip(), event.strip())
+        for name, reason in (("X-GitHub-Delivery", "missing_delivery"), ("X-GitHub-Event", "missing_event")):
+            if not headers.get(name):
+                raise Refused(400, reason, f"{name} is required")
+        found = Delivery("github", headers.get("X-GitHub-Delivery").strip(), headers.get("X-GitHub-Event").strip())
     elif headers.get("webhook-signature") is not None:
         msg_id = headers.get("webhook-id")
         verify_standard(keys, body, msg_id, headers.get("webhook-timestamp"), headers.get("webhook-signature"), now)
@@ -2669,9 +2631,9 @@ def authenticate(keys, headers, body, now=None):
 
 def parse_body(headers, body, found):
     """After a valid signature: (the application/json UTF-8 object, its event name). Raises Refused."""
-    ctype = (headers.get("Content-Type") or "").lower().split(";")
-    if ctype[0].strip() != "application/json" or any(p.strip().startswith("charset=") and p.strip() not in (
-            "charset=utf-8", 'charset="utf-8"') for p in ctype[1:]):
+    ctype = [part.strip() for part in (headers.get("Content-Type") or "").lower().split(";")]
+    if ctype[0] != "application/json" or any(part.startswith("charset=") and part not in (
+            "charset=utf-8", 'charset="utf-8"') for part in ctype[1:]):
         raise Refused(415, "wrong_content_type", "the body must be application/json (UTF-8)")
     try:
         payload = json.loads(body.decode("utf-8"))
@@ -2699,14 +2661,14 @@ class _Server(rl.CappedServer):
     def refused(self, client_address):
         self.app.connection_refused(client_address[0])
 
-    def log_error(self, text):
-        self.app.log(f"error: {text}")
-
 
 class _Handler(BaseHTTPRequestHandler):
     """One request per connection, then closed. The socket's timeout bounds a read, the rl.Deadline them all."""
     protocol_version, server_version = "HTTP/1.1", "agent.py-serve"
-    default_request_version = "HTTP/1.0"  # an answer to a request line that did not parse keeps its status line
+    # what an answer needs when the request line did not parse (it keeps its status line: HTTP/1.0)
+    default_request_version = request_version = "HTTP/1.0"
+    raw_requestline, requestline, command, sent, delivery, claimed = b"", "", None, None, None, None
+    stage, route, expect_continue = "request", "-", False
 
     def setup(self):
         super().setup()
@@ -2714,16 +2676,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection.settimeout(self.app.settings.request_timeout + RESPONSE_GRACE_S)
         self.deadline = rl.Deadline(self.app.settings.request_timeout)
         self.deadline.watch(self.connection, socket.SHUT_RD)  # the read side only: the handler can still answer 408
-        self.raw_requestline, self.requestline, self.command = b"", "", None
-        self.request_version = self.default_request_version
-        self.sent = self.delivery = self.claimed = None
-        self.stage, self.route, self.expect_continue = "request", "-", False
 
     def handle(self):
         try:
             self.handle_one_request()
         except OSError:  # the client went away (a reset, a broken pipe): nothing to answer
-            self.close_connection = True
+            pass
         if self.deadline.expired and self.sent is None:
             self.app.record_rejected("webhook_timeout", {
                 "remote": self.client_address[0], "stage": self.stage, "path": self.route,
@@ -2731,33 +2689,24 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(408, {"error": "the request took too long"})
         if self.sent and self.sent[0] >= 400 and self.stage in ("request", "body"):
             self._linger()
-
-    def _linger(self):
-        """Drain (briefly) what the client still sends: a close with unread input resets before it reads the answer."""
-        end, drained = time.monotonic() + LINGER_S, 0
-        try:
-            self.connection.shutdown(socket.SHUT_WR)
-            while drained < LINGER_BYTES and time.monotonic() < end:
-                self.connection.settimeout(max(0.01, end - time.monotonic()))
-                chunk = self.connection.recv(16384)
-                if not chunk:
-                    break
-                drained += len(chunk)
-        except OSError:
-            pass
-
-    def finish(self):
         self.deadline.cancel()
-        try:
-            super().finish()
-        except OSError:
-            pass
         if self.raw_requestline:  # nothing sent (a browser's idle preconnect) is no request; a timeout is an event
             status, size = self.sent or ("-", 0)
             self.app.log(f"{self.client_address[0]} {rl.printable(self.command or '-')} {self.route} {status} "
                          f"{size} {(time.monotonic() - self.started) * 1000:.1f} {self.delivery or '-'}")
 
-    def log_message(self, format, *args):  # the access log is ours (finish)
+    def _linger(self):
+        """Drain what the client still sends, for a moment: a close with unread input resets the answer unread."""
+        end = time.monotonic() + LINGER_S
+        try:
+            self.connection.shutdown(socket.SHUT_WR)
+            self.connection.settimeout(LINGER_S)
+            while time.monotonic() < end and self.connection.recv(65536):
+                pass
+        except OSError:  # a timeout too
+            pass
+
+    def log_message(self, format, *args):  # the access log is ours (handle)
         pass
 
     def version_string(self):
@@ -2766,7 +2715,6 @@ class _Handler(BaseHTTPRequestHandler):
     def send_error(self, code, message=None, explain=None):
         if not self.deadline.expired:  # else handle() answers 408 and records it
             self._reply(int(code), {"error": self.responses.get(int(code), ("error",))[0]})
-        self.close_connection = True
 
     def handle_expect_100(self):
         self.expect_continue = True  # 100 Continue only once the headers pass (no 100 before a 413)
@@ -2791,8 +2739,6 @@ class _Handler(BaseHTTPRequestHandler):
                     "reason": refused.reason, "status": refused.status, "remote": self.client_address[0],
                     "delivery": self.delivery or self.claimed})
             self._reply(refused.status, {"error": refused.message}, refused.headers)
-        except _TimedOut:
-            pass  # handle() answers 408
         except Exception as exc:  # the boundary: recorded, answered 500 without details
             self.app.record_error(f"{self.command} {self.route}", exc)
             self._reply(500, {"error": "internal error"})
@@ -2800,8 +2746,8 @@ class _Handler(BaseHTTPRequestHandler):
     do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = do_GET
 
     def _webhook(self):
-        claimed = self.headers.get("X-GitHub-Delivery") or self.headers.get("webhook-id")  # unchecked: its shape only
-        self.claimed = claimed and (claimed.strip() if _DELIVERY_RE.match(claimed.strip()) else "(not a delivery id)")
+        claimed = (self.headers.get("X-GitHub-Delivery") or self.headers.get("webhook-id") or "").strip() or None
+        self.claimed = claimed if claimed is None or _DELIVERY_RE.match(claimed) else "(not a delivery id)"
         lengths = self.headers.get_all("Content-Length") or []
         if self.command != "POST":
             raise Refused(405, None, "use POST", {"Allow": "POST"})
@@ -2809,35 +2755,28 @@ class _Handler(BaseHTTPRequestHandler):
             raise Refused(411, "transfer_encoding", "send the body with Content-Length, without Transfer-Encoding")
         if not lengths:
             raise Refused(411, "missing_length", "Content-Length is required")
-        if len(lengths) > 1 or not _LENGTH_RE.match(lengths[0].strip()):
+        if len(lengths) > 1 or not re.fullmatch(r"[0-9]{1,15}", lengths[0].strip()):
             raise Refused(400, "bad_length", "Content-Length must be one decimal number")
-        if int(lengths[0]) > self.app.settings.max_body:
+        length = int(lengths[0])
+        if length > self.app.settings.max_body:
             raise Refused(413, "too_large", f"the body is larger than {self.app.settings.max_body} bytes")
-        body = self._read_body(int(lengths[0]))
+        self.stage = "body"
+        if self.expect_continue:
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        try:
+            body = self.rfile.read(length)
+        except socket.timeout:  # the deadline's timer is late (a loaded box): the reads end all the same
+            self.deadline.expire()
+            body = b""
+        if len(body) < length:
+            if self.deadline.expired:
+                return  # handle() answers 408
+            raise Refused(400, "incomplete_body", "the body is shorter than Content-Length")
+        self.stage = "processing"
         found = authenticate(self.app.settings.keys, self.headers, body)
         self.delivery = found.delivery
         payload, event = parse_body(self.headers, body, found)
         self._reply(*self.app.accept(found, event, body, payload, self.client_address[0]))
-
-    def _read_body(self, length):
-        """Exactly `length` bytes; the deadline ends the reads (they return nothing) when they take too long."""
-        self.stage, chunks, got = "body", [], 0
-        if self.expect_continue:
-            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        while got < length:
-            try:
-                chunk = self.rfile.read1(min(65536, length - got))
-            except socket.timeout:  # the deadline's timer is late (a loaded box): the reads end all the same
-                self.deadline.expire()
-                chunk = b""
-            if not chunk and self.deadline.expired:
-                raise _TimedOut()
-            if not chunk:
-                raise Refused(400, "incomplete_body", "the body is shorter than Content-Length")
-            chunks.append(chunk)
-            got += len(chunk)
-        self.stage = "processing"
-        return b"".join(chunks)
 
     def _read(self, path):
         if self.command != "GET":
@@ -2852,27 +2791,27 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/runs":
             return self._reply(200, {"runs": self.app.runs()})
         if path == "/":
-            return self._html(index_html(self.app.runs()))
+            return self._reply(200, index_html(self.app.runs()))
         match = _RUN_URL_RE.match(path)  # before the file system is touched
         found = self.app.run_events(match.group(1)) if match else None
         if found is None:
             raise Refused(404, None, "no such run")
         if "text/html" not in (self.headers.get("Accept") or "").lower():
             return self._reply(200, found)
-        return self._html(timeline_html(found, self.app.settings.runs_dir / found["run_id"]))
+        return self._reply(200, timeline_html(found, self.app.settings.runs_dir / found["run_id"]))
 
-    def _html(self, page):
-        self._reply(200, page.encode("utf-8"), {"Content-Security-Policy": _PAGE_POLICY}, "text/html; charset=utf-8")
-
-    def _reply(self, status, body, headers=None, content_type="application/json"):
-        data = body if isinstance(body, bytes) else (json.dumps(body, ensure_ascii=False) + "\n").encode("utf-8")
-        self.sent, self.close_connection = (status, len(data)), True
+    def _reply(self, status, body, headers=None):
+        """The answer, then the connection closes: a str is an HTML page (under a policy that runs nothing)."""
+        page = type(body) is str
+        data = (body if page else json.dumps(body, ensure_ascii=False) + "\n").encode("utf-8")
+        kind = {"Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": _PAGE_POLICY} if page else {
+            "Content-Type": "application/json"}
+        self.sent = (status, len(data))
         try:
             self.connection.settimeout(self.deadline.remaining() + RESPONSE_GRACE_S)
             self.send_response(status)
-            for name, value in {"Content-Type": content_type, "Content-Length": str(len(data)),
-                                "Cache-Control": "no-store", "X-Content-Type-Options": "nosniff", **(headers or {}),
-                                "Connection": "close"}.items():
+            for name, value in {**kind, "Content-Length": str(len(data)), "Cache-Control": "no-store",
+                                "X-Content-Type-Options": "nosniff", **(headers or {}), "Connection": "close"}.items():
                 self.send_header(name, value)
             self.end_headers()
             if self.command != "HEAD":
@@ -2883,11 +2822,30 @@ class _Handler(BaseHTTPRequestHandler):
 
 # -- the daemon ------------------------------------------------------------------
 
-def _wait(poll, seconds):
-    """poll() -> (ended, exit code), asked every 0.1 s for at most `seconds`; its last answer."""
-    end = time.monotonic() + seconds
+class _Bucket:
+    """A token bucket: `burst` at once, then `per_s` a second; take() counts what it refuses."""
+
+    def __init__(self, per_s, burst):
+        self.per_s, self.burst, self.tokens, self.at, self.refused = per_s, burst, float(burst), time.monotonic(), 0
+        self.lock = threading.Lock()
+
+    def take(self):
+        """None when refused, else how many were refused since the last one let through."""
+        with self.lock:
+            now = time.monotonic()
+            self.tokens, self.at = min(self.burst, self.tokens + (now - self.at) * self.per_s), now
+            if self.tokens < 1:
+                self.refused += 1
+                return None
+            self.tokens -= 1
+            refused, self.refused = self.refused, 0
+            return refused
+
+
+def _wait(poll, until):
+    """poll() -> (ended, exit code), asked every 0.1 s until it ends or until() has passed; its last answer."""
     ended, code = poll()
-    while not ended and time.monotonic() < end:
+    while not ended and time.monotonic() < until():
         time.sleep(0.1)
         ended, code = poll()
     return ended, code
@@ -2910,87 +2868,66 @@ class Daemon:
         self.redactor = rl.Redactor(rl.secret_values(settings.secrets))
         self.child_env = {k: v for k, v in os.environ.items() if k not in DAEMON_ENV + PIPED_ENV}
         self.piped = json.dumps({k: os.environ[k] for k in PIPED_ENV if k in os.environ}).encode("utf-8")
-        self.deliveries = {}            # delivery id -> run id (None for a ping), from the ledger and since
-        self.bodies = {}                # GitHub body sha256 -> delivery id: GitHub does not sign the id
+        self.deliveries, self.bodies = {}, {}  # delivery id -> run id (None: a ping); GitHub body sha256 -> delivery
         self.queue, self.cond = collections.deque(), threading.Condition()
-        self.running = self.last_run = self.stop_at = None  # the run id in progress; the last run_finished
-        self.draining = False
-        self.ledger = self.server = self.worker = self.serving = self.started_at = self._lock_fd = None
-        self._refused, self._refused_reported = 0, 0.0
-        self._tokens, self._tokens_at, self._unrecorded = float(REJECTIONS_BURST), time.monotonic(), 0
-        self._tokens_lock = threading.Lock()
+        self.running = self.last_run = self.stop_at = self.ledger = self.server = self.worker = self.serving = None
+        self.draining, self.started_at = False, time.monotonic()
+        self.rejections = _Bucket(REJECTIONS_PER_S, REJECTIONS_BURST)
+        self.connections = _Bucket(1 / CONNECTION_EVENT_EVERY_S, 1)
 
-    # -- start and stop -----------------------------------------------------
     def start(self):
         """Lock the runs directory, bind, recover what an earlier daemon left, serve. Returns http://host:port."""
-        runs_dir = self.settings.runs_dir
-        runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        s, path = self.settings, self.settings.runs_dir / DAEMON_LEDGER
+        s.runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         # one daemon per runs directory: two would both pick up the same unfinished deliveries
-        self._lock_fd = _hold_lock(runs_dir / "daemon.lock", f"another daemon serves {runs_dir}", "")
+        self._lock_fd = _hold_lock(s.runs_dir / "daemon.lock", f"another daemon serves {s.runs_dir}", "")
         try:
-            return self._start()
-        except Exception:  # not started: let go of the port and the lock, then the caller reports it
-            if self.server is not None:
-                self.server.server_close()
-            os.close(self._lock_fd)
-            raise
-
-    def _start(self):
-        s = self.settings
-        if (s.runs_dir / DAEMON_LEDGER).exists():
-            try:
-                rl.verify(s.runs_dir / DAEMON_LEDGER)
-            except rl.TornTailError:
-                pass  # a crash mid-append: the first append below moves the fragment aside and records it
+            if path.exists():
+                rl.verify(path)
+        except rl.TornTailError:
+            pass  # a crash mid-append: the first append below moves the fragment aside and records it
         try:
             self.server = _Server(self)
         except OSError as exc:
             raise rl.UsageError(f"cannot listen on {s.host}:{s.port}: {exc.strerror or exc}") from None
         host, port = self.server.server_address[:2]
         address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        self.ledger = rl.Ledger(s.runs_dir / DAEMON_LEDGER, f"daemon-{rl.new_run_id()}", secrets=s.secrets)
-        self.started_at = time.monotonic()
-        self.record("daemon_started", {
-            "address": address, "pid": os.getpid(), "repo": str(s.repo), "runs_dir": str(s.runs_dir),
-            "tools": str(s.tools), "tools_sha256": s.policy.sha256, "secrets": len(s.keys),
-            "read_token": bool(s.read_token), "token_required": s.token_required, "max_body": s.max_body,
-            "queue": s.queue, "max_connections": s.max_connections, "backlog": _Server.request_queue_size,
-            "request_timeout_s": s.request_timeout, "grace_s": s.grace_s, "kill_after_s": s.kill_after_s,
-            "fetch": s.fetch, "allow_hosts": s.allow_hosts, "agent_version": __version__,
-            "python": sys.version.split()[0]})
+        self.ledger = rl.Ledger(path, f"daemon-{rl.new_run_id()}", secrets=s.secrets)
+        shown = ("token_required", "max_body", "queue", "max_connections", "grace_s", "kill_after_s", "fetch",
+                 "allow_hosts")
+        self.record("daemon_started", dict(
+            {name: getattr(s, name) for name in shown}, address=address, pid=os.getpid(), repo=str(s.repo),
+            runs_dir=str(s.runs_dir), tools=str(s.tools), tools_sha256=s.policy.sha256, secrets=len(s.keys),
+            read_token=bool(s.read_token), backlog=_Server.request_queue_size, request_timeout_s=s.request_timeout,
+            agent_version=__version__, python=sys.version.split()[0]))
         self._recover()
         self.say(f"serving on {address}")  # before the worker can say a run started
         self.worker = threading.Thread(target=self._work, name="worker", daemon=True)
-        self.serving = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="accept", daemon=True)
+        self.serving = threading.Thread(target=self.server.serve_forever, args=(0.2,), name="accept", daemon=True)
         self.worker.start()
         self.serving.start()
         return address
-
-    def alive(self):
-        return self.serving is not None and self.serving.is_alive() and self.worker.is_alive()
 
     def stop(self, signum=None):
         """Stop accepting, finish the requests in flight, give a run --grace-s; what is queued stays recorded."""
         name = signal.Signals(signum).name if signum else None
         with self.cond:
             running, queued = self.running, len(self.queue)
+            self.draining, self.stop_at = True, time.monotonic() + self.settings.grace_s
+            self.cond.notify_all()
         self.say(f"draining{f' on {name}' if name else ''}: no new run starts; " + (
             f"run {running} gets {self.settings.grace_s:g} s to finish; " if running else "")
             + f"{queued} queued stay recorded for the next start")
-        with self.cond:
-            self.draining, self.stop_at = True, time.monotonic() + self.settings.grace_s
-            self.cond.notify_all()
         self.server.stop(self.settings.request_timeout + RESPONSE_GRACE_S + 1)
         self.worker.join(self.settings.grace_s + 2 * TERMINATE_WAIT_S + 5)
-        with self.cond, self._tokens_lock:
-            queued, unrecorded, self._unrecorded = [item["run_id"] for item in self.queue], self._unrecorded, 0
-        self.record("daemon_stopped", {"signal": name, "queued": queued, "unrecorded_rejections": unrecorded,
+        with self.cond:
+            queued = [item["run_id"] for item in self.queue]
+        self.record("daemon_stopped", {"signal": name, "queued": queued,
+                                       "unrecorded_rejections": self.rejections.refused,
                                        "uptime_s": round(time.monotonic() - self.started_at, 3)})
         self.ledger.close()
         os.close(self._lock_fd)
 
-    # -- recording ------------------------------------------------------------
     def record(self, kind, payload):
         return self.ledger.append(kind, payload)
 
@@ -3005,30 +2942,28 @@ class Daemon:
             pass  # the ledger itself is what failed; the stderr line is all there is
 
     def record_rejected(self, kind, payload):
-        """A rejection event, rate-limited (a token bucket); the ones dropped are counted in the next one."""
-        with self._tokens_lock:
-            now = time.monotonic()
-            self._tokens = min(REJECTIONS_BURST, self._tokens + (now - self._tokens_at) * REJECTIONS_PER_S)
-            self._tokens_at = now
-            if self._tokens < 1:
-                self._unrecorded += 1
-                return
-            self._tokens -= 1
-            unrecorded, self._unrecorded = self._unrecorded, 0
-        self.record(kind, dict(payload, unrecorded_before=unrecorded) if unrecorded else payload)
+        """A rejection event, rate-limited; the next one recorded counts those dropped."""
+        dropped = self.rejections.take()
+        if dropped is not None:
+            self.record(kind, dict(payload, unrecorded_before=dropped) if dropped else payload)
+
+    def connection_refused(self, remote):
+        """A connection over the cap: logged, and recorded at most once every few seconds with the count."""
+        dropped = self.connections.take()
+        if dropped is not None:
+            self.record("connection_limit", {"refused": dropped + 1, "max_connections": self.settings.max_connections,
+                                             "remote": remote})
+        self.log(f"{remote} - - 503 0 0.0 - (over {self.settings.max_connections} connections)")
 
     def say(self, line):
         self._say(self.redactor.text(line))
 
     def check_host(self, headers):
-        """DNS rebinding: a page of another site, its name pointed at this address, reaches the daemon as that
-        site. Only a Host naming the listening address (or --allow-host) is answered, and a browser's Origin
-        must name one of them too. A client that sends no Host is not a browser. Raises Refused."""
+        """DNS rebinding: only a Host (if any: else not a browser) and an Origin naming this daemon are answered."""
         host, origin = headers.get("Host"), headers.get("Origin")
         if host is not None and not self._names_us(host):
             raise Refused(421, "bad_host", "the Host header does not name this daemon (see --allow-host)")
-        if origin is not None and not (origin.lower().startswith(("http://", "https://")) and
-                                       self._names_us(origin.split("://", 1)[1].split("/", 1)[0])):
+        if origin is not None and not self._names_us(re.sub(r"\Ahttps?://", "", origin.strip().lower())):
             raise Refused(403, "bad_origin", "requests from this Origin are refused")
 
     def _names_us(self, value):
@@ -3036,24 +2971,9 @@ class Daemon:
         if not match:
             return False
         name = (match.group(1) or match.group(2)).rstrip(".")
-        if name in self.settings.names:
-            return True
-        try:
-            ipaddress.ip_address(name)
-        except ValueError:
-            return False
-        return self.settings.host in ("0.0.0.0", "::", "")  # listening on every address: a literal is no rebinding
+        literal = match.group(1) or re.fullmatch(r"[0-9.]+", name)  # listening on every address: no rebinding
+        return name in self.settings.names or bool(literal) and self.settings.host in ("0.0.0.0", "::", "")
 
-    def connection_refused(self, remote):
-        """A connection over the cap: counted, and recorded at most once every few seconds."""
-        self._refused += 1
-        if time.monotonic() - self._refused_reported >= CONNECTION_EVENT_EVERY_S:
-            self._refused_reported, count, self._refused = time.monotonic(), self._refused, 0
-            self.record("connection_limit", {"refused": count, "max_connections": self.settings.max_connections,
-                                             "remote": remote})
-        self.log(f"{remote} - - 503 0 0.0 - (over {self.settings.max_connections} connections)")
-
-    # -- deliveries -------------------------------------------------------------
     def accept(self, found, event, body, payload, remote):
         """Record a delivery (fsync'd) and queue its run, or answer a redelivery or a full queue."""
         after = payload.get("after")  # a GitHub push's commit
@@ -3061,51 +2981,38 @@ class Daemon:
             after = None
         digest = hashlib.sha256(body).hexdigest()
         with self.cond:
-            known = self._known(found, event, remote, digest)
-        if known:
-            return known
-        artifact = self.ledger.store_artifact(body)  # outside the lock: its fsync would halve the deliveries/s
-        with self.cond:
-            known = self._known(found, event, remote, digest)  # again: the same delivery may have raced us
-            if known:
-                return known
+            # GitHub signs the body but not the delivery id or the event: a signed body seen before (a ping's too)
+            # is the same delivery whatever id and event it claims now, so a captured request starts no run
+            original = found.delivery if found.delivery in self.deliveries else (
+                self.bodies.get(digest) if found.source == "github" else None)
+            if original is not None:
+                run_id = self.deliveries[original]
+                duplicate = {"delivery": found.delivery, "event": event, "run_id": run_id, "source": found.source,
+                             "remote": remote, "body_sha256": digest}
+                self.record("webhook_duplicate", dict(duplicate, same_body_as=original)
+                            if original != found.delivery else duplicate)
+                return 200, {"run_id": run_id, "delivery": original, "duplicate": True}, {}
+            if event != "ping" and len(self.queue) >= self.settings.queue:
+                self.record("queue_full", {"delivery": found.delivery, "event": event, "queued": len(self.queue),
+                                           "max": self.settings.queue, "remote": remote})
+                return 503, {"error": "the queue is full; retry later"}, {"Retry-After": str(RETRY_AFTER_S)}
             run_id = None if event == "ping" else rl.new_run_id()
             received = {"event": event, "delivery": found.delivery, "source": found.source, "run_id": run_id,
-                        "body_sha256": digest, "body_artifact": artifact, "body_bytes": len(body), "remote": remote}
+                        "body_sha256": digest, "body_artifact": self.ledger.store_artifact(body),
+                        "body_bytes": len(body), "remote": remote}
             self.record("webhook_received", dict(received, after=after) if after else received)
             self.deliveries[found.delivery] = run_id
-            if found.source == "github":  # a ping's body too: the event name is not signed either
+            if found.source == "github":
                 self.bodies[digest] = found.delivery
             if run_id:
                 self.queue.append({"run_id": run_id, "delivery": found.delivery, "event": event, "after": after})
                 self.cond.notify_all()
         return (202 if run_id else 200), {"run_id": run_id, "delivery": found.delivery}, {}
 
-    def _known(self, found, event, remote, digest):
-        """The answer for a redelivery or a full queue, recorded; None for a delivery to accept. Holds cond.
-        GitHub signs the body but not the delivery id or the event, so a signed body seen before (a ping's too)
-        is the same delivery whatever id and event it now claims: a capture cannot start new runs."""
-        original = found.delivery if found.delivery in self.deliveries else (
-            self.bodies.get(digest) if found.source == "github" else None)
-        if original is not None:
-            run_id = self.deliveries[original]
-            record = {"delivery": found.delivery, "event": event, "run_id": run_id, "source": found.source,
-                      "remote": remote, "body_sha256": digest}
-            self.record("webhook_duplicate", dict(record, same_body_as=original) if original != found.delivery
-                        else record)
-            return 200, {"run_id": run_id, "delivery": original, "duplicate": True}, {}
-        if event != "ping" and len(self.queue) >= self.settings.queue:
-            self.record("queue_full", {"delivery": found.delivery, "event": event, "queued": len(self.queue),
-                                       "max": self.settings.queue, "remote": remote})
-            return 503, {"error": "the queue is full; retry later"}, {"Retry-After": str(RETRY_AFTER_S)}
-        return None
-
-    # -- the worker ---------------------------------------------------------------
     def _work(self):
         while True:
             with self.cond:
-                while not self.queue and not self.draining:
-                    self.cond.wait(1.0)
+                self.cond.wait_for(lambda: self.queue or self.draining)
                 if self.draining and not (self.queue and self.queue[0].get("pid")):
                     return  # nothing new starts once stopping; an adopted run is still watched
                 item = self.queue.popleft()
@@ -3114,9 +3021,8 @@ class Daemon:
                 self._run(item)
             except Exception as exc:  # the boundary: the worker goes on with the next delivery
                 self.record_error(f"run {item['run_id']}", exc)
-            finally:
-                with self.cond:
-                    self.running = None
+            with self.cond:
+                self.running = None
 
     def _run(self, item):
         run_id, started, pid, tail = item["run_id"], time.monotonic(), item.get("pid"), ""
@@ -3147,7 +3053,7 @@ class Daemon:
             self.record("run_finished", finished)
         if not run_outcome:  # it did not close itself: why is how the daemon ended it
             why = {"killed": f"killed after {self.settings.kill_after_s:g} s", "terminated": "the daemon stopped",
-                   "locked": "another run holds the repository's lock"}.get(how or outcome) or (
+                   "locked": "another run holds the repository's lock"}.get(outcome) or (
                        tail.strip().splitlines() or [""])[-1]
         self.say(f"run {run_id} {outcome}: {why or '-'}")
 
@@ -3159,11 +3065,8 @@ class Daemon:
                 f"--delivery={item['delivery']}", f"--event={item['event']}", "--settings-on-stdin"]
         argv += ([f"--ship-to={s.ship_to}"] if s.ship_to else []) + ([f"--ref={ref}"] if ref else [])
         with tempfile.TemporaryFile() as output:
-            try:
-                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=output, stderr=subprocess.STDOUT,
-                                        env=self.child_env, cwd=str(HERE), start_new_session=True, close_fds=True)
-            except OSError as exc:
-                return None, "error", f"cannot start agent.py run: {rl.error_text(exc)}"
+            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=output, stderr=subprocess.STDOUT,
+                                    env=self.child_env, cwd=str(HERE), start_new_session=True, close_fds=True)
             _feed_stdin(proc.stdin, self.piped)
             code, how = self._watch(proc.pid, lambda: (proc.poll() is not None, proc.returncode))
             if code in OUTCOME_EXIT.values():
@@ -3172,27 +3075,20 @@ class Daemon:
             return code, how, output.read().decode("utf-8", "replace")
 
     def _watch(self, pid, poll):
-        """Wait for a run; past --kill-after-s or a stop's grace, SIGTERM to its process group (the agent closes its
-        run), then SIGKILL. Returns (exit code, None | "killed" | "terminated")."""
+        """(exit code, how it ended: None, "killed" past --kill-after-s, "terminated" past a stop's grace)."""
         kill_at = time.monotonic() + self.settings.kill_after_s
-        while True:
-            ended, code = _wait(poll, 0.2)
-            if ended:
-                return code, None
-            with self.cond:
-                stop_at = self.stop_at
-            now = time.monotonic()
-            if now >= kill_at or (stop_at is not None and now >= stop_at):
-                break
-        for signum in (signal.SIGTERM, signal.SIGKILL):
+        ended, code = _wait(poll, lambda: min(kill_at, self.stop_at or kill_at))
+        how = None if ended else "killed" if time.monotonic() >= kill_at else "terminated"
+        for signum in (signal.SIGTERM, signal.SIGKILL) if how else ():  # on SIGTERM the agent closes its run
             try:
                 os.killpg(pid, signum)
             except (ProcessLookupError, PermissionError):
                 pass
-            ended, code = _wait(poll, TERMINATE_WAIT_S)
+            end = time.monotonic() + TERMINATE_WAIT_S
+            ended, code = _wait(poll, lambda: end)
             if ended:
                 break
-        return code, ("killed" if now >= kill_at else "terminated")
+        return code, how
 
     def _choose_ref(self, item):
         """A push's `after` commit when the repository has it (after `git fetch` with --fetch), else None."""
@@ -3207,25 +3103,17 @@ class Daemon:
                 code, output = None, "git fetch timed out after 300 s"
             self.record("git_fetch", {"run_id": item["run_id"], "delivery": item["delivery"], "returncode": code,
                                       "duration_ms": round((time.monotonic() - started) * 1000, 1), "output": output})
-        has = after and subprocess.run(["git", "-C", repo, "cat-file", "-e", f"{after}^{{commit}}"],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_git_env(),
-                                       timeout=60).returncode == 0
+        has = after and git(repo, "cat-file", "-t", after, check=False, timeout=60).strip() == b"commit"
         return after if has else None
 
     def _closed(self, run_id):
         """(the outcome the run recorded when it closed, or None; why it ended, as its events say)."""
-        events, why = [], None
-        try:
-            for event in rl.read_events(self.settings.runs_dir / run_id / rl.EVENTS_NAME):
-                events.append(event)
-        except (rl.LedgerError, OSError) as exc:
-            why = f"its ledger cannot be read: {type(exc).__name__}"
+        events = _events_of(self.settings.runs_dir / run_id)
         closed = [event["payload"].get("outcome") for event in events if event["kind"] == "run_closed"]
-        return (closed[-1] if closed else None), why or run_reason(events)
+        return (closed[-1] if closed else None), run_reason(events)
 
-    # -- restart ---------------------------------------------------------------------
     def _recover(self):
-        """Rebuild the delivery map from daemon.jsonl; requeue, adopt or close what an earlier daemon left (README)."""
+        """Rebuild the delivery map from daemon.jsonl; requeue, adopt or close what an earlier daemon left."""
         received, dispatched, finished = {}, set(), set()
         for event in rl.read_events(self.ledger.path, run_id=None):
             kind, payload = event["kind"], event["payload"]
@@ -3240,30 +3128,29 @@ class Daemon:
             elif kind == "run_finished":
                 finished.add(payload.get("run_id"))
                 self.last_run = payload
-        summary, items = {"requeued": [], "adopted": [], "finished": [], "interrupted": []}, {}
+        summary, adopted, requeued = {"requeued": [], "adopted": [], "finished": [], "interrupted": []}, [], []
+        pids = [name for name in os.listdir("/proc") if name.isdigit()] if os.path.isdir("/proc") else []
         for run_id, payload in received.items():
             if run_id in finished:
                 continue
-            items[run_id] = {"run_id": run_id, "delivery": payload["delivery"],
-                             "event": payload.get("event") or "webhook", "after": payload.get("after")}
-            pids = os.listdir("/proc") if run_id in dispatched and os.path.isdir("/proc") else ()
-            pid = next((int(name) for name in pids if name.isdigit() and _is_run_process(name, run_id)), None)
-            if run_id not in dispatched or (pid is None and not (self.settings.runs_dir / run_id).exists()):
-                summary["requeued"].append(run_id)
-            elif pid is not None:
-                items[run_id]["pid"] = pid
-                summary["adopted"].append(run_id)
+            item = {k: payload.get(k) for k in ("run_id", "delivery", "after")}
+            item["event"] = payload.get("event") or "webhook"
+            pid = next((int(p) for p in pids if _is_run_process(p, run_id)), None) if run_id in dispatched else None
+            if pid is not None:
+                adopted.append(dict(item, pid=pid))
+            elif run_id not in dispatched or not (self.settings.runs_dir / run_id).exists():
+                requeued.append(item)
             else:
                 outcome = self._closed(run_id)[0]
                 summary["finished" if outcome else "interrupted"].append(run_id)
                 self.record("run_finished", {"run_id": run_id, "delivery": payload["delivery"], "exit_code": None,
                                              "outcome": outcome or "interrupted", "run_outcome": outcome,
                                              "recovered": True})
-        self.queue.extend(items[run_id] for run_id in summary["adopted"] + summary["requeued"])
+        summary.update(adopted=[i["run_id"] for i in adopted], requeued=[i["run_id"] for i in requeued])
+        self.queue.extend(adopted + requeued)
         if any(summary.values()):
             self.record("daemon_recovered", summary)
 
-    # -- reading ------------------------------------------------------------------------
     def read_allowed(self, authorization):
         """The bearer token of the read endpoints (not needed on loopback without a token)."""
         token = self.settings.read_token
@@ -3309,28 +3196,15 @@ class Daemon:
 
 # -- the pages: the index of runs and one run's timeline ---------------------------------
 
-_TIMELINE_FIELDS = {kind: names.split() for kind, names in {
-    "run_started": "repo ref commit dirty delivery event model base_url", "prompt_context": "diff_chars",
-    "tests_run": "passed returncode timed_out counts excerpt",
-    "decision": "stage decision rationale alternatives files",
-    "model_call": "request_model response_model http_status latency_ms total_tokens error_type error_message",
-    "model_proposed": "step form tool args reason", "proposal_malformed": "step reason excerpt",
-    "tool_allowed": "step tool rule reason", "tool_denied": "step tool rule reason",
-    "tool_result": "step tool returncode timed_out size excerpt", "patch_rejected": "step message",
-    "judge_verdict": "verdict reason applies tests_passed touched_tests newly_failing vanished excerpt",
-    "budget_exhausted": "limit used max", "context_trimmed": "step before_chars after_chars",
-    "error": "type message", "run_closed": "outcome steps proposal verdict"}.items()}
 _HIGHLIGHT = {"decision": "decision", "tool_allowed": "allowed", "tool_denied": "denied", "judge_verdict": "verdict",
               "error": "denied", "proposal_malformed": "denied", "patch_rejected": "denied", "run_closed": "verdict"}
 _PAGE_POLICY = ("default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; "
                 "frame-ancestors 'none'")
-_PAGE_STYLE = ("body{font:14px/1.45 system-ui,sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse;"
-               "width:100%}td,th{border-bottom:1px solid #ddd;padding:.35em .5em;vertical-align:top;text-align:left}"
-               "th{background:#f4f4f4}pre{white-space:pre-wrap;word-break:break-word;margin:0;font:12px/1.4 "
-               "ui-monospace,monospace}dt{font-weight:600;color:#555}dd{margin:0 0 .3em 1em}"
+_PAGE_STYLE = ("body{font:14px/1.45 system-ui,sans-serif;margin:1.5em}table{border-collapse:collapse;width:100%}"
+               "td,th{border-bottom:1px solid #ddd;padding:.3em .5em;vertical-align:top;text-align:left}"
+               "pre{white-space:pre-wrap;word-break:break-word;margin:0}dt{font-weight:600}dd{margin:0 0 .3em 1em}"
                ".decision{background:#eef6ff}.allowed{background:#effaef}.denied{background:#fff0f0}"
-               ".verdict{background:#fff8e6}.bad{color:#a00;font-weight:600}"
-               ".summary{display:grid;grid-template-columns:max-content auto;gap:.2em 1em}.summary dd{margin:0}")
+               ".verdict{background:#fff8e6}.bad{color:#a00}")
 
 
 def _shown(value):
@@ -3340,31 +3214,14 @@ def _shown(value):
     return html.escape(text, quote=True)
 
 
-def _reply_excerpt(run_dir, payload):
-    """The model's reply behind a model_proposed event (its artifact, checked to be one), cut short."""
-    ref = (payload.get("call") or {}).get("reply_artifact") if type(payload.get("call")) is dict else None
-    if type(ref) is not dict or type(ref.get("path")) is not str or not _ARTIFACT_REF_RE.match(ref["path"]):
-        return None
-    try:
-        with open(run_dir / ref["path"], "rb") as handle:
-            return handle.read(MAX_SHOWN_CHARS).decode("utf-8", "replace")
-    except OSError:
-        return None
-
-
 def timeline_html(found, run_dir):
-    """A readable page of one run: each decision, tool call and verdict, every value HTML-escaped."""
+    """A readable page of one run: a summary, then every event's fields, every value HTML-escaped."""
     rows = []
     for event in found["events"]:
-        kind, payload = event["kind"], event["payload"]
-        fields = [(name, payload[name]) for name in _TIMELINE_FIELDS.get(kind, ()) if payload.get(name) not in (
-            None, "", [], {})] if kind in _TIMELINE_FIELDS else [("payload", payload)]
-        reply = _reply_excerpt(run_dir, payload) if kind == "model_proposed" else None
-        if reply is not None:
-            fields.append(("reply", reply))
-        detail = "".join(f"<dt>{_shown(name)}</dt><dd><pre>{_shown(value)}</pre></dd>" for name, value in fields)
-        rows.append(f"<tr class=\"{_HIGHLIGHT.get(kind, '')}\"><td>{_shown(event['seq'])}</td><td>"
-                    f"{_shown(event['at'])}</td><td>{_shown(kind)}</td><td><dl>{detail}</dl></td></tr>")
+        detail = "".join(f"<dt>{_shown(name)}</dt><dd><pre>{_shown(value)}</pre></dd>"
+                         for name, value in event["payload"].items() if value not in (None, "", [], {}))
+        rows.append(f"<tr class=\"{_HIGHLIGHT.get(event['kind'], '')}\"><td>{_shown(event['seq'])}</td><td>"
+                    f"{_shown(event['at'])}</td><td>{_shown(event['kind'])}</td><td><dl>{detail}</dl></td></tr>")
     status = ("verified" if found["verified"] else
               f"<span class=\"bad\">does not verify: {_shown(found['problem'])}</span>")
     more = f" (the first {len(found['events'])} events)" if found["truncated"] else ""
@@ -3373,21 +3230,23 @@ def timeline_html(found, run_dir):
         ("outcome", closed.get("outcome") or "open (not closed yet)"), ("why", run_reason(found["events"])),
         ("proposal", closed.get("proposal")), ("verdict", closed.get("verdict"))))
     return _page(f"run {found['run_id']}", f"<dl class=\"summary\">{summary}</dl><p>{len(found['events'])} events"
-                 f"{more}, {status}</p><table><thead><tr><th>seq</th><th>at</th><th>kind</th><th>what</th></tr>"
-                 "</thead><tbody>" + "".join(rows) + "</tbody></table>")
+                 f"{more}, {status}</p>" + _table(("seq", "at", "kind", "what"), rows))
 
 
 def index_html(rows):
     """GET /: every run, newest first, with its outcome and why, linked to its timeline."""
-    names = ("run_id", "started", "outcome", "why", "steps", "tokens", "verified")
+    names = ("started", "outcome", "why", "steps", "tokens", "verified")
     body = []
     for row in sorted(rows, key=lambda r: r["run_id"], reverse=True):
         shown = dict(row, tokens=_tokens_cell(row))
-        cells = "".join(f"<td>{_shown('-' if shown[name] in (None, '') else shown[name])}</td>" for name in names[1:])
+        cells = "".join(f"<td>{_shown('-' if shown[name] in (None, '') else shown[name])}</td>" for name in names)
         body.append(f"<tr><td><a href=\"/runs/{_shown(row['run_id'])}\">{_shown(row['run_id'])}</a></td>{cells}</tr>")
+    return _page("runs", f"<p>{len(rows)} runs, newest first</p>" + _table(("run_id",) + names, body))
+
+
+def _table(names, rows):
     head = "".join(f"<th>{name}</th>" for name in names)
-    return _page("runs", f"<p>{len(rows)} runs, newest first</p><table><thead><tr>{head}</tr></thead><tbody>"
-                 + "".join(body) + "</tbody></table>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>" + "".join(rows) + "</tbody></table>"
 
 
 def _page(title, body):
@@ -3396,7 +3255,7 @@ def _page(title, body):
             f"<h1>{_shown(title)}</h1>{body}</body></html>\n")
 
 
-# -- the command ------------------------------------------------------------------------
+# == CLI =======================================================================
 
 _LOG_LOCK = threading.Lock()
 
@@ -3412,9 +3271,11 @@ def _stderr_line(line, stream=None):
         pass
 
 
-# == CLI =======================================================================
-
 def _cmd_run(args):
+    if args.max_steps is not None and args.max_steps < 1:
+        raise rl.UsageError("--max-steps must be at least 1")
+    if args.max_wall_s is not None and not 0 < args.max_wall_s < float("inf"):
+        raise rl.UsageError("--max-wall-s must be a positive number")
     _subreaper()
     if args.settings_on_stdin:  # the daemon's keys come through a pipe, never in the run's environment
         os.environ.update(json.loads(sys.stdin.buffer.read() or b"{}"))
@@ -3430,11 +3291,13 @@ def _cmd_run(args):
     events = _events_of(Path(args.runs_dir) / run_id)
     unboxed = _unboxed(events)
     if unboxed and not unboxed.startswith('tools.json sets "sandbox": "off"'):
-        rl.warn(rl.printable(f"run {run_id}: the tests and tools ran without a sandbox: {unboxed}"))
-    why = _why_it_ended(run_id, events, outcome) if outcome in ("error", "budget_exhausted") else None
-    if why:
-        (rl.error if outcome == "error" else rl.warn)(why)
-    if outcome == "stuck":
+        rl.warn(f"run {run_id}: the tests and tools ran without a sandbox: {unboxed}")
+    ended = ([e["payload"] for e in events if e["kind"] == outcome] or [None])[-1]  # error, budget_exhausted
+    if outcome == "error" and ended:
+        rl.error(f"run {run_id}: {ended.get('type')}: {ended.get('message')}"[:500])
+    elif outcome == "budget_exhausted" and ended:
+        rl.warn(f"run {run_id}: budget exhausted: {ended.get('limit')} ({ended.get('used')} of {ended.get('max')})")
+    elif outcome == "stuck":
         rl.warn(f"run {run_id}: " + run_reason(events))
     if args.ship_to:  # bounded: a ClickHouse that hangs delays the run's exit by SHIP_RUN_DEADLINE_S at most
         _ship_run(rl.ClickHouse(args.ship_to, timeout=30, deadline=SHIP_RUN_DEADLINE_S), Path(args.runs_dir), run_id)
@@ -3451,12 +3314,12 @@ def _ship_run(client, runs_dir, run_id):
     except (rl.LedgerError, OSError) as exc:
         failed = [(runs_dir / run_id, exc)]
     for path, problem in failed:
-        rl.warn(rl.printable(f"run {run_id}: {path} not shipped to ClickHouse at {client.where}: "
-                             f"{rl.error_text(problem)}; `reasoning_ledger.py ship --all {runs_dir}` sends it later"))
+        rl.warn(f"run {run_id}: {path} not shipped to ClickHouse at {client.where}: {rl.error_text(problem)}; "
+                f"`reasoning_ledger.py ship --all {runs_dir}` sends it later")
 
 
 def _events_of(run_dir):
-    """A run's events, or [] when its ledger cannot be read (then nothing more is said of it)."""
+    """A run's events, or [] when its ledger cannot be read."""
     try:
         return list(rl.read_events(Path(run_dir) / rl.EVENTS_NAME))
     except (rl.LedgerError, OSError):
@@ -3467,20 +3330,6 @@ def _unboxed(events):
     """Why the run's programs ran without bwrap (its run_started says), or None when they ran in it."""
     started = next((e["payload"] for e in events if e["kind"] == "run_started"), {})
     return started.get("sandbox_reason") or "no reason recorded" if started.get("sandbox") == "none" else None
-
-
-def _why_it_ended(run_id, events, outcome):
-    """One stderr line for a run that ended in an error or an exhausted budget, from its own ledger."""
-    kind = "error" if outcome == "error" else "budget_exhausted"
-    found = [e["payload"] for e in events if e["kind"] == kind]
-    if not found:
-        return None
-    last = found[-1]
-    if kind == "error":  # an older agent.py recorded error_type only
-        what = last.get("type") or last.get("error_type")
-        return rl.printable(f"run {run_id}: {what}: {last.get('message')}")[:500]
-    spent = f"{last.get('limit')} ({last.get('used')} of {last.get('max')})"
-    return rl.printable(f"run {run_id}: budget exhausted: {spent}")
 
 
 def _cmd_check_tools(args):
@@ -3548,7 +3397,7 @@ def _cmd_serve(args):
                 "this is allowed on a loopback address only")
     if daemon.settings.token_required and not daemon.settings.read_token:
         rl.warn("no read token (READ_TOKEN): /, /runs and /runs/<id> answer 401 to everyone")
-    while not received and daemon.alive():
+    while not received and daemon.serving.is_alive() and daemon.worker.is_alive():
         time.sleep(0.1)
     daemon.stop(received[0] if received else None)
     if not received:
@@ -3565,20 +3414,17 @@ def _build_parser():
                                formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("run", help="one run on a repository: tests, then the model proposes until a patch or the "
-                                   "budget")
+    p = sub.add_parser("run", help="one run on a repository: tests, then the model proposes until a patch or budget")
     p.add_argument("--repo", required=True, help="the git repository (never modified)")
     p.add_argument("--ref", help="a commit to work on (default: the working tree, uncommitted changes included)")
     p.add_argument("--runs-dir", default=DEFAULT_RUNS, help=f"where runs are recorded (default ./{DEFAULT_RUNS})")
     p.add_argument("--tools", default=str(DEFAULT_TOOLS), help="the allowlist (default: tools.json beside agent.py)")
     p.add_argument("--max-steps", type=int, help="override the budget's max_steps")
     p.add_argument("--max-wall-s", type=float, help="override the budget's max_wall_s")
-    p.add_argument("--run-id", help=argparse.SUPPRESS)
-    p.add_argument("--delivery", help=argparse.SUPPRESS)
-    p.add_argument("--event", help=argparse.SUPPRESS)
+    for hidden in ("--run-id", "--delivery", "--event"):  # the daemon's
+        p.add_argument(hidden, help=argparse.SUPPRESS)
     p.add_argument("--settings-on-stdin", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--ship-to", metavar="URL", help="once the run is closed, ship its ledger and the index to "
-                   "ClickHouse at URL (as reasoning_ledger.py ship; CLICKHOUSE_USER/CLICKHOUSE_PASSWORD)")
+    p.add_argument("--ship-to", metavar="URL", help="once closed, ship the run and the index to ClickHouse at URL")
     p.set_defaults(func=_cmd_run)
     p = sub.add_parser("runs", help="a table of runs: id, started, outcome, steps, tokens, verified, why")
     p.add_argument("--runs-dir", default=DEFAULT_RUNS)
@@ -3601,8 +3447,7 @@ def _build_parser():
 def _add_serve_parser(sub):
     p = sub.add_parser("serve", help="the webhook daemon: signed deliveries start runs, one at a time (README.md)")
     p.add_argument("--repo", required=True, help="the git repository runs work on (never modified; --fetch fetches)")
-    p.add_argument("--host", default=DEFAULT_HOST,
-                   help="address to listen on (default %(default)s; any other needs a webhook secret)")
+    p.add_argument("--host", default=DEFAULT_HOST, help="(default %(default)s; any other needs a webhook secret)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help="(default %(default)s; 0: any free port)")
     p.add_argument("--runs-dir", default=DEFAULT_RUNS, help="where runs and daemon.jsonl are recorded")
     p.add_argument("--tools", default=str(DEFAULT_TOOLS), help="the allowlist every run uses")
@@ -3613,9 +3458,8 @@ def _add_serve_parser(sub):
             ("--request-timeout", float, 10, "S", "wall deadline of a whole request, headers and body"),
             ("--grace-s", float, 30, "S", "on SIGTERM/SIGINT, a run in progress gets this long, then is terminated")):
         p.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default %(default)s)")
-    p.add_argument("--kill-after-s", type=float, metavar="S",
-                   help=f"kill a run after this long (default: tools.json's max_wall_s + 2 x test_timeout_s + "
-                        f"{KILL_MARGIN_S})")
+    p.add_argument("--kill-after-s", type=float, metavar="S", help="kill a run after this long (default: tools.json's "
+                   f"max_wall_s + 2 x test_timeout_s + {KILL_MARGIN_S})")
     p.add_argument("--fetch", action="store_true", help="git fetch in the repository before each run")
     p.add_argument("--ship-to", metavar="URL", help="each run ships its ledger and the index to ClickHouse at URL")
     p.add_argument("--read-token", help="bearer token for /runs (prefer READ_TOKEN: arguments show in ps)")
@@ -3630,12 +3474,6 @@ def main(argv=None):
         return code
     if not args.command:
         parser.print_help(sys.stderr)
-        return rl.EXIT_USAGE
-    if getattr(args, "max_steps", None) is not None and args.max_steps < 1:
-        rl.error("--max-steps must be at least 1")
-        return rl.EXIT_USAGE
-    if getattr(args, "max_wall_s", None) is not None and not (0 < args.max_wall_s < float("inf")):
-        rl.error("--max-wall-s must be a positive number")
         return rl.EXIT_USAGE
     return rl.run_cli(args.func, args, secrets=[os.environ.get("API_KEY") or ""])
 

@@ -937,82 +937,58 @@ def _checked_head(expect, path):
 # HTTP: never a redirect, one deadline for a whole request (ask.py, ship and the daemon use it), one server
 # ----------------------------------------------------------------------------
 
-class _Timer:
-    __slots__ = ("fn", "cancelled")
-
-    def __init__(self, fn):
-        self.fn, self.cancelled = fn, False
-
-    def cancel(self):
-        self.cancelled = True
+# {pid: (heap of (at, id, Deadline), Condition)}: one thread a process expires every Deadline (a thread per
+# deadline costs more than a call to a local server); a forked child starts its own.
+_timers = {}
 
 
-class _Timers:
-    """One thread that calls every function scheduled with call_at(), at its time."""
-
-    def __init__(self):
-        self.heap, self.count, self.wake = [], 0, threading.Condition()
-        threading.Thread(target=self._run, name="call-at", daemon=True).start()
-
-    def _run(self):
-        import heapq
-        while True:
-            with self.wake:
-                while self.heap and self.heap[0][2].cancelled:
-                    heapq.heappop(self.heap)
-                due = self.heap[0][0] - time.monotonic() if self.heap else None
-                if due is None or due > 0:
-                    self.wake.wait(due)
-                    continue
-                timer = heapq.heappop(self.heap)[2]
-            if not timer.cancelled:
-                timer.fn()
-
-
-_timers = {}  # {pid: the process's _Timers}: a forked child has no timer thread of its own yet
-_timers_lock = threading.Lock()
-
-
-def call_at(at, fn):
-    """Call fn() when time.monotonic() reaches `at`, from the process's one timer thread (a thread per
-    deadline costs more than a call to a local server). Returns a handle with cancel()."""
+def _timer():
     import heapq
-    timers = _timers.get(os.getpid())
-    if timers is None:  # the first deadline of this process (a forked child's included)
-        with _timers_lock:
-            timers = _timers.get(os.getpid()) or _timers.setdefault(os.getpid(), _Timers())
-    timer = _Timer(fn)
-    with timers.wake:
-        timers.count += 1
-        heapq.heappush(timers.heap, (at, timers.count, timer))
-        timers.wake.notify()
+    fresh = ([], threading.Condition())
+    heap, wake = timer = _timers.setdefault(os.getpid(), fresh)
+
+    def run():
+        while True:
+            with wake:
+                while heap and heap[0][2].cancelled:
+                    heapq.heappop(heap)
+                due = heap[0][0] - time.monotonic() if heap else None
+                if due is None or due > 0:
+                    wake.wait(due)
+                    continue
+                deadline = heapq.heappop(heap)[2]
+            deadline.expire()
+    if timer is fresh:
+        threading.Thread(target=run, name="deadlines", daemon=True).start()
     return timer
 
 
-def shut(sock, how=None):
-    """Shut a socket down (both ways by default), whatever state it is in."""
+def shut(sock, how=socket.SHUT_RDWR):
     try:
-        sock.shutdown(socket.SHUT_RDWR if how is None else how)
+        sock.shutdown(how)
     except OSError:
         pass
 
 
 class Deadline:
-    """The deadline of a whole request, connect to last byte. Socket timeouts bound each read; a server
-    that trickles one byte at a time passes every one of them, so every socket watched is shut down when
-    the deadline passes. Deadline(None) has none."""
+    """The deadline of a whole request, connect to last byte: a server that trickles one byte at a time passes
+    every socket timeout, so every socket watched is shut down when it passes. Deadline(None) has none."""
 
     def __init__(self, seconds):
-        self.seconds = seconds
+        import heapq
+        self.seconds, self.expired, self.cancelled = seconds, False, False
         self.at = time.monotonic() + seconds if seconds else None
-        self.expired = self.cancelled = False
         self._sockets, self._lock = [], threading.Lock()
-        self._timer = call_at(self.at, self.expire) if seconds else None
+        if seconds:
+            heap, wake = _timers.get(os.getpid()) or _timer()
+            with wake:
+                heapq.heappush(heap, (self.at, id(self), self))
+                wake.notify()
 
     def remaining(self):
         return max(0.001, self.at - time.monotonic()) if self.at is not None else None
 
-    def watch(self, sock, how=None):
+    def watch(self, sock, how=socket.SHUT_RDWR):
         """Shut `sock` (both ways, or `how`) when the deadline passes."""
         with self._lock:
             self._sockets.append((sock, how))
@@ -1030,71 +1006,57 @@ class Deadline:
     def cancel(self):
         with self._lock:
             self.cancelled = True
-        if self._timer is not None:
-            self._timer.cancel()
 
 
-_http = threading.local()  # this thread's opener, and the deadline of the request it is making
+_http = threading.local()  # this thread's opener (one costs more to build than a local call), and its deadline
 
 
 def http_open(request, deadline, timeout=None):
-    """Open a urllib Request: proxies from the environment, never a redirect (a 3xx raises HTTPError, so a
-    key or password is never sent to another URL), every socket under `deadline`, each read under
-    `timeout` (default: the deadline's remaining time). One opener per thread: building one costs more
-    than a call to a local server."""
+    """Open a urllib Request: proxies from the environment, never a redirect (a 3xx raises HTTPError, so no key
+    goes to another URL), every socket under `deadline`, each read under `timeout` (default: what remains)."""
     if getattr(_http, "opener", None) is None:
-        _http.opener = _build_opener()
+        import http.client
+        import urllib.request
+
+        def watched(connection_class):
+            def make(host, **kwargs):
+                conn = connection_class(host, **kwargs)
+                create, deadline = conn._create_connection, _http.deadline
+                conn._create_connection = lambda *args, **kw: deadline.watch(create(*args, **kw))
+                return conn
+            return make
+
+        class Watched(urllib.request.AbstractHTTPHandler):
+            http_request = https_request = urllib.request.AbstractHTTPHandler.do_request_
+
+            def http_open(self, req):
+                return self.do_open(watched(http.client.HTTPConnection), req)
+
+            def https_open(self, req):  # the certificates (~20 ms) load only once an https URL is used
+                return self.do_open(watched(http.client.HTTPSConnection), req, context=_tls_context())
+
+        _http.opener = urllib.request.OpenerDirector()  # no redirect handler: a 3xx is an HTTPError
+        for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(), Watched(),
+                        urllib.request.HTTPDefaultErrorHandler(), urllib.request.HTTPErrorProcessor()):
+            _http.opener.add_handler(handler)
     _http.deadline = deadline
     return _http.opener.open(request, timeout=timeout if timeout is not None else deadline.remaining())
 
 
-def _build_opener():
-    import http.client
-    import urllib.request
-
-    class NoRedirect(urllib.request.HTTPRedirectHandler):
-        def redirect_request(self, req, fp, code, msg, headers, newurl):
-            return None
-
-    def watched(connection_class):
-        def make(host, **kwargs):
-            conn = connection_class(host, **kwargs)
-            create, deadline = conn._create_connection, _http.deadline
-            conn._create_connection = lambda *args, **kw: deadline.watch(create(*args, **kw))
-            return conn
-        return make
-
-    class Plain(urllib.request.HTTPHandler):
-        def http_open(self, req):
-            return self.do_open(watched(http.client.HTTPConnection), req)
-
-    class Secure(urllib.request.HTTPSHandler):
-        def https_open(self, req):  # the certificates (~20 ms) load only once an https URL is used
-            return self.do_open(watched(http.client.HTTPSConnection), req, context=_tls_context())
-
-    opener = urllib.request.OpenerDirector()
-    for handler in (urllib.request.ProxyHandler(), urllib.request.UnknownHandler(), Plain(), Secure(),
-                    urllib.request.HTTPDefaultErrorHandler(), NoRedirect(), urllib.request.HTTPErrorProcessor()):
-        opener.add_handler(handler)
-    return opener
-
-
 @functools.lru_cache(maxsize=None)
 def _tls_context():
-    """One default TLS context per process (loading the certificates is the costly part)."""
     import ssl
     return ssl.create_default_context()
 
 
 class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    """A thread per connection, at most `max_connections` at once: past that `busy` (an answer's bytes) is sent
-    and the connection closed. Handlers add their idle keep-alive sockets to `idle` (under `lock`); stop() shuts
-    those, stops accepting and waits for the requests in flight."""
+    """A thread per connection, at most `max_connections` (past that `busy`, an answer's bytes, and a close).
+    Handlers add their idle keep-alive sockets to `idle` (under `lock`), which stop() shuts at once."""
     daemon_threads, block_on_close, allow_reuse_address, request_queue_size = True, False, True, 128
 
     def __init__(self, address, handler, max_connections, busy):
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.max_connections, self.busy, self.active, self.done = max_connections, busy, 0, threading.Condition()
+        self.max_connections, self.busy, self.slots = max_connections, busy, threading.Semaphore(max_connections)
         self.lock, self.idle, self.stopping = threading.Lock(), set(), False
         super().__init__(address, handler)
 
@@ -1108,38 +1070,25 @@ class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
         self.log_error(f"connection from {client_address[0]}: {type(sys.exc_info()[1]).__name__}")
 
     def process_request(self, request, client_address):
-        with self.done:
-            full = self.active >= self.max_connections
-            self.active += not full
-        if not full:
+        if not self.slots.acquire(blocking=False):
+            self.refused(client_address)
             try:
-                return super().process_request(request, client_address)
-            except RuntimeError:  # no thread could be started
-                self._release()
-                raise
-        self.refused(client_address)
+                request.settimeout(1.0)
+                request.sendall(self.busy)
+            except OSError:
+                pass
+            return self.shutdown_request(request)
         try:
-            request.settimeout(1.0)
-            request.sendall(self.busy)
-        except OSError:
-            pass
-        self.shutdown_request(request)
+            super().process_request(request, client_address)
+        except RuntimeError:  # no thread could be started
+            self.slots.release()
+            raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._release()
-
-    def _release(self):
-        with self.done:
-            self.active -= 1
-            self.done.notify_all()
-
-    def wait_idle(self, timeout):
-        """Wait up to `timeout` seconds for every connection to end."""
-        with self.done:
-            self.done.wait_for(lambda: not self.active, timeout)
+            self.slots.release()
 
     def stop(self, grace):
         """Idle connections closed at once, then no new connection; those in flight get `grace` seconds."""
@@ -1149,7 +1098,10 @@ class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
                 shut(sock)
         self.shutdown()
         self.server_close()
-        self.wait_idle(grace)
+        ends = time.monotonic() + grace
+        for _ in range(self.max_connections):  # every slot back: every request done
+            if not self.slots.acquire(timeout=max(0.0, ends - time.monotonic())):
+                break
 
 
 # ----------------------------------------------------------------------------
@@ -1176,19 +1128,18 @@ _STORED_ROW_RE = re.compile(rb"([0-9a-f]{64})\t([0-9]{1,20})\t([0-9a-f]{64})\t")
 # JSON string, Int64: an integer within Int64, UInt8: true or false, Float64: a number) is shipped as NULL, and
 # the row's `malformed` is 1 when audit.py reads the field (all but total_tokens): the local audit's rule, so SQL
 # counts what the audit counts. The typing is done here: ClickHouse 18.16 has no JSON functions to do it.
-SHIP_CALL_FIELDS = tuple((name, f"Nullable({kind})") for name, kind in (
+SHIP_CALL_FIELDS = (
     ("request_model", "String"), ("response_model", "String"), ("base_url", "String"), ("attempt", "Int64"),
     ("error_type", "String"), ("usage_status", "String"), ("usage_reported", "UInt8"), ("latency_ms", "Float64"),
     ("system_fingerprint", "String"), ("check", "UInt8"), ("input_tokens", "Int64"), ("output_tokens", "Int64"),
-    ("total_tokens", "Int64"), ("est_input_tokens", "Int64"), ("est_output_tokens", "Int64")))
-_SHIP_TYPES = {"Nullable(String)": (str,), "Nullable(Int64)": (int,), "Nullable(UInt8)": (bool,),
-               "Nullable(Float64)": (float, int)}
+    ("total_tokens", "Int64"), ("est_input_tokens", "Int64"), ("est_output_tokens", "Int64"))
+_SHIP_TYPES = {"String": (str,), "Int64": (int,), "UInt8": (bool,), "Float64": (float, int)}
 # ledger_id is the SHA-256 of line 1; `raw` the exact line; line_sha256 its plain SHA-256 (keyed ledgers too);
 # at_time `at` in Unix seconds (0 outside 1970..2105).
 SHIP_COLUMNS = (("ledger_id", "String"), ("host", "String"), ("path", "String"), ("seq", "UInt64"),
                 ("run_id", "String"), ("kind", "String"), ("at", "String"), ("at_time", "DateTime"),
                 ("raw", "String"), ("line_sha256", "String"), ("prev", "String"), ("shipped_at", "DateTime"),
-                ) + SHIP_CALL_FIELDS + (("malformed", "UInt8"),)
+                ) + tuple((name, f"Nullable({kind})") for name, kind in SHIP_CALL_FIELDS) + (("malformed", "UInt8"),)
 
 
 def ship_ddl(database=SHIP_DATABASE, table=SHIP_TABLE):
@@ -1211,59 +1162,50 @@ def sql_string(text):
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def _ship_url(url):
-    """(base URL, 'host:port'). Refuses credentials, queries and fragments without echoing the URL."""
-    import urllib.parse
-    if not url:
-        raise UsageError(f"no ClickHouse URL: pass --to URL or set {SHIP_URL_ENV} (e.g. http://127.0.0.1:8123)")
-    try:
-        parts = urllib.parse.urlsplit(url.strip())
-        port = parts.port
-    except ValueError:
-        raise UsageError("the ClickHouse URL is not a valid URL (want http://HOST:PORT)") from None
-    if "@" in parts.netloc:
-        raise UsageError(f"the ClickHouse URL holds a user name or password; set {SHIP_USER_ENV} and "
-                         f"{SHIP_PASSWORD_ENV} instead (a URL shows in process lists and logs)")
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UsageError("the ClickHouse URL must be http://HOST[:PORT] or https://HOST[:PORT]")
-    if parts.query or parts.fragment or "?" in url or "#" in url:
-        raise UsageError("the ClickHouse URL must not carry a query or fragment; use --database and --table")
-    where = f"{parts.hostname}:{port or (443 if parts.scheme == 'https' else 80)}"
-    return f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}/", where
-
-
 class ClickHouse:
-    """ClickHouse's HTTP interface: POST only, never a redirect, user and password as headers (from
-    CLICKHOUSE_USER/CLICKHOUSE_PASSWORD), a deadline per request, bounded retries with backoff."""
+    """ClickHouse's HTTP interface: POST only, never a redirect, credentials as headers, deadlines, retries."""
 
     def __init__(self, url=None, *, database=SHIP_DATABASE, table=SHIP_TABLE, timeout=SHIP_TIMEOUT,
                  deadline=None, retries=SHIP_RETRIES, environ=None):
+        import urllib.parse
         env = os.environ if environ is None else environ
-        self.base, self.where = _ship_url(url if url is not None else env.get(SHIP_URL_ENV))
+        url = (url if url is not None else env.get(SHIP_URL_ENV) or "").strip()
+        if not url:
+            raise UsageError(f"no ClickHouse URL: pass --to URL or set {SHIP_URL_ENV} (e.g. http://127.0.0.1:8123)")
+        try:  # a URL is never echoed: it may hold a password
+            parts = urllib.parse.urlsplit(url)
+            self.where = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+        except ValueError:
+            raise UsageError("the ClickHouse URL is not a valid URL (want http://HOST:PORT)") from None
+        if "@" in parts.netloc:
+            raise UsageError(f"the ClickHouse URL holds a user name or password; set {SHIP_USER_ENV} and "
+                             f"{SHIP_PASSWORD_ENV} instead (a URL shows in process lists and logs)")
+        if parts.scheme not in ("http", "https") or not parts.hostname or "?" in url or "#" in url:
+            raise UsageError("the ClickHouse URL must be http[s]://HOST[:PORT], with no query or fragment "
+                             "(use --database and --table)")
         for what, name in (("--database", database), ("--table", table)):
             if type(name) is not str or not _NAME_RE.match(name):
                 raise UsageError(f"{what}: want letters, digits and _ (a ClickHouse name), got {printable(name)!r}")
-        if not (timeout > 0 and retries >= 0 and (deadline is None or deadline > 0)):
+        if not (timeout > 0 and (deadline is None or deadline > 0)):
             raise UsageError("--timeout and --deadline must be positive numbers")
+        self.base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}/"
         self.database, self.table, self.name = database, table, f"{database}.{table}"
         self.timeout, self.retries = float(timeout), int(retries)
         self.ends = time.monotonic() + deadline if deadline else None
-        self._headers = {"User-Agent": f"reasoning-ledger/{__version__}"}
         user, password = env.get(SHIP_USER_ENV), env.get(SHIP_PASSWORD_ENV)
-        if user or password:
-            self._headers["X-ClickHouse-User"] = user or "default"
-        if password:
-            self._headers["X-ClickHouse-Key"] = password
+        headers = {"User-Agent": f"reasoning-ledger/{__version__}", "X-ClickHouse-Key": password,
+                   "X-ClickHouse-User": user or (password and "default")}
+        self._headers = {name: value for name, value in headers.items() if value}
 
-    def query(self, sql, data=None, params=None, stream=False):
-        """Run one statement; return the answer's bytes (with `stream`, the response to read and close).
-        With `data` (the body) the SQL goes in ?query=. Raises ClickHouseError."""
+    def query(self, sql, data=None, stream=False):
+        """Run one statement (with `data`, the body, the SQL goes in ?query=); return the answer's bytes, or with
+        `stream` the response to read and close. wait_end_of_query makes an error an HTTP error, never in rows."""
         started = time.monotonic()
         for attempt in range(1, self.retries + 2):
             try:
-                return self._once(sql, data, params, stream)
+                return self._once(sql, data, stream)
             except ClickHouseError as exc:
-                delay = min(8.0, 0.5 * 2 ** (attempt - 1))
+                delay = 0.5 * 2 ** (attempt - 1)
                 if exc.exit_code != EXIT_FAILED:
                     raise ClickHouseError(f"ClickHouse at {self.where}: {exc}", exc.exit_code) from None
                 if attempt > self.retries or (self.ends and self.ends - time.monotonic() < delay + 0.1):
@@ -1271,28 +1213,14 @@ class ClickHouse:
                     raise ClickHouseError(f"ClickHouse at {self.where}: {exc} ({took})") from None
                 time.sleep(delay)
 
-    def rows(self, sql):
-        """The answer of a SELECT as dicts (64-bit integers as numbers)."""
-        body = self.query(sql + " FORMAT JSONEachRow", params={"wait_end_of_query": 1,
-                                                               "output_format_json_quote_64bit_integers": 0})
-        try:
-            return [json.loads(line) for line in body.decode("utf-8").splitlines() if line]
-        except ValueError as exc:
-            raise ClickHouseError(f"ClickHouse at {self.where}: an answer that is not JSON lines ({exc})",
-                                  EXIT_USAGE) from None
-
-    def stream(self, sql):
-        """A streamed answer; wait_end_of_query makes an error come as an HTTP error, never inside the rows."""
-        return self.query(sql, params={"wait_end_of_query": 1}, stream=True)
-
-    def _once(self, sql, data, params, stream):
-        """One request; a ClickHouseError of exit 1 is worth another."""
+    def _once(self, sql, data, stream):
         import http.client
         import urllib.error
         import urllib.parse
         import urllib.request
-        query = dict(params or {}, **({"query": sql} if data is not None else {}))
-        request = urllib.request.Request(self.base + ("?" + urllib.parse.urlencode(query) if query else ""),
+        query = {"wait_end_of_query": 1, "output_format_json_quote_64bit_integers": 0}
+        query.update({"query": sql} if data is not None else {})
+        request = urllib.request.Request(self.base + "?" + urllib.parse.urlencode(query),
                                          data=sql.encode("utf-8") if data is None else data,
                                          headers=self._headers, method="POST")
         seconds = min(self.timeout, self.ends - time.monotonic()) if self.ends else self.timeout
@@ -1311,56 +1239,57 @@ class ClickHouse:
         except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
             reason = getattr(exc, "reason", exc)
             raise ClickHouseError(f"no complete answer within {seconds:.3g} s" if deadline.expired else
-                                  printable(error_text(reason) if isinstance(reason, OSError) else str(reason)
-                                            or type(reason).__name__)) from None
+                                  printable(error_text(reason))) from None
         finally:
             deadline.cancel()
 
-    def columns(self):
-        """{name: type} of the table; {} when it does not exist."""
-        return {row["name"]: row["type"] for row in self.rows(
-            f"SELECT name, type FROM system.columns WHERE database = {sql_string(self.database)} "
-            f"AND table = {sql_string(self.table)}")}
+    def rows(self, sql):
+        """The answer of a SELECT as dicts (64-bit integers as numbers)."""
+        try:
+            return [json.loads(line) for line in self.query(sql + " FORMAT JSONEachRow").splitlines() if line]
+        except ValueError:
+            raise ClickHouseError(f"ClickHouse at {self.where}: an answer that is not JSON lines", EXIT_USAGE) \
+                from None
 
-    def ensure_table(self):
-        """Create the database and the table when missing; refuse a table of another shape."""
-        found = self.columns()
+    def stream(self, sql):
+        return self.query(sql, stream=True)
+
+    def ensure_table(self, create=True):
+        """Create the table (and database) when missing, or without `create` raise; refuse another shape."""
+        sql = (f"SELECT name, type FROM system.columns WHERE database = {sql_string(self.database)} "
+               f"AND table = {sql_string(self.table)}")
+        found = {row["name"]: row["type"] for row in self.rows(sql)}
+        if not found and not create:
+            raise ClickHouseError(f"ClickHouse at {self.where}: no table {self.name} (nothing shipped to it yet?)",
+                                  EXIT_USAGE)
         if not found:
             self.query(f"CREATE DATABASE IF NOT EXISTS {self.database}")
             self.query(ship_ddl(self.database, self.table))
-            found = self.columns()
+            found = {row["name"]: row["type"] for row in self.rows(sql)}
         for name, kind in SHIP_COLUMNS:
             if found.get(name) != kind:
-                what = f"has {name} {found[name]}" if name in found else f"has no column {name}"
-                raise ClickHouseError(f"ClickHouse at {self.where}: table {self.name} {what}, want {kind}: it was "
+                what = f"{name} {found[name]}" if name in found else f"no column {name}"
+                raise ClickHouseError(f"ClickHouse at {self.where}: table {self.name} has {what}, want {kind}: it was "
                                       f"not made by this tool (or by another version); pick another with --table",
                                       EXIT_USAGE)
 
     def require_table(self):
         """Raise (exit 2) when the table is missing: nothing was shipped to it yet."""
-        if not self.columns():
-            raise ClickHouseError(f"ClickHouse at {self.where}: no table {self.name} (nothing shipped to it yet?)",
-                                  EXIT_USAGE)
+        self.ensure_table(create=False)
 
 
 def _http_error(exc):
-    """The ClickHouseError of an HTTP error answer, with ClickHouse's text as one short printable line
-    ('HTTP 404: Code: 60, Table x.y doesn't exist.'). A 5xx, 408 or 429 is worth a retry (exit 1)."""
     import http.client
-    import urllib.parse
     if 300 <= exc.code < 400:
-        location = exc.headers.get("Location", "") if exc.headers else ""
-        host = urllib.parse.urlsplit(location).netloc.rpartition("@")[2][:200] or "(no Location)"
-        return ClickHouseError(f"HTTP {exc.code}: a redirect to {printable(host)} was not followed (the password "
-                               f"is never sent to another URL; fix the URL)", EXIT_USAGE)
+        return ClickHouseError(f"HTTP {exc.code}: a redirect was not followed (the password is never sent to "
+                               f"another URL; fix the URL)", EXIT_USAGE)
     try:
         text = (exc.read(65536).decode("utf-8", "replace").strip().splitlines() or [""])[0]
     except (OSError, http.client.HTTPException):
         text = ""
-    match = re.match(r"Code: (\d+), e\.displayText\(\) = (?:DB::Exception: )?(.*?)(?:, e\.what\(\) = .*)?\Z", text)
-    text = f"Code: {match.group(1)}, {match.group(2)}" if match else text
+    text = re.sub(r"e\.displayText\(\) = (DB::Exception: )?|, e\.what\(\) = .*", "", text)  # 18.16's form
     answer = f"HTTP {exc.code}: {printable(text[:300]) or 'no message'}"
-    if exc.code >= 500 or exc.code in (408, 429):
+    if exc.code >= 500 or exc.code in (408, 429):  # worth a retry
         return ClickHouseError(answer)
     hint = f" (check {SHIP_USER_ENV} / {SHIP_PASSWORD_ENV})" if exc.code in (401, 403) else ""
     return ClickHouseError(answer + hint, EXIT_USAGE)
@@ -1375,18 +1304,17 @@ class Shipped:
         self.sent = max(0, last - first + 1)
 
     def text(self):
-        head = f"head {self.head[0]} {self.head[1]}"
+        where = f"{printable(self.path)}  {self.ledger_id[:12]}"
         if not self.sent:
-            return f"up to date {printable(self.path)}  {self.ledger_id[:12]}  {head}"
+            return f"up to date {where}  head {self.head[0]} {self.head[1]}"
         lines = "line" if self.sent == 1 else "lines"
         what = f"{lines} re-sent" if self.resent else f"new {lines}"
         more = f", {self.more:,} more next run" if self.more else ""
-        return (f"shipped {printable(self.path)}  {self.ledger_id[:12]}  {self.sent:,} {what} "
-                f"(seq {self.first}..{self.last}){more}  {head}")
+        return (f"shipped {where}  {self.sent:,} {what} "
+                f"(seq {self.first}..{self.last}){more}  head {self.head[0]} {self.head[1]}")
 
 
 def _row(base, event, body, line_sha, shipped_at):
-    """One JSONEachRow row, newline included, for a verified line."""
     at = event["at"]
     seconds = (datetime.date(int(at[:4]), int(at[5:7]), int(at[8:10])).toordinal() - 719163) * 86400 + (
         int(at[11:13]) * 3600 + int(at[14:16]) * 60 + int(at[17:19]))
@@ -1400,7 +1328,7 @@ def _row(base, event, body, line_sha, shipped_at):
             if value is None:
                 continue
             if type(value) in _SHIP_TYPES[kind] and (type(value) is not int or -1 << 63 <= value < 1 << 63):
-                row[name] = float(value) if kind == "Nullable(Float64)" else value
+                row[name] = float(value) if kind == "Float64" else value
             else:
                 malformed = malformed or name != "total_tokens"
         row["malformed"] = int(malformed)
@@ -1408,8 +1336,7 @@ def _row(base, event, body, line_sha, shipped_at):
     return _dumps(row).encode("utf-8") + b"\n"
 
 
-def _spool_limit():
-    """The bytes of rows one run spools: SHIP_SPOOL_MAX, or half the free space of the temp dir."""
+def _spool_limit():  # SHIP_SPOOL_MAX, or half the free space of the temp dir
     import shutil
     import tempfile
     try:
@@ -1419,8 +1346,7 @@ def _spool_limit():
 
 
 def ship_targets(paths, runs_dir=None, key=None):
-    """[(path, expected head or None)]: the PATHs, then RUNS_DIR's ledgers as run_ledgers() lists them; a ledger
-    named twice once, with the head its index records."""
+    """[(path, expected head or None)]: the PATHs, then run_ledgers(RUNS_DIR); a ledger named twice once."""
     unique = {}
     for path, expect in [(Path(p), None) for p in paths] + (run_ledgers(runs_dir, key) if runs_dir else []):
         real = os.path.realpath(path)
@@ -1430,14 +1356,12 @@ def ship_targets(paths, runs_dir=None, key=None):
 
 
 def ship(targets, client, *, key=None, host=None, batch_rows=SHIP_BATCH_ROWS, batch_bytes=SHIP_BATCH_BYTES):
-    """Send the new verified lines of each (path, expected head or None) to ClickHouse, reading the ledgers only.
-    Yields (path, Shipped or the IntegrityError/KeyRequiredError/OSError that stopped it: then nothing of it
-    was sent). A ClickHouseError propagates: the next run resumes where this one stopped."""
-    import socket
+    """Send the new verified lines of each (path, expected head or None) to ClickHouse. Yields (path, Shipped or
+    the LedgerError/OSError that stopped it: nothing of it was sent); a ClickHouseError propagates."""
     key, host = _resolve_key(key), host or socket.gethostname()
     if not 0 < batch_rows <= SHIP_MAX_BATCH_ROWS:
         raise UsageError(f"--batch-rows must be between 1 and {SHIP_MAX_BATCH_ROWS:,}")
-    ids = {}
+    ids = {}  # {path: SHA-256 of line 1, None without a complete line, or the OSError of reading it}
     for path, _expect in targets:
         try:
             with _file_lines(path) as lines:
@@ -1447,7 +1371,7 @@ def ship(targets, client, *, key=None, host=None, batch_rows=SHIP_BATCH_ROWS, ba
             ids[path] = _named(exc, path)
     try:
         client.ensure_table()
-        wanted, heads = sorted({i for i in ids.values() if type(i) is str}), {}
+        wanted, heads = sorted(i for i in set(ids.values()) if type(i) is str), {}
         for i in range(0, len(wanted), 500):  # ClickHouse's max_query_size is 256 KiB
             heads.update((row["ledger_id"], (row["top"], row["sha"], row["n"])) for row in client.rows(
                 f"SELECT ledger_id, max(seq) AS top, argMax(line_sha256, seq) AS sha, count() AS n FROM "
@@ -1466,49 +1390,45 @@ def ship(targets, client, *, key=None, host=None, batch_rows=SHIP_BATCH_ROWS, ba
 
 
 def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, batch_bytes):
-    """Verify the whole ledger (as verify does) while spooling rows for the lines ClickHouse lacks, then send
-    them in batches; rows past the spool's limit wait for the next run."""
+    """Verify the whole ledger while spooling the rows ClickHouse lacks (up to its limit), then send them."""
     import tempfile
-    if ledger_id is None:
-        if expect and expect[0]:
-            raise IntegrityError(path, None, f"the index records seq {expect[0]} for this run, but it has no "
-                                             f"complete line")
+    texts = ("index.jsonl records", "the run ends at")
+    if ledger_id is None:  # no complete line yet
+        _reached(path, expect, 0, key, *texts)
         return Shipped(path, "-" * 12, 1, 0, (0, _genesis(key)))
     top, top_sha, stored = server or (0, None, 0)
     resend = stored < top  # ClickHouse lost rows (deleted?): send them all again; FINAL keeps one of each
-    start, head, torn, full = 0 if resend else top, (0, _genesis(key)), None, None
+    start = 0 if resend else top
+    head, torn, last, marks = (0, _genesis(key)), None, None, [(start, 0)]  # marks: (last seq, spool offset)
     base = {"ledger_id": ledger_id, "host": host, "path": os.path.abspath(path)}
-    batches, limit, shipped_at = [(start, 0)], _spool_limit(), int(time.time())  # (last seq, spool offset) each
+    limit, shipped_at = _spool_limit(), int(time.time())
     with tempfile.SpooledTemporaryFile(max_size=SHIP_SPOOL_MEMORY) as spool:
         try:
             for event, body, digest in _verified(path, _file_lines(path), key, expect, _expected_run_id(path),
-                                                 "index.jsonl records", "the run ends at"):
+                                                 *texts):
                 seq, line_sha = event["seq"], hashlib.sha256(body).hexdigest() if key else digest
                 if seq == 1 and line_sha != ledger_id:
                     raise IntegrityError(path, 1, "line 1 changed while it was being shipped (the file was replaced)")
                 if seq == top and line_sha != top_sha:
                     raise IntegrityError(path, seq, "differs from the line ClickHouse holds at this seq: a fork or "
                                                     "a local rewrite; nothing was sent")
-                if seq > start and full is None:
-                    if batches[-1][1] >= limit:
-                        full = head
-                    else:
-                        spool.write(_row(base, event, body, line_sha, shipped_at))
-                        if seq - batches[-1][0] == batch_rows or spool.tell() - batches[-1][1] >= batch_bytes:
-                            batches.append((seq, spool.tell()))
+                if seq > start and last is None:
+                    spool.write(_row(base, event, body, line_sha, shipped_at))
+                    if seq - marks[-1][0] == batch_rows or spool.tell() - marks[-1][1] >= batch_bytes:
+                        marks.append((seq, spool.tell()))
+                        last = seq if spool.tell() >= limit else None
                 head = (seq, digest)
         except TornTailError as exc:
             torn = exc
-            _reached(path, expect, head[0], key, "index.jsonl records", "the run ends at")
+            _reached(path, expect, head[0], key, *texts)
         if head[0] < top:
             raise IntegrityError(path, head[0] + 1, f"ClickHouse holds this ledger up to seq {top} but the file ends "
                                                     f"at seq {head[0]}: it was cut or rewritten after it was shipped; "
                                                     f"nothing was sent")
-        last = full[0] if full else head[0]
-        if last > batches[-1][0]:
-            batches.append((last, spool.tell()))
+        last = last or head[0]
+        marks += [(last, spool.tell())] if last > marks[-1][0] else []
         spool.seek(0)
-        for (sent, offset), (seq, end) in zip(batches, batches[1:]):
+        for (sent, offset), (_seq, end) in zip(marks, marks[1:]):
             try:
                 client.query(f"INSERT INTO {client.name} FORMAT JSONEachRow", data=spool.read(end - offset))
             except ClickHouseError as exc:
@@ -1527,9 +1447,8 @@ def shipped_ledgers(client, condition=""):
 
 
 def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, condition=None):
-    """Re-verify shipped ledgers from the raw lines ClickHouse holds, with verify's checks and each row's
-    line_sha256, seq and ledger_id. Yields (ledger dict as shipped_ledgers(), Verified, IntegrityError or
-    KeyRequiredError). `ledger_ids`: ids or their starts; `condition`: a SQL WHERE clause instead."""
+    """Re-verify the raw lines ClickHouse holds, and each row's line_sha256, seq and ledger_id. Yields (ledger as
+    shipped_ledgers(), Verified or the error); `ledger_ids`: ids or their starts, or a SQL WHERE `condition`."""
     import itertools
     key = _resolve_key(key)
     for prefix in ledger_ids:
@@ -1539,18 +1458,16 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
     where = condition if condition is not None else ("WHERE " + " OR ".join(
         f"substring(ledger_id, 1, {len(p)}) = {sql_string(p)}" for p in ledger_ids) if ledger_ids else "")
     listed = {row["ledger_id"]: row for row in shipped_ledgers(client, where)}
+    if expect_head is not None and len(listed) > 1:
+        raise UsageError(f"--expect-head goes with exactly one ledger; {len(listed)} match")
     for prefix in ledger_ids:
         if not any(found.startswith(prefix) for found in listed):
             yield ({"ledger_id": prefix, "last_host": None, "last_path": None, "n": 0},
-                   IntegrityError(f"clickhouse:{prefix}", None, "ClickHouse holds no line of this ledger (never "
-                                                                "shipped, or deleted)"))
-    if expect_head is not None and len(listed) != 1:
-        raise UsageError(f"--expect-head goes with exactly one ledger; {len(listed)} match")
+                   IntegrityError(f"clickhouse:{prefix}", None, "ClickHouse holds no line of this ledger"))
     with client.stream(f"SELECT ledger_id, seq, line_sha256, raw FROM {client.name} FINAL {where} "
                        f"ORDER BY ledger_id, seq FORMAT TSVRaw") as response:
         for ledger_id, rows in itertools.groupby(_stored_rows(response, client), key=lambda row: row[0]):
-            ledger = listed.pop(ledger_id, None) or {"ledger_id": ledger_id, "last_host": None, "last_path": None,
-                                                     "n": None}
+            ledger = listed.get(ledger_id) or {"ledger_id": ledger_id, "last_host": None, "last_path": None}
             name = f"clickhouse:{ledger_id}"
             run_id = _expected_run_id(ledger["last_path"]) if ledger["last_path"] else None
             lines = contextlib.nullcontext(_stored_lines(name, ledger_id, rows))
@@ -1559,32 +1476,10 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
                                                            ends="ClickHouse holds up to"), key)
             except (IntegrityError, KeyRequiredError) as exc:
                 yield ledger, exc
-    for ledger in listed.values():
-        yield ledger, IntegrityError(f"clickhouse:{ledger['ledger_id']}", None, "its rows vanished while it was "
-                                                                                "being read")
-
-
-def _stored_lines(name, ledger_id, rows):
-    """The stored lines of one ledger, each checked for seq continuity and its line_sha256 (and ledger_id)."""
-    for expected, (_ledger_id, seq, sha, line) in enumerate(rows, 1):
-        if seq is None:
-            raise IntegrityError(name, expected, sha)
-        if seq != expected:
-            raise IntegrityError(name, expected, f"missing from ClickHouse: the next row stored is seq {seq} "
-                                                 f"(a row was deleted)" if seq > expected else f"seq {seq} comes twice")
-        digest = hashlib.sha256(line[:-1]).hexdigest()
-        if digest != sha:
-            raise IntegrityError(name, seq, "line_sha256 is not the SHA-256 of the stored line (the row was altered "
-                                            "in ClickHouse)")
-        if seq == 1 and digest != ledger_id:
-            raise IntegrityError(name, 1, "ledger_id is not the SHA-256 of line 1 (the row was altered, or filed "
-                                          "under another ledger)")
-        yield line
 
 
 def _stored_rows(response, client):
-    """(ledger_id, seq, line_sha256, line + newline) for each row of a TSVRaw answer; a row not in that shape
-    (too long, or a value holding a tab or a newline) as (last ledger_id, None, reason, b"")."""
+    """(ledger_id, seq, line_sha256, line) for each TSVRaw row; one of another shape as (last id, None, why, b"")."""
     import http.client
     last, read = "", functools.partial(response.readline, MAX_LINE_BYTES + 256)
     try:
@@ -1602,23 +1497,31 @@ def _stored_rows(response, client):
                               f"({printable(error_text(exc))})", EXIT_USAGE) from None
 
 
+def _stored_lines(name, ledger_id, rows):
+    for expected, (_ledger_id, seq, sha, line) in enumerate(rows, 1):
+        if seq is None:
+            raise IntegrityError(name, expected, sha)
+        if seq != expected:
+            raise IntegrityError(name, expected, f"missing from ClickHouse: the next row stored is seq {seq} "
+                                                 f"(a row was deleted)" if seq > expected else f"seq {seq} comes twice")
+        digest = hashlib.sha256(line[:-1]).hexdigest()
+        if digest != sha or (seq == 1 and digest != ledger_id):
+            raise IntegrityError(name, seq, f"{'line_sha256' if digest != sha else 'ledger_id'} is not the SHA-256 "
+                                            f"of the stored line (the row was altered in ClickHouse)")
+        yield line
+
+
 # ----------------------------------------------------------------------------
 # Command line helpers shared by the toolkit's scripts
 # ----------------------------------------------------------------------------
 
 _CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
-_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-
-
-def _escape_control(match):
-    char = match.group()
-    return _ESCAPES.get(char) or ("\\x%02x" % ord(char) if ord(char) < 256 else "\\u%04x" % ord(char))
 
 
 def printable(value):
-    """str(value) with control characters escaped, so text from a ledger or a server can neither forge
-    a line nor drive a terminal."""
-    return _CONTROL_RE.sub(_escape_control, value if type(value) is str else str(value))
+    """str(value) with control characters escaped (\\n, \\x1b, \\u2028), so text from a ledger or a server can
+    neither forge a line nor drive a terminal."""
+    return _CONTROL_RE.sub(lambda match: repr(match.group())[1:-1], value if type(value) is str else str(value))
 
 
 def error(message, secrets=(), label="error"):
@@ -1628,7 +1531,6 @@ def error(message, secrets=(), label="error"):
 
 
 def warn(message, secrets=()):
-    """One 'warning: …' line on stderr, like error()."""
     error(message, secrets, "warning")
 
 
@@ -1638,19 +1540,19 @@ _stdout_dead = []  # the OutputError that ended stdout: later writes raise it ag
 def write_out(text):
     """Write text to stdout and flush. A stdout that is closed, full or cannot encode the text raises
     OutputError; later writes are dropped, and the interpreter's last flush cannot fail."""
-    if _stdout_dead:
-        raise _stdout_dead[0]
-    if sys.stdout is None:  # started with stdout closed (>&-)
+    if not _stdout_dead and sys.stdout is None:  # started with stdout closed (>&-)
         _stdout_dead.append(OutputError("stdout is closed"))
+    if _stdout_dead:
         raise _stdout_dead[0]
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
     except (OSError, UnicodeEncodeError) as exc:
-        reason = ("stdout is closed" if isinstance(exc, BrokenPipeError) else
+        pipe = isinstance(exc, BrokenPipeError)
+        reason = ("stdout is closed" if pipe else
                   f"stdout cannot encode the text as {sys.stdout.encoding}" if isinstance(exc, UnicodeEncodeError)
                   else f"cannot write to stdout: {error_text(exc)}")
-        _stdout_dead.append(OutputError(reason, pipe=isinstance(exc, BrokenPipeError)))
+        _stdout_dead.append(OutputError(reason, pipe=pipe))
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
@@ -1668,16 +1570,12 @@ def error_text(exc):
 
 
 def run_cli(command, args, secrets=()):
-    """Run one command of a script's CLI. The toolkit's own errors and OS errors become one error line
-    and their exit code; anything else is a bug and keeps its traceback."""
+    """command(args); our errors and OS errors become one error line and their exit code (others are bugs)."""
     try:
         return command(args)
-    except LedgerError as exc:
-        error(str(exc), secrets)
-        return exc.exit_code
-    except OSError as exc:
+    except (LedgerError, OSError) as exc:
         error(error_text(exc), secrets)
-        return EXIT_USAGE
+        return exc.exit_code if isinstance(exc, LedgerError) else EXIT_USAGE
     except KeyboardInterrupt:
         error("interrupted")
         return 130
@@ -1700,31 +1598,25 @@ def parse_cli(parser, argv):
 
 
 def exit_codes_epilog(*codes):
-    """The rows of EXIT_CODES a script uses, for its --help."""
     return "exit codes:\n" + "\n".join(f"  {c}  {EXIT_CODES[c]}" for c in codes)
 
 
 def parse_time(text, end=False, now=None):
     """A date (YYYY-MM-DD), an ISO time, `today`, `yesterday`, or an age (`36h`, `7d`: that long before now)
     -> the ledger's `at` string form for comparing. `end` makes a day its last microsecond."""
-    text = text.strip()
-    now = now or datetime.datetime.now(datetime.timezone.utc)
+    text, now = text.strip(), now or datetime.datetime.now(datetime.timezone.utc)
     if text in ("today", "yesterday"):
         text = (now - datetime.timedelta(days=1 if text == "yesterday" else 0)).strftime("%Y-%m-%d")
     age = re.fullmatch(r"([0-9]{1,5})([hd])", text)
-    if age:
-        hours = int(age.group(1)) * (24 if age.group(2) == "d" else 1)
-        return (now - datetime.timedelta(hours=hours)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     try:
-        if re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text):
-            day = datetime.datetime.strptime(text, "%Y-%m-%d")
-            if end:
-                day += datetime.timedelta(days=1) - datetime.timedelta(microseconds=1)
-            moment = day.replace(tzinfo=datetime.timezone.utc)
+        if age:
+            moment = now - datetime.timedelta(hours=int(age.group(1)) * (24 if age.group(2) == "d" else 1))
+        elif re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text):
+            moment = datetime.datetime.strptime(text, "%Y-%m-%d").replace(tzinfo=datetime.timezone.utc)
+            moment += datetime.timedelta(days=1, microseconds=-1) if end else datetime.timedelta()
         else:
             moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-            if moment.tzinfo is None:
-                moment = moment.replace(tzinfo=datetime.timezone.utc)
+            moment = moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)
     except ValueError:
         raise UsageError(f"not a date, an ISO time, today, yesterday or an age like 7d: {printable(text)!r}") \
             from None
@@ -1736,7 +1628,6 @@ def parse_time(text, end=False, now=None):
 # ----------------------------------------------------------------------------
 
 def _cli_key(args):
-    """The key named by --key-env (b"" for explicitly unkeyed when LEDGER_KEY is unset)."""
     value = os.environ.get(args.key_env)
     if args.key_env != KEY_ENV and value is None:
         raise UsageError(f"--key-env {args.key_env}: that environment variable is not set")
@@ -1750,10 +1641,9 @@ def _check_targets(args, command):
         raise UsageError(f"--all: no such directory: {args.all}")
 
 
-def _tally(results, good, inside="", after=""):
-    """One line per (path, result, suffix): good(result) for a Verified or Shipped, FAIL for an integrity
-    failure, ERROR for a ledger that could not be read. Returns (counts, exit code): a FAIL (1) outranks an
-    ERROR (2). `after` may hold {} for 'it' or 'them', the failed ledgers."""
+def _tally(results, good, summary, inside="", after=""):
+    """One line per (path, result, suffix): good(result), FAIL or ERROR; then summary(ok, total). Returns the exit
+    code: a FAIL (1) outranks an ERROR (2). `after` may hold {} for 'it' or 'them', the failed ledgers."""
     counts = {"ok": 0, "fail": 0, "error": 0}
     for path, result, suffix in results:
         if isinstance(result, (Verified, Shipped)):
@@ -1765,42 +1655,38 @@ def _tally(results, good, inside="", after=""):
             state, line = "error", f"ERROR {printable(text if text.startswith(str(path)) else f'{path}: {text}')}"
         counts[state] += 1
         write_out(line + suffix + "\n")
+    write_out(summary(counts["ok"], sum(counts.values())) + "\n")
     if counts["fail"]:
         them = "it" if counts["fail"] == 1 else "them"
         error(f"integrity check failed ({counts['fail']} ledger{'s' if them == 'them' else ''}{inside})"
               + after.format(them))
-        return counts, EXIT_FAILED
+        return EXIT_FAILED
     if counts["error"]:
         error("some ledgers could not be read or need a key")
-        return counts, EXIT_USAGE
-    return counts, EXIT_OK
+        return EXIT_USAGE
+    return EXIT_OK
 
 
 def _verified_line(result):
-    lines = f"{result.count} line{'' if result.count == 1 else 's'}"
-    return f"ok    {printable(result.path)}  {lines}  head {result.head_text()}"
+    return f"ok    {printable(result.path)}  {result.count} line{'' if result.count == 1 else 's'}  " \
+           f"head {result.head_text()}"
 
 
 def _cmd_verify(args):
     if args.from_url is not None:
         return _cmd_verify_from(args)
-    if not args.paths and not args.all:
-        raise UsageError("verify needs a PATH, --all RUNS_DIR or --from URL")
+    _check_targets(args, "verify")
     if args.expect_head is not None and (len(args.paths) != 1 or args.all):
         raise UsageError("--expect-head goes with exactly one PATH")
     expect = parse_head(args.expect_head) if args.expect_head is not None else None
     key, results = _cli_key(args), []
-    if args.all and not Path(args.all).is_dir():
-        raise UsageError(f"--all: no such directory: {args.all}")
     for path in args.paths:
         try:
             results.append((path, verify(path, key=key, expect_head=expect), ""))
         except (LedgerError, OSError) as exc:
             results.append((path, exc, ""))
     results += [(path, result, "") for path, result in verify_runs(args.all, key=key)] if args.all else []
-    counts, code = _tally(results, _verified_line)
-    write_out(f"{counts['ok']}/{len(results)} ledgers valid\n")
-    return code
+    return _tally(results, _verified_line, "{}/{} ledgers valid".format)
 
 
 def _cmd_head(args):
@@ -1815,18 +1701,16 @@ _ARTIFACT_RE = re.compile(r"artifacts/[0-9a-f]{64}\Z")
 
 
 def _artifact(ledger_path, ref):
-    """The text of an artifact a payload refers to ({"path": "artifacts/<sha256>"}, at most 1 MiB), or None."""
     if type(ref) is not dict or type(ref.get("path")) is not str or not _ARTIFACT_RE.match(ref["path"]):
-        return None
+        return ""
     try:
         with open(Path(ledger_path).parent / ref["path"], "rb") as handle:
             return handle.read(1 << 20).decode("utf-8", "replace")
     except OSError:
-        return None
+        return ""
 
 
 def _tests_meaning(path, payload):
-    """'tests passed (12 passed)' or 'tests FAILED (exit 1): test_a, test_b'."""
     counts = payload.get("counts") if type(payload.get("counts")) is dict else {}
     tally = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
     if payload.get("passed") is True:
@@ -1843,8 +1727,7 @@ def _tests_meaning(path, payload):
 
 
 def _event_summary(path, event):
-    """One line: the envelope, the fields that say what happened, and what it means (a failed check, a test
-    run's result, a model reply's first line), then the rationale."""
+    """The envelope, the fields that say what happened, what it means (a failed check, tests, a reply)."""
     payload = event["payload"]
     parts = [event["at"], f"#{event['seq']}", event["kind"]] + [
         f"{name}={payload[name]}" for name in _REPORT_FIELDS if payload.get(name) not in (None, "", [], {})]
@@ -1854,7 +1737,7 @@ def _event_summary(path, event):
         parts.append(_tests_meaning(path, payload))
     call = payload.get("call") if type(payload.get("call")) is dict else {}
     reply = _artifact(path, payload.get("response_artifact") or call.get("reply_artifact"))
-    line = next((s.strip() for s in (reply or "").splitlines() if s.strip()), "")
+    line = next((s.strip() for s in reply.splitlines() if s.strip()), "")
     if line:
         parts.append(f"reply: {line if len(line) <= 120 else line[:119] + '…'}")
     if payload.get("rationale"):
@@ -1864,10 +1747,10 @@ def _event_summary(path, event):
 
 def _cmd_report(args):
     _check_targets(args, "report")
-    targets = [(Path(p), None) for p in args.paths] + (run_ledgers(args.all, _cli_key(args)) if args.all else [])
+    key = _cli_key(args)
+    targets = [(Path(p), None) for p in args.paths] + (run_ledgers(args.all, key) if args.all else [])
     since = parse_time(args.since) if args.since else None
     until = parse_time(args.until, end=True) if args.until else None
-    key = _cli_key(args)
     try:
         for path, expect in targets:
             if len(targets) > 1 and not args.json:
@@ -1886,13 +1769,12 @@ def _cmd_report(args):
 
 def _cmd_append(args):
     text = args.payload
-    if text is None and not sys.stdin.isatty():
-        try:
-            text = sys.stdin.buffer.read().decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise PayloadError(f"payload is not UTF-8 (byte {exc.start})") from None
     try:
+        if text is None and not sys.stdin.isatty():
+            text = sys.stdin.buffer.read().decode("utf-8")
         payload = json.loads(text) if text and text.strip() else {}
+    except UnicodeDecodeError as exc:
+        raise PayloadError(f"payload is not UTF-8 (byte {exc.start})") from None
     except ValueError as exc:
         raise PayloadError(f"payload is not valid JSON: {exc}") from None
     except RecursionError:
@@ -1907,33 +1789,28 @@ def _cmd_append(args):
     return EXIT_OK
 
 
-def _still_growing(torn):
-    """True when the file grew past the torn tail since it was read: an append was in progress."""
-    try:
-        return os.path.getsize(torn.path) > torn.offset + torn.length
-    except OSError:
-        return False
-
-
 def _cmd_ship(args):
     _check_targets(args, "ship")
-    targets = ship_targets(args.paths, args.all, _cli_key(args))
+    key = _cli_key(args)
     client = ClickHouse(args.to, database=args.database, table=args.table, timeout=args.timeout,
                         deadline=args.deadline)
     sent = []
 
     def shipped(result):
         sent.append(result.sent)
-        if result.torn and not _still_growing(result.torn):
-            warn(f"{result.torn}; the lines before it were shipped, the torn bytes were not (a crash, not "
-                 f"tampering)")
+        torn = result.torn
+        try:  # a file that grew past its torn tail since it was read: an append was in progress
+            quiet = torn is None or os.path.getsize(torn.path) > torn.offset + torn.length
+        except OSError:
+            quiet = False
+        if not quiet:
+            warn(f"{torn}; the lines before it were shipped, the torn bytes were not (a crash, not tampering)")
         return result.text()
-    results = ship(targets, client, key=_cli_key(args), host=args.host, batch_rows=args.batch_rows)
-    counts, code = _tally(((path, result, "") for path, result in results), shipped,
-                          after="; nothing of {} was shipped")
-    write_out(f"{counts['ok']}/{len(targets)} ledgers shipped or up to date, {sum(sent):,} new lines sent to "
-              f"{client.where} {client.name}\n")
-    return code
+    results = ship(ship_targets(args.paths, args.all, key), client, key=key, host=args.host,
+                   batch_rows=args.batch_rows)
+    return _tally(((path, result, "") for path, result in results), shipped, lambda ok, total: (
+        f"{ok}/{total} ledgers shipped or up to date, {sum(sent):,} new lines sent to {client.where} {client.name}"),
+        after="; nothing of {} was shipped")
 
 
 def _cmd_verify_from(args):
@@ -1944,64 +1821,17 @@ def _cmd_verify_from(args):
     if expect is not None and len(ids) != 1:
         raise UsageError("--expect-head with --from goes with exactly one --ledger-id")
     client = ClickHouse(args.from_url or None, database=args.database, table=args.table, timeout=args.timeout)
-    found = []
 
     def rows():
         for ledger, result in verify_shipped(client, ledger_ids=ids, key=_cli_key(args), expect_head=expect):
-            found.append(ledger)
             shown = ledger["last_path"] is not None and isinstance(result, (Verified, IntegrityError))
             where = f"  {printable(ledger['last_host'])}:{printable(ledger['last_path'])}" if shown else ""
             yield f"clickhouse:{ledger['ledger_id']}", result, where
     try:
-        counts, code = _tally(rows(), _verified_line, inside=" in ClickHouse")
+        return _tally(rows(), _verified_line, lambda ok, total: (
+            f"{ok}/{total} ledgers valid in {client.where} {client.name}"), inside=" in ClickHouse")
     except ClickHouseError as exc:  # ClickHouse could not be read: like a file that cannot be read
         raise ClickHouseError(str(exc), EXIT_USAGE) from None
-    write_out(f"{counts['ok']}/{len(found)} ledgers valid in {client.where} {client.name}\n")
-    return code
-
-
-# (name, help, [(flags, argparse keywords)], handler): the commands and their options; docs/format.md and
-# docs/ledger.md carry the longer story.
-_ALL = (("--all",), {"metavar": "RUNS_DIR", "help": "also RUNS_DIR/index.jsonl and every run in it"})
-_PATHS = (("paths",), {"nargs": "*", "metavar": "PATH"})
-_CLICKHOUSE = [(("--database",), {"default": SHIP_DATABASE, "metavar": "DB", "help": f"default {SHIP_DATABASE}"}),
-               (("--table",), {"default": SHIP_TABLE, "metavar": "T", "help": f"default {SHIP_TABLE}"})]
-_COMMANDS = (
-    ("verify", "check ledgers; exit 1 on any integrity failure", [
-        _PATHS, _ALL,
-        (("--expect-head",), {"metavar": "SEQ:HASH", "help": "a head published earlier (finds truncation)"}),
-        (("--from",), {"dest": "from_url", "nargs": "?", "const": "", "metavar": "URL",
-                       "help": f"re-verify the lines shipped to ClickHouse at URL (default ${SHIP_URL_ENV})"}),
-        (("--ledger-id",), {"action": "append", "metavar": "ID", "help": "with --from: only this ledger (or "
-                                                                          "prefix; repeatable)"}),
-        (("--timeout",), {"type": float, "default": 300.0, "metavar": "S", "help": "seconds a request (300)"}),
-    ] + _CLICKHOUSE, _cmd_verify),
-    ("ship", "send the verified lines of ledgers to ClickHouse (resumable; for cron)", [
-        _PATHS, _ALL,
-        (("--to",), {"metavar": "URL", "help": f"ClickHouse's HTTP interface (default ${SHIP_URL_ENV}); user and "
-                                               f"password from ${SHIP_USER_ENV} / ${SHIP_PASSWORD_ENV}"}),
-        (("--timeout",), {"type": float, "default": SHIP_TIMEOUT, "metavar": "S",
-                          "help": f"seconds a request ({SHIP_TIMEOUT:g})"}),
-        (("--batch-rows",), {"type": int, "default": SHIP_BATCH_ROWS, "metavar": "N",
-                             "help": f"lines per INSERT ({SHIP_BATCH_ROWS:,}; at most {SHIP_BATCH_BYTES >> 20} MiB)"}),
-        (("--deadline",), {"type": float, "default": SHIP_DEADLINE, "metavar": "S",
-                           "help": f"seconds for the whole run; the next run resumes ({SHIP_DEADLINE:g})"}),
-        (("--host",), {"help": "host name recorded with each line (default: this machine's)"}),
-    ] + _CLICKHOUSE, _cmd_ship),
-    ("head", "print the anchor 'SEQ HASH' of a verified ledger", [(("path",), {"metavar": "PATH"})], _cmd_head),
-    ("report", "one readable line per event: what it says and what it means", [
-        _PATHS, _ALL, (("--kind",), {"action": "append", "help": "only this kind (repeatable)"}),
-        (("--stage",), {"help": "only decisions of this stage"}),
-        (("--run",), {"help": "only this run id (or prefix)"}),
-        (("--since",), {"help": "date or ISO time (UTC)"}), (("--until",), {"help": "date (inclusive) or ISO time"}),
-        (("--json",), {"action": "store_true", "help": "print the matching lines unchanged"}),
-    ], _cmd_report),
-    ("append", "append one event; prints the new head", [
-        (("path",), {"metavar": "PATH"}), (("--kind",), {"required": True}),
-        (("--run-id",), {"help": "default: $LEDGER_RUN_ID or a new id"}),
-        (("--payload",), {"help": "a JSON object (default: stdin when it is not a terminal)"}),
-    ], _cmd_append),
-)
 
 
 def _build_parser():
@@ -2009,14 +1839,52 @@ def _build_parser():
                             epilog=exit_codes_epilog(EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_OUTPUT),
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=__version__)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, text, options, handler in _COMMANDS:
-        p = sub.add_parser(name, help=text)
-        for flags, keywords in options:
-            p.add_argument(*flags, **keywords)
+    sub, commands = parser.add_subparsers(dest="command", metavar="COMMAND"), {}
+    for name, text, handler in (
+            ("verify", "check ledgers; exit 1 on any integrity failure", _cmd_verify),
+            ("ship", "send the verified lines of ledgers to ClickHouse (resumable; for cron)", _cmd_ship),
+            ("head", "print the anchor 'SEQ HASH' of a verified ledger", _cmd_head),
+            ("report", "one readable line per event: what it says and what it means", _cmd_report),
+            ("append", "append one event; prints the new head", _cmd_append)):
+        p = commands[name] = sub.add_parser(name, help=text)
+        p.set_defaults(func=handler)
+        if name in ("head", "append"):
+            p.add_argument("path", metavar="PATH")
+        else:
+            p.add_argument("paths", nargs="*", metavar="PATH")
+            p.add_argument("--all", metavar="RUNS_DIR", help="also RUNS_DIR/index.jsonl and every run in it")
+        if name in ("verify", "ship"):
+            p.add_argument("--database", default=SHIP_DATABASE, metavar="DB", help=f"default {SHIP_DATABASE}")
+            p.add_argument("--table", default=SHIP_TABLE, metavar="T", help=f"default {SHIP_TABLE}")
         p.add_argument("--key-env", default=KEY_ENV, metavar="NAME",
                        help=f"environment variable holding the HMAC key (default {KEY_ENV})")
-        p.set_defaults(func=handler)
+    p = commands["verify"]
+    p.add_argument("--expect-head", metavar="SEQ:HASH", help="a head published earlier (finds truncation)")
+    p.add_argument("--from", dest="from_url", nargs="?", const="", metavar="URL",
+                   help=f"re-verify the lines shipped to ClickHouse at URL (default ${SHIP_URL_ENV})")
+    p.add_argument("--ledger-id", action="append", metavar="ID", help="with --from: this ledger (or prefix), repeatable")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds a request (300)")
+    p = commands["ship"]
+    p.add_argument("--to", metavar="URL", help=f"ClickHouse's HTTP interface (default ${SHIP_URL_ENV}); user and "
+                                              f"password from ${SHIP_USER_ENV} / ${SHIP_PASSWORD_ENV}")
+    p.add_argument("--timeout", type=float, default=SHIP_TIMEOUT, metavar="S",
+                   help=f"seconds a request ({SHIP_TIMEOUT:g})")
+    p.add_argument("--batch-rows", type=int, default=SHIP_BATCH_ROWS, metavar="N",
+                   help=f"lines per INSERT ({SHIP_BATCH_ROWS:,}; at most {SHIP_BATCH_BYTES >> 20} MiB)")
+    p.add_argument("--deadline", type=float, default=SHIP_DEADLINE, metavar="S",
+                   help=f"seconds for the whole run; the next run resumes ({SHIP_DEADLINE:g})")
+    p.add_argument("--host", help="host name recorded with each line (default: this machine's)")
+    p = commands["report"]
+    p.add_argument("--kind", action="append", help="only this kind (repeatable)")
+    p.add_argument("--stage", help="only decisions of this stage")
+    p.add_argument("--run", help="only this run id (or prefix)")
+    p.add_argument("--since", help="date or ISO time (UTC)")
+    p.add_argument("--until", help="date (inclusive) or ISO time")
+    p.add_argument("--json", action="store_true", help="print the matching lines unchanged")
+    p = commands["append"]
+    p.add_argument("--kind", required=True)
+    p.add_argument("--run-id", help="default: $LEDGER_RUN_ID or a new id")
+    p.add_argument("--payload", help="a JSON object (default: stdin when it is not a terminal)")
     return parser
 
 
