@@ -882,36 +882,6 @@ def _stacked_chart(cls, kind, cats, labels, counts, types, colours, x_title):
     return "".join(parts + ["</svg>"])
 
 
-def _latency_histogram(label, ordered, colour, bins=32):
-    """Log-scale bins of sorted ok latencies, so a cold-start hump stands apart; p50 and p95 marked."""
-    left, top, right, bottom = _BOX
-    lo = math.floor(math.log10(max(ordered[0], 1.0))) if ordered else 2  # whole decades of ms
-    span = max(math.ceil(math.log10(max(ordered[-1], 1.0))) - lo, 1) if ordered else 1
-    ticks = [m * 10 ** k for k in range(lo, lo + span + 1) for m in ((1, 2, 5) if span < 3 else (1,))
-             if m * 10 ** k <= 10 ** (lo + span)]
-
-    def x_of(value):
-        return left + (right - left) * (math.log10(max(value, 1.0)) - lo) / span
-    counts = [0] * bins
-    for value in ordered:
-        counts[min(max(int((x_of(value) - left) / (right - left) * bins), 0), bins - 1)] += 1
-    parts, y_of = _frame("latency-histogram", f"latency of {label} (ms, log scale)", max(counts), "ok calls",
-                         [(x_of(t), f"{t:g} ms" if t < 1000 else f"{t / 1000:g} s") for t in ticks],
-                         "latency (ms, log scale)", attrs=f' data-model="{_e(label)}"')
-    for i, n in enumerate(counts):
-        if n:
-            a, b = (10 ** (lo + span * j / bins) for j in (i, i + 1))
-            parts.append(_rect(x_of(a) + 0.5, y_of(n), (right - left) / bins - 1, bottom - y_of(n), colour,
-                               f"{_ms_text(a)} \u2013 {_ms_text(b)}: {n:,} calls"))
-    for row, q in enumerate((50, 95) if ordered else ()):
-        x = x_of(percentile(ordered, q))
-        anchor, dx = ("end", -3) if x > right - 90 else ("start", 3)
-        parts.append(f'<line class="mark" x1="{x:.1f}" y1="{top - 12 + 12 * row}" x2="{x:.1f}" y2="{bottom}"/>'
-                     f'<text x="{x + dx:.1f}" y="{top - 4 + 12 * row}" text-anchor="{anchor}">'
-                     f'p{q} {_ms_text(percentile(ordered, q))}</text>')
-    return "".join(parts + ["</svg>"])
-
-
 def _td(field, row, colours, runs_url):
     value = row.get(field)
     if field == "request_model":
@@ -942,21 +912,6 @@ def _html_table(css_class, columns, rows, colours=None, runs_url=""):
                      for row in rows)
     return (f'<div class="scroll"><table class="{css_class}"><thead><tr>{heads}</tr></thead><tbody>\n{body}\n'
             "</tbody></table></div>")
-
-
-def _summary_cards(audit, sums, days):
-    calls, ok, measured = sums["calls"], sums["ok"], sums["usage_calls"]
-    latencies = sorted(v for g in audit.groups.values() for v in g.latencies)
-    strings = f"{len(audit.model_strings):,}{'+' if audit.folded else ''} model strings"
-    cards = [("Model calls", f"{calls:,}", f"{strings} \u00b7 {len(days):,} days"),
-             ("Failed", f"{calls - ok:,}", f"{(calls - ok) / calls:.1%} of calls" if calls else ""),
-             ("No usage reported", f"{sums['no_usage']:,}", f"of {ok:,} ok calls"),
-             ("Tokens reported", _short(sums["input_tokens"] + sums["output_tokens"]) if measured else _DASH,
-              f"in + out, from {measured:,} calls"),
-             ("Tokens estimated", _short(sums["est_input_tokens"] + sums["est_output_tokens"]), "chars/4, in + out"),
-             ("Latency p50", _ms_text(percentile(latencies, 50)), f"p95 {_ms_text(percentile(latencies, 95))}")]
-    return ['<div class="cards">'] + [f'<div class="card"><div class="k">{_e(k)}</div><div class="v">{_e(v)}</div>'
-                                      f'<div class="s">{_e(s)}</div></div>' for k, v, s in cards] + ["</div>"]
 
 
 def _per_day_section(series, axis):
@@ -1015,19 +970,44 @@ def _errors_section(series, axis):
         "model, busiest first") + "</figure></div>"]
 
 
-def _latency_section(series):
+def _latency_section(series, bins=32):
+    """A histogram per model of its ok latencies in log-scale bins, so a cold-start hump stands apart."""
+    left, top, right, bottom = _BOX
     out = ['<h2 id="latency">Latency per model</h2>',
            '<p class="note">Successful calls only, log-scale bins: a second hump to the right is usually cold '
            "starts or queueing. Dashed lines mark p50 and p95.</p>", '<div class="charts">']
-    for s in series:
-        if s["key"] is None:
-            return out + ["</div>", f'<p class="note">{_key(_GREY, True)}{_e(s["label"])}: no histogram (only the '
-                                    f"{MAX_CHART_MODELS} busiest model strings get one).</p>"]
+    for s in [one for one in series if one["key"]]:
         ordered = sorted(v for _day, group in s["groups"] for v in group.latencies)
+        lo = math.floor(math.log10(max(ordered[0], 1.0))) if ordered else 2  # whole decades of ms
+        span = max(math.ceil(math.log10(max(ordered[-1], 1.0))) - lo, 1) if ordered else 1
+        ticks = [m * 10 ** k for k in range(lo, lo + span + 1) for m in ((1, 2, 5) if span < 3 else (1,))
+                 if m * 10 ** k <= 10 ** (lo + span)]
+
+        def x_of(value):
+            return left + (right - left) * (math.log10(max(value, 1.0)) - lo) / span
+        counts = [0] * bins
+        for value in ordered:
+            counts[min(max(int((x_of(value) - left) / (right - left) * bins), 0), bins - 1)] += 1
+        parts, y_of = _frame("latency-histogram", f"latency of {s['label']} (ms, log scale)", max(counts),
+                             "ok calls", [(x_of(t), f"{t:g} ms" if t < 1000 else f"{t / 1000:g} s") for t in ticks],
+                             "latency (ms, log scale)", attrs=f' data-model="{_e(s["label"])}"')
+        for i, n in enumerate(counts):
+            if n:
+                a, b = (10 ** (lo + span * j / bins) for j in (i, i + 1))
+                parts.append(_rect(x_of(a) + 0.5, y_of(n), (right - left) / bins - 1, bottom - y_of(n), s["colour"],
+                                   f"{_ms_text(a)} \u2013 {_ms_text(b)}: {n:,} calls"))
+        for row, q in enumerate((50, 95) if ordered else ()):
+            x = x_of(percentile(ordered, q))
+            anchor, dx = ("end", -3) if x > right - 90 else ("start", 3)
+            parts.append(f'<line class="mark" x1="{x:.1f}" y1="{top - 12 + 12 * row}" x2="{x:.1f}" y2="{bottom}"/>'
+                         f'<text x="{x + dx:.1f}" y="{top - 4 + 12 * row}" text-anchor="{anchor}">'
+                         f'p{q} {_ms_text(percentile(ordered, q))}</text>')
         out.append(f'<figure><h3>{_key(s["colour"])}{_e(_label(s["key"][0]))}<span>{_e(_label(s["key"][1]))}'
-                   f'</span></h3>{_latency_histogram(s["label"], ordered, s["colour"])}<figcaption>{len(ordered):,} '
-                   f"ok calls \u00b7 max {_ms_text(ordered[-1] if ordered else None)}</figcaption></figure>")
-    return out + ["</div>"]
+                   f'</span></h3>{"".join(parts)}</svg><figcaption>{len(ordered):,} ok calls \u00b7 max '
+                   f"{_ms_text(ordered[-1] if ordered else None)}</figcaption></figure>")
+    out.append("</div>")
+    return out + [f'<p class="note">{_key(_GREY, True)}{_e(s["label"])}: no histogram (only the {MAX_CHART_MODELS} '
+                  "busiest model strings get one).</p>" for s in series if not s["key"]]
 
 
 def _lists_sections(audit, changes, runs, runs_url, colours):
@@ -1060,17 +1040,29 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
     rank = {key: i for i, key in enumerate(order)}
     shown = sorted(rows, key=lambda r: rank.get((r["request_model"], r["base_url"]), len(rank)))[:_MAX_TABLE_ROWS]
     sums, files = _sums(rows), len(audit.ledgers)
+    calls, ok, measured = sums["calls"], sums["ok"], sums["usage_calls"]
     out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
            '<meta name="viewport" content="width=device-width, initial-scale=1">',
            f"<title>reasoning-ledger audit</title><style>{_CSS}</style></head><body><h1>Model calls audit</h1>",
-           f'<p class="note">{files:,} ledger{"s" if files != 1 else ""}, {sums["calls"]:,} model calls, '
+           f'<p class="note">{files:,} ledger{"s" if files != 1 else ""}, {calls:,} model calls, '
            + ("verified (every hash chain checked)." if verified else '<strong class="warn">UNVERIFIED</strong> '
               "(--no-verify): the hash chain was not checked; anything on this page may have been edited.")
            + '</p><nav><a href="#models">Models</a><a href="#per-day">Per day</a><a href="#errors">Errors</a>'
            '<a href="#latency">Latency</a><a href="#changes">Changes</a>'
            + ('<a href="#runs">Agent runs</a>' if runs else "") + '<a href="#ledgers">Ledgers</a></nav>']
     out += [f'<p class="warn">{_e(line)}</p>' for line in _warnings(audit)[:_MAX_LIST_ROWS]]
-    out += _summary_cards(audit, sums, days) + [
+    latencies = sorted(v for g in audit.groups.values() for v in g.latencies)
+    strings = f"{len(audit.model_strings):,}{'+' if audit.folded else ''} model strings"
+    cards = [("Model calls", f"{calls:,}", f"{strings} \u00b7 {len(days):,} days"),
+             ("Failed", f"{calls - ok:,}", f"{(calls - ok) / calls:.1%} of calls" if calls else ""),
+             ("No usage reported", f"{sums['no_usage']:,}", f"of {ok:,} ok calls"),
+             ("Tokens reported", _short(sums["input_tokens"] + sums["output_tokens"]) if measured else _DASH,
+              f"in + out, from {measured:,} calls"),
+             ("Tokens estimated", _short(sums["est_input_tokens"] + sums["est_output_tokens"]), "chars/4, in + out"),
+             ("Latency p50", _ms_text(percentile(latencies, 50)), f"p95 {_ms_text(percentile(latencies, 95))}")]
+    out += ['<div class="cards">'] + [f'<div class="card"><div class="k">{_e(k)}</div><div class="v">{_e(v)}</div>'
+                                       f'<div class="s">{_e(s)}</div></div>' for k, v, s in cards] + ["</div>"]
+    out += [
         f'<h2 id="models">Models{" by day" if by_day else ""}</h2><p class="note">One row per model string (the '
         f'model asked for, at its endpoint){" and day" if by_day else ""}, busiest first. Reported tokens are what '
         "servers said; estimated tokens are chars/4 and are never added to them. \u2013 means nothing was reported."
