@@ -839,49 +839,6 @@ def _rect(x, y, width, height, colour, title, error_type=None):
             f"<title>{_e(title)}</title></rect>")
 
 
-def _line_chart(cls, title, unit, axis, lines, fmt=None):
-    """One line per (series, values) over the days; a gap where a value is null (nothing to show), never a 0."""
-    days, labels, x_title = axis
-    xs, ticks = _bands(labels)
-    top = max((v for _s, values in lines for v in values if v is not None), default=0)
-    parts, y_of = _frame(cls, title, top, unit, ticks, x_title, fmt or _short, fmt is None)
-    for s, values in lines:
-        parts.append(f'<g class="series" data-series="{_e(s["label"])}"><title>{_e(s["label"])}</title>')
-        dash = ' stroke-dasharray="6 4"' if s["dashed"] else ""
-        for present, run in itertools.groupby(zip(xs, values), key=lambda point: point[1] is not None):
-            run = list(run)
-            if present and len(run) > 1:
-                parts.append(f'<polyline fill="none" stroke="{s["colour"]}" stroke-width="2.2"{dash} points="'
-                             + " ".join(f"{x:.1f},{y_of(v):.1f}" for x, v in run) + '"/>')
-        points = [(x, day, v) for x, day, v in zip(xs, days, values) if v is not None]
-        for x, day, v in points if len(days) <= _MARKER_DAYS or len(points) == 1 else ():
-            parts.append(f'<circle cx="{x:.1f}" cy="{y_of(v):.1f}" r="3.2" fill="{s["colour"]}" stroke="#fff">'
-                         f'<title>{_e(s["label"])} \u00b7 {_e(day)}: {(fmt or _num)(v)} {unit}</title></circle>')
-        parts.append("</g>")
-    return "".join(parts + ["</svg>"])
-
-
-def _stacked_chart(cls, kind, cats, labels, counts, types, colours, x_title):
-    """Failed calls in stacked bars: a <g class=kind> per category, a rect per error type that happened there."""
-    left, _top, right, bottom = _BOX
-    totals = [sum(per.values()) for per in counts]
-    xs, ticks = _bands(labels)
-    parts, y_of = _frame(cls, f"failed calls per {kind}, by error type", max(totals, default=0), "failed calls",
-                         ticks, x_title)
-    width = min((right - left) / max(len(cats), 1) * 0.7, 56)
-    for cat, x, per, total in zip(cats, xs, counts, totals):
-        parts.append(f'<g class="{kind}" data-{kind}="{_e(cat)}">')
-        y = bottom
-        for name in (name for name in types if per.get(name)):
-            y -= bottom - y_of(per[name])
-            parts.append(_rect(x - width / 2, y, width, bottom - y_of(per[name]), colours[name],
-                               f"{cat}: {name} \u00d7 {per[name]:,}", name))
-        if total and len(cats) <= _MARKER_DAYS:
-            parts.append(f'<text x="{x:.1f}" y="{y - 4:.1f}" text-anchor="middle">{total:,}</text>')
-        parts.append("</g>")
-    return "".join(parts + ["</svg>"])
-
-
 def _td(field, row, colours, runs_url):
     value = row.get(field)
     if field == "request_model":
@@ -933,13 +890,30 @@ def _per_day_section(series, axis):
     out += ['<p class="note">A gap in a line: nothing to show that day (no calls, or no usage reported). '
             "Reported and estimated tokens are separate charts and are never added together.</p>",
             '<div class="charts">']
-    for cls, title, unit, pick, fmt in _DAY_CHARTS:
+    xs, ticks = _bands(axis[1])
+    for cls, title, unit, pick, fmt in _DAY_CHARTS:  # a line per series; a gap where there is nothing, never a 0
         lines = [(s, [pick(*day) for day in figs]) for s, figs in zip(series, figures)]
-        out.append(f"<figure><h3>{title}</h3>{_line_chart(cls, title, unit, axis, lines, fmt)}</figure>")
+        top = max((v for _s, values in lines for v in values if v is not None), default=0)
+        parts, y_of = _frame(cls, title, top, unit, ticks, axis[2], fmt or _short, fmt is None)
+        for s, values in lines:
+            parts.append(f'<g class="series" data-series="{_e(s["label"])}"><title>{_e(s["label"])}</title>')
+            dash = ' stroke-dasharray="6 4"' if s["dashed"] else ""
+            for present, run in itertools.groupby(zip(xs, values), key=lambda point: point[1] is not None):
+                run = list(run)
+                if present and len(run) > 1:
+                    parts.append(f'<polyline fill="none" stroke="{s["colour"]}" stroke-width="2.2"{dash} points="'
+                                 + " ".join(f"{x:.1f},{y_of(v):.1f}" for x, v in run) + '"/>')
+            points = [(x, day, v) for x, day, v in zip(xs, days, values) if v is not None]
+            for x, day, v in points if len(days) <= _MARKER_DAYS or len(points) == 1 else ():
+                parts.append(f'<circle cx="{x:.1f}" cy="{y_of(v):.1f}" r="3.2" fill="{s["colour"]}" stroke="#fff">'
+                             f'<title>{_e(s["label"])} \u00b7 {_e(day)}: {(fmt or _num)(v)} {unit}</title></circle>')
+            parts.append("</g>")
+        out.append(f"<figure><h3>{title}</h3>{''.join(parts)}</svg></figure>")
     return out + ["</div>"]
 
 
 def _errors_section(series, axis):
+    left, _top, right, bottom = _BOX
     found = [(i, day, name, n) for i, s in enumerate(series) for day, g in s["groups"] for name, n in g.errors.items()]
     if not found:
         return ['<h2 id="errors">Errors by day and type</h2><p>No failed calls.</p>']
@@ -960,14 +934,30 @@ def _errors_section(series, axis):
                      f"{sum(per.get(t, 0) for per in by_model):,}</span></li>" for t in types)
     out = ['<h2 id="errors">Errors by day and type</h2>', f'<ul class="legend" data-legend="error-types">{legend}</ul>',
            '<div class="charts">']
-    if len(axis[0]) > 1:
-        out.append("<figure><h3>Failed calls per day, by error type (all models)</h3>" + _stacked_chart(
-            "errors-per-day", "day", axis[0], axis[1], list(by_day.values()), types, colours, axis[2]) + "</figure>")
-    fit = max(4, int((_BOX[2] - _BOX[0]) / len(series) / 6.5))  # a model's name cut to its bar's width
-    names = [_elide(_label(s["key"][0]) if s["key"] else "other", fit, "end") for s in series]
-    return out + ["<figure><h3>Failed calls by model and error type</h3>" + _stacked_chart(
-        "errors-per-model", "model", [s["label"] for s in series], names, by_model, types, colours,
-        "model, busiest first") + "</figure></div>"]
+    fit = max(4, int((right - left) / len(series) / 6.5))  # a model's name cut to its bar's width
+    charts = [("day", "Failed calls per day, by error type (all models)", axis[0], axis[1], list(by_day.values()),
+               axis[2])] if len(axis[0]) > 1 else []
+    charts.append(("model", "Failed calls by model and error type", [s["label"] for s in series],
+                   [_elide(_label(s["key"][0]) if s["key"] else "other", fit, "end") for s in series], by_model,
+                   "model, busiest first"))
+    for kind, heading, cats, labels, counts, x_title in charts:  # stacked bars, a rect per error type
+        totals = [sum(per.values()) for per in counts]
+        xs, ticks = _bands(labels)
+        parts, y_of = _frame(f"errors-per-{kind}", f"failed calls per {kind}, by error type", max(totals),
+                             "failed calls", ticks, x_title)
+        width = min((right - left) / len(cats) * 0.7, 56)
+        for cat, x, per, total in zip(cats, xs, counts, totals):
+            parts.append(f'<g class="{kind}" data-{kind}="{_e(cat)}">')
+            y = bottom
+            for name in (name for name in types if per.get(name)):
+                y -= bottom - y_of(per[name])
+                parts.append(_rect(x - width / 2, y, width, bottom - y_of(per[name]), colours[name],
+                                   f"{cat}: {name} \u00d7 {per[name]:,}", name))
+            if total and len(cats) <= _MARKER_DAYS:
+                parts.append(f'<text x="{x:.1f}" y="{y - 4:.1f}" text-anchor="middle">{total:,}</text>')
+            parts.append("</g>")
+        out.append(f"<figure><h3>{heading}</h3>{''.join(parts)}</svg></figure>")
+    return out + ["</div>"]
 
 
 def _latency_section(series, bins=32):
