@@ -807,8 +807,8 @@ def _frame(cls, title, top_value, y_title, x_ticks, x_title, fmt=_short, integer
     """(parts, y_of): an SVG's opening, a y axis from 0 in about 4 steps of 1, 2 or 5, x ticks [(x, label)]."""
     (width, height), (left, top, right, bottom) = _SIZE, _BOX
     rough = top_value / 4 if top_value and top_value > 0 else 0.25
-    step = next(m * 10 ** math.floor(math.log10(rough)) for m in (1, 2, 5, 10)
-                if m * 10 ** math.floor(math.log10(rough)) >= rough * (1 - 1e-9))
+    mag = 10 ** math.floor(math.log10(rough))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= rough * (1 - 1e-9))
     step = max(1, math.ceil(step)) if integer else step
     ymax = step * math.ceil((top_value or 0) / step - 1e-9) or step
 
