@@ -488,8 +488,11 @@ def _take_response(record, data, whole, state, problems, status, headers):
             state["done"] = True
         if kind == "response.failed":
             _api_error(response.get("error"), status, headers, "the response failed")
-    texts = []
-    for item in data["output"] if whole else [data["item"]] if type(data.get("item")) is dict else []:
+    texts, items = [], data.get("output") if whole else [data["item"]] if type(data.get("item")) is dict else []
+    if type(items) is not list:
+        problems.append(f"output is a {type(items).__name__}, not a list")
+        items = []
+    for item in items:
         if type(item) is not dict:
             problems.append(f"an output item is a {type(item).__name__}, not an object")
         elif whole and item.get("type") == "message":
@@ -575,6 +578,9 @@ def _one_attempt(url, body, record, started, *, api_key, deadline, limit, on_tex
             data = _parse_json(raw, "body", problems, response.status, response.headers)
             state["raw"] = raw
             return _take(record, data, "message", state, problems, response.status, response.headers)
+        except (KeyError, TypeError, AttributeError, IndexError) as exc:  # a shape the readers did not foresee
+            raise _CallFailed("malformed_response", f"the answer's shape cannot be read ({type(exc).__name__})",
+                              response.status, response.headers) from None
         finally:
             record.update(parse_usage(state.get("usage")))
             if state.get("embedding") and record["input_tokens"] is not None and record["output_tokens"] is None:
@@ -593,7 +599,7 @@ def _finish(record, started, text, failure, problems, redactor, answered=False):
     if problems and failure is None:
         failure = _CallFailed("malformed_response", "the answer arrived but the body is malformed: "
                               + "; ".join(problems[:3]), record["http_status"])
-    if failure is None and not answered and not text.strip():
+    if failure is None and not answered and not (text or "").strip():
         failure = _CallFailed("empty_content", f"HTTP {record['http_status']} but the answer is empty",
                               record["http_status"])
     if failure is None:

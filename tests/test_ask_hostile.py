@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+import ask
 import reasoning_ledger as rl
 from conftest import KEY, ROOT, all_bytes_under, clean_env, error_lines, lines_of, run_script
 from hostile_server import HostileServer
@@ -240,6 +241,60 @@ def test_malformed_stream_chunks(call, events, words):
     proc, got = call("--stream", scenarios=[{"name": "sse", "events": events}])
     payload = _check_one_line(proc, got, "malformed_response")
     assert any(words in problem for problem in payload["malformed"]), payload["malformed"]
+
+
+_SHAPES = {  # each answer shape the readers know, whole or streamed
+    "chat": json.loads(_completion(system_fingerprint="fp")),
+    "responses": {"type": "response.completed", "id": "r1", "model": "hostile-model", "status": "completed",
+                  "output": [{"type": "message", "content": [{"type": "output_text", "text": "4"}]},
+                             {"type": "function_call"}], "usage": {"input_tokens": 3, "output_tokens": 1}},
+    "embeddings": {"object": "list", "data": [{"embedding": [0.1]}], "model": "hostile-model",
+                   "usage": {"prompt_tokens": 2}},
+    "chat-stream": [{"id": "c1", "model": "hostile-model", "choices": [{"index": 0, "delta": {"content": "4"}}]},
+                    {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                     "usage": {"prompt_tokens": 3, "completion_tokens": 1}}],
+    "responses-stream": [{"type": "response.output_text.delta", "delta": "4"},
+                         {"type": "response.completed", "item": {"type": "message"},
+                          "response": {"id": "r1", "model": "m", "status": "completed", "usage": {"input_tokens": 1}}}],
+}
+_STRANGE = [None, True, 0, -1.5, "s", "error", "response.completed", "list", [], [1], {}, {"a": 1}]
+
+
+def _places(value, path=()):
+    yield path
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in children:
+        yield from _places(child, path + (key,))
+
+
+def _with(value, path, new):
+    if not path:
+        return new
+    copy = json.loads(json.dumps(value))
+    parent = copy
+    for key in path[:-1]:
+        parent = parent[key]
+    parent[path[-1]] = new
+    return copy
+
+
+def test_any_value_anywhere_in_any_answer_shape_ends_in_one_line(hostile, tmp_path):
+    """The class, not an instance: every field (and every whole object) of every answer shape replaced by every
+    JSON type; each call returns a record and writes exactly one line, whatever its error."""
+    ledger = tmp_path / "calls.jsonl"
+    cases = [(name, path, new) for name, shape in _SHAPES.items() for path in _places(shape) for new in _STRANGE]
+    for count, (name, path, new) in enumerate(cases, 1):
+        answer, stream = _with(_SHAPES[name], path, new), name.endswith("-stream")
+        if stream:
+            events = [f"data: {json.dumps(e)}\n\n" for e in (answer if isinstance(answer, list) else [answer])]
+            hostile.queue({"name": "sse", "events": events + ["data: [DONE]\n\n"]})
+        else:
+            hostile.queue({"name": "json", "body": json.dumps(answer)})
+        record = ask.chat([{"role": "user", "content": PROMPT}], ledger=ledger, base_url=hostile.base_url,
+                          model="hostile-model", api_key=KEY, stream=stream, timeout=60)
+        assert record["error_type"] is None or isinstance(record["error_type"], str), (name, path, new)
+        assert len(ledger.read_bytes().splitlines()) == count, (name, path, new)
+    assert len(cases) > 500
 
 
 def test_an_error_in_a_stream_keeps_its_code(call):
