@@ -2463,6 +2463,8 @@ KILL_MARGIN_S = 60            # a run is killed after max_wall_s + 2 x test_time
 TERMINATE_WAIT_S = 5          # SIGTERM to a run's process group, then SIGKILL this much later
 RESPONSE_GRACE_S = 2          # an answer is written within this much after the request's deadline
 LINGER_S = 1.0                # after an error answered before the body was read, unread input is drained this long
+LINGER_BYTES = 64 * 1024      # and at most this much of it
+MAX_SECRETS_FILE = 64 * 1024  # WEBHOOK_SECRET_FILE holds a few secrets, not a log
 RETRY_AFTER_S = 30            # a full queue asks the sender to come back after this
 CONNECTION_EVENT_EVERY_S = 10  # connections over the cap: at most one connection_limit event this often
 REJECTIONS_PER_S, REJECTIONS_BURST = 5, 50  # an unauthenticated flood must not grow the ledger without bound
@@ -2534,9 +2536,13 @@ def webhook_secrets(environ=None):
     secrets = [env["WEBHOOK_SECRET"]] if env.get("WEBHOOK_SECRET") else []
     if env.get("WEBHOOK_SECRET_FILE"):
         try:
-            lines = Path(env["WEBHOOK_SECRET_FILE"]).read_bytes().decode("utf-8").split("\n")
+            with open(env["WEBHOOK_SECRET_FILE"], "rb") as handle:
+                raw = handle.read(MAX_SECRETS_FILE + 1)  # /dev/zero, or a log named by mistake, is refused
+            lines = raw.decode("utf-8").split("\n")
         except (OSError, UnicodeDecodeError) as exc:
             raise rl.UsageError(f"WEBHOOK_SECRET_FILE: {rl.error_text(exc)}") from None
+        if len(raw) > MAX_SECRETS_FILE:
+            raise rl.UsageError(f"WEBHOOK_SECRET_FILE: larger than {MAX_SECRETS_FILE} bytes")
         found = [line.rstrip("\r") for line in lines if line.strip()]
         if not found:
             raise rl.UsageError("WEBHOOK_SECRET_FILE: holds no secret (one secret a line)")
@@ -2696,15 +2702,17 @@ class _Handler(BaseHTTPRequestHandler):
                          f"{size} {(time.monotonic() - self.started) * 1000:.1f} {self.delivery or '-'}")
 
     def _linger(self):
-        """Drain what the client still sends, for a moment: a close with unread input resets the answer unread."""
-        end = time.monotonic() + LINGER_S
-        try:
+        """Drain a little of what the client still sends (LINGER_BYTES, for LINGER_S at most): a close with unread
+        input resets the answer before the client reads it, and an unbounded drain is a free firehose."""
+        end, drained = time.monotonic() + LINGER_S, 0
+        with contextlib.suppress(OSError):  # a timeout too
             self.connection.shutdown(socket.SHUT_WR)
-            self.connection.settimeout(LINGER_S)
-            while time.monotonic() < end and self.connection.recv(65536):
-                pass
-        except OSError:  # a timeout too
-            pass
+            while drained < LINGER_BYTES and time.monotonic() < end:
+                self.connection.settimeout(max(0.01, end - time.monotonic()))
+                chunk = self.connection.recv(16384)
+                if not chunk:
+                    break
+                drained += len(chunk)
 
     def log_message(self, format, *args):  # the access log is ours (handle)
         pass

@@ -406,6 +406,25 @@ def test_malformed_requests_get_the_right_status_and_an_event_and_never_a_crash(
     no_traceback(daemon)
 
 
+def test_a_rejected_sender_that_keeps_sending_is_drained_a_little_then_cut_off(serve):
+    """The linger after an early answer reads at most a little: a client that streams on is not a free firehose."""
+    daemon = serve("--request-timeout", 120, "--max-body", 1024)
+    head = (b"POST /webhook HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 900000000\r\n\r\n")
+    sent, chunk = 0, b"x" * (1 << 20)
+    with socket.create_connection(("127.0.0.1", daemon.port), timeout=60) as sock:
+        try:
+            sock.sendall(head)
+            while sent < 512 << 20:  # what an unbounded drain would take in well under the 1 s linger
+                sock.sendall(chunk)
+                sent += len(chunk)
+        except OSError:  # the daemon closed: reset, or a broken pipe
+            pass
+    assert sent < 64 << 20, f"{sent >> 20} MiB were taken from a rejected sender"  # 64 KiB + socket buffers
+    assert [r["reason"] for r in daemon.payloads("webhook_rejected")] == ["too_large"]
+    assert daemon.get("/healthz").status == 200
+
+
 def test_an_oversized_body_gets_413_at_once_without_being_read(serve):
     daemon = serve("--request-timeout", 120, "--max-body", 1024)
     head = (b"POST /webhook HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nX-GitHub-Event: push\r\n"
@@ -949,6 +968,10 @@ def test_configuration_errors_stop_the_daemon_before_it_listens(serve, tmp_path)
     assert "--queue must be at least 1" in fails("--queue", "0")
     assert "user name or password" in fails("--ship-to", "http://user:pw@127.0.0.1:8123")
     assert "WEBHOOK_SECRET_FILE" in fails(env=dict(base, WEBHOOK_SECRET_FILE=str(tmp_path / "missing")))
+    (tmp_path / "huge").write_bytes(b"s" * 40 + b"\n" * 70000)  # a secret, then more than a secrets file holds
+    assert "WEBHOOK_SECRET_FILE: larger than 65536 bytes" in fails(env=dict(base, WEBHOOK_SECRET_FILE=str(
+        tmp_path / "huge")))
+    assert "WEBHOOK_SECRET_FILE: larger than" in fails(env=dict(base, WEBHOOK_SECRET_FILE="/dev/zero"))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
