@@ -3073,8 +3073,11 @@ class Daemon:
                 f"--delivery={item['delivery']}", f"--event={item['event']}", "--settings-on-stdin"]
         argv += ([f"--ship-to={s.ship_to}"] if s.ship_to else []) + ([f"--ref={ref}"] if ref else [])
         with tempfile.TemporaryFile() as output:
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=output, stderr=subprocess.STDOUT,
-                                    env=self.child_env, cwd=str(HERE), start_new_session=True, close_fds=True)
+            try:
+                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=output, stderr=subprocess.STDOUT,
+                                        env=self.child_env, cwd=str(HERE), start_new_session=True, close_fds=True)
+            except OSError as exc:  # EMFILE, ENOMEM, a vanished install: finished as an error, not redone
+                return None, "error", f"cannot start agent.py run: {rl.error_text(exc)}"
             _feed_stdin(proc.stdin, self.piped)
             code, how = self._watch(proc.pid, lambda: (proc.poll() is not None, proc.returncode))
             if code in OUTCOME_EXIT.values():
