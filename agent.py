@@ -1822,8 +1822,9 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
     if outcome != "proposal":
         return outcome, None
     path = run.dir / PROPOSAL_NAME  # after the decision that accepted it: its exact bytes, never masked
-    path.touch(0o600, exist_ok=False)
-    path.write_bytes(check["proposal"])
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+                   "wb") as handle:  # one open, on the new file itself: nothing planted there is followed
+        handle.write(check["proposal"])
     verdict = _judge_in_child(run, policy, scratch, box)
     return ("proposal_accepted" if verdict == "accept" else "proposal_rejected_by_judge"), path
 
