@@ -356,11 +356,17 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
 
 def _read_body(response, limit, deadline, tolerant=False):
     """The body, at most `limit` bytes, checked against Content-Length, unless `tolerant` (an error's body)."""
-    failed = None
+    failed, parts, size = None, [], 0
     try:
-        raw = response.read(limit + 1)
+        while size <= limit:  # in pieces: read(limit + 1) sets the whole limit aside for a body of unknown length
+            part = response.read(min(65536, limit + 1 - size))
+            if not part:
+                break
+            parts.append(part)
+            size += len(part)
     except (OSError, http.client.HTTPException) as exc:
-        raw, failed = b"", _classify(exc, deadline)
+        failed = _classify(exc, deadline)
+    raw = b"".join(parts)
     if tolerant:
         return raw[:limit]
     if len(raw) > limit:
