@@ -303,7 +303,10 @@ class Audit:
                         model = base = OTHER
                     else:
                         self.model_strings.add((model, base))
-                self.groups.setdefault((model, base, day), Group()).add(call, malformed)
+                group = self.groups.get((model, base, day))
+                if group is None:  # not setdefault: that would build a Group for every call
+                    group = self.groups[(model, base, day)] = Group()
+                group.add(call, malformed)
             elif kind == "models_list":
                 ids, base = payload.get("model_ids"), payload.get("base_url")
                 if type(ids) is list and type(base) is str and all(type(i) is str for i in ids):
