@@ -19,10 +19,13 @@ holds the repository's lock, 2 usage or configuration error (no run).
 
 import sys
 
-if __name__ == "__main__" and sys.platform.startswith("linux"):  # first: /proc/PID/environ and mem closed early
+# first: /proc/PID/environ and mem closed early
+if __name__ == "__main__" and sys.platform.startswith("linux"):
     try:
         import ctypes
-        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0 (closes nothing to root; docs/sandbox.md)
+
+        # PR_SET_DUMPABLE 0 (closes nothing to root; docs/sandbox.md)
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
     except (ImportError, OSError, AttributeError):
         pass
 
@@ -58,15 +61,36 @@ import traceback
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the toolkit beside us, even under -I
+# the toolkit beside us, even under -I
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ask  # noqa: E402
 import reasoning_ledger as rl  # noqa: E402
 
 __version__ = "1.1.0"
 
-__all__ = ["Policy", "load_policy", "check_action", "parse_reply", "run_agent", "judge_run", "replay_run",
-           "list_runs", "snapshot", "PolicyError", "LockHeld", "OUTCOME_EXIT", "BUILTINS", "DEFAULT_BUDGET",
-           "Daemon", "Refused", "authenticate", "verify_github", "verify_standard", "webhook_secrets", "timeline_html"]
+__all__ = [
+    "Policy",
+    "load_policy",
+    "check_action",
+    "parse_reply",
+    "run_agent",
+    "judge_run",
+    "replay_run",
+    "list_runs",
+    "snapshot",
+    "PolicyError",
+    "LockHeld",
+    "OUTCOME_EXIT",
+    "BUILTINS",
+    "DEFAULT_BUDGET",
+    "Daemon",
+    "Refused",
+    "authenticate",
+    "verify_github",
+    "verify_standard",
+    "webhook_secrets",
+    "timeline_html"
+]
 
 # == Constants =================================================================
 
@@ -76,20 +100,79 @@ DEFAULT_RUNS = "runs"
 PROPOSAL_NAME = "proposal.patch"
 BUILTINS = ("read_file", "list_files", "grep", "git_diff", "git_log", "run_tests", "propose_patch")
 HARD_DENY = (".git/",)  # denied whatever a tools.json says
-DEFAULT_DENY = (".git/", ".env*", "*.pem", "*.key", "id_*", "*.p12", "*.pfx", "*.keystore", "*.jks", ".ssh/",
-                ".aws/", ".gnupg/", ".netrc", ".npmrc", ".pypirc", "*secret*", "*credential*", "*.kdbx")
-DEFAULT_BUDGET = {"max_steps": 24, "max_model_calls": 40, "max_total_tokens": 300000, "max_wall_s": 900,
-                  "max_tokens_per_call": 2048, "call_timeout_s": 180, "max_context_chars": 60000,
-                  "context_tokens": None, "max_repeats": 3}
-DEFAULT_CAPS = {"output_bytes": 16384, "timeout_s": 60, "cpu_s": 900, "address_space_bytes": 8 << 30,
-                "file_size_bytes": 1 << 30, "open_files": 4096, "processes": 4096}
+DEFAULT_DENY = (
+    ".git/",
+    ".env*",
+    "*.pem",
+    "*.key",
+    "id_*",
+    "*.p12",
+    "*.pfx",
+    "*.keystore",
+    "*.jks",
+    ".ssh/",
+    ".aws/",
+    ".gnupg/",
+    ".netrc",
+    ".npmrc",
+    ".pypirc",
+    "*secret*",
+    "*credential*",
+    "*.kdbx"
+)
+DEFAULT_BUDGET = {
+    "max_steps": 24,
+    "max_model_calls": 40,
+    "max_total_tokens": 300000,
+    "max_wall_s": 900,
+    "max_tokens_per_call": 2048,
+    "call_timeout_s": 180,
+    "max_context_chars": 60000,
+    "context_tokens": None,
+    "max_repeats": 3
+}
+DEFAULT_CAPS = {
+    "output_bytes": 16384,
+    "timeout_s": 60,
+    "cpu_s": 900,
+    "address_space_bytes": 8 << 30,
+    "file_size_bytes": 1 << 30,
+    "open_files": 4096,
+    "processes": 4096
+}
 SANDBOX_MODES = ("auto", "required", "off")
-TRIPWIRES = ("tripwire.runner_internals", "tripwire.interpreter_state", "tripwire.exit_paths",
-             "tripwire.process_control", "tripwire.packaging_metadata", "tripwire.startup_hook")
-DEFAULT_TEST_PATHS = ("test_*.py", "*_test.py", "test*.py", "tests.py", "tests/", "test/", "*_spec.*", "spec/",
-                      "__tests__/", "*.test.*", "conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml",
-                      ".pytest.toml", "tox.ini", "setup.cfg", "pyproject.toml", "noxfile.py", "sitecustomize.py",
-                      "usercustomize.py", "*.pth")
+TRIPWIRES = (
+    "tripwire.runner_internals",
+    "tripwire.interpreter_state",
+    "tripwire.exit_paths",
+    "tripwire.process_control",
+    "tripwire.packaging_metadata",
+    "tripwire.startup_hook"
+)
+DEFAULT_TEST_PATHS = (
+    "test_*.py",
+    "*_test.py",
+    "test*.py",
+    "tests.py",
+    "tests/",
+    "test/",
+    "*_spec.*",
+    "spec/",
+    "__tests__/",
+    "*.test.*",
+    "conftest.py",
+    "pytest.ini",
+    ".pytest.ini",
+    "pytest.toml",
+    ".pytest.toml",
+    "tox.ini",
+    "setup.cfg",
+    "pyproject.toml",
+    "noxfile.py",
+    "sitecustomize.py",
+    "usercustomize.py",
+    "*.pth"
+)
 MAX_TOOLS_FILE = 1024 * 1024
 SHIP_RUN_DEADLINE_S = 120  # run --ship-to: the longest shipping may delay the end of a run
 MAX_PATH_CHARS = 1024
@@ -100,28 +183,55 @@ MAX_GREP_PATTERN = 200
 MAX_ARTIFACT_BYTES = 8 * 1024 * 1024
 EXCERPT_BYTES = 2000
 CALL_RETRIES = 2
-GIT_ENV = {"GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0", "GIT_CONFIG_NOSYSTEM": "1", "LC_ALL": "C"}
-OUTCOME_EXIT = {"no_action": rl.EXIT_OK, "proposal_accepted": rl.EXIT_PROPOSAL,
-                "proposal_rejected_by_judge": rl.EXIT_CHECK, "budget_exhausted": rl.EXIT_BUDGET,
-                "stuck": rl.EXIT_STUCK, "error": rl.EXIT_FAILED}
-# The host's decisions, as replay compares them (tool results and model calls are inputs, not decisions).
-DECISION_KINDS = ("model_proposed", "proposal_malformed", "tool_allowed", "tool_denied", "patch_rejected",
-                  "decision", "budget_exhausted", "stuck")
+GIT_ENV = {
+    "GIT_OPTIONAL_LOCKS": "0",
+    "GIT_TERMINAL_PROMPT": "0",
+    "GIT_CONFIG_NOSYSTEM": "1",
+    "LC_ALL": "C"
+}
+OUTCOME_EXIT = {
+    "no_action": rl.EXIT_OK,
+    "proposal_accepted": rl.EXIT_PROPOSAL,
+    "proposal_rejected_by_judge": rl.EXIT_CHECK,
+    "budget_exhausted": rl.EXIT_BUDGET,
+    "stuck": rl.EXIT_STUCK,
+    "error": rl.EXIT_FAILED
+}
+# The host's decisions, as replay compares them (tool results and model calls are inputs, not
+# decisions).
+DECISION_KINDS = (
+    "model_proposed",
+    "proposal_malformed",
+    "tool_allowed",
+    "tool_denied",
+    "patch_rejected",
+    "decision",
+    "budget_exhausted",
+    "stuck"
+)
 
 
 # == Errors ====================================================================
+
 
 class PolicyError(rl.UsageError):
     """tools.json is not valid. `.problems` lists every problem, each naming its place."""
 
     def __init__(self, source, problems):
         self.source, self.problems = str(source), list(problems)
-        super().__init__(f"{source}: {self.problems[0]}" + (f" (and {len(self.problems) - 1} more; run "
-                                                            f"agent.py check-tools)" if len(self.problems) > 1 else ""))
+        super().__init__(
+            f"{source}: {self.problems[0]}"
+            + (
+                f" (and {len(self.problems) - 1} more; run " f"agent.py check-tools)"
+                if len(self.problems) > 1
+                else ""
+            )
+        )
 
 
 class LockHeld(rl.LedgerError):
     """Another run holds this repository's lock."""
+
     exit_code = rl.EXIT_LOCKED
 
 
@@ -142,21 +252,42 @@ class _Terminated(Exception):
 _NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,31}\Z")
 _PLACEHOLDER_RE = re.compile(r"\{([a-z][a-z0-9_]{0,31})\}")
 _GLOB_TOKENS = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}
-# tools.json's shape, for check-tools: an object is a dict (a key ending in "!" is required, "*" stands for a
-# name the user chooses), anything else names a check in _leaf_problems. The defaults are the tables above.
-_PLUGIN = {"description!": "text", "argv!": "argv", "args!": {"*": {"pattern!": "regex", "path": "bool"}},
-           "timeout_s": "number", "output_bytes": "number"}
-_SCHEMA = {"version!": "version", "test_command!": "command", "test_timeout_s": "number", "builtins": "builtins",
-           "paths": {"allow": "globs", "deny": "globs"}, "budget": dict.fromkeys(DEFAULT_BUDGET, "number"),
-           "caps": dict.fromkeys(DEFAULT_CAPS, "number"), "sandbox": "sandbox", "plugins": {"*": _PLUGIN},
-           "judge": {"test_paths": "strings", "allow_test_changes": "bool", "known_answers": "bool",
-                     "tripwires_off": "tripwires"}}
-_REAL_KEYS = ("max_wall_s", "call_timeout_s", "timeout_s", "test_timeout_s")  # the other numbers are integers
-_MINIMUM = {"context_tokens": 255, "max_repeats": 2, "output_bytes": 255}  # greater than this (else 0)
+# tools.json's shape, for check-tools: an object is a dict (a key ending in "!" is required, "*"
+# stands for a name the user chooses), anything else names a check in _leaf_problems. The defaults
+# are the tables above.
+_PLUGIN = {
+    "description!": "text",
+    "argv!": "argv",
+    "args!": {"*": {"pattern!": "regex", "path": "bool"}},
+    "timeout_s": "number",
+    "output_bytes": "number"
+}
+_SCHEMA = {
+    "version!": "version",
+    "test_command!": "command",
+    "test_timeout_s": "number",
+    "builtins": "builtins",
+    "paths": {"allow": "globs", "deny": "globs"},
+    "budget": dict.fromkeys(DEFAULT_BUDGET, "number"),
+    "caps": dict.fromkeys(DEFAULT_CAPS, "number"),
+    "sandbox": "sandbox",
+    "plugins": {"*": _PLUGIN},
+    "judge": {
+        "test_paths": "strings",
+        "allow_test_changes": "bool",
+        "known_answers": "bool",
+        "tripwires_off": "tripwires"
+    }
+}
+# the other numbers are integers
+_REAL_KEYS = ("max_wall_s", "call_timeout_s", "timeout_s", "test_timeout_s")
+# greater than this (else 0)
+_MINIMUM = {"context_tokens": 255, "max_repeats": 2, "output_bytes": 255}
 
 
 def _glob_regex(pattern, ignore_case=False):
-    """A gitignore-like glob as a regex over a repo-relative POSIX path ('/' anchors it, '**' spans dirs)."""
+    """A gitignore-like glob as a regex over a repo-relative POSIX path ('/' anchors it, '**' spans
+    dirs)."""
     body = pattern.strip("/") if pattern.startswith("/") else pattern.rstrip("/")
     out = []
     for i, part in enumerate(re.split(r"(\*\*/|\*\*|\*|\?|\[.[^\]]*\])", body)):
@@ -166,18 +297,31 @@ def _glob_regex(pattern, ignore_case=False):
             out.append(_GLOB_TOKENS[part])
         else:
             inner = part[1:-1]
-            out.append("[" + ("^" + re.escape(inner[1:]) if inner.startswith("!") else re.escape(inner)) + "]")
+            out.append(
+                "["
+                + ("^" + re.escape(inner[1:]) if inner.startswith("!") else re.escape(inner))
+                + "]"
+            )
     anchored = "/" in pattern.rstrip("/")
-    return re.compile(("^" if anchored else "^(?:.*/)?") + "".join(out) + "(?:/.*)?$", re.I if ignore_case else 0)
+    return re.compile(
+        ("^" if anchored else "^(?:.*/)?") + "".join(out) + "(?:/.*)?$", re.I if ignore_case else 0
+    )
 
 
 class Plugin:
-    """A user-declared tool: an argv template filled by arguments that fully match their regex. No shell."""
+    """A user-declared tool: an argv template filled by arguments that fully match their regex. No
+    shell."""
 
     def __init__(self, name, spec):
         self.name, self.description, self.argv = name, spec["description"], list(spec["argv"])
-        self.args = {arg: {"pattern": re.compile(a["pattern"]), "source": a["pattern"], "path": a.get("path", False)}
-                     for arg, a in spec["args"].items()}
+        self.args = {
+            arg: {
+                "pattern": re.compile(a["pattern"]),
+                "source": a["pattern"],
+                "path": a.get("path", False)
+            }
+            for arg, a in spec["args"].items()
+        }
         self.timeout_s, self.output_bytes = spec.get("timeout_s"), spec.get("output_bytes")
 
     def command(self, args):
@@ -199,8 +343,12 @@ class Policy:
         self.deny = [(g, _glob_regex(g, ignore_case=True)) for g in deny]
         self.budget = dict(DEFAULT_BUDGET, **data.get("budget", {}))
         self.caps = dict(DEFAULT_CAPS, **data.get("caps", {}))
-        discovery = _runner_patterns(self.test_command)  # the runner's own, whatever tools.json lists
-        self.test_paths = [(g, _glob_regex(g)) for g in list(judge.get("test_paths", DEFAULT_TEST_PATHS)) + discovery]
+        # the runner's own, whatever tools.json lists
+        discovery = _runner_patterns(self.test_command)
+        self.test_paths = [
+            (g, _glob_regex(g))
+            for g in list(judge.get("test_paths", DEFAULT_TEST_PATHS)) + discovery
+        ]
         self.allow_test_changes = judge.get("allow_test_changes", False)
         self.known_answers = judge.get("known_answers", True)
         off = judge.get("tripwires_off", [])
@@ -231,8 +379,11 @@ def _problems(value, rule=_SCHEMA, where="tools.json", key=""):
     if type(value) is not dict:
         return [f"{where}: must be an object"]
     known = {name.rstrip("!"): sub for name, sub in rule.items()}
-    problems = [f"{where}.{name[:-1]}: missing (required)" for name in rule if name[-1] == "!" and
-                name[:-1] not in value]
+    problems = [
+        f"{where}.{name[:-1]}: missing (required)"
+        for name in rule
+        if name[-1] == "!" and name[:-1] not in value
+    ]
     for name, item in value.items():
         if "*" in known and not _NAME_RE.match(name):
             problems.append(f"{where}.{name}: a name is [a-z][a-z0-9_]*, at most 32 characters")
@@ -249,9 +400,15 @@ def _leaf_problems(where, value, rule, key):
     if rule == "number":
         integer, minimum = key not in _REAL_KEYS, _MINIMUM.get(key, 0)
         finite = type(value) is float and not integer and math.isfinite(value)
-        if (type(value) is int or finite) and value > minimum or (key == "context_tokens" and value is None):
+        if (
+            (type(value) is int or finite)
+            and value > minimum
+            or (key == "context_tokens" and value is None)
+        ):
             return []  # context_tokens null: learned from the endpoint
-        return [f"{where}: must be {'an integer' if integer else 'a number'} greater than {minimum}"]
+        return [
+            f"{where}: must be {'an integer' if integer else 'a number'} greater than {minimum}"
+        ]
     if rule == "bool" and type(value) is not bool:
         return [f"{where}: must be true or false"]
     if rule == "text" and (type(value) is not str or not value.strip()):
@@ -268,14 +425,24 @@ def _leaf_problems(where, value, rule, key):
     if rule in ("bool", "text", "version", "sandbox", "regex"):
         return []
     nonempty = rule in ("command", "argv")
-    if type(value) is not list or not all(type(v) is str and v for v in value) or (nonempty and not value):
+    if (
+        type(value) is not list
+        or not all(type(v) is str and v for v in value)
+        or (nonempty and not value)
+    ):
         return [f"{where}: must be a {'non-empty ' if nonempty else ''}list of non-empty strings"]
     if rule == "builtins":
-        return [_unknown(f"{where}: unknown tool {name!r}", name, BUILTINS) for name in value if name not in BUILTINS] \
-            + ([f"{where}: a tool is listed twice"] if len(set(value)) < len(value) else [])
+        return [
+            _unknown(f"{where}: unknown tool {name!r}", name, BUILTINS)
+            for name in value
+            if name not in BUILTINS
+        ] + ([f"{where}: a tool is listed twice"] if len(set(value)) < len(value) else [])
     if rule == "globs":
-        return [f"{where}: {g!r} is not a glob of repository paths" for g in value
-                if "\x00" in g or ".." in g.split("/")]
+        return [
+            f"{where}: {g!r} is not a glob of repository paths"
+            for g in value
+            if "\x00" in g or ".." in g.split("/")
+        ]
     if rule == "tripwires" and value != ["*"] and not set(value) <= set(TRIPWIRES):
         return [f"{where}: names from {', '.join(TRIPWIRES)}, or [\"*\"] for all"]
     return []
@@ -283,9 +450,17 @@ def _leaf_problems(where, value, rule, key):
 
 def _plugin_problems(where, name, spec):
     """What the shape does not say of a plugin: its name, and the placeholders of its argv."""
-    problems = [f"{where}: {name!r} is a built-in; give the plugin another name"] if name in BUILTINS else []
+    problems = (
+        [f"{where}: {name!r} is a built-in; give the plugin another name"]
+        if name in BUILTINS
+        else []
+    )
     argv, declared = spec.get("argv"), spec.get("args")
-    if type(argv) is not list or not all(type(part) is str for part in argv) or type(declared) is not dict:
+    if (
+        type(argv) is not list
+        or not all(type(part) is str for part in argv)
+        or type(declared) is not dict
+    ):
         return problems
     used = set()
     for i, part in enumerate(argv):
@@ -295,12 +470,20 @@ def _plugin_problems(where, name, spec):
             problems.append(f"{where}.argv[0]: the program is fixed; it cannot be a placeholder")
         if "{" in _PLACEHOLDER_RE.sub("", part) or "}" in _PLACEHOLDER_RE.sub("", part):
             problems.append(f"{where}.argv[{i}]: a brace that is not a {{placeholder}}")
-        problems += [f"{where}.argv[{i}]: {{{p}}} is not declared in args" for p in names if p not in declared]
-    return problems + [f"{where}.args.{arg}: declared but not used in argv" for arg in declared if arg not in used]
+        problems += [
+            f"{where}.argv[{i}]: {{{p}}} is not declared in args"
+            for p in names
+            if p not in declared
+        ]
+    return problems + [
+        f"{where}.args.{arg}: declared but not used in argv" for arg in declared if arg not in used
+    ]
 
 
 def _no_duplicate_keys(pairs):
-    twice = [key for key, count in collections.Counter(key for key, _value in pairs).items() if count > 1]
+    twice = [
+        key for key, count in collections.Counter(key for key, _value in pairs).items() if count > 1
+    ]
     if twice:
         raise ValueError(f"duplicate key {twice[0]!r}")
     return dict(pairs)
@@ -338,7 +521,11 @@ _BUILTIN_ARGS = {
     "git_diff": {},
     "git_log": {"n": ("int", False)},
     "run_tests": {},
-    "propose_patch": {"patch": ("patch", True), "rationale": ("text", False), "alternatives": ("texts", False)},
+    "propose_patch": {
+        "patch": ("patch", True),
+        "rationale": ("text", False),
+        "alternatives": ("texts", False)
+    }
 }
 _TEXT_LIMITS = {"text": MAX_TEXT_ARG_CHARS, "pattern": MAX_GREP_PATTERN, "patch": MAX_PATCH_BYTES}
 
@@ -361,9 +548,14 @@ def check_path(path, policy, resolve, paths, what="path"):
         raise _Deny("path.nul", f"{what} contains a NUL byte")
     _check_option(what, path, MAX_PATH_CHARS)
     if path.startswith(("/", "~", "\\")) or re.match(r"[A-Za-z]:[\\/]", path):
-        raise _Deny("path.absolute", f"{what} {path!r} is absolute; paths are relative to the repository root")
+        raise _Deny(
+            "path.absolute",
+            f"{what} {path!r} is absolute; paths are relative to the repository root"
+        )
     if ".." in re.split(r"[/\\]", path):
-        raise _Deny("path.dotdot", f"{what} {path!r} climbs with '..'; paths stay inside the repository")
+        raise _Deny(
+            "path.dotdot", f"{what} {path!r} climbs with '..'; paths stay inside the repository"
+        )
     norm = posixpath.normpath(path.replace("\\", "/"))
     glob = policy.denied_by(norm) if norm != "." else None
     if glob:
@@ -375,7 +567,10 @@ def check_path(path, policy, resolve, paths, what="path"):
         raise _Deny("path.escape", f"{what} {path!r} resolves outside the repository (a symlink?)")
     glob = policy.denied_by(resolved) if resolved != "." else None
     if glob:
-        raise _Deny("path.denied", f"{what} {path!r} resolves to {resolved!r}, which matches the deny glob {glob!r}")
+        raise _Deny(
+            "path.denied",
+            f"{what} {path!r} resolves to {resolved!r}, which matches the deny glob {glob!r}"
+        )
     if norm != "." and not any(regex.match(norm) for _glob, regex in policy.allow):
         raise _Deny("path.not_allowed", f"{what} {path!r} matches no allow glob")
     return norm
@@ -385,11 +580,15 @@ def _check_option(name, value, limit):
     if len(value) > limit:
         raise _Deny("arg.too_long", f"{name} is longer than {limit} characters")
     if value.startswith("-"):
-        raise _Deny("arg.option", f"{name} {value!r} starts with '-', which a program would read as an option")
+        raise _Deny(
+            "arg.option",
+            f"{name} {value!r} starts with '-', which a program would read as an option"
+        )
 
 
 def patch_files(patch):
-    """The repository paths a unified diff touches, and its problems (binary, symlink or submodule modes)."""
+    """The repository paths a unified diff touches, and its problems (binary, symlink or submodule
+    modes)."""
     files, problems = [], []
     for line in patch.splitlines():
         if line.startswith(("--- ", "+++ ")):
@@ -401,9 +600,16 @@ def patch_files(patch):
             names = [_diff_path(old), _diff_path("b/" + new)]
         else:
             names = []
-            if line.startswith("GIT binary patch") or (line.startswith("Binary files ") and " differ" in line):
-                problems.append(("patch.binary", "the patch changes a binary file; propose text changes only"))
-            if re.match(r"(new file |new |old |deleted file )?mode\s+\+?0*1[26]0000|index \S+ 0*1[26]0000", line):
+            if line.startswith("GIT binary patch") or (
+                line.startswith("Binary files ") and " differ" in line
+            ):
+                problems.append(
+                    ("patch.binary", "the patch changes a binary file; propose text changes only")
+                )
+            if re.match(
+                r"(new file |new |old |deleted file )?mode\s+\+?0*1[26]0000|index \S+ 0*1[26]0000",
+                line
+            ):
                 problems.append(("patch.mode", "the patch creates a symlink or a submodule"))
         for name in names:
             if name is not None and name not in files:
@@ -424,9 +630,16 @@ def diff_section_files(section):
 
 def _diff_path(text, prefixed=True):
     text = text.split("\t")[0].rstrip("\r")
-    text = re.sub(r" +[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9:.]+( [+-][0-9]{4})?\Z", "", text)  # diff -u's timestamp
-    if text.startswith('"') and text.endswith('"') and len(text) > 1:  # C-quoted, octal escapes of UTF-8 bytes
-        raw = text[1:-1].encode("latin-1", "backslashreplace").decode("unicode_escape").encode("latin-1", "replace")
+    # diff -u's timestamp
+    text = re.sub(r" +[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9:.]+( [+-][0-9]{4})?\Z", "", text)
+    # C-quoted, octal escapes of UTF-8 bytes
+    if text.startswith('"') and text.endswith('"') and len(text) > 1:
+        raw = (
+            text[1:-1]
+            .encode("latin-1", "backslashreplace")
+            .decode("unicode_escape")
+            .encode("latin-1", "replace")
+        )
         text = raw.decode("utf-8", "replace")
     if text == "/dev/null":
         return None
@@ -434,27 +647,40 @@ def _diff_path(text, prefixed=True):
 
 
 def check_action(action, policy, resolve):
-    """Decide an action {tool, args}; pure given `resolve` (path -> resolved path, None outside). A Verdict."""
+    """Decide an action {tool, args}; pure given `resolve` (path -> resolved path, None outside). A
+    Verdict."""
     paths = {}
     tool, args = action["tool"], action["args"]
     try:
         if not policy.enabled(tool):
-            what = "a built-in that this tools.json does not enable" if tool in BUILTINS else \
-                "not a tool this host offers"
+            what = (
+                "a built-in that this tools.json does not enable"
+                if tool in BUILTINS
+                else "not a tool this host offers"
+            )
             raise _Deny("tool.unknown", f"{tool!r} is {what}")
         plugin = policy.plugins.get(tool)
         spec = {name: ("plugin", True) for name in plugin.args} if plugin else _BUILTIN_ARGS[tool]
         for name in args:
             if name not in spec:
-                raise _Deny("args.unknown", f"{tool} takes no argument {name!r} "
-                                            f"(it takes: {', '.join(spec) or 'none'})")
+                raise _Deny(
+                    "args.unknown",
+                    f"{tool} takes no argument {name!r} "
+                    f"(it takes: {', '.join(spec) or 'none'})"
+                )
         for name, (kind, required) in spec.items():
-            if args.get(name) is not None or (plugin and name in args):  # a plugin's null is a wrong type
+            # a plugin's null is a wrong type
+            if args.get(name) is not None or (plugin and name in args):
                 _check_arg(name, args[name], kind, plugin, policy, resolve, paths)
             elif required:
                 raise _Deny("args.missing", f"{tool} needs the argument {name!r}")
         if plugin:
-            return Verdict(True, f"plugin.{tool}", f"plugin {tool} with arguments that match their patterns", paths)
+            return Verdict(
+                True,
+                f"plugin.{tool}",
+                f"plugin {tool} with arguments that match their patterns",
+                paths
+            )
         _check_builtin(tool, args, policy, resolve, paths)
     except _Deny as deny:
         return Verdict(False, deny.rule, deny.reason, paths)
@@ -464,10 +690,13 @@ def check_action(action, policy, resolve):
 def _check_arg(name, value, kind, plugin, policy, resolve, paths):
     if kind == "path":
         check_path(value, policy, resolve, paths, what=name)
-    elif kind == "int" and (type(value) is not int or not 1 <= value <= 10 ** 7):
+    elif kind == "int" and (type(value) is not int or not 1 <= value <= 10**7):
         raise _Deny("args.type", f"{name} must be a positive integer")
-    elif kind == "texts" and (type(value) is not list or len(value) > 20 or
-                              not all(type(v) is str and len(v) <= MAX_TEXT_ARG_CHARS for v in value)):
+    elif kind == "texts" and (
+        type(value) is not list
+        or len(value) > 20
+        or not all(type(v) is str and len(v) <= MAX_TEXT_ARG_CHARS for v in value)
+    ):
         raise _Deny("args.type", f"{name} must be a list of at most 20 strings")
     elif kind in ("text", "pattern", "patch", "plugin"):
         if type(value) is not str:
@@ -479,12 +708,15 @@ def _check_arg(name, value, kind, plugin, policy, resolve, paths):
     if kind == "plugin":
         _check_option(name, value, MAX_PLUGIN_ARG_CHARS)
         if not plugin.args[name]["pattern"].fullmatch(value):
-            raise _Deny("arg.pattern", f"{name} {value!r} does not match {plugin.args[name]['source']!r}")
+            raise _Deny(
+                "arg.pattern", f"{name} {value!r} does not match {plugin.args[name]['source']!r}"
+            )
         if plugin.args[name]["path"]:
             check_path(value, policy, resolve, paths, what=name)
 
 
-def _check_builtin(tool, args, policy, resolve, paths):  # what holds between its arguments, and in a patch
+# what holds between its arguments, and in a patch
+def _check_builtin(tool, args, policy, resolve, paths):
     start, end = args.get("start_line"), args.get("end_line")
     if tool == "read_file" and start and end and end < start:
         raise _Deny("args.type", "end_line is before start_line")
@@ -498,25 +730,37 @@ def _check_builtin(tool, args, policy, resolve, paths):  # what holds between it
         if problems:
             raise _Deny(*problems[0])
         if not files:
-            raise _Deny("patch.no_files", "the patch names no file: send a unified diff (--- a/PATH, +++ b/PATH, "
-                                          "@@ hunks)")
+            raise _Deny(
+                "patch.no_files",
+                "the patch names no file: send a unified diff (--- a/PATH, +++ b/PATH, "
+                "@@ hunks)"
+            )
         for name in files:
             check_path(name, policy, resolve, paths, what="a file in the patch,")
 
 
 # == The repository: read-only git, snapshots, secrets =========================
 
+
 def _git_env(extra=None):
     return {**_child_env(), **GIT_ENV, **(extra or {})}
 
 
 def git(repo, *args, input=None, check=True, timeout=120, env=None):
-    """A git command in `repo`, read-only unless `env` says otherwise (no optional locks). Its stdout bytes."""
-    proc = subprocess.run(["git", "-c", "core.fsmonitor=false", "-c", "core.quotepath=false", "-C", str(repo),
-                           *args], input=input, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env or _git_env(),
-                          timeout=timeout)
+    """A git command in `repo`, read-only unless `env` says otherwise (no optional locks). Its stdout
+    bytes."""
+    proc = subprocess.run(
+        ["git", "-c", "core.fsmonitor=false", "-c", "core.quotepath=false", "-C", str(repo), *args],
+        input=input,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env or _git_env(),
+        timeout=timeout
+    )
     if check and proc.returncode != 0:
-        raise RepoError(f"git {args[0]} in {repo}: {proc.stderr.decode('utf-8', 'replace').strip()[:300]}")
+        raise RepoError(
+            f"git {args[0]} in {repo}: {proc.stderr.decode('utf-8', 'replace').strip()[:300]}"
+        )
     return proc.stdout
 
 
@@ -524,23 +768,36 @@ def repo_root(path):
     """The top of the git work tree holding `path`, resolved."""
     if not Path(path).is_dir():
         raise RepoError(f"--repo {path}: not a directory")
-    return Path(git(path, "rev-parse", "--show-toplevel").decode("utf-8", "surrogateescape").strip()).resolve()
+    return Path(
+        git(path, "rev-parse", "--show-toplevel").decode("utf-8", "surrogateescape").strip()
+    ).resolve()
 
 
 def resolve_ref(repo, ref):
     """The full commit id of REV, or HEAD's (None for a repository without commits)."""
-    commit = git(repo, "rev-parse", "--verify", "--quiet", f"{ref or 'HEAD'}^{{commit}}", check=False, timeout=60)
+    commit = git(
+        repo,
+        "rev-parse",
+        "--verify",
+        "--quiet",
+        f"{ref or 'HEAD'}^{{commit}}",
+        check=False,
+        timeout=60
+    )
     if not commit.strip() and ref:
         raise RepoError(f"--ref {ref}: not a commit in {repo}")
     return commit.decode().strip() or None
 
 
 def snapshot(repo, ref, dest):
-    """Copy the tree at `ref` (or the working tree as it is) into `dest`, a git repo of its own; its digest."""
+    """Copy the tree at `ref` (or the working tree as it is) into `dest`, a git repo of its own; its
+    digest."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     links = []  # made last, so nothing is ever written through one
-    for rel, executable, target, content in _ref_entries(repo, ref) if ref else _worktree_entries(repo):
+    for rel, executable, target, content in (
+        _ref_entries(repo, ref) if ref else _worktree_entries(repo)
+    ):
         if target is not None:
             links.append((rel, target))
             continue
@@ -552,27 +809,54 @@ def snapshot(repo, ref, dest):
         _create(dest, rel, link=target)
     digest = tree_digest(dest)
     env = _scratch_git_env(dest.parent)
-    for args in (["init", "-q"], ["add", "-A", "-f"],
-                 ["-c", "commit.gpgsign=false", "-c", "core.hooksPath=/dev/null", "commit", "-q", "--no-verify",
-                  "--allow-empty", "-m", "baseline"]):
+    for args in (
+        ["init", "-q"],
+        ["add", "-A", "-f"],
+        [
+            "-c",
+            "commit.gpgsign=false",
+            "-c",
+            "core.hooksPath=/dev/null",
+            "commit",
+            "-q",
+            "--no-verify",
+            "--allow-empty",
+            "-m",
+            "baseline"
+        ]
+    ):
         git(dest, *args, env=env, timeout=300)
     return digest
 
 
 def _scratch_git_env(ceiling):
-    """git in a scratch copy: no walking up, no user or system config (no filter, hook), fixed identity."""
-    return _git_env({"GIT_CEILING_DIRECTORIES": str(ceiling), "GIT_CONFIG_GLOBAL": os.devnull,
-                     "GIT_AUTHOR_NAME": "agent.py", "GIT_AUTHOR_EMAIL": "agent@localhost",
-                     "GIT_COMMITTER_NAME": "agent.py", "GIT_COMMITTER_EMAIL": "agent@localhost",
-                     "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z", "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"})
+    """git in a scratch copy: no walking up, no user or system config (no filter, hook), fixed
+    identity."""
+    return _git_env(
+        {
+            "GIT_CEILING_DIRECTORIES": str(ceiling),
+            "GIT_CONFIG_GLOBAL": os.devnull,
+            "GIT_AUTHOR_NAME": "agent.py",
+            "GIT_AUTHOR_EMAIL": "agent@localhost",
+            "GIT_COMMITTER_NAME": "agent.py",
+            "GIT_COMMITTER_EMAIL": "agent@localhost",
+            "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
+            "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"
+        }
+    )
 
 
 def _worktree_entries(repo):
-    """(path, executable, link target, content) of the files as on disk, none under a symlinked dir (outside)."""
-    listing, real = git(repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard"), os.path.realpath(repo)
+    """(path, executable, link target, content) of the files as on disk, none under a symlinked dir
+    (outside)."""
+    listing, real = git(
+        repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard"
+    ), os.path.realpath(repo)
     for rel in sorted({os.fsdecode(raw) for raw in listing.split(b"\0") if raw}):
         path = os.path.join(repo, rel)
-        if not _safe_rel(rel) or os.path.realpath(os.path.dirname(path)) != os.path.dirname(os.path.join(real, rel)):
+        if not _safe_rel(rel) or os.path.realpath(os.path.dirname(path)) != os.path.dirname(
+            os.path.join(real, rel)
+        ):
             continue
         try:
             mode = os.lstat(path).st_mode
@@ -593,18 +877,29 @@ def _ref_entries(repo, ref):
         meta, _, name = record.partition(b"\t")
         if record and meta.split()[1] == b"blob" and _safe_rel(os.fsdecode(name)):
             entries.append((meta.split()[0], meta.split()[2], os.fsdecode(name)))
-    batch = subprocess.Popen(["git", "-C", str(repo), "cat-file", "--batch"], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, env=_git_env())
-    feeder = threading.Thread(target=_feed_stdin, args=(batch.stdin, b"".join(sha + b"\n" for _m, sha, _n in entries)),
-                              daemon=True)
+    batch = subprocess.Popen(
+        ["git", "-C", str(repo), "cat-file", "--batch"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=_git_env()
+    )
+    feeder = threading.Thread(
+        target=_feed_stdin,
+        args=(batch.stdin, b"".join(sha + b"\n" for _m, sha, _n in entries)),
+        daemon=True
+    )
     feeder.start()
     try:
         for mode, sha, name in entries:
             header = batch.stdout.readline().split()
             if len(header) != 3:
-                raise RepoError(f"{ref}: git cannot read object {sha.decode()} (a shallow or damaged repository)")
+                raise RepoError(
+                    f"{ref}: git cannot read object {sha.decode()} (a shallow or damaged repository)"
+                )
             content = batch.stdout.read(int(header[2]) + 1)[:-1]  # and the newline after it
-            yield name, mode == b"100755", os.fsdecode(content) if mode == b"120000" else None, content
+            yield name, mode == b"100755", (
+                os.fsdecode(content) if mode == b"120000" else None
+            ), content
     finally:
         feeder.join()
         batch.stdout.close()
@@ -612,13 +907,18 @@ def _ref_entries(repo, ref):
 
 
 def _safe_rel(rel):
-    """A path git would check out: no `..`, no `.git` in any case (`.GIT` is `.git` on a case-insensitive disk)."""
-    return bool(rel) and not rel.startswith("/") and not any(
-        part in ("", ".", "..") or part.lower() == ".git" for part in rel.split("/"))
+    """A path git would check out: no `..`, no `.git` in any case (`.GIT` is `.git` on a
+    case-insensitive disk)."""
+    return (
+        bool(rel)
+        and not rel.startswith("/")
+        and not any(part in ("", ".", "..") or part.lower() == ".git" for part in rel.split("/"))
+    )
 
 
 def _create(dest, rel, executable=False, link=None):
-    """Open dest/rel to write (an fd) or make it a symlink to `link`; None, not through a symlink nor over a path."""
+    """Open dest/rel to write (an fd) or make it a symlink to `link`; None, not through a symlink nor
+    over a path."""
     if not _safe_rel(rel):
         return None
     parent = str(dest)
@@ -633,8 +933,11 @@ def _create(dest, rel, executable=False, link=None):
     try:
         if link is not None:
             return os.symlink(link, path)
-        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                       0o755 if executable else 0o644)
+        return os.open(
+            path,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o755 if executable else 0o644
+        )
     except (FileExistsError, IsADirectoryError, NotADirectoryError):
         return None
 
@@ -670,44 +973,86 @@ _ENV_PATHSPECS = (":(glob,icase)**/.env*", ":(glob,icase)**/.env*/**")
 
 
 def repo_secrets(repo, commit=None):
-    """The values of the repo's .env* files, and of those in `commit` and its parents, to mask everywhere."""
-    listing = git(repo, "ls-files", "-z", "--cached", "--others", "--", *_ENV_PATHSPECS, check=False)
-    texts = [_read_plain_file(Path(repo) / os.fsdecode(raw), 256 * 1024)
-             for raw in list(dict.fromkeys(listing.split(b"\0")))[:200] if raw]
-    commits = git(repo, "rev-list", "--no-walk", f"{commit}", f"{commit}^@", check=False).split() if commit else []
-    for rev in commits[:16]:  # ls-tree takes no pathspec magic: every path, each component looked at
-        entries = (e.split(b"\t", 1) for e in git(repo, "ls-tree", "-r", "-z", rev.decode(), check=False).split(b"\0")
-                   if b"\t" in e)
-        blobs = [meta.split()[2].decode() for meta, path in entries if meta.split()[1:2] == [b"blob"] and
-                 any(part.lower().startswith(b".env") for part in path.split(b"/"))]
-        texts += [git(repo, "cat-file", "blob", blob, check=False)[:256 * 1024] for blob in blobs[:200]]
-    return list(dict.fromkeys(v for text in texts for v in dotenv_values((text or b"").decode("utf-8", "replace"))))
+    """The values of the repo's .env* files, and of those in `commit` and its parents, to mask
+    everywhere."""
+    listing = git(
+        repo, "ls-files", "-z", "--cached", "--others", "--", *_ENV_PATHSPECS, check=False
+    )
+    texts = [
+        _read_plain_file(Path(repo) / os.fsdecode(raw), 256 * 1024)
+        for raw in list(dict.fromkeys(listing.split(b"\0")))[:200]
+        if raw
+    ]
+    commits = (
+        git(repo, "rev-list", "--no-walk", f"{commit}", f"{commit}^@", check=False).split()
+        if commit
+        else []
+    )
+    # ls-tree takes no pathspec magic: every path, each component looked at
+    for rev in commits[:16]:
+        entries = (
+            e.split(b"\t", 1)
+            for e in git(repo, "ls-tree", "-r", "-z", rev.decode(), check=False).split(b"\0")
+            if b"\t" in e
+        )
+        blobs = [
+            meta.split()[2].decode()
+            for meta, path in entries
+            if meta.split()[1:2] == [b"blob"]
+            and any(part.lower().startswith(b".env") for part in path.split(b"/"))
+        ]
+        texts += [
+            git(repo, "cat-file", "blob", blob, check=False)[: 256 * 1024] for blob in blobs[:200]
+        ]
+    return list(
+        dict.fromkeys(
+            v for text in texts for v in dotenv_values((text or b"").decode("utf-8", "replace"))
+        )
+    )
 
 
-_ENV_RE = re.compile(r"^[ \t]*(?:export[ \t]+)?[A-Za-z_][A-Za-z0-9_.-]*[ \t]*[=:][ \t]*"  # KEY=, then the value:
-                     r'(?:"((?:\\[\s\S]|[^"\\])*\\?)(?:"|\Z)'  # double-quoted (to the end when not closed),
-                     r"|'((?:\\[\s\S]|[^'\\])*\\?)(?:'|\Z)"  # single-quoted,
-                     r"|([^\n]*))", re.M)  # or bare
+# KEY=, then the value:
+_ENV_RE = re.compile(
+    r"^[ \t]*(?:export[ \t]+)?[A-Za-z_][A-Za-z0-9_.-]*[ \t]*[=:][ \t]*"
+    # double-quoted (to the end when not closed),
+    r'(?:"((?:\\[\s\S]|[^"\\])*\\?)(?:"|\Z)'
+    r"|'((?:\\[\s\S]|[^'\\])*\\?)(?:'|\Z)"  # single-quoted,
+    r"|([^\n]*))",
+    re.M
+)  # or bare
 _ENV_ESCAPES = {"n": "\n", "r": "\r", "t": "\t", "a": "\a", "b": "\b", "f": "\f", "v": "\v"}
 
 
 def dotenv_values(text):
-    """Every value a .env file sets, as dotenv reads it; each raw and decoded, since either may be printed."""
+    """Every value a .env file sets, as dotenv reads it; each raw and decoded, since either may be
+    printed."""
     values = []
     for match in _ENV_RE.finditer(text.lstrip("\ufeff")):
         double, single, bare = match.groups()
-        if bare is not None:  # unquoted: `a#b` is one value, ` # note` a comment; both readings are masked
+        # unquoted: `a#b` is one value, ` # note` a comment; both readings are masked
+        if bare is not None:
             values += [bare, re.split(r"\s#", bare.strip(), maxsplit=1)[0]]
             continue
         raw = double if double is not None else single
-        decoded = re.sub(r"\\(.)", lambda m: _ENV_ESCAPES.get(m.group(1), m.group(1)) if double is not None
-                         else m.group(1) if m.group(1) in "\\'" else m.group(0), raw, flags=re.S)
-        values += [raw, decoded] + [line.strip() for line in decoded.splitlines() if len(line.strip()) >= 8]
+        decoded = re.sub(
+            r"\\(.)",
+            lambda m: (
+                _ENV_ESCAPES.get(m.group(1), m.group(1))
+                if double is not None
+                else m.group(1) if m.group(1) in "\\'" else m.group(0)
+            ),
+            raw,
+            flags=re.S
+        )
+        values += [raw, decoded] + [
+            line.strip() for line in decoded.splitlines() if len(line.strip()) >= 8
+        ]
     return [value.strip() for value in values if value.strip()]
 
 
 def _read_plain_file(path, limit, flags=0):
-    """Up to `limit` bytes (None: all) of a regular file, or None (never blocks on a FIFO or reads a device)."""
+    """Up to `limit` bytes (None: all) of a regular file, or None (never blocks on a FIFO or reads a
+    device)."""
     try:
         fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | flags)
     except OSError:
@@ -718,19 +1063,40 @@ def _read_plain_file(path, limit, flags=0):
 
 # == Processes: argv only, a timeout, the whole process group killed, output capped ==
 
-_SETTINGS = ("BASE_URL", "OPENAI_BASE_URL", "API_KEY", "OPENAI_API_KEY", "MODEL_ID", "LEDGER_KEY", "WEBHOOK_SECRET",
-             "WEBHOOK_SECRET_FILE", "READ_TOKEN", "CLICKHOUSE_PASSWORD", "LEDGER_SHIP_URL")
+_SETTINGS = (
+    "BASE_URL",
+    "OPENAI_BASE_URL",
+    "API_KEY",
+    "OPENAI_API_KEY",
+    "MODEL_ID",
+    "LEDGER_KEY",
+    "WEBHOOK_SECRET",
+    "WEBHOOK_SECRET_FILE",
+    "READ_TOKEN",
+    "CLICKHOUSE_PASSWORD",
+    "LEDGER_SHIP_URL"
+)
 _PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # empty and private in the box
-_RLIMITS = (("RLIMIT_CPU", "cpu_s"), ("RLIMIT_AS", "address_space_bytes"), ("RLIMIT_FSIZE", "file_size_bytes"),
-            ("RLIMIT_NOFILE", "open_files"), ("RLIMIT_NPROC", "processes"), ("RLIMIT_CORE", None))
+_RLIMITS = (
+    ("RLIMIT_CPU", "cpu_s"),
+    ("RLIMIT_AS", "address_space_bytes"),
+    ("RLIMIT_FSIZE", "file_size_bytes"),
+    ("RLIMIT_NOFILE", "open_files"),
+    ("RLIMIT_NPROC", "processes"),
+    ("RLIMIT_CORE", None)
+)
 _CHILDREN = set()  # process groups running now, killed when the run is terminated
 _REAPING = False  # this process is a child subreaper: run_program kills what a program left behind
 
 
 def _child_env():
-    """Every program's environment: none of our settings, nothing named like a secret (the model's code)."""
-    return {name: value for name, value in os.environ.items()
-            if name not in _SETTINGS and not rl.is_secret_env_name(name)}
+    """Every program's environment: none of our settings, nothing named like a secret (the model's
+    code)."""
+    return {
+        name: value
+        for name, value in os.environ.items()
+        if name not in _SETTINGS and not rl.is_secret_env_name(name)
+    }
 
 
 def _subreaper():
@@ -738,12 +1104,13 @@ def _subreaper():
     global _REAPING
     if sys.platform.startswith("linux"):
         import ctypes  # only for this one call
+
         with contextlib.suppress(OSError, AttributeError):
             _REAPING = ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
 
 
 class SandboxError(rl.UsageError):
-    """"sandbox": "required" and bwrap does not work on this box."""
+    """ "sandbox": "required" and bwrap does not work on this box."""
 
 
 class Sandbox:
@@ -754,11 +1121,16 @@ class Sandbox:
         self.bwrap = shutil.which("bwrap") if kind == "bwrap" else None
 
     def record(self):
-        return {"sandbox": self.kind, **({"sandbox_reason": self.reason} if self.kind == "none" else {})}
+        return {
+            "sandbox": self.kind,
+            **({"sandbox_reason": self.reason} if self.kind == "none" else {})
+        }
 
     def limit(self):
-        """preexec_fn: the rlimits, in the child before it runs the program (never above the hard limit)."""
+        """preexec_fn: the rlimits, in the child before it runs the program (never above the hard
+        limit)."""
         import resource
+
         for name, key in _RLIMITS:
             which = getattr(resource, name)
             hard = resource.getrlimit(which)[1]
@@ -767,19 +1139,42 @@ class Sandbox:
             resource.setrlimit(which, (value, value))
 
     def wrap(self, program, argv, cwd, env, writable=()):
-        """bwrap's argv: no network, own pids, host read-only with hidden paths, only cwd and `writable` written."""
-        args = [self.bwrap, "--die-with-parent", "--new-session", "--unshare-all", "--cap-drop", "ALL",
-                "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev"]
+        """bwrap's argv: no network, own pids, host read-only with hidden paths, only cwd and
+        `writable` written."""
+        args = [
+            self.bwrap,
+            "--die-with-parent",
+            "--new-session",
+            "--unshare-all",
+            "--cap-drop",
+            "ALL",
+            "--ro-bind",
+            "/",
+            "/",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev"
+        ]
         for path in self.hide:
             if os.path.isdir(path):
                 args += ["--tmpfs", path]
             elif os.path.exists(path):
                 args += ["--ro-bind", "/dev/null", path]
         args += [arg for path in _PRIVATE_DIRS for arg in ("--tmpfs", path)]
-        args += [arg for path in _program_roots(program, env, self.hide) for arg in ("--ro-bind", path, path)]
+        args += [
+            arg
+            for path in _program_roots(program, env, self.hide)
+            for arg in ("--ro-bind", path, path)
+        ]
         # after the private /tmp: cwd and `writable` usually live there
-        args += [arg for path in [str(cwd)] + [str(p) for p in writable] for arg in ("--bind", path, path)]
-        if "PYENV_DIR" in env:  # a pyenv shim cds to where pyenv was first called, which may be hidden here
+        args += [
+            arg
+            for path in [str(cwd)] + [str(p) for p in writable]
+            for arg in ("--bind", path, path)
+        ]
+        # a pyenv shim cds to where pyenv was first called, which may be hidden here
+        if "PYENV_DIR" in env:
             args += ["--setenv", "PYENV_DIR", str(cwd)]
         return args + ["--chdir", str(cwd), "--", program] + list(argv[1:])
 
@@ -787,28 +1182,44 @@ class Sandbox:
 def _hidden_paths(repo, runs_dir):
     """What a boxed program must not see: HOME, the repo, the runs and lock dirs, files settings name."""
     hidden = [os.path.expanduser("~"), repo, runs_dir, _lock_dir()]
-    hidden += [os.environ[n] for n in os.environ if n.endswith("_FILE") and os.path.isfile(os.environ[n])]
-    return [p for p in (os.path.realpath(h) for h in hidden if h) if p != "/"]  # HOME=/ hides nothing
+    hidden += [
+        os.environ[n] for n in os.environ if n.endswith("_FILE") and os.path.isfile(os.environ[n])
+    ]
+    # HOME=/ hides nothing
+    return [p for p in (os.path.realpath(h) for h in hidden if h) if p != "/"]
 
 
 def _program_roots(program, env, hidden):
-    """The hidden trees a program needs (its HOME top dir, a venv's base, ~/.local); never repo or runs."""
+    """The hidden trees a program needs (its HOME top dir, a venv's base, ~/.local); never repo or
+    runs."""
     home = os.path.realpath(os.path.expanduser("~"))
-    places = [os.path.dirname(program), os.path.dirname(os.path.realpath(program)), env.get("PYENV_ROOT") or "",
-              os.path.join(home, ".local")]
+    places = [
+        os.path.dirname(program),
+        os.path.dirname(os.path.realpath(program)),
+        env.get("PYENV_ROOT") or "",
+        os.path.join(home, ".local")
+    ]
     cfg = Path(os.path.dirname(os.path.dirname(program))) / "pyvenv.cfg"
     if cfg.is_file():
-        places += [os.path.realpath(line.split("=", 1)[1].strip()) for line in cfg.read_text("utf-8", "replace")
-                   .splitlines() if "=" in line and line.split("=", 1)[0].strip() == "home"]
-    others = [h for h in hidden if h != home]  # the repository, runs and lock dirs: never in, never over
+        places += [
+            os.path.realpath(line.split("=", 1)[1].strip())
+            for line in cfg.read_text("utf-8", "replace").splitlines()
+            if "=" in line and line.split("=", 1)[0].strip() == "home"
+        ]
+    # the repository, runs and lock dirs: never in, never over
+    others = [h for h in hidden if h != home]
     roots = []
     for place in (os.path.realpath(p) for p in places if p and os.path.isdir(p)):
         if _under(place, home):
             root = os.path.join(home, os.path.relpath(place, home).split(os.sep)[0])
         else:  # a prefix (a venv in /tmp, say) the box hides: its parent, bin/'s prefix
             root = os.path.dirname(place) if _under(place, *hidden, *_PRIVATE_DIRS) else None
-        if root and root not in (home, "/", *_PRIVATE_DIRS, *roots) and not _under(root, *others) \
-                and not any(_under(h, root) for h in others):
+        if (
+            root
+            and root not in (home, "/", *_PRIVATE_DIRS, *roots)
+            and not _under(root, *others)
+            and not any(_under(h, root) for h in others)
+        ):
             roots.append(root)
     return roots
 
@@ -823,24 +1234,37 @@ def probe_sandbox(policy, hide):
         return Sandbox("none", 'tools.json sets "sandbox": "off"', hide, policy.caps)
     box, true = Sandbox("bwrap", None, hide, policy.caps), shutil.which("true")
     if not box.bwrap or not true:
-        return Sandbox("none", "bwrap is not installed (the Debian package bubblewrap)", hide, policy.caps)
+        return Sandbox(
+            "none", "bwrap is not installed (the Debian package bubblewrap)", hide, policy.caps
+        )
     with tempfile.TemporaryDirectory(prefix="agent-probe-") as cwd:
         try:
-            proc = subprocess.run(box.wrap(true, [true], cwd, _child_env()), stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60)
+            proc = subprocess.run(
+                box.wrap(true, [true], cwd, _child_env()),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                timeout=60
+            )
         except (OSError, subprocess.TimeoutExpired) as exc:
-            return Sandbox("none", f"bwrap does not work here: {rl.error_text(exc)}", hide, policy.caps)
+            return Sandbox(
+                "none", f"bwrap does not work here: {rl.error_text(exc)}", hide, policy.caps
+            )
     if proc.returncode == 0:
         return box
     output = proc.stdout.decode("utf-8", "replace").strip()[:300]
-    return Sandbox("none", f"bwrap does not work here (exit {proc.returncode}: {output})", hide, policy.caps)
+    return Sandbox(
+        "none", f"bwrap does not work here (exit {proc.returncode}: {output})", hide, policy.caps
+    )
 
 
 def require_box(box, policy):
     """Raise SandboxError when tools.json requires bwrap and the probe found none."""
     if box.kind == "none" and policy.sandbox == "required":
-        raise SandboxError(f'tools.json sets "sandbox": "required" but {box.reason}; install bubblewrap (apt-get '
-                           f'install bubblewrap) where user namespaces work, or set "sandbox": "auto" in tools.json')
+        raise SandboxError(
+            f'tools.json sets "sandbox": "required" but {box.reason}; install bubblewrap (apt-get '
+            f'install bubblewrap) where user namespaces work, or set "sandbox": "auto" in tools.json'
+        )
 
 
 def _children():
@@ -852,7 +1276,8 @@ def _children():
 
 
 def _kill_strays(known):
-    """Kill and reap every child not in `known` until none is left (a stray's children come back in turn)."""
+    """Kill and reap every child not in `known` until none is left (a stray's children come back in
+    turn)."""
     for _round in range(1000):
         strays = _children() - known
         if not strays:
@@ -868,11 +1293,27 @@ def _kill_strays(known):
 class Output:
     """A program's result: its exit code and output, capped (head and tail kept), with what was cut."""
 
-    def __init__(self, returncode, head, tail, size, duration_ms, timed_out=False, error=None, errno=None,
-                 sandbox=None):
+    def __init__(
+        self,
+        returncode,
+        head,
+        tail,
+        size,
+        duration_ms,
+        timed_out=False,
+        error=None,
+        errno=None,
+        sandbox=None
+    ):
         self.returncode, self.head, self.tail, self.size = returncode, head, tail, size
-        self.duration_ms, self.timed_out, self.error, self.errno = duration_ms, timed_out, error, errno
-        self.sandbox = sandbox  # a boxed program's record: {"sandbox": "bwrap"} or "none" with its reason
+        self.duration_ms, self.timed_out, self.error, self.errno = (
+            duration_ms,
+            timed_out,
+            error,
+            errno
+        )
+        # a boxed program's record: {"sandbox": "bwrap"} or "none" with its reason
+        self.sandbox = sandbox
 
     def text(self, cap):
         """Head and tail within `cap` bytes, saying how much was cut."""
@@ -880,30 +1321,60 @@ class Output:
         if self.size <= cap and len(data) == self.size:
             return data.decode("utf-8", "replace")
         half = cap // 2
-        return self.head[:half].decode("utf-8", "replace") + f"\n[... {self.size - 2 * half:,} bytes cut ...]\n" + \
-            data[-half:].decode("utf-8", "replace")
+        return (
+            self.head[:half].decode("utf-8", "replace")
+            + f"\n[... {self.size - 2 * half:,} bytes cut ...]\n"
+            + data[-half:].decode("utf-8", "replace")
+        )
 
     def artifact_bytes(self):
         cut = self.size - len(self.head) - len(self.tail)
-        return self.head + (f"\n[... {cut:,} bytes not kept ...]\n".encode() if cut > 0 else b"") + self.tail
+        return (
+            self.head
+            + (f"\n[... {cut:,} bytes not kept ...]\n".encode() if cut > 0 else b"")
+            + self.tail
+        )
 
 
-def run_program(argv, cwd, timeout, env=None, input=None, keep=MAX_ARTIFACT_BYTES, tail_keep=65536, box=None,
-                writable=()):
+def run_program(
+    argv,
+    cwd,
+    timeout,
+    env=None,
+    input=None,
+    keep=MAX_ARTIFACT_BYTES,
+    tail_keep=65536,
+    box=None,
+    writable=()
+):
     """Run argv (no shell) in its own group, boxed, killed on timeout with what it left; output capped."""
     started = time.monotonic()
     env = env if env is not None else _child_env()
     known = _children() if _REAPING else set()
     record = box.record() if box else None
     try:
-        proc = subprocess.Popen(_boxed(argv, cwd, env, box, writable), cwd=str(cwd), env=env, stdout=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
-                                preexec_fn=box.limit if box else None)
+        proc = subprocess.Popen(
+            _boxed(argv, cwd, env, box, writable),
+            cwd=str(cwd),
+            env=env,
+            stdout=subprocess.PIPE,
+            stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+            preexec_fn=box.limit if box else None
+        )
     except OSError as exc:
-        return Output(None, f"cannot run {argv[0]}: {rl.error_text(exc)}".encode(), b"", 0,
-                      round((time.monotonic() - started) * 1000, 1), error=rl.error_text(exc), errno=exc.errno,
-                      sandbox=record)
+        return Output(
+            None,
+            f"cannot run {argv[0]}: {rl.error_text(exc)}".encode(),
+            b"",
+            0,
+            round((time.monotonic() - started) * 1000, 1),
+            error=rl.error_text(exc),
+            errno=exc.errno,
+            sandbox=record
+        )
     _CHILDREN.add(proc.pid)
     if input is not None:
         threading.Thread(target=_feed_stdin, args=(proc.stdin, input), daemon=True).start()
@@ -922,16 +1393,27 @@ def run_program(argv, cwd, timeout, env=None, input=None, keep=MAX_ARTIFACT_BYTE
         _CHILDREN.discard(proc.pid)
         if _REAPING:
             _kill_strays(known)
-    return Output(None if timed_out else proc.returncode, bytes(held["head"]), bytes(held["tail"]), held["size"],
-                  round((time.monotonic() - started) * 1000, 1), timed_out=timed_out, sandbox=record)
+    return Output(
+        None if timed_out else proc.returncode,
+        bytes(held["head"]),
+        bytes(held["tail"]),
+        held["size"],
+        round((time.monotonic() - started) * 1000, 1),
+        timed_out=timed_out,
+        sandbox=record
+    )
 
 
 def _boxed(argv, cwd, env, box, writable):
-    """argv as run: in bwrap when the box has it, the program resolved first so a missing one fails as unboxed."""
+    """argv as run: in bwrap when the box has it, the program resolved first so a missing one fails as
+    unboxed."""
     if box is None or box.kind != "bwrap":
         return argv
-    program = os.path.join(str(cwd), argv[0]) if "/" in argv[0] else \
-        shutil.which(argv[0], path=env.get("PATH", os.defpath))
+    program = (
+        os.path.join(str(cwd), argv[0])
+        if "/" in argv[0]
+        else shutil.which(argv[0], path=env.get("PATH", os.defpath))
+    )
     if not program or not os.path.exists(program):
         raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
     if os.path.isdir(program) or not os.access(program, os.X_OK):
@@ -940,7 +1422,8 @@ def _boxed(argv, cwd, env, box, writable):
 
 
 def _read_until_exit(proc, deadline, held, keep, tail_keep):
-    """Read output until the program exits (a child of it may still hold the pipe) or the deadline (True)."""
+    """Read output until the program exits (a child of it may still hold the pipe) or the deadline
+    (True)."""
     fd = proc.stdout.fileno()
     with selectors.DefaultSelector() as selector:
         selector.register(fd, selectors.EVENT_READ)
@@ -1006,23 +1489,40 @@ class Workspace:
     """The host's scratch copy of the repository, and the tools that run there."""
 
     def __init__(self, repo, ref, root, policy, redactor, box):
-        self.repo, self.ref, self.root, self.policy, self.redactor = repo, ref, Path(root), policy, redactor
+        self.repo, self.ref, self.root, self.policy, self.redactor = (
+            repo,
+            ref,
+            Path(root),
+            policy,
+            redactor
+        )
         self.box = box  # every program run here: its rlimits, and its bwrap when it works
         self.env = _child_env()  # the environment does not change during a run
 
     def resolve(self, rel):
         root = os.path.realpath(self.root)
         real = os.path.realpath(os.path.join(root, rel))
-        return posixpath.normpath(os.path.relpath(real, root).replace(os.sep, "/")) if _under(real, root) else None
+        return (
+            posixpath.normpath(os.path.relpath(real, root).replace(os.sep, "/"))
+            if _under(real, root)
+            else None
+        )
 
     def run_tests(self, out=None):
-        """(Output, pytest's per-test outcomes or None); `out`: a directory the box may write JUnit XML to."""
+        """(Output, pytest's per-test outcomes or None); `out`: a directory the box may write JUnit XML
+        to."""
         argv = list(self.policy.test_command)
         junit = out / f"junit-{time.monotonic_ns()}.xml" if out is not None else None
         if junit is not None and _is_pytest(argv):
             argv += [f"--junitxml={junit}", "-p", "no:cacheprovider"]
-        output = run_program(argv, self.root, self.policy.test_timeout_s, env=self.env, box=self.box,
-                             writable=[out] if out is not None else ())
+        output = run_program(
+            argv,
+            self.root,
+            self.policy.test_timeout_s,
+            env=self.env,
+            box=self.box,
+            writable=[out] if out is not None else ()
+        )
         return output, junit_outcomes(junit) if junit is not None and junit.exists() else None
 
     def execute(self, tool, args):
@@ -1030,20 +1530,38 @@ class Workspace:
         started, timeout = time.monotonic(), self.policy.caps["timeout_s"]
         if tool in self.policy.plugins:
             plugin = self.policy.plugins[tool]
-            return run_program(plugin.command(args), self.root, plugin.timeout_s or timeout, env=self.env,
-                               box=self.box)
+            return run_program(
+                plugin.command(args),
+                self.root,
+                plugin.timeout_s or timeout,
+                env=self.env,
+                box=self.box
+            )
         if tool == "run_tests":
             return self.run_tests()[0]
         if tool == "grep":
             files = self._files(args.get("path") or ".")
             if not files:
                 return _text_output(1, "no files to search", started)
-            return run_program([sys.executable, "-I", "-c", GREP_SCRIPT, args["pattern"], "500"], self.root, timeout,
-                               env=dict(self.env, PYTHONIOENCODING="utf-8"), box=self.box,
-                               input="\0".join(files).encode("utf-8", "surrogateescape"))
+            return run_program(
+                [sys.executable, "-I", "-c", GREP_SCRIPT, args["pattern"], "500"],
+                self.root,
+                timeout,
+                env=dict(self.env, PYTHONIOENCODING="utf-8"),
+                box=self.box,
+                input="\0".join(files).encode("utf-8", "surrogateescape")
+            )
         if tool == "git_log":
-            out = git(self.repo, "log", f"-n{min(args.get('n') or 10, 50)}", "--no-color", "--date=short",
-                      "--format=%h %ad %an: %s", self.ref or "HEAD", check=False)
+            out = git(
+                self.repo,
+                "log",
+                f"-n{min(args.get('n') or 10, 50)}",
+                "--no-color",
+                "--date=short",
+                "--format=%h %ad %an: %s",
+                self.ref or "HEAD",
+                check=False
+            )
             return _text_output(0, out.decode("utf-8", "replace") or "(no commits)", started)
         if tool == "read_file":
             return self._read_file(args, started)
@@ -1053,7 +1571,9 @@ class Workspace:
         if not (self.root / rel).exists():
             return _text_output(1, f"{rel}: no such file or directory", started)
         files = self._files(rel)
-        text = "\n".join(files[:2000]) + (f"\n[... {len(files) - 2000} more]" if len(files) > 2000 else "")
+        text = "\n".join(files[:2000]) + (
+            f"\n[... {len(files) - 2000} more]" if len(files) > 2000 else ""
+        )
         return _text_output(0, text or "(no files)", started)
 
     def _read_file(self, args, started):
@@ -1065,17 +1585,24 @@ class Workspace:
         except OSError as exc:
             return _text_output(1, f"{args['path']}: {exc.strerror}", started)
         if b"\0" in data[:8192]:
-            return _text_output(1, f"{args['path']} is a binary file ({len(data)} bytes); not shown", started)
+            return _text_output(
+                1, f"{args['path']} is a binary file ({len(data)} bytes); not shown", started
+            )
         lines = data.decode("utf-8", "replace").splitlines()
-        first, last = args.get("start_line") or 1, min(args.get("end_line") or len(lines), len(lines))
+        first, last = args.get("start_line") or 1, min(
+            args.get("end_line") or len(lines), len(lines)
+        )
         body = "\n".join(f"{n:>{len(str(last))}}| {lines[n - 1]}" for n in range(first, last + 1))
         return _text_output(0, body if lines else "(empty file)", started)
 
     def _files(self, rel):
         """The files under `rel` a tool may open, each held to the path rules by what it resolves to."""
         base = self.root / rel
-        paths = [rel] if base.is_file() else (posixpath.normpath(posixpath.join(rel, p)) for p in sorted(
-            _walk_files(base)))
+        paths = (
+            [rel]
+            if base.is_file()
+            else (posixpath.normpath(posixpath.join(rel, p)) for p in sorted(_walk_files(base)))
+        )
         out = []
         for full in paths:
             try:
@@ -1089,12 +1616,25 @@ class Workspace:
         return out
 
     def _git_diff(self):
-        """The change under review (uncommitted, or the --ref commit's), less the sections of denied files."""
+        """The change under review (uncommitted, or the --ref commit's), less the sections of denied
+        files."""
         command, *rest = ["show", "--format=", self.ref] if self.ref else ["diff", "HEAD"]
-        raw = git(self.repo, command, "--no-color", "--no-ext-diff", "--no-textconv", *rest, check=False) \
-            if self.ref or resolve_ref(self.repo, None) else b""
+        raw = (
+            git(
+                self.repo,
+                command,
+                "--no-color",
+                "--no-ext-diff",
+                "--no-textconv",
+                *rest,
+                check=False
+            )
+            if self.ref or resolve_ref(self.repo, None)
+            else b""
+        )
         kept = []
-        for section in re.split(rb"(?m)^(?=diff )", raw):  # --git, --cc, --combined: every format git writes
+        # --git, --cc, --combined: every format git writes
+        for section in re.split(rb"(?m)^(?=diff )", raw):
             files = diff_section_files(section.decode("utf-8", "replace"))
             if files and not any(self.policy.denied_by(f) for f in files):
                 kept.append(section)
@@ -1113,6 +1653,7 @@ def _text_output(code, text, started):
 def junit_outcomes(path):
     """{test id: passed|failed|error|skipped} from a JUnit XML file, or None when there is none."""
     import xml.etree.ElementTree as ElementTree  # only when pytest ran
+
     try:
         tree = ElementTree.parse(str(path))
     except (OSError, ElementTree.ParseError):
@@ -1121,12 +1662,15 @@ def junit_outcomes(path):
     for case in tree.iter("testcase"):
         kinds = {child.tag for child in case}
         outcomes[f"{case.get('classname', '')}::{case.get('name', '')}"] = (
-            "failed" if "failure" in kinds else "error" if "error" in kinds else "skipped" if "skipped" in kinds
-            else "passed")
+            "failed"
+            if "failure" in kinds
+            else "error" if "error" in kinds else "skipped" if "skipped" in kinds else "passed"
+        )
     return outcomes
 
 
 # == The action protocol =======================================================
+
 
 class Malformed(Exception):
     """A reply that is neither a valid action nor a bare unified diff; `reason` goes back to the model."""
@@ -1145,13 +1689,15 @@ _TOOL_DOCS = {
     "git_log": '{"n": 10}: recent commits',
     "run_tests": "{}: run the test command and see its output",
     "propose_patch": '{"patch": "UNIFIED DIFF", "rationale": "why this fixes it", "alternatives": ["what else you '
-                     'considered"]}: your final answer; a human reviews it',
+    'considered"]}: your final answer; a human reviews it'
 }
 
 
 def _looks_like_diff(text):
     text = text.lstrip()
-    return text.startswith(("diff --git ", "--- ")) and bool(re.search(r"(?m)^--- \S.*\n\+\+\+ \S.*\n@@ ", text))
+    return text.startswith(("diff --git ", "--- ")) and bool(
+        re.search(r"(?m)^--- \S.*\n\+\+\+ \S.*\n@@ ", text)
+    )
 
 
 def _action(obj):
@@ -1166,14 +1712,20 @@ def _action(obj):
 
 
 def parse_reply(text):
-    """(action, form): one JSON object, bare, fenced or in prose, or a bare unified diff. Raises Malformed."""
+    """(action, form): one JSON object, bare, fenced or in prose, or a bare unified diff. Raises
+    Malformed."""
     stripped = text.strip()
     if not stripped:
         raise Malformed("the reply is empty")
     fenced = _FENCE_RE.findall(text)
-    whole = [(stripped, "json")] + [(block.strip(), "fenced_json") for lang, block in fenced
-                                    if lang.lower() in ("", "json", "javascript", "js")]
-    embedded = [(m.start(), "embedded_json") for m in itertools.islice(re.finditer(r"\{", text), 50)]
+    whole = [(stripped, "json")] + [
+        (block.strip(), "fenced_json")
+        for lang, block in fenced
+        if lang.lower() in ("", "json", "javascript", "js")
+    ]
+    embedded = [
+        (m.start(), "embedded_json") for m in itertools.islice(re.finditer(r"\{", text), 50)
+    ]
     decode = json.JSONDecoder().raw_decode
     for candidate, form in whole + embedded:
         try:
@@ -1186,47 +1738,62 @@ def parse_reply(text):
         if action:
             return action, form
     diffs = [block for _lang, block in fenced if _looks_like_diff(block)]
-    if len(diffs) == 1 and not text.replace(diffs[0], "").replace("```", "").strip(" \n\tdiffpatch"):
-        return {"tool": "propose_patch", "args": {"patch": diffs[0].strip("\n") + "\n"}, "reason": ""}, "fenced_diff"
+    if len(diffs) == 1 and not text.replace(diffs[0], "").replace("```", "").strip(
+        " \n\tdiffpatch"
+    ):
+        return {
+            "tool": "propose_patch",
+            "args": {"patch": diffs[0].strip("\n") + "\n"},
+            "reason": ""
+        }, "fenced_diff"
     if _looks_like_diff(stripped) and not re.search(r"(?m)^```", stripped):
         return {"tool": "propose_patch", "args": {"patch": stripped + "\n"}, "reason": ""}, "diff"
-    raise Malformed('no action found: answer with one JSON object {"tool": NAME, "args": {...}, "reason": TEXT}, '
-                    "or with a unified diff alone")
+    raise Malformed(
+        'no action found: answer with one JSON object {"tool": NAME, "args": {...}, "reason": TEXT}, '
+        "or with a unified diff alone"
+    )
 
 
 def system_prompt(policy):
     """What the model is told about the protocol and the tools tools.json enables."""
-    lines = ["You are a coding agent working through a host. You cannot change files and you cannot run "
-             "commands yourself: you ask the host for one action at a time, and it decides whether to run it. "
-             "Your goal is one patch that makes the failing tests pass without changing the tests.",
-             "",
-             "Answer every turn with exactly one JSON object and nothing else:",
-             '{"tool": "NAME", "args": {...}, "reason": "why this step"}',
-             "",
-             "Tools:"]
+    lines = [
+        "You are a coding agent working through a host. You cannot change files and you cannot run "
+        "commands yourself: you ask the host for one action at a time, and it decides whether to run it. "
+        "Your goal is one patch that makes the failing tests pass without changing the tests.",
+        "",
+        "Answer every turn with exactly one JSON object and nothing else:",
+        '{"tool": "NAME", "args": {...}, "reason": "why this step"}',
+        "",
+        "Tools:"
+    ]
     lines += [f"- {tool} {_TOOL_DOCS[tool]}" for tool in BUILTINS if tool in policy.builtins]
     for name, plugin in sorted(policy.plugins.items()):
         args = ", ".join(f'"{a}": "..."' for a in plugin.args)
         lines.append(f"- {name} {{{args}}}: {plugin.description}")
-    lines += ["",
-              "Paths are relative to the repository root. Some paths are off limits (.git, .env files, keys) and "
-              f"outputs are cut at {policy.caps['output_bytes']} bytes. A patch is a unified diff against the "
-              "files as they are now (--- a/PATH, +++ b/PATH, @@ hunks). You may also answer with the diff alone."]
+    lines += [
+        "",
+        "Paths are relative to the repository root. Some paths are off limits (.git, .env files, keys) and "
+        f"outputs are cut at {policy.caps['output_bytes']} bytes. A patch is a unified diff against the "
+        "files as they are now (--- a/PATH, +++ b/PATH, @@ hunks). You may also answer with the diff alone."
+    ]
     return "\n".join(lines)
 
 
 def first_prompt(tests_output, diff, budget_line):
-    return (f"The tests fail (exit {tests_output.returncode if not tests_output.timed_out else 'timeout'}). "
-            f"Their output, cut to the end that matters:\n\n{tests_output.text(6000)}\n\n"
-            f"The change under review (git diff):\n\n{diff[:6000] or '(no uncommitted changes)'}\n\n"
-            f"{budget_line}\nPropose the next action. If you can already fix it, answer with propose_patch.")
+    return (
+        f"The tests fail (exit {tests_output.returncode if not tests_output.timed_out else 'timeout'}). "
+        f"Their output, cut to the end that matters:\n\n{tests_output.text(6000)}\n\n"
+        f"The change under review (git diff):\n\n{diff[:6000] or '(no uncommitted changes)'}\n\n"
+        f"{budget_line}\nPropose the next action. If you can already fix it, answer with propose_patch."
+    )
 
 
 # == The host loop, shared by a live run and by replay =========================
 
+
 class _Exit(Exception):
-    """The loop ends: its outcome, the event that says why (none when a replay runs out of replies), and the
-    accepted patch check of a proposal."""
+    """The loop ends: its outcome, the event that says why (none when a replay runs out of replies),
+    and the accepted patch check of a proposal."""
 
     def __init__(self, outcome, kind=None, payload=None, check=None):
         super().__init__(outcome)
@@ -1234,7 +1801,8 @@ class _Exit(Exception):
 
 
 class Budget:
-    """What the run has spent: steps, model calls, tokens (reported or estimated, and which), wall time."""
+    """What the run has spent: steps, model calls, tokens (reported or estimated, and which), wall
+    time."""
 
     def __init__(self, limits):
         self.limits, self.sources = limits, set()
@@ -1246,23 +1814,38 @@ class Budget:
         self.sources.add(call["tokens_source"])
 
     def snapshot(self, elapsed):
-        return {"steps": self.steps, "model_calls": self.model_calls, "tokens": self.tokens,
-                "tokens_source": _source(self.sources), "elapsed_s": round(elapsed, 3)}
+        return {
+            "steps": self.steps,
+            "model_calls": self.model_calls,
+            "tokens": self.tokens,
+            "tokens_source": _source(self.sources),
+            "elapsed_s": round(elapsed, 3)
+        }
 
     def exhausted(self, elapsed):
-        used = {"max_steps": self.steps, "max_model_calls": self.model_calls, "max_total_tokens": self.tokens,
-                "max_wall_s": elapsed}
+        used = {
+            "max_steps": self.steps,
+            "max_model_calls": self.model_calls,
+            "max_total_tokens": self.tokens,
+            "max_wall_s": elapsed
+        }
         return next(((name, n) for name, n in used.items() if n >= self.limits[name]), None)
 
     def line(self, elapsed):
         limits = self.limits
-        return (f"Budget left: {limits['max_steps'] - self.steps} steps, {limits['max_model_calls'] - self.model_calls}"
-                f" model calls, {max(0, limits['max_total_tokens'] - self.tokens):,} tokens, "
-                f"{max(0.0, limits['max_wall_s'] - elapsed):.0f} seconds.")
+        return (
+            f"Budget left: {limits['max_steps'] - self.steps} steps, {limits['max_model_calls'] - self.model_calls}"
+            f" model calls, {max(0, limits['max_total_tokens'] - self.tokens):,} tokens, "
+            f"{max(0.0, limits['max_wall_s'] - elapsed):.0f} seconds."
+        )
 
 
 def _source(sources):
-    return "reported" if sources == {"reported"} else "estimated" if sources <= {"estimated"} else "mixed"
+    return (
+        "reported"
+        if sources == {"reported"}
+        else "estimated" if sources <= {"estimated"} else "mixed"
+    )
 
 
 def _excerpt(text, limit=EXCERPT_BYTES):
@@ -1271,7 +1854,8 @@ def _excerpt(text, limit=EXCERPT_BYTES):
 
 
 def _fit(messages, limit):
-    """Keep the conversation within `limit` chars: shorten old outputs, drop old exchanges, cut the longest."""
+    """Keep the conversation within `limit` chars: shorten old outputs, drop old exchanges, cut the
+    longest."""
     size = before = sum(len(m["content"]) for m in messages)
     if size <= limit:
         return None
@@ -1281,7 +1865,10 @@ def _fit(messages, limit):
             break
         if message["role"] == "user" and len(message["content"]) > 400:
             cut = len(message["content"]) - 300
-            message["content"] = message["content"][:300] + f"\n[... {cut:,} characters of this old output shortened]"
+            message["content"] = (
+                message["content"][:300]
+                + f"\n[... {cut:,} characters of this old output shortened]"
+            )
             size -= cut - 60
             shortened += 1
     while size > limit and len(messages) > 4:
@@ -1291,34 +1878,49 @@ def _fit(messages, limit):
         excess, text = size - limit, message["content"]
         if excess <= 0 or len(text) <= 400:
             continue
-        keep = max(300, len(text) - excess - 80)  # the head says what it is; the tail of an output matters most
-        message["content"] = (text[:keep // 3] + f"\n[... {len(text) - keep:,} characters cut to fit the model's "
-                              f"context ...]\n" + text[len(text) - (keep - keep // 3):])
+        # the head says what it is; the tail of an output matters most
+        keep = max(300, len(text) - excess - 80)
+        message["content"] = (
+            text[: keep // 3] + f"\n[... {len(text) - keep:,} characters cut to fit the model's "
+            f"context ...]\n" + text[len(text) - (keep - keep // 3) :]
+        )
         size += len(message["content"]) - len(text)
         cut_short += 1
     after = sum(len(m["content"]) for m in messages)
     if after >= before:
         return None  # nothing could be cut: no record that says otherwise
-    return {"before_chars": before, "after_chars": after, "outputs_shortened": shortened,
-            "exchanges_dropped": dropped, "messages_cut": cut_short}
+    return {
+        "before_chars": before,
+        "after_chars": after,
+        "outputs_shortened": shortened,
+        "exchanges_dropped": dropped,
+        "messages_cut": cut_short
+    }
 
 
-_WINDOW_RE = re.compile(r"maximum context length is ([0-9]+)|available context size \(([0-9]+)|n_ctx\D{1,4}([0-9]+)")
-_PROMPT_RE = re.compile(r"\(([0-9]+) in the messages|request has ([0-9]+) input tokens|messages resulted in ([0-9]+) "
-                        r"tokens|request \(([0-9]+) tokens\)|n_prompt_tokens\D{1,4}([0-9]+)")
+_WINDOW_RE = re.compile(
+    r"maximum context length is ([0-9]+)|available context size \(([0-9]+)|n_ctx\D{1,4}([0-9]+)"
+)
+_PROMPT_RE = re.compile(
+    r"\(([0-9]+) in the messages|request has ([0-9]+) input tokens|messages resulted in ([0-9]+) "
+    r"tokens|request \(([0-9]+) tokens\)|n_prompt_tokens\D{1,4}([0-9]+)"
+)
 MAX_TOKEN_RATIO = 8.0  # server tokens per chars/4 estimate believed at most (CJK text is near 4)
 
 
 def overflow_sizes(message):
-    """(window, prompt tokens) an overflow answer states (OpenAI, vLLM, llama.cpp wordings), each or None."""
+    """(window, prompt tokens) an overflow answer states (OpenAI, vLLM, llama.cpp wordings), each or
+    None."""
     found = [regex.search(message or "") for regex in (_WINDOW_RE, _PROMPT_RE)]
     return tuple(int(next(g for g in match.groups() if g)) if match else None for match in found)
 
 
 class ContextPlan:
-    """What fits the model's window: the smallest window known, and the server's token ratio to chars/4."""
-    MARGIN = 0.10           # of the window, kept free for the estimate's error
-    PER_MESSAGE = 16        # tokens of chat template around each message
+    """What fits the model's window: the smallest window known, and the server's token ratio to
+    chars/4."""
+
+    MARGIN = 0.10  # of the window, kept free for the estimate's error
+    PER_MESSAGE = 16  # tokens of chat template around each message
 
     def __init__(self, window=None):
         self.window, self.ratio, self.learned = None, 1.2, False
@@ -1355,7 +1957,8 @@ class ContextPlan:
 
 
 def drive(world, policy, messages):
-    """The host loop, for a live run or a replay (`world`). Returns (outcome, accepted patch check or None)."""
+    """The host loop, for a live run or a replay (`world`). Returns (outcome, accepted patch check or
+    None)."""
     return _Loop(world, policy, messages).run()
 
 
@@ -1378,17 +1981,26 @@ class _Loop:
     def step(self):
         step, text, call, checked = self.query()
         feedback = self.execute(step, text, call, checked) + self.repeated(step, text, checked)
-        self.messages += [{"role": "assistant", "content": text},
-                          {"role": "user", "content": feedback + "\n" + self.budget.line(self.world.elapsed())}]
+        self.messages += [
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": feedback + "\n" + self.budget.line(self.world.elapsed())}
+        ]
 
     def query(self):
         budget, elapsed = self.budget, self.world.elapsed()
         spent = budget.exhausted(elapsed)
         if spent:
             limit, used = spent
-            raise _Exit("budget_exhausted", "budget_exhausted", {"limit": limit, "used": used,
-                                                                 "max": self.limits[limit],
-                                                                 "budget": budget.snapshot(elapsed)})
+            raise _Exit(
+                "budget_exhausted",
+                "budget_exhausted",
+                {
+                    "limit": limit,
+                    "used": used,
+                    "max": self.limits[limit],
+                    "budget": budget.snapshot(elapsed)
+                }
+            )
         checked = budget.snapshot(elapsed)
         budget.steps += 1
         text, call = self.world.ask(budget.steps, self.messages, budget, self.limits)
@@ -1404,34 +2016,71 @@ class _Loop:
             key = "", bad.reason
         self.repeats, self.last = (self.repeats + 1 if key == self.last else 1), key
         if self.repeats >= self.limits["max_repeats"]:
-            raise _Exit("stuck", "stuck", {"step": step, "repeats": self.repeats, "unusable": key[1],
-                                           "budget": checked})
+            raise _Exit(
+                "stuck",
+                "stuck",
+                {"step": step, "repeats": self.repeats, "unusable": key[1], "budget": checked}
+            )
         if self.repeats < self.limits["max_repeats"] - 1:
             return ""
-        return (f"\nYou have sent the same {'unusable ' if key[1] else ''}reply {self.repeats} times in a row. "
-                f"If the next one is the same again, the host ends the run: answer differently.")
+        return (
+            f"\nYou have sent the same {'unusable ' if key[1] else ''}reply {self.repeats} times in a row. "
+            f"If the next one is the same again, the host ends the run: answer differently."
+        )
 
     def execute(self, step, text, call, checked):
-        world, policy, answer = self.world, self.policy, '{"tool": NAME, "args": {...}, "reason": TEXT}.'
+        world, policy, answer = (
+            self.world,
+            self.policy,
+            '{"tool": NAME, "args": {...}, "reason": TEXT}.'
+        )
         try:
             action, form = world.parse(step, text)
             problem = rl.payload_problem({"args": action["args"], "reason": action["reason"]})
         except Malformed as bad:
             action, problem = None, bad.reason
-        if problem:  # unreadable; or nested too deep, a lone surrogate, too large: not recordable, so no action
-            world.record("proposal_malformed", {"step": step, "reason": problem if action is None else
-                                                f"the action cannot be recorded: {problem}",
-                                                "excerpt": _excerpt(text, 500), "budget": checked, "call": call})
+        # unreadable; or nested too deep, a lone surrogate, too large: not recordable, so no action
+        if problem:
+            world.record(
+                "proposal_malformed",
+                {
+                    "step": step,
+                    "reason": (
+                        problem if action is None else f"the action cannot be recorded: {problem}"
+                    ),
+                    "excerpt": _excerpt(text, 500),
+                    "budget": checked,
+                    "call": call
+                }
+            )
             if action is None:
                 return f"The host could not read your reply: {problem}. Answer with one JSON object {answer}"
             return f"The host could not record your action ({problem}). Answer with one plain JSON object {answer}"
         tool, args = action["tool"], action["args"]
-        world.record("model_proposed", {"step": step, "form": form, "tool": tool, "args": args,
-                                        "reason": action["reason"], "budget": checked, "call": call})
+        world.record(
+            "model_proposed",
+            {
+                "step": step,
+                "form": form,
+                "tool": tool,
+                "args": args,
+                "reason": action["reason"],
+                "budget": checked,
+                "call": call
+            }
+        )
         verdict = check_action(action, policy, world.resolver(step))
-        world.record("tool_allowed" if verdict.allowed else "tool_denied", {
-            "step": step, "tool": tool, "args": args, "rule": verdict.rule, "reason": verdict.reason,
-            "paths": verdict.paths})
+        world.record(
+            "tool_allowed" if verdict.allowed else "tool_denied",
+            {
+                "step": step,
+                "tool": tool,
+                "args": args,
+                "rule": verdict.rule,
+                "reason": verdict.reason,
+                "paths": verdict.paths
+            }
+        )
         if not verdict.allowed:
             return f"Denied by the host: {tool}: {verdict.reason} (rule {verdict.rule}). Choose another action."
         if tool == "propose_patch":
@@ -1448,23 +2097,44 @@ class _Loop:
         check = world.check_patch(step, args["patch"])
         if not check["applies"]:
             rule = {"rule": check["rule"]} if check.get("rule") else {}
-            world.record("patch_rejected", dict({"step": step, "message": check["message"],
-                                                 "patch_sha256": check["patch_sha256"]}, **rule))
+            world.record(
+                "patch_rejected",
+                dict(
+                    {
+                        "step": step,
+                        "message": check["message"],
+                        "patch_sha256": check["patch_sha256"]
+                    },
+                    **rule
+                )
+            )
             if rule:
                 return f"Refused by the host: {check['message']}. Propose the patch without it."
-            return (f"The patch does not apply (git apply --check): {check['message']}\nFix the patch against the "
-                    f"files as they are (read them again if needed), with the context lines around each change as "
-                    f"`diff -u` writes them, and propose it again.")
-        world.record("decision", {"stage": "proposal", "decision": "write proposal.patch for a human to review",
-                                  "rationale": args.get("rationale") or action["reason"] or "(none given)",
-                                  "alternatives": list(args.get("alternatives") or []), "step": step,
-                                  "patch_sha256": check["patch_sha256"], "proposal_sha256": check["proposal_sha256"],
-                                  "recount": check["recount"], "files": check["files"]})
+            return (
+                f"The patch does not apply (git apply --check): {check['message']}\nFix the patch against the "
+                f"files as they are (read them again if needed), with the context lines around each change as "
+                f"`diff -u` writes them, and propose it again."
+            )
+        world.record(
+            "decision",
+            {
+                "stage": "proposal",
+                "decision": "write proposal.patch for a human to review",
+                "rationale": args.get("rationale") or action["reason"] or "(none given)",
+                "alternatives": list(args.get("alternatives") or []),
+                "step": step,
+                "patch_sha256": check["patch_sha256"],
+                "proposal_sha256": check["proposal_sha256"],
+                "recount": check["recount"],
+                "files": check["files"]
+            }
+        )
         raise _Exit("proposal", check=check)
 
 
 class LiveWorld:
-    """A live run: the model through ask.chat(), tools in the scratch copy, everything onto the run's ledger."""
+    """A live run: the model through ask.chat(), tools in the scratch copy, everything onto the run's
+    ledger."""
 
     def __init__(self, run, workspace, settings, started):
         self.run, self.ws, self.settings, self.started = run, workspace, settings, started
@@ -1478,81 +2148,150 @@ class LiveWorld:
         return self.ws.resolve
 
     def ask(self, step, messages, budget, limits):
-        """One model turn through ask.chat(), which retries within the wall budget; a context overflow shrinks
-        the context once and asks again. Raises _Exit."""
+        """One model turn through ask.chat(), which retries within the wall budget; a context overflow
+        shrinks the context once and asks again. Raises _Exit."""
         trimmed = _fit(messages, self.plan.chars(limits, len(messages)))
         if trimmed:
             self.record("context_trimmed", dict(trimmed, step=step))
-        call, sources = {"attempts": 0, "tokens": 0, "tokens_source": "estimated", "latency_ms": 0.0}, set()
+        call, sources = {
+            "attempts": 0,
+            "tokens": 0,
+            "tokens_source": "estimated",
+            "latency_ms": 0.0
+        }, set()
 
-        def tally(record, wait=None):  # every attempt counts against the budget, retries and overflows too
+        # every attempt counts against the budget, retries and overflows too
+        def tally(record, wait=None):
             tokens, source = _call_tokens(record)
             sources.add(source)
-            call.update(attempts=call["attempts"] + 1, tokens=call["tokens"] + tokens, tokens_source=_source(sources),
-                        latency_ms=round(call["latency_ms"] + (record["latency_ms"] or 0), 1))
+            call.update(
+                attempts=call["attempts"] + 1,
+                tokens=call["tokens"] + tokens,
+                tokens_source=_source(sources),
+                latency_ms=round(call["latency_ms"] + (record["latency_ms"] or 0), 1)
+            )
+
         retries = CALL_RETRIES
         record = self._chat(messages, budget, limits, retries, tally, "before model call")
-        if _context_too_long(record) and self.shrunk_at != step:  # a second one for this step is an error
-            self.shrunk_at, retries = step, max(0, CALL_RETRIES - record["attempt"])  # the attempts before count
+        # a second one for this step is an error
+        if _context_too_long(record) and self.shrunk_at != step:
+            # the attempts before count
+            self.shrunk_at, retries = step, max(0, CALL_RETRIES - record["attempt"])
             self._shrink(step, messages, limits, record)
             record = self._chat(messages, budget, limits, retries, tally, "model call")
         if not record["error_type"]:
             self.plan.learn(record["input_tokens"], record["est_input_tokens"])
-            call["reply_sha256"] = hashlib.sha256(record["text"].encode("utf-8", "surrogatepass")).hexdigest()
+            call["reply_sha256"] = hashlib.sha256(
+                record["text"].encode("utf-8", "surrogatepass")
+            ).hexdigest()
             call["reply_artifact"] = self.run.store_artifact(record["text"])
             return record["text"], call
-        # a timeout at the wall, or a retry ask.chat left undone (it does only when the wall has no time for it)
-        if (record["error_type"] == "timeout" and self.elapsed() >= limits["max_wall_s"] - ask.MIN_ATTEMPT_S) or (
-                ask.retryable(record) and record["attempt"] <= retries):
+        # a timeout at the wall, or a retry ask.chat left undone (it does only when the wall has no
+        # time for it)
+        if (
+            record["error_type"] == "timeout"
+            and self.elapsed() >= limits["max_wall_s"] - ask.MIN_ATTEMPT_S
+        ) or (ask.retryable(record) and record["attempt"] <= retries):
             raise self._out_of_wall(budget, limits, "model call")
         code = f" ({record['error_code']})" if record["error_code"] else ""
-        raise _Exit("error", "error", {"type": "ModelEndpointError", "stage": "model",
-                                       "message": f"the model endpoint failed: {record['error_type']}{code}: "
-                                                  f"{record['error_message']}",
-                                       "error_type": record["error_type"], "error_code": record["error_code"]})
+        raise _Exit(
+            "error",
+            "error",
+            {
+                "type": "ModelEndpointError",
+                "stage": "model",
+                "message": f"the model endpoint failed: {record['error_type']}{code}: "
+                f"{record['error_message']}",
+                "error_type": record["error_type"],
+                "error_code": record["error_code"]
+            }
+        )
 
     def _chat(self, messages, budget, limits, retries, tally, during):
         if limits["max_wall_s"] - self.elapsed() < ask.MIN_ATTEMPT_S:  # no call is made now
             raise self._out_of_wall(budget, limits, during)
         base_url, model, api_key = self.settings
-        record = ask.chat(messages, ledger=self.run, base_url=base_url, model=model, api_key=api_key,
-                          max_tokens=self.plan.max_tokens(limits, messages), timeout=limits["call_timeout_s"],
-                          retries=retries, until=self.started + limits["max_wall_s"], on_retry=tally,
-                          max_response_bytes=ask.DEFAULT_MAX_RESPONSE_BYTES)
+        record = ask.chat(
+            messages,
+            ledger=self.run,
+            base_url=base_url,
+            model=model,
+            api_key=api_key,
+            max_tokens=self.plan.max_tokens(limits, messages),
+            timeout=limits["call_timeout_s"],
+            retries=retries,
+            until=self.started + limits["max_wall_s"],
+            on_retry=tally,
+            max_response_bytes=ask.DEFAULT_MAX_RESPONSE_BYTES
+        )
         tally(record)
         return record
 
     def _shrink(self, step, messages, limits, record):
-        """After an overflow answer: learn the window and ratio, then cut messages and max_tokens to fit."""
+        """After an overflow answer: learn the window and ratio, then cut messages and max_tokens to
+        fit."""
         window, prompt = overflow_sizes(record["error_message"])
         self.plan.learn(prompt, record["est_input_tokens"])
         before, sent = sum(len(m["content"]) for m in messages), record["max_tokens"]
         self.plan.know(window or (self.plan.tokens(messages) + sent) // 2)
         trimmed = _fit(messages, self.plan.chars(limits, len(messages))) or {}
-        self.record("context_shrunk", dict(
-            trimmed, step=step, error_code=record["error_code"], stated_window=window, stated_prompt_tokens=prompt,
-            window_tokens=self.plan.window, before_chars=before, after_chars=sum(len(m["content"]) for m in messages),
-            before_max_tokens=sent, after_max_tokens=self.plan.max_tokens(limits, messages)))
+        self.record(
+            "context_shrunk",
+            dict(
+                trimmed,
+                step=step,
+                error_code=record["error_code"],
+                stated_window=window,
+                stated_prompt_tokens=prompt,
+                window_tokens=self.plan.window,
+                before_chars=before,
+                after_chars=sum(len(m["content"]) for m in messages),
+                before_max_tokens=sent,
+                after_max_tokens=self.plan.max_tokens(limits, messages)
+            )
+        )
 
     def _out_of_wall(self, budget, limits, during):
-        return _Exit("budget_exhausted", "budget_exhausted", {
-            "limit": "max_wall_s", "used": round(self.elapsed(), 3), "max": limits["max_wall_s"],
-            "budget": budget.snapshot(self.elapsed()), "during": during})
+        return _Exit(
+            "budget_exhausted",
+            "budget_exhausted",
+            {
+                "limit": "max_wall_s",
+                "used": round(self.elapsed(), 3),
+                "max": limits["max_wall_s"],
+                "budget": budget.snapshot(self.elapsed()),
+                "during": during
+            }
+        )
 
     def run_tool(self, step, tool, args, cap):
-        """Run it, record tool_result (digest, excerpt, output artifact); (Output, the masked text the model sees)."""
+        """Run it, record tool_result (digest, excerpt, output artifact); (Output, the masked text the
+        model sees)."""
         output = self.ws.execute(tool, args)
         full = output.artifact_bytes()
         shown = self.run.ledger.redactor.text(output.text(cap))
-        self.record("tool_result", {"step": step, "tool": tool, "returncode": output.returncode,
-                                    "timed_out": output.timed_out, "size": output.size,
-                                    "sha256": hashlib.sha256(full).hexdigest(), "truncated": output.size > cap,
-                                    "duration_ms": output.duration_ms, "output_artifact": self.run.store_artifact(full),
-                                    "excerpt": _excerpt(shown, 800), **(output.sandbox or {})})
+        self.record(
+            "tool_result",
+            {
+                "step": step,
+                "tool": tool,
+                "returncode": output.returncode,
+                "timed_out": output.timed_out,
+                "size": output.size,
+                "sha256": hashlib.sha256(full).hexdigest(),
+                "truncated": output.size > cap,
+                "duration_ms": output.duration_ms,
+                "output_artifact": self.run.store_artifact(full),
+                "excerpt": _excerpt(shown, 800),
+                **(output.sandbox or {})
+            }
+        )
         return output, shown
 
     def check_patch(self, step, patch):
-        return check_patch(self.ws.root, patch, self.run.ledger.redactor, self.ws.policy, self.ws.resolve)
+        return check_patch(
+            self.ws.root, patch, self.run.ledger.redactor, self.ws.policy, self.ws.resolve
+        )
 
 
 def _parse(step, text):
@@ -1568,20 +2307,30 @@ def _call_tokens(record):
 
 
 def _context_too_long(record):
-    if record["error_code"] in ("context_length_exceeded", "string_above_max_length", "context_window_exceeded"):
+    if record["error_code"] in (
+        "context_length_exceeded",
+        "string_above_max_length",
+        "context_window_exceeded"
+    ):
         return True
-    return record["http_status"] in (400, 413, 422) and bool(re.search(
-        r"context.?length|maximum context|context window|context size|too many tokens|prompt is too long|"
-        r"reduce the length", record["error_message"] or "", re.I))
+    return record["http_status"] in (400, 413, 422) and bool(
+        re.search(
+            r"context.?length|maximum context|context window|context size|too many tokens|prompt is too long|"
+            r"reduce the length",
+            record["error_message"] or "",
+            re.I
+        )
+    )
 
 
-# What git does with a patch: paths (a rename as both), added paths, special (a symlink or a submodule), and
-# blobs: path -> (blob before, blob after), None where there is none.
+# What git does with a patch: paths (a rename as both), added paths, special (a symlink or a
+# submodule), and blobs: path -> (blob before, blob after), None where there is none.
 GitReading = collections.namedtuple("GitReading", "paths added special blobs", defaults=({},))
 
 
 def git_reading(tree, patch_bytes, flags, env):
-    """The patch as git applies it to a throwaway index of `tree`, the reading the rules trust; None if not."""
+    """The patch as git applies it to a throwaway index of `tree`, the reading the rules trust; None if
+    not."""
     with tempfile.TemporaryDirectory(prefix="agent-index-", dir=Path(tree).parent) as scratch:
         env = dict(env, GIT_INDEX_FILE=os.path.join(scratch, "index"))
         try:
@@ -1589,11 +2338,22 @@ def git_reading(tree, patch_bytes, flags, env):
             git(tree, "apply", "--cached", *flags, "-", input=patch_bytes, env=env)
         except RepoError:
             return None
-        raw = git(tree, "diff", "--cached", "--raw", "-z", "--no-renames", "--no-ext-diff", "HEAD", env=env,
-                  check=False)
+        raw = git(
+            tree,
+            "diff",
+            "--cached",
+            "--raw",
+            "-z",
+            "--no-renames",
+            "--no-ext-diff",
+            "HEAD",
+            env=env,
+            check=False
+        )
     fields = raw.split(b"\0")
     paths, added, special, blobs = [], [], False, {}
-    for meta, name in zip(fields[0::2], fields[1::2]):  # ":old_mode new_mode old_sha new_sha status", path
+    # ":old_mode new_mode old_sha new_sha status", path
+    for meta, name in zip(fields[0::2], fields[1::2]):
         parts = meta.split()
         if len(parts) < 5 or not meta.startswith(b":"):
             continue
@@ -1602,47 +2362,78 @@ def git_reading(tree, patch_bytes, flags, env):
         if parts[4] == b"A":
             added.append(path)
         special = special or parts[1] in (b"120000", b"160000")
-        blobs[path] = tuple(None if set(sha) == {48} else sha.decode() for sha in parts[2:4])  # 48: b"0"
+        # 48: b"0"
+        blobs[path] = tuple(None if set(sha) == {48} else sha.decode() for sha in parts[2:4])
     return GitReading(paths, added, special, blobs)
 
 
 def check_patch(scratch, patch, redactor, policy, resolve):
-    """Does the patch apply (`git apply --check`, then `--recount`) and pass the path rules and tripwires? The
-    proposal is git's own diff when it took --recount."""
+    """Does the patch apply (`git apply --check`, then `--recount`) and pass the path rules and
+    tripwires? The proposal is git's own diff when it took --recount."""
     patch_bytes = patch.encode("utf-8", "surrogateescape")
-    result = {"applies": False, "recount": False, "message": "", "files": patch_files(patch)[0],
-              "patch_sha256": hashlib.sha256(patch_bytes).hexdigest(), "proposal_sha256": None, "proposal": None}
-    if any(value in patch for value in redactor.values):  # the proposal is written as is: refuse, never mask
-        return dict(result, rule="patch.secret", message="the patch holds the value of a secret (from the environment "
-                    "or a .env file); a patch must not (rule patch.secret)")
+    result = {
+        "applies": False,
+        "recount": False,
+        "message": "",
+        "files": patch_files(patch)[0],
+        "patch_sha256": hashlib.sha256(patch_bytes).hexdigest(),
+        "proposal_sha256": None,
+        "proposal": None
+    }
+    # the proposal is written as is: refuse, never mask
+    if any(value in patch for value in redactor.values):
+        return dict(
+            result,
+            rule="patch.secret",
+            message="the patch holds the value of a secret (from the environment "
+            "or a .env file); a patch must not (rule patch.secret)"
+        )
     with tempfile.TemporaryDirectory(prefix="agent-patch-", dir=Path(scratch).parent) as work:
         clone, env = Path(work) / "tree", _scratch_git_env(work)
         git(work, "clone", "-q", "--no-hardlinks", str(scratch), str(clone), env=env, timeout=300)
         for flags in ([], ["--recount"]):
-            proc = subprocess.run(["git", "-C", str(clone), "apply", "--check", "--verbose", *flags, "-"],
-                                  input=patch_bytes, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
-                                  timeout=120)
+            proc = subprocess.run(
+                ["git", "-C", str(clone), "apply", "--check", "--verbose", *flags, "-"],
+                input=patch_bytes,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                env=env,
+                timeout=120
+            )
             if proc.returncode == 0:
                 break
             if not result["message"]:
-                result["message"] = redactor.text(proc.stdout.decode("utf-8", "replace").strip())[-1500:]
+                result["message"] = redactor.text(proc.stdout.decode("utf-8", "replace").strip())[
+                    -1500:
+                ]
         else:
             return result
         reading = git_reading(clone, patch_bytes, flags, env)
         refusal = _refuse_git_reading(reading, policy, resolve)
         fired = [] if refusal else tripwires(clone, reading, policy.tripwires, env)
         if fired:
-            refusal = (f"the patch trips {fired[0]['rule']} ({fired[0]['path']}: {fired[0]['what']}); a fix must "
-                       f"not need it: change the code without it (rule {fired[0]['rule']})")
+            refusal = (
+                f"the patch trips {fired[0]['rule']} ({fired[0]['path']}: {fired[0]['what']}); a fix must "
+                f"not need it: change the code without it (rule {fired[0]['rule']})"
+            )
         if refusal:
             return dict(result, message=refusal)
         proposal = patch_bytes
         if flags:
             git(clone, "apply", *flags, "-", input=patch_bytes, env=env)
             git(clone, "add", "-A", env=env)
-            proposal = git(clone, "-c", "core.quotepath=true", "diff", "--cached", "--no-color", env=env)  # git's own
-    return dict(result, applies=True, recount=bool(flags), files=reading.paths, proposal=proposal,
-                proposal_sha256=hashlib.sha256(proposal).hexdigest())
+            # git's own
+            proposal = git(
+                clone, "-c", "core.quotepath=true", "diff", "--cached", "--no-color", env=env
+            )
+    return dict(
+        result,
+        applies=True,
+        recount=bool(flags),
+        files=reading.paths,
+        proposal=proposal,
+        proposal_sha256=hashlib.sha256(proposal).hexdigest()
+    )
 
 
 def _shadows_a_module(path):
@@ -1654,7 +2445,10 @@ def _shadows_a_module(path):
     if name in sys.builtin_module_names:
         return True
     import importlib.machinery
-    search = [p for p in sys.path if p and os.path.realpath(p) not in (str(HERE), os.path.realpath("."))]
+
+    search = [
+        p for p in sys.path if p and os.path.realpath(p) not in (str(HERE), os.path.realpath("."))
+    ]
     return importlib.machinery.PathFinder.find_spec(name, search) is not None
 
 
@@ -1675,24 +2469,32 @@ def _refuse_git_reading(reading, policy, resolve):
 
 # == A run: what cron calls ====================================================
 
+
 def _lock_dir():
-    base = Path(os.environ.get("AGENT_LOCK_DIR") or
-                Path(tempfile.gettempdir()) / f"reasoning-ledger-locks-{os.getuid()}")
+    base = Path(
+        os.environ.get("AGENT_LOCK_DIR")
+        or Path(tempfile.gettempdir()) / f"reasoning-ledger-locks-{os.getuid()}"
+    )
     base.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = os.lstat(base)
     if stat.S_ISLNK(info.st_mode) or info.st_uid != os.getuid():
-        raise RepoError(f"{base}: the lock directory must be a directory of your own (not a symlink)")
+        raise RepoError(
+            f"{base}: the lock directory must be a directory of your own (not a symlink)"
+        )
     return base
 
 
 def take_lock(repo, run_id):
     """The repository's run lock, an flock held for the run's life. Raises LockHeld at once when held."""
-    path = _lock_dir() / (hashlib.sha256(str(repo).encode("utf-8", "surrogateescape")).hexdigest()[:32] + ".lock")
+    path = _lock_dir() / (
+        hashlib.sha256(str(repo).encode("utf-8", "surrogateescape")).hexdigest()[:32] + ".lock"
+    )
     return _hold_lock(path, f"another run holds the lock for {repo}", f"run {run_id} ")
 
 
 def _hold_lock(path, held_message, holder_note):
-    """An exclusive flock on `path`, taken without waiting, noting who holds it; the fd. Raises LockHeld."""
+    """An exclusive flock on `path`, taken without waiting, noting who holds it; the fd. Raises
+    LockHeld."""
     fd = os.open(str(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1705,7 +2507,8 @@ def _hold_lock(path, held_message, holder_note):
     return fd
 
 
-_SIGNALS = {"armed": False, "noted": None}  # raise into the run only while armed; otherwise note the signal
+# raise into the run only while armed; otherwise note the signal
+_SIGNALS = {"armed": False, "noted": None}
 
 
 def _on_signal(signum, _frame):
@@ -1723,8 +2526,18 @@ def _terminated(when=""):
     return _Terminated(f"terminated by signal {signum} ({signal.Signals(signum).name}){when}")
 
 
-def run_agent(repo, *, settings, ref=None, runs_dir=DEFAULT_RUNS, tools=DEFAULT_TOOLS, max_steps=None,
-              max_wall_s=None, run_id=None, origin=None):
+def run_agent(
+    repo,
+    *,
+    settings,
+    ref=None,
+    runs_dir=DEFAULT_RUNS,
+    tools=DEFAULT_TOOLS,
+    max_steps=None,
+    max_wall_s=None,
+    run_id=None,
+    origin=None
+):
     """One run on `repo`: (outcome, run_id, proposal path or None). Failures after open are recorded."""
     policy = load_policy(tools)
     for name, value in (("max_steps", max_steps), ("max_wall_s", max_wall_s)):
@@ -1735,43 +2548,64 @@ def run_agent(repo, *, settings, ref=None, runs_dir=DEFAULT_RUNS, tools=DEFAULT_
     run_id = run_id or rl.new_run_id()
     lock = take_lock(repo, run_id)
     try:
-        run = rl.open_run(runs_dir, run_id=run_id, secrets=[settings[2]] + repo_secrets(repo, commit if ref else None))
+        run = rl.open_run(
+            runs_dir,
+            run_id=run_id,
+            secrets=[settings[2]] + repo_secrets(repo, commit if ref else None)
+        )
         started = time.monotonic()
-        scratch = Path(tempfile.mkdtemp(prefix=f"agent-{run.run_id}-"))  # every temp dir of the run is in it
+        # every temp dir of the run is in it
+        scratch = Path(tempfile.mkdtemp(prefix=f"agent-{run.run_id}-"))
         try:
             try:
                 _SIGNALS["armed"] = True
                 if _SIGNALS["noted"]:  # it came while the run was being opened
                     raise _terminated()
-                outcome, proposal = _run_steps(run, repo, ref, commit, policy, settings, scratch, started,
-                                               origin or {})
+                outcome, proposal = _run_steps(
+                    run, repo, ref, commit, policy, settings, scratch, started, origin or {}
+                )
             finally:
                 _SIGNALS["armed"] = False
-        except (Exception, _Terminated) as exc:  # the boundary: recorded as an event, then the run is closed
+        # the boundary: recorded as an event, then the run is closed
+        except (Exception, _Terminated) as exc:
             outcome, proposal = "error", None
             _record_error(run, exc, traceback.format_exc())
         _remove_tree(scratch)
         if _SIGNALS["noted"] and outcome != "error":
             outcome, proposal = "error", None
-            _record_error(run, _terminated(" while the run was being closed"), "".join(traceback.format_stack()))
+            _record_error(
+                run,
+                _terminated(" while the run was being closed"),
+                "".join(traceback.format_stack())
+            )
         events = list(rl.read_events(run.ledger.path))
         verdicts = [e["payload"].get("verdict") for e in events if e["kind"] == "judge_verdict"]
-        run.close(outcome, steps=sum(e["kind"] in ("model_proposed", "proposal_malformed") for e in events),
-                  proposal=PROPOSAL_NAME if (run.dir / PROPOSAL_NAME).exists() else None,
-                  verdict=verdicts[-1] if verdicts else None)
+        run.close(
+            outcome,
+            steps=sum(e["kind"] in ("model_proposed", "proposal_malformed") for e in events),
+            proposal=PROPOSAL_NAME if (run.dir / PROPOSAL_NAME).exists() else None,
+            verdict=verdicts[-1] if verdicts else None
+        )
         return outcome, run.run_id, proposal
     finally:
         os.close(lock)
 
 
 def _record_error(run, exc, trace):
-    run.append("error", {"type": type(exc).__name__, "message": rl.error_text(exc)[:2000],
-                         "traceback_artifact": run.store_artifact(trace)})
+    run.append(
+        "error",
+        {
+            "type": type(exc).__name__,
+            "message": rl.error_text(exc)[:2000],
+            "traceback_artifact": run.store_artifact(trace)
+        }
+    )
 
 
 def _remove_tree(path):
     for base, dirs, _files in os.walk(path):
-        for name in dirs:  # a test may have left a read-only directory behind (never chmod through a link)
+        # a test may have left a read-only directory behind (never chmod through a link)
+        for name in dirs:
             full = os.path.join(base, name)
             if not os.path.islink(full):
                 try:
@@ -1783,47 +2617,89 @@ def _remove_tree(path):
 
 def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origin):
     base_url, model, api_key = settings
-    if any(value in policy.text for value in run.ledger.redactor.values):  # stored unmasked: replay reads it again
-        raise rl.UsageError("tools.json holds the value of a secret (the value is not shown); it cannot be recorded")
+    # stored unmasked: replay reads it again
+    if any(value in policy.text for value in run.ledger.redactor.values):
+        raise rl.UsageError(
+            "tools.json holds the value of a secret (the value is not shown); it cannot be recorded"
+        )
     digest = snapshot(repo, commit if ref else None, scratch / "tree")
-    dirty = False if ref else bool(git(repo, "status", "--porcelain=v1", "-z", "--untracked-files=normal"))
+    dirty = (
+        False
+        if ref
+        else bool(git(repo, "status", "--porcelain=v1", "-z", "--untracked-files=normal"))
+    )
     box = probe_sandbox(policy, _hidden_paths(repo, run.dir.parent))
-    run.append("run_started", {
-        "repo": str(repo), "ref": ref, "commit": commit, "dirty": dirty, "tree_digest": digest,
-        "tools_path": policy.source, "tools_sha256": policy.sha256,
-        "tools_artifact": run.store_artifact(policy.text, redact_secrets=False),
-        "model": model, "base_url": ask.split_base_url(base_url)[1], "budget": policy.budget,
-        "test_command": policy.test_command, "agent_version": __version__,
-        "python": sys.version.split()[0], **box.record(), **origin})
+    run.append(
+        "run_started",
+        {
+            "repo": str(repo),
+            "ref": ref,
+            "commit": commit,
+            "dirty": dirty,
+            "tree_digest": digest,
+            "tools_path": policy.source,
+            "tools_sha256": policy.sha256,
+            "tools_artifact": run.store_artifact(policy.text, redact_secrets=False),
+            "model": model,
+            "base_url": ask.split_base_url(base_url)[1],
+            "budget": policy.budget,
+            "test_command": policy.test_command,
+            "agent_version": __version__,
+            "python": sys.version.split()[0],
+            **box.record(),
+            **origin
+        }
+    )
     require_box(box, policy)
-    workspace = Workspace(repo, commit if ref else None, scratch / "tree", policy, run.ledger.redactor, box)
+    workspace = Workspace(
+        repo, commit if ref else None, scratch / "tree", policy, run.ledger.redactor, box
+    )
     baseline = _tests(run, workspace, scratch)
     broken = _test_command_broken(policy.test_command, baseline)
     if broken:
         path = _child_env().get("PATH", os.defpath)
         ran = shutil.which(policy.test_command[0], path=path) or "not found"
-        raise TestCommandError(f"the test command {' '.join(policy.test_command)!r} cannot run: {broken}; "
-                               f"{policy.test_command[0]} is {ran} on PATH={path}: fix test_command in "
-                               f"{policy.source} (or PATH)")
+        raise TestCommandError(
+            f"the test command {' '.join(policy.test_command)!r} cannot run: {broken}; "
+            f"{policy.test_command[0]} is {ran} on PATH={path}: fix test_command in "
+            f"{policy.source} (or PATH)"
+        )
     if baseline["passed"]:
         run.decide("triage", "no action", "the tests pass", ["look for other work"])
         return "no_action", None
     diff = workspace._git_diff()
-    run.append("prompt_context", {"diff_artifact": run.store_artifact(diff), "diff_chars": len(diff)})
-    messages = [{"role": "system", "content": system_prompt(policy)},
-                {"role": "user", "content": run.ledger.redactor.text(first_prompt(
-                    baseline["output"], diff, Budget(policy.budget).line(0.0)))}]
+    run.append(
+        "prompt_context", {"diff_artifact": run.store_artifact(diff), "diff_chars": len(diff)}
+    )
+    messages = [
+        {"role": "system", "content": system_prompt(policy)},
+        {
+            "role": "user",
+            "content": run.ledger.redactor.text(
+                first_prompt(baseline["output"], diff, Budget(policy.budget).line(0.0))
+            )
+        }
+    ]
     world = LiveWorld(run, workspace, settings, started)
     if policy.budget["context_tokens"] is None:
-        listed = ask.list_models(ledger=run, base_url=base_url, api_key=api_key,
-                                 timeout=min(30, policy.budget["call_timeout_s"]))  # recorded as models_list
+        listed = ask.list_models(
+            ledger=run,
+            base_url=base_url,
+            api_key=api_key,
+            # recorded as models_list
+            timeout=min(30, policy.budget["call_timeout_s"])
+        )
         world.plan.know((listed.get("context_tokens") or {}).get(model))
     outcome, check = drive(world, policy, messages)
     if outcome != "proposal":
         return outcome, None
-    path = run.dir / PROPOSAL_NAME  # after the decision that accepted it: its exact bytes, never masked
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
-                   "wb") as handle:  # one open, on the new file itself: nothing planted there is followed
+    # after the decision that accepted it: its exact bytes, never masked
+    path = run.dir / PROPOSAL_NAME
+    with os.fdopen(
+        os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
+        # one open, on the new file itself: nothing planted there is followed
+        "wb"
+    ) as handle:
         handle.write(check["proposal"])
     verdict = _judge_in_child(run, policy, scratch, box)
     return ("proposal_accepted" if verdict == "accept" else "proposal_rejected_by_judge"), path
@@ -1832,20 +2708,38 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
 def _tests(run, workspace, scratch):
     (scratch / "out").mkdir(exist_ok=True)  # out/: the one host directory a box writes
     output, outcomes = workspace.run_tests(scratch / "out")
-    payload = {"command": workspace.policy.test_command, "returncode": output.returncode,
-               "passed": output.returncode == 0, "timed_out": output.timed_out, "duration_ms": output.duration_ms,
-               "size": output.size, "output_artifact": run.store_artifact(output.artifact_bytes()),
-               "excerpt": _excerpt(run.ledger.redactor.text(output.text(EXCERPT_BYTES * 2))), **output.sandbox}
+    payload = {
+        "command": workspace.policy.test_command,
+        "returncode": output.returncode,
+        "passed": output.returncode == 0,
+        "timed_out": output.timed_out,
+        "duration_ms": output.duration_ms,
+        "size": output.size,
+        "output_artifact": run.store_artifact(output.artifact_bytes()),
+        "excerpt": _excerpt(run.ledger.redactor.text(output.text(EXCERPT_BYTES * 2))),
+        **output.sandbox
+    }
     if outcomes is not None:
-        payload["outcomes_artifact"] = run.store_artifact(json.dumps(outcomes, sort_keys=True, indent=0))
-        payload["counts"] = {k: sum(1 for v in outcomes.values() if v == k) for k in
-                             ("passed", "failed", "error", "skipped")}
+        payload["outcomes_artifact"] = run.store_artifact(
+            json.dumps(outcomes, sort_keys=True, indent=0)
+        )
+        payload["counts"] = {
+            k: sum(1 for v in outcomes.values() if v == k)
+            for k in ("passed", "failed", "error", "skipped")
+        }
     run.append("tests_run", payload)
     return dict(payload, output=output, outcomes=outcomes)
 
 
 # Why a program cannot be started at all (a transient EAGAIN or ENOMEM is not among them)
-_CANNOT_START = (errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR, errno.EISDIR, errno.ELOOP)
+_CANNOT_START = (
+    errno.ENOENT,
+    errno.EACCES,
+    errno.ENOEXEC,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.ELOOP
+)
 
 
 def _test_command_broken(command, baseline):
@@ -1871,57 +2765,115 @@ def _test_command_broken(command, baseline):
 
 def _judge_in_child(run, policy, scratch, box):
     """Run the judge as its own process; key, secrets and probe go on stdin, never in its environment."""
-    given = json.dumps({"key": os.environ.get(rl.KEY_ENV) or None, "secrets": list(run.ledger.redactor.values),
-                        "sandbox": box.record()})
-    argv = [sys.executable, str(Path(__file__).resolve()), "judge", str(run.dir.resolve()), "--from-host"]
-    output = run_program(argv, HERE, policy.test_timeout_s + 300, env=dict(_child_env(), TMPDIR=str(scratch)),
-                         input=given.encode("utf-8"))
-    verdicts = [e["payload"] for e in rl.read_events(run.ledger.path) if e["kind"] == "judge_verdict"]
+    given = json.dumps(
+        {
+            "key": os.environ.get(rl.KEY_ENV) or None,
+            "secrets": list(run.ledger.redactor.values),
+            "sandbox": box.record()
+        }
+    )
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "judge",
+        str(run.dir.resolve()),
+        "--from-host"
+    ]
+    output = run_program(
+        argv,
+        HERE,
+        policy.test_timeout_s + 300,
+        env=dict(_child_env(), TMPDIR=str(scratch)),
+        input=given.encode("utf-8")
+    )
+    verdicts = [
+        e["payload"] for e in rl.read_events(run.ledger.path) if e["kind"] == "judge_verdict"
+    ]
     if not verdicts:
-        raise RuntimeError(f"the judge did not give a verdict (exit {output.returncode}): "
-                           f"{output.text(1000).strip()[-500:]}")
+        raise RuntimeError(
+            f"the judge did not give a verdict (exit {output.returncode}): "
+            f"{output.text(1000).strip()[-500:]}"
+        )
     return verdicts[-1].get("verdict")
 
 
 # == The judge: reads only the run's ledger and artifacts, works in its own copy ==
+
 
 def _artifact_text(run_dir, ref):
     return (Path(run_dir) / ref["path"]).read_bytes().decode("utf-8", "replace")
 
 
 def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
-    """Apply proposal.patch in a throwaway copy, run the tests boxed with known answers, rule; the verdict."""
+    """Apply proposal.patch in a throwaway copy, run the tests boxed with known answers, rule; the
+    verdict."""
     run_dir = Path(run_dir).resolve()
     events = list(rl.read_events(run_dir / rl.EVENTS_NAME, key=key))
-    decisions = [e["payload"] for e in events if e["kind"] == "decision" and e["payload"].get("stage") == "proposal"]
+    decisions = [
+        e["payload"]
+        for e in events
+        if e["kind"] == "decision" and e["payload"].get("stage") == "proposal"
+    ]
     if not decisions:
         raise rl.UsageError(f"{run_dir}: the run has no accepted proposal to judge")
     if any(e["kind"] == "run_closed" for e in events):
         raise rl.UsageError(f"{run_dir}: the run is closed; its verdict is in its ledger")
     started = next(e["payload"] for e in events if e["kind"] == "run_started")
     baseline = next(e["payload"] for e in events if e["kind"] == "tests_run")
-    policy = policy_from_text(_artifact_text(run_dir, started["tools_artifact"]), "the run's tools.json")
-    before = baseline.get("outcomes_artifact") and json.loads(_artifact_text(run_dir, baseline["outcomes_artifact"]))
+    policy = policy_from_text(
+        _artifact_text(run_dir, started["tools_artifact"]), "the run's tools.json"
+    )
+    before = baseline.get("outcomes_artifact") and json.loads(
+        _artifact_text(run_dir, baseline["outcomes_artifact"])
+    )
     patch = (run_dir / PROPOSAL_NAME).read_bytes()
     repo, commit = Path(started["repo"]), started["commit"] if started.get("ref") else None
     hide = _hidden_paths(repo, run_dir.parent)
-    box = Sandbox(sandbox["sandbox"], sandbox.get("sandbox_reason"), hide, policy.caps) if sandbox else \
-        probe_sandbox(policy, hide)
+    box = (
+        Sandbox(sandbox["sandbox"], sandbox.get("sandbox_reason"), hide, policy.caps)
+        if sandbox
+        else probe_sandbox(policy, hide)
+    )
     require_box(box, policy)
-    verdict = {"verdict": "reject", "rule": None, "applies": False, "tests_passed": False, "reason": "",
-               "touched_tests": [], "shadows": [], "newly_failing": [], "vanished": [], "still_failing": [],
-               "comparison": "exit codes", "tripwires": [], **box.record()}
-    ledger = rl.Ledger(run_dir / rl.EVENTS_NAME, run_dir.name, key=key,
-                       secrets=list(secrets) + repo_secrets(repo, commit))
+    verdict = {
+        "verdict": "reject",
+        "rule": None,
+        "applies": False,
+        "tests_passed": False,
+        "reason": "",
+        "touched_tests": [],
+        "shadows": [],
+        "newly_failing": [],
+        "vanished": [],
+        "still_failing": [],
+        "comparison": "exit codes",
+        "tripwires": [],
+        **box.record()
+    }
+    ledger = rl.Ledger(
+        run_dir / rl.EVENTS_NAME,
+        run_dir.name,
+        key=key,
+        secrets=list(secrets) + repo_secrets(repo, commit)
+    )
     with tempfile.TemporaryDirectory(prefix="agent-judge-") as work:
         tree = Path(work) / "tree"
         if hashlib.sha256(patch).hexdigest() != decisions[-1].get("proposal_sha256"):
             verdict["reason"] = "proposal.patch is not the patch the decision accepted"
         elif snapshot(repo, commit, tree) != started["tree_digest"]:
-            verdict["reason"] = "the repository changed since the run started; the judge cannot compare"
+            verdict["reason"] = (
+                "the repository changed since the run started; the judge cannot compare"
+            )
         else:
-            _judge_tree(Path(work), patch, policy, before,
-                        Workspace(repo, None, tree, policy, ledger.redactor, box), ledger, verdict)
+            _judge_tree(
+                Path(work),
+                patch,
+                policy,
+                before,
+                Workspace(repo, None, tree, policy, ledger.redactor, box),
+                ledger,
+                verdict
+            )
     ledger.append("judge_verdict", verdict)
     ledger.close()
     return verdict
@@ -1936,16 +2888,29 @@ def _judge_tree(work, patch, policy, before, workspace, ledger, verdict):
     verdict["tripwires"] = tripwires(tree, reading, policy.tripwires, env)
     if len(policy.tripwires) < len(TRIPWIRES):
         verdict["tripwires_off"] = [t for t in TRIPWIRES if t not in policy.tripwires]
-    proc = subprocess.run(["git", "-C", str(tree), "apply", "-"], input=patch, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, env=env, timeout=120)
+    proc = subprocess.run(
+        ["git", "-C", str(tree), "apply", "-"],
+        input=patch,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        timeout=120
+    )
     verdict["applies"] = proc.returncode == 0 and not reading.special
     if reading.special or not verdict["applies"]:
-        verdict["reason"] = "git reads the patch as making a symlink or a submodule" if reading.special else \
-            "the patch does not apply: " + proc.stdout.decode("utf-8", "replace")[-500:]
+        verdict["reason"] = (
+            "git reads the patch as making a symlink or a submodule"
+            if reading.special
+            else "the patch does not apply: " + proc.stdout.decode("utf-8", "replace")[-500:]
+        )
         return
     plants = plant_known_answers(tree, policy, before) if policy.known_answers else None
     if isinstance(plants, str):
-        verdict["known_answers"], verdict["known_answers_reason"], plants = "not planted", plants, None
+        verdict["known_answers"], verdict["known_answers_reason"], plants = (
+            "not planted",
+            plants,
+            None
+        )
     else:
         verdict["known_answers"] = "planted" if plants else "off"
     (work / "out").mkdir()  # out/: the one directory of the judge's that the box may write
@@ -1957,25 +2922,41 @@ def _judge_tree(work, patch, policy, before, workspace, ledger, verdict):
     text = output.artifact_bytes().decode("utf-8", "replace")
     text = plants.label(text) if plants else text
     verdict["output_artifact"] = ledger.store_artifact(text)
-    verdict["excerpt"] = _excerpt(ledger.redactor.text(text[:EXCERPT_BYTES // 2] + text[-EXCERPT_BYTES // 2:]
-                                                       if len(text) > EXCERPT_BYTES else text), 800)
+    verdict["excerpt"] = _excerpt(
+        ledger.redactor.text(
+            text[: EXCERPT_BYTES // 2] + text[-EXCERPT_BYTES // 2 :]
+            if len(text) > EXCERPT_BYTES
+            else text
+        ),
+        800
+    )
     verdict["duration_ms"] = output.duration_ms
     verdict["verdict"], verdict["rule"], verdict["reason"] = _rule(verdict, policy)
 
 
 def _compare(before, after, output, passed=None):
     """Before and after, per test where both have results; `passed`: as the known answers decided."""
-    found = {"tests_passed": output.returncode == 0 if passed is None else passed, "returncode": output.returncode,
-             "timed_out": output.timed_out}
+    found = {
+        "tests_passed": output.returncode == 0 if passed is None else passed,
+        "returncode": output.returncode,
+        "timed_out": output.timed_out
+    }
     if before is not None and after is None:
-        found["results_missing"] = True  # per-test results before, none now: pytest was stopped or bypassed
+        # per-test results before, none now: pytest was stopped or bypassed
+        found["results_missing"] = True
     if before is None or after is None:
         return found
     found["comparison"] = "per test (JUnit XML)"
-    found["newly_failing"] = sorted(t for t, o in before.items() if o == "passed" and after.get(t, "missing") in
-                                    ("failed", "error"))
-    found["vanished"] = sorted(t for t, o in before.items() if o in ("passed", "failed", "error") and
-                               after.get(t) in (None, "skipped"))
+    found["newly_failing"] = sorted(
+        t
+        for t, o in before.items()
+        if o == "passed" and after.get(t, "missing") in ("failed", "error")
+    )
+    found["vanished"] = sorted(
+        t
+        for t, o in before.items()
+        if o in ("passed", "failed", "error") and after.get(t) in (None, "skipped")
+    )
     found["still_failing"] = sorted(t for t, o in after.items() if o in ("failed", "error"))
     return found
 
@@ -1984,42 +2965,128 @@ def _rule(verdict, policy):
     """(verdict, rule, reason): the first rule that rejects, in this order, or accept."""
     if verdict["tripwires"]:
         first = verdict["tripwires"][0]
-        return "reject", first["rule"], f"the patch trips {first['rule']} ({first['path']}: {first['what']})"
+        return (
+            "reject",
+            first["rule"],
+            f"the patch trips {first['rule']} ({first['path']}: {first['what']})"
+        )
     if verdict.get("shadows"):
-        return "reject", "judge.shadows_module", (
-            f"the patch adds {', '.join(verdict['shadows'][:5])}, named like a module Python can "
-            f"already import: run from the repository, the tests would import it instead")
+        return (
+            "reject",
+            "judge.shadows_module",
+            (
+                f"the patch adds {', '.join(verdict['shadows'][:5])}, named like a module Python can "
+                f"already import: run from the repository, the tests would import it instead"
+            )
+        )
     if verdict["touched_tests"] and not policy.allow_test_changes:
-        return "reject", "judge.test_changed", (f"the patch changes test files or test configuration "
-                                                f"({', '.join(verdict['touched_tests'][:5])}); a fix must not")
+        return (
+            "reject",
+            "judge.test_changed",
+            (
+                f"the patch changes test files or test configuration "
+                f"({', '.join(verdict['touched_tests'][:5])}); a fix must not"
+            )
+        )
     if verdict.get("runner_subverted"):
-        return "reject", "judge.runner_subverted", (f"the test runner did not report the judge's known answers "
-                                                    f"({verdict['runner_subverted']}): the patch subverts it")
+        return (
+            "reject",
+            "judge.runner_subverted",
+            (
+                f"the test runner did not report the judge's known answers "
+                f"({verdict['runner_subverted']}): the patch subverts it"
+            )
+        )
     if verdict.get("results_missing"):
-        return "reject", "judge.results_missing", ("the tests gave per-test results before the patch and none with "
-                                                   "it: the patch stops or bypasses the test runner")
+        return (
+            "reject",
+            "judge.results_missing",
+            (
+                "the tests gave per-test results before the patch and none with "
+                "it: the patch stops or bypasses the test runner"
+            )
+        )
     if verdict["vanished"]:
-        return "reject", "judge.tests_vanished", f"tests that ran before are gone or skipped: " \
-                                                 f"{', '.join(verdict['vanished'][:5])}"
+        return (
+            "reject",
+            "judge.tests_vanished",
+            f"tests that ran before are gone or skipped: " f"{', '.join(verdict['vanished'][:5])}"
+        )
     if verdict["newly_failing"]:
-        return "reject", "judge.newly_failing", f"tests that passed before now fail: " \
-                                                f"{', '.join(verdict['newly_failing'][:5])}"
+        return (
+            "reject",
+            "judge.newly_failing",
+            f"tests that passed before now fail: " f"{', '.join(verdict['newly_failing'][:5])}"
+        )
     if not verdict["tests_passed"]:
-        return "reject", "judge.tests_fail", ("the tests time out with the patch" if verdict.get("timed_out") else
-                                              f"the tests still fail with the patch (exit {verdict.get('returncode')})")
-    return "accept", None, "the patch applies, the tests pass, no test that passed before fails, no test file changed"
+        return (
+            "reject",
+            "judge.tests_fail",
+            (
+                "the tests time out with the patch"
+                if verdict.get("timed_out")
+                else f"the tests still fail with the patch (exit {verdict.get('returncode')})"
+            )
+        )
+    return (
+        "accept",
+        None,
+        "the patch applies, the tests pass, no test that passed before fails, no test file changed"
+    )
 
 
-# -- known answers: a test that must fail and one that must pass, planted in the judge's copy only -------
+# -- known answers: a test that must fail and one that must pass, planted in the judge's copy only
+# -------
 
-_PYTEST_VALUE_OPTS = {"-p", "-c", "-o", "-W", "-r", "--rootdir", "--confcutdir", "--basetemp", "--tb", "--ignore",
-                      "--ignore-glob", "--junitxml", "--junit-xml", "--override-ini", "--import-mode", "--durations",
-                      "--color", "--capture", "--log-level", "--cov"}
-_DESELECTING = {"-k", "-m", "--lf", "--last-failed", "--deselect", "-x", "--exitfirst", "--maxfail", "--sw",
-                "--stepwise", "--random-order", "--random-order-bucket", "--random-order-seed", "-f", "--failfast",
-                "-p randomly", "-p random_order"}
-_UNITTEST_VALUES = {"-s": "start", "--start-directory": "start", "-p": "pattern", "--pattern": "pattern",
-                    "-t": "top", "--top-level-directory": "top"}
+_PYTEST_VALUE_OPTS = {
+    "-p",
+    "-c",
+    "-o",
+    "-W",
+    "-r",
+    "--rootdir",
+    "--confcutdir",
+    "--basetemp",
+    "--tb",
+    "--ignore",
+    "--ignore-glob",
+    "--junitxml",
+    "--junit-xml",
+    "--override-ini",
+    "--import-mode",
+    "--durations",
+    "--color",
+    "--capture",
+    "--log-level",
+    "--cov"
+}
+_DESELECTING = {
+    "-k",
+    "-m",
+    "--lf",
+    "--last-failed",
+    "--deselect",
+    "-x",
+    "--exitfirst",
+    "--maxfail",
+    "--sw",
+    "--stepwise",
+    "--random-order",
+    "--random-order-bucket",
+    "--random-order-seed",
+    "-f",
+    "--failfast",
+    "-p randomly",
+    "-p random_order"
+}
+_UNITTEST_VALUES = {
+    "-s": "start",
+    "--start-directory": "start",
+    "-p": "pattern",
+    "--pattern": "pattern",
+    "-t": "top",
+    "--top-level-directory": "top"
+}
 
 
 def _runner(argv):
@@ -2029,8 +3096,10 @@ def _runner(argv):
         return "pytest", argv[1:]
     for index, arg in enumerate(argv[1:], 1):
         if arg == "-m":
-            name = argv[index + 1:index + 2]
-            return (name[0], argv[index + 2:]) if name in (["pytest"], ["unittest"]) else (None, [])
+            name = argv[index + 1 : index + 2]
+            return (
+                (name[0], argv[index + 2 :]) if name in (["pytest"], ["unittest"]) else (None, [])
+            )
         if not arg.startswith("-"):
             break
     return None, []
@@ -2040,9 +3109,15 @@ def _unittest_discovery(args):
     """(start directory, pattern, why nothing can be planted or None) of `python -m unittest ARGS`."""
     given, positional, rest = {"start": ".", "pattern": "test*.py"}, [], list(args[1:])
     if args[:1] != ["discover"]:
-        why = ("the test command names test modules" if any(not a.startswith("-") for a in args) else
-               "the test command can deselect or stop before the known answers" if any(
-                   a in _DESELECTING for a in args) else None)
+        why = (
+            "the test command names test modules"
+            if any(not a.startswith("-") for a in args)
+            else (
+                "the test command can deselect or stop before the known answers"
+                if any(a in _DESELECTING for a in args)
+                else None
+            )
+        )
         return given["start"], given["pattern"], why
     while rest:
         arg = rest.pop(0)
@@ -2053,7 +3128,11 @@ def _unittest_discovery(args):
         elif not arg.startswith("-"):
             positional.append(arg)
         elif arg in _DESELECTING:
-            return given["start"], given["pattern"], f"{arg} can stop the run before the known answers run"
+            return (
+                given["start"],
+                given["pattern"],
+                f"{arg} can stop the run before the known answers run"
+            )
     return (positional + [given["start"]])[0], (positional[1:] + [given["pattern"]])[0], None
 
 
@@ -2082,53 +3161,86 @@ def _pytest_why_not(args, tree):
 
 
 class KnownAnswers:
-    """The planted tests of one judge run: their names, the token the passing one writes, how to read them."""
+    """The planted tests of one judge run: their names, the token the passing one writes, how to read
+    them."""
 
     def __init__(self, runner, tag, token):
         self.runner, self.tag, self.token = runner, tag, token
         self.fail, self.ok = f"test_known_fail_{tag}", f"test_known_pass_{tag}"
 
     def source(self):
-        half = len(self.token) // 2  # the token is never whole in the file: only the test's run writes it
+        # the token is never whole in the file: only the test's run writes it
+        half = len(self.token) // 2
         write = f'os.write(1, ("\\\\nknown-answer-" + "{self.token[:half]}" + "{self.token[half:]}\\\\n").encode())'
         if self.runner == "pytest":  # plain functions, the kind pytest collects from a test file
-            return (f"import os\n\n\ndef {self.fail}():\n    assert False, 'planted by the judge: must fail'\n\n\n"
-                    f"def {self.ok}():\n    {write}\n")
-        return (f"import os\nimport unittest\n\n\nclass KnownAnswer{self.tag}(unittest.TestCase):\n"
-                f"    def {self.fail}(self):\n        self.fail('planted by the judge: must fail')\n\n"
-                f"    def {self.ok}(self):\n        {write}\n")
+            return (
+                f"import os\n\n\ndef {self.fail}():\n    assert False, 'planted by the judge: must fail'\n\n\n"
+                f"def {self.ok}():\n    {write}\n"
+            )
+        return (
+            f"import os\nimport unittest\n\n\nclass KnownAnswer{self.tag}(unittest.TestCase):\n"
+            f"    def {self.fail}(self):\n        self.fail('planted by the judge: must fail')\n\n"
+            f"    def {self.ok}(self):\n        {write}\n"
+        )
 
     def read(self, output, after):
-        """(per-test results less the plants, whether the project's tests pass, why the runner is not believed)."""
+        """(per-test results less the plants, whether the project's tests pass, why the runner is not
+        believed)."""
         if output.timed_out:
             return after, False, None
         if self.runner == "pytest":
-            mine = {t: o for t, o in (after or {}).items() if t.endswith((f"::{self.fail}", f"::{self.ok}"))}
+            mine = {
+                t: o
+                for t, o in (after or {}).items()
+                if t.endswith((f"::{self.fail}", f"::{self.ok}"))
+            }
             rest = None if after is None else {t: o for t, o in after.items() if t not in mine}
             got = {t.rsplit("::", 1)[1]: o for t, o in mine.items()}
-            ok = got.get(self.fail) == "failed" and got.get(self.ok) == "passed" and output.returncode == 1
+            ok = (
+                got.get(self.fail) == "failed"
+                and got.get(self.ok) == "passed"
+                and output.returncode == 1
+            )
             passed = ok and not any(o in ("failed", "error") for o in rest.values())
-            why = None if ok else f"planted failure {got.get(self.fail, 'missing')}, planted pass " \
-                                  f"{got.get(self.ok, 'missing')}, exit {output.returncode}"
+            why = (
+                None
+                if ok
+                else f"planted failure {got.get(self.fail, 'missing')}, planted pass "
+                f"{got.get(self.ok, 'missing')}, exit {output.returncode}"
+            )
             return rest, passed, why
         text = (output.head + output.tail).decode("utf-8", "replace")
-        named, wrote = re.findall(r"(?m)^(?:FAIL|ERROR): (\S+)", text), f"known-answer-{self.token}" in text
+        named, wrote = (
+            re.findall(r"(?m)^(?:FAIL|ERROR): (\S+)", text),
+            f"known-answer-{self.token}" in text
+        )
         ran = re.search(r"(?m)^Ran \d+ tests? in ", text)
         ok = named.count(self.fail) == 1 and wrote and ran and output.returncode == 1
-        why = None if ok else (f"planted failure {'reported' if self.fail in named else 'not reported'}, planted "
-                               f"pass {'ran' if wrote else 'did not run'}, {'a' if ran else 'no'} Ran line, exit "
-                               f"{output.returncode}")
+        why = (
+            None
+            if ok
+            else (
+                f"planted failure {'reported' if self.fail in named else 'not reported'}, planted "
+                f"pass {'ran' if wrote else 'did not run'}, {'a' if ran else 'no'} Ran line, exit "
+                f"{output.returncode}"
+            )
+        )
         return after, bool(ok) and named == [self.fail], why
 
     def label(self, text):
-        """The planted lines, marked, so that a reader is not alarmed by a failure the patch did not cause."""
-        return re.sub(rf"(?m)^(?=.*(?:known_(?:fail|pass)_{self.tag}|known-answer-{self.token}|KnownAnswer{self.tag}))",
-                      "[planted by the judge] ", text)
+        """The planted lines, marked, so that a reader is not alarmed by a failure the patch did not
+        cause."""
+        return re.sub(
+            rf"(?m)^(?=.*(?:known_(?:fail|pass)_{self.tag}|known-answer-{self.token}|KnownAnswer{self.tag}))",
+            "[planted by the judge] ",
+            text
+        )
 
 
 def plant_known_answers(tree, policy, before):
     """Plant a must-fail and a must-pass test where the runner collects; KnownAnswers, or why not."""
     import fnmatch
+
     runner, args = _runner(policy.test_command)
     tag = os.urandom(6).hex()
     if runner == "pytest":
@@ -2137,15 +3249,22 @@ def plant_known_answers(tree, policy, before):
         if why or place is None:
             return why or "the baseline run collected no test file to plant beside"
         base = os.path.basename(place)
-        name = f"test_zz_known_{tag}.py" if base.startswith("test") else f"zz_known_{tag}_test.py" \
-            if base.endswith("_test.py") else None
+        name = (
+            f"test_zz_known_{tag}.py"
+            if base.startswith("test")
+            else f"zz_known_{tag}_test.py" if base.endswith("_test.py") else None
+        )
         where = tree / os.path.dirname(place)
     elif runner == "unittest":
         start, pattern, why = _unittest_discovery(args)
         if why:
             return why
         name = pattern.replace("*", f"_zz_known_{tag}", 1).replace("*", "").replace("?", "x")
-        name = name if fnmatch.fnmatch(name, pattern) and name.endswith(".py") and name[:-3].isidentifier() else None
+        name = (
+            name
+            if fnmatch.fnmatch(name, pattern) and name.endswith(".py") and name[:-3].isidentifier()
+            else None
+        )
         where = tree / start
     else:
         return "the test runner is neither pytest nor unittest"
@@ -2169,9 +3288,17 @@ def _collected_file(tree, before):
     return None
 
 
-# -- tripwires: what a fix does not need, read from the patch (tripwires, not proof) --------------------
+# -- tripwires: what a fix does not need, read from the patch (tripwires, not proof)
+# --------------------
 
-_RUNNER_NAMES = {"_pytest", "pluggy", "TestResult", "TextTestResult", "TextTestRunner", "TestProgram"}
+_RUNNER_NAMES = {
+    "_pytest",
+    "pluggy",
+    "TestResult",
+    "TextTestResult",
+    "TextTestRunner",
+    "TestProgram"
+}
 _RUNNER_MODULES = {"_pytest", "pluggy", "unittest.runner", "unittest.result", "unittest.main"}
 _PROCESS_MODULES = {"signal", "_signal", "ctypes", "_ctypes", "pty"}
 _PROCESS_CALLS = {"fork", "forkpty", "setsid", "setpgrp", "setpgid", "kill", "killpg", "fork_exec"}
@@ -2184,14 +3311,25 @@ def tripwires(tree, reading, enabled, env):
     fired = []
     for path in reading.paths:
         parts, base = path.split("/"), path.rsplit("/", 1)[-1]
-        if any(p.endswith((".dist-info", ".egg-info")) for p in parts) or base == "entry_points.txt":
-            fired.append(("tripwire.packaging_metadata", path, "packaging metadata (a runner plug-in point)"))
-        if base.endswith(".pth") or any(p in ("sitecustomize.py", "usercustomize.py", "sitecustomize",
-                                               "usercustomize") for p in parts):
+        if (
+            any(p.endswith((".dist-info", ".egg-info")) for p in parts)
+            or base == "entry_points.txt"
+        ):
+            fired.append(
+                ("tripwire.packaging_metadata", path, "packaging metadata (a runner plug-in point)")
+            )
+        if base.endswith(".pth") or any(
+            p in ("sitecustomize.py", "usercustomize.py", "sitecustomize", "usercustomize")
+            for p in parts
+        ):
             fired.append(("tripwire.startup_hook", path, "a file Python runs at start-up"))
         old, new = reading.blobs.get(path, (None, None))
         if new and path.endswith((".py", ".pyw")):
-            seen = collections.Counter(w[:2] for w in _py_tripwires(_blob(tree, old, env))) if old else {}
+            seen = (
+                collections.Counter(w[:2] for w in _py_tripwires(_blob(tree, old, env)))
+                if old
+                else {}
+            )
             for rule, what, line in _py_tripwires(_blob(tree, new, env)):
                 if seen.get((rule, what)):
                     seen[(rule, what)] -= 1
@@ -2219,8 +3357,11 @@ def _py_tripwires(source):
         module = ast.parse(source)
     except (SyntaxError, ValueError):
         return []  # it does not compile: the tests say so
-    found = [(rule, what, getattr(node, "lineno", 0)) for node in ast.walk(module) for rule, what in
-             _node_tripwires(node)]
+    found = [
+        (rule, what, getattr(node, "lineno", 0))
+        for node in ast.walk(module)
+        for rule, what in _node_tripwires(node)
+    ]
     for node in _import_time(module.body):
         target = node.func if isinstance(node, ast.Call) else node.exc
         name = _dotted(target.func if isinstance(target, ast.Call) else target)
@@ -2236,7 +3377,11 @@ def _node_tripwires(node):
         names += [f"{base}.{a.name}" if base else a.name for a in node.names]
         for name in names:
             top = name.split(".")[0]
-            if top in ("_pytest", "pluggy") or name in _RUNNER_MODULES or name.split(".")[-1] in _RUNNER_NAMES:
+            if (
+                top in ("_pytest", "pluggy")
+                or name in _RUNNER_MODULES
+                or name.split(".")[-1] in _RUNNER_NAMES
+            ):
                 yield "tripwire.runner_internals", f"imports {name}"
             elif top in _PROCESS_MODULES or name in {f"os.{c}" for c in _PROCESS_CALLS}:
                 yield "tripwire.process_control", f"imports {name}"
@@ -2246,12 +3391,17 @@ def _node_tripwires(node):
                 yield "tripwire.interpreter_state", f"imports {name}"
     elif isinstance(node, ast.Attribute):
         name, root = _dotted(node) or node.attr, (_dotted(node) or "").split(".")[0]
-        if root in ("_pytest", "pluggy") or node.attr in _RUNNER_NAMES or (root == "unittest" and node.attr in
-                                                                             ("runner", "result")):
+        if (
+            root in ("_pytest", "pluggy")
+            or node.attr in _RUNNER_NAMES
+            or (root == "unittest" and node.attr in ("runner", "result"))
+        ):
             yield "tripwire.runner_internals", name
         elif root in ("pytest", "unittest") and not isinstance(node.ctx, ast.Load):
             yield "tripwire.runner_internals", f"assigns {name}"
-        if node.attr in _HOOK_ATTRS or (root in ("builtins", "__builtins__") and not isinstance(node.ctx, ast.Load)):
+        if node.attr in _HOOK_ATTRS or (
+            root in ("builtins", "__builtins__") and not isinstance(node.ctx, ast.Load)
+        ):
             yield "tripwire.interpreter_state", name
         if node.attr in ("_exit", "abort") and root == "os" or root == "atexit":
             yield "tripwire.exit_paths", name
@@ -2262,11 +3412,21 @@ def _node_tripwires(node):
             yield "tripwire.interpreter_state", f"writes {_dotted(node.value)}[...]"
     elif isinstance(node, ast.Call):
         yield from _call_tripwires(node)
-    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("pytest_"):
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith(
+        "pytest_"
+    ):
         yield "tripwire.runner_internals", f"defines the pytest hook {node.name}"
-    elif isinstance(node, ast.Name) and node.id == "pytest_plugins" and isinstance(node.ctx, ast.Store):
+    elif (
+        isinstance(node, ast.Name)
+        and node.id == "pytest_plugins"
+        and isinstance(node.ctx, ast.Store)
+    ):
         yield "tripwire.runner_internals", "sets pytest_plugins"
-    elif isinstance(node, ast.Constant) and isinstance(node.value, str) and re.match(r"_pytest(\.|$)", node.value):
+    elif (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and re.match(r"_pytest(\.|$)", node.value)
+    ):
         yield "tripwire.runner_internals", f"names {node.value[:60]}"
 
 
@@ -2286,11 +3446,16 @@ def _call_tripwires(node):
 
 
 def _import_time(nodes):
-    """Calls and raises that run at import: in module and class bodies, not in functions, lambdas or `__main__`."""
+    """Calls and raises that run at import: in module and class bodies, not in functions, lambdas or
+    `__main__`."""
     for node in nodes:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
             continue
-        if isinstance(node, ast.If) and "__name__" in ast.dump(node.test) and "__main__" in ast.dump(node.test):
+        if (
+            isinstance(node, ast.If)
+            and "__name__" in ast.dump(node.test)
+            and "__main__" in ast.dump(node.test)
+        ):
             yield from _import_time(node.orelse)
             continue
         if isinstance(node, (ast.Call, ast.Raise)):
@@ -2300,8 +3465,10 @@ def _import_time(nodes):
 
 # == Replay: the same decisions from the record, with no model, no tool and no network ==
 
+
 class ReplayWorld:
-    """A recorded run as the host's world: replies, resolutions, git's answers and clock from the ledger."""
+    """A recorded run as the host's world: replies, resolutions, git's answers and clock from the
+    ledger."""
 
     def __init__(self, run_dir, events):
         self.run_dir, self.produced, self.steps = Path(run_dir), [], 0
@@ -2315,11 +3482,20 @@ class ReplayWorld:
             elif kind in ("tool_allowed", "tool_denied"):
                 self.paths.setdefault(payload["step"], {}).update(payload.get("paths") or {})
             elif kind == "patch_rejected":
-                self.checks[payload["step"]] = {"applies": False, "message": payload["message"],
-                                                "patch_sha256": payload["patch_sha256"], "rule": payload.get("rule")}
+                self.checks[payload["step"]] = {
+                    "applies": False,
+                    "message": payload["message"],
+                    "patch_sha256": payload["patch_sha256"],
+                    "rule": payload.get("rule")
+                }
             elif kind == "decision" and payload.get("stage") == "proposal":
-                self.checks[payload["step"]] = dict({k: payload[k] for k in ("recount", "files", "patch_sha256",
-                                                                             "proposal_sha256")}, applies=True)
+                self.checks[payload["step"]] = dict(
+                    {
+                        k: payload[k]
+                        for k in ("recount", "files", "patch_sha256", "proposal_sha256")
+                    },
+                    applies=True
+                )
 
     def elapsed(self):
         return self.clock[min(self.steps, len(self.clock) - 1)] if self.clock else 0.0
@@ -2328,34 +3504,56 @@ class ReplayWorld:
         self.produced.append((kind, payload))
 
     def resolver(self, step):
-        recorded = {posixpath.normpath(g): r for g, r in reversed(list(self.paths.get(step, {}).items()))}
-        return lambda norm: recorded.get(norm, norm)  # not resolved in the recorded run: taken at its word
+        recorded = {
+            posixpath.normpath(g): r for g, r in reversed(list(self.paths.get(step, {}).items()))
+        }
+        # not resolved in the recorded run: taken at its word
+        return lambda norm: recorded.get(norm, norm)
 
-    def ask(self, step, messages, budget, limits):  # what the model answered, whatever the messages held
+    # what the model answered, whatever the messages held
+    def ask(self, step, messages, budget, limits):
         if step > len(self.replies):
             raise _Exit("replayed")
         self.steps, call = step, self.replies[step - 1]["call"]
         return _artifact_text(self.run_dir, call["reply_artifact"]), call
 
     def parse(self, step, text):
-        """The action as the live run read it (the stored reply is masked, which can change how it parses)."""
+        """The action as the live run read it (the stored reply is masked, which can change how it
+        parses)."""
         payload = self.replies[step - 1]
         if "tool" not in payload:  # proposal_malformed
             raise Malformed(payload["reason"])
-        return {"tool": payload["tool"], "args": payload["args"], "reason": payload["reason"]}, payload["form"]
+        return {
+            "tool": payload["tool"],
+            "args": payload["args"],
+            "reason": payload["reason"]
+        }, payload["form"]
 
     def run_tool(self, step, tool, args, cap):
-        return _text_output(0, "(replayed: the recorded output is in the ledger)", time.monotonic()), ""
+        return (
+            _text_output(0, "(replayed: the recorded output is in the ledger)", time.monotonic()),
+            ""
+        )
 
     def check_patch(self, step, patch):
-        return self.checks.get(step) or {"applies": False, "message": "(not checked in the recorded run)",
-                                         "patch_sha256": None, "recount": False, "files": []}
+        return self.checks.get(step) or {
+            "applies": False,
+            "message": "(not checked in the recorded run)",
+            "patch_sha256": None,
+            "recount": False,
+            "files": []
+        }
 
 
 # What replay compares of each decision, after its kind (budget_exhausted and stuck: the limit)
-_DECISION_FIELDS = {"tool_allowed": ("step", "tool", "rule"), "tool_denied": ("step", "tool", "rule"),
-                    "model_proposed": ("step", "tool"), "proposal_malformed": ("step",), "patch_rejected": ("step",),
-                    "decision": ("stage", "proposal_sha256")}
+_DECISION_FIELDS = {
+    "tool_allowed": ("step", "tool", "rule"),
+    "tool_denied": ("step", "tool", "rule"),
+    "model_proposed": ("step", "tool"),
+    "proposal_malformed": ("step",),
+    "patch_rejected": ("step",),
+    "decision": ("stage", "proposal_sha256")
+}
 
 
 def _decision_key(kind, payload):
@@ -2369,13 +3567,23 @@ def replay_run(run_dir, tools=None):
     started = next((e["payload"] for e in events if e["kind"] == "run_started"), None)
     if started is None:
         raise rl.UsageError(f"{run_dir}: no run_started event: not an agent run")
-    policy = load_policy(tools) if tools else policy_from_text(_artifact_text(run_dir, started["tools_artifact"]),
-                                                               "the run's tools.json")
-    if tools is None:  # a run recorded before max_repeats existed was never stopped for repeating itself
+    policy = (
+        load_policy(tools)
+        if tools
+        else policy_from_text(
+            _artifact_text(run_dir, started["tools_artifact"]), "the run's tools.json"
+        )
+    )
+    # a run recorded before max_repeats existed was never stopped for repeating itself
+    if tools is None:
         policy.budget = {**DEFAULT_BUDGET, "max_repeats": float("inf"), **started["budget"]}
     world = ReplayWorld(run_dir, events)
     drive(world, policy, [{"role": "system", "content": ""}, {"role": "user", "content": ""}])
-    recorded = [(e["seq"], _decision_key(e["kind"], e["payload"]), e) for e in events if e["kind"] in DECISION_KINDS]
+    recorded = [
+        (e["seq"], _decision_key(e["kind"], e["payload"]), e)
+        for e in events
+        if e["kind"] in DECISION_KINDS
+    ]
     produced = [_decision_key(k, p) for k, p in world.produced if k in DECISION_KINDS]
     divergences = []
     for i in range(max(len(recorded), len(produced))):
@@ -2384,9 +3592,13 @@ def replay_run(run_dir, tools=None):
         if got != key:
             divergences.append((seq, key, got))
             break
-    decided = [e["payload"].get("proposal_sha256") for _s, _k, e in recorded if e["kind"] == "decision"]
+    decided = [
+        e["payload"].get("proposal_sha256") for _s, _k, e in recorded if e["kind"] == "decision"
+    ]
     proposal = run_dir / PROPOSAL_NAME
-    digest = hashlib.sha256(proposal.read_bytes()).hexdigest() if decided and proposal.exists() else None
+    digest = (
+        hashlib.sha256(proposal.read_bytes()).hexdigest() if decided and proposal.exists() else None
+    )
     if digest and digest != decided[-1]:
         divergences.append((None, ("proposal.patch", decided[-1]), ("proposal.patch", digest)))
     return divergences, (_flips(recorded, produced) if tools is not None else [])
@@ -2398,9 +3610,14 @@ def _flips(recorded, produced):
         now = tools_at.get(key[1]) if key[0] in ("tool_allowed", "tool_denied") else None
         if now is not None and (now[0], now[3]) != (key[0], key[3]):
             p = event["payload"]
-            flips.append(f"seq {seq} step {key[1]}: {p['tool']} {json.dumps(p['args'], ensure_ascii=False)[:120]}: "
-                         f"{key[0][5:]} by {key[3]} -> {now[0][5:]} by {now[3]}")
-    ends = [[k[1] for k in keys if k[0] == "budget_exhausted"] for keys in ([k for _s, k, _e in recorded], produced)]
+            flips.append(
+                f"seq {seq} step {key[1]}: {p['tool']} {json.dumps(p['args'], ensure_ascii=False)[:120]}: "
+                f"{key[0][5:]} by {key[3]} -> {now[0][5:]} by {now[3]}"
+            )
+    ends = [
+        [k[1] for k in keys if k[0] == "budget_exhausted"]
+        for keys in ([k for _s, k, _e in recorded], produced)
+    ]
     if ends[0] != ends[1]:
         was, now = (end[0] if end else "not exhausted" for end in ends)
         flips.append(f"budget: {was} -> {now}")
@@ -2409,13 +3626,21 @@ def _flips(recorded, produced):
 
 # == The record of runs ========================================================
 
+
 def list_runs(runs_dir):
     """One row per run: id, started, outcome, steps, tokens, and whether it verifies against the index."""
     import audit  # its run summaries: one reader of the agent's events
+
     runs_dir = Path(runs_dir)
-    status = {Path(path).parent.name: "ok" if isinstance(result, rl.Verified) else
-              "FAIL" if isinstance(result, rl.IntegrityError) else "ERROR"
-              for path, result in rl.verify_runs(runs_dir) if Path(path).name == rl.EVENTS_NAME}
+    status = {
+        Path(path).parent.name: (
+            "ok"
+            if isinstance(result, rl.Verified)
+            else "FAIL" if isinstance(result, rl.IntegrityError) else "ERROR"
+        )
+        for path, result in rl.verify_runs(runs_dir)
+        if Path(path).name == rl.EVENTS_NAME
+    }
     summary = audit.Audit()
     for events in sorted(runs_dir.glob(f"*/{rl.EVENTS_NAME}")):
         if status.get(events.parent.name) == "ok":
@@ -2425,18 +3650,31 @@ def list_runs(runs_dir):
     for run_id in sorted(status):
         row = rows.get(run_id, {})
         reported = row.get("input_tokens")
-        tokens, source = ((reported + (row.get("output_tokens") or 0), "reported") if reported is not None
-                          else (row["est_tokens"], "estimated") if row.get("est_tokens") else (None, None))
-        out.append({"run_id": run_id, "started": row.get("started"), "outcome": row.get("outcome"),
-                    "steps": row.get("steps"), "tokens": tokens, "tokens_source": source,
-                    "verified": status[run_id], "why": row.get("why"),
-                    "unboxed": _unboxed(_events_of(runs_dir / run_id)) is not None})
+        tokens, source = (
+            (reported + (row.get("output_tokens") or 0), "reported")
+            if reported is not None
+            else (row["est_tokens"], "estimated") if row.get("est_tokens") else (None, None)
+        )
+        out.append(
+            {
+                "run_id": run_id,
+                "started": row.get("started"),
+                "outcome": row.get("outcome"),
+                "steps": row.get("steps"),
+                "tokens": tokens,
+                "tokens_source": source,
+                "verified": status[run_id],
+                "why": row.get("why"),
+                "unboxed": _unboxed(_events_of(runs_dir / run_id)) is not None
+            }
+        )
     return out
 
 
 def run_reason(events):
     """Why a run ended, in a few words, as audit.py reads its events."""
     import audit
+
     why = None
     for event in events:
         why = audit.run_event_why(event["kind"], event["payload"]) or why
@@ -2450,40 +3688,48 @@ def _tokens_cell(row):
 
 
 # ----------------------------------------------------------------------------
-# ----------------------------------------------------------------------------
-# The webhook daemon
-# ----------------------------------------------------------------------------
-# `agent.py serve` (docs/daemon.md): a body is authenticated before it is parsed, an accepted delivery is in
+# ---------------------------------------------------------------------------- The webhook daemon
+# ---------------------------------------------------------------------------- `agent.py serve`
+# (docs/daemon.md): a body is authenticated before it is parsed, an accepted delivery is in
 # RUNS/daemon.jsonl before the answer, one worker runs the queue, each run a child `agent.py run`.
 
 DAEMON_LEDGER = "daemon.jsonl"
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-SIGNATURE_TOLERANCE_S = 300   # Standard Webhooks: a webhook-timestamp more than 5 minutes off is refused
-KILL_MARGIN_S = 60            # a run is killed after max_wall_s + 2 x test_timeout_s + this
-TERMINATE_WAIT_S = 5          # SIGTERM to a run's process group, then SIGKILL this much later
-RESPONSE_GRACE_S = 2          # an answer is written within this much after the request's deadline
-LINGER_S = 1.0                # after an error answered before the body was read, unread input is drained this long
-LINGER_BYTES = 64 * 1024      # and at most this much of it
+# Standard Webhooks: a webhook-timestamp more than 5 minutes off is refused
+SIGNATURE_TOLERANCE_S = 300
+KILL_MARGIN_S = 60  # a run is killed after max_wall_s + 2 x test_timeout_s + this
+TERMINATE_WAIT_S = 5  # SIGTERM to a run's process group, then SIGKILL this much later
+RESPONSE_GRACE_S = 2  # an answer is written within this much after the request's deadline
+# after an error answered before the body was read, unread input is drained this long
+LINGER_S = 1.0
+LINGER_BYTES = 64 * 1024  # and at most this much of it
 MAX_SECRETS_FILE = 64 * 1024  # WEBHOOK_SECRET_FILE holds a few secrets, not a log
-RETRY_AFTER_S = 30            # a full queue asks the sender to come back after this
-CONNECTION_EVENT_EVERY_S = 10  # connections over the cap: at most one connection_limit event this often
-REJECTIONS_PER_S, REJECTIONS_BURST = 5, 50  # an unauthenticated flood must not grow the ledger without bound
-MAX_SIGNATURES = 16           # webhook-signature entries looked at
-MAX_EVENTS_SHOWN = 5000       # GET /runs/<id> shows at most this many events
-MAX_SHOWN_CHARS = 4000        # one value on the timeline page
+RETRY_AFTER_S = 30  # a full queue asks the sender to come back after this
+# connections over the cap: at most one connection_limit event this often
+CONNECTION_EVENT_EVERY_S = 10
+# an unauthenticated flood must not grow the ledger without bound
+REJECTIONS_PER_S, REJECTIONS_BURST = 5, 50
+MAX_SIGNATURES = 16  # webhook-signature entries looked at
+MAX_EVENTS_SHOWN = 5000  # GET /runs/<id> shows at most this many events
+MAX_SHOWN_CHARS = 4000  # one value on the timeline page
 DAEMON_ENV = ("WEBHOOK_SECRET", "WEBHOOK_SECRET_FILE", "READ_TOKEN")  # never passed to a run
-PIPED_ENV = ("API_KEY", "OPENAI_API_KEY", rl.KEY_ENV)  # passed to a run on its stdin, not in its environment
+# passed to a run on its stdin, not in its environment
+PIPED_ENV = ("API_KEY", "OPENAI_API_KEY", rl.KEY_ENV)
 _BUSY_BODY = b'{"error": "too many connections; retry later"}\n'
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-         b"Retry-After: 1\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+    b"Retry-After: 1\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+)
 
 _DELIVERY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
 _EVENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}\Z")
 _GITHUB_SIG_RE = re.compile(r"sha256=([0-9a-fA-F]{64})\Z")
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?\Z")
-_RUN_URL_RE = re.compile(r"/runs/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8})\Z")  # new_run_id()'s shape only
-_HOST_RE = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9_.-]+))(?::[0-9]{1,5})?\Z")  # Host: name[:port], [v6][:port]
+# new_run_id()'s shape only
+_RUN_URL_RE = re.compile(r"/runs/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8})\Z")
+# Host: name[:port], [v6][:port]
+_HOST_RE = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9_.-]+))(?::[0-9]{1,5})?\Z")
 
 
 class Refused(Exception):
@@ -2491,14 +3737,21 @@ class Refused(Exception):
 
     def __init__(self, status, reason, message, headers=None):
         super().__init__(message)
-        self.status, self.reason, self.message, self.headers = status, reason, message, headers or {}
+        self.status, self.reason, self.message, self.headers = (
+            status,
+            reason,
+            message,
+            headers or {}
+        )
 
 
-Delivery = collections.namedtuple("Delivery", "source delivery event")  # github, standard or unsigned; id; event
+# github, standard or unsigned; id; event
+Delivery = collections.namedtuple("Delivery", "source delivery event")
 
 
 def serve_settings(args, environ):
-    """The daemon's settings, from `serve`'s arguments and the environment; a bad one raises UsageError."""
+    """The daemon's settings, from `serve`'s arguments and the environment; a bad one raises
+    UsageError."""
     for name in ("max_body", "queue", "max_connections"):
         if getattr(args, name) < 1:
             raise rl.UsageError(f"--{name.replace('_', '-')} must be at least 1")
@@ -2510,35 +3763,59 @@ def serve_settings(args, environ):
     if not 0 <= args.port <= 65535:
         raise rl.UsageError("--port must be between 0 and 65535")
     secrets = webhook_secrets(environ)
-    api_key = ask.settings_from_env(environ=environ)[2]  # every run needs them: refuse to start without
+    # every run needs them: refuse to start without
+    api_key = ask.settings_from_env(environ=environ)[2]
     token = args.read_token or environ.get("READ_TOKEN") or None
     if token is not None and len(token) < 16:
-        raise rl.UsageError("the read token (--read-token / READ_TOKEN) must be at least 16 characters")
+        raise rl.UsageError(
+            "the read token (--read-token / READ_TOKEN) must be at least 16 characters"
+        )
     loopback = is_loopback(args.host)
     if not loopback and not secrets:
-        raise rl.UsageError(f"refusing to listen on {rl.printable(args.host)}, which is not a loopback address, "
-                            f"without a webhook secret: set WEBHOOK_SECRET or WEBHOOK_SECRET_FILE")
+        raise rl.UsageError(
+            f"refusing to listen on {rl.printable(args.host)}, which is not a loopback address, "
+            f"without a webhook secret: set WEBHOOK_SECRET or WEBHOOK_SECRET_FILE"
+        )
     allow = [name.strip().lower().rstrip(".") for name in args.allow_host or ()]
     if args.ship_to:
         rl.ClickHouse(args.ship_to)  # the URL's form is checked now, not once per run
     policy = load_policy(Path(args.tools).resolve())
-    names = set(allow) | {args.host.strip("[]").lower()} | ({"localhost", "127.0.0.1", "::1"} if loopback else set())
-    return argparse.Namespace(**dict(
-        vars(args), repo=repo_root(args.repo), tools=Path(args.tools).resolve(), policy=policy, allow_hosts=allow,
-        runs_dir=Path(args.runs_dir).resolve(), names=names, keys=signing_keys(secrets), read_token=token,
-        token_required=bool(token) or not loopback, secrets=[s for s in secrets + [token, api_key] if s],
-        kill_after_s=float(args.kill_after_s or policy.budget["max_wall_s"] + 2 * policy.test_timeout_s
-                           + KILL_MARGIN_S)))
+    names = (
+        set(allow)
+        | {args.host.strip("[]").lower()}
+        | ({"localhost", "127.0.0.1", "::1"} if loopback else set())
+    )
+    return argparse.Namespace(
+        **dict(
+            vars(args),
+            repo=repo_root(args.repo),
+            tools=Path(args.tools).resolve(),
+            policy=policy,
+            allow_hosts=allow,
+            runs_dir=Path(args.runs_dir).resolve(),
+            names=names,
+            keys=signing_keys(secrets),
+            read_token=token,
+            token_required=bool(token) or not loopback,
+            secrets=[s for s in secrets + [token, api_key] if s],
+            kill_after_s=float(
+                args.kill_after_s
+                or policy.budget["max_wall_s"] + 2 * policy.test_timeout_s + KILL_MARGIN_S
+            )
+        )
+    )
 
 
 def webhook_secrets(environ=None):
-    """WEBHOOK_SECRET and the lines of WEBHOOK_SECRET_FILE (blank ones ignored): several serve a rotation."""
+    """WEBHOOK_SECRET and the lines of WEBHOOK_SECRET_FILE (blank ones ignored): several serve a
+    rotation."""
     env = os.environ if environ is None else environ
     secrets = [env["WEBHOOK_SECRET"]] if env.get("WEBHOOK_SECRET") else []
     if env.get("WEBHOOK_SECRET_FILE"):
         try:
             with open(env["WEBHOOK_SECRET_FILE"], "rb") as handle:
-                raw = handle.read(MAX_SECRETS_FILE + 1)  # /dev/zero, or a log named by mistake, is refused
+                # /dev/zero, or a log named by mistake, is refused
+                raw = handle.read(MAX_SECRETS_FILE + 1)
             lines = raw.decode("utf-8").split("\n")
         except (OSError, UnicodeDecodeError) as exc:
             raise rl.UsageError(f"WEBHOOK_SECRET_FILE: {rl.error_text(exc)}") from None
@@ -2552,18 +3829,23 @@ def webhook_secrets(environ=None):
 
 
 def signing_keys(secrets):
-    """[(GitHub key, Standard Webhooks key: a `whsec_<base64>` secret's decoded bytes)] for each secret."""
+    """[(GitHub key, Standard Webhooks key: a `whsec_<base64>` secret's decoded bytes)] for each
+    secret."""
     keys = []
     for secret in secrets:
         if len(secret) < rl.MIN_SECRET_CHARS:  # too short to mask by value, and to resist guessing
-            raise rl.UsageError(f"a webhook secret must be at least {rl.MIN_SECRET_CHARS} characters")
+            raise rl.UsageError(
+                f"a webhook secret must be at least {rl.MIN_SECRET_CHARS} characters"
+            )
         raw = standard = secret.encode("utf-8")
         if secret.startswith("whsec_"):
             try:
                 standard = base64.b64decode(secret[6:], validate=True)
             except (binascii.Error, ValueError):
-                raise rl.UsageError("a whsec_ webhook secret must be base64 after the prefix "
-                                    "(the secret is not shown)") from None
+                raise rl.UsageError(
+                    "a whsec_ webhook secret must be base64 after the prefix "
+                    "(the secret is not shown)"
+                ) from None
         keys.append((raw, standard))
     return keys
 
@@ -2574,13 +3856,17 @@ def is_loopback(host):
         infos = socket.getaddrinfo(host, None)
     except (socket.gaierror, UnicodeError):
         raise rl.UsageError(f"--host {rl.printable(host)}: cannot resolve that name") from None
-    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+    return bool(infos) and all(
+        ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos
+    )
 
 
 # -- authentication: before the body is parsed ---------------------------------
 
+
 def _signed(keys, message, given, encode=bytes):
-    """Is one of `given` the HMAC-SHA256 of `message` under one of `keys`? Every pair compared in constant time."""
+    """Is one of `given` the HMAC-SHA256 of `message` under one of `keys`? Every pair compared in
+    constant time."""
     matched = False
     for key in keys:
         digest = encode(hmac.new(key, message, hashlib.sha256).digest())
@@ -2590,7 +3876,8 @@ def _signed(keys, message, given, encode=bytes):
 
 
 def verify_github(keys, body, header):
-    """X-Hub-Signature-256: sha256=<hex HMAC-SHA256(secret, raw body)>, against every secret. Raises Refused."""
+    """X-Hub-Signature-256: sha256=<hex HMAC-SHA256(secret, raw body)>, against every secret. Raises
+    Refused."""
     match = _GITHUB_SIG_RE.match(header or "")
     if not match:
         raise Refused(401, "bad_signature_format", "the signature does not match")
@@ -2599,36 +3886,71 @@ def verify_github(keys, body, header):
 
 
 def verify_standard(keys, body, msg_id, timestamp, header, now=None):
-    """Standard Webhooks: `v1,<base64 HMAC-SHA256 of id.timestamp.body>` entries, a timestamp within 5 minutes."""
+    """Standard Webhooks: `v1,<base64 HMAC-SHA256 of id.timestamp.body>` entries, a timestamp within 5
+    minutes."""
     if not msg_id or not timestamp or not header:
-        raise Refused(401, "missing_signature", "webhook-id, webhook-timestamp and webhook-signature are required")
+        raise Refused(
+            401,
+            "missing_signature",
+            "webhook-id, webhook-timestamp and webhook-signature are required"
+        )
     if not re.fullmatch(r"[0-9]{1,12}", timestamp.strip()):
         raise Refused(401, "bad_timestamp", "webhook-timestamp must be Unix seconds")
     if abs((time.time() if now is None else now) - int(timestamp)) > SIGNATURE_TOLERANCE_S:
         raise Refused(401, "stale_timestamp", "webhook-timestamp is outside the tolerance")
-    given = [entry[3:].encode("latin-1") for entry in header.split()[:MAX_SIGNATURES] if entry.startswith("v1,")]
-    if not _signed([standard for _g, standard in keys], f"{msg_id}.{timestamp}.".encode("latin-1") + body, given,
-                   base64.b64encode):
+    given = [
+        entry[3:].encode("latin-1")
+        for entry in header.split()[:MAX_SIGNATURES]
+        if entry.startswith("v1,")
+    ]
+    if not _signed(
+        [standard for _g, standard in keys],
+        f"{msg_id}.{timestamp}.".encode("latin-1") + body,
+        given,
+        base64.b64encode
+    ):
         raise Refused(401, "bad_signature", "the signature does not match")
 
 
 def authenticate(keys, headers, body, now=None):
     """The Delivery: which scheme signed the raw body, its id and event name. Raises Refused."""
     if not keys:  # only on loopback: nothing to check against
-        delivery = headers.get("X-GitHub-Delivery") or headers.get("webhook-id") or f"local-{os.urandom(8).hex()}"
+        delivery = (
+            headers.get("X-GitHub-Delivery")
+            or headers.get("webhook-id")
+            or f"local-{os.urandom(8).hex()}"
+        )
         found = Delivery("unsigned", delivery.strip(), headers.get("X-GitHub-Event"))
     elif headers.get("X-Hub-Signature-256") is not None:
         verify_github(keys, body, headers.get("X-Hub-Signature-256").strip())
-        for name, reason in (("X-GitHub-Delivery", "missing_delivery"), ("X-GitHub-Event", "missing_event")):
+        for name, reason in (
+            ("X-GitHub-Delivery", "missing_delivery"),
+            ("X-GitHub-Event", "missing_event")
+        ):
             if not headers.get(name):
                 raise Refused(400, reason, f"{name} is required")
-        found = Delivery("github", headers.get("X-GitHub-Delivery").strip(), headers.get("X-GitHub-Event").strip())
+        found = Delivery(
+            "github",
+            headers.get("X-GitHub-Delivery").strip(),
+            headers.get("X-GitHub-Event").strip()
+        )
     elif headers.get("webhook-signature") is not None:
         msg_id = headers.get("webhook-id")
-        verify_standard(keys, body, msg_id, headers.get("webhook-timestamp"), headers.get("webhook-signature"), now)
+        verify_standard(
+            keys,
+            body,
+            msg_id,
+            headers.get("webhook-timestamp"),
+            headers.get("webhook-signature"),
+            now
+        )
         found = Delivery("standard", msg_id.strip(), None)
     else:
-        raise Refused(401, "missing_signature", "a signature is required (X-Hub-Signature-256 or webhook-signature)")
+        raise Refused(
+            401,
+            "missing_signature",
+            "a signature is required (X-Hub-Signature-256 or webhook-signature)"
+        )
     if not _DELIVERY_RE.match(found.delivery):
         raise Refused(400, "bad_delivery", "the delivery id must be 1-128 of A-Z a-z 0-9 _ . : -")
     if found.event is not None and not _EVENT_RE.match(found.event):
@@ -2639,8 +3961,10 @@ def authenticate(keys, headers, body, now=None):
 def parse_body(headers, body, found):
     """After a valid signature: (the application/json UTF-8 object, its event name). Raises Refused."""
     ctype = [part.strip() for part in (headers.get("Content-Type") or "").lower().split(";")]
-    if ctype[0] != "application/json" or any(part.startswith("charset=") and part not in (
-            "charset=utf-8", 'charset="utf-8"') for part in ctype[1:]):
+    if ctype[0] != "application/json" or any(
+        part.startswith("charset=") and part not in ("charset=utf-8", 'charset="utf-8"')
+        for part in ctype[1:]
+    ):
         raise Refused(415, "wrong_content_type", "the body must be application/json (UTF-8)")
     try:
         payload = json.loads(body.decode("utf-8"))
@@ -2658,19 +3982,25 @@ def parse_body(headers, body, found):
 
 # -- the HTTP side ---------------------------------------------------------------
 
+
 class _Server(rl.CappedServer):
-    """A thread per connection, at most --max-connections at once (over the cap: a 503 at once, counted)."""
+    """A thread per connection, at most --max-connections at once (over the cap: a 503 at once,
+    counted)."""
 
     def __init__(self, app):
         self.app = app
-        super().__init__((app.settings.host, app.settings.port), _Handler, app.settings.max_connections, _BUSY)
+        super().__init__(
+            (app.settings.host, app.settings.port), _Handler, app.settings.max_connections, _BUSY
+        )
 
     def refused(self, client_address):
         self.app.connection_refused(client_address[0])
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """One request per connection, then closed. The socket's timeout bounds a read, the rl.Deadline them all."""
+    """One request per connection, then closed. The socket's timeout bounds a read, the rl.Deadline
+    them all."""
+
     protocol_version, server_version = "HTTP/1.1", "agent.py-serve"
     # what an answer needs when the request line did not parse (it keeps its status line: HTTP/1.0)
     default_request_version = request_version = "HTTP/1.0"
@@ -2682,7 +4012,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.app, self.started = self.server.app, time.monotonic()
         self.connection.settimeout(self.app.settings.request_timeout + RESPONSE_GRACE_S)
         self.deadline = rl.Deadline(self.app.settings.request_timeout)
-        self.deadline.watch(self.connection, socket.SHUT_RD)  # the read side only: the handler can still answer 408
+        # the read side only: the handler can still answer 408
+        self.deadline.watch(self.connection, socket.SHUT_RD)
 
     def handle(self):
         try:
@@ -2690,21 +4021,32 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:  # the client went away (a reset, a broken pipe): nothing to answer
             pass
         if self.deadline.expired and self.sent is None:
-            self.app.record_rejected("webhook_timeout", {
-                "remote": self.client_address[0], "stage": self.stage, "path": self.route,
-                "delivery": self.claimed, "timeout_s": self.app.settings.request_timeout})
+            self.app.record_rejected(
+                "webhook_timeout",
+                {
+                    "remote": self.client_address[0],
+                    "stage": self.stage,
+                    "path": self.route,
+                    "delivery": self.claimed,
+                    "timeout_s": self.app.settings.request_timeout
+                }
+            )
             self._reply(408, {"error": "the request took too long"})
         if self.sent and self.sent[0] >= 400 and self.stage in ("request", "body"):
             self._linger()
         self.deadline.cancel()
-        if self.raw_requestline:  # nothing sent (a browser's idle preconnect) is no request; a timeout is an event
+        # nothing sent (a browser's idle preconnect) is no request; a timeout is an event
+        if self.raw_requestline:
             status, size = self.sent or ("-", 0)
-            self.app.log(f"{self.client_address[0]} {rl.printable(self.command or '-')} {self.route} {status} "
-                         f"{size} {(time.monotonic() - self.started) * 1000:.1f} {self.delivery or '-'}")
+            self.app.log(
+                f"{self.client_address[0]} {rl.printable(self.command or '-')} {self.route} {status} "
+                f"{size} {(time.monotonic() - self.started) * 1000:.1f} {self.delivery or '-'}"
+            )
 
     def _linger(self):
-        """Drain a little of what the client still sends (LINGER_BYTES, for LINGER_S at most): a close with unread
-        input resets the answer before the client reads it, and an unbounded drain is a free firehose."""
+        """Drain a little of what the client still sends (LINGER_BYTES, for LINGER_S at most): a close
+        with unread input resets the answer before the client reads it, and an unbounded drain is a
+        free firehose."""
         end, drained = time.monotonic() + LINGER_S, 0
         with contextlib.suppress(OSError):  # a timeout too
             self.connection.shutdown(socket.SHUT_WR)
@@ -2744,9 +4086,15 @@ class _Handler(BaseHTTPRequestHandler):
                 raise Refused(404, None, "not found")
         except Refused as refused:
             if path == "/webhook" and refused.reason:
-                self.app.record_rejected("webhook_rejected", {
-                    "reason": refused.reason, "status": refused.status, "remote": self.client_address[0],
-                    "delivery": self.delivery or self.claimed})
+                self.app.record_rejected(
+                    "webhook_rejected",
+                    {
+                        "reason": refused.reason,
+                        "status": refused.status,
+                        "remote": self.client_address[0],
+                        "delivery": self.delivery or self.claimed
+                    }
+                )
             self._reply(refused.status, {"error": refused.message}, refused.headers)
         except Exception as exc:  # the boundary: recorded, answered 500 without details
             self.app.record_error(f"{self.command} {self.route}", exc)
@@ -2755,26 +4103,37 @@ class _Handler(BaseHTTPRequestHandler):
     do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = do_GET
 
     def _webhook(self):
-        claimed = (self.headers.get("X-GitHub-Delivery") or self.headers.get("webhook-id") or "").strip() or None
-        self.claimed = claimed if claimed is None or _DELIVERY_RE.match(claimed) else "(not a delivery id)"
+        claimed = (
+            self.headers.get("X-GitHub-Delivery") or self.headers.get("webhook-id") or ""
+        ).strip() or None
+        self.claimed = (
+            claimed if claimed is None or _DELIVERY_RE.match(claimed) else "(not a delivery id)"
+        )
         lengths = self.headers.get_all("Content-Length") or []
         if self.command != "POST":
             raise Refused(405, None, "use POST", {"Allow": "POST"})
         if self.headers.get("Transfer-Encoding") is not None:
-            raise Refused(411, "transfer_encoding", "send the body with Content-Length, without Transfer-Encoding")
+            raise Refused(
+                411,
+                "transfer_encoding",
+                "send the body with Content-Length, without Transfer-Encoding"
+            )
         if not lengths:
             raise Refused(411, "missing_length", "Content-Length is required")
         if len(lengths) > 1 or not re.fullmatch(r"[0-9]{1,15}", lengths[0].strip()):
             raise Refused(400, "bad_length", "Content-Length must be one decimal number")
         length = int(lengths[0])
         if length > self.app.settings.max_body:
-            raise Refused(413, "too_large", f"the body is larger than {self.app.settings.max_body} bytes")
+            raise Refused(
+                413, "too_large", f"the body is larger than {self.app.settings.max_body} bytes"
+            )
         self.stage = "body"
         if self.expect_continue:
             self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         try:
             body = self.rfile.read(length)
-        except socket.timeout:  # the deadline's timer is late (a loaded box): the reads end all the same
+        # the deadline's timer is late (a loaded box): the reads end all the same
+        except socket.timeout:
             self.deadline.expire()
             body = b""
         if len(body) < length:
@@ -2794,9 +4153,15 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/healthz":
             return self._reply(200, self.app.health(detailed=allowed))
         if not allowed:
-            self.app.record_rejected("read_rejected", {"remote": self.client_address[0], "path": self.route})
-            raise Refused(401, None, "a read token is required (Authorization: Bearer TOKEN)",
-                          {"WWW-Authenticate": 'Bearer realm="agent.py serve"'})
+            self.app.record_rejected(
+                "read_rejected", {"remote": self.client_address[0], "path": self.route}
+            )
+            raise Refused(
+                401,
+                None,
+                "a read token is required (Authorization: Bearer TOKEN)",
+                {"WWW-Authenticate": 'Bearer realm="agent.py serve"'}
+            )
         if path == "/runs":
             return self._reply(200, {"runs": self.app.runs()})
         if path == "/":
@@ -2810,17 +4175,27 @@ class _Handler(BaseHTTPRequestHandler):
         return self._reply(200, timeline_html(found, self.app.settings.runs_dir / found["run_id"]))
 
     def _reply(self, status, body, headers=None):
-        """The answer, then the connection closes: a str is an HTML page (under a policy that runs nothing)."""
+        """The answer, then the connection closes: a str is an HTML page (under a policy that runs
+        nothing)."""
         page = type(body) is str
         data = (body if page else json.dumps(body, ensure_ascii=False) + "\n").encode("utf-8")
-        kind = {"Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": _PAGE_POLICY} if page else {
-            "Content-Type": "application/json"}
+        kind = (
+            {"Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": _PAGE_POLICY}
+            if page
+            else {"Content-Type": "application/json"}
+        )
         self.sent = (status, len(data))
         try:
             self.connection.settimeout(self.deadline.remaining() + RESPONSE_GRACE_S)
             self.send_response(status)
-            for name, value in {**kind, "Content-Length": str(len(data)), "Cache-Control": "no-store",
-                                "X-Content-Type-Options": "nosniff", **(headers or {}), "Connection": "close"}.items():
+            for name, value in {
+                **kind,
+                "Content-Length": str(len(data)),
+                "Cache-Control": "no-store",
+                "X-Content-Type-Options": "nosniff",
+                **(headers or {}),
+                "Connection": "close"
+            }.items():
                 self.send_header(name, value)
             self.end_headers()
             if self.command != "HEAD":
@@ -2831,11 +4206,18 @@ class _Handler(BaseHTTPRequestHandler):
 
 # -- the daemon ------------------------------------------------------------------
 
+
 class _Bucket:
     """A token bucket: `burst` at once, then `per_s` a second; take() counts what it refuses."""
 
     def __init__(self, per_s, burst):
-        self.per_s, self.burst, self.tokens, self.at, self.refused = per_s, burst, float(burst), time.monotonic(), 0
+        self.per_s, self.burst, self.tokens, self.at, self.refused = (
+            per_s,
+            burst,
+            float(burst),
+            time.monotonic(),
+            0
+        )
         self.lock = threading.Lock()
 
     def take(self):
@@ -2852,7 +4234,8 @@ class _Bucket:
 
 
 def _wait(poll, until):
-    """poll() -> (ended, exit code), asked every 0.1 s until it ends or until() has passed; its last answer."""
+    """poll() -> (ended, exit code), asked every 0.1 s until it ends or until() has passed; its last
+    answer."""
     ended, code = poll()
     while not ended and time.monotonic() < until():
         time.sleep(0.1)
@@ -2876,64 +4259,107 @@ class Daemon:
         self.settings, self.log, self._say = settings, log, say
         self.redactor = rl.Redactor(rl.secret_values(settings.secrets))
         self.child_env = {k: v for k, v in os.environ.items() if k not in DAEMON_ENV + PIPED_ENV}
-        self.piped = json.dumps({k: os.environ[k] for k in PIPED_ENV if k in os.environ}).encode("utf-8")
-        self.deliveries, self.bodies = {}, {}  # delivery id -> run id (None: a ping); GitHub body sha256 -> delivery
+        self.piped = json.dumps({k: os.environ[k] for k in PIPED_ENV if k in os.environ}).encode(
+            "utf-8"
+        )
+        # delivery id -> run id (None: a ping); GitHub body sha256 -> delivery
+        self.deliveries, self.bodies = {}, {}
         self.queue, self.cond = collections.deque(), threading.Condition()
-        self.running = self.last_run = self.stop_at = self.ledger = self.server = self.worker = self.serving = None
+        self.running = self.last_run = self.stop_at = self.ledger = self.server = self.worker = (
+            self.serving
+        ) = None
         self.draining, self.started_at = False, time.monotonic()
         self.rejections = _Bucket(REJECTIONS_PER_S, REJECTIONS_BURST)
         self.connections = _Bucket(1 / CONNECTION_EVENT_EVERY_S, 1)
 
     def start(self):
-        """Lock the runs directory, bind, recover what an earlier daemon left, serve. Returns http://host:port."""
+        """Lock the runs directory, bind, recover what an earlier daemon left, serve. Returns
+        http://host:port."""
         s, path = self.settings, self.settings.runs_dir / DAEMON_LEDGER
         s.runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         # one daemon per runs directory: two would both pick up the same unfinished deliveries
-        self._lock_fd = _hold_lock(s.runs_dir / "daemon.lock", f"another daemon serves {s.runs_dir}", "")
+        self._lock_fd = _hold_lock(
+            s.runs_dir / "daemon.lock", f"another daemon serves {s.runs_dir}", ""
+        )
         try:
             if path.exists():
                 rl.verify(path)
         except rl.TornTailError:
-            pass  # a crash mid-append: the first append below moves the fragment aside and records it
+            # a crash mid-append: the first append below moves the fragment aside and records it
+            pass
         try:
             self.server = _Server(self)
         except OSError as exc:
-            raise rl.UsageError(f"cannot listen on {s.host}:{s.port}: {exc.strerror or exc}") from None
+            raise rl.UsageError(
+                f"cannot listen on {s.host}:{s.port}: {exc.strerror or exc}"
+            ) from None
         host, port = self.server.server_address[:2]
         address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         self.ledger = rl.Ledger(path, f"daemon-{rl.new_run_id()}", secrets=s.secrets)
-        shown = ("token_required", "max_body", "queue", "max_connections", "grace_s", "kill_after_s", "fetch",
-                 "allow_hosts")
-        self.record("daemon_started", dict(
-            {name: getattr(s, name) for name in shown}, address=address, pid=os.getpid(), repo=str(s.repo),
-            runs_dir=str(s.runs_dir), tools=str(s.tools), tools_sha256=s.policy.sha256, secrets=len(s.keys),
-            read_token=bool(s.read_token), backlog=_Server.request_queue_size, request_timeout_s=s.request_timeout,
-            agent_version=__version__, python=sys.version.split()[0]))
+        shown = (
+            "token_required",
+            "max_body",
+            "queue",
+            "max_connections",
+            "grace_s",
+            "kill_after_s",
+            "fetch",
+            "allow_hosts"
+        )
+        self.record(
+            "daemon_started",
+            dict(
+                {name: getattr(s, name) for name in shown},
+                address=address,
+                pid=os.getpid(),
+                repo=str(s.repo),
+                runs_dir=str(s.runs_dir),
+                tools=str(s.tools),
+                tools_sha256=s.policy.sha256,
+                secrets=len(s.keys),
+                read_token=bool(s.read_token),
+                backlog=_Server.request_queue_size,
+                request_timeout_s=s.request_timeout,
+                agent_version=__version__,
+                python=sys.version.split()[0]
+            )
+        )
         self._recover()
         self.say(f"serving on {address}")  # before the worker can say a run started
         self.worker = threading.Thread(target=self._work, name="worker", daemon=True)
-        self.serving = threading.Thread(target=self.server.serve_forever, args=(0.2,), name="accept", daemon=True)
+        self.serving = threading.Thread(
+            target=self.server.serve_forever, args=(0.2,), name="accept", daemon=True
+        )
         self.worker.start()
         self.serving.start()
         return address
 
     def stop(self, signum=None):
-        """Stop accepting, finish the requests in flight, give a run --grace-s; what is queued stays recorded."""
+        """Stop accepting, finish the requests in flight, give a run --grace-s; what is queued stays
+        recorded."""
         name = signal.Signals(signum).name if signum else None
         with self.cond:
             running, queued = self.running, len(self.queue)
             self.draining, self.stop_at = True, time.monotonic() + self.settings.grace_s
             self.cond.notify_all()
-        self.say(f"draining{f' on {name}' if name else ''}: no new run starts; " + (
-            f"run {running} gets {self.settings.grace_s:g} s to finish; " if running else "")
-            + f"{queued} queued stay recorded for the next start")
+        self.say(
+            f"draining{f' on {name}' if name else ''}: no new run starts; "
+            + (f"run {running} gets {self.settings.grace_s:g} s to finish; " if running else "")
+            + f"{queued} queued stay recorded for the next start"
+        )
         self.server.stop(self.settings.request_timeout + RESPONSE_GRACE_S + 1)
         self.worker.join(self.settings.grace_s + 2 * TERMINATE_WAIT_S + 5)
         with self.cond:
             queued = [item["run_id"] for item in self.queue]
-        self.record("daemon_stopped", {"signal": name, "queued": queued,
-                                       "unrecorded_rejections": self.rejections.refused,
-                                       "uptime_s": round(time.monotonic() - self.started_at, 3)})
+        self.record(
+            "daemon_stopped",
+            {
+                "signal": name,
+                "queued": queued,
+                "unrecorded_rejections": self.rejections.refused,
+                "uptime_s": round(time.monotonic() - self.started_at, 3)
+            }
+        )
         self.ledger.close()
         os.close(self._lock_fd)
 
@@ -2941,12 +4367,20 @@ class Daemon:
         return self.ledger.append(kind, payload)
 
     def record_error(self, where, exc):
-        """An unexpected error at a boundary: an event with the traceback as an artifact, one stderr line."""
+        """An unexpected error at a boundary: an event with the traceback as an artifact, one stderr
+        line."""
         self.log(f"error: {where}: {type(exc).__name__} (recorded in {DAEMON_LEDGER})")
         try:
             trace = self.ledger.store_artifact(traceback.format_exc())
-            self.record("daemon_error", {"where": where, "type": type(exc).__name__,
-                                         "message": rl.error_text(exc)[:2000], "traceback_artifact": trace})
+            self.record(
+                "daemon_error",
+                {
+                    "where": where,
+                    "type": type(exc).__name__,
+                    "message": rl.error_text(exc)[:2000],
+                    "traceback_artifact": trace
+                }
+            )
         except (rl.LedgerError, OSError):
             pass  # the ledger itself is what failed; the stderr line is all there is
 
@@ -2957,22 +4391,34 @@ class Daemon:
             self.record(kind, dict(payload, unrecorded_before=dropped) if dropped else payload)
 
     def connection_refused(self, remote):
-        """A connection over the cap: logged, and recorded at most once every few seconds with the count."""
+        """A connection over the cap: logged, and recorded at most once every few seconds with the
+        count."""
         dropped = self.connections.take()
         if dropped is not None:
-            self.record("connection_limit", {"refused": dropped + 1, "max_connections": self.settings.max_connections,
-                                             "remote": remote})
+            self.record(
+                "connection_limit",
+                {
+                    "refused": dropped + 1,
+                    "max_connections": self.settings.max_connections,
+                    "remote": remote
+                }
+            )
         self.log(f"{remote} - - 503 0 0.0 - (over {self.settings.max_connections} connections)")
 
     def say(self, line):
         self._say(self.redactor.text(line))
 
     def check_host(self, headers):
-        """DNS rebinding: only a Host (if any: else not a browser) and an Origin naming this daemon are answered."""
+        """DNS rebinding: only a Host (if any: else not a browser) and an Origin naming this daemon are
+        answered."""
         host, origin = headers.get("Host"), headers.get("Origin")
         if host is not None and not self._names_us(host):
-            raise Refused(421, "bad_host", "the Host header does not name this daemon (see --allow-host)")
-        if origin is not None and not self._names_us(re.sub(r"\Ahttps?://", "", origin.strip().lower())):
+            raise Refused(
+                421, "bad_host", "the Host header does not name this daemon (see --allow-host)"
+            )
+        if origin is not None and not self._names_us(
+            re.sub(r"\Ahttps?://", "", origin.strip().lower())
+        ):
             raise Refused(403, "bad_origin", "requests from this Origin are refused")
 
     def _names_us(self, value):
@@ -2980,41 +4426,85 @@ class Daemon:
         if not match:
             return False
         name = (match.group(1) or match.group(2)).rstrip(".")
-        literal = match.group(1) or re.fullmatch(r"[0-9.]+", name)  # listening on every address: no rebinding
-        return name in self.settings.names or bool(literal) and self.settings.host in ("0.0.0.0", "::", "")
+        # listening on every address: no rebinding
+        literal = match.group(1) or re.fullmatch(r"[0-9.]+", name)
+        return (
+            name in self.settings.names
+            or bool(literal)
+            and self.settings.host in ("0.0.0.0", "::", "")
+        )
 
     def accept(self, found, event, body, payload, remote):
         """Record a delivery (fsync'd) and queue its run, or answer a redelivery or a full queue."""
         after = payload.get("after")  # a GitHub push's commit
-        if not (event == "push" and type(after) is str and _COMMIT_RE.match(after) and after.strip("0")):
+        if not (
+            event == "push" and type(after) is str and _COMMIT_RE.match(after) and after.strip("0")
+        ):
             after = None
         digest = hashlib.sha256(body).hexdigest()
         with self.cond:
-            # GitHub signs the body but not the delivery id or the event: a signed body seen before (a ping's too)
-            # is the same delivery whatever id and event it claims now, so a captured request starts no run
-            original = found.delivery if found.delivery in self.deliveries else (
-                self.bodies.get(digest) if found.source == "github" else None)
+            # GitHub signs the body but not the delivery id or the event: a signed body seen before
+            # (a ping's too) is the same delivery whatever id and event it claims now, so a captured
+            # request starts no run
+            original = (
+                found.delivery
+                if found.delivery in self.deliveries
+                else (self.bodies.get(digest) if found.source == "github" else None)
+            )
             if original is not None:
                 run_id = self.deliveries[original]
-                duplicate = {"delivery": found.delivery, "event": event, "run_id": run_id, "source": found.source,
-                             "remote": remote, "body_sha256": digest}
-                self.record("webhook_duplicate", dict(duplicate, same_body_as=original)
-                            if original != found.delivery else duplicate)
+                duplicate = {
+                    "delivery": found.delivery,
+                    "event": event,
+                    "run_id": run_id,
+                    "source": found.source,
+                    "remote": remote,
+                    "body_sha256": digest
+                }
+                self.record(
+                    "webhook_duplicate",
+                    (
+                        dict(duplicate, same_body_as=original)
+                        if original != found.delivery
+                        else duplicate
+                    )
+                )
                 return 200, {"run_id": run_id, "delivery": original, "duplicate": True}, {}
             if event != "ping" and len(self.queue) >= self.settings.queue:
-                self.record("queue_full", {"delivery": found.delivery, "event": event, "queued": len(self.queue),
-                                           "max": self.settings.queue, "remote": remote})
-                return 503, {"error": "the queue is full; retry later"}, {"Retry-After": str(RETRY_AFTER_S)}
+                self.record(
+                    "queue_full",
+                    {
+                        "delivery": found.delivery,
+                        "event": event,
+                        "queued": len(self.queue),
+                        "max": self.settings.queue,
+                        "remote": remote
+                    }
+                )
+                return (
+                    503,
+                    {"error": "the queue is full; retry later"},
+                    {"Retry-After": str(RETRY_AFTER_S)}
+                )
             run_id = None if event == "ping" else rl.new_run_id()
-            received = {"event": event, "delivery": found.delivery, "source": found.source, "run_id": run_id,
-                        "body_sha256": digest, "body_artifact": self.ledger.store_artifact(body),
-                        "body_bytes": len(body), "remote": remote}
+            received = {
+                "event": event,
+                "delivery": found.delivery,
+                "source": found.source,
+                "run_id": run_id,
+                "body_sha256": digest,
+                "body_artifact": self.ledger.store_artifact(body),
+                "body_bytes": len(body),
+                "remote": remote
+            }
             self.record("webhook_received", dict(received, after=after) if after else received)
             self.deliveries[found.delivery] = run_id
             if found.source == "github":
                 self.bodies[digest] = found.delivery
             if run_id:
-                self.queue.append({"run_id": run_id, "delivery": found.delivery, "event": event, "after": after})
+                self.queue.append(
+                    {"run_id": run_id, "delivery": found.delivery, "event": event, "after": after}
+                )
                 self.cond.notify_all()
         return (202 if run_id else 200), {"run_id": run_id, "delivery": found.delivery}, {}
 
@@ -3040,19 +4530,43 @@ class Daemon:
         else:
             ref = self._choose_ref(item)
             with self.cond:
-                if self.draining:  # stopping: it stays received and not dispatched, for the next start
+                # stopping: it stays received and not dispatched, for the next start
+                if self.draining:
                     self.queue.appendleft(item)
                     return
-            self.record("run_dispatched", {"run_id": run_id, "delivery": item["delivery"], "event": item["event"],
-                                           "ref": ref})
-            self.say(f"run {run_id} started: {item['event']} delivery {item['delivery']}" + (
-                f" at {ref[:12]}" if ref else ""))
+            self.record(
+                "run_dispatched",
+                {
+                    "run_id": run_id,
+                    "delivery": item["delivery"],
+                    "event": item["event"],
+                    "ref": ref
+                }
+            )
+            self.say(
+                f"run {run_id} started: {item['event']} delivery {item['delivery']}"
+                + (f" at {ref[:12]}" if ref else "")
+            )
             code, how, tail = self._child(item, ref)
         run_outcome, why = self._closed(run_id)
-        outcome = how or ("locked" if code == rl.EXIT_LOCKED else run_outcome or (
-            "interrupted" if code is None else "usage_error" if code == rl.EXIT_USAGE else "error"))
-        finished = {"run_id": run_id, "delivery": item["delivery"], "exit_code": code, "outcome": outcome,
-                    "run_outcome": run_outcome, "duration_ms": round((time.monotonic() - started) * 1000, 1)}
+        outcome = how or (
+            "locked"
+            if code == rl.EXIT_LOCKED
+            else run_outcome
+            or (
+                "interrupted"
+                if code is None
+                else "usage_error" if code == rl.EXIT_USAGE else "error"
+            )
+        )
+        finished = {
+            "run_id": run_id,
+            "delivery": item["delivery"],
+            "exit_code": code,
+            "outcome": outcome,
+            "run_outcome": run_outcome,
+            "duration_ms": round((time.monotonic() - started) * 1000, 1)
+        }
         if pid:
             finished["adopted_pid"] = pid
         if tail:
@@ -3061,23 +4575,49 @@ class Daemon:
             self.last_run = finished
             self.record("run_finished", finished)
         if not run_outcome:  # it did not close itself: why is how the daemon ended it
-            why = {"killed": f"killed after {self.settings.kill_after_s:g} s", "terminated": "the daemon stopped",
-                   "locked": "another run holds the repository's lock"}.get(outcome) or (
-                       tail.strip().splitlines() or [""])[-1]
+            why = {
+                "killed": f"killed after {self.settings.kill_after_s:g} s",
+                "terminated": "the daemon stopped",
+                "locked": "another run holds the repository's lock"
+            }.get(outcome) or (tail.strip().splitlines() or [""])[-1]
         self.say(f"run {run_id} {outcome}: {why or '-'}")
 
     def _child(self, item, ref):
-        """`agent.py run`, its keys on its stdin: (exit code, how the daemon ended it, its output's tail if failed)."""
+        """`agent.py run`, its keys on its stdin: (exit code, how the daemon ended it, its output's
+        tail if failed)."""
         s = self.settings
-        argv = [sys.executable, str(Path(__file__).resolve()), "run", "--repo", str(s.repo), "--runs-dir",
-                str(s.runs_dir), "--tools", str(s.tools), f"--run-id={item['run_id']}",
-                f"--delivery={item['delivery']}", f"--event={item['event']}", "--settings-on-stdin"]
-        argv += ([f"--ship-to={s.ship_to}"] if s.ship_to else []) + ([f"--ref={ref}"] if ref else [])
+        argv = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "run",
+            "--repo",
+            str(s.repo),
+            "--runs-dir",
+            str(s.runs_dir),
+            "--tools",
+            str(s.tools),
+            f"--run-id={item['run_id']}",
+            f"--delivery={item['delivery']}",
+            f"--event={item['event']}",
+            "--settings-on-stdin"
+        ]
+        argv += ([f"--ship-to={s.ship_to}"] if s.ship_to else []) + (
+            [f"--ref={ref}"] if ref else []
+        )
         with tempfile.TemporaryFile() as output:
             try:
-                proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=output, stderr=subprocess.STDOUT,
-                                        env=self.child_env, cwd=str(HERE), start_new_session=True, close_fds=True)
-            except OSError as exc:  # EMFILE, ENOMEM, a vanished install: finished as an error, not redone
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.PIPE,
+                    stdout=output,
+                    stderr=subprocess.STDOUT,
+                    env=self.child_env,
+                    cwd=str(HERE),
+                    start_new_session=True,
+                    close_fds=True
+                )
+            # EMFILE, ENOMEM, a vanished install: finished as an error, not redone
+            except OSError as exc:
                 return None, "error", f"cannot start agent.py run: {rl.error_text(exc)}"
             _feed_stdin(proc.stdin, self.piped)
             code, how = self._watch(proc.pid, lambda: (proc.poll() is not None, proc.returncode))
@@ -3087,11 +4627,13 @@ class Daemon:
             return code, how, output.read().decode("utf-8", "replace")
 
     def _watch(self, pid, poll):
-        """(exit code, how it ended: None, "killed" past --kill-after-s, "terminated" past a stop's grace)."""
+        """(exit code, how it ended: None, "killed" past --kill-after-s, "terminated" past a stop's
+        grace)."""
         kill_at = time.monotonic() + self.settings.kill_after_s
         ended, code = _wait(poll, lambda: min(kill_at, self.stop_at or kill_at))
         how = None if ended else "killed" if time.monotonic() >= kill_at else "terminated"
-        for signum in (signal.SIGTERM, signal.SIGKILL) if how else ():  # on SIGTERM the agent closes its run
+        # on SIGTERM the agent closes its run
+        for signum in (signal.SIGTERM, signal.SIGKILL) if how else ():
             try:
                 os.killpg(pid, signum)
             except (ProcessLookupError, PermissionError):
@@ -3103,29 +4645,49 @@ class Daemon:
         return code, how
 
     def _choose_ref(self, item):
-        """A push's `after` commit when the repository has it (after `git fetch` with --fetch), else None."""
+        """A push's `after` commit when the repository has it (after `git fetch` with --fetch), else
+        None."""
         repo, started, after = str(self.settings.repo), time.monotonic(), item.get("after")
         if self.settings.fetch:
             try:
-                proc = subprocess.run(["git", "-C", repo, "fetch", "--quiet", "--no-recurse-submodules"],
-                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      env=_git_env(), timeout=300)
+                proc = subprocess.run(
+                    ["git", "-C", repo, "fetch", "--quiet", "--no-recurse-submodules"],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    env=_git_env(),
+                    timeout=300
+                )
                 code, output = proc.returncode, proc.stdout.decode("utf-8", "replace")[-1000:]
             except subprocess.TimeoutExpired:
                 code, output = None, "git fetch timed out after 300 s"
-            self.record("git_fetch", {"run_id": item["run_id"], "delivery": item["delivery"], "returncode": code,
-                                      "duration_ms": round((time.monotonic() - started) * 1000, 1), "output": output})
-        has = after and git(repo, "cat-file", "-t", after, check=False, timeout=60).strip() == b"commit"
+            self.record(
+                "git_fetch",
+                {
+                    "run_id": item["run_id"],
+                    "delivery": item["delivery"],
+                    "returncode": code,
+                    "duration_ms": round((time.monotonic() - started) * 1000, 1),
+                    "output": output
+                }
+            )
+        has = (
+            after
+            and git(repo, "cat-file", "-t", after, check=False, timeout=60).strip() == b"commit"
+        )
         return after if has else None
 
     def _closed(self, run_id):
         """(the outcome the run recorded when it closed, or None; why it ended, as its events say)."""
         events = _events_of(self.settings.runs_dir / run_id)
-        closed = [event["payload"].get("outcome") for event in events if event["kind"] == "run_closed"]
+        closed = [
+            event["payload"].get("outcome") for event in events if event["kind"] == "run_closed"
+        ]
         return (closed[-1] if closed else None), run_reason(events)
 
     def _recover(self):
-        """Rebuild the delivery map from daemon.jsonl; requeue, adopt or close what an earlier daemon left."""
+        """Rebuild the delivery map from daemon.jsonl; requeue, adopt or close what an earlier daemon
+        left."""
         received, dispatched, finished = {}, set(), set()
         for event in rl.read_events(self.ledger.path, run_id=None):
             kind, payload = event["kind"], event["payload"]
@@ -3140,14 +4702,26 @@ class Daemon:
             elif kind == "run_finished":
                 finished.add(payload.get("run_id"))
                 self.last_run = payload
-        summary, adopted, requeued = {"requeued": [], "adopted": [], "finished": [], "interrupted": []}, [], []
-        pids = [name for name in os.listdir("/proc") if name.isdigit()] if os.path.isdir("/proc") else []
+        summary, adopted, requeued = (
+            {"requeued": [], "adopted": [], "finished": [], "interrupted": []},
+            [],
+            []
+        )
+        pids = (
+            [name for name in os.listdir("/proc") if name.isdigit()]
+            if os.path.isdir("/proc")
+            else []
+        )
         for run_id, payload in received.items():
             if run_id in finished:
                 continue
             item = {k: payload.get(k) for k in ("run_id", "delivery", "after")}
             item["event"] = payload.get("event") or "webhook"
-            pid = next((int(p) for p in pids if _is_run_process(p, run_id)), None) if run_id in dispatched else None
+            pid = (
+                next((int(p) for p in pids if _is_run_process(p, run_id)), None)
+                if run_id in dispatched
+                else None
+            )
             if pid is not None:
                 adopted.append(dict(item, pid=pid))
             elif run_id not in dispatched or not (self.settings.runs_dir / run_id).exists():
@@ -3155,10 +4729,20 @@ class Daemon:
             else:
                 outcome = self._closed(run_id)[0]
                 summary["finished" if outcome else "interrupted"].append(run_id)
-                self.record("run_finished", {"run_id": run_id, "delivery": payload["delivery"], "exit_code": None,
-                                             "outcome": outcome or "interrupted", "run_outcome": outcome,
-                                             "recovered": True})
-        summary.update(adopted=[i["run_id"] for i in adopted], requeued=[i["run_id"] for i in requeued])
+                self.record(
+                    "run_finished",
+                    {
+                        "run_id": run_id,
+                        "delivery": payload["delivery"],
+                        "exit_code": None,
+                        "outcome": outcome or "interrupted",
+                        "run_outcome": outcome,
+                        "recovered": True
+                    }
+                )
+        summary.update(
+            adopted=[i["run_id"] for i in adopted], requeued=[i["run_id"] for i in requeued]
+        )
         self.queue.extend(adopted + requeued)
         if any(summary.values()):
             self.record("daemon_recovered", summary)
@@ -3167,30 +4751,48 @@ class Daemon:
         """The bearer token of the read endpoints (not needed on loopback without a token)."""
         token = self.settings.read_token
         scheme, _, given = (authorization or "").strip().partition(" ")
-        return not self.settings.token_required or bool(token) and scheme.lower() == "bearer" and (
-            hmac.compare_digest(given.strip().encode("utf-8", "replace"), token.encode("utf-8")))
+        return (
+            not self.settings.token_required
+            or bool(token)
+            and scheme.lower() == "bearer"
+            and (
+                hmac.compare_digest(given.strip().encode("utf-8", "replace"), token.encode("utf-8"))
+            )
+        )
 
     def health(self, detailed):
         if not detailed:
             return {"ok": True}
         with self.cond:
-            return {"ok": True, "queued": len(self.queue), "running": self.running, "last_run": self.last_run,
-                    "deliveries": len(self.deliveries), "draining": self.draining,
-                    "uptime_s": round(time.monotonic() - self.started_at, 3), "version": __version__}
+            return {
+                "ok": True,
+                "queued": len(self.queue),
+                "running": self.running,
+                "last_run": self.last_run,
+                "deliveries": len(self.deliveries),
+                "draining": self.draining,
+                "uptime_s": round(time.monotonic() - self.started_at, 3),
+                "version": __version__
+            }
 
     def runs(self):
         """GET /runs: list_runs' rows, with the head the index recorded and the delivery that asked."""
-        heads = {path.parent.name: head for path, head in rl.run_ledgers(self.settings.runs_dir) if head}
+        heads = {
+            path.parent.name: head for path, head in rl.run_ledgers(self.settings.runs_dir) if head
+        }
         with self.cond:
             origin = {run_id: delivery for delivery, run_id in self.deliveries.items() if run_id}
         rows = list_runs(self.settings.runs_dir)
         for row in rows:
             head = heads.get(row["run_id"])
-            row["head"], row["delivery"] = (f"{head[0]}:{head[1]}" if head else None), origin.get(row["run_id"])
+            row["head"], row["delivery"] = (f"{head[0]}:{head[1]}" if head else None), origin.get(
+                row["run_id"]
+            )
         return rows
 
     def run_events(self, run_id):
-        """GET /runs/<id> (an id of new_run_id()'s shape): its events as far as they verify; None: no such run."""
+        """GET /runs/<id> (an id of new_run_id()'s shape): its events as far as they verify; None: no
+        such run."""
         path = self.settings.runs_dir / run_id / rl.EVENTS_NAME
         if not path.is_file():
             return None
@@ -3202,21 +4804,38 @@ class Daemon:
             problem = f"line {exc.line}: {exc.reason}" if exc.line else exc.reason
         except (rl.LedgerError, OSError) as exc:
             problem = type(exc).__name__
-        return {"run_id": run_id, "verified": problem is None, "problem": problem,
-                "truncated": len(events) > MAX_EVENTS_SHOWN, "events": events[:MAX_EVENTS_SHOWN]}
+        return {
+            "run_id": run_id,
+            "verified": problem is None,
+            "problem": problem,
+            "truncated": len(events) > MAX_EVENTS_SHOWN,
+            "events": events[:MAX_EVENTS_SHOWN]
+        }
 
 
 # -- the pages: the index of runs and one run's timeline ---------------------------------
 
-_HIGHLIGHT = {"decision": "decision", "tool_allowed": "allowed", "tool_denied": "denied", "judge_verdict": "verdict",
-              "error": "denied", "proposal_malformed": "denied", "patch_rejected": "denied", "run_closed": "verdict"}
-_PAGE_POLICY = ("default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; "
-                "frame-ancestors 'none'")
-_PAGE_STYLE = ("body{font:14px/1.45 system-ui,sans-serif;margin:1.5em}table{border-collapse:collapse;width:100%}"
-               "td,th{border-bottom:1px solid #ddd;padding:.3em .5em;vertical-align:top;text-align:left}"
-               "pre{white-space:pre-wrap;word-break:break-word;margin:0}dt{font-weight:600}dd{margin:0 0 .3em 1em}"
-               ".decision{background:#eef6ff}.allowed{background:#effaef}.denied{background:#fff0f0}"
-               ".verdict{background:#fff8e6}.bad{color:#a00}")
+_HIGHLIGHT = {
+    "decision": "decision",
+    "tool_allowed": "allowed",
+    "tool_denied": "denied",
+    "judge_verdict": "verdict",
+    "error": "denied",
+    "proposal_malformed": "denied",
+    "patch_rejected": "denied",
+    "run_closed": "verdict"
+}
+_PAGE_POLICY = (
+    "default-src 'none'; style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'"
+)
+_PAGE_STYLE = (
+    "body{font:14px/1.45 system-ui,sans-serif;margin:1.5em}table{border-collapse:collapse;width:100%}"
+    "td,th{border-bottom:1px solid #ddd;padding:.3em .5em;vertical-align:top;text-align:left}"
+    "pre{white-space:pre-wrap;word-break:break-word;margin:0}dt{font-weight:600}dd{margin:0 0 .3em 1em}"
+    ".decision{background:#eef6ff}.allowed{background:#effaef}.denied{background:#fff0f0}"
+    ".verdict{background:#fff8e6}.bad{color:#a00}"
+)
 
 
 def _shown(value):
@@ -3230,19 +4849,36 @@ def timeline_html(found, run_dir):
     """A readable page of one run: a summary, then every event's fields, every value HTML-escaped."""
     rows = []
     for event in found["events"]:
-        detail = "".join(f"<dt>{_shown(name)}</dt><dd><pre>{_shown(value)}</pre></dd>"
-                         for name, value in event["payload"].items() if value not in (None, "", [], {}))
-        rows.append(f"<tr class=\"{_HIGHLIGHT.get(event['kind'], '')}\"><td>{_shown(event['seq'])}</td><td>"
-                    f"{_shown(event['at'])}</td><td>{_shown(event['kind'])}</td><td><dl>{detail}</dl></td></tr>")
-    status = ("verified" if found["verified"] else
-              f"<span class=\"bad\">does not verify: {_shown(found['problem'])}</span>")
+        detail = "".join(
+            f"<dt>{_shown(name)}</dt><dd><pre>{_shown(value)}</pre></dd>"
+            for name, value in event["payload"].items()
+            if value not in (None, "", [], {})
+        )
+        rows.append(
+            f"<tr class=\"{_HIGHLIGHT.get(event['kind'], '')}\"><td>{_shown(event['seq'])}</td><td>"
+            f"{_shown(event['at'])}</td><td>{_shown(event['kind'])}</td><td><dl>{detail}</dl></td></tr>"
+        )
+    status = (
+        "verified"
+        if found["verified"]
+        else f"<span class=\"bad\">does not verify: {_shown(found['problem'])}</span>"
+    )
     more = f" (the first {len(found['events'])} events)" if found["truncated"] else ""
     closed = ([e["payload"] for e in found["events"] if e["kind"] == "run_closed"] or [{}])[-1]
-    summary = "".join(f"<dt>{name}</dt><dd>{_shown(value or '-')}</dd>" for name, value in (
-        ("outcome", closed.get("outcome") or "open (not closed yet)"), ("why", run_reason(found["events"])),
-        ("proposal", closed.get("proposal")), ("verdict", closed.get("verdict"))))
-    return _page(f"run {found['run_id']}", f"<dl class=\"summary\">{summary}</dl><p>{len(found['events'])} events"
-                 f"{more}, {status}</p>" + _table(("seq", "at", "kind", "what"), rows))
+    summary = "".join(
+        f"<dt>{name}</dt><dd>{_shown(value or '-')}</dd>"
+        for name, value in (
+            ("outcome", closed.get("outcome") or "open (not closed yet)"),
+            ("why", run_reason(found["events"])),
+            ("proposal", closed.get("proposal")),
+            ("verdict", closed.get("verdict"))
+        )
+    )
+    return _page(
+        f"run {found['run_id']}",
+        f"<dl class=\"summary\">{summary}</dl><p>{len(found['events'])} events"
+        f"{more}, {status}</p>" + _table(("seq", "at", "kind", "what"), rows)
+    )
 
 
 def index_html(rows):
@@ -3251,9 +4887,16 @@ def index_html(rows):
     body = []
     for row in sorted(rows, key=lambda r: r["run_id"], reverse=True):
         shown = dict(row, tokens=_tokens_cell(row))
-        cells = "".join(f"<td>{_shown('-' if shown[name] in (None, '') else shown[name])}</td>" for name in names)
-        body.append(f"<tr><td><a href=\"/runs/{_shown(row['run_id'])}\">{_shown(row['run_id'])}</a></td>{cells}</tr>")
-    return _page("runs", f"<p>{len(rows)} runs, newest first</p>" + _table(("run_id",) + names, body))
+        cells = "".join(
+            f"<td>{_shown('-' if shown[name] in (None, '') else shown[name])}</td>"
+            for name in names
+        )
+        body.append(
+            f"<tr><td><a href=\"/runs/{_shown(row['run_id'])}\">{_shown(row['run_id'])}</a></td>{cells}</tr>"
+        )
+    return _page(
+        "runs", f"<p>{len(rows)} runs, newest first</p>" + _table(("run_id",) + names, body)
+    )
 
 
 def _table(names, rows):
@@ -3262,9 +4905,11 @@ def _table(names, rows):
 
 
 def _page(title, body):
-    return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>{_shown(title)}</title><style>{_PAGE_STYLE}</style></head><body>"
-            f"<h1>{_shown(title)}</h1>{body}</body></html>\n")
+    return (
+        "<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f"<title>{_shown(title)}</title><style>{_PAGE_STYLE}</style></head><body>"
+        f"<h1>{_shown(title)}</h1>{body}</body></html>\n"
+    )
 
 
 # == CLI =======================================================================
@@ -3273,7 +4918,8 @@ _LOG_LOCK = threading.Lock()
 
 
 def _stderr_line(line, stream=None):
-    """One access-log (or error) line on stderr, or a line on `stream`; a closed one never stops the daemon."""
+    """One access-log (or error) line on stderr, or a line on `stream`; a closed one never stops the
+    daemon."""
     try:
         with _LOG_LOCK:
             stream = stream or sys.stderr
@@ -3289,7 +4935,8 @@ def _cmd_run(args):
     if args.max_wall_s is not None and not 0 < args.max_wall_s < float("inf"):
         raise rl.UsageError("--max-wall-s must be a positive number")
     _subreaper()
-    if args.settings_on_stdin:  # the daemon's keys come through a pipe, never in the run's environment
+    # the daemon's keys come through a pipe, never in the run's environment
+    if args.settings_on_stdin:
         os.environ.update(json.loads(sys.stdin.buffer.read() or b"{}"))
     settings = ask.settings_from_env()
     if args.ship_to:
@@ -3297,37 +4944,60 @@ def _cmd_run(args):
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, _on_signal)
     origin = {k: v for k, v in (("delivery", args.delivery), ("event", args.event)) if v}
-    outcome, run_id, proposal = run_agent(args.repo, settings=settings, ref=args.ref, runs_dir=args.runs_dir,
-                                          tools=args.tools, max_steps=args.max_steps, max_wall_s=args.max_wall_s,
-                                          run_id=args.run_id, origin=origin)
+    outcome, run_id, proposal = run_agent(
+        args.repo,
+        settings=settings,
+        ref=args.ref,
+        runs_dir=args.runs_dir,
+        tools=args.tools,
+        max_steps=args.max_steps,
+        max_wall_s=args.max_wall_s,
+        run_id=args.run_id,
+        origin=origin
+    )
     events = _events_of(Path(args.runs_dir) / run_id)
     unboxed = _unboxed(events)
     if unboxed and not unboxed.startswith('tools.json sets "sandbox": "off"'):
         rl.warn(f"run {run_id}: the tests and tools ran without a sandbox: {unboxed}")
-    ended = ([e["payload"] for e in events if e["kind"] == outcome] or [None])[-1]  # error, budget_exhausted
+    # error, budget_exhausted
+    ended = ([e["payload"] for e in events if e["kind"] == outcome] or [None])[-1]
     if outcome == "error" and ended:
         rl.error(f"run {run_id}: {ended.get('type')}: {ended.get('message')}"[:500])
     elif outcome == "budget_exhausted" and ended:
-        rl.warn(f"run {run_id}: budget exhausted: {ended.get('limit')} ({ended.get('used')} of {ended.get('max')})")
+        rl.warn(
+            f"run {run_id}: budget exhausted: {ended.get('limit')} ({ended.get('used')} of {ended.get('max')})"
+        )
     elif outcome == "stuck":
         rl.warn(f"run {run_id}: " + run_reason(events))
-    if args.ship_to:  # bounded: a ClickHouse that hangs delays the run's exit by SHIP_RUN_DEADLINE_S at most
-        _ship_run(rl.ClickHouse(args.ship_to, timeout=30, deadline=SHIP_RUN_DEADLINE_S), Path(args.runs_dir), run_id)
+    # bounded: a ClickHouse that hangs delays the run's exit by SHIP_RUN_DEADLINE_S at most
+    if args.ship_to:
+        _ship_run(
+            rl.ClickHouse(args.ship_to, timeout=30, deadline=SHIP_RUN_DEADLINE_S),
+            Path(args.runs_dir),
+            run_id
+        )
     rl.write_out(f"{run_id} {outcome} {proposal or '-'}\n")
     return OUTCOME_EXIT[outcome]
 
 
 def _ship_run(client, runs_dir, run_id):
-    """Ship a closed run's ledger and the index; a failure is one warning (`ship --all` sends it later)."""
+    """Ship a closed run's ledger and the index; a failure is one warning (`ship --all` sends it
+    later)."""
     wanted = {runs_dir / rl.INDEX_NAME, runs_dir / run_id / rl.EVENTS_NAME}
     try:
         targets = [t for t in rl.ship_targets([], runs_dir) if t[0] in wanted]
-        failed = [(path, result) for path, result in rl.ship(targets, client) if not isinstance(result, rl.Shipped)]
+        failed = [
+            (path, result)
+            for path, result in rl.ship(targets, client)
+            if not isinstance(result, rl.Shipped)
+        ]
     except (rl.LedgerError, OSError) as exc:
         failed = [(runs_dir / run_id, exc)]
     for path, problem in failed:
-        rl.warn(f"run {run_id}: {path} not shipped to ClickHouse at {client.where}: {rl.error_text(problem)}; "
-                f"`reasoning_ledger.py ship --all {runs_dir}` sends it later")
+        rl.warn(
+            f"run {run_id}: {path} not shipped to ClickHouse at {client.where}: {rl.error_text(problem)}; "
+            f"`reasoning_ledger.py ship --all {runs_dir}` sends it later"
+        )
 
 
 def _events_of(run_dir):
@@ -3341,7 +5011,11 @@ def _events_of(run_dir):
 def _unboxed(events):
     """Why the run's programs ran without bwrap (its run_started says), or None when they ran in it."""
     started = next((e["payload"] for e in events if e["kind"] == "run_started"), {})
-    return started.get("sandbox_reason") or "no reason recorded" if started.get("sandbox") == "none" else None
+    return (
+        started.get("sandbox_reason") or "no reason recorded"
+        if started.get("sandbox") == "none"
+        else None
+    )
 
 
 def _cmd_check_tools(args):
@@ -3352,17 +5026,24 @@ def _cmd_check_tools(args):
         for problem in exc.problems:
             rl.error(f"{path}: {problem}")
         return rl.EXIT_USAGE
-    rl.write_out(f"ok    {path}  version {policy.version}, {len(policy.builtins)} built-ins, {len(policy.plugins)} "
-                 f"plugins, sha256 {policy.sha256}\n")
+    rl.write_out(
+        f"ok    {path}  version {policy.version}, {len(policy.builtins)} built-ins, {len(policy.plugins)} "
+        f"plugins, sha256 {policy.sha256}\n"
+    )
     return rl.EXIT_OK
 
 
 def _cmd_judge(args):
     _subreaper()
     key, secrets, box = None, (), None
-    if args.from_host:  # agent.py run hands over the ledger key, the values to mask and its probe on stdin
+    # agent.py run hands over the ledger key, the values to mask and its probe on stdin
+    if args.from_host:
         given = json.loads(sys.stdin.buffer.read() or b"{}")
-        key, secrets, box = (given.get("key") or "").encode("utf-8"), given.get("secrets") or (), given.get("sandbox")
+        key, secrets, box = (
+            (given.get("key") or "").encode("utf-8"),
+            given.get("secrets") or (),
+            given.get("sandbox")
+        )
     verdict = judge_run(args.run_dir, key=key, secrets=secrets, sandbox=box)
     rl.write_out(f"{verdict['verdict']}: {verdict['reason']}\n")
     return rl.EXIT_OK if verdict["verdict"] == "accept" else rl.EXIT_CHECK
@@ -3373,13 +5054,17 @@ def _cmd_replay(args):
     if args.tools:
         for line in flips:
             rl.write_out(rl.printable(line) + "\n")
-        rl.write_out(f"{len(flips)} decision{'s' if len(flips) != 1 else ''} would change under {args.tools}\n")
+        rl.write_out(
+            f"{len(flips)} decision{'s' if len(flips) != 1 else ''} would change under {args.tools}\n"
+        )
         return rl.EXIT_CHANGED if flips else rl.EXIT_OK
     if not divergences:
         rl.write_out("identical: the host makes the same decisions from the record\n")
         return rl.EXIT_OK
     seq, want, got = divergences[0]
-    rl.write_out(rl.printable(f"first divergence at seq {seq}: recorded {want}, replay {got}") + "\n")
+    rl.write_out(
+        rl.printable(f"first divergence at seq {seq}: recorded {want}, replay {got}") + "\n"
+    )
     return rl.EXIT_FAILED
 
 
@@ -3391,22 +5076,38 @@ def _cmd_runs(args):
     for row in rows:
         steps = "-" if row["steps"] is None else row["steps"]
         verified = row["verified"] + (" unboxed" if row["unboxed"] else "")
-        rl.write_out(rl.printable(line.format(row["run_id"], row["started"] or "-", row["outcome"] or "-", steps,
-                                              _tokens_cell(row), verified, row["why"] or "-")[:-1]) + "\n")
+        rl.write_out(
+            rl.printable(
+                line.format(
+                    row["run_id"],
+                    row["started"] or "-",
+                    row["outcome"] or "-",
+                    steps,
+                    _tokens_cell(row),
+                    verified,
+                    row["why"] or "-"
+                )[:-1]
+            )
+            + "\n"
+        )
     if not rows:
         rl.write_out(f"no runs in {args.runs_dir}\n")
     return rl.EXIT_FAILED if any(r["verified"] != "ok" for r in rows) else rl.EXIT_OK
 
 
 def _cmd_serve(args):
-    daemon = Daemon(serve_settings(args, os.environ), _stderr_line, lambda line: _stderr_line(line, sys.stdout))
+    daemon = Daemon(
+        serve_settings(args, os.environ), _stderr_line, lambda line: _stderr_line(line, sys.stdout)
+    )
     received = []
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, _frame: received.append(number))
     daemon.start()
     if not daemon.settings.keys:
-        rl.warn("no webhook secret (WEBHOOK_SECRET, WEBHOOK_SECRET_FILE): unsigned deliveries are accepted; "
-                "this is allowed on a loopback address only")
+        rl.warn(
+            "no webhook secret (WEBHOOK_SECRET, WEBHOOK_SECRET_FILE): unsigned deliveries are accepted; "
+            "this is allowed on a loopback address only"
+        )
     if daemon.settings.token_required and not daemon.settings.read_token:
         rl.warn("no read token (READ_TOKEN): /, /runs and /runs/<id> answer 401 to everyone")
     while not received and daemon.serving.is_alive() and daemon.worker.is_alive():
@@ -3419,36 +5120,73 @@ def _cmd_serve(args):
 
 
 def _build_parser():
-    codes = (rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHECK, rl.EXIT_CHANGED, rl.EXIT_OUTPUT,
-             rl.EXIT_LOCKED, rl.EXIT_BUDGET, rl.EXIT_PROPOSAL, rl.EXIT_STUCK)
-    parser = rl.ArgumentParser(prog="agent.py", description="The host of a coding agent.",
-                               epilog=rl.exit_codes_epilog(*codes),
-                               formatter_class=argparse.RawDescriptionHelpFormatter)
+    codes = (
+        rl.EXIT_OK,
+        rl.EXIT_FAILED,
+        rl.EXIT_USAGE,
+        rl.EXIT_CHECK,
+        rl.EXIT_CHANGED,
+        rl.EXIT_OUTPUT,
+        rl.EXIT_LOCKED,
+        rl.EXIT_BUDGET,
+        rl.EXIT_PROPOSAL,
+        rl.EXIT_STUCK
+    )
+    parser = rl.ArgumentParser(
+        prog="agent.py",
+        description="The host of a coding agent.",
+        epilog=rl.exit_codes_epilog(*codes),
+        formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser("run", help="one run on a repository: tests, then the model proposes until a patch or budget")
+    p = sub.add_parser(
+        "run",
+        help="one run on a repository: tests, then the model proposes until a patch or budget"
+    )
     p.add_argument("--repo", required=True, help="the git repository (never modified)")
-    p.add_argument("--ref", help="a commit to work on (default: the working tree, uncommitted changes included)")
-    p.add_argument("--runs-dir", default=DEFAULT_RUNS, help=f"where runs are recorded (default ./{DEFAULT_RUNS})")
-    p.add_argument("--tools", default=str(DEFAULT_TOOLS), help="the allowlist (default: tools.json beside agent.py)")
+    p.add_argument(
+        "--ref",
+        help="a commit to work on (default: the working tree, uncommitted changes included)"
+    )
+    p.add_argument(
+        "--runs-dir",
+        default=DEFAULT_RUNS,
+        help=f"where runs are recorded (default ./{DEFAULT_RUNS})"
+    )
+    p.add_argument(
+        "--tools",
+        default=str(DEFAULT_TOOLS),
+        help="the allowlist (default: tools.json beside agent.py)"
+    )
     p.add_argument("--max-steps", type=int, help="override the budget's max_steps")
     p.add_argument("--max-wall-s", type=float, help="override the budget's max_wall_s")
     for hidden in ("--run-id", "--delivery", "--event"):  # the daemon's
         p.add_argument(hidden, help=argparse.SUPPRESS)
     p.add_argument("--settings-on-stdin", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--ship-to", metavar="URL", help="once closed, ship the run and the index to ClickHouse at URL")
+    p.add_argument(
+        "--ship-to",
+        metavar="URL",
+        help="once closed, ship the run and the index to ClickHouse at URL"
+    )
     p.set_defaults(func=_cmd_run)
-    p = sub.add_parser("runs", help="a table of runs: id, started, outcome, steps, tokens, verified, why")
+    p = sub.add_parser(
+        "runs", help="a table of runs: id, started, outcome, steps, tokens, verified, why"
+    )
     p.add_argument("--runs-dir", default=DEFAULT_RUNS)
     p.set_defaults(func=_cmd_runs)
-    p = sub.add_parser("replay", help="the same decisions from the record; --tools: which would change")
+    p = sub.add_parser(
+        "replay", help="the same decisions from the record; --tools: which would change"
+    )
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--tools", help="another tools.json: list the decisions it would flip")
     p.set_defaults(func=_cmd_replay)
     p = sub.add_parser("check-tools", help="validate a tools.json (exit 0 valid, 2 not)")
     p.add_argument("file", nargs="?", metavar="FILE")
     p.set_defaults(func=_cmd_check_tools)
-    p = sub.add_parser("judge", help="judge a run's proposal.patch in a throwaway copy (the host runs this)")
+    p = sub.add_parser(
+        "judge", help="judge a run's proposal.patch in a throwaway copy (the host runs this)"
+    )
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--from-host", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=_cmd_judge)
@@ -3457,25 +5195,63 @@ def _build_parser():
 
 
 def _add_serve_parser(sub):
-    p = sub.add_parser("serve", help="the webhook daemon: signed deliveries start runs, one at a time (README.md)")
-    p.add_argument("--repo", required=True, help="the git repository runs work on (never modified; --fetch fetches)")
-    p.add_argument("--host", default=DEFAULT_HOST, help="(default %(default)s; any other needs a webhook secret)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help="(default %(default)s; 0: any free port)")
-    p.add_argument("--runs-dir", default=DEFAULT_RUNS, help="where runs and daemon.jsonl are recorded")
+    p = sub.add_parser(
+        "serve", help="the webhook daemon: signed deliveries start runs, one at a time (README.md)"
+    )
+    p.add_argument(
+        "--repo",
+        required=True,
+        help="the git repository runs work on (never modified; --fetch fetches)"
+    )
+    p.add_argument(
+        "--host",
+        default=DEFAULT_HOST,
+        help="(default %(default)s; any other needs a webhook secret)"
+    )
+    p.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="(default %(default)s; 0: any free port)"
+    )
+    p.add_argument(
+        "--runs-dir", default=DEFAULT_RUNS, help="where runs and daemon.jsonl are recorded"
+    )
     p.add_argument("--tools", default=str(DEFAULT_TOOLS), help="the allowlist every run uses")
     for flag, kind, default, metavar, text in (
-            ("--max-body", int, 5 * 1024 * 1024, "BYTES", "larger bodies get 413 unread"),
-            ("--queue", int, 16, "N", "deliveries waiting for the worker; more get 503"),
-            ("--max-connections", int, 64, "N", "connections handled at once; more get 503"),
-            ("--request-timeout", float, 10, "S", "wall deadline of a whole request, headers and body"),
-            ("--grace-s", float, 30, "S", "on SIGTERM/SIGINT, a run in progress gets this long, then is terminated")):
-        p.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{text} (default %(default)s)")
-    p.add_argument("--kill-after-s", type=float, metavar="S", help="kill a run after this long (default: tools.json's "
-                   f"max_wall_s + 2 x test_timeout_s + {KILL_MARGIN_S})")
-    p.add_argument("--fetch", action="store_true", help="git fetch in the repository before each run")
-    p.add_argument("--ship-to", metavar="URL", help="each run ships its ledger and the index to ClickHouse at URL")
-    p.add_argument("--read-token", help="bearer token for /runs (prefer READ_TOKEN: arguments show in ps)")
-    p.add_argument("--allow-host", action="append", metavar="NAME", help="a Host to answer too (repeatable)")
+        ("--max-body", int, 5 * 1024 * 1024, "BYTES", "larger bodies get 413 unread"),
+        ("--queue", int, 16, "N", "deliveries waiting for the worker; more get 503"),
+        ("--max-connections", int, 64, "N", "connections handled at once; more get 503"),
+        ("--request-timeout", float, 10, "S", "wall deadline of a whole request, headers and body"),
+        (
+            "--grace-s",
+            float,
+            30,
+            "S",
+            "on SIGTERM/SIGINT, a run in progress gets this long, then is terminated"
+        )
+    ):
+        p.add_argument(
+            flag, type=kind, default=default, metavar=metavar, help=f"{text} (default %(default)s)"
+        )
+    p.add_argument(
+        "--kill-after-s",
+        type=float,
+        metavar="S",
+        help="kill a run after this long (default: tools.json's "
+        f"max_wall_s + 2 x test_timeout_s + {KILL_MARGIN_S})"
+    )
+    p.add_argument(
+        "--fetch", action="store_true", help="git fetch in the repository before each run"
+    )
+    p.add_argument(
+        "--ship-to",
+        metavar="URL",
+        help="each run ships its ledger and the index to ClickHouse at URL"
+    )
+    p.add_argument(
+        "--read-token", help="bearer token for /runs (prefer READ_TOKEN: arguments show in ps)"
+    )
+    p.add_argument(
+        "--allow-host", action="append", metavar="NAME", help="a Host to answer too (repeatable)"
+    )
     p.set_defaults(func=_cmd_serve)
 
 

@@ -38,13 +38,26 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # reasoning_ledger.py beside us, even under -I
+# reasoning_ledger.py beside us, even under -I
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import reasoning_ledger as rl  # noqa: E402
 
 __version__ = "1.1.0"
 
-__all__ = ["chat", "ask", "list_models", "settings_from_env", "split_base_url", "retryable", "estimate_tokens",
-           "ConfigError", "RecordError", "MODEL_CALL_FIELDS", "MODEL_CALL_OPTIONAL", "DEFAULT_MAX_RESPONSE_BYTES"]
+__all__ = [
+    "chat",
+    "ask",
+    "list_models",
+    "settings_from_env",
+    "split_base_url",
+    "retryable",
+    "estimate_tokens",
+    "ConfigError",
+    "RecordError",
+    "MODEL_CALL_FIELDS",
+    "MODEL_CALL_OPTIONAL",
+    "DEFAULT_MAX_RESPONSE_BYTES"
+]
 
 # --- Constants ---
 
@@ -54,39 +67,85 @@ MIN_ATTEMPT_S = 1.0  # with `until`, no attempt starts with less time than this 
 DEFAULT_MAX_RESPONSE_BYTES = 8 * 1024 * 1024
 MAX_SSE_LINE_BYTES = 1024 * 1024
 MAX_ERROR_BODY_BYTES = 64 * 1024
-MAX_FIELD_CHARS = 512   # a server-chosen string (model, id, fingerprint) longer than this is cut, with a note
+# a server-chosen string (model, id, fingerprint) longer than this is cut, with a note
+MAX_FIELD_CHARS = 512
 MAX_ERROR_CHARS = 500
 MAX_PROBLEMS = 20
 EST_METHOD = "chars/4"
 RETRYABLE_STATUS = {408, 409, 429}
-RETRYABLE_ERRORS = {"timeout", "connection_refused", "connection_error", "rate_limited", "server_error",
-                    "truncated_response", "truncated_stream"}
-STATUS_ERRORS = {401: "auth_error", 403: "auth_error", 404: "not_found", 429: "rate_limited"}  # else 5xx/other
+RETRYABLE_ERRORS = {
+    "timeout",
+    "connection_refused",
+    "connection_error",
+    "rate_limited",
+    "server_error",
+    "truncated_response",
+    "truncated_stream"
+}
+# else 5xx/other
+STATUS_ERRORS = {401: "auth_error", 403: "auth_error", 404: "not_found", 429: "rate_limited"}
 USER_AGENT = f"reasoning-ledger-ask/{__version__}"
 
 _S, _I, _F, _B, _N, _D, _L = str, int, float, bool, type(None), dict, list
-# The model_call record, field by field, with the JSON types each may hold: the one definition, which the
-# writer builds every record from and audit.py checks what it reads against.
+# The model_call record, field by field, with the JSON types each may hold: the one definition,
+# which the writer builds every record from and audit.py checks what it reads against.
 MODEL_CALL_FIELDS = {
-    "request_model": (_S,), "response_model": (_S, _N), "response_id": (_S, _N),
-    "system_fingerprint": (_S, _N), "base_url": (_S,), "server_address": (_S,), "server_port": (_I,),
-    "stream": (_B,), "attempt": (_I,),
-    "prompt_sha256": (_S,), "prompt_chars": (_I,), "system_chars": (_I,), "message_count": (_I,),
-    "messages_sha256": (_S,), "response_chars": (_I, _N),
-    "usage_reported": (_B,), "usage_status": (_S,), "input_tokens": (_I, _N), "output_tokens": (_I, _N),
-    "total_tokens": (_I, _N), "cached_input_tokens": (_I, _N), "reasoning_output_tokens": (_I, _N),
-    "est_input_tokens": (_I,), "est_output_tokens": (_I, _N), "est_method": (_S,),
-    "latency_ms": (_F, _I, _N), "ttft_ms": (_F, _I, _N), "http_status": (_I, _N), "finish_reason": (_S, _N),
-    "request_id": (_S, _N), "ratelimit": (_D,), "error_type": (_S, _N), "error_code": (_S, _N),
-    "error_message": (_S, _N), "check": (_B, _N), "check_detail": (_S, _N),
-    "temperature": (_F, _I, _N), "max_tokens": (_I, _N),
+    "request_model": (_S,),
+    "response_model": (_S, _N),
+    "response_id": (_S, _N),
+    "system_fingerprint": (_S, _N),
+    "base_url": (_S,),
+    "server_address": (_S,),
+    "server_port": (_I,),
+    "stream": (_B,),
+    "attempt": (_I,),
+    "prompt_sha256": (_S,),
+    "prompt_chars": (_I,),
+    "system_chars": (_I,),
+    "message_count": (_I,),
+    "messages_sha256": (_S,),
+    "response_chars": (_I, _N),
+    "usage_reported": (_B,),
+    "usage_status": (_S,),
+    "input_tokens": (_I, _N),
+    "output_tokens": (_I, _N),
+    "total_tokens": (_I, _N),
+    "cached_input_tokens": (_I, _N),
+    "reasoning_output_tokens": (_I, _N),
+    "est_input_tokens": (_I,),
+    "est_output_tokens": (_I, _N),
+    "est_method": (_S,),
+    "latency_ms": (_F, _I, _N),
+    "ttft_ms": (_F, _I, _N),
+    "http_status": (_I, _N),
+    "finish_reason": (_S, _N),
+    "request_id": (_S, _N),
+    "ratelimit": (_D,),
+    "error_type": (_S, _N),
+    "error_code": (_S, _N),
+    "error_message": (_S, _N),
+    "check": (_B, _N),
+    "check_detail": (_S, _N),
+    "temperature": (_F, _I, _N),
+    "max_tokens": (_I, _N)
 }
 # Fields present only when they apply.
 MODEL_CALL_OPTIONAL = {
-    "system_sha256": (_S,), "prompt_artifact": (_D,), "system_artifact": (_D,), "messages_artifact": (_D,),
-    "response_artifact": (_D,), "retry_in_s": (_F, _I), "retry_reason": (_S,), "stream_options_dropped": (_B,),
-    "redirect_host": (_S,), "malformed": (_L,),
-    "route": (_S,), "client_address": (_S,), "user_agent": (_S, _N), "session_id": (_S, _N), "client_retry": (_I, _N),
+    "system_sha256": (_S,),
+    "prompt_artifact": (_D,),
+    "system_artifact": (_D,),
+    "messages_artifact": (_D,),
+    "response_artifact": (_D,),
+    "retry_in_s": (_F, _I),
+    "retry_reason": (_S,),
+    "stream_options_dropped": (_B,),
+    "redirect_host": (_S,),
+    "malformed": (_L,),
+    "route": (_S,),
+    "client_address": (_S,),
+    "user_agent": (_S, _N),
+    "session_id": (_S, _N),
+    "client_retry": (_I, _N)
 }
 
 # --- Errors ---
@@ -107,10 +166,25 @@ class RecordError(rl.UsageError):
 class _CallFailed(Exception):
     """One attempt failed: what the ledger records about it (body: an HTTP error's, capped)."""
 
-    def __init__(self, error_type, message, status=None, headers=None, code=None, redirect_host=None, body=None):
+    def __init__(
+        self,
+        error_type,
+        message,
+        status=None,
+        headers=None,
+        code=None,
+        redirect_host=None,
+        body=None
+    ):
         super().__init__(message)
-        self.error_type, self.message, self.status, self.headers = error_type, message, status, headers
+        self.error_type, self.message, self.status, self.headers = (
+            error_type,
+            message,
+            status,
+            headers
+        )
         self.code, self.redirect_host, self.body = code, redirect_host, body
+
 
 # --- Settings ---
 
@@ -121,13 +195,18 @@ def settings_from_env(base_url=None, model=None, api_key=None, environ=None, nee
     base_url = base_url or env.get("BASE_URL") or env.get("OPENAI_BASE_URL")
     model = model or env.get("MODEL_ID")
     api_key = api_key or env.get("API_KEY") or env.get("OPENAI_API_KEY")
-    missing = [name for name, value in (("BASE_URL", base_url), ("API_KEY", api_key), ("MODEL_ID", model))
-               if not value and (need_model or name != "MODEL_ID")]
+    missing = [
+        name
+        for name, value in (("BASE_URL", base_url), ("API_KEY", api_key), ("MODEL_ID", model))
+        if not value and (need_model or name != "MODEL_ID")
+    ]
     if missing:
         names = missing[0] if len(missing) == 1 else ", ".join(missing[:-1]) + " and " + missing[-1]
-        raise ConfigError(f"{names} {'is' if len(missing) == 1 else 'are'} not set; export BASE_URL (like "
-                          f"https://host/v1), API_KEY (any value for servers that ignore it) and MODEL_ID (the exact "
-                          f"model id); there are no defaults")
+        raise ConfigError(
+            f"{names} {'is' if len(missing) == 1 else 'are'} not set; export BASE_URL (like "
+            f"https://host/v1), API_KEY (any value for servers that ignore it) and MODEL_ID (the exact "
+            f"model id); there are no defaults"
+        )
     check_api_key(api_key)
     split_base_url(base_url)
     return base_url, model, api_key
@@ -135,22 +214,31 @@ def settings_from_env(base_url=None, model=None, api_key=None, environ=None, nee
 
 def check_api_key(api_key):
     if not re.fullmatch(r"[\x21-\x7e]+", api_key):  # it goes into an HTTP header
-        raise ConfigError("API_KEY must be printable ASCII, with no white space or line break in or around it "
-                          "(the key is not shown)")
+        raise ConfigError(
+            "API_KEY must be printable ASCII, with no white space or line break in or around it "
+            "(the key is not shown)"
+        )
 
 
 def split_base_url(base_url):
     """(request_base, recorded_base, host, port): the first keeps a query string (api-version=...), the
     recorded one drops user:password, query and fragment. Raises ConfigError for a bad URL."""
-    safe = rl.redact_text(re.split(r"[?#]", base_url, maxsplit=1)[0])  # no query, fragment or credentials
+    # no query, fragment or credentials
+    safe = rl.redact_text(re.split(r"[?#]", base_url, maxsplit=1)[0])
     try:
         parts = urllib.parse.urlsplit(base_url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
         (parts.hostname or "").encode("idna")
     except (ValueError, UnicodeError):
         raise ConfigError(f"BASE_URL has a bad host or port: {safe!r}") from None
-    if re.search(r"[\x00-\x20\x7f]", base_url) or parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ConfigError(f"BASE_URL must be an http(s) URL like https://host/v1, with no white space, not {safe!r}")
+    if (
+        re.search(r"[\x00-\x20\x7f]", base_url)
+        or parts.scheme not in ("http", "https")
+        or not parts.hostname
+    ):
+        raise ConfigError(
+            f"BASE_URL must be an http(s) URL like https://host/v1, with no white space, not {safe!r}"
+        )
     host = parts.hostname
     netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
     path = parts.path.rstrip("/")
@@ -169,8 +257,11 @@ def _check_number(name, value, minimum=None, above=None):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ConfigError(f"{name} must be a finite number, not {value!r}")
     if (minimum is not None and value < minimum) or (above is not None and value <= above):
-        raise ConfigError(f"{name} must be {'at least' if above is None else 'greater than'} "
-                          f"{minimum if above is None else above}")
+        raise ConfigError(
+            f"{name} must be {'at least' if above is None else 'greater than'} "
+            f"{minimum if above is None else above}"
+        )
+
 
 # --- What a server says ---
 
@@ -180,26 +271,36 @@ def estimate_tokens(chars):
 
 
 def _count(value):
-    return value if type(value) is int and 0 <= value < 2 ** 63 else None  # never 0 by default, never a guess
+    # never 0 by default, never a guess
+    return value if type(value) is int and 0 <= value < 2**63 else None
 
 
 def _code(value):
-    return str(value)[:100] if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+    return (
+        str(value)[:100] if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+    )
 
 
 def parse_usage(usage):
-    """Reported usage only. Returns the fields and usage_status: complete/partial/zero/absent/malformed."""
+    """Reported usage only. Returns the fields and usage_status:
+    complete/partial/zero/absent/malformed."""
     got = usage if isinstance(usage, dict) else {}
 
     def detail(keys, name):
         found = next((got[key] for key in keys if got.get(key)), {})
         return _count(found.get(name)) if isinstance(found, dict) else None
-    fields = {"input_tokens": _count(got.get("prompt_tokens", got.get("input_tokens"))),
-              "output_tokens": _count(got.get("completion_tokens", got.get("output_tokens"))),
-              "total_tokens": _count(got.get("total_tokens")),
-              "cached_input_tokens": detail(("prompt_tokens_details", "input_tokens_details"), "cached_tokens"),
-              "reasoning_output_tokens": detail(("completion_tokens_details", "output_tokens_details"),
-                                                "reasoning_tokens")}
+
+    fields = {
+        "input_tokens": _count(got.get("prompt_tokens", got.get("input_tokens"))),
+        "output_tokens": _count(got.get("completion_tokens", got.get("output_tokens"))),
+        "total_tokens": _count(got.get("total_tokens")),
+        "cached_input_tokens": detail(
+            ("prompt_tokens_details", "input_tokens_details"), "cached_tokens"
+        ),
+        "reasoning_output_tokens": detail(
+            ("completion_tokens_details", "output_tokens_details"), "reasoning_tokens"
+        )
+    }
     known = [value for value in list(fields.values())[:3] if value is not None]
     if usage is None or not known:
         status = "absent" if usage is None else "malformed"
@@ -212,7 +313,8 @@ _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
 def _server_text(value, where, problems, limit=None):
-    """A string the server chose, safe to record: another type, a lone surrogate or an over-long value is noted."""
+    """A string the server chose, safe to record: another type, a lone surrogate or an over-long value
+    is noted."""
     if type(value) is not str:
         if value is not None:
             problems.append(f"{where} is a {type(value).__name__}, not a string")
@@ -249,6 +351,7 @@ def retry_after_seconds(headers, now=None):
             seconds = None
     if seconds is None and "retry-after" in lower:
         import email.utils  # only on this rare path
+
         try:
             moment = email.utils.parsedate_to_datetime(lower["retry-after"]).timestamp()
         except (TypeError, ValueError, IndexError, AttributeError):
@@ -266,8 +369,14 @@ def _error_from_body(raw, content_type):
         data = None
     err = data.get("error", data) if isinstance(data, dict) else None
     if isinstance(err, dict):
-        message = next((err[name] for name in ("message", "detail") if isinstance(err.get(name), str) and err[name]),
-                       text)
+        message = next(
+            (
+                err[name]
+                for name in ("message", "detail")
+                if isinstance(err.get(name), str) and err[name]
+            ),
+            text
+        )
         return message, _code(err.get("code"))
     if isinstance(err, str):
         return err, None
@@ -277,7 +386,15 @@ def _error_from_body(raw, content_type):
     return text, None
 
 
-def run_checks(text, *, expect=None, expect_json=False, strict_model=False, request_model=None, response_model=None):
+def run_checks(
+    text,
+    *,
+    expect=None,
+    expect_json=False,
+    strict_model=False,
+    request_model=None,
+    response_model=None
+):
     """The assertion gate. Returns (check, detail): check is None when nothing was asked."""
     results = []
     if expect is not None:
@@ -293,18 +410,32 @@ def run_checks(text, *, expect=None, expect_json=False, strict_model=False, requ
             results.append((False, f"not JSON: {exc}"))
     if strict_model:
         ok = response_model == request_model
-        results.append((ok, f"served model {'is' if ok else 'is not'} the requested one "
-                            f"({response_model!r} vs {request_model!r})"))
-    return (all(ok for ok, _ in results), "; ".join(detail for _, detail in results)) if results else (None, None)
+        results.append(
+            (
+                ok,
+                f"served model {'is' if ok else 'is not'} the requested one "
+                f"({response_model!r} vs {request_model!r})"
+            )
+        )
+    return (
+        (all(ok for ok, _ in results), "; ".join(detail for _, detail in results))
+        if results
+        else (None, None)
+    )
+
 
 # --- Transport: no redirects, one deadline for the whole attempt, bounded reads ---
 
 
 def _classify(exc, deadline):  # a failure below a complete HTTP answer
     import ssl  # already loaded by urllib.request
+
     reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
     if deadline.expired:
-        return "timeout", f"no complete answer within {deadline.seconds:g} s (--timeout bounds the whole attempt)"
+        return (
+            "timeout",
+            f"no complete answer within {deadline.seconds:g} s (--timeout bounds the whole attempt)"
+        )
     if isinstance(reason, (socket.timeout, TimeoutError)):
         return "timeout", "timed out"
     if isinstance(reason, socket.gaierror):
@@ -319,14 +450,18 @@ def _classify(exc, deadline):  # a failure below a complete HTTP answer
 
 
 def _open(url, record, problems, *, api_key, deadline, limit, body=None):
-    """Send one request (GET without a body); return the response of a 2xx, its head in `record`. Raises
-    _CallFailed for anything else, or for a body announced over `limit`."""
+    """Send one request (GET without a body); return the response of a 2xx, its head in `record`.
+    Raises _CallFailed for anything else, or for a body announced over `limit`."""
     stream = bool(body and body.get("stream"))
-    headers = {"Authorization": f"Bearer {api_key}", "User-Agent": USER_AGENT,
-               "Accept": "text/event-stream" if stream else "application/json"}
+    headers = {
+        "Authorization": f"Bearer {api_key}",
+        "User-Agent": USER_AGENT,
+        "Accept": "text/event-stream" if stream else "application/json"
+    }
     if body is not None:
         headers["Content-Type"] = "application/json"
-    data = None if body is None else json.dumps(body).encode("ascii")  # \u escapes: lone surrogates go out too
+    # \u escapes: lone surrogates go out too
+    data = None if body is None else json.dumps(body).encode("ascii")
     try:
         response = rl.http_open(urllib.request.Request(url, data=data, headers=headers), deadline)
     except urllib.error.HTTPError as exc:
@@ -334,14 +469,31 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
             raw = _read_body(exc, MAX_ERROR_BODY_BYTES, deadline, tolerant=True)
         if 300 <= exc.code < 400:
             location = exc.headers.get("Location", "") if exc.headers else ""
-            host = urllib.parse.urlsplit(location).netloc.rpartition("@")[2][:200] or "(no Location)"
-            raise _CallFailed("redirect", f"HTTP {exc.code}: redirect to {host} not followed (the API key is "
-                                          f"never sent to another URL; fix BASE_URL)", exc.code, exc.headers,
-                              redirect_host=host) from None
-        message, code = _error_from_body(raw, exc.headers.get("Content-Type", "") if exc.headers else "")
-        error_type = STATUS_ERRORS.get(exc.code, "server_error" if exc.code >= 500 else "http_error")
-        raise _CallFailed(error_type, f"HTTP {exc.code}: {message or exc.reason}", exc.code, exc.headers,
-                          code=code, body=raw) from None
+            host = (
+                urllib.parse.urlsplit(location).netloc.rpartition("@")[2][:200] or "(no Location)"
+            )
+            raise _CallFailed(
+                "redirect",
+                f"HTTP {exc.code}: redirect to {host} not followed (the API key is "
+                f"never sent to another URL; fix BASE_URL)",
+                exc.code,
+                exc.headers,
+                redirect_host=host
+            ) from None
+        message, code = _error_from_body(
+            raw, exc.headers.get("Content-Type", "") if exc.headers else ""
+        )
+        error_type = STATUS_ERRORS.get(
+            exc.code, "server_error" if exc.code >= 500 else "http_error"
+        )
+        raise _CallFailed(
+            error_type,
+            f"HTTP {exc.code}: {message or exc.reason}",
+            exc.code,
+            exc.headers,
+            code=code,
+            body=raw
+        ) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
         raise _CallFailed(*_classify(exc, deadline)) from None
     record["http_status"] = response.status
@@ -349,16 +501,23 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
     declared = response.headers.get("Content-Length", "")
     if declared.isdigit() and int(declared) > limit:
         response.close()
-        raise _CallFailed("response_too_large", f"the body announces {declared} bytes, over the {limit}-byte "
-                                                f"limit (--max-response-bytes)", response.status, response.headers)
+        raise _CallFailed(
+            "response_too_large",
+            f"the body announces {declared} bytes, over the {limit}-byte "
+            f"limit (--max-response-bytes)",
+            response.status,
+            response.headers
+        )
     return response
 
 
 def _read_body(response, limit, deadline, tolerant=False):
-    """The body, at most `limit` bytes, checked against Content-Length, unless `tolerant` (an error's body)."""
+    """The body, at most `limit` bytes, checked against Content-Length, unless `tolerant` (an error's
+    body)."""
     failed, parts, size = None, [], 0
     try:
-        while size <= limit:  # in pieces: read(limit + 1) sets the whole limit aside for a body of unknown length
+        # in pieces: read(limit + 1) sets the whole limit aside for a body of unknown length
+        while size <= limit:
             part = response.read(min(65536, limit + 1 - size))
             if not part:
                 break
@@ -370,11 +529,17 @@ def _read_body(response, limit, deadline, tolerant=False):
     if tolerant:
         return raw[:limit]
     if len(raw) > limit:
-        failed = "response_too_large", f"the body is over the {limit}-byte limit (--max-response-bytes)"
+        failed = (
+            "response_too_large",
+            f"the body is over the {limit}-byte limit (--max-response-bytes)"
+        )
     elif deadline.expired:
         failed = _classify(None, deadline)
     elif failed is None and response.length:
-        failed = "truncated_response", f"the body ended {response.length} bytes short of its Content-Length"
+        failed = (
+            "truncated_response",
+            f"the body ended {response.length} bytes short of its Content-Length"
+        )
     if failed is not None:
         raise _CallFailed(*failed, response.status, response.headers)
     return raw
@@ -383,24 +548,42 @@ def _read_body(response, limit, deadline, tolerant=False):
 def _parse_json(raw, what, problems, status, headers):
     """A JSON object from raw bytes. NaN and Infinity are noted in problems and read as null."""
     try:
-        data = json.loads(raw.decode("utf-8"), parse_constant=lambda name: problems.append(f"{name} in the {what}"))
+        data = json.loads(
+            raw.decode("utf-8"),
+            parse_constant=lambda name: problems.append(f"{name} in the {what}")
+        )
     except UnicodeDecodeError:
-        raise _CallFailed("invalid_json", f"HTTP {status} but the {what} is not UTF-8", status, headers) from None
+        raise _CallFailed(
+            "invalid_json", f"HTTP {status} but the {what} is not UTF-8", status, headers
+        ) from None
     except ValueError:
         message = _error_from_body(raw, headers.get("Content-Type", ""))[0]
         error_type = "html_response" if message.startswith("an HTML page") else "invalid_json"
-        raise _CallFailed(error_type, f"HTTP {status} but the {what} is not JSON: {message[:200]}", status,
-                          headers) from None
+        raise _CallFailed(
+            error_type,
+            f"HTTP {status} but the {what} is not JSON: {message[:200]}",
+            status,
+            headers
+        ) from None
     except RecursionError:
-        raise _CallFailed("malformed_response", f"the {what} is nested too deeply to read", status, headers) from None
+        raise _CallFailed(
+            "malformed_response", f"the {what} is nested too deeply to read", status, headers
+        ) from None
     if not isinstance(data, dict):
-        raise _CallFailed("invalid_json", f"HTTP {status} but the {what} is not a JSON object", status, headers)
+        raise _CallFailed(
+            "invalid_json", f"HTTP {status} but the {what} is not a JSON object", status, headers
+        )
     return data
 
 
 def _api_error(err, status, headers, prefix):
-    message, code = (err.get("message"), _code(err.get("code"))) if isinstance(err, dict) else (err, None)
-    raise _CallFailed("api_error", f"{prefix}: {str(message)[:MAX_ERROR_CHARS]}", status, headers, code=code)
+    message, code = (
+        (err.get("message"), _code(err.get("code"))) if isinstance(err, dict) else (err, None)
+    )
+    raise _CallFailed(
+        "api_error", f"{prefix}: {str(message)[:MAX_ERROR_CHARS]}", status, headers, code=code
+    )
+
 
 # --- Core: one attempt, one record, one ledger line ---
 
@@ -415,32 +598,57 @@ def _new_record(model, recorded_base, host, port, stream, attempt, messages, opt
     system_chars = sum(map(len, system))
     prompt_chars = sum(len(m["content"]) for m in messages) - system_chars
     record = dict.fromkeys(MODEL_CALL_FIELDS)
-    record.update(parse_usage(None), request_model=model, base_url=recorded_base, server_address=host,
-                  server_port=port, stream=stream, attempt=attempt, prompt_sha256=_sha256(users[-1] if users else ""),
-                  prompt_chars=prompt_chars, system_chars=system_chars, message_count=len(messages),
-                  messages_sha256=_sha256(json.dumps(messages, ensure_ascii=False, separators=(",", ":"))),
-                  est_input_tokens=estimate_tokens(prompt_chars + system_chars), est_method=EST_METHOD,
-                  ratelimit={}, temperature=options.get("temperature"), max_tokens=options.get("max_tokens"))
+    record.update(
+        parse_usage(None),
+        request_model=model,
+        base_url=recorded_base,
+        server_address=host,
+        server_port=port,
+        stream=stream,
+        attempt=attempt,
+        prompt_sha256=_sha256(users[-1] if users else ""),
+        prompt_chars=prompt_chars,
+        system_chars=system_chars,
+        message_count=len(messages),
+        messages_sha256=_sha256(json.dumps(messages, ensure_ascii=False, separators=(",", ":"))),
+        est_input_tokens=estimate_tokens(prompt_chars + system_chars),
+        est_method=EST_METHOD,
+        ratelimit={},
+        temperature=options.get("temperature"),
+        max_tokens=options.get("max_tokens")
+    )
     if system:
         record["system_sha256"] = _sha256("\n".join(system))
     return record
 
 
 def _fill_ids(record, data, problems):
-    for name, key in (("response_model", "model"), ("response_id", "id"), ("system_fingerprint", "system_fingerprint")):
+    for name, key in (
+        ("response_model", "model"),
+        ("response_id", "id"),
+        ("system_fingerprint", "system_fingerprint")
+    ):
         value = _server_text(data.get(key), key, problems, MAX_FIELD_CHARS)
         if value is not None:
             record[name] = value
 
 
 def _take(record, data, key, state, problems, status, headers):
-    """A whole answer (key "message") or a stream chunk ("delta") of chat, completions, the Responses API or
-    embeddings into record and state; returns its text (None for embeddings)."""
+    """A whole answer (key "message") or a stream chunk ("delta") of chat, completions, the Responses
+    API or embeddings into record and state; returns its text (None for embeddings)."""
     whole, kind, choices = key == "message", data.get("type"), data.get("choices")
-    if kind == "error" or (data.get("error") is not None and not (whole and (choices or data.get("output")))):
-        _api_error(data.get("error") or data, status, headers,
-                   f"HTTP {status} with an error body" if whole else "error in the stream")
-    if (whole and isinstance(data.get("output"), list)) or (type(kind) is str and kind.startswith("response.")):
+    if kind == "error" or (
+        data.get("error") is not None and not (whole and (choices or data.get("output")))
+    ):
+        _api_error(
+            data.get("error") or data,
+            status,
+            headers,
+            f"HTTP {status} with an error body" if whole else "error in the stream"
+        )
+    if (whole and isinstance(data.get("output"), list)) or (
+        type(kind) is str and kind.startswith("response.")
+    ):
         return _take_response(record, data, whole, state, problems, status, headers)
     _fill_ids(record, data, problems)
     if whole or data.get("usage") is not None:
@@ -449,23 +657,31 @@ def _take(record, data, key, state, problems, status, headers):
         state["tools"] = state["embedding"] = True  # an answer, without text
         return None
     if whole and (not isinstance(choices, list) or not choices):
-        raise _CallFailed("no_choices", f"HTTP {status} but the response has no choices", status, headers)
+        raise _CallFailed(
+            "no_choices", f"HTTP {status} but the response has no choices", status, headers
+        )
     if type(choices or []) is not list:
         problems.append(f"a stream chunk's choices is a {type(choices).__name__}, not a list")
         return ""
-    return "".join(_choice_text(record, choice, key, "choices[0]" if whole else "a stream choice", state, problems)
-                   for choice in (choices[:1] if whole else choices or [])
-                   if whole or type(choice) is not dict or choice.get("index", 0) == 0)
+    return "".join(
+        _choice_text(
+            record, choice, key, "choices[0]" if whole else "a stream choice", state, problems
+        )
+        for choice in (choices[:1] if whole else choices or [])
+        if whole or type(choice) is not dict or choice.get("index", 0) == 0
+    )
 
 
 def _choice_text(record, choice, key, where, state, problems):
-    """One choice's text, whole or a stream's piece, with its finish_reason and whether it calls a tool."""
+    """One choice's text, whole or a stream's piece, with its finish_reason and whether it calls a
+    tool."""
     if type(choice) is not dict:
         problems.append(f"{where} is a {type(choice).__name__}, not an object")
         return ""
     if key == "message" or choice.get("finish_reason") is not None:
-        record["finish_reason"] = _server_text(choice.get("finish_reason"), f"{where}.finish_reason", problems,
-                                               MAX_FIELD_CHARS)
+        record["finish_reason"] = _server_text(
+            choice.get("finish_reason"), f"{where}.finish_reason", problems, MAX_FIELD_CHARS
+        )
         state["finished"] = True
     part = choice.get(key)
     if part is None:
@@ -490,11 +706,15 @@ def _take_response(record, data, whole, state, problems, status, headers):
         _fill_ids(record, response, problems)
         state["usage"] = response.get("usage", state.get("usage"))
         if whole or kind in _RESPONSE_DONE:
-            record["finish_reason"] = _server_text(response.get("status"), "status", problems, MAX_FIELD_CHARS)
+            record["finish_reason"] = _server_text(
+                response.get("status"), "status", problems, MAX_FIELD_CHARS
+            )
             state["done"] = True
         if kind == "response.failed":
             _api_error(response.get("error"), status, headers, "the response failed")
-    texts, items = [], data.get("output") if whole else [data["item"]] if type(data.get("item")) is dict else []
+    texts, items = [], (
+        data.get("output") if whole else [data["item"]] if type(data.get("item")) is dict else []
+    )
     if type(items) is not list:
         problems.append(f"output is a {type(items).__name__}, not a list")
         items = []
@@ -509,8 +729,9 @@ def _take_response(record, data, whole, state, problems, status, headers):
 
 
 def _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state):
-    """Read server-sent events to [DONE], a finish_reason or response.completed; return the text. Lines and
-    the stream are capped; `relay(raw, chunk)` gets each event as sent, as it arrives (the proxy)."""
+    """Read server-sent events to [DONE], a finish_reason or response.completed; return the text. Lines
+    and the stream are capped; `relay(raw, chunk)` gets each event as sent, as it arrives (the
+    proxy)."""
     status, headers = response.status, response.headers
     parts, raw, data, total = [], [], [], 0
     try:
@@ -518,10 +739,20 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems, 
             line = response.readline(MAX_SSE_LINE_BYTES + 1)
             total += len(line)
             if total > limit or (len(line) > MAX_SSE_LINE_BYTES and not line.endswith(b"\n")):
-                raise _CallFailed("response_too_large", f"the stream is over the {limit}-byte limit or has a line "
-                                                        f"over {MAX_SSE_LINE_BYTES} bytes", status, headers)
+                raise _CallFailed(
+                    "response_too_large",
+                    f"the stream is over the {limit}-byte limit or has a line "
+                    f"over {MAX_SSE_LINE_BYTES} bytes",
+                    status,
+                    headers
+                )
             if line and not line.endswith(b"\n"):
-                raise _CallFailed("truncated_stream", "the stream was cut in the middle of an event", status, headers)
+                raise _CallFailed(
+                    "truncated_stream",
+                    "the stream was cut in the middle of an event",
+                    status,
+                    headers
+                )
             raw.append(line)
             text = line.rstrip(b"\r\n")
             if text.startswith(b"data:"):
@@ -556,46 +787,74 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems, 
         record["response_chars"] = sum(map(len, parts))
         record["est_output_tokens"] = estimate_tokens(record["response_chars"])
     if not (state.get("done") or state.get("finished")):
-        raise _CallFailed("truncated_stream", "the stream ended without a finish_reason or [DONE]", status, headers)
+        raise _CallFailed(
+            "truncated_stream",
+            "the stream ended without a finish_reason or [DONE]",
+            status,
+            headers
+        )
     return "".join(parts)
 
 
 def _fill_head(record, headers, problems):
-    record["request_id"] = _server_text(headers.get("x-request-id") or headers.get("request-id"),
-                                        "request-id header", problems, MAX_FIELD_CHARS)
+    record["request_id"] = _server_text(
+        headers.get("x-request-id") or headers.get("request-id"),
+        "request-id header",
+        problems,
+        MAX_FIELD_CHARS
+    )
     record["ratelimit"] = limits = {}
     for name, value in headers.items():
         low = name.lower()
-        if (low.startswith("x-ratelimit-") or low in ("retry-after", "retry-after-ms")) and len(limits) < 32:
+        if (low.startswith("x-ratelimit-") or low in ("retry-after", "retry-after-ms")) and len(
+            limits
+        ) < 32:
             limits[low[:64]] = str(value)[:200]
 
 
-def _one_attempt(url, body, record, started, *, api_key, deadline, limit, on_text, problems, relay, state):
-    """Send once; fill `record` but latency_ms and `state` (status, headers, a parsed body's bytes); return the
-    text. Raises _CallFailed."""
-    with _open(url, record, problems, api_key=api_key, deadline=deadline, limit=limit, body=body) as response:
+def _one_attempt(
+    url, body, record, started, *, api_key, deadline, limit, on_text, problems, relay, state
+):
+    """Send once; fill `record` but latency_ms and `state` (status, headers, a parsed body's bytes);
+    return the text. Raises _CallFailed."""
+    with _open(
+        url, record, problems, api_key=api_key, deadline=deadline, limit=limit, body=body
+    ) as response:
         state["status"], state["headers"] = response.status, response.headers
         try:
             if body.get("stream"):
                 if relay is not None:
                     relay.headers = response.headers
-                return _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state)
+                return _read_stream(
+                    response, record, started, on_text, limit, deadline, problems, relay, state
+                )
             raw = _read_body(response, limit, deadline)
             data = _parse_json(raw, "body", problems, response.status, response.headers)
             state["raw"] = raw
-            return _take(record, data, "message", state, problems, response.status, response.headers)
-        except (KeyError, TypeError, AttributeError, IndexError) as exc:  # a shape the readers did not foresee
-            raise _CallFailed("malformed_response", f"the answer's shape cannot be read ({type(exc).__name__})",
-                              response.status, response.headers) from None
+            return _take(
+                record, data, "message", state, problems, response.status, response.headers
+            )
+        # a shape the readers did not foresee
+        except (KeyError, TypeError, AttributeError, IndexError) as exc:
+            raise _CallFailed(
+                "malformed_response",
+                f"the answer's shape cannot be read ({type(exc).__name__})",
+                response.status,
+                response.headers
+            ) from None
         finally:
             record.update(parse_usage(state.get("usage")))
-            if state.get("embedding") and record["input_tokens"] is not None and record["output_tokens"] is None:
+            if (
+                state.get("embedding")
+                and record["input_tokens"] is not None
+                and record["output_tokens"] is None
+            ):
                 record["usage_status"] = "complete"  # embeddings have input tokens only
 
 
 def _finish(record, started, text, failure, problems, redactor, answered=False):
-    """The last steps of every attempt, one-shot, proxied, refused or /models: latency, sizes, problems and the
-    failure, if any, into `record`. Returns the failure (None on success)."""
+    """The last steps of every attempt, one-shot, proxied, refused or /models: latency, sizes, problems
+    and the failure, if any, into `record`. Returns the failure (None on success)."""
     record["latency_ms"] = _ms_since(started)  # to the end of the body, or to the failure
     if text is not None:
         record["response_chars"] = len(text)
@@ -603,11 +862,17 @@ def _finish(record, started, text, failure, problems, redactor, answered=False):
     if problems:
         record["malformed"] = problems[:MAX_PROBLEMS]
     if problems and failure is None:
-        failure = _CallFailed("malformed_response", "the answer arrived but the body is malformed: "
-                              + "; ".join(problems[:3]), record["http_status"])
+        failure = _CallFailed(
+            "malformed_response",
+            "the answer arrived but the body is malformed: " + "; ".join(problems[:3]),
+            record["http_status"]
+        )
     if failure is None and not answered and not (text or "").strip():
-        failure = _CallFailed("empty_content", f"HTTP {record['http_status']} but the answer is empty",
-                              record["http_status"])
+        failure = _CallFailed(
+            "empty_content",
+            f"HTTP {record['http_status']} but the answer is empty",
+            record["http_status"]
+        )
     if failure is None:
         return None
     record["error_type"] = failure.error_type
@@ -628,7 +893,8 @@ def _ms_since(started):
 
 
 def retryable(record):
-    """Whether a failed attempt is worth retrying: a timeout, a dropped or cut answer, a busy or broken server."""
+    """Whether a failed attempt is worth retrying: a timeout, a dropped or cut answer, a busy or broken
+    server."""
     return record["error_type"] in RETRYABLE_ERRORS or record["http_status"] in RETRYABLE_STATUS
 
 
@@ -642,21 +908,32 @@ class _Printer:
         if self.on_text is not None and self.raised is None:
             try:
                 self.on_text(piece)
-            except Exception as exc:  # the caller's code: kept, and raised again once the line is written
+            # the caller's code: kept, and raised again once the line is written
+            except Exception as exc:
                 self.raised = exc
 
 
 def _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, until):
     """The wait before the next attempt (its reason into `record`), or None when there is none to make."""
-    if "stream_options" in body and failure.status in (400, 422) and "stream_options" in (failure.message or ""):
+    if (
+        "stream_options" in body
+        and failure.status in (400, 422)
+        and "stream_options" in (failure.message or "")
+    ):
         record["retry_reason"] = "server rejected stream_options; retrying once without it"
         body.pop("stream_options")
         return 0.0
     if not retryable(record) or attempt > retries:
         return None
     server_wait = retry_after_seconds(failure.headers)
-    wait = min(max_wait, backoff * (2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
-               if server_wait is None else server_wait)
+    wait = min(
+        max_wait,
+        (
+            backoff * (2 ** (attempt - 1)) * random.uniform(0.5, 1.0)
+            if server_wait is None
+            else server_wait
+        )
+    )
     if until is not None and time.monotonic() + wait > until - MIN_ATTEMPT_S:
         return None  # the caller's time runs out before another attempt could be made
     record["retry_in_s"] = round(wait, 3)
@@ -664,11 +941,31 @@ def _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, unti
     return wait
 
 
-def _attempts(url, body, new_record, append, *, api_key, timeout, limit, redactor, retries=0, checks=None,
-              store=None, backoff=1.0, max_wait=60.0, on_text=None, on_retry=None, sleep=time.sleep, relay=None,
-              tools_answer=False, until=None):
-    """Every attempt of one call, each one model_call line through `append`, retried as _retry_wait says.
-    Returns (result, failure, state, relay) of the last attempt; result is its record plus "text"."""
+def _attempts(
+    url,
+    body,
+    new_record,
+    append,
+    *,
+    api_key,
+    timeout,
+    limit,
+    redactor,
+    retries=0,
+    checks=None,
+    store=None,
+    backoff=1.0,
+    max_wait=60.0,
+    on_text=None,
+    on_retry=None,
+    sleep=time.sleep,
+    relay=None,
+    tools_answer=False,
+    until=None
+):
+    """Every attempt of one call, each one model_call line through `append`, retried as _retry_wait
+    says. Returns (result, failure, state, relay) of the last attempt; result is its record plus
+    "text"."""
     attempt, dropped = 0, False
     while True:
         attempt += 1
@@ -676,26 +973,49 @@ def _attempts(url, body, new_record, append, *, api_key, timeout, limit, redacto
         if dropped:
             record["stream_options_dropped"] = True
         text, failure, problems, state, started = None, None, [], {}, time.perf_counter()
-        deadline = rl.Deadline(timeout if until is None else max(0.001, min(timeout, until - time.monotonic())))
+        deadline = rl.Deadline(
+            timeout if until is None else max(0.001, min(timeout, until - time.monotonic()))
+        )
         try:
-            text = _one_attempt(url, body, record, started, api_key=api_key, deadline=deadline, limit=limit,
-                                on_text=printer, problems=problems, relay=out, state=state)
+            text = _one_attempt(
+                url,
+                body,
+                record,
+                started,
+                api_key=api_key,
+                deadline=deadline,
+                limit=limit,
+                on_text=printer,
+                problems=problems,
+                relay=out,
+                state=state
+            )
         except _CallFailed as exc:
             failure = exc
         finally:
             deadline.cancel()
-        failure = _finish(record, started, text, failure, problems, redactor, tools_answer and state.get("tools"))
+        failure = _finish(
+            record, started, text, failure, problems, redactor, tools_answer and state.get("tools")
+        )
         if failure is None and checks:
-            record["check"], record["check_detail"] = run_checks(text, request_model=record["request_model"],
-                                                                 response_model=record["response_model"], **checks)
+            record["check"], record["check_detail"] = run_checks(
+                text,
+                request_model=record["request_model"],
+                response_model=record["response_model"],
+                **checks
+            )
         if text and store is not None:
             record["response_artifact"] = store(text)
         wait, sent_options = None, "stream_options" in body
-        printed = on_text is not None and record["ttft_ms"] is not None  # a stream already shown is not sent twice
+        # a stream already shown is not sent twice
+        printed = on_text is not None and record["ttft_ms"] is not None
         if failure is not None and not (printed or (out is not None and out.began)):
             wait = _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, until)
         dropped = dropped or (sent_options and "stream_options" not in body)
-        result = dict(record, text=text if failure is None or failure.error_type == "malformed_response" else None)
+        result = dict(
+            record,
+            text=text if failure is None or failure.error_type == "malformed_response" else None
+        )
         try:
             append("model_call", record)
         except RecordError as exc:
@@ -712,10 +1032,15 @@ def _attempts(url, body, new_record, append, *, api_key, timeout, limit, redacto
 
 @contextlib.contextmanager
 def _opened(ledger, api_key):
-    """A Ledger that can take a line: the one given, a Run's, or one opened on a path (and closed after)."""
+    """A Ledger that can take a line: the one given, a Run's, or one opened on a path (and closed
+    after)."""
     ledger = ledger.ledger if isinstance(ledger, rl.Run) else ledger
     owned = not isinstance(ledger, rl.Ledger)
-    book = rl.Ledger(ledger, os.environ.get("LEDGER_RUN_ID") or None, secrets=(api_key,)) if owned else ledger
+    book = (
+        rl.Ledger(ledger, os.environ.get("LEDGER_RUN_ID") or None, secrets=(api_key,))
+        if owned
+        else ledger
+    )
     book.add_secret(api_key)
     try:
         _check_ledger(book)
@@ -729,37 +1054,78 @@ def _check_ledger(book):
     try:
         book.check()  # a ledger that cannot take the line costs no request
     except (rl.LedgerError, OSError) as exc:
-        raise ConfigError(f"the ledger cannot take a line, so nothing was sent: {rl.error_text(exc)}") from None
+        raise ConfigError(
+            f"the ledger cannot take a line, so nothing was sent: {rl.error_text(exc)}"
+        ) from None
 
 
 def _append(book, kind, record):
     try:
         book.append(kind, record)
     except (rl.LedgerError, OSError) as exc:
-        raise RecordError(f"the call was made but its ledger line could not be written: "
-                          f"{rl.error_text(exc)}", record) from exc
+        raise RecordError(
+            f"the call was made but its ledger line could not be written: " f"{rl.error_text(exc)}",
+            record
+        ) from exc
 
 
-def chat(messages, *, ledger, base_url, model, api_key, max_tokens=None, temperature=None, stream=False,
-         retries=0, timeout=DEFAULT_TIMEOUT, expect=None, expect_json=False, strict_model=False,
-         store_text=False, backoff=1.0, max_wait=60.0, max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES,
-         on_text=None, on_retry=None, sleep=time.sleep, until=None):
+def chat(
+    messages,
+    *,
+    ledger,
+    base_url,
+    model,
+    api_key,
+    max_tokens=None,
+    temperature=None,
+    stream=False,
+    retries=0,
+    timeout=DEFAULT_TIMEOUT,
+    expect=None,
+    expect_json=False,
+    strict_model=False,
+    store_text=False,
+    backoff=1.0,
+    max_wait=60.0,
+    max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES,
+    on_text=None,
+    on_retry=None,
+    sleep=time.sleep,
+    until=None
+):
     """Send `messages` to {base_url}/chat/completions, one model_call line per attempt; return the last
-    attempt's record plus "text". Failures are in the record; ConfigError means nothing was sent (docs/ask.md)."""
+    attempt's record plus "text". Failures are in the record; ConfigError means nothing was sent
+    (docs/ask.md)."""
     if not model:
-        raise ConfigError("MODEL_ID is not set (export MODEL_ID=..., or pass --model); there is no default")
-    if not isinstance(messages, list) or not messages or not all(
-            type(m) is dict and type(m.get("role")) is str and type(m.get("content")) is str for m in messages):
+        raise ConfigError(
+            "MODEL_ID is not set (export MODEL_ID=..., or pass --model); there is no default"
+        )
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(
+            type(m) is dict and type(m.get("role")) is str and type(m.get("content")) is str
+            for m in messages
+        )
+    ):
         raise ConfigError('messages must be a non-empty list of {"role": str, "content": str}')
     if not any(m["role"] != "system" and m["content"].strip() for m in messages):
         raise ConfigError("the prompt is empty")
-    if any(type(n) is not int for n in (retries, max_response_bytes, 1 if max_tokens is None else max_tokens)):
+    if any(
+        type(n) is not int
+        for n in (retries, max_response_bytes, 1 if max_tokens is None else max_tokens)
+    ):
         raise ConfigError("retries, max_tokens and max_response_bytes must be integers")
-    for name, value, minimum, above in (("temperature", temperature, None, None), ("timeout", timeout, None, 0),
-                                        ("max_wait", max_wait, 0, None), ("backoff", backoff, 0, None),
-                                        ("until", until, None, None), ("retries", retries, 0, None),
-                                        ("max_tokens", max_tokens, 1, None),
-                                        ("max_response_bytes", max_response_bytes, 1024, None)):
+    for name, value, minimum, above in (
+        ("temperature", temperature, None, None),
+        ("timeout", timeout, None, 0),
+        ("max_wait", max_wait, 0, None),
+        ("backoff", backoff, 0, None),
+        ("until", until, None, None),
+        ("retries", retries, 0, None),
+        ("max_tokens", max_tokens, 1, None),
+        ("max_response_bytes", max_response_bytes, 1024, None)
+    ):
         _check_number(name, value, minimum, above)
     try:
         expect = re.compile(expect) if isinstance(expect, str) else expect
@@ -767,7 +1133,10 @@ def chat(messages, *, ledger, base_url, model, api_key, max_tokens=None, tempera
         raise ConfigError(f"--expect is not a valid regular expression: {exc}") from None
     check_api_key(api_key)
     request_base, recorded_base, host, port = split_base_url(base_url)
-    body = {"model": model, "messages": [{"role": m["role"], "content": m["content"]} for m in messages]}
+    body = {
+        "model": model,
+        "messages": [{"role": m["role"], "content": m["content"]} for m in messages]
+    }
     options = {"max_tokens": max_tokens, "temperature": temperature}
     body.update((name, value) for name, value in options.items() if value is not None)
     if stream:
@@ -775,33 +1144,67 @@ def chat(messages, *, ledger, base_url, model, api_key, max_tokens=None, tempera
     with _opened(ledger, api_key) as book:
         users = [m["content"] for m in messages if m["role"] == "user"]
         system = "\n".join(m["content"] for m in messages if m["role"] == "system")
-        artifacts = {"prompt_artifact": book.store_artifact(users[-1] if users else "")} if store_text else {}
+        artifacts = (
+            {"prompt_artifact": book.store_artifact(users[-1] if users else "")}
+            if store_text
+            else {}
+        )
         if store_text and system:
             artifacts["system_artifact"] = book.store_artifact(system)
         if store_text and len(messages) > len(users[-1:]) + (1 if system else 0):
-            artifacts["messages_artifact"] = book.store_artifact(json.dumps(messages, ensure_ascii=False, indent=1))
+            artifacts["messages_artifact"] = book.store_artifact(
+                json.dumps(messages, ensure_ascii=False, indent=1)
+            )
 
         def new_record(attempt):
-            return dict(_new_record(model, recorded_base, host, port, bool(stream), attempt, messages, options),
-                        **artifacts)
-        return _attempts(_endpoint(request_base, "/chat/completions"), body, new_record,
-                         functools.partial(_append, book), api_key=api_key, timeout=timeout,
-                         limit=max_response_bytes, redactor=book.redactor, retries=retries,
-                         checks=dict(expect=expect, expect_json=expect_json, strict_model=strict_model),
-                         store=book.store_artifact if store_text else None, backoff=backoff, max_wait=max_wait,
-                         on_text=on_text, on_retry=on_retry, sleep=sleep, until=until)[0]
+            return dict(
+                _new_record(
+                    model, recorded_base, host, port, bool(stream), attempt, messages, options
+                ),
+                **artifacts
+            )
+
+        return _attempts(
+            _endpoint(request_base, "/chat/completions"),
+            body,
+            new_record,
+            functools.partial(_append, book),
+            api_key=api_key,
+            timeout=timeout,
+            limit=max_response_bytes,
+            redactor=book.redactor,
+            retries=retries,
+            checks=dict(expect=expect, expect_json=expect_json, strict_model=strict_model),
+            store=book.store_artifact if store_text else None,
+            backoff=backoff,
+            max_wait=max_wait,
+            on_text=on_text,
+            on_retry=on_retry,
+            sleep=sleep,
+            until=until
+        )[0]
 
 
 def ask(prompt, *, system=None, **kwargs):
     """One prompt (and an optional system prompt) through chat(). Same arguments and result."""
     if not isinstance(prompt, str) or not prompt.strip():
         raise ConfigError("the prompt is empty")
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": prompt}
+    ]
     return chat(messages, **kwargs)
 
 
-def list_models(*, ledger, base_url, api_key, timeout=DEFAULT_TIMEOUT, max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES):
-    """GET {base_url}/models; append one models_list event; return its record (docs/ask.md, docs/small-models.md)."""
+def list_models(
+    *,
+    ledger,
+    base_url,
+    api_key,
+    timeout=DEFAULT_TIMEOUT,
+    max_response_bytes=DEFAULT_MAX_RESPONSE_BYTES
+):
+    """GET {base_url}/models; append one models_list event; return its record (docs/ask.md,
+    docs/small-models.md)."""
     check_api_key(api_key)
     split = split_base_url(base_url)
     _check_number("timeout", timeout, above=0)
@@ -814,14 +1217,31 @@ def list_models(*, ledger, base_url, api_key, timeout=DEFAULT_TIMEOUT, max_respo
 def _models_call(redactor, split, api_key, timeout, limit):
     """GET /models once: (record, raw body or None, failure or None, response headers or None)."""
     request_base, recorded_base, host, port = split
-    record = {"base_url": recorded_base, "server_address": host, "server_port": port, "http_status": None,
-              "model_ids": None, "count": None, "latency_ms": None, "request_id": None, "ratelimit": {},
-              "error_type": None, "error_code": None, "error_message": None}
+    record = {
+        "base_url": recorded_base,
+        "server_address": host,
+        "server_port": port,
+        "http_status": None,
+        "model_ids": None,
+        "count": None,
+        "latency_ms": None,
+        "request_id": None,
+        "ratelimit": {},
+        "error_type": None,
+        "error_code": None,
+        "error_message": None
+    }
     started, deadline = time.perf_counter(), rl.Deadline(timeout)
     problems, raw, failure, headers = [], None, None, None
     try:
-        with _open(_endpoint(request_base, "/models"), record, problems, api_key=api_key, deadline=deadline,
-                   limit=limit) as response:
+        with _open(
+            _endpoint(request_base, "/models"),
+            record,
+            problems,
+            api_key=api_key,
+            deadline=deadline,
+            limit=limit
+        ) as response:
             headers = response.headers
             raw = _read_body(response, limit, deadline)
             data = _parse_json(raw, "body", problems, response.status, headers)
@@ -829,13 +1249,22 @@ def _models_call(redactor, split, api_key, timeout, limit):
         if not isinstance(items, list):
             raise _CallFailed("invalid_json", "HTTP 200 but the body has no data list", 200)
         items = [item for item in items if isinstance(item, dict)]
-        ids = {_server_text(item.get("id"), "data[].id", problems, MAX_FIELD_CHARS) for item in items} - {None}
+        ids = {
+            _server_text(item.get("id"), "data[].id", problems, MAX_FIELD_CHARS) for item in items
+        } - {None}
         record["model_ids"], record["count"] = sorted(ids)[:10000], len(ids)
         windows = {}
         for item in items:  # vLLM's max_model_len, llama.cpp's meta.n_ctx_train, or context_length
             meta = item.get("meta") if isinstance(item.get("meta"), dict) else {}
-            window = [n for n in (item.get("max_model_len"), meta.get("n_ctx_train"), item.get("context_length"))
-                      if type(n) is int and n > 0]
+            window = [
+                n
+                for n in (
+                    item.get("max_model_len"),
+                    meta.get("n_ctx_train"),
+                    item.get("context_length")
+                )
+                if type(n) is int and n > 0
+            ]
             if window and type(item.get("id")) is str and item["id"] in ids:
                 windows[item["id"]] = window[0]
         if windows:
@@ -849,10 +1278,17 @@ def _models_call(redactor, split, api_key, timeout, limit):
     _finish(record, started, None, failure, [], redactor, answered=True)
     return record, raw, failure, headers
 
-# --- The recording proxy: `ask.py proxy`, every upstream attempt of every client one model_call line ---
 
-PROXY_ROUTES = {"/chat/completions": "POST", "/completions": "POST", "/responses": "POST", "/embeddings": "POST",
-                "/models": "GET"}
+# --- The recording proxy: `ask.py proxy`, every upstream attempt of every client one model_call
+# line ---
+
+PROXY_ROUTES = {
+    "/chat/completions": "POST",
+    "/completions": "POST",
+    "/responses": "POST",
+    "/embeddings": "POST",
+    "/models": "GET"
+}
 PROXY_LISTEN = "127.0.0.1:8787"
 PROXY_MAX_BODY = 32 * 1024 * 1024
 MAX_HEADER_CHARS = 200
@@ -861,14 +1297,34 @@ _PROXY_OPTIONS = (  # flag, type, default, least value (None: above 0), help
     ("--grace", float, 10.0, 0, "seconds for the requests in flight at SIGTERM"),
     ("--idle-timeout", float, 15.0, None, "seconds a keep-alive connection may idle"),
     ("--read-timeout", float, 30.0, None, "seconds to read one request, head and body"),
-    ("--timeout", float, 600.0, None, "seconds for a whole upstream attempt, a long stream included"),
-    ("--max-response-bytes", int, DEFAULT_MAX_RESPONSE_BYTES, 1024, "the largest upstream body or stream"))
-_PASS_BACK = ("content-type", "retry-after", "retry-after-ms", "x-request-id", "openai-processing-ms")
+    (
+        "--timeout",
+        float,
+        600.0,
+        None,
+        "seconds for a whole upstream attempt, a long stream included"
+    ),
+    (
+        "--max-response-bytes",
+        int,
+        DEFAULT_MAX_RESPONSE_BYTES,
+        1024,
+        "the largest upstream body or stream"
+    )
+)
+_PASS_BACK = (
+    "content-type",
+    "retry-after",
+    "retry-after-ms",
+    "x-request-id",
+    "openai-processing-ms"
+)
 _WHOLE_ERRORS = ("api_error", "malformed_response", "empty_content")  # the stream ended by itself
 
 
 def _is_loopback(host):
     import ipaddress
+
     try:
         return host == "localhost" or ipaddress.ip_address(host.split("%")[0]).is_loopback
     except ValueError:
@@ -880,21 +1336,34 @@ def _json_text(value):
 
 
 def _as_text(content):
-    """A client's content as text: a string, content parts (text kept, others such as images named), null."""
+    """A client's content as text: a string, content parts (text kept, others such as images named),
+    null."""
     if content is None or type(content) is str:
         return content or ""
     if type(content) is not list:
         return _json_text(content)
-    return "".join(part["text"] if type(part) is dict and type(part.get("text")) is str
-                   else f"[{str(part.get('type', 'part'))[:40]}]" if type(part) is dict
-                   else part if type(part) is str else _json_text(part) for part in content)
+    return "".join(
+        (
+            part["text"]
+            if type(part) is dict and type(part.get("text")) is str
+            else (
+                f"[{str(part.get('type', 'part'))[:40]}]"
+                if type(part) is dict
+                else part if type(part) is str else _json_text(part)
+            )
+        )
+        for part in content
+    )
 
 
 def _client_messages(route, body):
-    """(messages, token ids): a client's prompt as [{role, content}] text, and the ids of any token arrays."""
+    """(messages, token ids): a client's prompt as [{role, content}] text, and the ids of any token
+    arrays."""
     tokens, items = 0, []
     if route == "/chat/completions":
-        items = body.get("messages") if type(body.get("messages")) is list else [body.get("messages")]
+        items = (
+            body.get("messages") if type(body.get("messages")) is list else [body.get("messages")]
+        )
     elif route == "/responses":
         if body.get("instructions") is not None:
             items.append({"role": "system", "content": body["instructions"]})
@@ -909,19 +1378,34 @@ def _client_messages(route, body):
             else:
                 items.append({"role": "user", "content": one})
     messages = []
-    for item in [i if type(i) is dict else {"role": "user", "content": i} for i in items if i is not None]:
-        role = item.get("role") if type(item.get("role")) is str else (
-            "tool" if str(item.get("type", "")).endswith("_output") else "assistant")
-        calls = "".join(v if type(v) is str else _json_text(v) for k, v in item.items()
-                        if k in ("tool_calls", "function_call", "arguments", "output"))
-        messages.append({"role": "system" if role == "developer" else role[:40],
-                         "content": _as_text(item.get("content")) + calls})
+    for item in [
+        i if type(i) is dict else {"role": "user", "content": i} for i in items if i is not None
+    ]:
+        role = (
+            item.get("role")
+            if type(item.get("role")) is str
+            else ("tool" if str(item.get("type", "")).endswith("_output") else "assistant")
+        )
+        calls = "".join(
+            v if type(v) is str else _json_text(v)
+            for k, v in item.items()
+            if k in ("tool_calls", "function_call", "arguments", "output")
+        )
+        messages.append(
+            {
+                "role": "system" if role == "developer" else role[:40],
+                "content": _as_text(item.get("content")) + calls
+            }
+        )
     return messages, tokens
 
 
 def _passed_back(headers):
-    return [(name, re.sub(r"[\r\n]", " ", value)) for name, value in (headers.items() if headers is not None else ())
-            if name.lower() in _PASS_BACK or name.lower().startswith("x-ratelimit-")]
+    return [
+        (name, re.sub(r"[\r\n]", " ", value))
+        for name, value in (headers.items() if headers is not None else ())
+        if name.lower() in _PASS_BACK or name.lower().startswith("x-ratelimit-")
+    ]
 
 
 def _http_answer(status, body, headers=(), close=False, chunked=False):
@@ -937,21 +1421,32 @@ def _http_answer(status, body, headers=(), close=False, chunked=False):
 
 
 def _error_json(message, code, kind="proxy_error"):
-    return json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    return json.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    ).encode()
 
 
 class _ProxyServer(rl.CappedServer):
-    """The settings, the one Ledger and a thread per connection, at most --max-connections (past that a 503)."""
+    """The settings, the one Ledger and a thread per connection, at most --max-connections (past that a
+    503)."""
 
     def __init__(self, address, args, upstream, token):
         base_url, self.model, self.api_key = upstream
         self.args, self.split, self.token = args, split_base_url(base_url), token
         self.secrets = [s for s in (self.api_key, token) if s]
-        self.book = rl.Ledger(args.ledger, os.environ.get("LEDGER_RUN_ID") or None, fsync=not args.no_fsync,
-                              secrets=self.secrets)
+        self.book = rl.Ledger(
+            args.ledger,
+            os.environ.get("LEDGER_RUN_ID") or None,
+            fsync=not args.no_fsync,
+            secrets=self.secrets
+        )
         _check_ledger(self.book)
-        busy = _http_answer(503, _error_json("too many connections; retry later", "busy"), [("Retry-After", "1")],
-                            close=True)
+        busy = _http_answer(
+            503,
+            _error_json("too many connections; retry later", "busy"),
+            [("Retry-After", "1")],
+            close=True
+        )
         try:
             super().__init__(address, _ProxyHandler, args.max_connections, busy)
         except OSError as exc:
@@ -960,15 +1455,18 @@ class _ProxyServer(rl.CappedServer):
     def append(self, kind, record):
         try:
             _append(self.book, kind, record)
-        except RecordError as exc:  # the answer still goes to the client: a paid answer is never thrown away
+        # the answer still goes to the client: a paid answer is never thrown away
+        except RecordError as exc:
             rl.error(str(exc), self.secrets)
 
 
 class _ProxyHandler(socketserver.StreamRequestHandler):
-    """One client connection: requests in turn (keep-alive), each read under --read-timeout, then forwarded."""
+    """One client connection: requests in turn (keep-alive), each read under --read-timeout, then
+    forwarded."""
 
     def handle(self):
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # each event goes out at once
+        # each event goes out at once
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         args, self.close = self.server.args, False
         while not self.close and self._await_request():
             self.started, self.status, self.method, self.path = time.perf_counter(), None, "-", "-"
@@ -982,8 +1480,14 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
             finally:
                 self.deadline.cancel()
             if args.verbose:
-                print(rl.printable(f"proxy: {self.client_address[0]} {self.method} {self.path[:200]} {self.status} "
-                                   f"{_ms_since(self.started)} ms"), file=sys.stderr, flush=True)
+                print(
+                    rl.printable(
+                        f"proxy: {self.client_address[0]} {self.method} {self.path[:200]} {self.status} "
+                        f"{_ms_since(self.started)} ms"
+                    ),
+                    file=sys.stderr,
+                    flush=True
+                )
 
     def _await_request(self):
         """Wait --idle-timeout for a request; at shutdown none (a request already sent gets its 503)."""
@@ -1003,11 +1507,18 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
     def _one_request(self):
         try:
             route, raw = self._read_request()
-        except _CallFailed as refused:  # nothing was sent upstream; a body left unread ends the connection
-            self.close = self.close or "Transfer-Encoding" in self.headers or (
-                self.headers.get("Content-Length") or "0") != "0"
-            return self._error(refused.status, refused.message, refused.error_type, refused.headers or ())
-        self.deadline.cancel()  # the body is in: from here the upstream's deadline bounds the request
+        # nothing was sent upstream; a body left unread ends the connection
+        except _CallFailed as refused:
+            self.close = (
+                self.close
+                or "Transfer-Encoding" in self.headers
+                or (self.headers.get("Content-Length") or "0") != "0"
+            )
+            return self._error(
+                refused.status, refused.message, refused.error_type, refused.headers or ()
+            )
+        # the body is in: from here the upstream's deadline bounds the request
+        self.deadline.cancel()
         self.connection.settimeout(self.server.args.timeout + self.server.args.read_timeout)
         return self._models() if route == "/models" else self._call(route, raw)
 
@@ -1021,26 +1532,43 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         try:
             self.headers = http.client.parse_headers(self.rfile)
         except http.client.HTTPException:
-            raise _CallFailed("invalid_request", "the request headers are too long or too many", 431) from None
+            raise _CallFailed(
+                "invalid_request", "the request headers are too long or too many", 431
+            ) from None
         header = self.headers.get
         connection = (header("Connection") or "").lower()
-        self.close = "close" in connection or (parts[2] == "HTTP/1.0" and "keep-alive" not in connection)
+        self.close = "close" in connection or (
+            parts[2] == "HTTP/1.0" and "keep-alive" not in connection
+        )
         host = (header("Host") or "").strip()
-        host = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
+        host = (
+            host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
+        )
         path = self.path.split("?", 1)[0]
         route = path[3:].rstrip("/") if path.startswith("/v1/") else None
         if app.stopping:
             self.close = True
-            raise _CallFailed("unavailable", "the proxy is shutting down", 503, [("Retry-After", "1")])
-        if app.token and not hmac.compare_digest((header("Authorization") or "").encode("latin-1", "replace"),
-                                                 f"Bearer {app.token}".encode()):
+            raise _CallFailed(
+                "unavailable", "the proxy is shutting down", 503, [("Retry-After", "1")]
+            )
+        if app.token and not hmac.compare_digest(
+            (header("Authorization") or "").encode("latin-1", "replace"),
+            f"Bearer {app.token}".encode()
+        ):
             raise _CallFailed("invalid_api_key", "the proxy token is required as the API key", 401)
         if not app.token and not _is_loopback(host):
-            raise _CallFailed("forbidden", "Host must be a loopback name (set PROXY_TOKEN to serve others)", 403)
+            raise _CallFailed(
+                "forbidden", "Host must be a loopback name (set PROXY_TOKEN to serve others)", 403
+            )
         if route not in PROXY_ROUTES:
             raise _CallFailed("not_found", f"no route {path[:200]}", 404)
         if self.method != PROXY_ROUTES[route]:
-            raise _CallFailed("method_not_allowed", f"use {PROXY_ROUTES[route]}", 405, [("Allow", PROXY_ROUTES[route])])
+            raise _CallFailed(
+                "method_not_allowed",
+                f"use {PROXY_ROUTES[route]}",
+                405,
+                [("Allow", PROXY_ROUTES[route])]
+            )
         length = header("Content-Length") or ("" if self.method == "POST" else "0")
         if header("Transfer-Encoding") or not length.isdigit():
             raise _CallFailed("length_required", "send the body with Content-Length", 411)
@@ -1054,21 +1582,35 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         return route, raw
 
     def _record(self, route, model, stream, attempt, messages, tokens, body):
-        """The record of one upstream attempt: a direct call's, plus the client's route, address and headers."""
+        """The record of one upstream attempt: a direct call's, plus the client's route, address and
+        headers."""
         number = body.get("temperature")
         limits = [body.get(k) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")]
-        limits = [n for n in limits if type(n) is int and 0 < n < 2 ** 63]
-        record = _new_record(model, *self.server.split[1:], stream, attempt, messages, {
-            "temperature": number if type(number) in (int, float) and abs(number) < math.inf else None,
-            "max_tokens": limits[0] if limits else None})
+        limits = [n for n in limits if type(n) is int and 0 < n < 2**63]
+        record = _new_record(
+            model,
+            *self.server.split[1:],
+            stream,
+            attempt,
+            messages,
+            {
+                "temperature": (
+                    number if type(number) in (int, float) and abs(number) < math.inf else None
+                ),
+                "max_tokens": limits[0] if limits else None
+            }
+        )
         if tokens:
             record["est_input_tokens"] += tokens
             record["est_method"] = EST_METHOD + " + token ids counted"
         retry = self.headers.get("x-stainless-retry-count") or ""
-        record.update(route=route, client_address=self.client_address[0],
-                      user_agent=(self.headers.get("User-Agent") or "")[:MAX_HEADER_CHARS] or None,
-                      session_id=(self.headers.get("X-Ledger-Session") or "")[:MAX_HEADER_CHARS] or None,
-                      client_retry=int(retry) if retry.isdigit() and len(retry) < 10 else None)
+        record.update(
+            route=route,
+            client_address=self.client_address[0],
+            user_agent=(self.headers.get("User-Agent") or "")[:MAX_HEADER_CHARS] or None,
+            session_id=(self.headers.get("X-Ledger-Session") or "")[:MAX_HEADER_CHARS] or None,
+            client_retry=int(retry) if retry.isdigit() and len(retry) < 10 else None
+        )
         return record
 
     def _call(self, route, raw):
@@ -1080,32 +1622,49 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
             messages, tokens = _client_messages(route, body)
         except (ValueError, RecursionError) as exc:
             body, messages, tokens = {}, [], 0
-            refused = _CallFailed("invalid_request", f"the request body cannot be read: {str(exc)[:200]}")
+            refused = _CallFailed(
+                "invalid_request", f"the request body cannot be read: {str(exc)[:200]}"
+            )
         model = body.get("model")
         if refused is None and (type(model) is not str or not model):
             refused = _CallFailed("model_missing", "the request has no model")
         elif refused is None and app.model and model != app.model:
-            refused = _CallFailed("model_not_allowed", f"this proxy serves {app.model!r} only, not {model[:200]!r}")
+            refused = _CallFailed(
+                "model_not_allowed", f"this proxy serves {app.model!r} only, not {model[:200]!r}"
+            )
         model = model[:MAX_FIELD_CHARS] if type(model) is str and model else app.model or ""
         stream = bool(body.get("stream"))
-        new_record = functools.partial(self._record, route, model, stream, messages=messages, tokens=tokens, body=body)
+        new_record = functools.partial(
+            self._record, route, model, stream, messages=messages, tokens=tokens, body=body
+        )
         if refused is not None:  # recorded, with no HTTP status: nothing was sent
             record = new_record(1)
             _finish(record, self.started, None, refused, [], app.book.redactor)
             app.append("model_call", record)
-            return self._error(400, refused.message, refused.error_type, kind="invalid_request_error")
+            return self._error(
+                400, refused.message, refused.error_type, kind="invalid_request_error"
+            )
         options = body.get("stream_options") if type(body.get("stream_options")) is dict else {}
         injected = stream and route != "/responses" and options.get("include_usage") is not True
         if injected:
             body["stream_options"] = dict(options, include_usage=True)
         result, failure, state, out = _attempts(
-            _endpoint(app.split[0], route), body, new_record, app.append, api_key=app.api_key,
-            timeout=app.args.timeout, limit=app.args.max_response_bytes, redactor=app.book.redactor,
-            relay=functools.partial(_Relay, self, injected) if stream else None, tools_answer=True)
+            _endpoint(app.split[0], route),
+            body,
+            new_record,
+            app.append,
+            api_key=app.api_key,
+            timeout=app.args.timeout,
+            limit=app.args.max_response_bytes,
+            redactor=app.book.redactor,
+            relay=functools.partial(_Relay, self, injected) if stream else None,
+            tools_answer=True
+        )
         return self._answer(result, failure, state, out)
 
     def _answer(self, record, failure, state, out):
-        """Once the line is written: the stream's last event, the body as it came, the upstream's error, or 502."""
+        """Once the line is written: the stream's last event, the body as it came, the upstream's
+        error, or 502."""
         if out is not None and (out.began or failure is None):
             return out.end(failure is None or failure.error_type in _WHOLE_ERRORS)
         if "raw" in state:  # a body that parsed goes back as it is, whatever the record says of it
@@ -1117,10 +1676,13 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
 
     def _models(self):
         app = self.server
-        record, raw, failure, headers = _models_call(app.book.redactor, app.split, app.api_key, app.args.timeout,
-                                                     app.args.max_response_bytes)
+        record, raw, failure, headers = _models_call(
+            app.book.redactor, app.split, app.api_key, app.args.timeout, app.args.max_response_bytes
+        )
         app.append("models_list", record)
-        return self._answer(record, failure, {"raw": raw, "status": 200, "headers": headers} if raw else {}, None)
+        return self._answer(
+            record, failure, {"raw": raw, "status": 200, "headers": headers} if raw else {}, None
+        )
 
     def _send(self, status, body, headers=(), chunked=False):
         self.status = status
@@ -1135,12 +1697,29 @@ class _Relay:
     dropped, and the last event is held until the ledger line is written."""
 
     def __init__(self, handler, injected):
-        self.handler, self.injected, self.began, self.held, self.headers = handler, injected, False, [], None
+        self.handler, self.injected, self.began, self.held, self.headers = (
+            handler,
+            injected,
+            False,
+            [],
+            None
+        )
 
     def __call__(self, raw, chunk):
-        if chunk is None and raw.rstrip().endswith(b"[DONE]") or chunk and chunk.get("type") in _RESPONSE_DONE:
-            self.held.append(raw if raw.endswith((b"\n\n", b"\r\n\r\n")) else raw + b"\n")  # read at its line
-        elif not (self.injected and chunk and chunk.get("choices") == [] and chunk.get("usage") is not None):
+        if (
+            chunk is None
+            and raw.rstrip().endswith(b"[DONE]")
+            or chunk
+            and chunk.get("type") in _RESPONSE_DONE
+        ):
+            # read at its line
+            self.held.append(raw if raw.endswith((b"\n\n", b"\r\n\r\n")) else raw + b"\n")
+        elif not (
+            self.injected
+            and chunk
+            and chunk.get("choices") == []
+            and chunk.get("usage") is not None
+        ):
             self._write(raw)
 
     def _write(self, raw):
@@ -1152,7 +1731,9 @@ class _Relay:
                 self.handler.wfile.write(b"%x\r\n%s\r\n" % (len(raw), raw))
         except OSError:
             self.handler.close = True
-            raise _CallFailed("client_gone", "the client closed the connection during the stream") from None
+            raise _CallFailed(
+                "client_gone", "the client closed the connection during the stream"
+            ) from None
 
     def end(self, whole):
         """Send what was held; a whole stream ends cleanly, a broken one by closing the connection."""
@@ -1163,6 +1744,7 @@ class _Relay:
         except (_CallFailed, OSError):
             whole = False
         self.handler.close = self.handler.close or not whole
+
 
 # --- CLI ---
 
@@ -1181,76 +1763,154 @@ def _read_prompt(source):
 
 def _build_parser():
     p = rl.ArgumentParser(
-        prog="ask.py", description="One OpenAI-compatible call, one ledger line per attempt.",
-        epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHECK, rl.EXIT_OUTPUT),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("prompt_file", nargs="?", help="a file with the prompt, or - for stdin (default: stdin)")
+        prog="ask.py",
+        description="One OpenAI-compatible call, one ledger line per attempt.",
+        epilog=rl.exit_codes_epilog(
+            rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHECK, rl.EXIT_OUTPUT
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "prompt_file", nargs="?", help="a file with the prompt, or - for stdin (default: stdin)"
+    )
     p.add_argument("--version", action="version", version=__version__)
     p.add_argument("--model", help="the model id to pin (default $MODEL_ID)")
     p.add_argument("--base-url", help="default $BASE_URL, then $OPENAI_BASE_URL")
     p.add_argument("--ledger", help=f"default $LEDGER, then ./{DEFAULT_LEDGER}")
-    p.add_argument("--models", action="store_true", help="list the endpoint's model ids instead of asking")
+    p.add_argument(
+        "--models", action="store_true", help="list the endpoint's model ids instead of asking"
+    )
     p.add_argument("--system", help="a system prompt")
     p.add_argument("--max-tokens", type=int)
     p.add_argument("--temperature", type=float)
-    p.add_argument("--stream", action="store_true", help="stream the answer; records time-to-first-token")
-    p.add_argument("--retries", type=int, default=0, help="retries on 408/409/429/5xx/timeouts/broken answers")
-    p.add_argument("--backoff", type=float, default=1.0, help="first retry wait in seconds, doubled each time")
-    p.add_argument("--max-wait", type=float, default=60.0, help="cap on any one wait, Retry-After included")
-    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, help="seconds for a whole attempt, connect to "
-                   f"last byte (default {DEFAULT_TIMEOUT:g})")
-    p.add_argument("--max-response-bytes", type=int, default=DEFAULT_MAX_RESPONSE_BYTES,
-                   help=f"largest body or stream accepted (default {DEFAULT_MAX_RESPONSE_BYTES})")
-    p.add_argument("--expect", metavar="REGEX", help="the answer must match this regex (else exit 3)")
-    p.add_argument("--expect-json", action="store_true", help="the answer must be JSON (else exit 3)")
-    p.add_argument("--strict-model", action="store_true", help="the served model must be the one asked (else exit 3)")
+    p.add_argument(
+        "--stream", action="store_true", help="stream the answer; records time-to-first-token"
+    )
+    p.add_argument(
+        "--retries", type=int, default=0, help="retries on 408/409/429/5xx/timeouts/broken answers"
+    )
+    p.add_argument(
+        "--backoff", type=float, default=1.0, help="first retry wait in seconds, doubled each time"
+    )
+    p.add_argument(
+        "--max-wait", type=float, default=60.0, help="cap on any one wait, Retry-After included"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help="seconds for a whole attempt, connect to " f"last byte (default {DEFAULT_TIMEOUT:g})"
+    )
+    p.add_argument(
+        "--max-response-bytes",
+        type=int,
+        default=DEFAULT_MAX_RESPONSE_BYTES,
+        help=f"largest body or stream accepted (default {DEFAULT_MAX_RESPONSE_BYTES})"
+    )
+    p.add_argument(
+        "--expect", metavar="REGEX", help="the answer must match this regex (else exit 3)"
+    )
+    p.add_argument(
+        "--expect-json", action="store_true", help="the answer must be JSON (else exit 3)"
+    )
+    p.add_argument(
+        "--strict-model",
+        action="store_true",
+        help="the served model must be the one asked (else exit 3)"
+    )
     p.add_argument("--store-text", action="store_true", help="keep prompt and answer as artifacts")
     p.add_argument("--json", action="store_true", help="print the whole record instead of the text")
     return p
 
 
-_ASK_FLAGS = ("system", "max_tokens", "temperature", "stream", "retries", "timeout", "expect", "expect_json",
-              "strict_model", "store_text", "backoff", "max_wait", "max_response_bytes")
+_ASK_FLAGS = (
+    "system",
+    "max_tokens",
+    "temperature",
+    "stream",
+    "retries",
+    "timeout",
+    "expect",
+    "expect_json",
+    "strict_model",
+    "store_text",
+    "backoff",
+    "max_wait",
+    "max_response_bytes"
+)
 
 
 def _run(args):
-    base_url, model, api_key = settings_from_env(args.base_url, args.model, need_model=not args.models)
-    secrets = [api_key]  # the numbers are checked once, by chat() and list_models(), before anything is sent
+    base_url, model, api_key = settings_from_env(
+        args.base_url, args.model, need_model=not args.models
+    )
+    # the numbers are checked once, by chat() and list_models(), before anything is sent
+    secrets = [api_key]
     if args.models:
-        record = list_models(ledger=args.ledger, base_url=base_url, api_key=api_key, timeout=args.timeout,
-                             max_response_bytes=args.max_response_bytes)
+        record = list_models(
+            ledger=args.ledger,
+            base_url=base_url,
+            api_key=api_key,
+            timeout=args.timeout,
+            max_response_bytes=args.max_response_bytes
+        )
         if record["error_type"]:
-            rl.error(f"{record['error_type']}: {record['error_message']} ({record['base_url']})", secrets)
+            rl.error(
+                f"{record['error_type']}: {record['error_message']} ({record['base_url']})", secrets
+            )
             return rl.EXIT_FAILED
-        rl.write_out(json.dumps(record, ensure_ascii=False) + "\n" if args.json
-                     else "".join(rl.printable(m) + "\n" for m in record["model_ids"]))
+        rl.write_out(
+            json.dumps(record, ensure_ascii=False) + "\n"
+            if args.json
+            else "".join(rl.printable(m) + "\n" for m in record["model_ids"])
+        )
         return rl.EXIT_OK
     prompt = _read_prompt(args.prompt_file)
 
     def announce_retry(result, wait):
-        rl.warn(f"attempt {result['attempt']} failed ({result['error_type']}: {result['error_message']}); "
-                f"retrying in {wait:.2f} s", secrets)
+        rl.warn(
+            f"attempt {result['attempt']} failed ({result['error_type']}: {result['error_message']}); "
+            f"retrying in {wait:.2f} s",
+            secrets
+        )
+
     try:
-        record = ask(prompt, ledger=args.ledger, base_url=base_url, model=model, api_key=api_key,
-                     on_text=rl.write_out if args.stream and not args.json else None, on_retry=announce_retry,
-                     **{name: getattr(args, name) for name in _ASK_FLAGS})
+        record = ask(
+            prompt,
+            ledger=args.ledger,
+            base_url=base_url,
+            model=model,
+            api_key=api_key,
+            on_text=rl.write_out if args.stream and not args.json else None,
+            on_retry=announce_retry,
+            **{name: getattr(args, name) for name in _ASK_FLAGS}
+        )
         _print_answer(record, args)
     except RecordError as exc:
         if exc.record.get("text") and not args.stream:
             _print_answer(exc.record, args)  # a paid answer is never thrown away
         raise
-    except rl.OutputError as exc:  # chat() raises a stream's failed print once the attempt's line is written
+    # chat() raises a stream's failed print once the attempt's line is written
+    except rl.OutputError as exc:
         rl.error(f"{exc} (the call is recorded in {args.ledger})", secrets)
         return rl.EXIT_OUTPUT
     if record["response_model"] and record["response_model"] != model:
-        rl.warn(f"asked for {model!r}, the server says it ran {record['response_model']!r}", secrets)
+        rl.warn(
+            f"asked for {model!r}, the server says it ran {record['response_model']!r}", secrets
+        )
     if record["error_type"]:
-        rl.error(f"{record['error_type']}: {record['error_message']} ({record['base_url']}, attempt "
-                 f"{record['attempt']})", secrets)
+        rl.error(
+            f"{record['error_type']}: {record['error_message']} ({record['base_url']}, attempt "
+            f"{record['attempt']})",
+            secrets
+        )
         return rl.EXIT_FAILED
     if record["usage_status"] != "complete" and not args.json:
-        rl.warn(f"usage {record['usage_status']}: token counts are not fully reported; "
-                f"estimates ({EST_METHOD}) are recorded separately", secrets)
+        rl.warn(
+            f"usage {record['usage_status']}: token counts are not fully reported; "
+            f"estimates ({EST_METHOD}) are recorded separately",
+            secrets
+        )
     if record["check"] is False:
         rl.error(f"check failed: {record['check_detail']}", secrets)
         return rl.EXIT_CHECK
@@ -1267,26 +1927,40 @@ def _print_answer(record, args):
 
 def _proxy_parser():
     p = rl.ArgumentParser(
-        prog="ask.py proxy", description="A recording OpenAI-compatible proxy: BASE_URL and API_KEY upstream "
+        prog="ask.py proxy",
+        description="A recording OpenAI-compatible proxy: BASE_URL and API_KEY upstream "
         "(MODEL_ID optional: pins the model; PROXY_TOKEN optional: the clients' key), one model_call line per "
         "upstream attempt. See docs/proxy.md.",
-        epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_USAGE), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--listen", default=PROXY_LISTEN, metavar="HOST:PORT", help=f"default {PROXY_LISTEN}; port 0 "
-                   "picks a free one")
+        epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_USAGE),
+        formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--listen",
+        default=PROXY_LISTEN,
+        metavar="HOST:PORT",
+        help=f"default {PROXY_LISTEN}; port 0 " "picks a free one"
+    )
     p.add_argument("--ledger", help=f"default $LEDGER, then ./{DEFAULT_LEDGER}")
     for flag, kind, default, _least, text in _PROXY_OPTIONS:
         p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
-    p.add_argument("--no-fsync", action="store_true", help="lines reach the kernel before the answer (kill -9 "
-                   "loses none) but are not forced to disk one by one")
+    p.add_argument(
+        "--no-fsync",
+        action="store_true",
+        help="lines reach the kernel before the answer (kill -9 "
+        "loses none) but are not forced to disk one by one"
+    )
     p.add_argument("--verbose", action="store_true", help="one line per request on stderr")
     return p
 
 
 def _run_proxy(args):
     import signal
+
     upstream, token = settings_from_env(need_model=False), os.environ.get("PROXY_TOKEN") or None
     if token is not None and not re.fullmatch(r"[\x21-\x7e]+", token):
-        raise ConfigError("PROXY_TOKEN must be printable ASCII without spaces (the token is not shown)")
+        raise ConfigError(
+            "PROXY_TOKEN must be printable ASCII without spaces (the token is not shown)"
+        )
     for flag, _kind, _default, least, _text in _PROXY_OPTIONS:
         value = getattr(args, flag[2:].replace("-", "_"))
         _check_number(flag, value, minimum=least, above=0 if least is None else None)
@@ -1302,8 +1976,10 @@ def _run_proxy(args):
         signal.signal(sig, lambda *_: stop.set())
     threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True).start()
     shown = f"[{host}]" if ":" in host else host
-    rl.write_out(f"proxy: listening on http://{shown}:{server.server_address[1]}/v1 -> {server.split[1]} "
-                 f"(ledger {args.ledger})\n")
+    rl.write_out(
+        f"proxy: listening on http://{shown}:{server.server_address[1]}/v1 -> {server.split[1]} "
+        f"(ledger {args.ledger})\n"
+    )
     while not stop.wait(1.0):
         pass
     server.stop(args.grace)  # new requests 503, idle connections closed; then no new connections

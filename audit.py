@@ -28,14 +28,25 @@ import sys
 import textwrap
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the toolkit beside us, even under -I
+# the toolkit beside us, even under -I
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ask  # noqa: E402  -- the model_call field types
 import reasoning_ledger as rl  # noqa: E402
 
 __version__ = "1.2.0"
 
-__all__ = ["Audit", "AuditError", "run_audit", "remote_audit", "run_event_why", "render_text", "render_json",
-           "render_csv", "render_html", "MODEL_COLUMNS"]
+__all__ = [
+    "Audit",
+    "AuditError",
+    "run_audit",
+    "remote_audit",
+    "run_event_why",
+    "render_text",
+    "render_json",
+    "render_csv",
+    "render_html",
+    "MODEL_COLUMNS"
+]
 
 # == Constants ==
 
@@ -47,27 +58,58 @@ DEFAULT_RATE_JUMP = 0.2
 MIN_LATENCY_SAMPLES = 3
 DEFAULT_LATENCY_FLOOR_MS = 50.0
 NO_USAGE_STATUSES = ("absent", "zero", "malformed")
-MAX_MODEL_STRINGS = 1000   # distinct (request_model, base_url) pairs kept apart; the rest share one row
-MAX_LABELS = 50            # distinct served models, fingerprints or error types kept per row
-MAX_LISTINGS = 100000      # (base_url, day) /models listings kept
+# distinct (request_model, base_url) pairs kept apart; the rest share one row
+MAX_MODEL_STRINGS = 1000
+MAX_LABELS = 50  # distinct served models, fingerprints or error types kept per row
+MAX_LISTINGS = 100000  # (base_url, day) /models listings kept
 OTHER = "(other)"
-MAX_CHART_MODELS = 8       # the HTML draws per-model charts for the busiest; the rest are summarised
-TEXT_WIDTH = 120           # the text report fits a terminal this wide, unless --wide
-MIN_CUT_WIDTH = 8          # a name is never cut narrower than this to fit
+# the HTML draws per-model charts for the busiest; the rest are summarised
+MAX_CHART_MODELS = 8
+TEXT_WIDTH = 120  # the text report fits a terminal this wide, unless --wide
+MIN_CUT_WIDTH = 8  # a name is never cut narrower than this to fit
 ELLIPSIS = "\u2026"
 
 # The model_call fields this audit reads, each checked against ask.py's definition of its types.
-_TYPES = {name: ask.MODEL_CALL_FIELDS[name] for name in (
-    "request_model", "base_url", "attempt", "error_type", "usage_status", "usage_reported", "latency_ms",
-    "response_model", "system_fingerprint", "check", "input_tokens", "output_tokens", "est_input_tokens",
-    "est_output_tokens")}
+_TYPES = {
+    name: ask.MODEL_CALL_FIELDS[name]
+    for name in (
+        "request_model",
+        "base_url",
+        "attempt",
+        "error_type",
+        "usage_status",
+        "usage_reported",
+        "latency_ms",
+        "response_model",
+        "system_fingerprint",
+        "check",
+        "input_tokens",
+        "output_tokens",
+        "est_input_tokens",
+        "est_output_tokens"
+    )
+}
 
 # agent.py's event kinds that the agent-runs table reads (docs/audit.md, "Agent runs").
 _STEP_KINDS = ("model_proposed", "proposal_malformed")
 _RUN_COUNTS = {"tool_allowed": "tools_allowed", "tool_denied": "tools_denied", "error": "errors"}
-_NEW_RUN = {"run_id": None, "path": None, "started": None, "outcome": "open", "judge_verdict": None, "steps": 0,
-            "tools_allowed": 0, "tools_denied": 0, "model_calls": 0, "input_tokens": 0, "output_tokens": 0,
-            "usage_calls": 0, "est_tokens": 0, "errors": 0, "why": None}
+_NEW_RUN = {
+    "run_id": None,
+    "path": None,
+    "started": None,
+    "outcome": "open",
+    "judge_verdict": None,
+    "steps": 0,
+    "tools_allowed": 0,
+    "tools_denied": 0,
+    "model_calls": 0,
+    "input_tokens": 0,
+    "output_tokens": 0,
+    "usage_calls": 0,
+    "est_tokens": 0,
+    "errors": 0,
+    "why": None
+}
 RUN_COLUMNS = tuple(name for name in _NEW_RUN if name not in ("path", "usage_calls"))
 
 
@@ -77,17 +119,25 @@ class AuditError(rl.UsageError):
 
 # == Helpers ==
 
+
 def percentile(sorted_values, q):
     """Nearest-rank percentile of an already sorted list (None when empty)."""
-    return sorted_values[max(1, math.ceil(q / 100.0 * len(sorted_values))) - 1] if sorted_values else None
+    return (
+        sorted_values[max(1, math.ceil(q / 100.0 * len(sorted_values))) - 1]
+        if sorted_values
+        else None
+    )
 
 
 def model_call_view(payload):
-    """(fields, malformed): the fields read, each None unless of a type ask.py writes (then malformed is True)."""
+    """(fields, malformed): the fields read, each None unless of a type ask.py writes (then malformed
+    is True)."""
     view, malformed = {}, False
     for name, types in _TYPES.items():
         value = payload.get(name)
-        if value is not None and (type(value) not in types or type(value) is float and not math.isfinite(value)):
+        if value is not None and (
+            type(value) not in types or type(value) is float and not math.isfinite(value)
+        ):
             malformed, value = True, None
         view[name] = value
     code = payload.get("error_code")
@@ -132,8 +182,9 @@ def _count_label(counter, label, n=1):
 def find_ledgers(paths):
     """Expand PATHs (files, directories, globs) into ledger files; default: ./calls.jsonl + ./runs/."""
     if not paths:
-        return ([Path(name) for name in DEFAULT_LEDGERS if Path(name).is_file()]
-                + sorted(Path(DEFAULT_RUNS).glob("*/" + rl.EVENTS_NAME)))
+        return [Path(name) for name in DEFAULT_LEDGERS if Path(name).is_file()] + sorted(
+            Path(DEFAULT_RUNS).glob("*/" + rl.EVENTS_NAME)
+        )
     out = []
     for raw in paths:
         path = Path(raw)
@@ -154,11 +205,25 @@ def find_ledgers(paths):
 
 # == Core: one streaming pass ==
 
+
 class Group:
     """Counters for one (request_model, base_url, day)."""
 
-    COUNTS = ("calls", "ok", "no_usage", "malformed", "checked", "passed", "input_tokens", "output_tokens",
-              "usage_calls", "est_input_tokens", "est_output_tokens", "est_output_calls", "retries")
+    COUNTS = (
+        "calls",
+        "ok",
+        "no_usage",
+        "malformed",
+        "checked",
+        "passed",
+        "input_tokens",
+        "output_tokens",
+        "usage_calls",
+        "est_input_tokens",
+        "est_output_tokens",
+        "est_output_calls",
+        "retries"
+    )
     LABELS = ("response_models", "fingerprints", "errors")
     __slots__ = COUNTS + LABELS + ("latencies",)
 
@@ -187,7 +252,10 @@ class Group:
                 self.passed += call["check"] is True
         else:
             code = call["error_code"]
-            _count_label(self.errors, f"{call['error_type']} ({code})" if code is not None else call["error_type"])
+            _count_label(
+                self.errors,
+                f"{call['error_type']} ({code})" if code is not None else call["error_type"]
+            )
         if measured and (call["input_tokens"] is not None or call["output_tokens"] is not None):
             self.usage_calls += 1
             self.input_tokens += call["input_tokens"] or 0
@@ -208,23 +276,39 @@ class Group:
     def row(self, request_model, base_url, day):
         """One row of the model table. A count that nothing reported is None (null), never 0."""
         lat, usage = sorted(self.latencies), self.usage_calls
-        labels = [dict(sorted(getattr(self, name).items(), key=lambda kv: str(kv[0]))) for name in self.LABELS]
+        labels = [
+            dict(sorted(getattr(self, name).items(), key=lambda kv: str(kv[0])))
+            for name in self.LABELS
+        ]
         return {
-            "request_model": request_model, "base_url": base_url, "day": day,
-            "calls": self.calls, "ok": self.ok, "failed": self.calls - self.ok, "no_usage": self.no_usage,
-            "malformed": self.malformed, "checked": self.checked, "passed": self.passed if self.checked else None,
+            "request_model": request_model,
+            "base_url": base_url,
+            "day": day,
+            "calls": self.calls,
+            "ok": self.ok,
+            "failed": self.calls - self.ok,
+            "no_usage": self.no_usage,
+            "malformed": self.malformed,
+            "checked": self.checked,
+            "passed": self.passed if self.checked else None,
             "input_tokens": self.input_tokens if usage else None,
-            "output_tokens": self.output_tokens if usage else None, "usage_calls": usage,
+            "output_tokens": self.output_tokens if usage else None,
+            "usage_calls": usage,
             "est_input_tokens": self.est_input_tokens if self.calls else None,
             "est_output_tokens": self.est_output_tokens if self.est_output_calls else None,
-            "latency_min_ms": lat[0] if lat else None, "latency_p50_ms": percentile(lat, 50),
-            "latency_p95_ms": percentile(lat, 95), "latency_max_ms": lat[-1] if lat else None,
-            "retries": self.retries, "response_models": labels[0], "system_fingerprints": labels[1],
-            "errors": labels[2],
+            "latency_min_ms": lat[0] if lat else None,
+            "latency_p50_ms": percentile(lat, 50),
+            "latency_p95_ms": percentile(lat, 95),
+            "latency_max_ms": lat[-1] if lat else None,
+            "retries": self.retries,
+            "response_models": labels[0],
+            "system_fingerprints": labels[1],
+            "errors": labels[2]
         }
 
 
-MODEL_COLUMNS = tuple(Group().row(None, None, None))  # a models-table row's keys, in order: the CSV's columns
+# a models-table row's keys, in order: the CSV's columns
+MODEL_COLUMNS = tuple(Group().row(None, None, None))
 
 
 class Audit:
@@ -233,13 +317,14 @@ class Audit:
     def __init__(self, since=None, until=None, model=None, by_session=False):
         self.since, self.until, self.model = since, until, model
         self.by_session = by_session  # the proxy's X-Ledger-Session in the day's place
-        self.groups = {}            # (request_model, base_url, day) -> Group
+        self.groups = {}  # (request_model, base_url, day) -> Group
         self.model_strings = set()  # the (request_model, base_url) pairs kept apart
-        self.folded = 0             # calls counted under OTHER because there were too many model strings
-        self.listings = {}          # (base_url, day) -> (at, model_ids) of the day's last listing
-        self.runs = {}              # run_id -> agent run summary
-        self.ledgers = []           # {"path", "status", "lines", "reason"}
-        self._heads = {}            # index.jsonl -> {run id: (head seq, head hash)}
+        # calls counted under OTHER because there were too many model strings
+        self.folded = 0
+        self.listings = {}  # (base_url, day) -> (at, model_ids) of the day's last listing
+        self.runs = {}  # run_id -> agent run summary
+        self.ledgers = []  # {"path", "status", "lines", "reason"}
+        self._heads = {}  # index.jsonl -> {run id: (head seq, head hash)}
 
     def add_file(self, path, verify=True):
         """Stream one ledger in; returns its status. Raises IntegrityError / KeyRequiredError."""
@@ -262,8 +347,12 @@ class Audit:
         finally:
             info["lines"] = count
         if expect and count > expect[0]:
-            raise rl.IntegrityError(path, expect[0] + 1, f"{count - expect[0]} line(s) after the run closed at "
-                                                         f"seq {expect[0]} (nothing is written to a closed run)")
+            raise rl.IntegrityError(
+                path,
+                expect[0] + 1,
+                f"{count - expect[0]} line(s) after the run closed at "
+                f"seq {expect[0]} (nothing is written to a closed run)"
+            )
 
     def _index_head(self, path):
         if path.name != rl.EVENTS_NAME:
@@ -284,11 +373,15 @@ class Audit:
         run = None
         for event in events:
             kind, at, payload = event["kind"], event["at"], event["payload"]
-            if (self.since is not None and at < self.since) or (self.until is not None and at > self.until):
+            if (self.since is not None and at < self.since) or (
+                self.until is not None and at > self.until
+            ):
                 continue
             if agent_run:
-                run = run or self.runs.setdefault(event["run_id"], dict(_NEW_RUN, run_id=event["run_id"],
-                                                                          path=str(path), started=at))
+                run = run or self.runs.setdefault(
+                    event["run_id"],
+                    dict(_NEW_RUN, run_id=event["run_id"], path=str(path), started=at)
+                )
                 _run_event(run, kind, payload)
             if kind == "model_call":
                 call, malformed = model_call_view(payload)
@@ -321,35 +414,68 @@ class Audit:
             groups = {}
             for (model, base, _day), group in self.groups.items():
                 groups.setdefault((model, base, None), Group()).merge(group)
-        return [g.row(*key) for key, g in sorted(groups.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]),
-                                                                                  kv[0][2] or ""))]
+        return [
+            g.row(*key)
+            for key, g in sorted(
+                groups.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), kv[0][2] or "")
+            )
+        ]
 
-    def changes(self, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAULT_RATE_JUMP,
-                latency_floor=DEFAULT_LATENCY_FLOOR_MS):
-        """What changed from one day to the next: per model string (compare_days), then per endpoint's list."""
+    def changes(
+        self,
+        latency_shift=DEFAULT_LATENCY_SHIFT,
+        rate_jump=DEFAULT_RATE_JUMP,
+        latency_floor=DEFAULT_LATENCY_FLOOR_MS
+    ):
+        """What changed from one day to the next: per model string (compare_days), then per endpoint's
+        list."""
         found = []
         groups = (((model, base), day, g) for (model, base, day), g in self.groups.items())
         for (model, base), prev_day, prev, day, cur in _day_pairs(groups):
-            found += [{"request_model": model, "base_url": base, "day": day, "previous_day": prev_day, "what": what,
-                       "detail": detail} for what, detail in compare_days(prev, cur, latency_shift, rate_jump,
-                                                                          latency_floor)]
+            found += [
+                {
+                    "request_model": model,
+                    "base_url": base,
+                    "day": day,
+                    "previous_day": prev_day,
+                    "what": what,
+                    "detail": detail
+                }
+                for what, detail in compare_days(prev, cur, latency_shift, rate_jump, latency_floor)
+            ]
         listings = (((base,), day, ids) for (base, day), (_at, ids) in self.listings.items())
         for (base,), prev_day, before, day, after in _day_pairs(listings):
             detail = _set_change(before, after, ("gained", "lost"))
             if detail:
-                found.append({"request_model": None, "base_url": base, "day": day, "previous_day": prev_day,
-                              "what": "models_list", "detail": detail})
+                found.append(
+                    {
+                        "request_model": None,
+                        "base_url": base,
+                        "day": day,
+                        "previous_day": prev_day,
+                        "what": "models_list",
+                        "detail": detail
+                    }
+                )
         return found
 
     def unlisted(self):
-        """The model strings asked for at an endpoint whose latest /models list (ask.py --models) lacks them."""
-        latest = {base: listing for (base, _day), listing in sorted(self.listings.items(), key=lambda kv: kv[1][0])}
+        """The model strings asked for at an endpoint whose latest /models list (ask.py --models) lacks
+        them."""
+        latest = {
+            base: listing
+            for (base, _day), listing in sorted(self.listings.items(), key=lambda kv: kv[1][0])
+        }
         calls = {}
         for (model, base, _day), group in self.groups.items():
             _add(calls, (model, base), group.calls)
-        return [{"request_model": model, "base_url": base, "calls": n, "listed_at": latest[base][0]}
-                for (model, base), n in sorted(calls.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1])))
-                if base in latest and model != OTHER and model not in latest[base][1]]
+        return [
+            {"request_model": model, "base_url": base, "calls": n, "listed_at": latest[base][0]}
+            for (model, base), n in sorted(
+                calls.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]))
+            )
+            if base in latest and model != OTHER and model not in latest[base][1]
+        ]
 
     def run_rows(self):
         rows = []
@@ -362,7 +488,8 @@ class Audit:
 
 
 def _unverified(path, info):
-    """The lines of a ledger that parse as events, its chain unchecked (--no-verify); the rest are counted."""
+    """The lines of a ledger that parse as events, its chain unchecked (--no-verify); the rest are
+    counted."""
     info["status"] = "unverified"
     with open(path, "rb") as handle:
         for raw in handle:
@@ -370,8 +497,13 @@ def _unverified(path, info):
                 event = json.loads(raw)
             except (ValueError, RecursionError):
                 event = None
-            if (type(event) is dict and type(event.get("payload")) is dict and type(event.get("at")) is str
-                    and type(event.get("kind")) is str and type(event.get("run_id")) is str):
+            if (
+                type(event) is dict
+                and type(event.get("payload")) is dict
+                and type(event.get("at")) is str
+                and type(event.get("kind")) is str
+                and type(event.get("run_id")) is str
+            ):
                 info["lines"] += 1
                 yield event
             else:
@@ -379,7 +511,8 @@ def _unverified(path, info):
 
 
 def _day_pairs(entries):
-    """(who, previous day, its value, day, its value) for consecutive days of each `who` in (who, day, value)."""
+    """(who, previous day, its value, day, its value) for consecutive days of each `who` in (who, day,
+    value)."""
     by_who = {}
     for who, day, value in entries:
         by_who.setdefault(who, []).append((day, value))
@@ -390,9 +523,12 @@ def _day_pairs(entries):
 
 
 def _set_change(before, after, words):
-    """'new a, b; gone c' (with `words`): what `after` has that `before` lacks, then the reverse; "" if none."""
+    """'new a, b; gone c' (with `words`): what `after` has that `before` lacks, then the reverse; "" if
+    none."""
     parts = [(words[0], set(after) - set(before)), (words[1], set(before) - set(after))]
-    return "; ".join(f"{word} {', '.join(map(_label, sorted(names, key=str)))}" for word, names in parts if names)
+    return "; ".join(
+        f"{word} {', '.join(map(_label, sorted(names, key=str)))}" for word, names in parts if names
+    )
 
 
 def _run_event(run, kind, payload):
@@ -421,7 +557,8 @@ def _run_event(run, kind, payload):
 
 
 def run_event_why(kind, payload):
-    """How a run ended, in a few words, if this event of it says (the last that says wins; docs/audit.md)."""
+    """How a run ended, in a few words, if this event of it says (the last that says wins;
+    docs/audit.md)."""
     get = payload.get
     if kind == "budget_exhausted":
         return f"budget {get('limit')}: {get('used')} of {get('max')}"
@@ -435,7 +572,8 @@ def run_event_why(kind, payload):
     if kind == "stuck":
         unusable = str(get("unusable") or "").split(":")[0]
         return f"stuck: the same {'unusable ' if unusable else ''}reply {get('repeats')} times" + (
-            f" ({unusable})" if unusable else "")
+            f" ({unusable})" if unusable else ""
+        )
     if kind == "decision" and get("stage") == "triage":
         return f"{get('decision')}: {get('rationale')}"
     why = get("why") if kind == "run_closed" else None
@@ -444,13 +582,25 @@ def run_event_why(kind, payload):
 
 def _usage_habit(g):
     """Did a day's ok calls report usage always, sometimes or never (None: there was no ok call)."""
-    return None if not g.ok else "always" if not g.no_usage else "never" if g.no_usage == g.ok else "sometimes"
+    return (
+        None
+        if not g.ok
+        else "always" if not g.no_usage else "never" if g.no_usage == g.ok else "sometimes"
+    )
 
 
-def compare_days(prev, cur, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAULT_RATE_JUMP,
-                 latency_floor=DEFAULT_LATENCY_FLOOR_MS):
+def compare_days(
+    prev,
+    cur,
+    latency_shift=DEFAULT_LATENCY_SHIFT,
+    rate_jump=DEFAULT_RATE_JUMP,
+    latency_floor=DEFAULT_LATENCY_FLOOR_MS
+):
     """What differs from one day (a Group) to the next for one model string: yields (what, detail)."""
-    for what, name in (("response_model", "response_models"), ("system_fingerprint", "fingerprints")):
+    for what, name in (
+        ("response_model", "response_models"),
+        ("system_fingerprint", "fingerprints")
+    ):
         detail = _set_change(getattr(prev, name), getattr(cur, name), ("new", "gone"))
         if detail:
             yield what, detail
@@ -475,28 +625,49 @@ def compare_days(prev, cur, latency_shift=DEFAULT_LATENCY_SHIFT, rate_jump=DEFAU
 
 # == Reading back from ClickHouse ==
 
+
 def remote_audit(client, *, since=None, until=None, model=None, verify=True):
-    """Audit the lines shipped to ClickHouse (an rl.ClickHouse), each ledger re-verified from its stored lines
-    unless told not to (as `verify --from`), through the local pass. Returns (audit, failures) like run_audit."""
+    """Audit the lines shipped to ClickHouse (an rl.ClickHouse), each ledger re-verified from its
+    stored lines unless told not to (as `verify --from`), through the local pass. Returns (audit,
+    failures) like run_audit."""
     audit, failures = Audit(since=since, until=until, model=model), []
     client.require_table()
-    in_range = "".join(f" AND at {op} {rl.sql_string(t)}" for op, t in ((">=", since), ("<=", until)) if t is not None)
-    condition = f"WHERE ledger_id IN (SELECT ledger_id FROM {client.name} WHERE 1{in_range})" if in_range else ""
-    found = (rl.verify_shipped(client, condition=condition) if verify else
-             ((ledger, None) for ledger in rl.shipped_ledgers(client, condition)))
+    in_range = "".join(
+        f" AND at {op} {rl.sql_string(t)}"
+        for op, t in ((">=", since), ("<=", until))
+        if t is not None
+    )
+    condition = (
+        f"WHERE ledger_id IN (SELECT ledger_id FROM {client.name} WHERE 1{in_range})"
+        if in_range
+        else ""
+    )
+    found = (
+        rl.verify_shipped(client, condition=condition)
+        if verify
+        else ((ledger, None) for ledger in rl.shipped_ledgers(client, condition))
+    )
     for ledger, result in found:
         if isinstance(result, rl.IntegrityError):
             failures.append(result)
         elif result is not None and not isinstance(result, rl.Verified):
             raise result  # a key is needed: exit 2, as locally
         else:
-            audit.ledgers.append({"path": f"clickhouse:{ledger['ledger_id'][:12]} {ledger['last_host']}:"
-                                          f"{ledger['last_path']}", "status": "unverified" if result is None else "ok",
-                                  "lines": ledger["n"] if result is None else result.count, "reason": None})
+            audit.ledgers.append(
+                {
+                    "path": f"clickhouse:{ledger['ledger_id'][:12]} {ledger['last_host']}:"
+                    f"{ledger['last_path']}",
+                    "status": "unverified" if result is None else "ok",
+                    "lines": ledger["n"] if result is None else result.count,
+                    "reason": None
+                }
+            )
     if failures:
         return audit, failures
-    response = client.stream(f"SELECT ledger_id, path, raw FROM {client.name} FINAL WHERE 1{in_range} "
-                             f"ORDER BY ledger_id, seq FORMAT JSONEachRow")
+    response = client.stream(
+        f"SELECT ledger_id, path, raw FROM {client.name} FINAL WHERE 1{in_range} "
+        f"ORDER BY ledger_id, seq FORMAT JSONEachRow"
+    )
     with response:
         rows = (json.loads(line) for line in response if line.strip())
         for _ledger, lines in itertools.groupby(rows, key=lambda row: row["ledger_id"]):
@@ -508,9 +679,11 @@ def remote_audit(client, *, since=None, until=None, model=None, verify=True):
 
 # == Reports: text, JSON, CSV ==
 
+
 def _table(headers, rows, text_columns, cut=None, limit=None):
-    """(lines, cut_any): aligned columns, text left and numbers right, cells made printable. With a limit, the
-    columns in `cut` ({column: "middle" or "end"}) are narrowed in that order, down to MIN_CUT_WIDTH, to fit."""
+    """(lines, cut_any): aligned columns, text left and numbers right, cells made printable. With a
+    limit, the columns in `cut` ({column: "middle" or "end"}) are narrowed in that order, down to
+    MIN_CUT_WIDTH, to fit."""
     rows = [[rl.printable(cell) for cell in row] for row in rows]
     widths = [max(len(cell) for cell in column) for column in zip(headers, *rows)]
     over = sum(widths) + 2 * (len(widths) - 1) - limit if limit else 0
@@ -533,92 +706,197 @@ def _elide(text, width, where="middle"):
     if len(text) <= width:
         return text
     if where == "end":
-        return text[:width - 1] + ELLIPSIS
+        return text[: width - 1] + ELLIPSIS
     head = width // 2
-    return text[:head] + ELLIPSIS + text[len(text) - (width - 1 - head):]
+    return text[:head] + ELLIPSIS + text[len(text) - (width - 1 - head) :]
 
 
 def _model_table(rows, by_day, wide, endpoints):
     """The models table: every column whole with --wide; else fitted to TEXT_WIDTH (docs/audit.md)."""
+
     def tokens(value):
         return _num(value) if value is None or wide or value < 10000 else _short(value)
+
     day = ["day"] if by_day else []
     if wide:
-        columns = ["model", "base_url"] + day + ("calls ok failed no_usage checks in_tok out_tok est_in~ est_out~ "
-                                                 "min_ms p50_ms p95_ms max_ms retries served").split()
+        columns = (
+            ["model", "base_url"]
+            + day
+            + (
+                "calls ok failed no_usage checks in_tok out_tok est_in~ est_out~ "
+                "min_ms p50_ms p95_ms max_ms retries served"
+            ).split()
+        )
     else:
-        columns = ["model"] + (["at"] if len(endpoints) > 1 else []) + day + (
-            "calls failed no_usage checks in_tok out_tok est~ p50_ms p95_ms" + ("" if by_day else " retries")
-            + " served").split()
+        columns = (
+            ["model"]
+            + (["at"] if len(endpoints) > 1 else [])
+            + day
+            + (
+                "calls failed no_usage checks in_tok out_tok est~ p50_ms p95_ms"
+                + ("" if by_day else " retries")
+                + " served"
+            ).split()
+        )
     body = []
     for r in rows:
-        est = None if r["est_input_tokens"] is None else r["est_input_tokens"] + (r["est_output_tokens"] or 0)
-        served = r["response_models"] if wide else {"=" if name == r["request_model"] else name: n
-                                                    for name, n in r["response_models"].items()}
-        cells = {"model": _label(r["request_model"]), "base_url": _label(r["base_url"]), "day": r["day"],
-                 "at": endpoints[r["base_url"]], "est~": tokens(est), "in_tok": tokens(r["input_tokens"]),
-                 "out_tok": tokens(r["output_tokens"]), "est_in~": _num(r["est_input_tokens"]),
-                 "checks": f"{r['passed']:,}/{r['checked']:,}" if r["checked"] else "-",
-                 "est_out~": _num(r["est_output_tokens"]),
-                 "served": ",".join(str(name) for name, _n in _ranked(served)) or "-"}
-        cells.update((name, _num(r[name])) for name in ("calls", "ok", "failed", "no_usage", "retries"))
-        cells.update((f"{q}_ms", _fmt_ms(r[f"latency_{q}_ms"])) for q in ("min", "p50", "p95", "max"))
+        est = (
+            None
+            if r["est_input_tokens"] is None
+            else r["est_input_tokens"] + (r["est_output_tokens"] or 0)
+        )
+        served = (
+            r["response_models"]
+            if wide
+            else {
+                "=" if name == r["request_model"] else name: n
+                for name, n in r["response_models"].items()
+            }
+        )
+        cells = {
+            "model": _label(r["request_model"]),
+            "base_url": _label(r["base_url"]),
+            "day": r["day"],
+            "at": endpoints[r["base_url"]],
+            "est~": tokens(est),
+            "in_tok": tokens(r["input_tokens"]),
+            "out_tok": tokens(r["output_tokens"]),
+            "est_in~": _num(r["est_input_tokens"]),
+            "checks": f"{r['passed']:,}/{r['checked']:,}" if r["checked"] else "-",
+            "est_out~": _num(r["est_output_tokens"]),
+            "served": ",".join(str(name) for name, _n in _ranked(served)) or "-"
+        }
+        cells.update(
+            (name, _num(r[name])) for name in ("calls", "ok", "failed", "no_usage", "retries")
+        )
+        cells.update(
+            (f"{q}_ms", _fmt_ms(r[f"latency_{q}_ms"])) for q in ("min", "p50", "p95", "max")
+        )
         body.append([cells[c] for c in columns])
-    return _table(columns, body, {"model", "base_url", "at", "day", "served"},
-                  None if wide else {"served": "middle", "model": "middle"}, None if wide else TEXT_WIDTH)
+    return _table(
+        columns,
+        body,
+        {"model", "base_url", "at", "day", "served"},
+        None if wide else {"served": "middle", "model": "middle"},
+        None if wide else TEXT_WIDTH
+    )
 
 
-_RUN_TEXT = {"run": "run_id", "outcome": "outcome", "verdict": "judge_verdict", "steps": "steps",
-             "tools_ok": "tools_allowed", "tools_denied": "tools_denied", "model_calls": "model_calls",
-             "calls": "model_calls", "denied": "tools_denied", "in_tok": "input_tokens", "out_tok": "output_tokens",
-             "est_tok~": "est_tokens", "why": "why"}
+_RUN_TEXT = {
+    "run": "run_id",
+    "outcome": "outcome",
+    "verdict": "judge_verdict",
+    "steps": "steps",
+    "tools_ok": "tools_allowed",
+    "tools_denied": "tools_denied",
+    "model_calls": "model_calls",
+    "calls": "model_calls",
+    "denied": "tools_denied",
+    "in_tok": "input_tokens",
+    "out_tok": "output_tokens",
+    "est_tok~": "est_tokens",
+    "why": "why"
+}
 
 
 def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
     sums, warnings = _sums(rows), _warnings(audit)
     files = len(audit.ledgers)
     mark = "verified" if verified else "UNVERIFIED (--no-verify): the chain was not checked"
-    out = [f"audit: {files} ledger{'s' if files != 1 else ''}, {sums['calls']:,} model calls, {mark}"]
+    out = [
+        f"audit: {files} ledger{'s' if files != 1 else ''}, {sums['calls']:,} model calls, {mark}"
+    ]
     out += [line for line in warnings if line.startswith("warning:")] + [""]
     endpoints = {}  # base_url -> "#n", the short name the narrow table gives each endpoint
     for base in [r["base_url"] for r in rows] + [c["base_url"] for c in changes]:
         endpoints.setdefault(base, f"#{len(endpoints) + 1}")
     out.append("Models" + (" by day" if by_day else "") + " (request_model @ base_url)")
-    table, cut = _model_table(rows, by_day, wide, endpoints) if rows else (["(no model calls)"], False)
+    table, cut = (
+        _model_table(rows, by_day, wide, endpoints) if rows else (["(no model calls)"], False)
+    )
     out += table
     if rows and not wide:
         shown = {r["base_url"] for r in rows}
         out += [f"at {key} = {_label(base)}" for base, key in endpoints.items() if base in shown]
     if not wide:
-        out.append((f"{ELLIPSIS} marks a name cut in the middle to fit {TEXT_WIDTH} columns; " if cut else "")
-                   + "served: = is the model asked for; latency in ms (ok calls); tokens from 10,000 on in k/M "
-                   "(3 digits); --wide shows exact tokens, min_ms, max_ms, ok, est_in~/est_out~"
-                   + (" and cut names whole" if cut else ""))
+        out.append(
+            (
+                f"{ELLIPSIS} marks a name cut in the middle to fit {TEXT_WIDTH} columns; "
+                if cut
+                else ""
+            )
+            + "served: = is the model asked for; latency in ms (ok calls); tokens from 10,000 on in k/M "
+            "(3 digits); --wide shows exact tokens, min_ms, max_ms, ok, est_in~/est_out~"
+            + (" and cut names whole" if cut else "")
+        )
     out += _text_notes(sums) + [line for line in warnings if not line.startswith("warning:")]
     out += ["", f"Changes (day over day): {len(changes)}"]
     for change in changes:
         who = change["request_model"] if change["request_model"] is not None else "(models list)"
         where = _label(change["base_url"]) if wide else endpoints.get(change["base_url"], "-")
-        out.append(f"  {change['day']}  {who} @ {where}: {change['what']}: {change['detail']}  "
-                   f"(vs {change['previous_day']})")
+        out.append(
+            f"  {change['day']}  {who} @ {where}: {change['what']}: {change['detail']}  "
+            f"(vs {change['previous_day']})"
+        )
     if runs:  # `why` (how the run ended) last, cut at its end to fit unless --wide
-        columns = (["run", "outcome", "verdict", "steps", "tools_ok", "tools_denied", "model_calls", "in_tok",
-                    "out_tok", "est_tok~", "why"] if wide else ["run", "outcome", "steps", "calls", "denied", "why"])
+        columns = (
+            [
+                "run",
+                "outcome",
+                "verdict",
+                "steps",
+                "tools_ok",
+                "tools_denied",
+                "model_calls",
+                "in_tok",
+                "out_tok",
+                "est_tok~",
+                "why"
+            ]
+            if wide
+            else ["run", "outcome", "steps", "calls", "denied", "why"]
+        )
         text = {"run", "outcome", "verdict", "why"}
-        body = [[_label(r[_RUN_TEXT[c]]) if c in text else _num(r[_RUN_TEXT[c]]) for c in columns] for r in runs]
-        out += ["", f"Agent runs: {len(runs)}"] + _table(columns, body, text, None if wide else {"why": "end"},
-                                                         None if wide else TEXT_WIDTH)[0]
-    out = [rl.printable(line) for line in out]  # nothing from a ledger may forge a line or drive the terminal
+        body = [
+            [_label(r[_RUN_TEXT[c]]) if c in text else _num(r[_RUN_TEXT[c]]) for c in columns]
+            for r in runs
+        ]
+        out += ["", f"Agent runs: {len(runs)}"] + _table(
+            columns, body, text, None if wide else {"why": "end"}, None if wide else TEXT_WIDTH
+        )[0]
+    # nothing from a ledger may forge a line or drive the terminal
+    out = [rl.printable(line) for line in out]
     if not wide:  # prose wider than the terminal continues on the next line, indented
-        out = [piece for line in out for piece in ([line] if len(line) <= TEXT_WIDTH else textwrap.wrap(
-            line, TEXT_WIDTH, subsequent_indent="    ", break_on_hyphens=False) or [line[:TEXT_WIDTH]])]
+        out = [
+            piece
+            for line in out
+            for piece in (
+                [line]
+                if len(line) <= TEXT_WIDTH
+                else textwrap.wrap(
+                    line, TEXT_WIDTH, subsequent_indent="    ", break_on_hyphens=False
+                )
+                or [line[:TEXT_WIDTH]]
+            )
+        ]
     return "\n".join(out) + "\n"
 
 
 def _sums(rows):
-    sums = {k: sum(r[k] or 0 for r in rows) for k in ("calls", "ok", "no_usage", "malformed", "usage_calls",
-                                                       "input_tokens", "output_tokens", "est_input_tokens",
-                                                       "est_output_tokens")}
+    sums = {
+        k: sum(r[k] or 0 for r in rows)
+        for k in (
+            "calls",
+            "ok",
+            "no_usage",
+            "malformed",
+            "usage_calls",
+            "input_tokens",
+            "output_tokens",
+            "est_input_tokens",
+            "est_output_tokens"
+        )
+    }
     sums["errors"] = {}
     for r in rows:
         for name, count in r["errors"].items():
@@ -627,56 +905,93 @@ def _sums(rows):
 
 
 def _warnings(audit):
-    """Every report's warnings: torn tails, lines skipped, model strings folded, model strings not listed."""
+    """Every report's warnings: torn tails, lines skipped, model strings folded, model strings not
+    listed."""
     out = []
     for ledger in audit.ledgers:
         if ledger["status"] == "torn":
             out.append(f"warning: {ledger['reason']}")
         if ledger.get("skipped"):
-            out.append(f"warning: {ledger['path']}: {ledger['skipped']:,} lines are not ledger events and were "
-                       "skipped")
+            out.append(
+                f"warning: {ledger['path']}: {ledger['skipped']:,} lines are not ledger events and were "
+                "skipped"
+            )
     if audit.folded:
-        out.append(f"warning: more than {MAX_MODEL_STRINGS:,} model strings; {audit.folded:,} calls are counted "
-                   f"under {OTHER}")
-    return out + [f"not listed: {item['request_model']} @ {item['base_url']} ({item['calls']:,} calls) is not in "
-                  f"that endpoint's /models list of {item['listed_at'][:10]}: a server that answers to any model "
-                  "name served it" for item in audit.unlisted()]
+        out.append(
+            f"warning: more than {MAX_MODEL_STRINGS:,} model strings; {audit.folded:,} calls are counted "
+            f"under {OTHER}"
+        )
+    return out + [
+        f"not listed: {item['request_model']} @ {item['base_url']} ({item['calls']:,} calls) is not in "
+        f"that endpoint's /models list of {item['listed_at'][:10]}: a server that answers to any model "
+        "name served it"
+        for item in audit.unlisted()
+    ]
 
 
 def _text_notes(sums):
     ok, measured = sums["ok"], sums["usage_calls"]
     share = f"{measured / ok:.0%}" if ok else "-"
-    out = [f"usage: {sums['no_usage']:,} of {ok:,} ok calls lacked usage; in_tok/out_tok are what servers reported "
-           f"and cover {measured:,} call{'' if measured == 1 else 's'} ({share}).",
-           "est: est~ (est_in~ + est_out~) are chars/4 estimates, never added in."]
+    out = [
+        f"usage: {sums['no_usage']:,} of {ok:,} ok calls lacked usage; in_tok/out_tok are what servers reported "
+        f"and cover {measured:,} call{'' if measured == 1 else 's'} ({share}).",
+        "est: est~ (est_in~ + est_out~) are chars/4 estimates, never added in."
+    ]
     if sums["malformed"]:
-        out.append(f"malformed: {sums['malformed']:,} model_call payloads had fields of the wrong type (written by "
-                   f"another tool?); those fields were not counted")
+        out.append(
+            f"malformed: {sums['malformed']:,} model_call payloads had fields of the wrong type (written by "
+            f"another tool?); those fields were not counted"
+        )
     if sums["errors"]:
-        out.append("errors: " + ", ".join(f"{name} {count:,}" for name, count in sorted(sums["errors"].items())))
+        out.append(
+            "errors: "
+            + ", ".join(f"{name} {count:,}" for name, count in sorted(sums["errors"].items()))
+        )
     return out
 
 
 def render_json(audit, rows, changes, runs, verified, by_day):
     sums, unlisted = _sums(rows), audit.unlisted()
-    return json.dumps({
-        "version": 2, "verified": verified, "by": "day" if by_day else "model",
-        "ledgers": audit.ledgers,
-        "summary": {"model_calls": sums["calls"], "ok": sums["ok"], "no_usage": sums["no_usage"],
-                    "malformed": sums["malformed"], "folded_calls": audit.folded, "changes": len(changes),
-                    "agent_runs": len(runs), "unlisted": len(unlisted)},
-        "models": rows, "changes": changes, "agent_runs": runs, "unlisted": unlisted,
-    }, ensure_ascii=False, indent=1) + "\n"
+    return (
+        json.dumps(
+            {
+                "version": 2,
+                "verified": verified,
+                "by": "day" if by_day else "model",
+                "ledgers": audit.ledgers,
+                "summary": {
+                    "model_calls": sums["calls"],
+                    "ok": sums["ok"],
+                    "no_usage": sums["no_usage"],
+                    "malformed": sums["malformed"],
+                    "folded_calls": audit.folded,
+                    "changes": len(changes),
+                    "agent_runs": len(runs),
+                    "unlisted": len(unlisted)
+                },
+                "models": rows,
+                "changes": changes,
+                "agent_runs": runs,
+                "unlisted": unlisted
+            },
+            ensure_ascii=False,
+            indent=1
+        )
+        + "\n"
+    )
 
 
 def _csv_cell(value):
-    """Text a spreadsheet would run as a formula gets a leading ' (OWASP's advice); null is an empty cell."""
+    """Text a spreadsheet would run as a formula gets a leading ' (OWASP's advice); null is an empty
+    cell."""
     if value is None:
         return ""
     if type(value) in (int, float):
         return value
     if isinstance(value, dict):  # sorted as text: a served model may be null
-        value = json.dumps(dict(sorted(value.items(), key=lambda kv: str(kv[0]))), ensure_ascii=False)
+        value = json.dumps(
+            dict(sorted(value.items(), key=lambda kv: str(kv[0]))), ensure_ascii=False
+        )
     text = str(value)
     return "'" + text if text.startswith(("=", "+", "-", "@", "\t", "\r")) else text
 
@@ -692,42 +1007,117 @@ def render_csv(rows):
 
 # == Reports: HTML ==
 
-# One self-contained page: inline CSS and SVG, no script, nothing fetched. Every value from a ledger goes
-# through _e(), in text, SVG <title>/<text> and attributes alike.
+# One self-contained page: inline CSS and SVG, no script, nothing fetched. Every value from a ledger
+# goes through _e(), in text, SVG <title>/<text> and attributes alike.
 
-_PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#000000", "#F0E442")  # Okabe-Ito
-# Error types: colours each far (CIE76 delta E >= 35) from every model colour, so an error is never read as a model.
+# Okabe-Ito
+_PALETTE = ("#0072B2", "#E69F00", "#009E73", "#CC79A7", "#D55E00", "#56B4E9", "#000000", "#F0E442")
+# Error types: colours each far (CIE76 delta E >= 35) from every model colour, so an error is never
+# read as a model.
 _ERROR_PALETTE = ("#4B0092", "#661100", "#D41159", "#B2DF8A", "#00441B", "#33A02C")
-_GREY = "#8c8c8c"          # the model strings beyond MAX_CHART_MODELS
-_ERROR_GREY = "#d9d9d9"    # the error types beyond _ERROR_PALETTE
-_DASH = "\u2013"           # what a null (None) looks like on the page
-_MAX_TABLE_ROWS = 300      # rows of the models table; the rest are in --json / --csv
-_MAX_LIST_ROWS = 200       # changes, agent runs and ledgers listed
-_MAX_CELL_LABELS = 5       # served models, fingerprints or error types named in one table cell
-_MAX_CHART_DAYS = 120      # the per-day charts show the latest days
-_MARKER_DAYS = 45          # a dot (with a tooltip) on every day up to this many days
-_MAX_TEXT = 512            # a longer ledger string is cut on the page (ask.py cuts server strings there too)
-_SIZE, _BOX = (640, 290), (66, 26, 626, 232)  # every chart: width, height; plot box (left, top, right, bottom)
-# Column headings for people (the rest: the field name in words); each heading's title is its field name.
+_GREY = "#8c8c8c"  # the model strings beyond MAX_CHART_MODELS
+_ERROR_GREY = "#d9d9d9"  # the error types beyond _ERROR_PALETTE
+_DASH = "\u2013"  # what a null (None) looks like on the page
+_MAX_TABLE_ROWS = 300  # rows of the models table; the rest are in --json / --csv
+_MAX_LIST_ROWS = 200  # changes, agent runs and ledgers listed
+_MAX_CELL_LABELS = 5  # served models, fingerprints or error types named in one table cell
+_MAX_CHART_DAYS = 120  # the per-day charts show the latest days
+_MARKER_DAYS = 45  # a dot (with a tooltip) on every day up to this many days
+# a longer ledger string is cut on the page (ask.py cuts server strings there too)
+_MAX_TEXT = 512
+# every chart: width, height; plot box (left, top, right, bottom)
+_SIZE, _BOX = (640, 290), (66, 26, 626, 232)
+# Column headings for people (the rest: the field name in words); each heading's title is its field
+# name.
 _HEADINGS = {
-    "request_model": "Model (requested)", "base_url": "Endpoint", "passed": "Checks passed",
-    "input_tokens": "Input tokens (reported)", "output_tokens": "Output tokens (reported)",
-    "est_input_tokens": "Input tokens (estimated)", "est_output_tokens": "Output tokens (estimated)",
-    "latency_p50_ms": "Latency p50 (ms)", "latency_p95_ms": "Latency p95 (ms)", "latency_max_ms": "Latency max (ms)",
-    "response_models": "Served models", "run_id": "Run", "started": "Started (UTC)", "est_tokens": "Tokens (estimated)",
-    "why": "Why it ended", "what": "What changed", "previous_day": "Compared with", "path": "Ledger", "lines": "Events",
-    "reason": "Note", "label": "Model", "reported": "Tokens (reported)"}
+    "request_model": "Model (requested)",
+    "base_url": "Endpoint",
+    "passed": "Checks passed",
+    "input_tokens": "Input tokens (reported)",
+    "output_tokens": "Output tokens (reported)",
+    "est_input_tokens": "Input tokens (estimated)",
+    "est_output_tokens": "Output tokens (estimated)",
+    "latency_p50_ms": "Latency p50 (ms)",
+    "latency_p95_ms": "Latency p95 (ms)",
+    "latency_max_ms": "Latency max (ms)",
+    "response_models": "Served models",
+    "run_id": "Run",
+    "started": "Started (UTC)",
+    "est_tokens": "Tokens (estimated)",
+    "why": "Why it ended",
+    "what": "What changed",
+    "previous_day": "Compared with",
+    "path": "Ledger",
+    "lines": "Events",
+    "reason": "Note",
+    "label": "Model",
+    "reported": "Tokens (reported)"
+}
 # The tables lead with what is read first, so a narrow window scrolls only past the token counts.
-_HTML_MODEL_COLUMNS = ("request_model", "base_url", "day", "calls", "failed", "latency_p50_ms", "latency_p95_ms",
-                       "latency_max_ms", "response_models", "errors", "no_usage", "checked", "passed",
-                       "input_tokens", "output_tokens", "est_input_tokens", "est_output_tokens", "retries")
-_HTML_RUN_COLUMNS = ("run_id", "started", "outcome", "why", "judge_verdict", "steps", "tools_allowed",
-                     "tools_denied", "model_calls", "input_tokens", "output_tokens", "est_tokens", "errors")
-_WHAT = {"response_model": "Served model", "system_fingerprint": "System fingerprint",
-         "latency_p50": "Latency p50", "latency_p95": "Latency p95", "usage": "Usage reporting",
-         "error_rate": "Error rate", "checks": "Check pass rate", "models_list": "Models listed"}
-_TEXT_FIELDS = {"request_model", "base_url", "day", "response_models", "errors", "run_id", "started", "outcome",
-                "judge_verdict", "what", "detail", "previous_day", "path", "status", "reason", "why", "label"}
+_HTML_MODEL_COLUMNS = (
+    "request_model",
+    "base_url",
+    "day",
+    "calls",
+    "failed",
+    "latency_p50_ms",
+    "latency_p95_ms",
+    "latency_max_ms",
+    "response_models",
+    "errors",
+    "no_usage",
+    "checked",
+    "passed",
+    "input_tokens",
+    "output_tokens",
+    "est_input_tokens",
+    "est_output_tokens",
+    "retries"
+)
+_HTML_RUN_COLUMNS = (
+    "run_id",
+    "started",
+    "outcome",
+    "why",
+    "judge_verdict",
+    "steps",
+    "tools_allowed",
+    "tools_denied",
+    "model_calls",
+    "input_tokens",
+    "output_tokens",
+    "est_tokens",
+    "errors"
+)
+_WHAT = {
+    "response_model": "Served model",
+    "system_fingerprint": "System fingerprint",
+    "latency_p50": "Latency p50",
+    "latency_p95": "Latency p95",
+    "usage": "Usage reporting",
+    "error_rate": "Error rate",
+    "checks": "Check pass rate",
+    "models_list": "Models listed"
+}
+_TEXT_FIELDS = {
+    "request_model",
+    "base_url",
+    "day",
+    "response_models",
+    "errors",
+    "run_id",
+    "started",
+    "outcome",
+    "judge_verdict",
+    "what",
+    "detail",
+    "previous_day",
+    "path",
+    "status",
+    "reason",
+    "why",
+    "label"
+}
 _CSS = (
     "body{font:14px system-ui,sans-serif;margin:24px auto;max-width:1400px;padding:0 24px;color:#1f2328}"
     "h2{margin-top:32px;padding-top:8px;border-top:1px solid #ddd}h3{font-size:14px;overflow-wrap:anywhere}"
@@ -742,22 +1132,44 @@ _CSS = (
     ".legend{list-style:none;padding:0;display:flex;flex-wrap:wrap;gap:4px 18px}figure{margin:0}"
     ".charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:18px 28px}"
     "svg{max-width:100%;height:auto}svg text{font-size:11px;fill:#333}.gl{stroke:#e6e6e6}.axis{stroke:#888}"
-    ".mark{stroke:#333;stroke-dasharray:4 3}")
-# The per-day line charts: class, heading, unit (y axis and tooltips), a day's figure from (calls, ok,
-# usage_calls, reported, estimated tokens) or None for a gap, and the format of a share (else a count).
+    ".mark{stroke:#333;stroke-dasharray:4 3}"
+)
+# The per-day line charts: class, heading, unit (y axis and tooltips), a day's figure from (calls,
+# ok, usage_calls, reported, estimated tokens) or None for a gap, and the format of a share (else a
+# count).
 _DAY_CHARTS = (
     ("calls-per-day", "Calls per day", "calls", lambda c, o, u, r, e: c, None),
-    ("error-rate-per-day", "Failed calls (% of calls)", "of calls failed",
-     lambda c, o, u, r, e: 100.0 * (c - o) / c if c else None, "{:.3g}%".format),
-    ("tokens-per-day", "Tokens reported by servers (input + output)", "tokens",
-     lambda c, o, u, r, e: r if u else None, None),
-    ("est-tokens-per-day", "Tokens estimated (chars/4, input + output)", "tokens",
-     lambda c, o, u, r, e: e if c else None, None))
+    (
+        "error-rate-per-day",
+        "Failed calls (% of calls)",
+        "of calls failed",
+        lambda c, o, u, r, e: 100.0 * (c - o) / c if c else None,
+        "{:.3g}%".format
+    ),
+    (
+        "tokens-per-day",
+        "Tokens reported by servers (input + output)",
+        "tokens",
+        lambda c, o, u, r, e: r if u else None,
+        None
+    ),
+    (
+        "est-tokens-per-day",
+        "Tokens estimated (chars/4, input + output)",
+        "tokens",
+        lambda c, o, u, r, e: e if c else None,
+        None
+    )
+)
 
 
 def _e(value):
     """A ledger value as HTML text or attribute (null as a dash), cut at _MAX_TEXT characters."""
-    return _DASH if value is None else html.escape(_elide(str(value), _MAX_TEXT + 1, "end"), quote=True)
+    return (
+        _DASH
+        if value is None
+        else html.escape(_elide(str(value), _MAX_TEXT + 1, "end"), quote=True)
+    )
 
 
 def _ms_text(value):
@@ -778,21 +1190,36 @@ def _key(colour, dashed=False):
 
 
 def _chart_models(audit):
-    """(series, order): the MAX_CHART_MODELS busiest (model, base_url) pairs and one grey series for the rest,
-    each with [(day, Group)] and per-day figures (_DAY_CHARTS); order ranks every pair, busiest first."""
+    """(series, order): the MAX_CHART_MODELS busiest (model, base_url) pairs and one grey series for
+    the rest, each with [(day, Group)] and per-day figures (_DAY_CHARTS); order ranks every pair,
+    busiest first."""
     totals = {}
     for (model, base, _day), group in audit.groups.items():
         _add(totals, (model, base), group.calls)
     order = sorted(totals, key=lambda k: (-totals[k], str(k[0]), str(k[1])))
     folded = (OTHER, OTHER) if audit.folded and (OTHER, OTHER) in totals else None
     top = [key for key in order if key != folded][:MAX_CHART_MODELS]
-    series = [{"key": key, "label": f"{_label(key[0])} @ {_label(key[1])}", "colour": colour, "dashed": False}
-              for key, colour in zip(top, _PALETTE)]
+    series = [
+        {
+            "key": key,
+            "label": f"{_label(key[0])} @ {_label(key[1])}",
+            "colour": colour,
+            "dashed": False
+        }
+        for key, colour in zip(top, _PALETTE)
+    ]
     rest = [key for key in order if key not in top]
     if rest:
         many = f"{len(rest) - bool(folded):,}{'+' if folded else ''}"
-        series.append({"key": None, "colour": _GREY, "dashed": True, "label": f"{many} other model string"
-                       f"{'' if many == '1' else 's'} ({sum(totals[k] for k in rest):,} calls)"})
+        series.append(
+            {
+                "key": None,
+                "colour": _GREY,
+                "dashed": True,
+                "label": f"{many} other model string"
+                f"{'' if many == '1' else 's'} ({sum(totals[k] for k in rest):,} calls)"
+            }
+        )
     index = {key: i for i, key in enumerate(top)}
     for one in series:
         one.update(calls=0, groups=[], days={})
@@ -800,14 +1227,20 @@ def _chart_models(audit):
         one = series[index.get((model, base), len(top))]
         one["calls"] += g.calls
         one["groups"].append((day, g))
-        figures = (g.calls, g.ok, g.usage_calls, g.input_tokens + g.output_tokens,
-                   g.est_input_tokens + g.est_output_tokens)
+        figures = (
+            g.calls,
+            g.ok,
+            g.usage_calls,
+            g.input_tokens + g.output_tokens,
+            g.est_input_tokens + g.est_output_tokens
+        )
         one["days"][day] = [a + b for a, b in zip(one["days"].get(day, (0,) * 5), figures)]
     return series, order
 
 
 def _frame(cls, title, top_value, y_title, x_ticks, x_title, fmt=_short, integer=True, attrs=""):
-    """(parts, y_of): an SVG's opening, a y axis from 0 in about 4 steps of 1, 2 or 5, x ticks [(x, label)]."""
+    """(parts, y_of): an SVG's opening, a y axis from 0 in about 4 steps of 1, 2 or 5, x ticks [(x,
+    label)]."""
     (width, height), (left, top, right, bottom) = _SIZE, _BOX
     rough = top_value / 4 if top_value and top_value > 0 else 0.25
     mag = 10 ** math.floor(math.log10(rough))
@@ -817,15 +1250,25 @@ def _frame(cls, title, top_value, y_title, x_ticks, x_title, fmt=_short, integer
 
     def y_of(value):
         return bottom - (bottom - top) * value / ymax
-    parts = [f'<svg class="{cls}"{attrs} xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'viewBox="0 0 {width} {height}" role="img"><title>{_e(title)}</title>']
+
+    parts = [
+        f'<svg class="{cls}"{attrs} xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img"><title>{_e(title)}</title>'
+    ]
     for y, value in ((y_of(i * step), i * step) for i in range(int(round(ymax / step)) + 1)):
-        parts.append(f'<line class="gl" x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}"/>'
-                     f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_e(fmt(value))}</text>')
-    parts += [f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_e(label)}</text>' for x, label in x_ticks]
-    parts.append(f'<text text-anchor="middle" transform="translate(14 {(top + bottom) / 2:.0f}) rotate(-90)">'
-                 f'{_e(y_title)}</text><line class="axis" x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}"/>'
-                 f'<text x="{(left + right) / 2:.0f}" y="{bottom + 38}" text-anchor="middle">{_e(x_title)}</text>')
+        parts.append(
+            f'<line class="gl" x1="{left}" y1="{y:.1f}" x2="{right}" y2="{y:.1f}"/>'
+            f'<text x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_e(fmt(value))}</text>'
+        )
+    parts += [
+        f'<text x="{x:.1f}" y="{bottom + 16}" text-anchor="middle">{_e(label)}</text>'
+        for x, label in x_ticks
+    ]
+    parts.append(
+        f'<text text-anchor="middle" transform="translate(14 {(top + bottom) / 2:.0f}) rotate(-90)">'
+        f'{_e(y_title)}</text><line class="axis" x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}"/>'
+        f'<text x="{(left + right) / 2:.0f}" y="{bottom + 38}" text-anchor="middle">{_e(x_title)}</text>'
+    )
     return parts, y_of
 
 
@@ -838,8 +1281,10 @@ def _bands(labels):
 
 def _rect(x, y, width, height, colour, title, error_type=None):
     kind = "" if error_type is None else f' data-error-type="{_e(error_type)}"'
-    return (f'<rect{kind} x="{x:.1f}" y="{y:.1f}" width="{width:.1f}" height="{height:.1f}" fill="{colour}">'
-            f"<title>{_e(title)}</title></rect>")
+    return (
+        f'<rect{kind} x="{x:.1f}" y="{y:.1f}" width="{width:.1f}" height="{height:.1f}" fill="{colour}">'
+        f"<title>{_e(title)}</title></rect>"
+    )
 
 
 def _td(field, row, colours, runs_url):
@@ -852,10 +1297,20 @@ def _td(field, row, colours, runs_url):
         return f'<td class="null">{_DASH}</td>'
     if isinstance(value, dict):
         ranked = _ranked(value)
-        more = f" and {len(ranked) - _MAX_CELL_LABELS:,} more" if len(ranked) > _MAX_CELL_LABELS else ""
-        return ('<td class="t">' + ", ".join(f"{_e(_label(name))}\u00a0\u00d7{n:,}" for name, n
-                                             in ranked[:_MAX_CELL_LABELS]) + f"{more}</td>")
-    if field == "run_id" and rl._OUR_RUN_ID_RE.match(str(value)):  # only an id of agent.py's shape is a link
+        more = (
+            f" and {len(ranked) - _MAX_CELL_LABELS:,} more"
+            if len(ranked) > _MAX_CELL_LABELS
+            else ""
+        )
+        return (
+            '<td class="t">'
+            + ", ".join(
+                f"{_e(_label(name))}\u00a0\u00d7{n:,}" for name, n in ranked[:_MAX_CELL_LABELS]
+            )
+            + f"{more}</td>"
+        )
+    # only an id of agent.py's shape is a link
+    if field == "run_id" and rl._OUR_RUN_ID_RE.match(str(value)):
         return f'<td class="t"><a href="{_e(runs_url + value)}">{_e(value)}</a></td>'
     if field == "what":
         return f'<td class="t" title="{_e(value)}">{_e(_WHAT.get(value, value))}</td>'
@@ -866,50 +1321,86 @@ def _td(field, row, colours, runs_url):
 
 
 def _html_table(css_class, columns, rows, colours=None, runs_url=""):
-    heads = "".join(f'<th{" class=t" if c in _TEXT_FIELDS else ""} scope="col" data-field="{c}" title="{c}">'
-                    f'{_HEADINGS.get(c) or c.replace("_", " ").capitalize()}</th>' for c in columns)
-    body = "\n".join("<tr>" + "".join(_td(c, row, colours or {}, runs_url) for c in columns) + "</tr>"
-                     for row in rows)
-    return (f'<div class="scroll"><table class="{css_class}"><thead><tr>{heads}</tr></thead><tbody>\n{body}\n'
-            "</tbody></table></div>")
+    heads = "".join(
+        f'<th{" class=t" if c in _TEXT_FIELDS else ""} scope="col" data-field="{c}" title="{c}">'
+        f'{_HEADINGS.get(c) or c.replace("_", " ").capitalize()}</th>'
+        for c in columns
+    )
+    body = "\n".join(
+        "<tr>" + "".join(_td(c, row, colours or {}, runs_url) for c in columns) + "</tr>"
+        for row in rows
+    )
+    return (
+        f'<div class="scroll"><table class="{css_class}"><thead><tr>{heads}</tr></thead><tbody>\n{body}\n'
+        "</tbody></table></div>"
+    )
 
 
 def _per_day_section(series, axis):
-    """A line chart per figure over the days, per model; with one day of data, that day's figures in a table."""
+    """A line chart per figure over the days, per model; with one day of data, that day's figures in a
+    table."""
     days = axis[0]
     if not days:
         return ['<h2 id="per-day">Per day</h2><p>No model calls.</p>']
-    legend = "".join(f'<li data-model="{_e(s["label"])}">{_key(s["colour"], s["dashed"])}{_e(s["label"])}'
-                     + (f' <span class="note">{s["calls"]:,} calls</span>' if s["key"] else "") + "</li>"
-                     for s in series)
-    out = ['<h2 id="per-day">Per day, per model</h2>', f'<ul class="legend" data-legend="models">{legend}</ul>']
+    legend = "".join(
+        f'<li data-model="{_e(s["label"])}">{_key(s["colour"], s["dashed"])}{_e(s["label"])}'
+        + (f' <span class="note">{s["calls"]:,} calls</span>' if s["key"] else "")
+        + "</li>"
+        for s in series
+    )
+    out = [
+        '<h2 id="per-day">Per day, per model</h2>',
+        f'<ul class="legend" data-legend="models">{legend}</ul>'
+    ]
     figures = [[s["days"].get(day, (0,) * 5) for day in days] for s in series]
     if len(days) == 1:
-        rows = [dict(s, calls=c, failed=f"{c - o:,} ({(c - o) / c:.1%})" if c else None, reported=r if u else None,
-                     est_tokens=e) for s, [(c, o, u, r, e)] in zip(series, figures)]
-        return out + [f'<p class="note one-day">One day of data ({_e(days[0])}): the per-day charts start with the '
-                      "second day. That day, per model:</p>",
-                      _html_table("one-day", ("label", "calls", "failed", "reported", "est_tokens"), rows)]
-    out += ['<p class="note">A gap in a line: nothing to show that day (no calls, or no usage reported). '
-            "Reported and estimated tokens are separate charts and are never added together.</p>",
-            '<div class="charts">']
+        rows = [
+            dict(
+                s,
+                calls=c,
+                failed=f"{c - o:,} ({(c - o) / c:.1%})" if c else None,
+                reported=r if u else None,
+                est_tokens=e
+            )
+            for s, [(c, o, u, r, e)] in zip(series, figures)
+        ]
+        return out + [
+            f'<p class="note one-day">One day of data ({_e(days[0])}): the per-day charts start with the '
+            "second day. That day, per model:</p>",
+            _html_table("one-day", ("label", "calls", "failed", "reported", "est_tokens"), rows)
+        ]
+    out += [
+        '<p class="note">A gap in a line: nothing to show that day (no calls, or no usage reported). '
+        "Reported and estimated tokens are separate charts and are never added together.</p>",
+        '<div class="charts">'
+    ]
     xs, ticks = _bands(axis[1])
-    for cls, title, unit, pick, fmt in _DAY_CHARTS:  # a line per series; a gap where there is nothing, never a 0
+    # a line per series; a gap where there is nothing, never a 0
+    for cls, title, unit, pick, fmt in _DAY_CHARTS:
         lines = [(s, [pick(*day) for day in figs]) for s, figs in zip(series, figures)]
         top = max((v for _s, values in lines for v in values if v is not None), default=0)
         parts, y_of = _frame(cls, title, top, unit, ticks, axis[2], fmt or _short, fmt is None)
         for s, values in lines:
-            parts.append(f'<g class="series" data-series="{_e(s["label"])}"><title>{_e(s["label"])}</title>')
+            parts.append(
+                f'<g class="series" data-series="{_e(s["label"])}"><title>{_e(s["label"])}</title>'
+            )
             dash = ' stroke-dasharray="6 4"' if s["dashed"] else ""
-            for present, run in itertools.groupby(zip(xs, values), key=lambda point: point[1] is not None):
+            for present, run in itertools.groupby(
+                zip(xs, values), key=lambda point: point[1] is not None
+            ):
                 run = list(run)
                 if present and len(run) > 1:
-                    parts.append(f'<polyline fill="none" stroke="{s["colour"]}" stroke-width="2.2"{dash} points="'
-                                 + " ".join(f"{x:.1f},{y_of(v):.1f}" for x, v in run) + '"/>')
+                    parts.append(
+                        f'<polyline fill="none" stroke="{s["colour"]}" stroke-width="2.2"{dash} points="'
+                        + " ".join(f"{x:.1f},{y_of(v):.1f}" for x, v in run)
+                        + '"/>'
+                    )
             points = [(x, day, v) for x, day, v in zip(xs, days, values) if v is not None]
             for x, day, v in points if len(days) <= _MARKER_DAYS or len(points) == 1 else ():
-                parts.append(f'<circle cx="{x:.1f}" cy="{y_of(v):.1f}" r="3.2" fill="{s["colour"]}" stroke="#fff">'
-                             f'<title>{_e(s["label"])} \u00b7 {_e(day)}: {(fmt or _num)(v)} {unit}</title></circle>')
+                parts.append(
+                    f'<circle cx="{x:.1f}" cy="{y_of(v):.1f}" r="3.2" fill="{s["colour"]}" stroke="#fff">'
+                    f'<title>{_e(s["label"])} \u00b7 {_e(day)}: {(fmt or _num)(v)} {unit}</title></circle>'
+                )
             parts.append("</g>")
         out.append(f"<figure><h3>{title}</h3>{''.join(parts)}</svg></figure>")
     return out + ["</div>"]
@@ -917,7 +1408,12 @@ def _per_day_section(series, axis):
 
 def _errors_section(series, axis):
     left, _top, right, bottom = _BOX
-    found = [(i, day, name, n) for i, s in enumerate(series) for day, g in s["groups"] for name, n in g.errors.items()]
+    found = [
+        (i, day, name, n)
+        for i, s in enumerate(series)
+        for day, g in s["groups"]
+        for name, n in g.errors.items()
+    ]
     if not found:
         return ['<h2 id="errors">Errors by day and type</h2><p>No failed calls.</p>']
     totals = {}
@@ -926,38 +1422,81 @@ def _errors_section(series, axis):
     ranked = sorted(totals, key=lambda n: (-totals[n], str(n)))
     colours = dict(zip(ranked, _ERROR_PALETTE))
     other = f"{len(ranked) - len(colours):,} other error types"
-    types = ranked[:len(colours)] + ([other] if len(ranked) > len(colours) else [])
+    types = ranked[: len(colours)] + ([other] if len(ranked) > len(colours) else [])
     colours[other] = _ERROR_GREY
     by_day, by_model = {day: {} for day in axis[0]}, [{} for _s in series]
     for i, day, name, n in found:
         _add(by_model[i], name if name in colours else other, n)
         if day in by_day:
             _add(by_day[day], name if name in colours else other, n)
-    legend = "".join(f'<li data-error-type="{_e(t)}">{_key(colours[t])}{_e(t)} <span class="note">'
-                     f"{sum(per.get(t, 0) for per in by_model):,}</span></li>" for t in types)
-    out = ['<h2 id="errors">Errors by day and type</h2>', f'<ul class="legend" data-legend="error-types">{legend}</ul>',
-           '<div class="charts">']
+    legend = "".join(
+        f'<li data-error-type="{_e(t)}">{_key(colours[t])}{_e(t)} <span class="note">'
+        f"{sum(per.get(t, 0) for per in by_model):,}</span></li>"
+        for t in types
+    )
+    out = [
+        '<h2 id="errors">Errors by day and type</h2>',
+        f'<ul class="legend" data-legend="error-types">{legend}</ul>',
+        '<div class="charts">'
+    ]
     fit = max(4, int((right - left) / len(series) / 6.5))  # a model's name cut to its bar's width
-    charts = [("day", "Failed calls per day, by error type (all models)", axis[0], axis[1], list(by_day.values()),
-               axis[2])] if len(axis[0]) > 1 else []
-    charts.append(("model", "Failed calls by model and error type", [s["label"] for s in series],
-                   [_elide(_label(s["key"][0]) if s["key"] else "other", fit, "end") for s in series], by_model,
-                   "model, busiest first"))
-    for kind, heading, cats, labels, counts, x_title in charts:  # stacked bars, a rect per error type
+    charts = (
+        [
+            (
+                "day",
+                "Failed calls per day, by error type (all models)",
+                axis[0],
+                axis[1],
+                list(by_day.values()),
+                axis[2]
+            )
+        ]
+        if len(axis[0]) > 1
+        else []
+    )
+    charts.append(
+        (
+            "model",
+            "Failed calls by model and error type",
+            [s["label"] for s in series],
+            [_elide(_label(s["key"][0]) if s["key"] else "other", fit, "end") for s in series],
+            by_model,
+            "model, busiest first"
+        )
+    )
+    # stacked bars, a rect per error type
+    for kind, heading, cats, labels, counts, x_title in charts:
         totals = [sum(per.values()) for per in counts]
         xs, ticks = _bands(labels)
-        parts, y_of = _frame(f"errors-per-{kind}", f"failed calls per {kind}, by error type", max(totals),
-                             "failed calls", ticks, x_title)
+        parts, y_of = _frame(
+            f"errors-per-{kind}",
+            f"failed calls per {kind}, by error type",
+            max(totals),
+            "failed calls",
+            ticks,
+            x_title
+        )
         width = min((right - left) / len(cats) * 0.7, 56)
         for cat, x, per, total in zip(cats, xs, counts, totals):
             parts.append(f'<g class="{kind}" data-{kind}="{_e(cat)}">')
             y = bottom
             for name in (name for name in types if per.get(name)):
                 y -= bottom - y_of(per[name])
-                parts.append(_rect(x - width / 2, y, width, bottom - y_of(per[name]), colours[name],
-                                   f"{cat}: {name} \u00d7 {per[name]:,}", name))
+                parts.append(
+                    _rect(
+                        x - width / 2,
+                        y,
+                        width,
+                        bottom - y_of(per[name]),
+                        colours[name],
+                        f"{cat}: {name} \u00d7 {per[name]:,}",
+                        name
+                    )
+                )
             if total and len(cats) <= _MARKER_DAYS:
-                parts.append(f'<text x="{x:.1f}" y="{y - 4:.1f}" text-anchor="middle">{total:,}</text>')
+                parts.append(
+                    f'<text x="{x:.1f}" y="{y - 4:.1f}" text-anchor="middle">{total:,}</text>'
+                )
             parts.append("</g>")
         out.append(f"<figure><h3>{heading}</h3>{''.join(parts)}</svg></figure>")
     return out + ["</div>"]
@@ -966,62 +1505,120 @@ def _errors_section(series, axis):
 def _latency_section(series, bins=32):
     """A histogram per model of its ok latencies in log-scale bins, so a cold-start hump stands apart."""
     left, top, right, bottom = _BOX
-    out = ['<h2 id="latency">Latency per model</h2>',
-           '<p class="note">Successful calls only, log-scale bins: a second hump to the right is usually cold '
-           "starts or queueing. Dashed lines mark p50 and p95.</p>", '<div class="charts">']
+    out = [
+        '<h2 id="latency">Latency per model</h2>',
+        '<p class="note">Successful calls only, log-scale bins: a second hump to the right is usually cold '
+        "starts or queueing. Dashed lines mark p50 and p95.</p>",
+        '<div class="charts">'
+    ]
     for s in [one for one in series if one["key"]]:
         ordered = sorted(v for _day, group in s["groups"] for v in group.latencies)
         lo = math.floor(math.log10(max(ordered[0], 1.0))) if ordered else 2  # whole decades of ms
         span = max(math.ceil(math.log10(max(ordered[-1], 1.0))) - lo, 1) if ordered else 1
-        ticks = [m * 10 ** k for k in range(lo, lo + span + 1) for m in ((1, 2, 5) if span < 3 else (1,))
-                 if m * 10 ** k <= 10 ** (lo + span)]
+        ticks = [
+            m * 10**k
+            for k in range(lo, lo + span + 1)
+            for m in ((1, 2, 5) if span < 3 else (1,))
+            if m * 10**k <= 10 ** (lo + span)
+        ]
 
         def x_of(value):
             return left + (right - left) * (math.log10(max(value, 1.0)) - lo) / span
+
         counts = [0] * bins
         for value in ordered:
             counts[min(max(int((x_of(value) - left) / (right - left) * bins), 0), bins - 1)] += 1
-        parts, y_of = _frame("latency-histogram", f"latency of {s['label']} (ms, log scale)", max(counts),
-                             "ok calls", [(x_of(t), f"{t:g} ms" if t < 1000 else f"{t / 1000:g} s") for t in ticks],
-                             "latency (ms, log scale)", attrs=f' data-model="{_e(s["label"])}"')
+        parts, y_of = _frame(
+            "latency-histogram",
+            f"latency of {s['label']} (ms, log scale)",
+            max(counts),
+            "ok calls",
+            [(x_of(t), f"{t:g} ms" if t < 1000 else f"{t / 1000:g} s") for t in ticks],
+            "latency (ms, log scale)",
+            attrs=f' data-model="{_e(s["label"])}"'
+        )
         for i, n in enumerate(counts):
             if n:
                 a, b = (10 ** (lo + span * j / bins) for j in (i, i + 1))
-                parts.append(_rect(x_of(a) + 0.5, y_of(n), (right - left) / bins - 1, bottom - y_of(n), s["colour"],
-                                   f"{_ms_text(a)} \u2013 {_ms_text(b)}: {n:,} calls"))
+                parts.append(
+                    _rect(
+                        x_of(a) + 0.5,
+                        y_of(n),
+                        (right - left) / bins - 1,
+                        bottom - y_of(n),
+                        s["colour"],
+                        f"{_ms_text(a)} \u2013 {_ms_text(b)}: {n:,} calls"
+                    )
+                )
         for row, q in enumerate((50, 95) if ordered else ()):
             x = x_of(percentile(ordered, q))
             anchor, dx = ("end", -3) if x > right - 90 else ("start", 3)
-            parts.append(f'<line class="mark" x1="{x:.1f}" y1="{top - 12 + 12 * row}" x2="{x:.1f}" y2="{bottom}"/>'
-                         f'<text x="{x + dx:.1f}" y="{top - 4 + 12 * row}" text-anchor="{anchor}">'
-                         f'p{q} {_ms_text(percentile(ordered, q))}</text>')
-        out.append(f'<figure><h3>{_key(s["colour"])}{_e(_label(s["key"][0]))}<span>{_e(_label(s["key"][1]))}'
-                   f'</span></h3>{"".join(parts)}</svg><figcaption>{len(ordered):,} ok calls \u00b7 max '
-                   f"{_ms_text(ordered[-1] if ordered else None)}</figcaption></figure>")
+            parts.append(
+                f'<line class="mark" x1="{x:.1f}" y1="{top - 12 + 12 * row}" x2="{x:.1f}" y2="{bottom}"/>'
+                f'<text x="{x + dx:.1f}" y="{top - 4 + 12 * row}" text-anchor="{anchor}">'
+                f'p{q} {_ms_text(percentile(ordered, q))}</text>'
+            )
+        out.append(
+            f'<figure><h3>{_key(s["colour"])}{_e(_label(s["key"][0]))}<span>{_e(_label(s["key"][1]))}'
+            f'</span></h3>{"".join(parts)}</svg><figcaption>{len(ordered):,} ok calls \u00b7 max '
+            f"{_ms_text(ordered[-1] if ordered else None)}</figcaption></figure>"
+        )
     out.append("</div>")
-    return out + [f'<p class="note">{_key(_GREY, True)}{_e(s["label"])}: no histogram (only the {MAX_CHART_MODELS} '
-                  "busiest model strings get one).</p>" for s in series if not s["key"]]
+    return out + [
+        f'<p class="note">{_key(_GREY, True)}{_e(s["label"])}: no histogram (only the {MAX_CHART_MODELS} '
+        "busiest model strings get one).</p>"
+        for s in series
+        if not s["key"]
+    ]
 
 
 def _lists_sections(audit, changes, runs, runs_url, colours):
-    more = f"; the first {_MAX_LIST_ROWS:,} here, the rest in --json" if len(changes) > _MAX_LIST_ROWS else ""
-    out = [f'<h2 id="changes">Changes day over day ({len(changes):,}{more})</h2>', _html_table(
-        "changes", ("day", "request_model", "base_url", "what", "detail", "previous_day"), changes[:_MAX_LIST_ROWS],
-        colours) if changes else "<p>Nothing changed from one day to the next.</p>"]
+    more = (
+        f"; the first {_MAX_LIST_ROWS:,} here, the rest in --json"
+        if len(changes) > _MAX_LIST_ROWS
+        else ""
+    )
+    out = [
+        f'<h2 id="changes">Changes day over day ({len(changes):,}{more})</h2>',
+        (
+            _html_table(
+                "changes",
+                ("day", "request_model", "base_url", "what", "detail", "previous_day"),
+                changes[:_MAX_LIST_ROWS],
+                colours
+            )
+            if changes
+            else "<p>Nothing changed from one day to the next.</p>"
+        )
+    ]
     if runs:
-        out += [f'<h2 id="runs">Agent runs ({len(runs):,})</h2>', f'<p class="note">A run id links to {_e(runs_url)}'
-                "ID: the timeline agent.py serve shows (--runs-url sets where)."
-                + (f" The latest {_MAX_LIST_ROWS:,}; --json has all." if len(runs) > _MAX_LIST_ROWS else "")
-                + "</p>", _html_table("runs", _HTML_RUN_COLUMNS, runs[-_MAX_LIST_ROWS:], runs_url=runs_url)]
-    return out + [f'<h2 id="ledgers">Ledgers read ({len(audit.ledgers):,})</h2><details><summary>show the list'
-                  "</summary>", _html_table("ledgers", ("path", "status", "lines", "reason"),
-                                            audit.ledgers[:_MAX_LIST_ROWS]), "</details>"]
+        out += [
+            f'<h2 id="runs">Agent runs ({len(runs):,})</h2>',
+            f'<p class="note">A run id links to {_e(runs_url)}'
+            "ID: the timeline agent.py serve shows (--runs-url sets where)."
+            + (
+                f" The latest {_MAX_LIST_ROWS:,}; --json has all."
+                if len(runs) > _MAX_LIST_ROWS
+                else ""
+            )
+            + "</p>",
+            _html_table("runs", _HTML_RUN_COLUMNS, runs[-_MAX_LIST_ROWS:], runs_url=runs_url)
+        ]
+    return out + [
+        f'<h2 id="ledgers">Ledgers read ({len(audit.ledgers):,})</h2><details><summary>show the list'
+        "</summary>",
+        _html_table(
+            "ledgers", ("path", "status", "lines", "reason"), audit.ledgers[:_MAX_LIST_ROWS]
+        ),
+        "</details>"
+    ]
 
 
 def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_RUNS_URL):
     series, order = _chart_models(audit)
     colours = {s["key"]: s["colour"] for s in series if s["key"]}
-    # the x axis: every calendar day to the last (at most _MAX_CHART_DAYS), or the days found if some are not dates
+    # the x axis: every calendar day to the last (at most _MAX_CHART_DAYS), or the days found if
+    # some are not dates
     days = sorted({day for (_m, _b, day) in audit.groups})[-_MAX_CHART_DAYS:]
     dated = bool(days) and all(map(_is_date, days))
     if dated:
@@ -1029,40 +1626,81 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
         n = min((last - datetime.date.fromisoformat(days[0])).days, _MAX_CHART_DAYS - 1)
         days = [(last - datetime.timedelta(i)).isoformat() for i in range(n, -1, -1)]
     years = _DASH.join(sorted({days[0][:4], days[-1][:4]})) if dated else ""
-    axis = (days, [day[5:] if dated else day for day in days], f"day (UTC{', ' + years if years else ''})")
+    axis = (
+        days,
+        [day[5:] if dated else day for day in days],
+        f"day (UTC{', ' + years if years else ''})"
+    )
     rank = {key: i for i, key in enumerate(order)}
-    shown = sorted(rows, key=lambda r: rank.get((r["request_model"], r["base_url"]), len(rank)))[:_MAX_TABLE_ROWS]
+    shown = sorted(rows, key=lambda r: rank.get((r["request_model"], r["base_url"]), len(rank)))[
+        :_MAX_TABLE_ROWS
+    ]
     sums, files = _sums(rows), len(audit.ledgers)
     calls, ok, measured = sums["calls"], sums["ok"], sums["usage_calls"]
-    out = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8">',
-           '<meta name="viewport" content="width=device-width, initial-scale=1">',
-           f"<title>reasoning-ledger audit</title><style>{_CSS}</style></head><body><h1>Model calls audit</h1>",
-           f'<p class="note">{files:,} ledger{"s" if files != 1 else ""}, {calls:,} model calls, '
-           + ("verified (every hash chain checked)." if verified else '<strong class="warn">UNVERIFIED</strong> '
-              "(--no-verify): the hash chain was not checked; anything on this page may have been edited.")
-           + '</p><nav><a href="#models">Models</a><a href="#per-day">Per day</a><a href="#errors">Errors</a>'
-           '<a href="#latency">Latency</a><a href="#changes">Changes</a>'
-           + ('<a href="#runs">Agent runs</a>' if runs else "") + '<a href="#ledgers">Ledgers</a></nav>']
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>reasoning-ledger audit</title><style>{_CSS}</style></head><body><h1>Model calls audit</h1>",
+        f'<p class="note">{files:,} ledger{"s" if files != 1 else ""}, {calls:,} model calls, '
+        + (
+            "verified (every hash chain checked)."
+            if verified
+            else '<strong class="warn">UNVERIFIED</strong> '
+            "(--no-verify): the hash chain was not checked; anything on this page may have been edited."
+        )
+        + '</p><nav><a href="#models">Models</a><a href="#per-day">Per day</a><a href="#errors">Errors</a>'
+        '<a href="#latency">Latency</a><a href="#changes">Changes</a>'
+        + ('<a href="#runs">Agent runs</a>' if runs else "")
+        + '<a href="#ledgers">Ledgers</a></nav>'
+    ]
     out += [f'<p class="warn">{_e(line)}</p>' for line in _warnings(audit)[:_MAX_LIST_ROWS]]
     latencies = sorted(v for g in audit.groups.values() for v in g.latencies)
     strings = f"{len(audit.model_strings):,}{'+' if audit.folded else ''} model strings"
-    cards = [("Model calls", f"{calls:,}", f"{strings} \u00b7 {len(days):,} days"),
-             ("Failed", f"{calls - ok:,}", f"{(calls - ok) / calls:.1%} of calls" if calls else ""),
-             ("No usage reported", f"{sums['no_usage']:,}", f"of {ok:,} ok calls"),
-             ("Tokens reported", _short(sums["input_tokens"] + sums["output_tokens"]) if measured else _DASH,
-              f"in + out, from {measured:,} calls"),
-             ("Tokens estimated", _short(sums["est_input_tokens"] + sums["est_output_tokens"]), "chars/4, in + out"),
-             ("Latency p50", _ms_text(percentile(latencies, 50)), f"p95 {_ms_text(percentile(latencies, 95))}")]
-    out += ['<div class="cards">'] + [f'<div class="card"><div class="k">{_e(k)}</div><div class="v">{_e(v)}</div>'
-                                       f'<div class="s">{_e(s)}</div></div>' for k, v, s in cards] + ["</div>"]
+    cards = [
+        ("Model calls", f"{calls:,}", f"{strings} \u00b7 {len(days):,} days"),
+        ("Failed", f"{calls - ok:,}", f"{(calls - ok) / calls:.1%} of calls" if calls else ""),
+        ("No usage reported", f"{sums['no_usage']:,}", f"of {ok:,} ok calls"),
+        (
+            "Tokens reported",
+            _short(sums["input_tokens"] + sums["output_tokens"]) if measured else _DASH,
+            f"in + out, from {measured:,} calls"
+        ),
+        (
+            "Tokens estimated",
+            _short(sums["est_input_tokens"] + sums["est_output_tokens"]),
+            "chars/4, in + out"
+        ),
+        (
+            "Latency p50",
+            _ms_text(percentile(latencies, 50)),
+            f"p95 {_ms_text(percentile(latencies, 95))}"
+        )
+    ]
+    out += (
+        ['<div class="cards">']
+        + [
+            f'<div class="card"><div class="k">{_e(k)}</div><div class="v">{_e(v)}</div>'
+            f'<div class="s">{_e(s)}</div></div>'
+            for k, v, s in cards
+        ]
+        + ["</div>"]
+    )
     out += [
         f'<h2 id="models">Models{" by day" if by_day else ""}</h2><p class="note">One row per model string (the '
         f'model asked for, at its endpoint){" and day" if by_day else ""}, busiest first. Reported tokens are what '
         "servers said; estimated tokens are chars/4 and are never added to them. \u2013 means nothing was reported."
         " OK calls, malformed payloads, minimum latency and fingerprints: --json or --csv."
-        + (f" The {len(shown):,} busiest rows; --json or --csv has all {len(rows):,}." if len(rows) > len(shown)
-           else "") + "</p>",
-        _html_table("models", [c for c in _HTML_MODEL_COLUMNS if by_day or c != "day"], shown, colours)]
+        + (
+            f" The {len(shown):,} busiest rows; --json or --csv has all {len(rows):,}."
+            if len(rows) > len(shown)
+            else ""
+        )
+        + "</p>",
+        _html_table(
+            "models", [c for c in _HTML_MODEL_COLUMNS if by_day or c != "day"], shown, colours
+        )
+    ]
     out += _per_day_section(series, axis) + _errors_section(series, axis) + _latency_section(series)
     out += _lists_sections(audit, changes, runs, runs_url, colours) + ["</body></html>"]
     return "\n".join(out) + "\n"
@@ -1070,40 +1708,100 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
 
 # == CLI ==
 
+
 def _build_parser():
     p = rl.ArgumentParser(
-        prog="audit.py", description="What each model string did, day by day.",
-        epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHANGED, rl.EXIT_OUTPUT),
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("paths", nargs="*", metavar="PATH",
-                   help="ledgers, directories or globs (default: calls.jsonl and runs/*/events.jsonl)")
+        prog="audit.py",
+        description="What each model string did, day by day.",
+        epilog=rl.exit_codes_epilog(
+            rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_CHANGED, rl.EXIT_OUTPUT
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "paths",
+        nargs="*",
+        metavar="PATH",
+        help="ledgers, directories or globs (default: calls.jsonl and runs/*/events.jsonl)"
+    )
     p.add_argument("--version", action="version", version=__version__)
-    p.add_argument("--by", choices=("model", "day", "session"), default="model",
-                   help="one row per model, per model and day, or per model and proxy session (X-Ledger-Session)")
+    p.add_argument(
+        "--by",
+        choices=("model", "day", "session"),
+        default="model",
+        help="one row per model, per model and day, or per model and proxy session (X-Ledger-Session)"
+    )
     p.add_argument("--since", help="date (UTC) or ISO time")
     p.add_argument("--until", help="date (inclusive) or ISO time")
     p.add_argument("--model", help="only this request_model")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--json", action="store_true", help="machine-readable output, stable keys")
     out.add_argument("--csv", action="store_true", help="the model table as CSV")
-    p.add_argument("--wide", action="store_true", help=f"every column, names whole (default: fit {TEXT_WIDTH} columns)")
+    p.add_argument(
+        "--wide",
+        action="store_true",
+        help=f"every column, names whole (default: fit {TEXT_WIDTH} columns)"
+    )
     p.add_argument("--html", metavar="FILE", help="also write a self-contained page with charts")
-    p.add_argument("--runs-url", default=DEFAULT_RUNS_URL, metavar="URL", help="with --html: run ids link to URL + id, "
-                   f"e.g. the daemon's http://HOST:PORT/runs/ (default {DEFAULT_RUNS_URL!r}, relative to the page)")
-    p.add_argument("--no-verify", action="store_true", help="audit without checking the chain (marked UNVERIFIED)")
-    p.add_argument("--fail-on-change", action="store_true", help="exit 4 when the Changes section is not empty")
-    p.add_argument("--latency-shift", type=float, default=DEFAULT_LATENCY_SHIFT, help="flag a p50/p95 move larger "
-                   "than this fraction (default 0.5)")
-    p.add_argument("--latency-floor", type=float, default=DEFAULT_LATENCY_FLOOR_MS, metavar="MS", help="never flag a "
-                   "latency move smaller than this many ms (default 50)")
-    p.add_argument("--rate-jump", type=float, default=DEFAULT_RATE_JUMP, help="flag an error rate rise or pass rate "
-                   "fall of this much (default 0.2)")
-    p.add_argument("--from", dest="from_url", nargs="?", const="", metavar="URL",
-                   help=f"audit the lines shipped to ClickHouse at URL (default ${rl.SHIP_URL_ENV}) instead of "
-                        f"files; user and password from ${rl.SHIP_USER_ENV} / ${rl.SHIP_PASSWORD_ENV}")
-    p.add_argument("--database", default=rl.SHIP_DATABASE, metavar="DB", help=f"with --from ({rl.SHIP_DATABASE})")
-    p.add_argument("--table", default=rl.SHIP_TABLE, metavar="T", help=f"with --from ({rl.SHIP_TABLE})")
-    p.add_argument("--timeout", type=float, default=300.0, metavar="S", help="with --from: seconds a request (300)")
+    p.add_argument(
+        "--runs-url",
+        default=DEFAULT_RUNS_URL,
+        metavar="URL",
+        help="with --html: run ids link to URL + id, "
+        f"e.g. the daemon's http://HOST:PORT/runs/ (default {DEFAULT_RUNS_URL!r}, relative to the page)"
+    )
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="audit without checking the chain (marked UNVERIFIED)"
+    )
+    p.add_argument(
+        "--fail-on-change", action="store_true", help="exit 4 when the Changes section is not empty"
+    )
+    p.add_argument(
+        "--latency-shift",
+        type=float,
+        default=DEFAULT_LATENCY_SHIFT,
+        help="flag a p50/p95 move larger " "than this fraction (default 0.5)"
+    )
+    p.add_argument(
+        "--latency-floor",
+        type=float,
+        default=DEFAULT_LATENCY_FLOOR_MS,
+        metavar="MS",
+        help="never flag a " "latency move smaller than this many ms (default 50)"
+    )
+    p.add_argument(
+        "--rate-jump",
+        type=float,
+        default=DEFAULT_RATE_JUMP,
+        help="flag an error rate rise or pass rate " "fall of this much (default 0.2)"
+    )
+    p.add_argument(
+        "--from",
+        dest="from_url",
+        nargs="?",
+        const="",
+        metavar="URL",
+        help=f"audit the lines shipped to ClickHouse at URL (default ${rl.SHIP_URL_ENV}) instead of "
+        f"files; user and password from ${rl.SHIP_USER_ENV} / ${rl.SHIP_PASSWORD_ENV}"
+    )
+    p.add_argument(
+        "--database",
+        default=rl.SHIP_DATABASE,
+        metavar="DB",
+        help=f"with --from ({rl.SHIP_DATABASE})"
+    )
+    p.add_argument(
+        "--table", default=rl.SHIP_TABLE, metavar="T", help=f"with --from ({rl.SHIP_TABLE})"
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="with --from: seconds a request (300)"
+    )
     return p
 
 
@@ -1119,47 +1817,86 @@ def run_audit(paths, *, verify=True, since=None, until=None, model=None, by_sess
 
 
 def _run(args):
-    for name, value, low in (("--latency-shift", args.latency_shift, 0), ("--rate-jump", args.rate_jump, 0),
-                             ("--latency-floor", args.latency_floor, None)):
+    for name, value, low in (
+        ("--latency-shift", args.latency_shift, 0),
+        ("--rate-jump", args.rate_jump, 0),
+        ("--latency-floor", args.latency_floor, None)
+    ):
         if not (math.isfinite(value) and (value > 0 if low == 0 else value >= 0)):
-            raise AuditError(f"{name} must be a " + ("positive number" if low == 0 else "number of at least 0"))
+            raise AuditError(
+                f"{name} must be a " + ("positive number" if low == 0 else "number of at least 0")
+            )
     since = rl.parse_time(args.since) if args.since else None
     until = rl.parse_time(args.until, end=True) if args.until else None
     if args.from_url is not None:
         if args.paths or args.by == "session":
-            raise AuditError("--from reads ClickHouse: it takes no PATH" if args.paths else
-                             "--by session reads ledgers: the shipped table has no session column")
-        client = rl.ClickHouse(args.from_url or None, database=args.database, table=args.table, timeout=args.timeout)
+            raise AuditError(
+                "--from reads ClickHouse: it takes no PATH"
+                if args.paths
+                else "--by session reads ledgers: the shipped table has no session column"
+            )
+        client = rl.ClickHouse(
+            args.from_url or None, database=args.database, table=args.table, timeout=args.timeout
+        )
         try:
-            audit, failures = remote_audit(client, since=since, until=until, model=args.model,
-                                           verify=not args.no_verify)
+            audit, failures = remote_audit(
+                client, since=since, until=until, model=args.model, verify=not args.no_verify
+            )
         except rl.ClickHouseError as exc:
             exc.exit_code = rl.EXIT_USAGE  # the input could not be read
             raise
     else:
-        audit, failures = run_audit(args.paths, verify=not args.no_verify, since=since, until=until,
-                                    model=args.model, by_session=args.by == "session")
+        audit, failures = run_audit(
+            args.paths,
+            verify=not args.no_verify,
+            since=since,
+            until=until,
+            model=args.model,
+            by_session=args.by == "session"
+        )
     if failures:
         for exc in failures:
             rl.write_out(f"FAIL  {rl.printable(exc)}\n")
-        rl.error(f"{len(failures)} ledger(s) failed verification; nothing was audited "
-                 f"(--no-verify audits anyway, marked UNVERIFIED): {failures[0]}")
+        rl.error(
+            f"{len(failures)} ledger(s) failed verification; nothing was audited "
+            f"(--no-verify audits anyway, marked UNVERIFIED): {failures[0]}"
+        )
         return rl.EXIT_FAILED
     if not audit.ledgers:
-        where = ", ".join(map(str, args.paths)) if args.paths else "./calls.jsonl and ./runs/*/events.jsonl"
-        rl.warn(f"no ledgers found (looked in {where})" if args.from_url is None
-                else "no ledgers found in ClickHouse (nothing shipped in that time range)")
+        where = (
+            ", ".join(map(str, args.paths))
+            if args.paths
+            else "./calls.jsonl and ./runs/*/events.jsonl"
+        )
+        rl.warn(
+            f"no ledgers found (looked in {where})"
+            if args.from_url is None
+            else "no ledgers found in ClickHouse (nothing shipped in that time range)"
+        )
     by_day = args.by != "model"  # by session: the session in the day column
     rows = audit.model_rows(by_day)
     for row in rows if args.by == "session" else ():
         row["session_id"] = row["day"]
-    changes = [] if args.by == "session" else audit.changes(args.latency_shift, args.rate_jump, args.latency_floor)
+    changes = (
+        []
+        if args.by == "session"
+        else audit.changes(args.latency_shift, args.rate_jump, args.latency_floor)
+    )
     runs, verified = audit.run_rows(), not args.no_verify
     if args.html:
-        Path(args.html).write_text(render_html(audit, rows, changes, runs, verified, by_day, runs_url=args.runs_url),
-                                   encoding="utf-8")
-    rl.write_out(render_json(audit, rows, changes, runs, verified, by_day) if args.json else render_csv(rows)
-                 if args.csv else render_text(audit, rows, changes, runs, verified, by_day, wide=args.wide))
+        Path(args.html).write_text(
+            render_html(audit, rows, changes, runs, verified, by_day, runs_url=args.runs_url),
+            encoding="utf-8"
+        )
+    rl.write_out(
+        render_json(audit, rows, changes, runs, verified, by_day)
+        if args.json
+        else (
+            render_csv(rows)
+            if args.csv
+            else render_text(audit, rows, changes, runs, verified, by_day, wide=args.wide)
+        )
+    )
     if args.fail_on_change and changes:
         rl.error(f"{len(changes)} change(s) found")
         return rl.EXIT_CHANGED
