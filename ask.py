@@ -7,7 +7,6 @@ Usage:
   python ask.py --expect-json --retries 3 < prompt.txt
   python ask.py --stream < prompt.txt             # print as it arrives; records time-to-first-token
   python ask.py --models                          # is my key and base URL right? lists the model ids
-  python ask.py proxy [--listen 127.0.0.1:8787]   # a recording proxy for any OpenAI client (docs/proxy.md)
 
 Settings (environment; flags override): BASE_URL (or OPENAI_BASE_URL), API_KEY (or OPENAI_API_KEY),
 MODEL_ID (--model). Optional: LEDGER (--ledger, default ./calls.jsonl), LEDGER_RUN_ID, LEDGER_KEY.
@@ -22,7 +21,6 @@ import argparse
 import contextlib
 import functools
 import hashlib
-import hmac
 import http.client
 import json
 import math
@@ -424,6 +422,200 @@ def run_checks(
     )
 
 
+# --- HTTP kit: never a redirect, one deadline for a whole request, one capped server ---
+
+# {pid: (heap of (at, id, Deadline), Condition)}: one thread a process expires every Deadline (a
+# thread per deadline costs more than a call to a local server); a forked child starts its own.
+_timers = {}
+
+
+def _timer():
+    import heapq
+
+    fresh = ([], threading.Condition())
+    heap, wake = timer = _timers.setdefault(os.getpid(), fresh)
+
+    def run():
+        while True:
+            with wake:
+                while heap and heap[0][2].cancelled:
+                    heapq.heappop(heap)
+                due = heap[0][0] - time.monotonic() if heap else None
+                if due is None or due > 0:
+                    wake.wait(due)
+                    continue
+                deadline = heapq.heappop(heap)[2]
+            deadline.expire()
+
+    if timer is fresh:
+        threading.Thread(target=run, name="deadlines", daemon=True).start()
+    return timer
+
+
+def shut(sock, how=socket.SHUT_RDWR):
+    try:
+        sock.shutdown(how)
+    except OSError:
+        pass
+
+
+class Deadline:
+    """The deadline of a whole request, connect to last byte: a server that trickles one byte at a time
+    passes every socket timeout, so every socket watched is shut down when it passes. Deadline(None)
+    has none."""
+
+    def __init__(self, seconds):
+        import heapq
+
+        self.seconds, self.expired, self.cancelled = seconds, False, False
+        self.at = time.monotonic() + seconds if seconds else None
+        self._sockets, self._lock = [], threading.Lock()
+        if seconds:
+            heap, wake = _timers.get(os.getpid()) or _timer()
+            with wake:
+                heapq.heappush(heap, (self.at, id(self), self))
+                wake.notify()
+
+    def remaining(self):
+        return max(0.001, self.at - time.monotonic()) if self.at is not None else None
+
+    def watch(self, sock, how=socket.SHUT_RDWR):
+        """Shut `sock` (both ways, or `how`) when the deadline passes."""
+        with self._lock:
+            self._sockets.append((sock, how))
+            if self.expired:
+                shut(sock, how)
+        return sock
+
+    def expire(self):
+        with self._lock:
+            if not self.cancelled:
+                self.expired = True
+                for sock, how in self._sockets:
+                    shut(sock, how)
+
+    def cancel(self):
+        with self._lock:
+            self.cancelled = True
+
+
+# this thread's opener (one costs more to build than a local call), and its deadline
+_http = threading.local()
+
+
+def http_open(request, deadline, timeout=None):
+    """Open a urllib Request: proxies from the environment, never a redirect (a 3xx raises HTTPError,
+    so no key goes to another URL), every socket under `deadline`, each read under `timeout`
+    (default: what remains)."""
+    if getattr(_http, "opener", None) is None:
+        import http.client
+        import urllib.request
+
+        def watched(connection_class):
+            def make(host, **kwargs):
+                conn = connection_class(host, **kwargs)
+                create, deadline = conn._create_connection, _http.deadline
+                conn._create_connection = lambda *args, **kw: deadline.watch(create(*args, **kw))
+                return conn
+
+            return make
+
+        class Watched(urllib.request.AbstractHTTPHandler):
+            http_request = https_request = urllib.request.AbstractHTTPHandler.do_request_
+
+            def http_open(self, req):
+                return self.do_open(watched(http.client.HTTPConnection), req)
+
+            # the certificates (~20 ms) load only once an https URL is used
+            def https_open(self, req):
+                return self.do_open(
+                    watched(http.client.HTTPSConnection), req, context=_tls_context()
+                )
+
+        _http.opener = urllib.request.OpenerDirector()  # no redirect handler: a 3xx is an HTTPError
+        for handler in (
+            urllib.request.ProxyHandler(),
+            urllib.request.UnknownHandler(),
+            Watched(),
+            urllib.request.HTTPDefaultErrorHandler(),
+            urllib.request.HTTPErrorProcessor()
+        ):
+            _http.opener.add_handler(handler)
+    _http.deadline = deadline
+    return _http.opener.open(
+        request, timeout=timeout if timeout is not None else deadline.remaining()
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _tls_context():
+    import ssl
+
+    return ssl.create_default_context()
+
+
+class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
+    """A thread per connection, at most `max_connections` (past that `busy`, an answer's bytes, and a
+    close). Handlers add their idle keep-alive sockets to `idle` (under `lock`), which stop() shuts
+    at once."""
+
+    daemon_threads, block_on_close, allow_reuse_address, request_queue_size = True, False, True, 128
+
+    def __init__(self, address, handler, max_connections, busy):
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self.max_connections, self.busy, self.slots = (
+            max_connections,
+            busy,
+            threading.Semaphore(max_connections)
+        )
+        self.lock, self.idle, self.stopping = threading.Lock(), set(), False
+        super().__init__(address, handler)
+
+    def refused(self, client_address):
+        """Called for a connection over the cap, before its busy answer."""
+
+    def log_error(self, text):
+        rl.error(text)
+
+    def handle_error(self, request, client_address):  # one line, not socketserver's traceback
+        self.log_error(f"connection from {client_address[0]}: {type(sys.exc_info()[1]).__name__}")
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            self.refused(client_address)
+            try:
+                request.settimeout(1.0)
+                request.sendall(self.busy)
+            except OSError:
+                pass
+            return self.shutdown_request(request)
+        try:
+            super().process_request(request, client_address)
+        except RuntimeError:  # no thread could be started
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def stop(self, grace):
+        """Idle connections closed at once, then no new connection; those in flight get `grace`
+        seconds."""
+        with self.lock:
+            self.stopping = True
+            for sock in self.idle:
+                shut(sock)
+        self.shutdown()
+        self.server_close()
+        ends = time.monotonic() + grace
+        for _ in range(self.max_connections):  # every slot back: every request done
+            if not self.slots.acquire(timeout=max(0.0, ends - time.monotonic())):
+                break
+
+
 # --- Transport: no redirects, one deadline for the whole attempt, bounded reads ---
 
 
@@ -463,7 +655,7 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
     # \u escapes: lone surrogates go out too
     data = None if body is None else json.dumps(body).encode("ascii")
     try:
-        response = rl.http_open(urllib.request.Request(url, data=data, headers=headers), deadline)
+        response = http_open(urllib.request.Request(url, data=data, headers=headers), deadline)
     except urllib.error.HTTPError as exc:
         with exc:
             raw = _read_body(exc, MAX_ERROR_BODY_BYTES, deadline, tolerant=True)
@@ -973,7 +1165,7 @@ def _attempts(
         if dropped:
             record["stream_options_dropped"] = True
         text, failure, problems, state, started = None, None, [], {}, time.perf_counter()
-        deadline = rl.Deadline(
+        deadline = Deadline(
             timeout if until is None else max(0.001, min(timeout, until - time.monotonic()))
         )
         try:
@@ -1231,7 +1423,7 @@ def _models_call(redactor, split, api_key, timeout, limit):
         "error_code": None,
         "error_message": None
     }
-    started, deadline = time.perf_counter(), rl.Deadline(timeout)
+    started, deadline = time.perf_counter(), Deadline(timeout)
     problems, raw, failure, headers = [], None, None, None
     try:
         with _open(
@@ -1277,473 +1469,6 @@ def _models_call(redactor, split, api_key, timeout, limit):
         deadline.cancel()
     _finish(record, started, None, failure, [], redactor, answered=True)
     return record, raw, failure, headers
-
-
-# --- The recording proxy: `ask.py proxy`, every upstream attempt of every client one model_call
-# line ---
-
-PROXY_ROUTES = {
-    "/chat/completions": "POST",
-    "/completions": "POST",
-    "/responses": "POST",
-    "/embeddings": "POST",
-    "/models": "GET"
-}
-PROXY_LISTEN = "127.0.0.1:8787"
-PROXY_MAX_BODY = 32 * 1024 * 1024
-MAX_HEADER_CHARS = 200
-_PROXY_OPTIONS = (  # flag, type, default, least value (None: above 0), help
-    ("--max-connections", int, 64, 1, "past this many at once, 503 with Retry-After"),
-    ("--grace", float, 10.0, 0, "seconds for the requests in flight at SIGTERM"),
-    ("--idle-timeout", float, 15.0, None, "seconds a keep-alive connection may idle"),
-    ("--read-timeout", float, 30.0, None, "seconds to read one request, head and body"),
-    (
-        "--timeout",
-        float,
-        600.0,
-        None,
-        "seconds for a whole upstream attempt, a long stream included"
-    ),
-    (
-        "--max-response-bytes",
-        int,
-        DEFAULT_MAX_RESPONSE_BYTES,
-        1024,
-        "the largest upstream body or stream"
-    )
-)
-_PASS_BACK = (
-    "content-type",
-    "retry-after",
-    "retry-after-ms",
-    "x-request-id",
-    "openai-processing-ms"
-)
-_WHOLE_ERRORS = ("api_error", "malformed_response", "empty_content")  # the stream ended by itself
-
-
-def _is_loopback(host):
-    import ipaddress
-
-    try:
-        return host == "localhost" or ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return False
-
-
-def _json_text(value):
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
-
-
-def _as_text(content):
-    """A client's content as text: a string, content parts (text kept, others such as images named),
-    null."""
-    if content is None or type(content) is str:
-        return content or ""
-    if type(content) is not list:
-        return _json_text(content)
-    return "".join(
-        (
-            part["text"]
-            if type(part) is dict and type(part.get("text")) is str
-            else (
-                f"[{str(part.get('type', 'part'))[:40]}]"
-                if type(part) is dict
-                else part if type(part) is str else _json_text(part)
-            )
-        )
-        for part in content
-    )
-
-
-def _client_messages(route, body):
-    """(messages, token ids): a client's prompt as [{role, content}] text, and the ids of any token
-    arrays."""
-    tokens, items = 0, []
-    if route == "/chat/completions":
-        items = (
-            body.get("messages") if type(body.get("messages")) is list else [body.get("messages")]
-        )
-    elif route == "/responses":
-        if body.get("instructions") is not None:
-            items.append({"role": "system", "content": body["instructions"]})
-        given = body.get("input")
-        items += given if type(given) is list else [{"role": "user", "content": given}]
-    else:
-        given = body.get("prompt" if route == "/completions" else "input")
-        given = given if type(given) is list else [given]
-        for one in [given] if given and all(type(x) is int for x in given) else given:
-            if type(one) is list and all(type(x) is int for x in one):
-                tokens += len(one)
-            else:
-                items.append({"role": "user", "content": one})
-    messages = []
-    for item in [
-        i if type(i) is dict else {"role": "user", "content": i} for i in items if i is not None
-    ]:
-        role = (
-            item.get("role")
-            if type(item.get("role")) is str
-            else ("tool" if str(item.get("type", "")).endswith("_output") else "assistant")
-        )
-        calls = "".join(
-            v if type(v) is str else _json_text(v)
-            for k, v in item.items()
-            if k in ("tool_calls", "function_call", "arguments", "output")
-        )
-        messages.append(
-            {
-                "role": "system" if role == "developer" else role[:40],
-                "content": _as_text(item.get("content")) + calls
-            }
-        )
-    return messages, tokens
-
-
-def _passed_back(headers):
-    return [
-        (name, re.sub(r"[\r\n]", " ", value))
-        for name, value in (headers.items() if headers is not None else ())
-        if name.lower() in _PASS_BACK or name.lower().startswith("x-ratelimit-")
-    ]
-
-
-def _http_answer(status, body, headers=(), close=False, chunked=False):
-    """The bytes of one answer, head and body in one write (no Nagle delay between them)."""
-    head = [f"HTTP/1.1 {status} {http.client.responses.get(status, 'Status')}"]
-    head += [f"{name}: {value}" for name, value in headers]
-    if not any(name.lower() == "content-type" for name, _ in headers):
-        head.append("Content-Type: " + ("text/event-stream" if chunked else "application/json"))
-    head.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}")
-    if close:
-        head.append("Connection: close")
-    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1", "replace") + body
-
-
-def _error_json(message, code, kind="proxy_error"):
-    return json.dumps(
-        {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    ).encode()
-
-
-class _ProxyServer(rl.CappedServer):
-    """The settings, the one Ledger and a thread per connection, at most --max-connections (past that a
-    503)."""
-
-    def __init__(self, address, args, upstream, token):
-        base_url, self.model, self.api_key = upstream
-        self.args, self.split, self.token = args, split_base_url(base_url), token
-        self.secrets = [s for s in (self.api_key, token) if s]
-        self.book = rl.Ledger(
-            args.ledger,
-            os.environ.get("LEDGER_RUN_ID") or None,
-            fsync=not args.no_fsync,
-            secrets=self.secrets
-        )
-        _check_ledger(self.book)
-        busy = _http_answer(
-            503,
-            _error_json("too many connections; retry later", "busy"),
-            [("Retry-After", "1")],
-            close=True
-        )
-        try:
-            super().__init__(address, _ProxyHandler, args.max_connections, busy)
-        except OSError as exc:
-            raise ConfigError(f"cannot listen on {args.listen}: {rl.error_text(exc)}") from None
-
-    def append(self, kind, record):
-        try:
-            _append(self.book, kind, record)
-        # the answer still goes to the client: a paid answer is never thrown away
-        except RecordError as exc:
-            rl.error(str(exc), self.secrets)
-
-
-class _ProxyHandler(socketserver.StreamRequestHandler):
-    """One client connection: requests in turn (keep-alive), each read under --read-timeout, then
-    forwarded."""
-
-    def handle(self):
-        # each event goes out at once
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        args, self.close = self.server.args, False
-        while not self.close and self._await_request():
-            self.started, self.status, self.method, self.path = time.perf_counter(), None, "-", "-"
-            self.deadline = rl.Deadline(args.read_timeout)
-            self.deadline.watch(self.connection)
-            self.connection.settimeout(args.read_timeout)
-            try:
-                self._one_request()
-            except OSError:  # the client went away: nothing to answer
-                return
-            finally:
-                self.deadline.cancel()
-            if args.verbose:
-                print(
-                    rl.printable(
-                        f"proxy: {self.client_address[0]} {self.method} {self.path[:200]} {self.status} "
-                        f"{_ms_since(self.started)} ms"
-                    ),
-                    file=sys.stderr,
-                    flush=True
-                )
-
-    def _await_request(self):
-        """Wait --idle-timeout for a request; at shutdown none (a request already sent gets its 503)."""
-        app = self.server
-        with app.lock:  # stop() shuts the idle connections; one that comes later does not wait
-            stopping = app.stopping
-            app.idle.add(self.connection)
-        try:
-            self.connection.settimeout(0.0 if stopping else app.args.idle_timeout)
-            return bool(self.rfile.peek(1))
-        except OSError:
-            return False
-        finally:
-            with app.lock:
-                app.idle.discard(self.connection)
-
-    def _one_request(self):
-        try:
-            route, raw = self._read_request()
-        # nothing was sent upstream; a body left unread ends the connection
-        except _CallFailed as refused:
-            self.close = (
-                self.close
-                or "Transfer-Encoding" in self.headers
-                or (self.headers.get("Content-Length") or "0") != "0"
-            )
-            return self._error(
-                refused.status, refused.message, refused.error_type, refused.headers or ()
-            )
-        # the body is in: from here the upstream's deadline bounds the request
-        self.deadline.cancel()
-        self.connection.settimeout(self.server.args.timeout + self.server.args.read_timeout)
-        return self._models() if route == "/models" else self._call(route, raw)
-
-    def _read_request(self):
-        """(route, body) of a request that passes every check; raises _CallFailed to refuse it."""
-        app, line, self.close = self.server, self.rfile.readline(65537), True
-        parts = line.decode("latin-1").split()
-        if len(line) > 65536 or len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
-            raise _CallFailed("invalid_request", "not an HTTP/1.x request line", 400)
-        self.method, self.path = parts[0], rl.redact_text(parts[1], app.secrets)
-        try:
-            self.headers = http.client.parse_headers(self.rfile)
-        except http.client.HTTPException:
-            raise _CallFailed(
-                "invalid_request", "the request headers are too long or too many", 431
-            ) from None
-        header = self.headers.get
-        connection = (header("Connection") or "").lower()
-        self.close = "close" in connection or (
-            parts[2] == "HTTP/1.0" and "keep-alive" not in connection
-        )
-        host = (header("Host") or "").strip()
-        host = (
-            host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
-        )
-        path = self.path.split("?", 1)[0]
-        route = path[3:].rstrip("/") if path.startswith("/v1/") else None
-        if app.stopping:
-            self.close = True
-            raise _CallFailed(
-                "unavailable", "the proxy is shutting down", 503, [("Retry-After", "1")]
-            )
-        if app.token and not hmac.compare_digest(
-            (header("Authorization") or "").encode("latin-1", "replace"),
-            f"Bearer {app.token}".encode()
-        ):
-            raise _CallFailed("invalid_api_key", "the proxy token is required as the API key", 401)
-        if not app.token and not _is_loopback(host):
-            raise _CallFailed(
-                "forbidden", "Host must be a loopback name (set PROXY_TOKEN to serve others)", 403
-            )
-        if route not in PROXY_ROUTES:
-            raise _CallFailed("not_found", f"no route {path[:200]}", 404)
-        if self.method != PROXY_ROUTES[route]:
-            raise _CallFailed(
-                "method_not_allowed",
-                f"use {PROXY_ROUTES[route]}",
-                405,
-                [("Allow", PROXY_ROUTES[route])]
-            )
-        length = header("Content-Length") or ("" if self.method == "POST" else "0")
-        if header("Transfer-Encoding") or not length.isdigit():
-            raise _CallFailed("length_required", "send the body with Content-Length", 411)
-        if int(length) > PROXY_MAX_BODY:
-            raise _CallFailed("request_too_large", f"the body is over {PROXY_MAX_BODY} bytes", 413)
-        if (header("Expect") or "").lower() == "100-continue":
-            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        raw = self.rfile.read(int(length))
-        if len(raw) < int(length):
-            raise _CallFailed("incomplete_body", "the body is shorter than its Content-Length", 400)
-        return route, raw
-
-    def _record(self, route, model, stream, attempt, messages, tokens, body):
-        """The record of one upstream attempt: a direct call's, plus the client's route, address and
-        headers."""
-        number = body.get("temperature")
-        limits = [body.get(k) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")]
-        limits = [n for n in limits if type(n) is int and 0 < n < 2**63]
-        record = _new_record(
-            model,
-            *self.server.split[1:],
-            stream,
-            attempt,
-            messages,
-            {
-                "temperature": (
-                    number if type(number) in (int, float) and abs(number) < math.inf else None
-                ),
-                "max_tokens": limits[0] if limits else None
-            }
-        )
-        if tokens:
-            record["est_input_tokens"] += tokens
-            record["est_method"] = EST_METHOD + " + token ids counted"
-        retry = self.headers.get("x-stainless-retry-count") or ""
-        record.update(
-            route=route,
-            client_address=self.client_address[0],
-            user_agent=(self.headers.get("User-Agent") or "")[:MAX_HEADER_CHARS] or None,
-            session_id=(self.headers.get("X-Ledger-Session") or "")[:MAX_HEADER_CHARS] or None,
-            client_retry=int(retry) if retry.isdigit() and len(retry) < 10 else None
-        )
-        return record
-
-    def _call(self, route, raw):
-        app, refused = self.server, None
-        try:
-            body = json.loads(raw.decode("utf-8"))
-            if type(body) is not dict:
-                raise ValueError("not a JSON object")
-            messages, tokens = _client_messages(route, body)
-        except (ValueError, RecursionError) as exc:
-            body, messages, tokens = {}, [], 0
-            refused = _CallFailed(
-                "invalid_request", f"the request body cannot be read: {str(exc)[:200]}"
-            )
-        model = body.get("model")
-        if refused is None and (type(model) is not str or not model):
-            refused = _CallFailed("model_missing", "the request has no model")
-        elif refused is None and app.model and model != app.model:
-            refused = _CallFailed(
-                "model_not_allowed", f"this proxy serves {app.model!r} only, not {model[:200]!r}"
-            )
-        model = model[:MAX_FIELD_CHARS] if type(model) is str and model else app.model or ""
-        stream = bool(body.get("stream"))
-        new_record = functools.partial(
-            self._record, route, model, stream, messages=messages, tokens=tokens, body=body
-        )
-        if refused is not None:  # recorded, with no HTTP status: nothing was sent
-            record = new_record(1)
-            _finish(record, self.started, None, refused, [], app.book.redactor)
-            app.append("model_call", record)
-            return self._error(
-                400, refused.message, refused.error_type, kind="invalid_request_error"
-            )
-        options = body.get("stream_options") if type(body.get("stream_options")) is dict else {}
-        injected = stream and route != "/responses" and options.get("include_usage") is not True
-        if injected:
-            body["stream_options"] = dict(options, include_usage=True)
-        result, failure, state, out = _attempts(
-            _endpoint(app.split[0], route),
-            body,
-            new_record,
-            app.append,
-            api_key=app.api_key,
-            timeout=app.args.timeout,
-            limit=app.args.max_response_bytes,
-            redactor=app.book.redactor,
-            relay=functools.partial(_Relay, self, injected) if stream else None,
-            tools_answer=True
-        )
-        return self._answer(result, failure, state, out)
-
-    def _answer(self, record, failure, state, out):
-        """Once the line is written: the stream's last event, the body as it came, the upstream's
-        error, or 502."""
-        if out is not None and (out.began or failure is None):
-            return out.end(failure is None or failure.error_type in _WHOLE_ERRORS)
-        if "raw" in state:  # a body that parsed goes back as it is, whatever the record says of it
-            return self._send(state["status"], state["raw"], _passed_back(state["headers"]))
-        if failure.body is not None and failure.status >= 400:
-            body = failure.body.replace(self.server.api_key.encode(), rl.REDACTED.encode())
-            return self._send(failure.status, body, _passed_back(failure.headers))
-        return self._error(502, f"upstream: {record['error_message']}", record["error_type"])
-
-    def _models(self):
-        app = self.server
-        record, raw, failure, headers = _models_call(
-            app.book.redactor, app.split, app.api_key, app.args.timeout, app.args.max_response_bytes
-        )
-        app.append("models_list", record)
-        return self._answer(
-            record, failure, {"raw": raw, "status": 200, "headers": headers} if raw else {}, None
-        )
-
-    def _send(self, status, body, headers=(), chunked=False):
-        self.status = status
-        self.wfile.write(_http_answer(status, body, headers, close=self.close, chunked=chunked))
-
-    def _error(self, status, message, code, headers=(), kind="proxy_error"):
-        self._send(status, _error_json(message, code, kind), list(headers))
-
-
-class _Relay:
-    """A stream's events to the client as they arrive (chunked); the usage chunk the proxy asked for is
-    dropped, and the last event is held until the ledger line is written."""
-
-    def __init__(self, handler, injected):
-        self.handler, self.injected, self.began, self.held, self.headers = (
-            handler,
-            injected,
-            False,
-            [],
-            None
-        )
-
-    def __call__(self, raw, chunk):
-        if (
-            chunk is None
-            and raw.rstrip().endswith(b"[DONE]")
-            or chunk
-            and chunk.get("type") in _RESPONSE_DONE
-        ):
-            # read at its line
-            self.held.append(raw if raw.endswith((b"\n\n", b"\r\n\r\n")) else raw + b"\n")
-        elif not (
-            self.injected
-            and chunk
-            and chunk.get("choices") == []
-            and chunk.get("usage") is not None
-        ):
-            self._write(raw)
-
-    def _write(self, raw):
-        try:
-            if not self.began:
-                self.began = True
-                self.handler._send(200, b"", _passed_back(self.headers), chunked=True)
-            if raw:
-                self.handler.wfile.write(b"%x\r\n%s\r\n" % (len(raw), raw))
-        except OSError:
-            self.handler.close = True
-            raise _CallFailed(
-                "client_gone", "the client closed the connection during the stream"
-            ) from None
-
-    def end(self, whole):
-        """Send what was held; a whole stream ends cleanly, a broken one by closing the connection."""
-        try:
-            for raw in self.held + [b""]:
-                self._write(raw)
-            self.handler.wfile.write(b"0\r\n\r\n" if whole else b"")
-        except (_CallFailed, OSError):
-            whole = False
-        self.handler.close = self.handler.close or not whole
 
 
 # --- CLI ---
@@ -1925,76 +1650,16 @@ def _print_answer(record, args):
         rl.write_out(ending if args.stream else record["text"] + ending)
 
 
-def _proxy_parser():
-    p = rl.ArgumentParser(
-        prog="ask.py proxy",
-        description="A recording OpenAI-compatible proxy: BASE_URL and API_KEY upstream "
-        "(MODEL_ID optional: pins the model; PROXY_TOKEN optional: the clients' key), one model_call line per "
-        "upstream attempt. See docs/proxy.md.",
-        epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_USAGE),
-        formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    p.add_argument(
-        "--listen",
-        default=PROXY_LISTEN,
-        metavar="HOST:PORT",
-        help=f"default {PROXY_LISTEN}; port 0 " "picks a free one"
-    )
-    p.add_argument("--ledger", help=f"default $LEDGER, then ./{DEFAULT_LEDGER}")
-    for flag, kind, default, _least, text in _PROXY_OPTIONS:
-        p.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
-    p.add_argument(
-        "--no-fsync",
-        action="store_true",
-        help="lines reach the kernel before the answer (kill -9 "
-        "loses none) but are not forced to disk one by one"
-    )
-    p.add_argument("--verbose", action="store_true", help="one line per request on stderr")
-    return p
-
-
-def _run_proxy(args):
-    import signal
-
-    upstream, token = settings_from_env(need_model=False), os.environ.get("PROXY_TOKEN") or None
-    if token is not None and not re.fullmatch(r"[\x21-\x7e]+", token):
-        raise ConfigError(
-            "PROXY_TOKEN must be printable ASCII without spaces (the token is not shown)"
-        )
-    for flag, _kind, _default, least, _text in _PROXY_OPTIONS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        _check_number(flag, value, minimum=least, above=0 if least is None else None)
-    match = re.fullmatch(r"\[?([^\[\]]*?)\]?:([0-9]{1,5})", args.listen)
-    if not match or int(match.group(2)) > 65535:
-        raise ConfigError(f"--listen must be HOST:PORT, not {args.listen!r}")
-    host, port = match.group(1), int(match.group(2))
-    if token is None and not _is_loopback(host):
-        raise ConfigError(f"--listen {host}: set PROXY_TOKEN to listen on anything but loopback")
-    server = _ProxyServer((host, port), args, upstream, token)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True).start()
-    shown = f"[{host}]" if ":" in host else host
-    rl.write_out(
-        f"proxy: listening on http://{shown}:{server.server_address[1]}/v1 -> {server.split[1]} "
-        f"(ledger {args.ledger})\n"
-    )
-    while not stop.wait(1.0):
-        pass
-    server.stop(args.grace)  # new requests 503, idle connections closed; then no new connections
-    return rl.EXIT_OK
-
-
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)
-    proxy = argv[:1] == ["proxy"]  # a prompt file named proxy is ./proxy
-    args, code = rl.parse_cli(_proxy_parser() if proxy else _build_parser(), argv[proxy:])
+    moved = rl.moved_command("ask.py", {"proxy": "proxy.py"}, argv)
+    if moved:
+        return moved
+    args, code = rl.parse_cli(_build_parser(), argv)
     if args is None:
         return code
     args.ledger = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
-    secrets = [os.environ.get(name) for name in ("API_KEY", "OPENAI_API_KEY", "PROXY_TOKEN")]
-    return rl.run_cli(_run_proxy if proxy else _run, args, secrets=[s for s in secrets if s])
+    secrets = [os.environ.get(name) for name in ("API_KEY", "OPENAI_API_KEY")]
+    return rl.run_cli(_run, args, secrets=[s for s in secrets if s])
 
 
 if __name__ == "__main__":

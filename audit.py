@@ -8,7 +8,7 @@ Usage:
   python audit.py --wide                   # every column, names whole (default: fits 120 columns)
   python audit.py --json > audit.json      # or --csv; --html report.html for a page with charts
   python audit.py --no-verify broken.jsonl # audit anyway, marked UNVERIFIED
-  python audit.py --from http://ch:8123 --by day   # every box's shipped ledgers (reasoning_ledger.py ship)
+  python audit.py --from http://ch:8123 --by day   # every box's shipped ledgers (fleet.py ship)
 
 Exit codes: 0 ok, 1 a ledger failed verification (nothing audited), 2 usage or I/O error,
 4 changes found and --fail-on-change given, 5 stdout could not be written.
@@ -31,6 +31,7 @@ from pathlib import Path
 # the toolkit beside us, even under -I
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import ask  # noqa: E402  -- the model_call field types
+import fleet  # noqa: E402
 import reasoning_ledger as rl  # noqa: E402
 
 __version__ = "1.2.0"
@@ -52,7 +53,7 @@ __all__ = [
 
 DEFAULT_LEDGERS = ("calls.jsonl", "runs.jsonl")  # ask.py's default ledger, and the name it once had
 DEFAULT_RUNS = "runs"
-DEFAULT_RUNS_URL = "runs/"  # `agent.py serve` shows a run's timeline at /runs/ID
+DEFAULT_RUNS_URL = "runs/"  # daemon.py shows a run's timeline at /runs/ID
 DEFAULT_LATENCY_SHIFT = 0.5
 DEFAULT_RATE_JUMP = 0.2
 MIN_LATENCY_SAMPLES = 3
@@ -627,13 +628,13 @@ def compare_days(
 
 
 def remote_audit(client, *, since=None, until=None, model=None, verify=True):
-    """Audit the lines shipped to ClickHouse (an rl.ClickHouse), each ledger re-verified from its
-    stored lines unless told not to (as `verify --from`), through the local pass. Returns (audit,
+    """Audit the lines shipped to ClickHouse (an fleet.ClickHouse), each ledger re-verified from its
+    stored lines unless told not to (as `fleet.py verify`), through the local pass. Returns (audit,
     failures) like run_audit."""
     audit, failures = Audit(since=since, until=until, model=model), []
     client.require_table()
     in_range = "".join(
-        f" AND at {op} {rl.sql_string(t)}"
+        f" AND at {op} {fleet.sql_string(t)}"
         for op, t in ((">=", since), ("<=", until))
         if t is not None
     )
@@ -643,9 +644,9 @@ def remote_audit(client, *, since=None, until=None, model=None, verify=True):
         else ""
     )
     found = (
-        rl.verify_shipped(client, condition=condition)
+        fleet.verify_shipped(client, condition=condition)
         if verify
-        else ((ledger, None) for ledger in rl.shipped_ledgers(client, condition))
+        else ((ledger, None) for ledger in fleet.shipped_ledgers(client, condition))
     )
     for ledger, result in found:
         if isinstance(result, rl.IntegrityError):
@@ -1595,7 +1596,7 @@ def _lists_sections(audit, changes, runs, runs_url, colours):
         out += [
             f'<h2 id="runs">Agent runs ({len(runs):,})</h2>',
             f'<p class="note">A run id links to {_e(runs_url)}'
-            "ID: the timeline agent.py serve shows (--runs-url sets where)."
+            "ID: the timeline daemon.py shows (--runs-url sets where)."
             + (
                 f" The latest {_MAX_LIST_ROWS:,}; --json has all."
                 if len(runs) > _MAX_LIST_ROWS
@@ -1783,17 +1784,17 @@ def _build_parser():
         nargs="?",
         const="",
         metavar="URL",
-        help=f"audit the lines shipped to ClickHouse at URL (default ${rl.SHIP_URL_ENV}) instead of "
-        f"files; user and password from ${rl.SHIP_USER_ENV} / ${rl.SHIP_PASSWORD_ENV}"
+        help=f"audit the lines shipped to ClickHouse at URL (default ${fleet.SHIP_URL_ENV}) instead of "
+        f"files; user and password from ${fleet.SHIP_USER_ENV} / ${fleet.SHIP_PASSWORD_ENV}"
     )
     p.add_argument(
         "--database",
-        default=rl.SHIP_DATABASE,
+        default=fleet.SHIP_DATABASE,
         metavar="DB",
-        help=f"with --from ({rl.SHIP_DATABASE})"
+        help=f"with --from ({fleet.SHIP_DATABASE})"
     )
     p.add_argument(
-        "--table", default=rl.SHIP_TABLE, metavar="T", help=f"with --from ({rl.SHIP_TABLE})"
+        "--table", default=fleet.SHIP_TABLE, metavar="T", help=f"with --from ({fleet.SHIP_TABLE})"
     )
     p.add_argument(
         "--timeout",
@@ -1835,14 +1836,14 @@ def _run(args):
                 if args.paths
                 else "--by session reads ledgers: the shipped table has no session column"
             )
-        client = rl.ClickHouse(
+        client = fleet.ClickHouse(
             args.from_url or None, database=args.database, table=args.table, timeout=args.timeout
         )
         try:
             audit, failures = remote_audit(
                 client, since=since, until=until, model=args.model, verify=not args.no_verify
             )
-        except rl.ClickHouseError as exc:
+        except fleet.ClickHouseError as exc:
             exc.exit_code = rl.EXIT_USAGE  # the input could not be read
             raise
     else:

@@ -6,8 +6,6 @@ Usage:
   python reasoning_ledger.py head PATH [--key-env NAME]
   python reasoning_ledger.py report PATH... [--all RUNS_DIR] [--kind K] [--stage S] [--run R] [--since T] [--until T] [--json]
   python reasoning_ledger.py append PATH --kind K [--run-id R] [--payload JSON | < payload.json]
-  python reasoning_ledger.py ship PATH... [--all RUNS_DIR] --to URL     # or LEDGER_SHIP_URL; for cron
-  python reasoning_ledger.py verify --from URL [--ledger-id ID] [--expect-head SEQ:HASH]
 
 Library (copy this one file next to your code):
   from reasoning_ledger import Ledger, open_run, read_events, verify
@@ -29,8 +27,8 @@ import hmac
 import json
 import os
 import re
-import socket
-import socketserver
+
+
 import sys
 import threading
 import time
@@ -1274,830 +1272,6 @@ def _checked_head(expect, path):
     return expect
 
 
-# ---------------------------------------------------------------------------- HTTP: never a
-# redirect, one deadline for a whole request (ask.py, ship and the daemon use it), one server
-# ----------------------------------------------------------------------------
-
-# {pid: (heap of (at, id, Deadline), Condition)}: one thread a process expires every Deadline (a
-# thread per deadline costs more than a call to a local server); a forked child starts its own.
-_timers = {}
-
-
-def _timer():
-    import heapq
-
-    fresh = ([], threading.Condition())
-    heap, wake = timer = _timers.setdefault(os.getpid(), fresh)
-
-    def run():
-        while True:
-            with wake:
-                while heap and heap[0][2].cancelled:
-                    heapq.heappop(heap)
-                due = heap[0][0] - time.monotonic() if heap else None
-                if due is None or due > 0:
-                    wake.wait(due)
-                    continue
-                deadline = heapq.heappop(heap)[2]
-            deadline.expire()
-
-    if timer is fresh:
-        threading.Thread(target=run, name="deadlines", daemon=True).start()
-    return timer
-
-
-def shut(sock, how=socket.SHUT_RDWR):
-    try:
-        sock.shutdown(how)
-    except OSError:
-        pass
-
-
-class Deadline:
-    """The deadline of a whole request, connect to last byte: a server that trickles one byte at a time
-    passes every socket timeout, so every socket watched is shut down when it passes. Deadline(None)
-    has none."""
-
-    def __init__(self, seconds):
-        import heapq
-
-        self.seconds, self.expired, self.cancelled = seconds, False, False
-        self.at = time.monotonic() + seconds if seconds else None
-        self._sockets, self._lock = [], threading.Lock()
-        if seconds:
-            heap, wake = _timers.get(os.getpid()) or _timer()
-            with wake:
-                heapq.heappush(heap, (self.at, id(self), self))
-                wake.notify()
-
-    def remaining(self):
-        return max(0.001, self.at - time.monotonic()) if self.at is not None else None
-
-    def watch(self, sock, how=socket.SHUT_RDWR):
-        """Shut `sock` (both ways, or `how`) when the deadline passes."""
-        with self._lock:
-            self._sockets.append((sock, how))
-            if self.expired:
-                shut(sock, how)
-        return sock
-
-    def expire(self):
-        with self._lock:
-            if not self.cancelled:
-                self.expired = True
-                for sock, how in self._sockets:
-                    shut(sock, how)
-
-    def cancel(self):
-        with self._lock:
-            self.cancelled = True
-
-
-# this thread's opener (one costs more to build than a local call), and its deadline
-_http = threading.local()
-
-
-def http_open(request, deadline, timeout=None):
-    """Open a urllib Request: proxies from the environment, never a redirect (a 3xx raises HTTPError,
-    so no key goes to another URL), every socket under `deadline`, each read under `timeout`
-    (default: what remains)."""
-    if getattr(_http, "opener", None) is None:
-        import http.client
-        import urllib.request
-
-        def watched(connection_class):
-            def make(host, **kwargs):
-                conn = connection_class(host, **kwargs)
-                create, deadline = conn._create_connection, _http.deadline
-                conn._create_connection = lambda *args, **kw: deadline.watch(create(*args, **kw))
-                return conn
-
-            return make
-
-        class Watched(urllib.request.AbstractHTTPHandler):
-            http_request = https_request = urllib.request.AbstractHTTPHandler.do_request_
-
-            def http_open(self, req):
-                return self.do_open(watched(http.client.HTTPConnection), req)
-
-            # the certificates (~20 ms) load only once an https URL is used
-            def https_open(self, req):
-                return self.do_open(
-                    watched(http.client.HTTPSConnection), req, context=_tls_context()
-                )
-
-        _http.opener = urllib.request.OpenerDirector()  # no redirect handler: a 3xx is an HTTPError
-        for handler in (
-            urllib.request.ProxyHandler(),
-            urllib.request.UnknownHandler(),
-            Watched(),
-            urllib.request.HTTPDefaultErrorHandler(),
-            urllib.request.HTTPErrorProcessor()
-        ):
-            _http.opener.add_handler(handler)
-    _http.deadline = deadline
-    return _http.opener.open(
-        request, timeout=timeout if timeout is not None else deadline.remaining()
-    )
-
-
-@functools.lru_cache(maxsize=None)
-def _tls_context():
-    import ssl
-
-    return ssl.create_default_context()
-
-
-class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    """A thread per connection, at most `max_connections` (past that `busy`, an answer's bytes, and a
-    close). Handlers add their idle keep-alive sockets to `idle` (under `lock`), which stop() shuts
-    at once."""
-
-    daemon_threads, block_on_close, allow_reuse_address, request_queue_size = True, False, True, 128
-
-    def __init__(self, address, handler, max_connections, busy):
-        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
-        self.max_connections, self.busy, self.slots = (
-            max_connections,
-            busy,
-            threading.Semaphore(max_connections)
-        )
-        self.lock, self.idle, self.stopping = threading.Lock(), set(), False
-        super().__init__(address, handler)
-
-    def refused(self, client_address):
-        """Called for a connection over the cap, before its busy answer."""
-
-    def log_error(self, text):
-        error(text)
-
-    def handle_error(self, request, client_address):  # one line, not socketserver's traceback
-        self.log_error(f"connection from {client_address[0]}: {type(sys.exc_info()[1]).__name__}")
-
-    def process_request(self, request, client_address):
-        if not self.slots.acquire(blocking=False):
-            self.refused(client_address)
-            try:
-                request.settimeout(1.0)
-                request.sendall(self.busy)
-            except OSError:
-                pass
-            return self.shutdown_request(request)
-        try:
-            super().process_request(request, client_address)
-        except RuntimeError:  # no thread could be started
-            self.slots.release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self.slots.release()
-
-    def stop(self, grace):
-        """Idle connections closed at once, then no new connection; those in flight get `grace`
-        seconds."""
-        with self.lock:
-            self.stopping = True
-            for sock in self.idle:
-                shut(sock)
-        self.shutdown()
-        self.server_close()
-        ends = time.monotonic() + grace
-        for _ in range(self.max_connections):  # every slot back: every request done
-            if not self.slots.acquire(timeout=max(0.0, ends - time.monotonic())):
-                break
-
-
-# ---------------------------------------------------------------------------- Shipping to
-# ClickHouse: a sink for verified lines (`ship`) and a source to verify again (`verify --from`)
-# ----------------------------------------------------------------------------
-
-SHIP_URL_ENV = "LEDGER_SHIP_URL"
-SHIP_USER_ENV = "CLICKHOUSE_USER"
-SHIP_PASSWORD_ENV = "CLICKHOUSE_PASSWORD"
-SHIP_DATABASE = "reasoning_ledger"
-SHIP_TABLE = "ledger_lines"
-SHIP_BATCH_ROWS = 20000
-# an INSERT below min_insert_block_size is one part: all or nothing
-SHIP_BATCH_BYTES = 32 * 1024 * 1024
-SHIP_MAX_BATCH_ROWS = 1000000
-SHIP_TIMEOUT = 60.0  # seconds for one request, connect to last byte
-SHIP_DEADLINE = 600.0  # seconds for a whole `ship` run: no request or retry starts after it
-SHIP_RETRIES = 3  # after a connection error, a timeout or an HTTP 5xx; backoff 0.5, 1, 2 s
-# rows waiting for their ledger's check stay in memory up to this,
-SHIP_SPOOL_MEMORY = 64 * 1024 * 1024
-# then go to a temp file up to this (or half the free space)
-SHIP_SPOOL_MAX = 2 * 1024 * 1024 * 1024
-_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
-_STORED_ROW_RE = re.compile(rb"([0-9a-f]{64})\t([0-9]{1,20})\t([0-9a-f]{64})\t")
-
-# The model_call fields shipped as typed columns. A value its column cannot hold as ask.py writes it
-# (String: a JSON string, Int64: an integer within Int64, UInt8: true or false, Float64: a number)
-# is shipped as NULL, and the row's `malformed` is 1 when audit.py reads the field (all but
-# total_tokens): the local audit's rule, so SQL counts what the audit counts. The typing is done
-# here: ClickHouse 18.16 has no JSON functions to do it.
-SHIP_CALL_FIELDS = (
-    ("request_model", "String"),
-    ("response_model", "String"),
-    ("base_url", "String"),
-    ("attempt", "Int64"),
-    ("error_type", "String"),
-    ("usage_status", "String"),
-    ("usage_reported", "UInt8"),
-    ("latency_ms", "Float64"),
-    ("system_fingerprint", "String"),
-    ("check", "UInt8"),
-    ("input_tokens", "Int64"),
-    ("output_tokens", "Int64"),
-    ("total_tokens", "Int64"),
-    ("est_input_tokens", "Int64"),
-    ("est_output_tokens", "Int64")
-)
-_SHIP_TYPES = {"String": (str,), "Int64": (int,), "UInt8": (bool,), "Float64": (float, int)}
-# ledger_id is the SHA-256 of line 1; `raw` the exact line; line_sha256 its plain SHA-256 (keyed
-# ledgers too); at_time `at` in Unix seconds (0 outside 1970..2105).
-SHIP_COLUMNS = (
-    (
-        ("ledger_id", "String"),
-        ("host", "String"),
-        ("path", "String"),
-        ("seq", "UInt64"),
-        ("run_id", "String"),
-        ("kind", "String"),
-        ("at", "String"),
-        ("at_time", "DateTime"),
-        ("raw", "String"),
-        ("line_sha256", "String"),
-        ("prev", "String"),
-        ("shipped_at", "DateTime")
-    )
-    + tuple((name, f"Nullable({kind})") for name, kind in SHIP_CALL_FIELDS)
-    + (("malformed", "UInt8"),)
-)
-
-
-def ship_ddl(database=SHIP_DATABASE, table=SHIP_TABLE):
-    """The CREATE TABLE `ship` runs: one row per (ledger_id, seq) once merged; every read uses FINAL."""
-    columns = ",\n".join(f"    {name} {kind}" for name, kind in SHIP_COLUMNS)
-    return (
-        f"CREATE TABLE IF NOT EXISTS {database}.{table} (\n{columns}\n) "
-        f"ENGINE = ReplacingMergeTree ORDER BY (ledger_id, seq)"
-    )
-
-
-class ClickHouseError(LedgerError):
-    """ClickHouse could not be reached (exit 1: worth a retry, and the next run resumes) or refused
-    (exit 2)."""
-
-    def __init__(self, message, exit_code=EXIT_FAILED):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-def sql_string(text):
-    """A ClickHouse string literal."""
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-class ClickHouse:
-    """ClickHouse's HTTP interface: POST only, never a redirect, credentials as headers, deadlines,
-    retries."""
-
-    def __init__(
-        self,
-        url=None,
-        *,
-        database=SHIP_DATABASE,
-        table=SHIP_TABLE,
-        timeout=SHIP_TIMEOUT,
-        deadline=None,
-        retries=SHIP_RETRIES,
-        environ=None
-    ):
-        import urllib.parse
-
-        env = os.environ if environ is None else environ
-        url = (url if url is not None else env.get(SHIP_URL_ENV) or "").strip()
-        if not url:
-            raise UsageError(
-                f"no ClickHouse URL: pass --to URL or set {SHIP_URL_ENV} (e.g. http://127.0.0.1:8123)"
-            )
-        try:  # a URL is never echoed: it may hold a password
-            parts = urllib.parse.urlsplit(url)
-            self.where = (
-                f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
-            )
-        except ValueError:
-            raise UsageError(
-                "the ClickHouse URL is not a valid URL (want http://HOST:PORT)"
-            ) from None
-        if "@" in parts.netloc:
-            raise UsageError(
-                f"the ClickHouse URL holds a user name or password; set {SHIP_USER_ENV} and "
-                f"{SHIP_PASSWORD_ENV} instead (a URL shows in process lists and logs)"
-            )
-        if parts.scheme not in ("http", "https") or not parts.hostname or "?" in url or "#" in url:
-            raise UsageError(
-                "the ClickHouse URL must be http[s]://HOST[:PORT], with no query or fragment "
-                "(use --database and --table)"
-            )
-        for what, name in (("--database", database), ("--table", table)):
-            if type(name) is not str or not _NAME_RE.match(name):
-                raise UsageError(
-                    f"{what}: want letters, digits and _ (a ClickHouse name), got {printable(name)!r}"
-                )
-        if not (timeout > 0 and (deadline is None or deadline > 0)):
-            raise UsageError("--timeout and --deadline must be positive numbers")
-        self.base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}/"
-        self.database, self.table, self.name = database, table, f"{database}.{table}"
-        self.timeout, self.retries = float(timeout), int(retries)
-        self.ends = time.monotonic() + deadline if deadline else None
-        user, password = env.get(SHIP_USER_ENV), env.get(SHIP_PASSWORD_ENV)
-        headers = {
-            "User-Agent": f"reasoning-ledger/{__version__}",
-            "X-ClickHouse-Key": password,
-            "X-ClickHouse-User": user or (password and "default")
-        }
-        self._headers = {name: value for name, value in headers.items() if value}
-
-    def query(self, sql, data=None, stream=False):
-        """Run one statement (with `data`, the body, the SQL goes in ?query=); return the answer's
-        bytes, or with `stream` the response to read and close. wait_end_of_query makes an error an
-        HTTP error, never in rows."""
-        started = time.monotonic()
-        for attempt in range(1, self.retries + 2):
-            try:
-                return self._once(sql, data, stream)
-            except ClickHouseError as exc:
-                delay = 0.5 * 2 ** (attempt - 1)
-                if exc.exit_code != EXIT_FAILED:
-                    raise ClickHouseError(
-                        f"ClickHouse at {self.where}: {exc}", exc.exit_code
-                    ) from None
-                if attempt > self.retries or (
-                    self.ends and self.ends - time.monotonic() < delay + 0.1
-                ):
-                    took = f"{attempt} attempt{'s' if attempt != 1 else ''} in {time.monotonic() - started:.1f} s"
-                    raise ClickHouseError(f"ClickHouse at {self.where}: {exc} ({took})") from None
-                time.sleep(delay)
-
-    def _once(self, sql, data, stream):
-        import http.client
-        import urllib.error
-        import urllib.parse
-        import urllib.request
-
-        query = {"wait_end_of_query": 1, "output_format_json_quote_64bit_integers": 0}
-        query.update({"query": sql} if data is not None else {})
-        request = urllib.request.Request(
-            self.base + "?" + urllib.parse.urlencode(query),
-            data=sql.encode("utf-8") if data is None else data,
-            headers=self._headers,
-            method="POST"
-        )
-        seconds = min(self.timeout, self.ends - time.monotonic()) if self.ends else self.timeout
-        if seconds <= 0:
-            raise ClickHouseError("the --deadline passed")
-        deadline = Deadline(None if stream else seconds)
-        try:
-            response = http_open(request, deadline, timeout=seconds)
-            if stream:
-                return response
-            with response:
-                return response.read()
-        except urllib.error.HTTPError as exc:
-            with exc:
-                raise _http_error(exc) from None
-        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise ClickHouseError(
-                f"no complete answer within {seconds:.3g} s"
-                if deadline.expired
-                else printable(error_text(reason))
-            ) from None
-        finally:
-            deadline.cancel()
-
-    def rows(self, sql):
-        """The answer of a SELECT as dicts (64-bit integers as numbers)."""
-        try:
-            return [
-                json.loads(line)
-                for line in self.query(sql + " FORMAT JSONEachRow").splitlines()
-                if line
-            ]
-        except ValueError:
-            raise ClickHouseError(
-                f"ClickHouse at {self.where}: an answer that is not JSON lines", EXIT_USAGE
-            ) from None
-
-    def stream(self, sql):
-        return self.query(sql, stream=True)
-
-    def ensure_table(self, create=True):
-        """Create the table (and database) when missing, or without `create` raise; refuse another
-        shape."""
-        sql = (
-            f"SELECT name, type FROM system.columns WHERE database = {sql_string(self.database)} "
-            f"AND table = {sql_string(self.table)}"
-        )
-        found = {row["name"]: row["type"] for row in self.rows(sql)}
-        if not found and not create:
-            raise ClickHouseError(
-                f"ClickHouse at {self.where}: no table {self.name} (nothing shipped to it yet?)",
-                EXIT_USAGE
-            )
-        if not found:
-            self.query(f"CREATE DATABASE IF NOT EXISTS {self.database}")
-            self.query(ship_ddl(self.database, self.table))
-            found = {row["name"]: row["type"] for row in self.rows(sql)}
-        for name, kind in SHIP_COLUMNS:
-            if found.get(name) != kind:
-                what = f"{name} {found[name]}" if name in found else f"no column {name}"
-                raise ClickHouseError(
-                    f"ClickHouse at {self.where}: table {self.name} has {what}, want {kind}: it was "
-                    f"not made by this tool (or by another version); pick another with --table",
-                    EXIT_USAGE
-                )
-
-    def require_table(self):
-        """Raise (exit 2) when the table is missing: nothing was shipped to it yet."""
-        self.ensure_table(create=False)
-
-
-def _http_error(exc):
-    import http.client
-
-    if 300 <= exc.code < 400:
-        return ClickHouseError(
-            f"HTTP {exc.code}: a redirect was not followed (the password is never sent to "
-            f"another URL; fix the URL)",
-            EXIT_USAGE
-        )
-    try:
-        text = (exc.read(65536).decode("utf-8", "replace").strip().splitlines() or [""])[0]
-    except (OSError, http.client.HTTPException):
-        text = ""
-    # 18.16's form
-    text = re.sub(r"e\.displayText\(\) = (DB::Exception: )?|, e\.what\(\) = .*", "", text)
-    answer = f"HTTP {exc.code}: {printable(text[:300]) or 'no message'}"
-    if exc.code >= 500 or exc.code in (408, 429):  # worth a retry
-        return ClickHouseError(answer)
-    hint = f" (check {SHIP_USER_ENV} / {SHIP_PASSWORD_ENV})" if exc.code in (401, 403) else ""
-    return ClickHouseError(answer + hint, EXIT_USAGE)
-
-
-class Shipped:
-    """What `ship` did for one ledger: lines first..last sent (none when first > last), and its head."""
-
-    def __init__(self, path, ledger_id, first, last, head, torn=None, more=0, resent=False):
-        self.path, self.ledger_id, self.first, self.last, self.head = (
-            str(path),
-            ledger_id,
-            first,
-            last,
-            head
-        )
-        self.torn, self.more, self.resent = torn, more, resent
-        self.sent = max(0, last - first + 1)
-
-    def text(self):
-        where = f"{printable(self.path)}  {self.ledger_id[:12]}"
-        if not self.sent:
-            return f"up to date {where}  head {self.head[0]} {self.head[1]}"
-        lines = "line" if self.sent == 1 else "lines"
-        what = f"{lines} re-sent" if self.resent else f"new {lines}"
-        more = f", {self.more:,} more next run" if self.more else ""
-        return (
-            f"shipped {where}  {self.sent:,} {what} "
-            f"(seq {self.first}..{self.last}){more}  head {self.head[0]} {self.head[1]}"
-        )
-
-
-def _row(base, event, body, line_sha, shipped_at):
-    at = event["at"]
-    seconds = (
-        datetime.date(int(at[:4]), int(at[5:7]), int(at[8:10])).toordinal() - 719163
-    ) * 86400 + (int(at[11:13]) * 3600 + int(at[14:16]) * 60 + int(at[17:19]))
-    row = dict(
-        base,
-        seq=event["seq"],
-        run_id=event["run_id"],
-        kind=event["kind"],
-        at=at,
-        at_time=seconds if 0 <= seconds < 1 << 32 else 0,
-        prev=event["prev"],
-        line_sha256=line_sha,
-        shipped_at=shipped_at
-    )
-    if event["kind"] == "model_call":
-        malformed = False
-        for name, kind in SHIP_CALL_FIELDS:
-            value = event["payload"].get(name)
-            if value is None:
-                continue
-            if type(value) in _SHIP_TYPES[kind] and (
-                type(value) is not int or -1 << 63 <= value < 1 << 63
-            ):
-                row[name] = float(value) if kind == "Float64" else value
-            else:
-                malformed = malformed or name != "total_tokens"
-        row["malformed"] = int(malformed)
-    row["raw"] = body.decode("utf-8")
-    return _dumps(row).encode("utf-8") + b"\n"
-
-
-def _spool_limit():  # SHIP_SPOOL_MAX, or half the free space of the temp dir
-    import shutil
-    import tempfile
-
-    try:
-        return max(
-            SHIP_SPOOL_MEMORY,
-            min(SHIP_SPOOL_MAX, shutil.disk_usage(tempfile.gettempdir()).free // 2)
-        )
-    except OSError:
-        return SHIP_SPOOL_MEMORY
-
-
-def ship_targets(paths, runs_dir=None, key=None):
-    """[(path, expected head or None)]: the PATHs, then run_ledgers(RUNS_DIR); a ledger named twice
-    once."""
-    unique = {}
-    for path, expect in [(Path(p), None) for p in paths] + (
-        run_ledgers(runs_dir, key) if runs_dir else []
-    ):
-        real = os.path.realpath(path)
-        if real not in unique or expect is not None:
-            unique[real] = (unique[real][0] if real in unique else path, expect)
-    return list(unique.values())
-
-
-def ship(
-    targets,
-    client,
-    *,
-    key=None,
-    host=None,
-    batch_rows=SHIP_BATCH_ROWS,
-    batch_bytes=SHIP_BATCH_BYTES
-):
-    """Send the new verified lines of each (path, expected head or None) to ClickHouse. Yields (path,
-    Shipped or the LedgerError/OSError that stopped it: nothing of it was sent); a ClickHouseError
-    propagates."""
-    key, host = _resolve_key(key), host or socket.gethostname()
-    if not 0 < batch_rows <= SHIP_MAX_BATCH_ROWS:
-        raise UsageError(f"--batch-rows must be between 1 and {SHIP_MAX_BATCH_ROWS:,}")
-    # {path: SHA-256 of line 1, None without a complete line, or the OSError of reading it}
-    ids = {}
-    for path, _expect in targets:
-        try:
-            with _file_lines(path) as lines:
-                first = next(lines, b"")
-            ids[path] = hashlib.sha256(first[:-1]).hexdigest() if first[-1:] == b"\n" else None
-        except OSError as exc:
-            ids[path] = _named(exc, path)
-    try:
-        client.ensure_table()
-        wanted, heads = sorted(i for i in set(ids.values()) if type(i) is str), {}
-        for i in range(0, len(wanted), 500):  # ClickHouse's max_query_size is 256 KiB
-            heads.update(
-                (row["ledger_id"], (row["top"], row["sha"], row["n"]))
-                for row in client.rows(
-                    f"SELECT ledger_id, max(seq) AS top, argMax(line_sha256, seq) AS sha, count() AS n FROM "
-                    f"{client.name} FINAL WHERE ledger_id IN ({', '.join(map(sql_string, wanted[i:i + 500]))}) "
-                    f"GROUP BY ledger_id"
-                )
-            )
-    except ClickHouseError as exc:
-        raise (
-            exc if exc.exit_code != EXIT_FAILED else ClickHouseError(f"{exc}; the next run resumes")
-        ) from None
-    for path, expect in targets:
-        try:
-            if isinstance(ids[path], OSError):
-                raise ids[path]
-            yield path, _ship_one(
-                client,
-                path,
-                ids[path],
-                heads.get(ids[path]),
-                key,
-                _checked_head(expect, path),
-                host,
-                batch_rows,
-                batch_bytes
-            )
-        except (IntegrityError, KeyRequiredError, OSError) as exc:
-            yield path, _named(exc, path)
-
-
-def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, batch_bytes):
-    """Verify the whole ledger while spooling the rows ClickHouse lacks (up to its limit), then send
-    them."""
-    import tempfile
-
-    texts = ("index.jsonl records", "the run ends at")
-    if ledger_id is None:  # no complete line yet
-        _reached(path, expect, 0, key, *texts)
-        return Shipped(path, "-" * 12, 1, 0, (0, _genesis(key)))
-    top, top_sha, stored = server or (0, None, 0)
-    # ClickHouse lost rows (deleted?): send them all again; FINAL keeps one of each
-    resend = stored < top
-    start = 0 if resend else top
-    # marks: (last seq, spool offset)
-    head, torn, last, marks = (0, _genesis(key)), None, None, [(start, 0)]
-    base = {"ledger_id": ledger_id, "host": host, "path": os.path.abspath(path)}
-    limit, shipped_at = _spool_limit(), int(time.time())
-    with tempfile.SpooledTemporaryFile(max_size=SHIP_SPOOL_MEMORY) as spool:
-        try:
-            for event, body, digest in _verified(
-                path, _file_lines(path), key, expect, _expected_run_id(path), *texts
-            ):
-                seq, line_sha = event["seq"], hashlib.sha256(body).hexdigest() if key else digest
-                if seq == 1 and line_sha != ledger_id:
-                    raise IntegrityError(
-                        path, 1, "line 1 changed while it was being shipped (the file was replaced)"
-                    )
-                if seq == top and line_sha != top_sha:
-                    raise IntegrityError(
-                        path,
-                        seq,
-                        "differs from the line ClickHouse holds at this seq: a fork or "
-                        "a local rewrite; nothing was sent"
-                    )
-                if seq > start and last is None:
-                    spool.write(_row(base, event, body, line_sha, shipped_at))
-                    if (
-                        seq - marks[-1][0] == batch_rows
-                        or spool.tell() - marks[-1][1] >= batch_bytes
-                    ):
-                        marks.append((seq, spool.tell()))
-                        last = seq if spool.tell() >= limit else None
-                head = (seq, digest)
-        except TornTailError as exc:
-            torn = exc
-            _reached(path, expect, head[0], key, *texts)
-        if head[0] < top:
-            raise IntegrityError(
-                path,
-                head[0] + 1,
-                f"ClickHouse holds this ledger up to seq {top} but the file ends "
-                f"at seq {head[0]}: it was cut or rewritten after it was shipped; "
-                f"nothing was sent"
-            )
-        last = last or head[0]
-        marks += [(last, spool.tell())] if last > marks[-1][0] else []
-        spool.seek(0)
-        for (sent, offset), (_seq, end) in zip(marks, marks[1:]):
-            try:
-                client.query(
-                    f"INSERT INTO {client.name} FORMAT JSONEachRow", data=spool.read(end - offset)
-                )
-            except ClickHouseError as exc:
-                raise ClickHouseError(
-                    f"{exc}; {sent - start:,} of {last - start:,} new lines of {path} were sent, "
-                    f"the next run resumes at seq {sent + 1}",
-                    exc.exit_code
-                ) from None
-    return Shipped(
-        path,
-        ledger_id,
-        start + 1,
-        last,
-        head,
-        torn,
-        more=head[0] - last,
-        resent=resend and last > start
-    )
-
-
-# -- verify --from ---------------------------------------------------------------
-
-
-def shipped_ledgers(client, condition=""):
-    """[{ledger_id, last_host, last_path, n, top}] in the table; `condition` is a SQL WHERE clause
-    (trusted)."""
-    return client.rows(
-        f"SELECT ledger_id, argMax(host, seq) AS last_host, argMax(path, seq) AS last_path, "
-        f"count() AS n, max(seq) AS top FROM {client.name} FINAL {condition} GROUP BY ledger_id "
-        f"ORDER BY ledger_id"
-    )
-
-
-def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, condition=None):
-    """Re-verify the raw lines ClickHouse holds, and each row's line_sha256, seq and ledger_id. Yields
-    (ledger as shipped_ledgers(), Verified or the error); `ledger_ids`: ids or their starts, or a
-    SQL WHERE `condition`."""
-    import itertools
-
-    key = _resolve_key(key)
-    for prefix in ledger_ids:
-        if not re.fullmatch(r"[0-9a-f]{1,64}", prefix):
-            raise UsageError(
-                f"--ledger-id: want hex digits (a ledger_id or its start), got {printable(prefix)!r}"
-            )
-    client.require_table()
-    where = (
-        condition
-        if condition is not None
-        else (
-            "WHERE "
-            + " OR ".join(
-                f"substring(ledger_id, 1, {len(p)}) = {sql_string(p)}" for p in ledger_ids
-            )
-            if ledger_ids
-            else ""
-        )
-    )
-    listed = {row["ledger_id"]: row for row in shipped_ledgers(client, where)}
-    if expect_head is not None and len(listed) > 1:
-        raise UsageError(f"--expect-head goes with exactly one ledger; {len(listed)} match")
-    for prefix in ledger_ids:
-        if not any(found.startswith(prefix) for found in listed):
-            yield (
-                {"ledger_id": prefix, "last_host": None, "last_path": None, "n": 0},
-                IntegrityError(
-                    f"clickhouse:{prefix}", None, "ClickHouse holds no line of this ledger"
-                )
-            )
-    with client.stream(
-        f"SELECT ledger_id, seq, line_sha256, raw FROM {client.name} FINAL {where} "
-        f"ORDER BY ledger_id, seq FORMAT TSVRaw"
-    ) as response:
-        for ledger_id, rows in itertools.groupby(
-            _stored_rows(response, client), key=lambda row: row[0]
-        ):
-            ledger = listed.get(ledger_id) or {
-                "ledger_id": ledger_id,
-                "last_host": None,
-                "last_path": None
-            }
-            name = f"clickhouse:{ledger_id}"
-            run_id = _expected_run_id(ledger["last_path"]) if ledger["last_path"] else None
-            lines = contextlib.nullcontext(_stored_lines(name, ledger_id, rows))
-            try:
-                yield ledger, _tally_lines(
-                    name,
-                    _verified(name, lines, key, expect_head, run_id, ends="ClickHouse holds up to"),
-                    key
-                )
-            except (IntegrityError, KeyRequiredError) as exc:
-                yield ledger, exc
-
-
-def _stored_rows(response, client):
-    """(ledger_id, seq, line_sha256, line) for each TSVRaw row; one of another shape as (last id, None,
-    why, b"")."""
-    import http.client
-
-    last, read = "", functools.partial(response.readline, MAX_LINE_BYTES + 256)
-    try:
-        for line in iter(read, b""):
-            match = _STORED_ROW_RE.match(line)
-            if match is None or line[-1:] != b"\n":
-                yield last, None, "a stored row is not in the expected shape (too long, or holds a newline?)", b""
-                while line and line[-1:] != b"\n":
-                    line = read()
-                continue
-            last = match.group(1).decode("ascii")
-            yield last, int(match.group(2)), match.group(3).decode("ascii"), line[match.end() :]
-    except (OSError, http.client.HTTPException) as exc:
-        raise ClickHouseError(
-            f"ClickHouse at {client.where}: the answer was cut short "
-            f"({printable(error_text(exc))})",
-            EXIT_USAGE
-        ) from None
-
-
-def _stored_lines(name, ledger_id, rows):
-    for expected, (_ledger_id, seq, sha, line) in enumerate(rows, 1):
-        if seq is None:
-            raise IntegrityError(name, expected, sha)
-        if seq != expected:
-            raise IntegrityError(
-                name,
-                expected,
-                (
-                    f"missing from ClickHouse: the next row stored is seq {seq} "
-                    f"(a row was deleted)"
-                    if seq > expected
-                    else f"seq {seq} comes twice"
-                )
-            )
-        digest = hashlib.sha256(line[:-1]).hexdigest()
-        if digest != sha or (seq == 1 and digest != ledger_id):
-            raise IntegrityError(
-                name,
-                seq,
-                f"{'line_sha256' if digest != sha else 'ledger_id'} is not the SHA-256 "
-                f"of the stored line (the row was altered in ClickHouse)"
-            )
-        yield line
-
-
 # ----------------------------------------------------------------------------
 # Command line helpers shared by the toolkit's scripts
 # ----------------------------------------------------------------------------
@@ -2224,32 +1398,66 @@ def parse_time(text, end=False, now=None):
     return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+# Commands that moved to another script answer with one error line naming the new one (CHANGELOG.md).
+MOVED = {"ship": "fleet.py ship", "verify --from": "fleet.py verify --from"}
+
+
+def moved_command(prog, moved, argv):
+    """EXIT_USAGE after one error line when argv spells a command of `moved` (the old spelling, its
+    first word and any option after it), else None. It imports nothing: the new home may be absent."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    for old, new in moved.items():
+        first, *options = old.split()
+        if argv[:1] == [first] and all(
+            any(a == o or a.startswith(o + "=") for a in argv[1:]) for o in options
+        ):
+            error(f"`{prog} {old}` has moved: run `python3 {new}` (see CHANGELOG.md)")
+            return EXIT_USAGE
+    return None
+
+
+def add_targets(parser):
+    parser.add_argument("paths", nargs="*", metavar="PATH")
+    parser.add_argument(
+        "--all", metavar="RUNS_DIR", help="also RUNS_DIR/index.jsonl and every run in it"
+    )
+
+
+def add_key_env(parser):
+    parser.add_argument(
+        "--key-env",
+        default=KEY_ENV,
+        metavar="NAME",
+        help=f"environment variable holding the HMAC key (default {KEY_ENV})"
+    )
+
+
 # ----------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------
 
 
-def _cli_key(args):
+def cli_key(args):
     value = os.environ.get(args.key_env)
     if args.key_env != KEY_ENV and value is None:
         raise UsageError(f"--key-env {args.key_env}: that environment variable is not set")
     return _key_bytes(value) or b""
 
 
-def _check_targets(args, command):
+def check_targets(args, command):
     if not args.paths and not args.all:
         raise UsageError(f"{command} needs a PATH or --all RUNS_DIR")
     if args.all and not Path(args.all).is_dir():
         raise UsageError(f"--all: no such directory: {args.all}")
 
 
-def _tally(results, good, summary, inside="", after=""):
+def tally(results, good, summary, inside="", after=""):
     """One line per (path, result, suffix): good(result), FAIL or ERROR; then summary(ok, total).
     Returns the exit code: a FAIL (1) outranks an ERROR (2). `after` may hold {} for 'it' or 'them',
     the failed ledgers."""
     counts = {"ok": 0, "fail": 0, "error": 0}
     for path, result, suffix in results:
-        if isinstance(result, (Verified, Shipped)):
+        if not isinstance(result, BaseException):
             state, line = "ok", good(result)
         elif isinstance(result, IntegrityError):
             state, line = "fail", f"FAIL  {printable(result)}"
@@ -2275,7 +1483,7 @@ def _tally(results, good, summary, inside="", after=""):
     return EXIT_OK
 
 
-def _verified_line(result):
+def verified_line(result):
     return (
         f"ok    {printable(result.path)}  {result.count} line{'' if result.count == 1 else 's'}  "
         f"head {result.head_text()}"
@@ -2283,13 +1491,11 @@ def _verified_line(result):
 
 
 def _cmd_verify(args):
-    if args.from_url is not None:
-        return _cmd_verify_from(args)
-    _check_targets(args, "verify")
+    check_targets(args, "verify")
     if args.expect_head is not None and (len(args.paths) != 1 or args.all):
         raise UsageError("--expect-head goes with exactly one PATH")
     expect = parse_head(args.expect_head) if args.expect_head is not None else None
-    key, results = _cli_key(args), []
+    key, results = cli_key(args), []
     for path in args.paths:
         try:
             results.append((path, verify(path, key=key, expect_head=expect), ""))
@@ -2298,11 +1504,11 @@ def _cmd_verify(args):
     results += (
         [(path, result, "") for path, result in verify_runs(args.all, key=key)] if args.all else []
     )
-    return _tally(results, _verified_line, "{}/{} ledgers valid".format)
+    return tally(results, verified_line, "{}/{} ledgers valid".format)
 
 
 def _cmd_head(args):
-    write_out(verify(args.path, key=_cli_key(args)).head_text() + "\n")
+    write_out(verify(args.path, key=cli_key(args)).head_text() + "\n")
     return EXIT_OK
 
 
@@ -2382,8 +1588,8 @@ def _event_summary(path, event):
 
 
 def _cmd_report(args):
-    _check_targets(args, "report")
-    key = _cli_key(args)
+    check_targets(args, "report")
+    key = cli_key(args)
     targets = [(Path(p), None) for p in args.paths] + (
         run_ledgers(args.all, key) if args.all else []
     )
@@ -2426,7 +1632,7 @@ def _cmd_append(args):
         raise PayloadError(f"payload is nested deeper than {MAX_DEPTH} levels") from None
     if type(payload) is not dict:
         raise PayloadError("payload must be a JSON object")
-    key = _cli_key(args)
+    key = cli_key(args)
     with Ledger(
         args.path,
         args.run_id or os.environ.get("LEDGER_RUN_ID") or None,
@@ -2436,84 +1642,6 @@ def _cmd_append(args):
         ledger.append(args.kind, payload)
         write_out(f"{ledger.head[0]} {ledger.head[1]}\n")
     return EXIT_OK
-
-
-def _cmd_ship(args):
-    _check_targets(args, "ship")
-    key = _cli_key(args)
-    client = ClickHouse(
-        args.to,
-        database=args.database,
-        table=args.table,
-        timeout=args.timeout,
-        deadline=args.deadline
-    )
-    sent = []
-
-    def shipped(result):
-        sent.append(result.sent)
-        torn = result.torn
-        try:  # a file that grew past its torn tail since it was read: an append was in progress
-            quiet = torn is None or os.path.getsize(torn.path) > torn.offset + torn.length
-        except OSError:
-            quiet = False
-        if not quiet:
-            warn(
-                f"{torn}; the lines before it were shipped, the torn bytes were not (a crash, not tampering)"
-            )
-        return result.text()
-
-    results = ship(
-        ship_targets(args.paths, args.all, key),
-        client,
-        key=key,
-        host=args.host,
-        batch_rows=args.batch_rows
-    )
-    return _tally(
-        ((path, result, "") for path, result in results),
-        shipped,
-        lambda ok, total: (
-            f"{ok}/{total} ledgers shipped or up to date, {sum(sent):,} new lines sent to {client.where} {client.name}"
-        ),
-        after="; nothing of {} was shipped"
-    )
-
-
-def _cmd_verify_from(args):
-    if args.paths or args.all:
-        raise UsageError("verify --from reads ClickHouse: it takes no PATH or --all")
-    expect = parse_head(args.expect_head) if args.expect_head is not None else None
-    ids = [i.strip().lower() for i in args.ledger_id or ()]
-    if expect is not None and len(ids) != 1:
-        raise UsageError("--expect-head with --from goes with exactly one --ledger-id")
-    client = ClickHouse(
-        args.from_url or None, database=args.database, table=args.table, timeout=args.timeout
-    )
-
-    def rows():
-        for ledger, result in verify_shipped(
-            client, ledger_ids=ids, key=_cli_key(args), expect_head=expect
-        ):
-            shown = ledger["last_path"] is not None and isinstance(
-                result, (Verified, IntegrityError)
-            )
-            where = (
-                f"  {printable(ledger['last_host'])}:{printable(ledger['last_path'])}"
-                if shown
-                else ""
-            )
-            yield f"clickhouse:{ledger['ledger_id']}", result, where
-
-    try:
-        return _tally(
-            rows(),
-            _verified_line,
-            lambda ok, total: (f"{ok}/{total} ledgers valid in {client.where} {client.name}"),
-            inside=" in ClickHouse"
-        )
-    except ClickHouseError as exc:  # ClickHouse could not be read: like a file that cannot be read
-        raise ClickHouseError(str(exc), EXIT_USAGE) from None
 
 
 def _build_parser():
@@ -2527,11 +1655,6 @@ def _build_parser():
     sub, commands = parser.add_subparsers(dest="command", metavar="COMMAND"), {}
     for name, text, handler in (
         ("verify", "check ledgers; exit 1 on any integrity failure", _cmd_verify),
-        (
-            "ship",
-            "send the verified lines of ledgers to ClickHouse (resumable; for cron)",
-            _cmd_ship
-        ),
         ("head", "print the anchor 'SEQ HASH' of a verified ledger", _cmd_head),
         ("report", "one readable line per event: what it says and what it means", _cmd_report),
         ("append", "append one event; prints the new head", _cmd_append)
@@ -2541,71 +1664,12 @@ def _build_parser():
         if name in ("head", "append"):
             p.add_argument("path", metavar="PATH")
         else:
-            p.add_argument("paths", nargs="*", metavar="PATH")
-            p.add_argument(
-                "--all", metavar="RUNS_DIR", help="also RUNS_DIR/index.jsonl and every run in it"
-            )
-        if name in ("verify", "ship"):
-            p.add_argument(
-                "--database", default=SHIP_DATABASE, metavar="DB", help=f"default {SHIP_DATABASE}"
-            )
-            p.add_argument("--table", default=SHIP_TABLE, metavar="T", help=f"default {SHIP_TABLE}")
-        p.add_argument(
-            "--key-env",
-            default=KEY_ENV,
-            metavar="NAME",
-            help=f"environment variable holding the HMAC key (default {KEY_ENV})"
-        )
+            add_targets(p)
+        add_key_env(p)
     p = commands["verify"]
     p.add_argument(
         "--expect-head", metavar="SEQ:HASH", help="a head published earlier (finds truncation)"
     )
-    p.add_argument(
-        "--from",
-        dest="from_url",
-        nargs="?",
-        const="",
-        metavar="URL",
-        help=f"re-verify the lines shipped to ClickHouse at URL (default ${SHIP_URL_ENV})"
-    )
-    p.add_argument(
-        "--ledger-id",
-        action="append",
-        metavar="ID",
-        help="with --from: this ledger (or prefix), repeatable"
-    )
-    p.add_argument(
-        "--timeout", type=float, default=300.0, metavar="S", help="seconds a request (300)"
-    )
-    p = commands["ship"]
-    p.add_argument(
-        "--to",
-        metavar="URL",
-        help=f"ClickHouse's HTTP interface (default ${SHIP_URL_ENV}); user and "
-        f"password from ${SHIP_USER_ENV} / ${SHIP_PASSWORD_ENV}"
-    )
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=SHIP_TIMEOUT,
-        metavar="S",
-        help=f"seconds a request ({SHIP_TIMEOUT:g})"
-    )
-    p.add_argument(
-        "--batch-rows",
-        type=int,
-        default=SHIP_BATCH_ROWS,
-        metavar="N",
-        help=f"lines per INSERT ({SHIP_BATCH_ROWS:,}; at most {SHIP_BATCH_BYTES >> 20} MiB)"
-    )
-    p.add_argument(
-        "--deadline",
-        type=float,
-        default=SHIP_DEADLINE,
-        metavar="S",
-        help=f"seconds for the whole run; the next run resumes ({SHIP_DEADLINE:g})"
-    )
-    p.add_argument("--host", help="host name recorded with each line (default: this machine's)")
     p = commands["report"]
     p.add_argument("--kind", action="append", help="only this kind (repeatable)")
     p.add_argument("--stage", help="only decisions of this stage")
@@ -2621,6 +1685,9 @@ def _build_parser():
 
 
 def main(argv=None):
+    moved = moved_command("reasoning_ledger.py", MOVED, argv)
+    if moved:
+        return moved
     parser = _build_parser()
     args, code = parse_cli(parser, argv)
     if args is None:

@@ -78,7 +78,7 @@ def _start_daemon(work, queue):
     env.pop("WEBHOOK_SECRET_FILE", None)
     env.pop("READ_TOKEN", None)
     err = open(work / "daemon.err", "wb")
-    proc = subprocess.Popen([sys.executable, str(ROOT / "agent.py"), "serve", "--repo", str(_repo(work / "repo")),
+    proc = subprocess.Popen([sys.executable, str(ROOT / "daemon.py"), "--repo", str(_repo(work / "repo")),
                              "--port", "0", "--runs-dir", str(work / "runs"), "--tools", str(_tools(work / "t.json")),
                              "--queue", str(queue), "--grace-s", "0"], stdout=subprocess.PIPE, stderr=err, env=env)
     err.close()

@@ -1,4 +1,4 @@
-"""bench_proxy.py -- what `ask.py proxy` adds to a call, against direct calls to the same instant local upstream,
+"""bench_proxy.py -- what `proxy.py` adds to a call, against direct calls to the same instant local upstream,
 measured in the same run (`python tests/bench.py proxy`, part of `make bench`).
 
 Figures: the added latency per call (p50 and p99 of proxied minus direct, in ms), the added time to the first

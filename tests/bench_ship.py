@@ -32,6 +32,7 @@ for entry in (str(ROOT), str(ROOT / "tests")):
     if entry not in sys.path:
         sys.path.insert(0, entry)
 
+import fleet  # noqa: E402
 import reasoning_ledger as rl  # noqa: E402
 from bench import PAYLOAD  # noqa: E402  (a model_call as ask.py writes it, ~1 KB a line)
 from clickhouse_server import ClickHouse, skip_reason  # noqa: E402
@@ -82,7 +83,7 @@ def _timed(cmd, **kwargs):
 def _fresh_table(ch, db):
     ch.query(f"DROP DATABASE IF EXISTS {db}")  # never TRUNCATE (old parts can come back on a restart)
     ch.query(f"CREATE DATABASE {db}")
-    ch.query(rl.ship_ddl(db, rl.SHIP_TABLE))
+    ch.query(fleet.ship_ddl(db, fleet.SHIP_TABLE))
 
 
 def bench(lines=1000000, quick=False):
@@ -103,9 +104,9 @@ def bench(lines=1000000, quick=False):
         _rows_file(ledger, rows_path)
         ch = ClickHouse.start(work / "clickhouse")
         env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
-        ship_cmd = [sys.executable, str(ROOT / "reasoning_ledger.py"), "ship", str(ledger), "--to", ch.url,
+        ship_cmd = [sys.executable, str(ROOT / "fleet.py"), "ship", str(ledger), "--to", ch.url,
                     "--database", "bench", "--host", "bench", "--deadline", "3600"]
-        floor_cmd = ch.client_argv("--query", f"INSERT INTO bench.{rl.SHIP_TABLE} FORMAT JSONEachRow")
+        floor_cmd = ch.client_argv("--query", f"INSERT INTO bench.{fleet.SHIP_TABLE} FORMAT JSONEachRow")
         verify_cmd = [sys.executable, str(ROOT / "reasoning_ledger.py"), "verify", str(ledger)]
         ship_t, floor_t, verify_t = [], [], []
         for _ in range(1 if lines >= 1000000 else 3):  # interleaved, so drift on a shared box hits both
@@ -115,7 +116,7 @@ def bench(lines=1000000, quick=False):
                     floor_t.append(_timed(floor_cmd, stdin=handle))
             ch.query("DROP DATABASE IF EXISTS bench")
             ship_t.append(_timed(ship_cmd, env=env))
-            stored = int(ch.query(f"SELECT count() FROM bench.{rl.SHIP_TABLE} FINAL"))
+            stored = int(ch.query(f"SELECT count() FROM bench.{fleet.SHIP_TABLE} FINAL"))
             if stored != lines:
                 raise RuntimeError(f"ship stored {stored:,} of {lines:,} lines")
             verify_t.append(_timed(verify_cmd, env=env))

@@ -1,4 +1,4 @@
-"""Shared by the proxy's tests and bench: `python ask.py proxy` as a subprocess, and a stdlib client."""
+"""Shared by the proxy's tests and bench: `python proxy.py` as a subprocess, and a stdlib client."""
 
 import http.client
 import json
@@ -11,12 +11,12 @@ from conftest import KEY, ROOT, clean_env
 
 
 class Proxy:
-    """`python ask.py proxy --listen 127.0.0.1:0 ...` against `base_url`; the port from its first stdout line."""
+    """`python proxy.py --listen 127.0.0.1:0 ...` against `base_url`; the port from its first stdout line."""
 
     def __init__(self, base_url, ledger, *args, **env):
         self.ledger = ledger
         environ = clean_env(BASE_URL=base_url, API_KEY=env.pop("API_KEY", KEY), **env)
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "ask.py"), "proxy", "--listen", "127.0.0.1:0",
+        self.proc = subprocess.Popen([sys.executable, str(ROOT / "proxy.py"), "--listen", "127.0.0.1:0",
                                       "--ledger", str(ledger), *map(str, args)],
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=environ)
         self.first_line = self.proc.stdout.readline().decode()

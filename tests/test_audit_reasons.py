@@ -15,6 +15,7 @@ from html.parser import HTMLParser
 import pytest
 
 import agent
+import daemon
 import reasoning_ledger as rl
 from conftest import ROOT, clean_env, run_script
 from test_ship import audit_from, clickhouse, db, ship  # noqa: F401  -- clickhouse and db are fixtures
@@ -296,7 +297,7 @@ def _daemon(tmp_path, runs):
     subprocess.run(["git", "-C", str(repo), "-c", "user.email=t@example.com", "-c", "user.name=t", "commit", "-q",
                     "--allow-empty", "-m", "init"], check=True)
     env = clean_env(BASE_URL="http://127.0.0.1:9/v1", API_KEY=KEY, MODEL_ID="m")
-    return _started([sys.executable, str(ROOT / "agent.py"), "serve", "--repo", str(repo), "--port", "0",
+    return _started([sys.executable, str(ROOT / "daemon.py"), "--repo", str(repo), "--port", "0",
                      "--runs-dir", str(runs)], r"serving on (http://127\.0\.0\.1:[0-9]+)\n", "the daemon", env=env)
 
 
@@ -372,8 +373,8 @@ def test_the_readmes_stand_in_lists_the_readmes_model_and_answers_its_sample_lin
 
 def test_the_readmes_commands_need_no_extra_tool_and_no_shared_port():
     stand_in_ports = set(re.findall(r"tests/fake_openai\.py (\d+)", DOCS))
-    serve_lines = re.findall(r"^python3 agent\.py serve .*$", DOCS, re.M)
-    serve_ports = {m.group(1) if m else str(agent.DEFAULT_PORT)
+    serve_lines = re.findall(r"^python3 daemon\.py .*$", DOCS, re.M)
+    serve_ports = {m.group(1) if m else str(daemon.DEFAULT_PORT)
                    for m in (re.search(r"--port (\d+)", line) for line in serve_lines)}
     assert stand_in_ports and not stand_in_ports & serve_ports
     assert serve_lines and "uuidgen" not in DOCS

@@ -1,4 +1,4 @@
-"""agent.py serve as it runs on a server: the daemon as a subprocess on 127.0.0.1 (port 0), real sockets, real
+"""daemon.py as it runs on a server: the daemon as a subprocess on 127.0.0.1 (port 0), real sockets, real
 git repositories in temp dirs, and the stand-in model (fake_openai.py) for the runs the deliveries start.
 Every wait has a deadline and every daemon is killed in teardown; nothing asserts a speed."""
 
@@ -21,7 +21,9 @@ from pathlib import Path
 
 import pytest
 
+import agent
 import conftest
+import daemon
 import reasoning_ledger as rl
 from conftest import KEY, ROOT, all_bytes_under, clean_env, error_lines, git, parse_html, run_script
 
@@ -134,7 +136,7 @@ def wait_until(what, predicate, timeout=WAIT_S, every=0.1):
 # ----------------------------------------------------------------------------
 
 class Daemon:
-    """One `agent.py serve` process; its stderr goes to a file (the access log is one line a request)."""
+    """One `daemon.py` process; its stderr goes to a file (the access log is one line a request)."""
 
     def __init__(self, argv, env, runs, log):
         self.argv, self.env, self.runs, self.log = argv, env, runs, log
@@ -221,7 +223,7 @@ def serve(tmp_path, server):
                     "AGENT_LOCK_DIR": str(tmp_path / "locks"),
                     "WEBHOOK_SECRET_FILE": str(secrets) if secret_file else None}
         settings.update(env or {})
-        argv = [sys.executable, str(ROOT / "agent.py"), "serve", "--repo", str(repo), "--port", "0", "--runs-dir",
+        argv = [sys.executable, str(ROOT / "daemon.py"), "--repo", str(repo), "--port", "0", "--runs-dir",
                 str(runs), "--tools", str(tools), *map(str, args)]
         daemon = Daemon(argv, clean_env(**settings), runs, tmp_path / f"daemon-{len(started)}.err")
         started.append(daemon)
@@ -303,12 +305,12 @@ def test_a_signed_push_is_recorded_before_the_202_and_runs_at_its_after_commit(s
 
 def test_standard_webhooks_signed_per_the_spec_are_accepted_and_stale_ones_rejected(serve):
     import agent  # the spec's own example: secret, id, timestamp, payload and signature
-    keys = agent.signing_keys(["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"])
+    keys = daemon.signing_keys(["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"])
     example = (b'{"test": 2432232314}', "msg_p5jXN8AQM9LWM0D4loKWxJek", "1614265330",
                "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=")
-    agent.verify_standard(keys, *example, now=1614265330)
-    with pytest.raises(agent.Refused) as stale:
-        agent.verify_standard(keys, *example, now=1614265330 + 301)
+    daemon.verify_standard(keys, *example, now=1614265330)
+    with pytest.raises(daemon.Refused) as stale:
+        daemon.verify_standard(keys, *example, now=1614265330 + 301)
     assert stale.value.reason == "stale_timestamp"
 
     daemon = serve()
@@ -954,7 +956,7 @@ def test_configuration_errors_stop_the_daemon_before_it_listens(serve, tmp_path)
     base = clean_env(BASE_URL="http://127.0.0.1:9/v1", API_KEY=KEY, MODEL_ID="m")
 
     def fails(*args, env=base, code=2):
-        proc = run_script("agent.py", "serve", "--repo", repo, "--port", "0", "--runs-dir", tmp_path / "cfg-runs",
+        proc = run_script("daemon.py", "--repo", repo, "--port", "0", "--runs-dir", tmp_path / "cfg-runs",
                           "--tools", tools, *args, env=env)
         assert proc.returncode == code and proc.out == "", (proc.out, proc.err)
         (line,) = error_lines(proc.err)
@@ -979,7 +981,7 @@ def test_configuration_errors_stop_the_daemon_before_it_listens(serve, tmp_path)
         assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in fails("--port", port)
     assert not (tmp_path / "cfg-runs" / "daemon.jsonl").exists()
     daemon = serve()  # one daemon per runs directory
-    proc = run_script("agent.py", "serve", "--repo", serve.tmp / "repo", "--port", "0", "--runs-dir", serve.runs,
+    proc = run_script("daemon.py", "--repo", serve.tmp / "repo", "--port", "0", "--runs-dir", serve.runs,
                       "--tools", tools, env=dict(base, WEBHOOK_SECRET=SECRET))
     assert proc.returncode == 6 and "another daemon serves" in proc.err
     assert daemon.get("/healthz").status == 200

@@ -16,7 +16,7 @@ import ask
 import reasoning_ledger as rl
 from conftest import ROOT, clean_env, run_script
 
-SCRIPTS = ("reasoning_ledger.py", "ask.py", "audit.py", "agent.py")
+SCRIPTS = ("reasoning_ledger.py", "ask.py", "proxy.py", "audit.py", "agent.py", "daemon.py", "fleet.py")
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 ASK_DOC = (ROOT / "docs" / "ask.md").read_text(encoding="utf-8")  # the reference README links to
 DOCS = [README] + [path.read_text(encoding="utf-8") for path in sorted((ROOT / "docs").glob("*.md"))]

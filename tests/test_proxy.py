@@ -1,4 +1,4 @@
-"""`ask.py proxy`: every route, plain and streamed, against the scripted upstream, through real sockets,
+"""`proxy.py`: every route, plain and streamed, against the scripted upstream, through real sockets,
 with the proxy a subprocess started as a user starts it. Hostile servers and clients: test_proxy_hostile.py."""
 
 import json

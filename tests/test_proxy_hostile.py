@@ -1,4 +1,4 @@
-"""`ask.py proxy` against hostile upstreams (the raw-socket server: every case a 502 and one line), hostile
+"""`proxy.py` against hostile upstreams (the raw-socket server: every case a 502 and one line), hostile
 clients (caps, deadlines, idle keep-alive, the connection bound) and shutdown (SIGTERM, kill -9)."""
 
 import json

@@ -1,4 +1,4 @@
-"""ship, verify --from and audit.py --from against a real clickhouse-server (tests/clickhouse_server.py).
+"""ship, fleet.py verify and audit.py --from against a real clickhouse-server (tests/clickhouse_server.py).
 
 Without a usable clickhouse-server these tests are skipped with the reason in one line; with
 CLICKHOUSE_REQUIRED=1 (CI) they fail instead, so CI can never pass without running them."""
@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import ask
+import fleet
 import reasoning_ledger as rl
 from clickhouse_server import ClickHouse, skip_reason
 from conftest import (ROOT, SAMPLE_CALC, all_bytes_under, clean_env, clock_for, error_lines, lines_of, make_repo,
@@ -58,12 +59,12 @@ def ch_env(ch, **extra):
 
 
 def ship(ch, db, *args, env=None, timeout=120):
-    return run_script("reasoning_ledger.py", "ship", *args, "--to", ch.url, "--database", db,
+    return run_script("fleet.py", "ship", *args, "--to", ch.url, "--database", db,
                       env=env or ch_env(ch), timeout=timeout)
 
 
 def verify_from(ch, db, *args, env=None):
-    return run_script("reasoning_ledger.py", "verify", "--from", ch.url, "--database", db, *args,
+    return run_script("fleet.py", "verify", "--from", ch.url, "--database", db, *args,
                       env=env or ch_env(ch))
 
 
@@ -186,7 +187,7 @@ def test_a_ship_killed_mid_batch_is_completed_by_the_next_run(clickhouse, db, tm
     ledger = tmp_path / "big.jsonl"
     total = 40000
     notes(ledger, total)
-    cmd = [sys.executable, str(ROOT / "reasoning_ledger.py"), "ship", str(ledger), "--to", clickhouse.url,
+    cmd = [sys.executable, str(ROOT / "fleet.py"), "ship", str(ledger), "--to", clickhouse.url,
            "--database", db, "--batch-rows", "50"]
     proc = subprocess.Popen(cmd, env=ch_env(clickhouse), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
@@ -334,12 +335,12 @@ def test_the_password_is_never_in_argv_stderr_rows_or_the_server_files(clickhous
     (line,) = error_lines(proc.err)
     assert "HTTP 401" in line and "CLICKHOUSE_PASSWORD" in line
     # Credentials in the URL are refused before anything is sent, without echoing them.
-    proc = run_script("reasoning_ledger.py", "ship", ledger, "--to",
+    proc = run_script("fleet.py", "ship", ledger, "--to",
                       f"http://shipper:{clickhouse.SHIPPER_PASSWORD}@127.0.0.1:{clickhouse.http_port}",
                       "--database", db, env=clean_env())
     assert proc.returncode == 2 and clickhouse.SHIPPER_PASSWORD not in proc.out + proc.err
     assert "CLICKHOUSE_USER" in proc.err
-    proc = run_script("reasoning_ledger.py", "ship", ledger, env=clean_env(
+    proc = run_script("fleet.py", "ship", ledger, env=clean_env(
         LEDGER_SHIP_URL=f"{clickhouse.url}/?password={wrong}"))
     assert proc.returncode == 2 and wrong not in proc.err
 
@@ -373,7 +374,7 @@ def test_a_redirect_is_never_followed(tmp_path):
     target = _recorder()
     redirector = _recorder(f"http://127.0.0.1:{target.server_address[1]}/")
     try:
-        proc = run_script("reasoning_ledger.py", "ship", ledger, "--to",
+        proc = run_script("fleet.py", "ship", ledger, "--to",
                           f"http://127.0.0.1:{redirector.server_address[1]}",
                           env=clean_env(CLICKHOUSE_USER="shipper", CLICKHOUSE_PASSWORD=password))
     finally:
@@ -388,7 +389,7 @@ def test_a_redirect_is_never_followed(tmp_path):
 
 
 # ----------------------------------------------------------------------------
-# verify --from
+# fleet.py verify
 # ----------------------------------------------------------------------------
 
 def _replace_row(ch, db, lid, seq, change, fix_sha=True):
@@ -484,7 +485,7 @@ def test_the_server_down_is_one_clear_error_and_the_next_run_catches_up(clickhou
         assert "4 attempts" in line and "the next run resumes" in line
         assert took < 30
         assert clickhouse.SHIPPER_PASSWORD not in proc.err
-        assert run_script("reasoning_ledger.py", "verify", "--from", clickhouse.url, "--database", db,
+        assert run_script("fleet.py", "verify", "--from", clickhouse.url, "--database", db,
                           env=ch_env(clickhouse)).returncode == 2  # cannot read: exit 2, as for a file
         assert audit_from(clickhouse, db).returncode == 2
     finally:
@@ -689,13 +690,13 @@ def test_a_full_spool_ships_what_it_holds_and_the_next_run_the_rest(clickhouse, 
     ledger = tmp_path / "a.jsonl"
     notes(ledger, 7)
     monkeypatch.setattr(rl, "_spool_limit", lambda: 1)  # full after the first batch
-    client = rl.ClickHouse(clickhouse.url, database=db, environ=ch_env(clickhouse))
-    ((path, first),) = rl.ship([(ledger, None)], client, host="box", batch_rows=3)
+    client = fleet.ClickHouse(clickhouse.url, database=db, environ=ch_env(clickhouse))
+    ((path, first),) = fleet.ship([(ledger, None)], client, host="box", batch_rows=3)
     assert (first.first, first.last, first.more) == (1, 3, 4)
     assert "3 new lines (seq 1..3), 4 more next run" in first.text()
-    ((path, second),) = rl.ship([(ledger, None)], client, host="box", batch_rows=3)
+    ((path, second),) = fleet.ship([(ledger, None)], client, host="box", batch_rows=3)
     assert (second.first, second.last, second.more) == (4, 6, 1)
-    ((path, third),) = rl.ship([(ledger, None)], client, host="box", batch_rows=3)
+    ((path, third),) = fleet.ship([(ledger, None)], client, host="box", batch_rows=3)
     assert (third.sent, third.more, third.head[0]) == (1, 0, 7)
     assert counts(clickhouse, db) == (7, 7)
     assert {r["host"] for r in rows(clickhouse, f"SELECT host FROM {db}.ledger_lines")} == {"box"}
@@ -703,7 +704,7 @@ def test_a_full_spool_ships_what_it_holds_and_the_next_run_the_rest(clickhouse, 
 
 def test_the_docs_table_and_its_sql_questions_work_on_a_shipped_fleet(clickhouse, db, fleet):
     readme = (ROOT / "docs" / "fleet.md").read_text(encoding="utf-8")
-    assert rl.ship_ddl() in readme  # the table docs/fleet.md shows is the one ship makes
+    assert fleet.ship_ddl() in readme  # the table docs/fleet.md shows is the one ship makes
     section = readme[readme.index("**Three questions in SQL**"):]
     block = section[section.index("```sql\n") + 7:section.index("\n```", section.index("```sql\n"))]
     queries = [q.strip() for q in block.split(";") if q.strip()]
@@ -735,7 +736,7 @@ def test_agent_run_ship_to_ships_the_closed_run_and_the_index(clickhouse, tmp_pa
     bad = run("http://user:pw@127.0.0.1:1")
     assert bad.returncode == 2 and "user name or password" in error_lines(bad.err)[0] and not runs.exists()
     assert "pw@" not in bad.err
-    # shipped: the run's ledger and the index, each proven by verify --from
+    # shipped: the run's ledger and the index, each proven by fleet.py verify
     proc = run(clickhouse.url)
     assert proc.returncode == 0 and proc.out.split()[1] == "no_action" and proc.err == "", proc.err
     events = runs / proc.out.split()[0] / "events.jsonl"
@@ -743,7 +744,7 @@ def test_agent_run_ship_to_ships_the_closed_run_and_the_index(clickhouse, tmp_pa
     tops = {r["ledger_id"]: r["top"] for r in rows(clickhouse, "SELECT ledger_id, max(seq) AS top FROM "
                                                                "reasoning_ledger.ledger_lines FINAL GROUP BY ledger_id")}
     assert set(tops) == mine and tops[ledger_id(events)] == len(lines_of(events))
-    check = run_script("reasoning_ledger.py", "verify", "--from", clickhouse.url,
+    check = run_script("fleet.py", "verify", "--from", clickhouse.url,
                        *[arg for i in sorted(mine) for arg in ("--ledger-id", i)], env=ch_env(clickhouse))
     assert check.returncode == 0 and check.out.count("ok    ") == 2, check.out + check.err
     clickhouse.query("DROP DATABASE IF EXISTS reasoning_ledger")

@@ -1,0 +1,826 @@
+#!/usr/bin/env python3
+"""fleet.py -- ledgers of many boxes in one ClickHouse: ship them, verify them there again.
+
+Usage:
+  python3 fleet.py ship PATH... [--all RUNS_DIR] [--to URL]     # URL or LEDGER_SHIP_URL; for cron
+  python3 fleet.py verify [--from URL] [--ledger-id ID] [--expect-head SEQ:HASH]
+
+`ship` sends only lines it verified, resumes where ClickHouse stops, and never sends a torn tail;
+`verify` re-verifies every shipped ledger from its stored lines, as `reasoning_ledger.py verify`
+does a file. `audit.py --from URL` and `agent.py run --ship-to URL` read and write through here.
+ClickHouse's user and password come from CLICKHOUSE_USER and CLICKHOUSE_PASSWORD. Exit codes are
+the toolkit's (reasoning_ledger.EXIT_CODES): 0 ok, 1 an integrity failure or an unreachable
+server, 2 usage, configuration or refusal, 5 stdout could not be written.
+"""
+
+import argparse
+import contextlib
+import datetime
+import functools
+import hashlib
+import json
+import os
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+
+# the toolkit beside us, even under -I
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ask  # noqa: E402
+import reasoning_ledger as rl  # noqa: E402
+
+__version__ = "1.1.0"
+__all__ = ["ClickHouse", "ClickHouseError", "ship", "verify_shipped", "main"]
+
+# ----------------------------------------------------------------------------
+# Constants and the ClickHouse client
+# ----------------------------------------------------------------------------
+
+
+SHIP_URL_ENV = "LEDGER_SHIP_URL"
+SHIP_USER_ENV = "CLICKHOUSE_USER"
+SHIP_PASSWORD_ENV = "CLICKHOUSE_PASSWORD"
+SHIP_DATABASE = "reasoning_ledger"
+SHIP_TABLE = "ledger_lines"
+SHIP_BATCH_ROWS = 20000
+# an INSERT below min_insert_block_size is one part: all or nothing
+SHIP_BATCH_BYTES = 32 * 1024 * 1024
+SHIP_MAX_BATCH_ROWS = 1000000
+SHIP_TIMEOUT = 60.0  # seconds for one request, connect to last byte
+SHIP_DEADLINE = 600.0  # seconds for a whole `ship` run: no request or retry starts after it
+SHIP_RETRIES = 3  # after a connection error, a timeout or an HTTP 5xx; backoff 0.5, 1, 2 s
+# rows waiting for their ledger's check stay in memory up to this,
+SHIP_SPOOL_MEMORY = 64 * 1024 * 1024
+# then go to a temp file up to this (or half the free space)
+SHIP_SPOOL_MAX = 2 * 1024 * 1024 * 1024
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
+_STORED_ROW_RE = re.compile(rb"([0-9a-f]{64})\t([0-9]{1,20})\t([0-9a-f]{64})\t")
+
+# The model_call fields shipped as typed columns. A value its column cannot hold as ask.py writes it
+# (String: a JSON string, Int64: an integer within Int64, UInt8: true or false, Float64: a number)
+# is shipped as NULL, and the row's `malformed` is 1 when audit.py reads the field (all but
+# total_tokens): the local audit's rule, so SQL counts what the audit counts. The typing is done
+# here: ClickHouse 18.16 has no JSON functions to do it.
+SHIP_CALL_FIELDS = (
+    ("request_model", "String"),
+    ("response_model", "String"),
+    ("base_url", "String"),
+    ("attempt", "Int64"),
+    ("error_type", "String"),
+    ("usage_status", "String"),
+    ("usage_reported", "UInt8"),
+    ("latency_ms", "Float64"),
+    ("system_fingerprint", "String"),
+    ("check", "UInt8"),
+    ("input_tokens", "Int64"),
+    ("output_tokens", "Int64"),
+    ("total_tokens", "Int64"),
+    ("est_input_tokens", "Int64"),
+    ("est_output_tokens", "Int64")
+)
+_SHIP_TYPES = {"String": (str,), "Int64": (int,), "UInt8": (bool,), "Float64": (float, int)}
+# ledger_id is the SHA-256 of line 1; `raw` the exact line; line_sha256 its plain SHA-256 (keyed
+# ledgers too); at_time `at` in Unix seconds (0 outside 1970..2105).
+SHIP_COLUMNS = (
+    (
+        ("ledger_id", "String"),
+        ("host", "String"),
+        ("path", "String"),
+        ("seq", "UInt64"),
+        ("run_id", "String"),
+        ("kind", "String"),
+        ("at", "String"),
+        ("at_time", "DateTime"),
+        ("raw", "String"),
+        ("line_sha256", "String"),
+        ("prev", "String"),
+        ("shipped_at", "DateTime")
+    )
+    + tuple((name, f"Nullable({kind})") for name, kind in SHIP_CALL_FIELDS)
+    + (("malformed", "UInt8"),)
+)
+
+
+def ship_ddl(database=SHIP_DATABASE, table=SHIP_TABLE):
+    """The CREATE TABLE `ship` runs: one row per (ledger_id, seq) once merged; every read uses FINAL."""
+    columns = ",\n".join(f"    {name} {kind}" for name, kind in SHIP_COLUMNS)
+    return (
+        f"CREATE TABLE IF NOT EXISTS {database}.{table} (\n{columns}\n) "
+        f"ENGINE = ReplacingMergeTree ORDER BY (ledger_id, seq)"
+    )
+
+
+class ClickHouseError(rl.LedgerError):
+    """ClickHouse could not be reached (exit 1: worth a retry, and the next run resumes) or refused
+    (exit 2)."""
+
+    def __init__(self, message, exit_code=rl.EXIT_FAILED):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def sql_string(text):
+    """A ClickHouse string literal."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+class ClickHouse:
+    """ClickHouse's HTTP interface: POST only, never a redirect, credentials as headers, deadlines,
+    retries."""
+
+    def __init__(
+        self,
+        url=None,
+        *,
+        database=SHIP_DATABASE,
+        table=SHIP_TABLE,
+        timeout=SHIP_TIMEOUT,
+        deadline=None,
+        retries=SHIP_RETRIES,
+        environ=None
+    ):
+        import urllib.parse
+
+        env = os.environ if environ is None else environ
+        url = (url if url is not None else env.get(SHIP_URL_ENV) or "").strip()
+        if not url:
+            raise rl.UsageError(
+                f"no ClickHouse URL: pass --to URL or set {SHIP_URL_ENV} (e.g. http://127.0.0.1:8123)"
+            )
+        try:  # a URL is never echoed: it may hold a password
+            parts = urllib.parse.urlsplit(url)
+            self.where = (
+                f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+            )
+        except ValueError:
+            raise rl.UsageError(
+                "the ClickHouse URL is not a valid URL (want http://HOST:PORT)"
+            ) from None
+        if "@" in parts.netloc:
+            raise rl.UsageError(
+                f"the ClickHouse URL holds a user name or password; set {SHIP_USER_ENV} and "
+                f"{SHIP_PASSWORD_ENV} instead (a URL shows in process lists and logs)"
+            )
+        if parts.scheme not in ("http", "https") or not parts.hostname or "?" in url or "#" in url:
+            raise rl.UsageError(
+                "the ClickHouse URL must be http[s]://HOST[:PORT], with no query or fragment "
+                "(use --database and --table)"
+            )
+        for what, name in (("--database", database), ("--table", table)):
+            if type(name) is not str or not _NAME_RE.match(name):
+                raise rl.UsageError(
+                    f"{what}: want letters, digits and _ (a ClickHouse name), got {rl.printable(name)!r}"
+                )
+        if not (timeout > 0 and (deadline is None or deadline > 0)):
+            raise rl.UsageError("--timeout and --deadline must be positive numbers")
+        self.base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/')}/"
+        self.database, self.table, self.name = database, table, f"{database}.{table}"
+        self.timeout, self.retries = float(timeout), int(retries)
+        self.ends = time.monotonic() + deadline if deadline else None
+        user, password = env.get(SHIP_USER_ENV), env.get(SHIP_PASSWORD_ENV)
+        headers = {
+            "User-Agent": f"reasoning-ledger-fleet/{__version__}",
+            "X-ClickHouse-Key": password,
+            "X-ClickHouse-User": user or (password and "default")
+        }
+        self._headers = {name: value for name, value in headers.items() if value}
+
+    def query(self, sql, data=None, stream=False):
+        """Run one statement (with `data`, the body, the SQL goes in ?query=); return the answer's
+        bytes, or with `stream` the response to read and close. wait_end_of_query makes an error an
+        HTTP error, never in rows."""
+        started = time.monotonic()
+        for attempt in range(1, self.retries + 2):
+            try:
+                return self._once(sql, data, stream)
+            except ClickHouseError as exc:
+                delay = 0.5 * 2 ** (attempt - 1)
+                if exc.exit_code != rl.EXIT_FAILED:
+                    raise ClickHouseError(
+                        f"ClickHouse at {self.where}: {exc}", exc.exit_code
+                    ) from None
+                if attempt > self.retries or (
+                    self.ends and self.ends - time.monotonic() < delay + 0.1
+                ):
+                    took = f"{attempt} attempt{'s' if attempt != 1 else ''} in {time.monotonic() - started:.1f} s"
+                    raise ClickHouseError(f"ClickHouse at {self.where}: {exc} ({took})") from None
+                time.sleep(delay)
+
+    def _once(self, sql, data, stream):
+        import http.client
+        import urllib.error
+        import urllib.parse
+        import urllib.request
+
+        query = {"wait_end_of_query": 1, "output_format_json_quote_64bit_integers": 0}
+        query.update({"query": sql} if data is not None else {})
+        request = urllib.request.Request(
+            self.base + "?" + urllib.parse.urlencode(query),
+            data=sql.encode("utf-8") if data is None else data,
+            headers=self._headers,
+            method="POST"
+        )
+        seconds = min(self.timeout, self.ends - time.monotonic()) if self.ends else self.timeout
+        if seconds <= 0:
+            raise ClickHouseError("the --deadline passed")
+        deadline = ask.Deadline(None if stream else seconds)
+        try:
+            response = ask.http_open(request, deadline, timeout=seconds)
+            if stream:
+                return response
+            with response:
+                return response.read()
+        except urllib.error.HTTPError as exc:
+            with exc:
+                raise _http_error(exc) from None
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise ClickHouseError(
+                f"no complete answer within {seconds:.3g} s"
+                if deadline.expired
+                else rl.printable(rl.error_text(reason))
+            ) from None
+        finally:
+            deadline.cancel()
+
+    def rows(self, sql):
+        """The answer of a SELECT as dicts (64-bit integers as numbers)."""
+        try:
+            return [
+                json.loads(line)
+                for line in self.query(sql + " FORMAT JSONEachRow").splitlines()
+                if line
+            ]
+        except ValueError:
+            raise ClickHouseError(
+                f"ClickHouse at {self.where}: an answer that is not JSON lines", rl.EXIT_USAGE
+            ) from None
+
+    def stream(self, sql):
+        return self.query(sql, stream=True)
+
+    def ensure_table(self, create=True):
+        """Create the table (and database) when missing, or without `create` raise; refuse another
+        shape."""
+        sql = (
+            f"SELECT name, type FROM system.columns WHERE database = {sql_string(self.database)} "
+            f"AND table = {sql_string(self.table)}"
+        )
+        found = {row["name"]: row["type"] for row in self.rows(sql)}
+        if not found and not create:
+            raise ClickHouseError(
+                f"ClickHouse at {self.where}: no table {self.name} (nothing shipped to it yet?)",
+                rl.EXIT_USAGE
+            )
+        if not found:
+            self.query(f"CREATE DATABASE IF NOT EXISTS {self.database}")
+            self.query(ship_ddl(self.database, self.table))
+            found = {row["name"]: row["type"] for row in self.rows(sql)}
+        for name, kind in SHIP_COLUMNS:
+            if found.get(name) != kind:
+                what = f"{name} {found[name]}" if name in found else f"no column {name}"
+                raise ClickHouseError(
+                    f"ClickHouse at {self.where}: table {self.name} has {what}, want {kind}: it was "
+                    f"not made by this tool (or by another version); pick another with --table",
+                    rl.EXIT_USAGE
+                )
+
+    def require_table(self):
+        """Raise (exit 2) when the table is missing: nothing was shipped to it yet."""
+        self.ensure_table(create=False)
+
+
+def _http_error(exc):
+    import http.client
+
+    if 300 <= exc.code < 400:
+        return ClickHouseError(
+            f"HTTP {exc.code}: a redirect was not followed (the password is never sent to "
+            f"another URL; fix the URL)",
+            rl.EXIT_USAGE
+        )
+    try:
+        text = (exc.read(65536).decode("utf-8", "replace").strip().splitlines() or [""])[0]
+    except (OSError, http.client.HTTPException):
+        text = ""
+    # 18.16's form
+    text = re.sub(r"e\.displayText\(\) = (DB::Exception: )?|, e\.what\(\) = .*", "", text)
+    answer = f"HTTP {exc.code}: {rl.printable(text[:300]) or 'no message'}"
+    if exc.code >= 500 or exc.code in (408, 429):  # worth a retry
+        return ClickHouseError(answer)
+    hint = f" (check {SHIP_USER_ENV} / {SHIP_PASSWORD_ENV})" if exc.code in (401, 403) else ""
+    return ClickHouseError(answer + hint, rl.EXIT_USAGE)
+
+
+class Shipped:
+    """What `ship` did for one ledger: lines first..last sent (none when first > last), and its head."""
+
+    def __init__(self, path, ledger_id, first, last, head, torn=None, more=0, resent=False):
+        self.path, self.ledger_id, self.first, self.last, self.head = (
+            str(path),
+            ledger_id,
+            first,
+            last,
+            head
+        )
+        self.torn, self.more, self.resent = torn, more, resent
+        self.sent = max(0, last - first + 1)
+
+    def text(self):
+        where = f"{rl.printable(self.path)}  {self.ledger_id[:12]}"
+        if not self.sent:
+            return f"up to date {where}  head {self.head[0]} {self.head[1]}"
+        lines = "line" if self.sent == 1 else "lines"
+        what = f"{lines} re-sent" if self.resent else f"new {lines}"
+        more = f", {self.more:,} more next run" if self.more else ""
+        return (
+            f"shipped {where}  {self.sent:,} {what} "
+            f"(seq {self.first}..{self.last}){more}  head {self.head[0]} {self.head[1]}"
+        )
+
+
+def _row(base, event, body, line_sha, shipped_at):
+    at = event["at"]
+    seconds = (
+        datetime.date(int(at[:4]), int(at[5:7]), int(at[8:10])).toordinal() - 719163
+    ) * 86400 + (int(at[11:13]) * 3600 + int(at[14:16]) * 60 + int(at[17:19]))
+    row = dict(
+        base,
+        seq=event["seq"],
+        run_id=event["run_id"],
+        kind=event["kind"],
+        at=at,
+        at_time=seconds if 0 <= seconds < 1 << 32 else 0,
+        prev=event["prev"],
+        line_sha256=line_sha,
+        shipped_at=shipped_at
+    )
+    if event["kind"] == "model_call":
+        malformed = False
+        for name, kind in SHIP_CALL_FIELDS:
+            value = event["payload"].get(name)
+            if value is None:
+                continue
+            if type(value) in _SHIP_TYPES[kind] and (
+                type(value) is not int or -1 << 63 <= value < 1 << 63
+            ):
+                row[name] = float(value) if kind == "Float64" else value
+            else:
+                malformed = malformed or name != "total_tokens"
+        row["malformed"] = int(malformed)
+    row["raw"] = body.decode("utf-8")
+    return rl._dumps(row).encode("utf-8") + b"\n"
+
+
+def _spool_limit():  # SHIP_SPOOL_MAX, or half the free space of the temp dir
+    import shutil
+    import tempfile
+
+    try:
+        return max(
+            SHIP_SPOOL_MEMORY,
+            min(SHIP_SPOOL_MAX, shutil.disk_usage(tempfile.gettempdir()).free // 2)
+        )
+    except OSError:
+        return SHIP_SPOOL_MEMORY
+
+
+def ship_targets(paths, runs_dir=None, key=None):
+    """[(path, expected head or None)]: the PATHs, then run_ledgers(RUNS_DIR); a ledger named twice
+    once."""
+    unique = {}
+    for path, expect in [(Path(p), None) for p in paths] + (
+        rl.run_ledgers(runs_dir, key) if runs_dir else []
+    ):
+        real = os.path.realpath(path)
+        if real not in unique or expect is not None:
+            unique[real] = (unique[real][0] if real in unique else path, expect)
+    return list(unique.values())
+
+
+def ship(
+    targets,
+    client,
+    *,
+    key=None,
+    host=None,
+    batch_rows=SHIP_BATCH_ROWS,
+    batch_bytes=SHIP_BATCH_BYTES
+):
+    """Send the new verified lines of each (path, expected head or None) to ClickHouse. Yields (path,
+    Shipped or the LedgerError/OSError that stopped it: nothing of it was sent); a ClickHouseError
+    propagates."""
+    key, host = rl._resolve_key(key), host or socket.gethostname()
+    if not 0 < batch_rows <= SHIP_MAX_BATCH_ROWS:
+        raise rl.UsageError(f"--batch-rows must be between 1 and {SHIP_MAX_BATCH_ROWS:,}")
+    # {path: SHA-256 of line 1, None without a complete line, or the OSError of reading it}
+    ids = {}
+    for path, _expect in targets:
+        try:
+            with rl._file_lines(path) as lines:
+                first = next(lines, b"")
+            ids[path] = hashlib.sha256(first[:-1]).hexdigest() if first[-1:] == b"\n" else None
+        except OSError as exc:
+            ids[path] = rl._named(exc, path)
+    try:
+        client.ensure_table()
+        wanted, heads = sorted(i for i in set(ids.values()) if type(i) is str), {}
+        for i in range(0, len(wanted), 500):  # ClickHouse's max_query_size is 256 KiB
+            heads.update(
+                (row["ledger_id"], (row["top"], row["sha"], row["n"]))
+                for row in client.rows(
+                    f"SELECT ledger_id, max(seq) AS top, argMax(line_sha256, seq) AS sha, count() AS n FROM "
+                    f"{client.name} FINAL WHERE ledger_id IN ({', '.join(map(sql_string, wanted[i:i + 500]))}) "
+                    f"GROUP BY ledger_id"
+                )
+            )
+    except ClickHouseError as exc:
+        raise (
+            exc if exc.exit_code != rl.EXIT_FAILED else ClickHouseError(f"{exc}; the next run resumes")
+        ) from None
+    for path, expect in targets:
+        try:
+            if isinstance(ids[path], OSError):
+                raise ids[path]
+            yield path, _ship_one(
+                client,
+                path,
+                ids[path],
+                heads.get(ids[path]),
+                key,
+                rl._checked_head(expect, path),
+                host,
+                batch_rows,
+                batch_bytes
+            )
+        except (rl.IntegrityError, rl.KeyRequiredError, OSError) as exc:
+            yield path, rl._named(exc, path)
+
+
+def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, batch_bytes):
+    """Verify the whole ledger while spooling the rows ClickHouse lacks (up to its limit), then send
+    them."""
+    import tempfile
+
+    texts = ("index.jsonl records", "the run ends at")
+    if ledger_id is None:  # no complete line yet
+        rl._reached(path, expect, 0, key, *texts)
+        return Shipped(path, "-" * 12, 1, 0, (0, rl._genesis(key)))
+    top, top_sha, stored = server or (0, None, 0)
+    # ClickHouse lost rows (deleted?): send them all again; FINAL keeps one of each
+    resend = stored < top
+    start = 0 if resend else top
+    # marks: (last seq, spool offset)
+    head, torn, last, marks = (0, rl._genesis(key)), None, None, [(start, 0)]
+    base = {"ledger_id": ledger_id, "host": host, "path": os.path.abspath(path)}
+    limit, shipped_at = _spool_limit(), int(time.time())
+    with tempfile.SpooledTemporaryFile(max_size=SHIP_SPOOL_MEMORY) as spool:
+        try:
+            for event, body, digest in rl._verified(
+                path, rl._file_lines(path), key, expect, rl._expected_run_id(path), *texts
+            ):
+                seq, line_sha = event["seq"], hashlib.sha256(body).hexdigest() if key else digest
+                if seq == 1 and line_sha != ledger_id:
+                    raise rl.IntegrityError(
+                        path, 1, "line 1 changed while it was being shipped (the file was replaced)"
+                    )
+                if seq == top and line_sha != top_sha:
+                    raise rl.IntegrityError(
+                        path,
+                        seq,
+                        "differs from the line ClickHouse holds at this seq: a fork or "
+                        "a local rewrite; nothing was sent"
+                    )
+                if seq > start and last is None:
+                    spool.write(_row(base, event, body, line_sha, shipped_at))
+                    if (
+                        seq - marks[-1][0] == batch_rows
+                        or spool.tell() - marks[-1][1] >= batch_bytes
+                    ):
+                        marks.append((seq, spool.tell()))
+                        last = seq if spool.tell() >= limit else None
+                head = (seq, digest)
+        except rl.TornTailError as exc:
+            torn = exc
+            rl._reached(path, expect, head[0], key, *texts)
+        if head[0] < top:
+            raise rl.IntegrityError(
+                path,
+                head[0] + 1,
+                f"ClickHouse holds this ledger up to seq {top} but the file ends "
+                f"at seq {head[0]}: it was cut or rewritten after it was shipped; "
+                f"nothing was sent"
+            )
+        last = last or head[0]
+        marks += [(last, spool.tell())] if last > marks[-1][0] else []
+        spool.seek(0)
+        for (sent, offset), (_seq, end) in zip(marks, marks[1:]):
+            try:
+                client.query(
+                    f"INSERT INTO {client.name} FORMAT JSONEachRow", data=spool.read(end - offset)
+                )
+            except ClickHouseError as exc:
+                raise ClickHouseError(
+                    f"{exc}; {sent - start:,} of {last - start:,} new lines of {path} were sent, "
+                    f"the next run resumes at seq {sent + 1}",
+                    exc.exit_code
+                ) from None
+    return Shipped(
+        path,
+        ledger_id,
+        start + 1,
+        last,
+        head,
+        torn,
+        more=head[0] - last,
+        resent=resend and last > start
+    )
+
+
+# -- verify ---------------------------------------------------------------
+
+
+def shipped_ledgers(client, condition=""):
+    """[{ledger_id, last_host, last_path, n, top}] in the table; `condition` is a SQL WHERE clause
+    (trusted)."""
+    return client.rows(
+        f"SELECT ledger_id, argMax(host, seq) AS last_host, argMax(path, seq) AS last_path, "
+        f"count() AS n, max(seq) AS top FROM {client.name} FINAL {condition} GROUP BY ledger_id "
+        f"ORDER BY ledger_id"
+    )
+
+
+def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, condition=None):
+    """Re-verify the raw lines ClickHouse holds, and each row's line_sha256, seq and ledger_id. Yields
+    (ledger as shipped_ledgers(), Verified or the error); `ledger_ids`: ids or their starts, or a
+    SQL WHERE `condition`."""
+    import itertools
+
+    key = rl._resolve_key(key)
+    for prefix in ledger_ids:
+        if not re.fullmatch(r"[0-9a-f]{1,64}", prefix):
+            raise rl.UsageError(
+                f"--ledger-id: want hex digits (a ledger_id or its start), got {rl.printable(prefix)!r}"
+            )
+    client.require_table()
+    where = (
+        condition
+        if condition is not None
+        else (
+            "WHERE "
+            + " OR ".join(
+                f"substring(ledger_id, 1, {len(p)}) = {sql_string(p)}" for p in ledger_ids
+            )
+            if ledger_ids
+            else ""
+        )
+    )
+    listed = {row["ledger_id"]: row for row in shipped_ledgers(client, where)}
+    if expect_head is not None and len(listed) > 1:
+        raise rl.UsageError(f"--expect-head goes with exactly one ledger; {len(listed)} match")
+    for prefix in ledger_ids:
+        if not any(found.startswith(prefix) for found in listed):
+            yield (
+                {"ledger_id": prefix, "last_host": None, "last_path": None, "n": 0},
+                rl.IntegrityError(
+                    f"clickhouse:{prefix}", None, "ClickHouse holds no line of this ledger"
+                )
+            )
+    with client.stream(
+        f"SELECT ledger_id, seq, line_sha256, raw FROM {client.name} FINAL {where} "
+        f"ORDER BY ledger_id, seq FORMAT TSVRaw"
+    ) as response:
+        for ledger_id, rows in itertools.groupby(
+            _stored_rows(response, client), key=lambda row: row[0]
+        ):
+            ledger = listed.get(ledger_id) or {
+                "ledger_id": ledger_id,
+                "last_host": None,
+                "last_path": None
+            }
+            name = f"clickhouse:{ledger_id}"
+            run_id = rl._expected_run_id(ledger["last_path"]) if ledger["last_path"] else None
+            lines = contextlib.nullcontext(_stored_lines(name, ledger_id, rows))
+            try:
+                yield ledger, rl._tally_lines(
+                    name,
+                    rl._verified(name, lines, key, expect_head, run_id, ends="ClickHouse holds up to"),
+                    key
+                )
+            except (rl.IntegrityError, rl.KeyRequiredError) as exc:
+                yield ledger, exc
+
+
+def _stored_rows(response, client):
+    """(ledger_id, seq, line_sha256, line) for each TSVRaw row; one of another shape as (last id, None,
+    why, b"")."""
+    import http.client
+
+    last, read = "", functools.partial(response.readline, rl.MAX_LINE_BYTES + 256)
+    try:
+        for line in iter(read, b""):
+            match = _STORED_ROW_RE.match(line)
+            if match is None or line[-1:] != b"\n":
+                yield last, None, "a stored row is not in the expected shape (too long, or holds a newline?)", b""
+                while line and line[-1:] != b"\n":
+                    line = read()
+                continue
+            last = match.group(1).decode("ascii")
+            yield last, int(match.group(2)), match.group(3).decode("ascii"), line[match.end() :]
+    except (OSError, http.client.HTTPException) as exc:
+        raise ClickHouseError(
+            f"ClickHouse at {client.where}: the answer was cut short "
+            f"({rl.printable(rl.error_text(exc))})",
+            rl.EXIT_USAGE
+        ) from None
+
+
+def _stored_lines(name, ledger_id, rows):
+    for expected, (_ledger_id, seq, sha, line) in enumerate(rows, 1):
+        if seq is None:
+            raise rl.IntegrityError(name, expected, sha)
+        if seq != expected:
+            raise rl.IntegrityError(
+                name,
+                expected,
+                (
+                    f"missing from ClickHouse: the next row stored is seq {seq} "
+                    f"(a row was deleted)"
+                    if seq > expected
+                    else f"seq {seq} comes twice"
+                )
+            )
+        digest = hashlib.sha256(line[:-1]).hexdigest()
+        if digest != sha or (seq == 1 and digest != ledger_id):
+            raise rl.IntegrityError(
+                name,
+                seq,
+                f"{'line_sha256' if digest != sha else 'ledger_id'} is not the SHA-256 "
+                f"of the stored line (the row was altered in ClickHouse)"
+            )
+        yield line
+
+
+def _cmd_ship(args):
+    rl.check_targets(args, "ship")
+    key = rl.cli_key(args)
+    client = ClickHouse(
+        args.to,
+        database=args.database,
+        table=args.table,
+        timeout=args.timeout,
+        deadline=args.deadline
+    )
+    sent = []
+
+    def shipped(result):
+        sent.append(result.sent)
+        torn = result.torn
+        try:  # a file that grew past its torn tail since it was read: an append was in progress
+            quiet = torn is None or os.path.getsize(torn.path) > torn.offset + torn.length
+        except OSError:
+            quiet = False
+        if not quiet:
+            rl.warn(
+                f"{torn}; the lines before it were shipped, the torn bytes were not (a crash, not tampering)"
+            )
+        return result.text()
+
+    results = ship(
+        ship_targets(args.paths, args.all, key),
+        client,
+        key=key,
+        host=args.host,
+        batch_rows=args.batch_rows
+    )
+    return rl.tally(
+        ((path, result, "") for path, result in results),
+        shipped,
+        lambda ok, total: (
+            f"{ok}/{total} ledgers shipped or up to date, {sum(sent):,} new lines sent to {client.where} {client.name}"
+        ),
+        after="; nothing of {} was shipped"
+    )
+
+
+def _cmd_verify(args):
+    expect = rl.parse_head(args.expect_head) if args.expect_head is not None else None
+    ids = [i.strip().lower() for i in args.ledger_id or ()]
+    if expect is not None and len(ids) != 1:
+        raise rl.UsageError("--expect-head goes with exactly one --ledger-id")
+    client = ClickHouse(
+        args.from_url or None, database=args.database, table=args.table, timeout=args.timeout
+    )
+
+    def rows():
+        for ledger, result in verify_shipped(
+            client, ledger_ids=ids, key=rl.cli_key(args), expect_head=expect
+        ):
+            shown = ledger["last_path"] is not None and isinstance(
+                result, (rl.Verified, rl.IntegrityError)
+            )
+            where = (
+                f"  {rl.printable(ledger['last_host'])}:{rl.printable(ledger['last_path'])}"
+                if shown
+                else ""
+            )
+            yield f"clickhouse:{ledger['ledger_id']}", result, where
+
+    try:
+        return rl.tally(
+            rows(),
+            rl.verified_line,
+            lambda ok, total: (f"{ok}/{total} ledgers valid in {client.where} {client.name}"),
+            inside=" in ClickHouse"
+        )
+    except ClickHouseError as exc:  # ClickHouse could not be read: like a file that cannot be read
+        raise ClickHouseError(str(exc), rl.EXIT_USAGE) from None
+
+
+# ----------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------
+
+
+def _build_parser():
+    parser = rl.ArgumentParser(
+        prog="fleet.py",
+        description="Ledgers of many boxes in one ClickHouse: ship, and verify there again.",
+        epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_FAILED, rl.EXIT_USAGE, rl.EXIT_OUTPUT),
+        formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=__version__)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    ship_p = sub.add_parser("ship", help="send the verified lines of ledgers (resumable; for cron)")
+    ship_p.set_defaults(func=_cmd_ship)
+    rl.add_targets(ship_p)
+    ship_p.add_argument(
+        "--to",
+        metavar="URL",
+        help=f"ClickHouse's HTTP interface (default ${SHIP_URL_ENV}); user and "
+        f"password from ${SHIP_USER_ENV} / ${SHIP_PASSWORD_ENV}"
+    )
+    ship_p.add_argument(
+        "--timeout",
+        type=float,
+        default=SHIP_TIMEOUT,
+        metavar="S",
+        help=f"seconds a request ({SHIP_TIMEOUT:g})"
+    )
+    ship_p.add_argument(
+        "--batch-rows",
+        type=int,
+        default=SHIP_BATCH_ROWS,
+        metavar="N",
+        help=f"lines per INSERT ({SHIP_BATCH_ROWS:,}; at most {SHIP_BATCH_BYTES >> 20} MiB)"
+    )
+    ship_p.add_argument(
+        "--deadline",
+        type=float,
+        default=SHIP_DEADLINE,
+        metavar="S",
+        help=f"seconds for the whole run; the next run resumes ({SHIP_DEADLINE:g})"
+    )
+    ship_p.add_argument("--host", help="host name recorded with each line (default: this machine's)")
+    verify_p = sub.add_parser("verify", help="re-verify the shipped lines; exit 1 on any failure")
+    verify_p.set_defaults(func=_cmd_verify)
+    verify_p.add_argument(
+        "--from",
+        dest="from_url",
+        default="",
+        metavar="URL",
+        help=f"ClickHouse's HTTP interface (default ${SHIP_URL_ENV})"
+    )
+    verify_p.add_argument(
+        "--ledger-id", action="append", metavar="ID", help="this ledger (or prefix), repeatable"
+    )
+    verify_p.add_argument(
+        "--expect-head", metavar="SEQ:HASH", help="a head published earlier (finds truncation)"
+    )
+    verify_p.add_argument(
+        "--timeout", type=float, default=300.0, metavar="S", help="seconds a request (300)"
+    )
+    for p in (ship_p, verify_p):
+        p.add_argument(
+            "--database", default=SHIP_DATABASE, metavar="DB", help=f"default {SHIP_DATABASE}"
+        )
+        p.add_argument("--table", default=SHIP_TABLE, metavar="T", help=f"default {SHIP_TABLE}")
+        rl.add_key_env(p)
+    return parser
+
+
+def main(argv=None):
+    parser = _build_parser()
+    args, code = rl.parse_cli(parser, argv)
+    if args is None:
+        return code
+    if not args.command:
+        parser.print_help(sys.stderr)
+        return rl.EXIT_USAGE
+    return rl.run_cli(args.func, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
