@@ -3660,6 +3660,7 @@ def _tokens_cell(row):
 
 # == CLI =======================================================================
 
+
 def _cmd_run(args):
     if args.max_steps is not None and args.max_steps < 1:
         raise rl.UsageError("--max-steps must be at least 1")

@@ -1030,7 +1030,8 @@ class Daemon:
             )
         has = (
             after
-            and agent.git(repo, "cat-file", "-t", after, check=False, timeout=60).strip() == b"commit"
+            and agent.git(repo, "cat-file", "-t", after, check=False, timeout=60).strip()
+            == b"commit"
         )
         return after if has else None
 
@@ -1267,7 +1268,6 @@ def _page(title, body):
         f"<title>{_shown(title)}</title><style>{_PAGE_STYLE}</style></head><body>"
         f"<h1>{_shown(title)}</h1>{body}</body></html>\n"
     )
-
 
 
 _LOG_LOCK = threading.Lock()

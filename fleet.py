@@ -438,7 +438,9 @@ def ship(
             )
     except ClickHouseError as exc:
         raise (
-            exc if exc.exit_code != rl.EXIT_FAILED else ClickHouseError(f"{exc}; the next run resumes")
+            exc
+            if exc.exit_code != rl.EXIT_FAILED
+            else ClickHouseError(f"{exc}; the next run resumes")
         ) from None
     for path, expect in targets:
         try:
@@ -606,7 +608,9 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
             try:
                 yield ledger, rl._tally_lines(
                     name,
-                    rl._verified(name, lines, key, expect_head, run_id, ends="ClickHouse holds up to"),
+                    rl._verified(
+                        name, lines, key, expect_head, run_id, ends="ClickHouse holds up to"
+                    ),
                     key
                 )
             except (rl.IntegrityError, rl.KeyRequiredError) as exc:
@@ -783,7 +787,9 @@ def _build_parser():
         metavar="S",
         help=f"seconds for the whole run; the next run resumes ({SHIP_DEADLINE:g})"
     )
-    ship_p.add_argument("--host", help="host name recorded with each line (default: this machine's)")
+    ship_p.add_argument(
+        "--host", help="host name recorded with each line (default: this machine's)"
+    )
     verify_p = sub.add_parser("verify", help="re-verify the shipped lines; exit 1 on any failure")
     verify_p.set_defaults(func=_cmd_verify)
     verify_p.add_argument(

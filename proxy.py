@@ -311,7 +311,9 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
             (header("Authorization") or "").encode("latin-1", "replace"),
             f"Bearer {app.token}".encode()
         ):
-            raise ask._CallFailed("invalid_api_key", "the proxy token is required as the API key", 401)
+            raise ask._CallFailed(
+                "invalid_api_key", "the proxy token is required as the API key", 401
+            )
         if not app.token and not _is_loopback(host):
             raise ask._CallFailed(
                 "forbidden", "Host must be a loopback name (set PROXY_TOKEN to serve others)", 403
@@ -329,12 +331,16 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         if header("Transfer-Encoding") or not length.isdigit():
             raise ask._CallFailed("length_required", "send the body with Content-Length", 411)
         if int(length) > PROXY_MAX_BODY:
-            raise ask._CallFailed("request_too_large", f"the body is over {PROXY_MAX_BODY} bytes", 413)
+            raise ask._CallFailed(
+                "request_too_large", f"the body is over {PROXY_MAX_BODY} bytes", 413
+            )
         if (header("Expect") or "").lower() == "100-continue":
             self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         raw = self.rfile.read(int(length))
         if len(raw) < int(length):
-            raise ask._CallFailed("incomplete_body", "the body is shorter than its Content-Length", 400)
+            raise ask._CallFailed(
+                "incomplete_body", "the body is shorter than its Content-Length", 400
+            )
         return route, raw
 
     def _record(self, route, model, stream, attempt, messages, tokens, body):
@@ -388,7 +394,7 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
             refused = ask._CallFailed(
                 "model_not_allowed", f"this proxy serves {app.model!r} only, not {model[:200]!r}"
             )
-        model = model[:ask.MAX_FIELD_CHARS] if type(model) is str and model else app.model or ""
+        model = model[: ask.MAX_FIELD_CHARS] if type(model) is str and model else app.model or ""
         stream = bool(body.get("stream"))
         new_record = functools.partial(
             self._record, route, model, stream, messages=messages, tokens=tokens, body=body
@@ -546,7 +552,9 @@ def _run_proxy(args):
         raise ask.ConfigError(f"--listen must be HOST:PORT, not {args.listen!r}")
     host, port = match.group(1), int(match.group(2))
     if token is None and not _is_loopback(host):
-        raise ask.ConfigError(f"--listen {host}: set PROXY_TOKEN to listen on anything but loopback")
+        raise ask.ConfigError(
+            f"--listen {host}: set PROXY_TOKEN to listen on anything but loopback"
+        )
     server = _ProxyServer((host, port), args, upstream, token)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -1398,13 +1398,15 @@ def parse_time(text, end=False, now=None):
     return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-# Commands that moved to another script answer with one error line naming the new one (CHANGELOG.md).
+# Commands that moved to another script answer with one error line naming the new one
+# (CHANGELOG.md).
 MOVED = {"ship": "fleet.py ship", "verify --from": "fleet.py verify --from"}
 
 
 def moved_command(prog, moved, argv):
     """EXIT_USAGE after one error line when argv spells a command of `moved` (the old spelling, its
-    first word and any option after it), else None. It imports nothing: the new home may be absent."""
+    first word and any option after it), else None. It imports nothing: the new home may be absent.
+    """
     argv = sys.argv[1:] if argv is None else list(argv)
     for old, new in moved.items():
         first, *options = old.split()
