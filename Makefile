@@ -16,7 +16,7 @@ PROMPTS ?= $(HERE)prompts
 PY_TAG := $(shell $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null)
 VENV ?= $(HERE).venv/py$(PY_TAG)
 
-.PHONY: help test verify audit drill demo bench clean
+.PHONY: help test verify audit drill demo bench house clean
 
 help:
 	@echo "make test    run the tests with PYTHON's pytest, or a venv per Python with pytest in it (PYTHON=python3.9)"
@@ -25,6 +25,7 @@ help:
 	@echo "make audit   what each model string did, day by day (AUDIT_ARGS=... for more)"
 	@echo "make drill   the endpoint's /models list, each prompts/*.txt $(DRILL_REPEAT)x through ask.py, then the audit; exit 1 if any call or check failed"
 	@echo "make bench   speed ratios against baselines measured in the same run (BENCH_LINES=1000000 for the full figures)"
+	@echo "make house   each script's code tokens and lines against its budgets (asserts nothing)"
 	@echo "make clean   remove venvs, caches and bench files"
 	@echo "make help    this list"
 
@@ -73,6 +74,9 @@ demo:
 
 bench:
 	BENCH_LINES=$(BENCH_LINES) $(PYTHON) $(HERE)tests/bench.py $(BENCH)
+
+house:
+	@$(PYTHON) $(HERE)tests/house.py
 
 clean:
 	cd "$(HERE)" && rm -rf .venv .bench .pytest_cache tests/__pycache__ __pycache__
