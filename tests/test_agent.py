@@ -758,7 +758,7 @@ def test_a_run_refuses_to_start_on_an_invalid_tools_json(agent, tmp_path, server
 def test_a_vendored_copy_finds_its_own_tools_json(tmp_path, server):
     vendored = tmp_path / "vendor"
     vendored.mkdir()
-    for name in ("reasoning_ledger.py", "ask.py", "audit.py", "agent.py"):
+    for name in ("reasoning_ledger.py", "ask.py", "fleet.py", "agent.py"):
         (vendored / name).write_bytes((ROOT / name).read_bytes())
     tools_json(vendored / "tools.json", test_command=[sys.executable, "-c", "pass"])
     repo = make_repo(tmp_path / "repo")

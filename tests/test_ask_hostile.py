@@ -435,7 +435,7 @@ def test_a_control_character_from_the_server_cannot_forge_a_stderr_line(call):
 def test_isolated_mode_from_another_directory(hostile, tmp_path):
     vendored = tmp_path / "vendor"
     vendored.mkdir()
-    for name in ("reasoning_ledger.py", "ask.py", "audit.py"):
+    for name in ("reasoning_ledger.py", "ask.py", "fleet.py", "audit.py"):
         (vendored / name).write_bytes((ROOT / name).read_bytes())
     work = tmp_path / "work"
     work.mkdir()

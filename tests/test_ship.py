@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import ask
-import fleet
+import fleet as fleet_py  # the name `fleet` is a fixture here
 import reasoning_ledger as rl
 from clickhouse_server import ClickHouse, skip_reason
 from conftest import (ROOT, SAMPLE_CALC, all_bytes_under, clean_env, clock_for, error_lines, lines_of, make_repo,
@@ -689,14 +689,14 @@ def test_a_table_an_earlier_version_made_is_shipped_to_and_read(clickhouse, db, 
 def test_a_full_spool_ships_what_it_holds_and_the_next_run_the_rest(clickhouse, db, tmp_path, monkeypatch):
     ledger = tmp_path / "a.jsonl"
     notes(ledger, 7)
-    monkeypatch.setattr(rl, "_spool_limit", lambda: 1)  # full after the first batch
-    client = fleet.ClickHouse(clickhouse.url, database=db, environ=ch_env(clickhouse))
-    ((path, first),) = fleet.ship([(ledger, None)], client, host="box", batch_rows=3)
+    monkeypatch.setattr(fleet_py, "_spool_limit", lambda: 1)  # full after the first batch
+    client = fleet_py.ClickHouse(clickhouse.url, database=db, environ=ch_env(clickhouse))
+    ((path, first),) = fleet_py.ship([(ledger, None)], client, host="box", batch_rows=3)
     assert (first.first, first.last, first.more) == (1, 3, 4)
     assert "3 new lines (seq 1..3), 4 more next run" in first.text()
-    ((path, second),) = fleet.ship([(ledger, None)], client, host="box", batch_rows=3)
+    ((path, second),) = fleet_py.ship([(ledger, None)], client, host="box", batch_rows=3)
     assert (second.first, second.last, second.more) == (4, 6, 1)
-    ((path, third),) = fleet.ship([(ledger, None)], client, host="box", batch_rows=3)
+    ((path, third),) = fleet_py.ship([(ledger, None)], client, host="box", batch_rows=3)
     assert (third.sent, third.more, third.head[0]) == (1, 0, 7)
     assert counts(clickhouse, db) == (7, 7)
     assert {r["host"] for r in rows(clickhouse, f"SELECT host FROM {db}.ledger_lines")} == {"box"}
@@ -704,7 +704,7 @@ def test_a_full_spool_ships_what_it_holds_and_the_next_run_the_rest(clickhouse, 
 
 def test_the_docs_table_and_its_sql_questions_work_on_a_shipped_fleet(clickhouse, db, fleet):
     readme = (ROOT / "docs" / "fleet.md").read_text(encoding="utf-8")
-    assert fleet.ship_ddl() in readme  # the table docs/fleet.md shows is the one ship makes
+    assert fleet_py.ship_ddl() in readme  # the table docs/fleet.md shows is the one ship makes
     section = readme[readme.index("**Three questions in SQL**"):]
     block = section[section.index("```sql\n") + 7:section.index("\n```", section.index("```sql\n"))]
     queries = [q.strip() for q in block.split(";") if q.strip()]
