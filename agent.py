@@ -109,9 +109,9 @@ TRIPWIRES = tuple(
     " tripwire.process_control tripwire.packaging_metadata tripwire.startup_hook".split()
 )
 DEFAULT_TEST_PATHS = tuple(
-    "test_*.py *_test.py test*.py tests.py tests/ test/ *_spec.* spec/ __tests__/ *.test.* conftest.py"
-    " pytest.ini .pytest.ini pytest.toml .pytest.toml tox.ini setup.cfg pyproject.toml noxfile.py"
-    " sitecustomize.py usercustomize.py *.pth".split()
+    "test_*.py *_test.py test*.py tests.py tests/ test/ *_spec.* spec/ __tests__/ *.test.*"
+    " conftest.py pytest.ini .pytest.ini pytest.toml .pytest.toml tox.ini setup.cfg pyproject.toml"
+    " noxfile.py sitecustomize.py usercustomize.py *.pth".split()
 )
 MAX_TOOLS_FILE = 1024 * 1024
 SHIP_RUN_DEADLINE_S = 120  # run --ship-to: the longest shipping may delay the end of a run
@@ -152,10 +152,9 @@ class PolicyError(rl.UsageError):
     """tools.json is not valid. `.problems` lists every problem, each naming its place."""
 
     def __init__(self, source, problems):
-        self.source, self.problems = str(source), list(problems)
-        more = len(self.problems) - 1
+        self.problems, more = problems, len(problems) - 1
         super().__init__(
-            f"{source}: {self.problems[0]}"
+            f"{source}: {problems[0]}"
             + (f" (and {more} more; run agent.py check-tools)" if more else "")
         )
 
@@ -282,9 +281,6 @@ class Policy:
     def is_test_path(self, path):
         return any(regex.match(path) for regex in self.test_paths)
 
-    def enabled(self, tool):
-        return tool in self.builtins or tool in self.plugins
-
 
 def _unknown(text, name, known):
     near = difflib.get_close_matches(name, known, n=1)
@@ -292,7 +288,8 @@ def _unknown(text, name, known):
 
 
 def _problems(value, rule=_SCHEMA, where="tools.json", key=""):
-    """Every problem of a parsed tools.json held to `rule` (a shape of _SCHEMA), each naming its place."""
+    """Every problem of a parsed tools.json held to `rule` (a shape of _SCHEMA), each naming its
+    place."""
     if not isinstance(rule, dict):
         return _leaf_problems(where, value, rule, key)
     if type(value) is not dict:
@@ -413,7 +410,8 @@ def _no_duplicate_keys(pairs):
 
 
 def load_policy(path):
-    """Read and validate a tools.json. Raises PolicyError with every problem; OSError when unreadable."""
+    """Read and validate a tools.json. Raises PolicyError with every problem; OSError when
+    unreadable."""
     with open(path, "rb") as handle:
         raw = handle.read(MAX_TOOLS_FILE + 1)
     if len(raw) > MAX_TOOLS_FILE:
@@ -530,7 +528,8 @@ def patch_files(patch):
 
 
 def diff_section_files(section):
-    """Every path one section of git's output names; empty when none can be read (then it is left out)."""
+    """Every path one section of git's output names; empty when none can be read (then it is left
+    out)."""
     files, header = patch_files(section)[0], section.split("\n", 1)[0]
     match = re.match(r"diff --(?:cc|combined) (.+)", header)
     if match:
@@ -545,7 +544,7 @@ def _diff_path(text, prefixed=True):
     # diff -u's timestamp
     text = re.sub(r" +[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9:.]+( [+-][0-9]{4})?\Z", "", text)
     # C-quoted, octal escapes of UTF-8 bytes
-    if text.startswith('"') and text.endswith('"') and len(text) > 1:
+    if len(text) > 1 and text[0] == text[-1] == '"':
         raw = (
             text[1:-1]
             .encode("latin-1", "backslashreplace")
@@ -567,7 +566,7 @@ def check_action(action, policy, resolve):
         return check_path(path, policy, resolve, paths, what)
 
     try:
-        if not policy.enabled(tool):
+        if tool not in policy.builtins and tool not in policy.plugins:
             what = (
                 "a built-in that this tools.json does not enable"
                 if tool in BUILTINS
@@ -665,17 +664,16 @@ def _git_env(**extra):
 
 
 def git(repo, *args, input=None, check=True, timeout=120, env=None):
-    """A git command in `repo`, read-only unless `env` says otherwise (no optional locks). Its stdout
-    bytes."""
+    """A git command in `repo`, read-only unless `env` says otherwise (no optional locks). Its
+    stdout bytes."""
     proc = subprocess.run(
         ["git", "-c", "core.fsmonitor=false", "-c", "core.quotepath=false", "-C", str(repo), *args],
         input=input,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        capture_output=True,
         env=env or _git_env(),
         timeout=timeout
     )
-    if check and proc.returncode != 0:
+    if check and proc.returncode:
         raise RepoError(
             f"git {args[0]} in {repo}: {proc.stderr.decode('utf-8', 'replace').strip()[:300]}"
         )
@@ -686,9 +684,7 @@ def repo_root(path):
     """The top of the git work tree holding `path`, resolved."""
     if not Path(path).is_dir():
         raise RepoError(f"--repo {path}: not a directory")
-    return Path(
-        git(path, "rev-parse", "--show-toplevel").decode("utf-8", "surrogateescape").strip()
-    ).resolve()
+    return Path(os.fsdecode(git(path, "rev-parse", "--show-toplevel").strip())).resolve()
 
 
 def resolve_ref(repo, ref):
@@ -806,16 +802,13 @@ def _ref_entries(repo, ref):
 def _safe_rel(rel):
     """A path git would check out: no `..`, no `.git` in any case (`.GIT` is `.git` on a
     case-insensitive disk)."""
-    return (
-        bool(rel)
-        and not rel.startswith("/")
-        and not any(part in ("", ".", "..") or part.lower() == ".git" for part in rel.split("/"))
-    )
+    # "" and "/x" have an empty part
+    return not any(part in ("", ".", "..") or part.lower() == ".git" for part in rel.split("/"))
 
 
 def _create(dest, rel, executable=False, link=None):
-    """Open dest/rel to write (an fd) or make it a symlink to `link`; None, not through a symlink nor
-    over a path."""
+    """Open dest/rel to write (an fd) or make it a symlink to `link`; None, not through a symlink
+    nor over a path."""
     if not _safe_rel(rel):
         return None
     parent = str(dest)
@@ -840,7 +833,8 @@ def _create(dest, rel, executable=False, link=None):
 
 
 def tree_digest(root):
-    """SHA-256 over the sorted (path, kind, mode, content digest) of every file under `root` but .git."""
+    """SHA-256 over the sorted (path, kind, mode, content digest) of every file under `root` but
+    .git."""
     digest = hashlib.sha256()
     for path in sorted(_walk_files(root)):
         full = os.path.join(root, path)
@@ -866,14 +860,20 @@ def _walk_files(root):
             yield posixpath.normpath(posixpath.join(rel_base, name))  # POSIX only, as fcntl is
 
 
-_ENV_PATHSPECS = (":(glob,icase)**/.env*", ":(glob,icase)**/.env*/**")
-
-
 def repo_secrets(repo, commit=None):
     """The values of the repo's .env* files, and of those in `commit` and its parents, to mask
     everywhere."""
+    # every .env* file, and every file under a .env* directory, in any case
     listing = git(
-        repo, "ls-files", "-z", "--cached", "--others", "--", *_ENV_PATHSPECS, check=False
+        repo,
+        "ls-files",
+        "-z",
+        "--cached",
+        "--others",
+        "--",
+        ":(glob,icase)**/.env*",
+        ":(glob,icase)**/.env*/**",
+        check=False
     )
     texts = [
         _read_plain_file(Path(repo) / os.fsdecode(raw), 256 * 1024)
@@ -940,7 +940,7 @@ def _read_plain_file(path, limit, flags=0):
     """Up to `limit` bytes (None: all) of a regular file, or None (never blocks on a FIFO or reads a
     device)."""
     try:
-        fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | flags)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | flags)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as handle:
@@ -987,7 +987,8 @@ def _child_env():
 
 
 def _subreaper():
-    """Become a child subreaper (Linux): what a program detaches comes back to us, so it can be killed."""
+    """Become a child subreaper (Linux): what a program detaches comes back to us, so it can be
+    killed."""
     global _REAPING
     _REAPING = _prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
 
@@ -1041,11 +1042,12 @@ class Sandbox:
         # a pyenv shim cds to where pyenv was first called, which may be hidden here
         if "PYENV_DIR" in env:
             args += ["--setenv", "PYENV_DIR", str(cwd)]
-        return args + ["--chdir", str(cwd), "--", program] + list(argv[1:])
+        return args + ["--chdir", str(cwd), "--", program, *argv[1:]]
 
 
 def _hidden_paths(repo, runs_dir):
-    """What a boxed program must not see: HOME, the repo, the runs and lock dirs, files settings name."""
+    """What a boxed program must not see: HOME, the repo, the runs and lock dirs, files settings
+    name."""
     hidden = [os.path.expanduser("~"), repo, runs_dir, _lock_dir()]
     hidden += [v for n, v in os.environ.items() if n.endswith("_FILE") and os.path.isfile(v)]
     # HOME=/ hides nothing
@@ -1059,7 +1061,7 @@ def _program_roots(program, env, hidden):
     places = [
         os.path.dirname(program),
         os.path.dirname(os.path.realpath(program)),
-        env.get("PYENV_ROOT") or "",
+        env.get("PYENV_ROOT"),
         os.path.join(home, ".local")
     ]
     cfg = Path(os.path.dirname(os.path.dirname(program))) / "pyvenv.cfg"
@@ -1122,7 +1124,8 @@ def require_box(box, policy):
     if box.kind == "none" and policy.sandbox == "required":
         raise SandboxError(
             f'tools.json sets "sandbox": "required" but {box.reason}; install bubblewrap (apt-get '
-            f'install bubblewrap) where user namespaces work, or set "sandbox": "auto" in tools.json'
+            'install bubblewrap) where user namespaces work, or set "sandbox": "auto" in '
+            "tools.json"
         )
 
 
@@ -1130,7 +1133,7 @@ def _children():
     found = set()
     for path in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
         with contextlib.suppress(OSError):  # the thread ended
-            found.update(int(pid) for pid in path.read_text().split())
+            found.update(map(int, path.read_text().split()))
     return found
 
 
@@ -1185,7 +1188,8 @@ def _ms(started):
 
 
 def run_program(argv, cwd, timeout, env=None, input=None, box=None, writable=()):
-    """Run argv (no shell) in its own group, boxed, killed on timeout with what it left; output capped."""
+    """Run argv (no shell) in its own group, boxed, killed on timeout with what it left; output
+    capped."""
     started = time.monotonic()
     env = _child_env() if env is None else env
     known = _children() if _REAPING else set()
@@ -1228,9 +1232,9 @@ def run_program(argv, cwd, timeout, env=None, input=None, box=None, writable=())
 
 
 def _boxed(argv, cwd, env, box, writable):
-    """argv as run: in bwrap when the box has it, the program resolved first so a missing one fails as
-    unboxed."""
-    if box is None or box.kind != "bwrap":
+    """argv as run: in bwrap when the box has it, the program resolved first so a missing one fails
+    as unboxed."""
+    if not box or box.kind != "bwrap":
         return argv
     program = (
         os.path.join(cwd, argv[0])
@@ -1287,7 +1291,7 @@ def _kill_group(pgid):
 
 GREP_SCRIPT = r"""
 import re, sys
-pattern, limit, found = re.compile(sys.argv[1]), int(sys.argv[2]), 0
+pattern, limit, found = re.compile(sys.argv[1]), 500, 0
 for rel in filter(None, sys.stdin.read().split("\0")):
     try:
         with open(rel, "rb") as handle:
@@ -1313,7 +1317,6 @@ class Workspace:
         # box: every program run here, its rlimits, and its bwrap when it works
         self.repo, self.ref, self.root, self.policy, self.box = repo, ref, Path(root), policy, box
         self.redactor = redactor
-        self.env = _child_env()  # the environment does not change during a run
 
     def resolve(self, rel):
         root = os.path.realpath(self.root)
@@ -1321,19 +1324,14 @@ class Workspace:
         return os.path.relpath(real, root) if _under(real, root) else None
 
     def run_tests(self, out=None):
-        """(Output, pytest's per-test outcomes or None); `out`: a directory the box may write JUnit XML
-        to."""
+        """(Output, pytest's per-test outcomes or None); `out`: a directory the box may write JUnit
+        XML to."""
         argv, junit = list(self.policy.test_command), None
         if out and _is_pytest(argv):
             junit = out / f"junit-{time.monotonic_ns()}.xml"
             argv += [f"--junitxml={junit}", "-p", "no:cacheprovider"]
         output = run_program(
-            argv,
-            self.root,
-            self.policy.test_timeout_s,
-            env=self.env,
-            box=self.box,
-            writable=[out] if out else ()
+            argv, self.root, self.policy.test_timeout_s, box=self.box, writable=[out] if out else ()
         )
         return output, junit_outcomes(junit) if junit else None
 
@@ -1342,9 +1340,8 @@ class Workspace:
         started, timeout = time.monotonic(), self.policy.caps["timeout_s"]
         plugin = self.policy.plugins.get(tool)
         if plugin:
-            argv = plugin.command(args)
             return run_program(
-                argv, self.root, plugin.timeout_s or timeout, env=self.env, box=self.box
+                plugin.command(args), self.root, plugin.timeout_s or timeout, box=self.box
             )
         if tool == "run_tests":
             return self.run_tests()[0]
@@ -1353,10 +1350,10 @@ class Workspace:
             if not files:
                 return _text_output(1, "no files to search", started)
             return run_program(
-                [sys.executable, "-I", "-c", GREP_SCRIPT, args["pattern"], "500"],
+                [sys.executable, "-I", "-c", GREP_SCRIPT, args["pattern"]],
                 self.root,
                 timeout,
-                env=dict(self.env, PYTHONIOENCODING="utf-8"),
+                env=dict(_child_env(), PYTHONIOENCODING="utf-8"),
                 box=self.box,
                 input="\0".join(files).encode("utf-8", "surrogateescape")
             )
@@ -1366,11 +1363,10 @@ class Workspace:
         return _text_output(*getattr(self, "_" + tool)(args), started)
 
     def _git_log(self, args):
-        n = min(args.get("n") or 10, 50)
         log = git(
             self.repo,
             "log",
-            f"-n{n}",
+            f"-n{min(args.get('n') or 10, 50)}",
             "--no-color",
             "--date=short",
             "--format=%h %ad %an: %s",
@@ -1400,12 +1396,15 @@ class Workspace:
             return 1, f"{path} is a binary file ({len(data)} bytes); not shown"
         lines = data.decode("utf-8", "replace").splitlines()
         last = min(args.get("end_line") or len(lines), len(lines))
-        numbered = range(args.get("start_line") or 1, last + 1)
-        body = "\n".join(f"{n:>{len(str(last))}}| {lines[n - 1]}" for n in numbered)
+        body = "\n".join(
+            f"{n:>{len(str(last))}}| {lines[n - 1]}"
+            for n in range(args.get("start_line") or 1, last + 1)
+        )
         return 0, body if lines else "(empty file)"
 
     def _files(self, rel):
-        """The files under `rel` a tool may open, each held to the path rules by what it resolves to."""
+        """The files under `rel` a tool may open, each held to the path rules by what it resolves
+        to."""
         base = self.root / rel
         paths = (
             [rel]
@@ -1454,7 +1453,7 @@ def junit_outcomes(path):
     import xml.etree.ElementTree as ElementTree  # only when pytest ran
 
     try:
-        tree = ElementTree.parse(str(path))
+        tree = ElementTree.parse(path)
     except (OSError, ElementTree.ParseError):
         return None
     outcomes = {}
