@@ -170,11 +170,13 @@ class RepoError(rl.UsageError):
 
 
 class TestCommandError(rl.UsageError):
-    """The test command cannot run here (no model can fix that): the run ends before any model call."""
+    """The test command cannot run here (no model can fix that): the run ends before any model
+    call."""
 
 
 class _Terminated(Exception):
-    """SIGTERM or SIGINT arrived: the run is closed as an error, and its child processes are killed."""
+    """SIGTERM or SIGINT arrived: the run is closed as an error, and its child processes are
+    killed."""
 
 
 # == Policy: tools.json ========================================================
@@ -772,7 +774,8 @@ def _tree_blobs(repo, rev, check=True):
 
 
 def _ref_entries(repo, ref):
-    """(path, executable, link target, content) of every blob in commit `ref`, from git's objects."""
+    """(path, executable, link target, content) of every blob in commit `ref`, from git's
+    objects."""
     entries = list(_tree_blobs(repo, ref))  # _create refuses an unsafe name
     batch = subprocess.Popen(
         ["git", "-C", str(repo), "cat-file", "--batch"],
@@ -998,7 +1001,8 @@ class SandboxError(rl.UsageError):
 
 
 class Sandbox:
-    """How a run's programs are boxed ("bwrap", or "none" and why), what is hidden, and the rlimits."""
+    """How a run's programs are boxed ("bwrap", or "none" and why), what is hidden, and the
+    rlimits."""
 
     def __init__(self, kind, reason, hide, caps):
         self.kind, self.reason, self.hide, self.caps = kind, reason, hide, caps
@@ -1090,7 +1094,8 @@ def _under(path, *bases):
 
 
 def probe_sandbox(policy, hide):
-    """Once per run: does bwrap box a trivial command here? A Sandbox, kind "none" and why when not."""
+    """Once per run: does bwrap box a trivial command here? A Sandbox, kind "none" and why when
+    not."""
     box = Sandbox("bwrap", None, hide, policy.caps)
     reason = _unboxed_because(policy, box)
     return Sandbox("none", reason, hide, policy.caps) if reason else box
