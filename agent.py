@@ -1,32 +1,40 @@
 #!/usr/bin/env python3
-"""agent.py -- the host of a coding agent. The model proposes, tools.json decides, a judge rules, and the
-patch goes to a file for a human: nothing is ever applied to your repository. Stdlib only.
+"""agent.py -- the host of a coding agent. The model proposes, tools.json decides, a judge rules,
+and the patch goes to a file for a human: nothing is ever applied to your repository. Stdlib only.
 
 Usage:
-  python agent.py run --repo DIR [--ref REV] [--runs-dir DIR] [--tools FILE] [--max-steps N] [--max-wall-s S]
-                     [--ship-to URL]                    # URL: ClickHouse, to ship the closed run to
-  python agent.py runs [--runs-dir DIR]                  # a table of runs: id, started, outcome, ..., why
-  python agent.py replay RUN_DIR [--tools OTHER.json]    # the same decisions again from the record, offline
-  python agent.py check-tools [FILE]                     # validate an allowlist (exit 0 valid, 2 not)
-  python agent.py judge RUN_DIR                          # the judge, as the host runs it: a separate process
+  python agent.py run --repo DIR [--ref REV] [--runs-dir DIR] [--tools FILE] [--max-steps N]
+                      [--max-wall-s S] [--ship-to URL]  # URL: ClickHouse, to ship the closed run to
+  python agent.py runs [--runs-dir DIR]               # a table of runs: id, started, outcome, why
+  python agent.py replay RUN_DIR [--tools OTHER.json] # the same decisions from the record, offline
+  python agent.py check-tools [FILE]                  # validate an allowlist (exit 0 valid, 2 not)
+  python agent.py judge RUN_DIR                       # the judge, as the host runs it: a process
 
-Settings: BASE_URL, API_KEY, MODEL_ID, as for ask.py. Exit codes of `run`: 0 no action needed, 8 a proposal
-waits for review, 3 the judge rejected the proposal, 7 budget exhausted, 9 stuck (the model sent the same reply,
-or the same unusable one, max_repeats times in a row), 1 error (the run is closed and recorded), 6 another run
-holds the repository's lock, 2 usage or configuration error (no run).
+Settings: BASE_URL, API_KEY, MODEL_ID, as for ask.py. Exit codes of `run`: 0 no action needed, 8 a
+proposal waits for review, 3 the judge rejected the proposal, 7 budget exhausted, 9 stuck (the model
+sent the same reply, or the same unusable one, max_repeats times in a row), 1 error (the run is
+closed and recorded), 6 another run holds the repository's lock, 2 usage or configuration error (no
+run).
 """
 
 import sys
 
-# first: /proc/PID/environ and mem closed early
-if __name__ == "__main__" and sys.platform.startswith("linux"):
+
+def _prctl(option, value):
+    """prctl(2) on Linux; True when it took."""
     try:
         import ctypes
 
-        # PR_SET_DUMPABLE 0 (closes nothing to root; docs/sandbox.md)
-        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)
+        linux = sys.platform.startswith("linux")
+        return linux and ctypes.CDLL(None).prctl(option, value, 0, 0, 0) == 0
     except (ImportError, OSError, AttributeError):
-        pass
+        return False
+
+
+# first: /proc/PID/environ and mem closed early, PR_SET_DUMPABLE 0 (closes nothing to root;
+# docs/sandbox.md)
+if __name__ == "__main__":
+    _prctl(4, 0)
 
 import argparse
 import ast
@@ -69,27 +77,11 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_TOOLS = HERE / "tools.json"
 DEFAULT_RUNS = "runs"
 PROPOSAL_NAME = "proposal.patch"
-BUILTINS = ("read_file", "list_files", "grep", "git_diff", "git_log", "run_tests", "propose_patch")
+BUILTINS = tuple("read_file list_files grep git_diff git_log run_tests propose_patch".split())
 HARD_DENY = (".git/",)  # denied whatever a tools.json says
-DEFAULT_DENY = (
-    ".git/",
-    ".env*",
-    "*.pem",
-    "*.key",
-    "id_*",
-    "*.p12",
-    "*.pfx",
-    "*.keystore",
-    "*.jks",
-    ".ssh/",
-    ".aws/",
-    ".gnupg/",
-    ".netrc",
-    ".npmrc",
-    ".pypirc",
-    "*secret*",
-    "*credential*",
-    "*.kdbx"
+DEFAULT_DENY = tuple(
+    ".git/ .env* *.pem *.key id_* *.p12 *.pfx *.keystore *.jks .ssh/ .aws/ .gnupg/ .netrc .npmrc"
+    " .pypirc *secret* *credential* *.kdbx".split()
 )
 DEFAULT_BUDGET = {
     "max_steps": 24,
@@ -112,37 +104,14 @@ DEFAULT_CAPS = {
     "processes": 4096
 }
 SANDBOX_MODES = ("auto", "required", "off")
-TRIPWIRES = (
-    "tripwire.runner_internals",
-    "tripwire.interpreter_state",
-    "tripwire.exit_paths",
-    "tripwire.process_control",
-    "tripwire.packaging_metadata",
-    "tripwire.startup_hook"
+TRIPWIRES = tuple(
+    "tripwire.runner_internals tripwire.interpreter_state tripwire.exit_paths"
+    " tripwire.process_control tripwire.packaging_metadata tripwire.startup_hook".split()
 )
-DEFAULT_TEST_PATHS = (
-    "test_*.py",
-    "*_test.py",
-    "test*.py",
-    "tests.py",
-    "tests/",
-    "test/",
-    "*_spec.*",
-    "spec/",
-    "__tests__/",
-    "*.test.*",
-    "conftest.py",
-    "pytest.ini",
-    ".pytest.ini",
-    "pytest.toml",
-    ".pytest.toml",
-    "tox.ini",
-    "setup.cfg",
-    "pyproject.toml",
-    "noxfile.py",
-    "sitecustomize.py",
-    "usercustomize.py",
-    "*.pth"
+DEFAULT_TEST_PATHS = tuple(
+    "test_*.py *_test.py test*.py tests.py tests/ test/ *_spec.* spec/ __tests__/ *.test.*"
+    " conftest.py pytest.ini .pytest.ini pytest.toml .pytest.toml tox.ini setup.cfg pyproject.toml"
+    " noxfile.py sitecustomize.py usercustomize.py *.pth".split()
 )
 MAX_TOOLS_FILE = 1024 * 1024
 SHIP_RUN_DEADLINE_S = 120  # run --ship-to: the longest shipping may delay the end of a run
@@ -170,15 +139,9 @@ OUTCOME_EXIT = {
 }
 # The host's decisions, as replay compares them (tool results and model calls are inputs, not
 # decisions).
-DECISION_KINDS = (
-    "model_proposed",
-    "proposal_malformed",
-    "tool_allowed",
-    "tool_denied",
-    "patch_rejected",
-    "decision",
-    "budget_exhausted",
-    "stuck"
+DECISION_KINDS = tuple(
+    "model_proposed proposal_malformed tool_allowed tool_denied patch_rejected decision"
+    " budget_exhausted stuck".split()
 )
 
 
@@ -189,14 +152,10 @@ class PolicyError(rl.UsageError):
     """tools.json is not valid. `.problems` lists every problem, each naming its place."""
 
     def __init__(self, source, problems):
-        self.source, self.problems = str(source), list(problems)
+        self.problems, more = problems, len(problems) - 1
         super().__init__(
-            f"{source}: {self.problems[0]}"
-            + (
-                f" (and {len(self.problems) - 1} more; run " f"agent.py check-tools)"
-                if len(self.problems) > 1
-                else ""
-            )
+            f"{source}: {problems[0]}"
+            + (f" (and {more} more; run agent.py check-tools)" if more else "")
         )
 
 
@@ -211,11 +170,13 @@ class RepoError(rl.UsageError):
 
 
 class TestCommandError(rl.UsageError):
-    """The test command cannot run here (no model can fix that): the run ends before any model call."""
+    """The test command cannot run here (no model can fix that): the run ends before any model
+    call."""
 
 
 class _Terminated(Exception):
-    """SIGTERM or SIGINT arrived: the run is closed as an error, and its child processes are killed."""
+    """SIGTERM or SIGINT arrived: the run is closed as an error, and its child processes are
+    killed."""
 
 
 # == Policy: tools.json ========================================================
@@ -228,7 +189,7 @@ _GLOB_TOKENS = {"**/": "(?:.*/)?", "**": ".*", "*": "[^/]*", "?": "[^/]"}
 # are the tables above.
 _PLUGIN = {
     "description!": "text",
-    "argv!": "argv",
+    "argv!": "command",
     "args!": {"*": {"pattern!": "regex", "path": "bool"}},
     "timeout_s": "number",
     "output_bytes": "number"
@@ -256,47 +217,38 @@ _REAL_KEYS = ("max_wall_s", "call_timeout_s", "timeout_s", "test_timeout_s")
 _MINIMUM = {"context_tokens": 255, "max_repeats": 2, "output_bytes": 255}
 
 
-def _glob_regex(pattern, ignore_case=False):
+def _glob_regex(pattern, flags=0):
     """A gitignore-like glob as a regex over a repo-relative POSIX path ('/' anchors it, '**' spans
     dirs)."""
     body = pattern.strip("/") if pattern.startswith("/") else pattern.rstrip("/")
-    out = []
-    for i, part in enumerate(re.split(r"(\*\*/|\*\*|\*|\?|\[.[^\]]*\])", body)):
-        if i % 2 == 0:
-            out.append(re.escape(part))
-        elif part in _GLOB_TOKENS:
-            out.append(_GLOB_TOKENS[part])
-        else:
-            inner = part[1:-1]
-            out.append(
-                "["
-                + ("^" + re.escape(inner[1:]) if inner.startswith("!") else re.escape(inner))
-                + "]"
-            )
-    anchored = "/" in pattern.rstrip("/")
-    return re.compile(
-        ("^" if anchored else "^(?:.*/)?") + "".join(out) + "(?:/.*)?$", re.I if ignore_case else 0
-    )
+    parts = re.split(r"(\*\*/|\*\*|\*|\?|\[.[^\]]*\])", body)
+    # the text between wildcards is literal; a bracket's leading '!' negates it, as '^' does
+    out = [
+        (
+            _GLOB_TOKENS.get(part) or "[" + re.sub("^!", "^", re.escape(part[1:-1])) + "]"
+            if i % 2
+            else re.escape(part)
+        )
+        for i, part in enumerate(parts)
+    ]
+    start = "^" if "/" in pattern.rstrip("/") else "^(?:.*/)?"
+    return re.compile(start + "".join(out) + "(?:/.*)?$", flags)
 
 
 class Plugin:
     """A user-declared tool: an argv template filled by arguments that fully match their regex. No
     shell."""
 
-    def __init__(self, name, spec):
-        self.name, self.description, self.argv = name, spec["description"], list(spec["argv"])
+    def __init__(self, spec):
+        self.description, self.argv = spec["description"], spec["argv"]
+        # each argument: its pattern, and whether its value is a repository path
         self.args = {
-            arg: {
-                "pattern": re.compile(a["pattern"]),
-                "source": a["pattern"],
-                "path": a.get("path", False)
-            }
-            for arg, a in spec["args"].items()
+            arg: (re.compile(a["pattern"]), a.get("path", False)) for arg, a in spec["args"].items()
         }
         self.timeout_s, self.output_bytes = spec.get("timeout_s"), spec.get("output_bytes")
 
     def command(self, args):
-        return [_PLACEHOLDER_RE.sub(lambda m: args[m.group(1)], part) for part in self.argv]
+        return [_PLACEHOLDER_RE.sub(lambda m: args[m[1]], part) for part in self.argv]
 
 
 class Policy:
@@ -305,37 +257,31 @@ class Policy:
     def __init__(self, data, text, source):
         self.source, self.text = str(source), text
         self.sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
-        self.version, self.test_command = data["version"], list(data["test_command"])
+        self.version, self.test_command = data["version"], data["test_command"]
         self.test_timeout_s = data.get("test_timeout_s", 300)
         self.builtins = frozenset(data.get("builtins", ()))
         paths, judge = data.get("paths", {}), data.get("judge", {})
-        self.allow = [(g, _glob_regex(g)) for g in paths.get("allow", ["**"])]
-        deny = list(HARD_DENY) + [d for d in paths.get("deny", DEFAULT_DENY) if d not in HARD_DENY]
-        self.deny = [(g, _glob_regex(g, ignore_case=True)) for g in deny]
+        self.allow = list(map(_glob_regex, paths.get("allow", ["**"])))
+        deny = dict.fromkeys([*HARD_DENY, *paths.get("deny", DEFAULT_DENY)])
+        self.deny = [(g, _glob_regex(g, re.I)) for g in deny]
         self.budget = dict(DEFAULT_BUDGET, **data.get("budget", {}))
         self.caps = dict(DEFAULT_CAPS, **data.get("caps", {}))
-        # the runner's own, whatever tools.json lists
-        discovery = _runner_patterns(self.test_command)
-        self.test_paths = [
-            (g, _glob_regex(g))
-            for g in list(judge.get("test_paths", DEFAULT_TEST_PATHS)) + discovery
-        ]
+        # and the runner's own, whatever tools.json lists
+        tests = [*judge.get("test_paths", DEFAULT_TEST_PATHS), *_runner_patterns(self.test_command)]
+        self.test_paths = list(map(_glob_regex, tests))
         self.allow_test_changes = judge.get("allow_test_changes", False)
         self.known_answers = judge.get("known_answers", True)
         off = judge.get("tripwires_off", [])
         self.tripwires = () if off == ["*"] else tuple(t for t in TRIPWIRES if t not in off)
         self.sandbox = data.get("sandbox", "auto")
-        self.plugins = {name: Plugin(name, spec) for name, spec in data.get("plugins", {}).items()}
+        self.plugins = {name: Plugin(spec) for name, spec in data.get("plugins", {}).items()}
 
     def denied_by(self, path):
-        """The deny glob that matches `path`, or None."""
-        return next((glob for glob, regex in self.deny if regex.match(path)), None)
+        """The deny glob that matches `path`, or None (the root itself is never denied)."""
+        return next((glob for glob, regex in self.deny if regex.match(path) and path != "."), None)
 
     def is_test_path(self, path):
-        return any(regex.match(path) for _glob, regex in self.test_paths)
-
-    def enabled(self, tool):
-        return tool in self.builtins or tool in self.plugins
+        return any(regex.match(path) for regex in self.test_paths)
 
 
 def _unknown(text, name, known):
@@ -344,7 +290,8 @@ def _unknown(text, name, known):
 
 
 def _problems(value, rule=_SCHEMA, where="tools.json", key=""):
-    """Every problem of a parsed tools.json held to `rule` (a shape of _SCHEMA), each naming its place."""
+    """Every problem of a parsed tools.json held to `rule` (a shape of _SCHEMA), each naming its
+    place."""
     if not isinstance(rule, dict):
         return _leaf_problems(where, value, rule, key)
     if type(value) is not dict:
@@ -361,7 +308,7 @@ def _problems(value, rule=_SCHEMA, where="tools.json", key=""):
         elif name not in known and "*" not in known:
             problems.append(_unknown(f"{where}.{name}: unknown key", name, tuple(known)))
         else:
-            problems += _problems(item, known.get(name, known.get("*")), f"{where}.{name}", name)
+            problems += _problems(item, known.get(name) or known["*"], f"{where}.{name}", name)
     if rule is _PLUGIN:
         problems += _plugin_problems(where, key, value)
     return problems
@@ -380,22 +327,26 @@ def _leaf_problems(where, value, rule, key):
         return [
             f"{where}: must be {'an integer' if integer else 'a number'} greater than {minimum}"
         ]
-    if rule == "bool" and type(value) is not bool:
-        return [f"{where}: must be true or false"]
-    if rule == "text" and (type(value) is not str or not value.strip()):
+    if rule == "bool":
+        return [] if type(value) is bool else [f"{where}: must be true or false"]
+    if rule == "text":
+        if type(value) is str and value.strip():
+            return []
         return [f"{where}: must be a non-empty string (the model reads it)"]
-    if rule == "version" and value != 1:
-        return [f"{where}: must be 1 (this agent.py reads version 1)"]
-    if rule == "sandbox" and value not in SANDBOX_MODES:
+    if rule == "version":
+        return [] if value == 1 else [f"{where}: must be 1 (this agent.py reads version 1)"]
+    if rule == "sandbox":
+        if value in SANDBOX_MODES:
+            return []
         return [f"{where}: must be one of {', '.join(map(repr, SANDBOX_MODES))}"]
     if rule == "regex":
         try:
             re.compile(value)
         except (re.error, TypeError) as exc:
             return [f"{where}: bad regex: {exc}"]
-    if rule in ("bool", "text", "version", "sandbox", "regex"):
         return []
-    nonempty = rule in ("command", "argv")
+    # the rest are lists of strings; a command (a plugin's argv too) has at least one
+    nonempty = rule == "command"
     if (
         type(value) is not list
         or not all(type(v) is str and v for v in value)
@@ -439,7 +390,7 @@ def _plugin_problems(where, name, spec):
         used.update(names)
         if i == 0 and names:
             problems.append(f"{where}.argv[0]: the program is fixed; it cannot be a placeholder")
-        if "{" in _PLACEHOLDER_RE.sub("", part) or "}" in _PLACEHOLDER_RE.sub("", part):
+        if re.search("[{}]", _PLACEHOLDER_RE.sub("", part)):
             problems.append(f"{where}.argv[{i}]: a brace that is not a {{placeholder}}")
         problems += [
             f"{where}.argv[{i}]: {{{p}}} is not declared in args"
@@ -461,7 +412,8 @@ def _no_duplicate_keys(pairs):
 
 
 def load_policy(path):
-    """Read and validate a tools.json. Raises PolicyError with every problem; OSError when unreadable."""
+    """Read and validate a tools.json. Raises PolicyError with every problem; OSError when
+    unreadable."""
     with open(path, "rb") as handle:
         raw = handle.read(MAX_TOOLS_FILE + 1)
     if len(raw) > MAX_TOOLS_FILE:
@@ -485,18 +437,15 @@ def policy_from_text(raw, source):
 
 # == Policy: checking a proposed action ========================================
 
+# each built-in's arguments and their kinds; a name ending in "!" is required, as in _SCHEMA
 _BUILTIN_ARGS = {
-    "read_file": {"path": ("path", True), "start_line": ("int", False), "end_line": ("int", False)},
-    "list_files": {"path": ("path", False)},
-    "grep": {"pattern": ("pattern", True), "path": ("path", False)},
+    "read_file": {"path!": "path", "start_line": "int", "end_line": "int"},
+    "list_files": {"path": "path"},
+    "grep": {"pattern!": "pattern", "path": "path"},
     "git_diff": {},
-    "git_log": {"n": ("int", False)},
+    "git_log": {"n": "int"},
     "run_tests": {},
-    "propose_patch": {
-        "patch": ("patch", True),
-        "rationale": ("text", False),
-        "alternatives": ("texts", False)
-    }
+    "propose_patch": {"patch!": "patch", "rationale": "text", "alternatives": "texts"}
 }
 _TEXT_LIMITS = {"text": MAX_TEXT_ARG_CHARS, "pattern": MAX_GREP_PATTERN, "patch": MAX_PATCH_BYTES}
 
@@ -518,7 +467,7 @@ def check_path(path, policy, resolve, paths, what="path"):
     if "\x00" in path:
         raise _Deny("path.nul", f"{what} contains a NUL byte")
     _check_option(what, path, MAX_PATH_CHARS)
-    if path.startswith(("/", "~", "\\")) or re.match(r"[A-Za-z]:[\\/]", path):
+    if re.match(r"[/~\\]|[A-Za-z]:[\\/]", path):
         raise _Deny(
             "path.absolute",
             f"{what} {path!r} is absolute; paths are relative to the repository root"
@@ -528,7 +477,7 @@ def check_path(path, policy, resolve, paths, what="path"):
             "path.dotdot", f"{what} {path!r} climbs with '..'; paths stay inside the repository"
         )
     norm = posixpath.normpath(path.replace("\\", "/"))
-    glob = policy.denied_by(norm) if norm != "." else None
+    glob = policy.denied_by(norm)
     if glob:
         raise _Deny("path.denied", f"{what} {path!r} matches the deny glob {glob!r}")
     if path not in paths:
@@ -536,13 +485,13 @@ def check_path(path, policy, resolve, paths, what="path"):
     resolved = paths[path]
     if resolved is None:
         raise _Deny("path.escape", f"{what} {path!r} resolves outside the repository (a symlink?)")
-    glob = policy.denied_by(resolved) if resolved != "." else None
+    glob = policy.denied_by(resolved)
     if glob:
         raise _Deny(
             "path.denied",
             f"{what} {path!r} resolves to {resolved!r}, which matches the deny glob {glob!r}"
         )
-    if norm != "." and not any(regex.match(norm) for _glob, regex in policy.allow):
+    if norm != "." and not any(regex.match(norm) for regex in policy.allow):
         raise _Deny("path.not_allowed", f"{what} {path!r} matches no allow glob")
     return norm
 
@@ -563,37 +512,30 @@ def patch_files(patch):
     files, problems = [], []
     for line in patch.splitlines():
         if line.startswith(("--- ", "+++ ")):
-            names = [_diff_path(line[4:])]
+            files.append(_diff_path(line[4:]))
         elif line.startswith(("rename from ", "rename to ", "copy from ", "copy to ")):
-            names = [_diff_path(line.split(" ", 2)[2], prefixed=False)]
+            files.append(_diff_path(line.split(" ", 2)[2], prefixed=False))
         elif line.startswith("diff --git ") and " b/" in line[11:]:
             old, new = line[11:].split(" b/", 1)
-            names = [_diff_path(old), _diff_path("b/" + new)]
-        else:
-            names = []
-            if line.startswith("GIT binary patch") or (
-                line.startswith("Binary files ") and " differ" in line
-            ):
-                problems.append(
-                    ("patch.binary", "the patch changes a binary file; propose text changes only")
-                )
-            if re.match(
-                r"(new file |new |old |deleted file )?mode\s+\+?0*1[26]0000|index \S+ 0*1[26]0000",
-                line
-            ):
-                problems.append(("patch.mode", "the patch creates a symlink or a submodule"))
-        for name in names:
-            if name is not None and name not in files:
-                files.append(name)
-    return files, problems
+            files += [_diff_path(old), _diff_path("b/" + new)]
+        elif re.match(r"GIT binary patch|Binary files (.* )?differ", line):
+            problems.append(
+                ("patch.binary", "the patch changes a binary file; propose text changes only")
+            )
+        elif re.match(
+            r"(new file |new |old |deleted file )?mode\s+\+?0*1[26]0000|index \S+ 0*1[26]0000", line
+        ):
+            problems.append(("patch.mode", "the patch creates a symlink or a submodule"))
+    return [name for name in dict.fromkeys(files) if name is not None], problems
 
 
 def diff_section_files(section):
-    """Every path one section of git's output names; empty when none can be read (then it is left out)."""
+    """Every path one section of git's output names; empty when none can be read (then it is left
+    out)."""
     files, header = patch_files(section)[0], section.split("\n", 1)[0]
     match = re.match(r"diff --(?:cc|combined) (.+)", header)
     if match:
-        files.append(_diff_path(match.group(1), prefixed=False))
+        files.append(_diff_path(match[1], prefixed=False))
     elif not header.startswith("diff --git "):
         return []
     return [f for f in files if f]
@@ -604,7 +546,7 @@ def _diff_path(text, prefixed=True):
     # diff -u's timestamp
     text = re.sub(r" +[0-9]{4}-[0-9]{2}-[0-9]{2} [0-9:.]+( [+-][0-9]{4})?\Z", "", text)
     # C-quoted, octal escapes of UTF-8 bytes
-    if text.startswith('"') and text.endswith('"') and len(text) > 1:
+    if len(text) > 1 and text[0] == text[-1] == '"':
         raw = (
             text[1:-1]
             .encode("latin-1", "backslashreplace")
@@ -620,10 +562,13 @@ def _diff_path(text, prefixed=True):
 def check_action(action, policy, resolve):
     """Decide an action {tool, args}; pure given `resolve` (path -> resolved path, None outside). A
     Verdict."""
-    paths = {}
-    tool, args = action["tool"], action["args"]
+    paths, tool, args = {}, action["tool"], action["args"]
+
+    def check(path, what):
+        return check_path(path, policy, resolve, paths, what)
+
     try:
-        if not policy.enabled(tool):
+        if tool not in policy.builtins and tool not in policy.plugins:
             what = (
                 "a built-in that this tools.json does not enable"
                 if tool in BUILTINS
@@ -631,19 +576,20 @@ def check_action(action, policy, resolve):
             )
             raise _Deny("tool.unknown", f"{tool!r} is {what}")
         plugin = policy.plugins.get(tool)
-        spec = {name: ("plugin", True) for name in plugin.args} if plugin else _BUILTIN_ARGS[tool]
+        spec = {f"{name}!": "plugin" for name in plugin.args} if plugin else _BUILTIN_ARGS[tool]
+        takes = [key.rstrip("!") for key in spec]
         for name in args:
-            if name not in spec:
+            if name not in takes:
                 raise _Deny(
                     "args.unknown",
-                    f"{tool} takes no argument {name!r} "
-                    f"(it takes: {', '.join(spec) or 'none'})"
+                    f"{tool} takes no argument {name!r} (it takes: {', '.join(takes) or 'none'})"
                 )
-        for name, (kind, required) in spec.items():
+        for key, kind in spec.items():
+            name = key.rstrip("!")
             # a plugin's null is a wrong type
             if args.get(name) is not None or (plugin and name in args):
-                _check_arg(name, args[name], kind, plugin, policy, resolve, paths)
-            elif required:
+                _check_arg(name, args[name], kind, plugin, check)
+            elif key != name:
                 raise _Deny("args.missing", f"{tool} needs the argument {name!r}")
         if plugin:
             return Verdict(
@@ -652,24 +598,27 @@ def check_action(action, policy, resolve):
                 f"plugin {tool} with arguments that match their patterns",
                 paths
             )
-        _check_builtin(tool, args, policy, resolve, paths)
+        _check_builtin(tool, args, check)
     except _Deny as deny:
         return Verdict(False, deny.rule, deny.reason, paths)
     return Verdict(True, f"builtin.{tool}", f"{tool} is enabled and every path is allowed", paths)
 
 
-def _check_arg(name, value, kind, plugin, policy, resolve, paths):
+def _check_arg(name, value, kind, plugin, check):
+    """One argument, held to its kind; `check(path, what)` holds a path to the path rules."""
     if kind == "path":
-        check_path(value, policy, resolve, paths, what=name)
-    elif kind == "int" and (type(value) is not int or not 1 <= value <= 10**7):
-        raise _Deny("args.type", f"{name} must be a positive integer")
-    elif kind == "texts" and (
-        type(value) is not list
-        or len(value) > 20
-        or not all(type(v) is str and len(v) <= MAX_TEXT_ARG_CHARS for v in value)
-    ):
-        raise _Deny("args.type", f"{name} must be a list of at most 20 strings")
-    elif kind in ("text", "pattern", "patch", "plugin"):
+        check(value, name)
+    elif kind == "int":
+        if type(value) is not int or not 1 <= value <= 10**7:
+            raise _Deny("args.type", f"{name} must be a positive integer")
+    elif kind == "texts":
+        if (
+            type(value) is not list
+            or len(value) > 20
+            or not all(type(v) is str and len(v) <= MAX_TEXT_ARG_CHARS for v in value)
+        ):
+            raise _Deny("args.type", f"{name} must be a list of at most 20 strings")
+    else:  # text, pattern, patch, plugin
         if type(value) is not str:
             raise _Deny("args.type", f"{name} must be a string")
         if kind != "plugin" and len(value.encode("utf-8", "surrogatepass")) > _TEXT_LIMITS[kind]:
@@ -677,17 +626,16 @@ def _check_arg(name, value, kind, plugin, policy, resolve, paths):
         if "\x00" in value:
             raise _Deny("arg.nul", f"{name} contains a NUL byte")
     if kind == "plugin":
+        pattern, is_path = plugin.args[name]
         _check_option(name, value, MAX_PLUGIN_ARG_CHARS)
-        if not plugin.args[name]["pattern"].fullmatch(value):
-            raise _Deny(
-                "arg.pattern", f"{name} {value!r} does not match {plugin.args[name]['source']!r}"
-            )
-        if plugin.args[name]["path"]:
-            check_path(value, policy, resolve, paths, what=name)
+        if not pattern.fullmatch(value):
+            raise _Deny("arg.pattern", f"{name} {value!r} does not match {pattern.pattern!r}")
+        if is_path:
+            check(value, name)
 
 
 # what holds between its arguments, and in a patch
-def _check_builtin(tool, args, policy, resolve, paths):
+def _check_builtin(tool, args, check):
     start, end = args.get("start_line"), args.get("end_line")
     if tool == "read_file" and start and end and end < start:
         raise _Deny("args.type", "end_line is before start_line")
@@ -707,28 +655,27 @@ def _check_builtin(tool, args, policy, resolve, paths):
                 "@@ hunks)"
             )
         for name in files:
-            check_path(name, policy, resolve, paths, what="a file in the patch,")
+            check(name, "a file in the patch,")
 
 
 # == The repository: read-only git, snapshots, secrets =========================
 
 
-def _git_env(extra=None):
-    return {**_child_env(), **GIT_ENV, **(extra or {})}
+def _git_env(**extra):
+    return {**_child_env(), **GIT_ENV, **extra}
 
 
 def git(repo, *args, input=None, check=True, timeout=120, env=None):
-    """A git command in `repo`, read-only unless `env` says otherwise (no optional locks). Its stdout
-    bytes."""
+    """A git command in `repo`, read-only unless `env` says otherwise (no optional locks). Its
+    stdout bytes."""
     proc = subprocess.run(
         ["git", "-c", "core.fsmonitor=false", "-c", "core.quotepath=false", "-C", str(repo), *args],
         input=input,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        capture_output=True,
         env=env or _git_env(),
         timeout=timeout
     )
-    if check and proc.returncode != 0:
+    if check and proc.returncode:
         raise RepoError(
             f"git {args[0]} in {repo}: {proc.stderr.decode('utf-8', 'replace').strip()[:300]}"
         )
@@ -739,25 +686,16 @@ def repo_root(path):
     """The top of the git work tree holding `path`, resolved."""
     if not Path(path).is_dir():
         raise RepoError(f"--repo {path}: not a directory")
-    return Path(
-        git(path, "rev-parse", "--show-toplevel").decode("utf-8", "surrogateescape").strip()
-    ).resolve()
+    return Path(os.fsdecode(git(path, "rev-parse", "--show-toplevel").strip())).resolve()
 
 
 def resolve_ref(repo, ref):
     """The full commit id of REV, or HEAD's (None for a repository without commits)."""
-    commit = git(
-        repo,
-        "rev-parse",
-        "--verify",
-        "--quiet",
-        f"{ref or 'HEAD'}^{{commit}}",
-        check=False,
-        timeout=60
-    )
-    if not commit.strip() and ref:
+    spec = f"{ref or 'HEAD'}^{{commit}}"
+    commit = git(repo, "rev-parse", "--verify", "--quiet", spec, check=False, timeout=60).strip()
+    if not commit and ref:
         raise RepoError(f"--ref {ref}: not a commit in {repo}")
-    return commit.decode().strip() or None
+    return commit.decode() or None
 
 
 def snapshot(repo, ref, dest):
@@ -781,22 +719,12 @@ def snapshot(repo, ref, dest):
     digest = tree_digest(dest)
     env = _scratch_git_env(dest.parent)
     for args in (
-        ["init", "-q"],
-        ["add", "-A", "-f"],
-        [
-            "-c",
-            "commit.gpgsign=false",
-            "-c",
-            "core.hooksPath=/dev/null",
-            "commit",
-            "-q",
-            "--no-verify",
-            "--allow-empty",
-            "-m",
-            "baseline"
-        ]
+        "init -q",
+        "add -A -f",
+        "-c commit.gpgsign=false -c core.hooksPath=/dev/null commit -q --no-verify --allow-empty"
+        " -m baseline"
     ):
-        git(dest, *args, env=env, timeout=300)
+        git(dest, *args.split(), env=env, timeout=300)
     return digest
 
 
@@ -804,30 +732,25 @@ def _scratch_git_env(ceiling):
     """git in a scratch copy: no walking up, no user or system config (no filter, hook), fixed
     identity."""
     return _git_env(
-        {
-            "GIT_CEILING_DIRECTORIES": str(ceiling),
-            "GIT_CONFIG_GLOBAL": os.devnull,
-            "GIT_AUTHOR_NAME": "agent.py",
-            "GIT_AUTHOR_EMAIL": "agent@localhost",
-            "GIT_COMMITTER_NAME": "agent.py",
-            "GIT_COMMITTER_EMAIL": "agent@localhost",
-            "GIT_AUTHOR_DATE": "2000-01-01T00:00:00Z",
-            "GIT_COMMITTER_DATE": "2000-01-01T00:00:00Z"
-        }
+        GIT_CEILING_DIRECTORIES=str(ceiling),
+        GIT_CONFIG_GLOBAL=os.devnull,
+        GIT_AUTHOR_NAME="agent.py",
+        GIT_AUTHOR_EMAIL="agent@localhost",
+        GIT_COMMITTER_NAME="agent.py",
+        GIT_COMMITTER_EMAIL="agent@localhost",
+        GIT_AUTHOR_DATE="2000-01-01T00:00:00Z",
+        GIT_COMMITTER_DATE="2000-01-01T00:00:00Z"
     )
 
 
 def _worktree_entries(repo):
     """(path, executable, link target, content) of the files as on disk, none under a symlinked dir
-    (outside)."""
-    listing, real = git(
-        repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard"
-    ), os.path.realpath(repo)
+    (outside), nor through a `..` (_create refuses a `.git` entry)."""
+    listing = git(repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard")
+    real = os.path.realpath(repo)
     for rel in sorted({os.fsdecode(raw) for raw in listing.split(b"\0") if raw}):
         path = os.path.join(repo, rel)
-        if not _safe_rel(rel) or os.path.realpath(os.path.dirname(path)) != os.path.dirname(
-            os.path.join(real, rel)
-        ):
+        if os.path.realpath(os.path.dirname(path)) != os.path.dirname(os.path.join(real, rel)):
             continue
         try:
             mode = os.lstat(path).st_mode
@@ -841,36 +764,38 @@ def _worktree_entries(repo):
                 yield rel, mode & 0o111, None, content
 
 
+def _tree_blobs(repo, rev, check=True):
+    """(mode, sha, path) of every blob in commit `rev`."""
+    records = git(repo, "ls-tree", "-r", "-z", rev, check=check).split(b"\0")
+    for meta, path in (record.split(b"\t", 1) for record in records if b"\t" in record):
+        mode, kind, sha = meta.decode().split()
+        if kind == "blob":
+            yield mode, sha, os.fsdecode(path)
+
+
 def _ref_entries(repo, ref):
-    """(path, executable, link target, content) of every blob in commit `ref`, from git's objects."""
-    entries = []
-    for record in git(repo, "ls-tree", "-r", "-z", ref).split(b"\0"):
-        meta, _, name = record.partition(b"\t")
-        if record and meta.split()[1] == b"blob" and _safe_rel(os.fsdecode(name)):
-            entries.append((meta.split()[0], meta.split()[2], os.fsdecode(name)))
+    """(path, executable, link target, content) of every blob in commit `ref`, from git's
+    objects."""
+    entries = list(_tree_blobs(repo, ref))  # _create refuses an unsafe name
     batch = subprocess.Popen(
         ["git", "-C", str(repo), "cat-file", "--batch"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=_git_env()
     )
-    feeder = threading.Thread(
-        target=_feed_stdin,
-        args=(batch.stdin, b"".join(sha + b"\n" for _m, sha, _n in entries)),
-        daemon=True
-    )
+    shas = "".join(sha + "\n" for _mode, sha, _name in entries).encode()
+    feeder = threading.Thread(target=_feed_stdin, args=(batch.stdin, shas), daemon=True)
     feeder.start()
     try:
         for mode, sha, name in entries:
             header = batch.stdout.readline().split()
             if len(header) != 3:
                 raise RepoError(
-                    f"{ref}: git cannot read object {sha.decode()} (a shallow or damaged repository)"
+                    f"{ref}: git cannot read object {sha} (a shallow or damaged repository)"
                 )
             content = batch.stdout.read(int(header[2]) + 1)[:-1]  # and the newline after it
-            yield name, mode == b"100755", (
-                os.fsdecode(content) if mode == b"120000" else None
-            ), content
+            link = os.fsdecode(content) if mode == "120000" else None
+            yield name, mode == "100755", link, content
     finally:
         feeder.join()
         batch.stdout.close()
@@ -880,16 +805,13 @@ def _ref_entries(repo, ref):
 def _safe_rel(rel):
     """A path git would check out: no `..`, no `.git` in any case (`.GIT` is `.git` on a
     case-insensitive disk)."""
-    return (
-        bool(rel)
-        and not rel.startswith("/")
-        and not any(part in ("", ".", "..") or part.lower() == ".git" for part in rel.split("/"))
-    )
+    # "" and "/x" have an empty part
+    return not any(part in ("", ".", "..") or part.lower() == ".git" for part in rel.split("/"))
 
 
 def _create(dest, rel, executable=False, link=None):
-    """Open dest/rel to write (an fd) or make it a symlink to `link`; None, not through a symlink nor
-    over a path."""
+    """Open dest/rel to write (an fd) or make it a symlink to `link`; None, not through a symlink
+    nor over a path."""
     if not _safe_rel(rel):
         return None
     parent = str(dest)
@@ -900,7 +822,7 @@ def _create(dest, rel, executable=False, link=None):
         except FileExistsError:
             if not stat.S_ISDIR(os.lstat(parent).st_mode):
                 return None
-    path = os.path.join(parent, rel.rsplit("/", 1)[-1])
+    path = os.path.join(dest, rel)
     try:
         if link is not None:
             return os.symlink(link, path)
@@ -914,7 +836,8 @@ def _create(dest, rel, executable=False, link=None):
 
 
 def tree_digest(root):
-    """SHA-256 over the sorted (path, kind, mode, content digest) of every file under `root` but .git."""
+    """SHA-256 over the sorted (path, kind, mode, content digest) of every file under `root` but
+    .git."""
     digest = hashlib.sha256()
     for path in sorted(_walk_files(root)):
         full = os.path.join(root, path)
@@ -937,17 +860,23 @@ def _walk_files(root):
         if rel_base == ".":
             dirs[:] = [d for d in dirs if d != ".git"]
         for name in files + [d for d in dirs if os.path.islink(os.path.join(base, d))]:
-            yield posixpath.normpath(posixpath.join(rel_base.replace(os.sep, "/"), name))
-
-
-_ENV_PATHSPECS = (":(glob,icase)**/.env*", ":(glob,icase)**/.env*/**")
+            yield posixpath.normpath(posixpath.join(rel_base, name))  # POSIX only, as fcntl is
 
 
 def repo_secrets(repo, commit=None):
     """The values of the repo's .env* files, and of those in `commit` and its parents, to mask
     everywhere."""
+    # every .env* file, and every file under a .env* directory, in any case
     listing = git(
-        repo, "ls-files", "-z", "--cached", "--others", "--", *_ENV_PATHSPECS, check=False
+        repo,
+        "ls-files",
+        "-z",
+        "--cached",
+        "--others",
+        "--",
+        ":(glob,icase)**/.env*",
+        ":(glob,icase)**/.env*/**",
+        check=False
     )
     texts = [
         _read_plain_file(Path(repo) / os.fsdecode(raw), 256 * 1024)
@@ -955,31 +884,20 @@ def repo_secrets(repo, commit=None):
         if raw
     ]
     commits = (
-        git(repo, "rev-list", "--no-walk", f"{commit}", f"{commit}^@", check=False).split()
-        if commit
-        else []
+        git(repo, "rev-list", "--no-walk", commit, f"{commit}^@", check=False) if commit else b""
     )
     # ls-tree takes no pathspec magic: every path, each component looked at
-    for rev in commits[:16]:
-        entries = (
-            e.split(b"\t", 1)
-            for e in git(repo, "ls-tree", "-r", "-z", rev.decode(), check=False).split(b"\0")
-            if b"\t" in e
-        )
+    for rev in commits.decode().split()[:16]:
         blobs = [
-            meta.split()[2].decode()
-            for meta, path in entries
-            if meta.split()[1:2] == [b"blob"]
-            and any(part.lower().startswith(b".env") for part in path.split(b"/"))
+            sha
+            for _mode, sha, path in _tree_blobs(repo, rev, check=False)
+            if re.search(r"(?i)(^|/)\.env", path)
         ]
         texts += [
-            git(repo, "cat-file", "blob", blob, check=False)[: 256 * 1024] for blob in blobs[:200]
+            git(repo, "cat-file", "blob", sha, check=False)[: 256 * 1024] for sha in blobs[:200]
         ]
-    return list(
-        dict.fromkeys(
-            v for text in texts for v in dotenv_values((text or b"").decode("utf-8", "replace"))
-        )
-    )
+    values = (v for text in texts for v in dotenv_values((text or b"").decode("utf-8", "replace")))
+    return list(dict.fromkeys(values))
 
 
 # KEY=, then the value:
@@ -1008,9 +926,9 @@ def dotenv_values(text):
         decoded = re.sub(
             r"\\(.)",
             lambda m: (
-                _ENV_ESCAPES.get(m.group(1), m.group(1))
+                _ENV_ESCAPES.get(m[1], m[1])
                 if double is not None
-                else m.group(1) if m.group(1) in "\\'" else m.group(0)
+                else m[1] if m[1] in "\\'" else m[0]
             ),
             raw,
             flags=re.S
@@ -1025,7 +943,7 @@ def _read_plain_file(path, limit, flags=0):
     """Up to `limit` bytes (None: all) of a regular file, or None (never blocks on a FIFO or reads a
     device)."""
     try:
-        fd = os.open(str(path), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | flags)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | flags)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as handle:
@@ -1048,14 +966,15 @@ _SETTINGS = (
     "LEDGER_SHIP_URL"
 )
 _PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # empty and private in the box
-_RLIMITS = (
-    ("RLIMIT_CPU", "cpu_s"),
-    ("RLIMIT_AS", "address_space_bytes"),
-    ("RLIMIT_FSIZE", "file_size_bytes"),
-    ("RLIMIT_NOFILE", "open_files"),
-    ("RLIMIT_NPROC", "processes"),
-    ("RLIMIT_CORE", None)
-)
+_RLIMITS = {
+    "RLIMIT_CPU": "cpu_s",
+    "RLIMIT_AS": "address_space_bytes",
+    "RLIMIT_FSIZE": "file_size_bytes",
+    "RLIMIT_NOFILE": "open_files",
+    "RLIMIT_NPROC": "processes",
+    "RLIMIT_CORE": None
+}
+_TAIL_BYTES = 65536  # kept from the end of a program's output, beside its first MAX_ARTIFACT_BYTES
 _CHILDREN = set()  # process groups running now, killed when the run is terminated
 _REAPING = False  # this process is a child subreaper: run_program kills what a program left behind
 
@@ -1071,13 +990,10 @@ def _child_env():
 
 
 def _subreaper():
-    """Become a child subreaper (Linux): what a program detaches comes back to us, so it can be killed."""
+    """Become a child subreaper (Linux): what a program detaches comes back to us, so it can be
+    killed."""
     global _REAPING
-    if sys.platform.startswith("linux"):
-        import ctypes  # only for this one call
-
-        with contextlib.suppress(OSError, AttributeError):
-            _REAPING = ctypes.CDLL(None).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    _REAPING = _prctl(36, 1)  # PR_SET_CHILD_SUBREAPER
 
 
 class SandboxError(rl.UsageError):
@@ -1085,10 +1001,11 @@ class SandboxError(rl.UsageError):
 
 
 class Sandbox:
-    """How a run's programs are boxed ("bwrap", or "none" and why), what is hidden, and the rlimits."""
+    """How a run's programs are boxed ("bwrap", or "none" and why), what is hidden, and the
+    rlimits."""
 
     def __init__(self, kind, reason, hide, caps):
-        self.kind, self.reason, self.hide, self.caps = kind, reason, [str(p) for p in hide], caps
+        self.kind, self.reason, self.hide, self.caps = kind, reason, hide, caps
         self.bwrap = shutil.which("bwrap") if kind == "bwrap" else None
 
     def record(self):
@@ -1102,60 +1019,41 @@ class Sandbox:
         limit)."""
         import resource
 
-        for name, key in _RLIMITS:
+        for name, key in _RLIMITS.items():
             which = getattr(resource, name)
             hard = resource.getrlimit(which)[1]
-            value = self.caps[key] if key else 0
+            value = self.caps.get(key, 0)  # no core dumps
             value = value if hard == resource.RLIM_INFINITY else min(value, hard)
             resource.setrlimit(which, (value, value))
 
     def wrap(self, program, argv, cwd, env, writable=()):
         """bwrap's argv: no network, own pids, host read-only with hidden paths, only cwd and
         `writable` written."""
-        args = [
-            self.bwrap,
-            "--die-with-parent",
-            "--new-session",
-            "--unshare-all",
-            "--cap-drop",
-            "ALL",
-            "--ro-bind",
-            "/",
-            "/",
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev"
-        ]
+        args = [self.bwrap] + (
+            "--die-with-parent --new-session --unshare-all --cap-drop ALL --ro-bind / /"
+            " --proc /proc --dev /dev"
+        ).split()
         for path in self.hide:
             if os.path.isdir(path):
                 args += ["--tmpfs", path]
             elif os.path.exists(path):
                 args += ["--ro-bind", "/dev/null", path]
         args += [arg for path in _PRIVATE_DIRS for arg in ("--tmpfs", path)]
-        args += [
-            arg
-            for path in _program_roots(program, env, self.hide)
-            for arg in ("--ro-bind", path, path)
-        ]
+        roots = _program_roots(program, env, self.hide)
+        args += [arg for path in roots for arg in ("--ro-bind", path, path)]
         # after the private /tmp: cwd and `writable` usually live there
-        args += [
-            arg
-            for path in [str(cwd)] + [str(p) for p in writable]
-            for arg in ("--bind", path, path)
-        ]
+        args += [arg for path in map(str, (cwd, *writable)) for arg in ("--bind", path, path)]
         # a pyenv shim cds to where pyenv was first called, which may be hidden here
         if "PYENV_DIR" in env:
             args += ["--setenv", "PYENV_DIR", str(cwd)]
-        return args + ["--chdir", str(cwd), "--", program] + list(argv[1:])
+        return args + ["--chdir", str(cwd), "--", program, *argv[1:]]
 
 
 def _hidden_paths(repo, runs_dir):
-    """What a boxed program must not see: HOME, the repo, the runs and lock dirs, files settings name."""
+    """What a boxed program must not see: HOME, the repo, the runs and lock dirs, files settings
+    name."""
     hidden = [os.path.expanduser("~"), repo, runs_dir, _lock_dir()]
-    hidden += [
-        os.environ[n] for n in os.environ if n.endswith("_FILE") and os.path.isfile(os.environ[n])
-    ]
+    hidden += [v for n, v in os.environ.items() if n.endswith("_FILE") and os.path.isfile(v)]
     # HOME=/ hides nothing
     return [p for p in (os.path.realpath(h) for h in hidden if h) if p != "/"]
 
@@ -1167,16 +1065,13 @@ def _program_roots(program, env, hidden):
     places = [
         os.path.dirname(program),
         os.path.dirname(os.path.realpath(program)),
-        env.get("PYENV_ROOT") or "",
+        env.get("PYENV_ROOT"),
         os.path.join(home, ".local")
     ]
     cfg = Path(os.path.dirname(os.path.dirname(program))) / "pyvenv.cfg"
-    if cfg.is_file():
-        places += [
-            os.path.realpath(line.split("=", 1)[1].strip())
-            for line in cfg.read_text("utf-8", "replace").splitlines()
-            if "=" in line and line.split("=", 1)[0].strip() == "home"
-        ]
+    if cfg.is_file():  # a venv: its `home = DIR` line names the base interpreter's bin/
+        text = cfg.read_text("utf-8", "replace")
+        places += [line.strip() for line in re.findall(r"(?m)^[ \t]*home[ \t]*=(.*)", text)]
     # the repository, runs and lock dirs: never in, never over
     others = [h for h in hidden if h != home]
     roots = []
@@ -1188,8 +1083,7 @@ def _program_roots(program, env, hidden):
         if (
             root
             and root not in (home, "/", *_PRIVATE_DIRS, *roots)
-            and not _under(root, *others)
-            and not any(_under(h, root) for h in others)
+            and not any(_under(root, h) or _under(h, root) for h in others)
         ):
             roots.append(root)
     return roots
@@ -1200,14 +1094,20 @@ def _under(path, *bases):
 
 
 def probe_sandbox(policy, hide):
-    """Once per run: does bwrap box a trivial command here? A Sandbox, kind "none" and why when not."""
+    """Once per run: does bwrap box a trivial command here? A Sandbox, kind "none" and why when
+    not."""
+    box = Sandbox("bwrap", None, hide, policy.caps)
+    reason = _unboxed_because(policy, box)
+    return Sandbox("none", reason, hide, policy.caps) if reason else box
+
+
+def _unboxed_because(policy, box):
+    """Why `box` cannot be used here, or None when bwrap boxes `true`."""
+    true = shutil.which("true")
     if policy.sandbox == "off":
-        return Sandbox("none", 'tools.json sets "sandbox": "off"', hide, policy.caps)
-    box, true = Sandbox("bwrap", None, hide, policy.caps), shutil.which("true")
+        return 'tools.json sets "sandbox": "off"'
     if not box.bwrap or not true:
-        return Sandbox(
-            "none", "bwrap is not installed (the Debian package bubblewrap)", hide, policy.caps
-        )
+        return "bwrap is not installed (the Debian package bubblewrap)"
     with tempfile.TemporaryDirectory(prefix="agent-probe-") as cwd:
         try:
             proc = subprocess.run(
@@ -1218,15 +1118,10 @@ def probe_sandbox(policy, hide):
                 timeout=60
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
-            return Sandbox(
-                "none", f"bwrap does not work here: {rl.error_text(exc)}", hide, policy.caps
-            )
-    if proc.returncode == 0:
-        return box
-    output = proc.stdout.decode("utf-8", "replace").strip()[:300]
-    return Sandbox(
-        "none", f"bwrap does not work here (exit {proc.returncode}: {output})", hide, policy.caps
-    )
+            return f"bwrap does not work here: {rl.error_text(exc)}"
+    if proc.returncode:
+        output = proc.stdout.decode("utf-8", "replace").strip()[:300]
+        return f"bwrap does not work here (exit {proc.returncode}: {output})"
 
 
 def require_box(box, policy):
@@ -1234,7 +1129,8 @@ def require_box(box, policy):
     if box.kind == "none" and policy.sandbox == "required":
         raise SandboxError(
             f'tools.json sets "sandbox": "required" but {box.reason}; install bubblewrap (apt-get '
-            f'install bubblewrap) where user namespaces work, or set "sandbox": "auto" in tools.json'
+            'install bubblewrap) where user namespaces work, or set "sandbox": "auto" in '
+            "tools.json"
         )
 
 
@@ -1242,7 +1138,7 @@ def _children():
     found = set()
     for path in Path(f"/proc/{os.getpid()}/task").glob("*/children"):
         with contextlib.suppress(OSError):  # the thread ended
-            found.update(int(pid) for pid in path.read_text().split())
+            found.update(map(int, path.read_text().split()))
     return found
 
 
@@ -1261,30 +1157,15 @@ def _kill_strays(known):
                 os.waitpid(pid, 0)
 
 
-class Output:
-    """A program's result: its exit code and output, capped (head and tail kept), with what was cut."""
-
-    def __init__(
-        self,
-        returncode,
-        head,
-        tail,
-        size,
-        duration_ms,
-        timed_out=False,
-        error=None,
-        errno=None,
-        sandbox=None
-    ):
-        self.returncode, self.head, self.tail, self.size = returncode, head, tail, size
-        self.duration_ms, self.timed_out, self.error, self.errno = (
-            duration_ms,
-            timed_out,
-            error,
-            errno
-        )
-        # a boxed program's record: {"sandbox": "bwrap"} or "none" with its reason
-        self.sandbox = sandbox
+class Output(
+    collections.namedtuple(
+        "Output",
+        "returncode head tail size duration_ms timed_out error errno sandbox",
+        defaults=(False, None, None, None)
+    )
+):
+    """A program's result: its exit code and output, capped (head and tail kept), with what was cut.
+    `sandbox`: a boxed program's record, {"sandbox": "bwrap"} or "none" with its reason."""
 
     def text(self, cap):
         """Head and tail within `cap` bytes, saying how much was cut."""
@@ -1307,92 +1188,72 @@ class Output:
         )
 
 
-def run_program(
-    argv,
-    cwd,
-    timeout,
-    env=None,
-    input=None,
-    keep=MAX_ARTIFACT_BYTES,
-    tail_keep=65536,
-    box=None,
-    writable=()
-):
-    """Run argv (no shell) in its own group, boxed, killed on timeout with what it left; output capped."""
+def _ms(started):
+    return round((time.monotonic() - started) * 1000, 1)
+
+
+def run_program(argv, cwd, timeout, env=None, input=None, box=None, writable=()):
+    """Run argv (no shell) in its own group, boxed, killed on timeout with what it left; output
+    capped."""
     started = time.monotonic()
-    env = env if env is not None else _child_env()
+    env = _child_env() if env is None else env
     known = _children() if _REAPING else set()
-    record = box.record() if box else None
+    record = box and box.record()
     try:
-        proc = subprocess.Popen(
+        proc = subprocess.Popen(  # close_fds: the default
             _boxed(argv, cwd, env, box, writable),
-            cwd=str(cwd),
+            cwd=cwd,
             env=env,
             stdout=subprocess.PIPE,
             stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            close_fds=True,
-            preexec_fn=box.limit if box else None
+            preexec_fn=box and box.limit
         )
     except OSError as exc:
-        return Output(
-            None,
-            f"cannot run {argv[0]}: {rl.error_text(exc)}".encode(),
-            b"",
-            0,
-            round((time.monotonic() - started) * 1000, 1),
-            error=rl.error_text(exc),
-            errno=exc.errno,
-            sandbox=record
-        )
+        error = rl.error_text(exc)
+        head = f"cannot run {argv[0]}: {error}".encode()
+        return Output(None, head, b"", 0, _ms(started), False, error, exc.errno, record)
     _CHILDREN.add(proc.pid)
     if input is not None:
         threading.Thread(target=_feed_stdin, args=(proc.stdin, input), daemon=True).start()
     held = {"head": bytearray(), "tail": bytearray(), "size": 0}
-    timed_out = False
     try:
-        timed_out = _read_until_exit(proc, started + timeout, held, keep, tail_keep)
+        timed_out = _read_until_exit(proc, started + timeout, held)
     finally:
         _kill_group(proc.pid)  # on a timeout, and any background child left holding the output open
         proc.wait()
         os.set_blocking(proc.stdout.fileno(), False)
         with contextlib.suppress(OSError):  # what is still in the pipe once the group is gone
             for chunk in iter(lambda: os.read(proc.stdout.fileno(), 65536), b""):
-                _keep(held, chunk, keep, tail_keep)
+                _keep(held, chunk)
         proc.stdout.close()
         _CHILDREN.discard(proc.pid)
         if _REAPING:
             _kill_strays(known)
-    return Output(
-        None if timed_out else proc.returncode,
-        bytes(held["head"]),
-        bytes(held["tail"]),
-        held["size"],
-        round((time.monotonic() - started) * 1000, 1),
-        timed_out=timed_out,
-        sandbox=record
-    )
+    code = None if timed_out else proc.returncode
+    head, tail = bytes(held["head"]), bytes(held["tail"])
+    return Output(code, head, tail, held["size"], _ms(started), timed_out, sandbox=record)
 
 
 def _boxed(argv, cwd, env, box, writable):
-    """argv as run: in bwrap when the box has it, the program resolved first so a missing one fails as
-    unboxed."""
-    if box is None or box.kind != "bwrap":
+    """argv as run: in bwrap when the box has it, the program resolved first so a missing one fails
+    as unboxed."""
+    if not box or box.kind != "bwrap":
         return argv
     program = (
-        os.path.join(str(cwd), argv[0])
+        os.path.join(cwd, argv[0])
         if "/" in argv[0]
         else shutil.which(argv[0], path=env.get("PATH", os.defpath))
     )
-    if not program or not os.path.exists(program):
-        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), argv[0])
-    if os.path.isdir(program) or not os.access(program, os.X_OK):
-        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), argv[0])
+    missing = not program or not os.path.exists(program)
+    if missing or os.path.isdir(program) or not os.access(program, os.X_OK):
+        code = errno.ENOENT if missing else errno.EACCES  # OSError makes it FileNotFoundError, ...
+        raise OSError(code, os.strerror(code), argv[0])
     return box.wrap(program, argv, cwd, env, writable)
 
 
-def _read_until_exit(proc, deadline, held, keep, tail_keep):
+def _read_until_exit(proc, deadline, held):
     """Read output until the program exits (a child of it may still hold the pipe) or the deadline
     (True)."""
     fd = proc.stdout.fileno()
@@ -1402,25 +1263,22 @@ def _read_until_exit(proc, deadline, held, keep, tail_keep):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return True
-            if not selector.select(min(remaining, 0.05)):
-                continue
-            chunk = os.read(fd, 65536)
-            if not chunk:  # EOF: only the exit is left to wait for
-                try:
-                    proc.wait(remaining)
-                except subprocess.TimeoutExpired:
-                    return True
-                return False
-            _keep(held, chunk, keep, tail_keep)
+            if selector.select(min(remaining, 0.05)):
+                chunk = os.read(fd, 65536)
+                _keep(held, chunk)
+                if not chunk:  # EOF: only the exit is left to wait for, up to the deadline
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(remaining)
     return False
 
 
-def _keep(held, chunk, keep, tail_keep):
+def _keep(held, chunk):
+    """The first MAX_ARTIFACT_BYTES and the last _TAIL_BYTES of a program's output, and its size."""
     held["size"] += len(chunk)
-    room = max(keep - len(held["head"]), 0)
+    room = max(MAX_ARTIFACT_BYTES - len(held["head"]), 0)
     held["head"] += chunk[:room]
     held["tail"] += chunk[room:]
-    del held["tail"][:-tail_keep]
+    del held["tail"][:-_TAIL_BYTES]
 
 
 def _feed_stdin(stream, data):
@@ -1438,14 +1296,15 @@ def _kill_group(pgid):
 
 GREP_SCRIPT = r"""
 import re, sys
-pattern, limit, found = re.compile(sys.argv[1]), int(sys.argv[2]), 0
+pattern, limit, found = re.compile(sys.argv[1]), 500, 0
 for rel in filter(None, sys.stdin.read().split("\0")):
     try:
         with open(rel, "rb") as handle:
             data = handle.read(2 * 1024 * 1024)
     except OSError:
         continue
-    for number, line in enumerate(data.decode("utf-8", "replace").splitlines() if b"\0" not in data[:8192] else (), 1):
+    text = data.decode("utf-8", "replace") if b"\0" not in data[:8192] else ""
+    for number, line in enumerate(text.splitlines(), 1):
         if pattern.search(line):
             print(f"{rel}:{number}: {line[:300]}")
             found += 1
@@ -1460,53 +1319,34 @@ class Workspace:
     """The host's scratch copy of the repository, and the tools that run there."""
 
     def __init__(self, repo, ref, root, policy, redactor, box):
-        self.repo, self.ref, self.root, self.policy, self.redactor = (
-            repo,
-            ref,
-            Path(root),
-            policy,
-            redactor
-        )
-        self.box = box  # every program run here: its rlimits, and its bwrap when it works
-        self.env = _child_env()  # the environment does not change during a run
+        # box: every program run here, its rlimits, and its bwrap when it works
+        self.repo, self.ref, self.root, self.policy, self.box = repo, ref, Path(root), policy, box
+        self.redactor = redactor
 
     def resolve(self, rel):
         root = os.path.realpath(self.root)
         real = os.path.realpath(os.path.join(root, rel))
-        return (
-            posixpath.normpath(os.path.relpath(real, root).replace(os.sep, "/"))
-            if _under(real, root)
-            else None
-        )
+        return os.path.relpath(real, root) if _under(real, root) else None
 
     def run_tests(self, out=None):
-        """(Output, pytest's per-test outcomes or None); `out`: a directory the box may write JUnit XML
-        to."""
-        argv = list(self.policy.test_command)
-        junit = out / f"junit-{time.monotonic_ns()}.xml" if out is not None else None
-        if junit is not None and _is_pytest(argv):
+        """(Output, pytest's per-test outcomes or None); `out`: a directory the box may write JUnit
+        XML to."""
+        argv, junit = list(self.policy.test_command), None
+        if out and _is_pytest(argv):
+            junit = out / f"junit-{time.monotonic_ns()}.xml"
             argv += [f"--junitxml={junit}", "-p", "no:cacheprovider"]
         output = run_program(
-            argv,
-            self.root,
-            self.policy.test_timeout_s,
-            env=self.env,
-            box=self.box,
-            writable=[out] if out is not None else ()
+            argv, self.root, self.policy.test_timeout_s, box=self.box, writable=[out] if out else ()
         )
-        return output, junit_outcomes(junit) if junit is not None and junit.exists() else None
+        return output, junit_outcomes(junit) if junit else None
 
     def execute(self, tool, args):
         """Run an allowed action. Returns an Output."""
         started, timeout = time.monotonic(), self.policy.caps["timeout_s"]
-        if tool in self.policy.plugins:
-            plugin = self.policy.plugins[tool]
+        plugin = self.policy.plugins.get(tool)
+        if plugin:
             return run_program(
-                plugin.command(args),
-                self.root,
-                plugin.timeout_s or timeout,
-                env=self.env,
-                box=self.box
+                plugin.command(args), self.root, plugin.timeout_s or timeout, box=self.box
             )
         if tool == "run_tests":
             return self.run_tests()[0]
@@ -1515,59 +1355,61 @@ class Workspace:
             if not files:
                 return _text_output(1, "no files to search", started)
             return run_program(
-                [sys.executable, "-I", "-c", GREP_SCRIPT, args["pattern"], "500"],
+                [sys.executable, "-I", "-c", GREP_SCRIPT, args["pattern"]],
                 self.root,
                 timeout,
-                env=dict(self.env, PYTHONIOENCODING="utf-8"),
+                env=dict(_child_env(), PYTHONIOENCODING="utf-8"),
                 box=self.box,
                 input="\0".join(files).encode("utf-8", "surrogateescape")
             )
-        if tool == "git_log":
-            out = git(
-                self.repo,
-                "log",
-                f"-n{min(args.get('n') or 10, 50)}",
-                "--no-color",
-                "--date=short",
-                "--format=%h %ad %an: %s",
-                self.ref or "HEAD",
-                check=False
-            )
-            return _text_output(0, out.decode("utf-8", "replace") or "(no commits)", started)
-        if tool == "read_file":
-            return self._read_file(args, started)
         if tool == "git_diff":
             return _text_output(0, self._git_diff() or "(no changes)", started)
-        rel = args.get("path") or "."  # list_files, the last tool check_action allows
-        if not (self.root / rel).exists():
-            return _text_output(1, f"{rel}: no such file or directory", started)
-        files = self._files(rel)
-        text = "\n".join(files[:2000]) + (
-            f"\n[... {len(files) - 2000} more]" if len(files) > 2000 else ""
-        )
-        return _text_output(0, text or "(no files)", started)
+        # git_log, read_file, list_files: (exit code, text)
+        return _text_output(*getattr(self, "_" + tool)(args), started)
 
-    def _read_file(self, args, started):
+    def _git_log(self, args):
+        log = git(
+            self.repo,
+            "log",
+            f"-n{min(args.get('n') or 10, 50)}",
+            "--no-color",
+            "--date=short",
+            "--format=%h %ad %an: %s",
+            self.ref or "HEAD",
+            check=False
+        )
+        return 0, log.decode("utf-8", "replace") or "(no commits)"
+
+    def _list_files(self, args):
+        rel = args.get("path") or "."
+        if not (self.root / rel).exists():
+            return 1, f"{rel}: no such file or directory"
+        files = self._files(rel)
+        more = f"\n[... {len(files) - 2000} more]" if len(files) > 2000 else ""
+        return 0, "\n".join(files[:2000]) + more or "(no files)"
+
+    def _read_file(self, args):
+        path = args["path"]
         try:
-            with open(self.root / args["path"], "rb") as handle:
+            with open(self.root / path, "rb") as handle:
                 data = handle.read(MAX_ARTIFACT_BYTES)
         except IsADirectoryError:
-            return _text_output(1, f"{args['path']} is a directory; use list_files", started)
+            return 1, f"{path} is a directory; use list_files"
         except OSError as exc:
-            return _text_output(1, f"{args['path']}: {exc.strerror}", started)
+            return 1, f"{path}: {exc.strerror}"
         if b"\0" in data[:8192]:
-            return _text_output(
-                1, f"{args['path']} is a binary file ({len(data)} bytes); not shown", started
-            )
+            return 1, f"{path} is a binary file ({len(data)} bytes); not shown"
         lines = data.decode("utf-8", "replace").splitlines()
-        first, last = args.get("start_line") or 1, min(
-            args.get("end_line") or len(lines), len(lines)
+        last = min(args.get("end_line") or len(lines), len(lines))
+        body = "\n".join(
+            f"{n:>{len(str(last))}}| {lines[n - 1]}"
+            for n in range(args.get("start_line") or 1, last + 1)
         )
-        body = "\n".join(f"{n:>{len(str(last))}}| {lines[n - 1]}" for n in range(first, last + 1))
-        return _text_output(0, body if lines else "(empty file)", started)
+        return 0, body if lines else "(empty file)"
 
     def _files(self, rel):
-        """The files under `rel` a tool may open, each held to the path rules by what it resolves to."""
+        """The files under `rel` a tool may open, each held to the path rules by what it resolves
+        to."""
         base = self.root / rel
         paths = (
             [rel]
@@ -1589,27 +1431,17 @@ class Workspace:
     def _git_diff(self):
         """The change under review (uncommitted, or the --ref commit's), less the sections of denied
         files."""
-        command, *rest = ["show", "--format=", self.ref] if self.ref else ["diff", "HEAD"]
-        raw = (
-            git(
-                self.repo,
-                command,
-                "--no-color",
-                "--no-ext-diff",
-                "--no-textconv",
-                *rest,
-                check=False
-            )
-            if self.ref or resolve_ref(self.repo, None)
-            else b""
+        # no output without a commit: "HEAD --" is a revision or git fails
+        command, *rest = ["show", "--format=", self.ref] if self.ref else ["diff", "HEAD", "--"]
+        raw = git(
+            self.repo, command, "--no-color", "--no-ext-diff", "--no-textconv", *rest, check=False
         )
-        kept = []
         # --git, --cc, --combined: every format git writes
-        for section in re.split(rb"(?m)^(?=diff )", raw):
-            files = diff_section_files(section.decode("utf-8", "replace"))
-            if files and not any(self.policy.denied_by(f) for f in files):
-                kept.append(section)
-        return b"".join(kept).decode("utf-8", "replace")
+        sections = re.split(r"(?m)^(?=diff )", raw.decode("utf-8", "replace"))
+        listed = [(section, diff_section_files(section)) for section in sections]
+        return "".join(
+            s for s, files in listed if files and not any(map(self.policy.denied_by, files))
+        )
 
 
 def _is_pytest(argv):
@@ -1618,7 +1450,7 @@ def _is_pytest(argv):
 
 def _text_output(code, text, started):
     data = text.encode("utf-8", "replace")
-    return Output(code, data, b"", len(data), round((time.monotonic() - started) * 1000, 1))
+    return Output(code, data, b"", len(data), _ms(started))
 
 
 def junit_outcomes(path):
@@ -1626,7 +1458,7 @@ def junit_outcomes(path):
     import xml.etree.ElementTree as ElementTree  # only when pytest ran
 
     try:
-        tree = ElementTree.parse(str(path))
+        tree = ElementTree.parse(path)
     except (OSError, ElementTree.ParseError):
         return None
     outcomes = {}
