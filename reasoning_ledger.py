@@ -45,7 +45,6 @@ __all__ = [
     "open_run",
     "store_artifact",
     "read_events",
-    "iter_lines",
     "verified_events",
     "verify",
     "verify_runs",
@@ -224,8 +223,9 @@ def _key_bytes(key):
     return key.encode("utf-8") if isinstance(key, str) else bytes(key)
 
 
-def _resolve_key(key):
-    """key=None reads LEDGER_KEY; b"" or "" means explicitly unkeyed."""
+def resolve_key(key):
+    """The HMAC key as bytes, or None: key=None reads LEDGER_KEY; b"" or "" means explicitly
+    unkeyed."""
     return _key_bytes(os.environ.get(KEY_ENV) if key is None else key)
 
 
@@ -234,7 +234,8 @@ def line_hash(raw, key=None):
     return (hmac.new(key, raw, hashlib.sha256) if key else hashlib.sha256(raw)).hexdigest()
 
 
-def _genesis(key):
+def genesis(key):
+    """Line 1's prev: all zeros, or with `key` the HMAC of nothing."""
     return line_hash(b"", key) if key else GENESIS
 
 
@@ -529,7 +530,7 @@ def _clean(value, redactor, depth=1):
 def _clean_payload(payload, redactor):
     try:
         clean = _clean(payload, redactor)
-        text = _dumps(clean)
+        text = dumps(clean)
         text.encode("utf-8")
     except _BadValue as exc:
         raise PayloadError(
@@ -558,7 +559,8 @@ def payload_problem(payload, limit=MAX_LINE_BYTES // 2):
 
 
 _SCANNER = json.JSONDecoder().scan_once
-_dumps = json.JSONEncoder(
+# The writer's JSON: compact, UTF-8 as it is; dumps(value) -> str.
+dumps = json.JSONEncoder(
     ensure_ascii=False, separators=(",", ":"), allow_nan=False, check_circular=False
 ).encode
 
@@ -568,7 +570,8 @@ _dumps = json.JSONEncoder(
 # ----------------------------------------------------------------------------
 
 
-def _named(exc, path):
+def named_error(exc, path):
+    """An OSError that names no file, named `path`; any other error as it is."""
     if isinstance(exc, OSError) and not exc.filename:
         return OSError(exc.errno, exc.strerror or str(exc), str(path))
     return exc
@@ -665,7 +668,7 @@ class Ledger:
         clock=utc_now
     ):
         self.path = Path(path)
-        own = _expected_run_id(self.path)  # runs/<run id>/events.jsonl holds that run's lines only
+        own = run_dir_id(self.path)  # runs/<run id>/events.jsonl holds that run's lines only
         if own and run_id and run_id != own:
             raise UsageError(
                 f"{self.path} holds run {own}'s events only; not {printable(run_id)!r}"
@@ -677,7 +680,7 @@ class Ledger:
             )
         if not 0 < max_line_bytes <= MAX_LINE_BYTES:
             raise UsageError(f"max_line_bytes must be 1 to {MAX_LINE_BYTES}")
-        self.key, self.fsync, self.max_line_bytes = _resolve_key(key), fsync, max_line_bytes
+        self.key, self.fsync, self.max_line_bytes = resolve_key(key), fsync, max_line_bytes
         self.clock = clock  # returns `at`; replaceable for importing history and for tests
         self.extra_secrets = tuple(s for s in secrets if s)
         self.redactor = Redactor(secret_values(self.extra_secrets))  # env read once, not per append
@@ -723,7 +726,7 @@ class Ledger:
                 finally:
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
             except OSError as exc:
-                raise _named(exc, self.path) from None
+                raise named_error(exc, self.path) from None
 
     def _check_mode(self, fd):
         """Refuse to mix keyed and unkeyed lines in one file (checked once per object)."""
@@ -737,7 +740,7 @@ class Ledger:
         if not match or not _SEQ_PREFIX_RE.match(first):
             raise IntegrityError(self.path, 1, "not a ledger line; refusing to append")
         prev = match.group(1).decode()
-        if prev != _genesis(self.key):
+        if prev != genesis(self.key):
             if not self.key:
                 raise KeyRequiredError(self.path)
             if prev == GENESIS:
@@ -784,7 +787,7 @@ class Ledger:
     def _next(self, end, last):
         """(seq, prev) for the line after `last`, the file's last complete line."""
         if not last and not end:
-            return 1, _genesis(self.key)
+            return 1, genesis(self.key)
         # seq leads every line: no need to parse a 1 MiB line
         match = last and _SEQ_PREFIX_RE.match(last)
         if not match:
@@ -846,7 +849,7 @@ class Ledger:
             finally:
                 os.close(sfd)
         except OSError as exc:
-            raise _named(exc, sidecar) from None
+            raise named_error(exc, sidecar) from None
         os.ftruncate(fd, end)
         if self.fsync:
             os.fsync(fd)
@@ -856,7 +859,7 @@ class Ledger:
             "sha256": digest,
             "sidecar": sidecar.name
         }
-        self._write_event(fd, end, last, "ledger_recovered", recovered, _dumps(recovered))
+        self._write_event(fd, end, last, "ledger_recovered", recovered, dumps(recovered))
         return _scan_tail(fd, os.fstat(fd).st_size, self.path)
 
     def decide(self, stage, decision, rationale, alternatives=(), **extra):
@@ -912,7 +915,7 @@ def store_artifact(directory, data, *, redact_secrets=True, extra_secrets=(), re
             os.replace(str(tmp), str(target))
             _fsync_dir(target)
     except OSError as exc:
-        raise _named(exc, target) from None
+        raise named_error(exc, target) from None
     return {"sha256": digest, "size": len(data), "path": f"{directory.name}/{digest}"}
 
 
@@ -996,9 +999,13 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
 # Reading and verifying
 # ----------------------------------------------------------------------------
 
+# The words for a ledger short of the head it is held to (fleet.py words its own).
+TRUNCATED = "the expected head is seq {} but the ledger ends at seq {}"
 
-def _expected_run_id(path):
-    # runs/<run id>/events.jsonl, as open_run() makes it, holds only that run's events
+
+def run_dir_id(path):
+    """The run id of runs/<run id>/events.jsonl, which open_run() makes and which holds only that
+    run's events; else None."""
     path = Path(path)
     return (
         path.parent.name
@@ -1008,31 +1015,33 @@ def _expected_run_id(path):
 
 
 def _form_problem(body):
-    def no_duplicates(items):
+    """Why a line is not in the writer's form; asked only of a line that is not."""
+
+    def unique(pairs):
         seen = set()
-        for name, _value in items:
+        for name, _value in pairs:
             if name in seen:
                 raise _BadValue(f"duplicate key {name!r} in one object")
             seen.add(name)
-        return dict(items)
+        return dict(pairs)
 
-    def no_constant(name):
+    def constant(name):
         raise _BadValue(f"{name} is not JSON the writer writes")
 
     def finite(literal):
-        if float(literal) in (float("inf"), float("-inf")):
+        if abs(float(literal)) == float("inf"):
             raise _BadValue(f"the number {literal[:40]} overflows to Infinity")
         return float(literal)
 
     if not body.strip():
-        return "blank line" if not body else "white space only"
+        return "white space only" if body else "blank line"
     if b"\x00" in body:
         return "NUL byte in line"
     try:
         json.loads(
             body.decode("utf-8"),
-            object_pairs_hook=no_duplicates,
-            parse_constant=no_constant,
+            object_pairs_hook=unique,
+            parse_constant=constant,
             parse_float=finite
         )
     except UnicodeDecodeError as exc:
@@ -1047,96 +1056,88 @@ def _form_problem(body):
 
 
 def _envelope_problem(event, lineno, run_id, known):
+    """What is wrong with the fields of a line, or None; `known` gathers the (run_id, kind) pairs
+    found good, which the inline test of _check_lines passes."""
     if type(event) is not dict:
         return "line is not a JSON object"
     if tuple(event) != FIELDS:
-        missing = [f for f in FIELDS if f not in event]
+        missing = [name for name in FIELDS if name not in event]
         return (
             f"missing field {missing[0]!r}"
             if missing
-            else f"fields must be exactly {', '.join(FIELDS)}, in that order"
+            else "fields must be exactly seq, run_id, kind, at, payload, prev, in that order"
         )
     seq, rid, kind, at, payload, prev = event.values()
-    if type(seq) is not int:
-        return f"seq is not an integer: {printable(seq)!r}"
-    if seq != lineno:
-        return f"expected seq {lineno}, got {seq} ({'duplicate or repeated seq' if seq < lineno else 'gap in seq'})"
-    # a ledger repeats a few run ids and kinds: each pair is checked once
-    if (rid, kind) not in known:
-        if type(rid) is not str or not _RUN_ID_RE.match(rid):
-            return f"bad run_id {printable(rid)!r}"
-        if run_id is not None and rid != run_id:
-            return f"run_id {rid!r} differs from the run directory's {run_id!r}"
-        if type(kind) is not str or not _KIND_RE.match(kind):
-            return f"bad kind {printable(kind)!r}"
-        if len(known) < 4096:
-            known.add((rid, kind))
-    if not _at_ok(at):
-        return (
-            f"bad timestamp {printable(at)!r} (want a real UTC time as YYYY-MM-DDTHH:MM:SS.ffffffZ)"
+    if type(seq) is not int or seq != lineno:
+        return f"expected seq {lineno}, got {seq!r}" + (
+            "" if type(seq) is not int else " (gap in seq)" if seq > lineno else " (repeated seq)"
         )
+    if type(rid) is not str or not _RUN_ID_RE.match(rid):
+        return f"bad run_id {rid!r}"
+    if run_id not in (None, rid):
+        return f"run_id {rid!r} differs from the run directory's {run_id!r}"
+    if type(kind) is not str or not _KIND_RE.match(kind):
+        return f"bad kind {kind!r}"
+    if not _at_ok(at):
+        return f"bad timestamp {at!r} (want a real UTC time as YYYY-MM-DDTHH:MM:SS.ffffffZ)"
     if type(payload) is not dict:
         return "payload is not a JSON object"
-    return None if type(prev) is str else "prev is not a string"
+    if type(prev) is not str:
+        return "prev is not a string"
+    if len(known) < 4096:  # a ledger repeats a few
+        known.add((rid, kind))
+    return None
 
 
 def _chain_error(path, lineno, prev, key):
-    if lineno > 1:
-        return IntegrityError(
-            path, lineno, f"prev does not match line {lineno - 1} (changed, removed or moved)"
-        )
-    if prev == GENESIS and key:
-        return IntegrityError(
-            path, 1, "ledger is not keyed but a key was given (or was rewritten without it)"
-        )
-    if prev != GENESIS and not key:
+    if lineno == 1 and not key:
         return KeyRequiredError(path)
     return IntegrityError(
-        path, 1, "prev is not this key's genesis: wrong key, or line 1 was rewritten"
+        path,
+        lineno,
+        (
+            f"prev does not match line {lineno - 1} (changed, removed or moved)"
+            if lineno > 1
+            else (
+                "ledger is not keyed but a key was given (or was rewritten without it)"
+                if prev == GENESIS
+                else "prev is not this key's genesis: wrong key, or line 1 was rewritten"
+            )
+        )
     )
 
 
-def iter_lines(path, *, key=None, run_id=None):
-    """Yield (event, raw line, its hash), verifying each line; TornTailError after every good line of a
-    torn file."""
-    return verified_events(path, key=key, run_id=run_id)
-
-
-@contextlib.contextmanager
 def _file_lines(path):
     with open(path, "rb") as handle:
-        yield iter(functools.partial(handle.readline, MAX_LINE_BYTES), b"")
+        yield from iter(functools.partial(handle.readline, MAX_LINE_BYTES), b"")
 
 
-def _check_lines(path, source, key, run_id):
-    # `source`: a context manager giving lines (of a file, or the rows of ClickHouse); `key`: bytes
-    # or None
-    expected_prev, known, sha256 = _genesis(key), set(), hashlib.sha256
+def _check_lines(path, lines, key, run_id):
+    # `key`: bytes or None
+    expected_prev, known, sha256 = genesis(key), set(), hashlib.sha256
     lineno = offset = 0
-    with source as lines:
-        for raw in lines:
-            lineno += 1
-            if raw[-1:] != b"\n":
-                if len(raw) >= MAX_LINE_BYTES:
-                    raise IntegrityError(
-                        path,
-                        lineno,
-                        f"line is longer than the format's {MAX_LINE_BYTES}-byte limit"
-                    )
-                raise TornTailError(path, lineno, offset, len(raw), (lineno - 1, expected_prev))
-            offset += len(raw)
-            body = raw[:-1]
-            # exactly the writer's bytes: encoded again by the writer's own encoder, the line gives
-            # back its text
-            try:
-                text = body.decode("utf-8")
-                event, end = _SCANNER(text, 0)
-                canonical = end == len(text) and _dumps(event) == text
-            except (ValueError, StopIteration, RecursionError):
-                raise IntegrityError(path, lineno, _form_problem(body)) from None
-            # the common good line passes this one inline test (verify's bench guard); any other is
-            # named below
-            if not (
+    for raw in lines:
+        lineno += 1
+        if raw[-1:] != b"\n":
+            if len(raw) >= MAX_LINE_BYTES:
+                raise IntegrityError(
+                    path, lineno, f"line is longer than the format's {MAX_LINE_BYTES}-byte limit"
+                )
+            raise TornTailError(path, lineno, offset, len(raw), (lineno - 1, expected_prev))
+        offset += len(raw)
+        body = raw[:-1]
+        # exactly the writer's bytes: encoded again by the writer's own encoder, the line gives back
+        # its text
+        try:
+            text = body.decode("utf-8")
+            event, end = _SCANNER(text, 0)
+            canonical = end == len(text) and dumps(event) == text
+        except (ValueError, StopIteration, RecursionError):
+            raise IntegrityError(path, lineno, _form_problem(body)) from None
+        # the common good line passes this one inline test (verify's bench guard); any other is
+        # named below
+        try:
+            good = (
                 canonical
                 and type(event) is dict
                 and tuple(event) == FIELDS
@@ -1146,82 +1147,94 @@ def _check_lines(path, source, key, run_id):
                 and (event["run_id"], event["kind"]) in known
                 and type(event["payload"]) is dict
                 and _at_ok(event["at"])
-            ):
-                problem = _envelope_problem(event, lineno, run_id, known) or (
-                    None if canonical else _form_problem(body)
-                )
-                if problem:
-                    raise IntegrityError(path, lineno, problem)
-                if event["prev"] != expected_prev:
-                    raise _chain_error(path, lineno, event["prev"], key)
-            expected_prev = (hmac.new(key, body, sha256) if key else sha256(body)).hexdigest()
-            yield event, body, expected_prev
+            )
+        except TypeError:  # a run_id or kind that cannot be hashed
+            good = False
+        if not good:
+            problem = _envelope_problem(event, lineno, run_id, known) or (
+                None if canonical else _form_problem(body)
+            )
+            if problem:
+                raise IntegrityError(path, lineno, problem)
+            if event["prev"] != expected_prev:
+                raise _chain_error(path, lineno, event["prev"], key)
+        expected_prev = (hmac.new(key, body, sha256) if key else sha256(body)).hexdigest()
+        yield event, body, expected_prev
 
 
 def read_events(path, *, key=None, run_id=None):
     """Stream the events of a ledger in order, verifying as it goes (constant memory)."""
-    for event, _raw, _digest in iter_lines(path, key=key, run_id=run_id):
+    for event, _raw, _digest in verified_events(path, key=key, run_id=run_id):
         yield event
 
 
-def verified_events(path, *, key=None, expect=None, run_id=None):
-    """iter_lines() that also holds the ledger to a head published earlier, `expect` = (seq, hash)."""
-    run_id = _expected_run_id(path) if run_id is None else run_id
-    return _verified(path, _file_lines(path), _resolve_key(key), expect, run_id)
-
-
-def _verified(
-    path, source, key, expect, run_id, expected="the expected head is", ends="the ledger ends at"
+def verified_events(
+    path, *, key=None, expect=None, run_id=None, closed=False, lines=None, truncated=TRUNCATED
 ):
-    # the one verifying reader of files (verify, report, ship) and of the rows of ClickHouse (verify
-    # --from)
-    count = 0
-    for event, raw, digest in _check_lines(path, source, key, run_id):
-        count = event["seq"]
-        if expect and count == expect[0] and digest != expect[1]:
-            raise IntegrityError(
-                path, count, "does not match the expected head: the history up to it was rewritten"
-            )
-        yield event, raw, digest
-    _reached(path, expect, count, key, expected, ends)
+    """Yield (event, raw line, its hash) for each line of a ledger, verifying as it goes;
+    TornTailError after every good line of a torn file. `expect` = (seq, hash), a head published
+    earlier, holds the ledger to it; with `closed` it is the head index.jsonl recorded when the run
+    closed, where the ledger must end. `run_id`: the one run id of its lines (default: the run
+    directory's). `lines`: its raw lines from elsewhere (ClickHouse's rows; default: the file's);
+    `truncated`: the words for a ledger short of `expect`, as TRUNCATED."""
+    key = resolve_key(key)
+    if expect is not None and (type(expect[0]) is not int or type(expect[1]) is not str):
+        raise IntegrityError(path, None, "the index entry for this run has no valid head")
+    if closed and expect and not os.path.exists(path):
+        raise IntegrityError(path, None, "closed in the index but its events.jsonl is missing")
+    run_id, count = run_dir_id(path) if run_id is None else run_id, 0
+    try:
+        for event, raw, digest in _check_lines(
+            path, _file_lines(path) if lines is None else lines, key, run_id
+        ):
+            count = event["seq"]
+            if expect and count == expect[0] and digest != expect[1]:
+                raise IntegrityError(
+                    path,
+                    count,
+                    "does not match the expected head: the history up to it was rewritten"
+                )
+            yield event, raw, digest
+    except TornTailError:
+        _check_end(path, expect, count, key, closed, truncated)  # a cut outranks a torn tail
+        raise
+    _check_end(path, expect, count, key, closed, truncated)
 
 
-def _reached(path, expect, count, key, expected="the expected head is", ends="the ledger ends at"):
-    if expect and expect[0] == 0 and expect[1] != _genesis(key):
+def _check_end(path, expect, count, key, closed, truncated):
+    seq = expect[0] if expect else count
+    if expect and seq == 0 and expect[1] != genesis(key):
         raise IntegrityError(
             path, None, "the expected head is seq 0, but its hash is not this key's genesis"
         )
-    if expect and expect[0] > count:
+    if seq > count:
         raise IntegrityError(
-            path,
-            count + 1 if count else None,
-            f"truncated: {expected} seq {expect[0]} but {ends} seq {count}"
+            path, count + 1 if count else None, "truncated: " + truncated.format(seq, count)
+        )
+    if closed and count > seq:
+        raise IntegrityError(
+            path, seq + 1, f"{count - seq} line(s) after the run closed at seq {seq}"
         )
 
 
 class Verified:
     """The result of verify(): how many lines, and the head (seq, hash)."""
 
-    def __init__(self, path, count, head):
-        self.path, self.count, self.head = str(path), count, head
+    def __init__(self, path, head):
+        self.path, self.count, self.head = str(path), head[0], head
 
     def head_text(self):
         return f"{self.head[0]} {self.head[1]}"
 
 
-def _tally_lines(path, lines, key):
-    count, head = 0, (0, _genesis(key))
-    for event, _raw, digest in lines:
-        count, head = event["seq"], (event["seq"], digest)
-    return Verified(path, count, head)
-
-
-def verify(path, *, key=None, expect_head=None, run_id=None):
-    """Verify a whole ledger (held to `expect_head`, as verified_events); return Verified or raise."""
-    key = _resolve_key(key)
-    return _tally_lines(
-        path, verified_events(path, key=key or b"", expect=expect_head, run_id=run_id), key
-    )
+def verify(path, *, key=None, expect_head=None, **options):
+    """Verify a whole ledger, held to `expect_head` and the options of verified_events(); return
+    Verified or raise."""
+    key = resolve_key(key)
+    head = (0, genesis(key))
+    for event, _raw, digest in verified_events(path, key=key or b"", expect=expect_head, **options):
+        head = (event["seq"], digest)
+    return Verified(path, head)
 
 
 def run_ledgers(runs_dir, key=None):
@@ -1245,31 +1258,13 @@ def run_ledgers(runs_dir, key=None):
 
 
 def verify_runs(runs_dir, *, key=None):
-    """Yield (path, Verified or the exception) for each of run_ledgers(), closed runs held to their
-    index heads."""
+    """Yield (path, Verified or the exception) for each of run_ledgers(), a closed run held to its
+    index head (`closed`)."""
     for path, expect in run_ledgers(runs_dir, key):
         try:
-            if expect is not None and not path.exists():
-                raise IntegrityError(
-                    path, None, "closed in the index but its events.jsonl is missing"
-                )
-            result = verify(path, key=key, expect_head=_checked_head(expect, path))
-            if expect and result.count > expect[0]:
-                raise IntegrityError(
-                    path,
-                    expect[0] + 1,
-                    f"{result.count - expect[0]} line(s) after the run "
-                    f"closed at seq {expect[0]}"
-                )
-            yield path, result
+            yield path, verify(path, key=key, expect_head=expect, closed=True)
         except (LedgerError, OSError) as exc:
             yield path, exc
-
-
-def _checked_head(expect, path):
-    if expect is not None and (type(expect[0]) is not int or type(expect[1]) is not str):
-        raise IntegrityError(path, None, "the index entry for this run has no valid head")
-    return expect
 
 
 # ----------------------------------------------------------------------------
