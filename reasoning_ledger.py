@@ -49,6 +49,7 @@ __all__ = [
     "verify",
     "verify_runs",
     "run_ledgers",
+    "run_heads",
     "Verified",
     "parse_head",
     "new_run_id",
@@ -1237,17 +1238,25 @@ def verify(path, *, key=None, expect_head=None, **options):
     return Verified(path, head)
 
 
+def run_heads(runs_dir, *, key=None):
+    """Yield (run id, (head seq, head hash)) for each closed run runs_dir/index.jsonl records, reading
+    the index as read_events() does (nothing when there is none)."""
+    index = Path(runs_dir) / INDEX_NAME
+    for event in read_events(index, key=key) if index.is_file() else ():
+        entry = event["payload"]
+        if event["kind"] == "run_closed" and type(entry.get("run")) is str:
+            yield entry["run"], (entry.get("head_seq"), entry.get("head_hash"))
+
+
 def run_ledgers(runs_dir, key=None):
     """[(path, expected head or None)]: index.jsonl, every run (a closed one with its index head), then
     the runs the index names whose events.jsonl is missing. The index is read as far as it verifies.
     """
     runs_dir, heads = Path(runs_dir), {}
-    index = runs_dir / INDEX_NAME
     with contextlib.suppress(LedgerError, OSError):
-        for event in read_events(index, key=key or b"", run_id=None) if index.exists() else ():
-            entry = event["payload"]
-            if event["kind"] == "run_closed" and type(entry.get("run")) is str:
-                heads[entry["run"]] = (entry.get("head_seq"), entry.get("head_hash"))
+        for run_id, head in run_heads(runs_dir, key=key):
+            heads[run_id] = head
+    index = runs_dir / INDEX_NAME
     runs = sorted(runs_dir.glob(f"*/{EVENTS_NAME}"))
     missing = sorted(set(heads) - {events.parent.name for events in runs})
     return (
