@@ -1134,18 +1134,12 @@ class Daemon:
             }
 
     def runs(self):
-        """GET /runs: list_runs' rows, with the head the index recorded and the delivery that asked."""
-        heads = {
-            path.parent.name: head for path, head in rl.run_ledgers(self.settings.runs_dir) if head
-        }
+        """GET /runs: list_runs' rows (with the head the index recorded) and the delivery that asked."""
         with self.cond:
             origin = {run_id: delivery for delivery, run_id in self.deliveries.items() if run_id}
         rows = agent.list_runs(self.settings.runs_dir)
         for row in rows:
-            head = heads.get(row["run_id"])
-            row["head"], row["delivery"] = (f"{head[0]}:{head[1]}" if head else None), origin.get(
-                row["run_id"]
-            )
+            row["delivery"] = origin.get(row["run_id"])
         return rows
 
     def run_events(self, run_id):
@@ -1222,14 +1216,14 @@ def timeline_html(found, run_dir):
         else f"<span class=\"bad\">does not verify: {_shown(found['problem'])}</span>"
     )
     more = f" (the first {len(found['events'])} events)" if found["truncated"] else ""
-    closed = ([e["payload"] for e in found["events"] if e["kind"] == "run_closed"] or [{}])[-1]
+    run = rl.run_summary(found["events"])
     summary = "".join(
         f"<dt>{name}</dt><dd>{_shown(value or '-')}</dd>"
         for name, value in (
-            ("outcome", closed.get("outcome") or "open (not closed yet)"),
-            ("why", agent.run_reason(found["events"])),
-            ("proposal", closed.get("proposal")),
-            ("verdict", closed.get("verdict"))
+            ("outcome", "open (not closed yet)" if run["outcome"] == "open" else run["outcome"]),
+            ("why", run["why"]),
+            ("proposal", run["proposal"]),
+            ("verdict", run["judge_verdict"])
         )
     )
     return _page(

@@ -50,6 +50,8 @@ __all__ = [
     "verify_runs",
     "run_ledgers",
     "run_heads",
+    "run_summary",
+    "add_run_event",
     "Verified",
     "parse_head",
     "new_run_id",
@@ -1274,6 +1276,94 @@ def verify_runs(runs_dir, *, key=None):
             yield path, verify(path, key=key, expect_head=expect, closed=True)
         except (LedgerError, OSError) as exc:
             yield path, exc
+
+
+# ----------------------------------------------------------------------------
+# A run summed up: agent.py writes the events, and every reader of a run asks here
+# ----------------------------------------------------------------------------
+
+# A run's summary, field by field, as it starts (docs/audit.md, "Agent runs").
+_RUN = {
+    "run_id": None,
+    "started": None,
+    "outcome": "open",
+    "judge_verdict": None,
+    "steps": 0,
+    "tools_allowed": 0,
+    "tools_denied": 0,
+    "model_calls": 0,
+    "input_tokens": 0,
+    "output_tokens": 0,
+    "usage_calls": 0,
+    "est_tokens": 0,
+    "errors": 0,
+    "why": None,
+    "proposal": None,
+    "unboxed": None
+}
+# A model_call's token fields, each summed into this field of the run.
+_CALL_TOKENS = {
+    "input_tokens": "input_tokens",
+    "output_tokens": "output_tokens",
+    "est_input_tokens": "est_tokens",
+    "est_output_tokens": "est_tokens"
+}
+
+
+def run_summary(events=(), **fields):
+    """How an agent run is summed up from its events, `fields` (its run_id) given: when it started,
+    its outcome (`open` until run_closed), the judge's verdict, steps, tools allowed and denied,
+    model calls, tokens reported (by `usage_calls` of them) and estimated, errors, why it ended, the
+    proposal, and why its programs ran without a sandbox (None when they ran in one)."""
+    run = dict(_RUN, **fields)
+    for event in events:
+        add_run_event(run, event)
+    return run
+
+
+def add_run_event(run, event):
+    """Add one event to a run_summary(). A field of a type agent.py or ask.py does not write is
+    absent."""
+    kind, get = event["kind"], event["payload"].get
+    run["started"], why = run["started"] or event["at"], None
+    if kind == "model_call":
+        for name, total in _CALL_TOKENS.items():
+            run[total] += get(name) if type(get(name)) is int else 0
+        run["model_calls"] += 1
+        run["usage_calls"] += type(get("input_tokens")) is int or type(get("output_tokens")) is int
+        run["errors"] += type(get("error_type")) is str
+    elif kind in ("model_proposed", "proposal_malformed"):
+        step = get("step")
+        run["steps"] = max(run["steps"], step if type(step) is int else run["steps"] + 1)
+    elif kind in ("tool_allowed", "tool_denied"):
+        run[kind.replace("tool_", "tools_")] += 1
+    elif kind == "error":
+        run["errors"] += 1
+        code = get("error_code")
+        why = (
+            f"{get('type')}: {get('message')}"
+            if get("error_type") is None
+            else f"{get('stage') or 'model'}: {get('error_type')}" + (f" ({code})" if code else "")
+        )
+    elif kind == "judge_verdict":
+        run["judge_verdict"] = get("verdict") if type(get("verdict")) is str else None
+        why = f"judge {get('verdict')}: {get('reason')}"
+    elif kind == "run_closed":
+        run["outcome"] = get("outcome") if type(get("outcome")) is str else "closed"
+        run["proposal"] = get("proposal") if type(get("proposal")) is str else None
+        why = get("why") if type(get("why")) is str else None
+    elif kind == "run_started" and get("sandbox") == "none":
+        run["unboxed"] = get("sandbox_reason") or "no reason recorded"
+    elif kind == "budget_exhausted":
+        why = f"budget {get('limit')}: {get('used')} of {get('max')}"
+    elif kind == "stuck":
+        unusable = str(get("unusable") or "").split(":")[0]
+        why = f"stuck: the same {'unusable ' if unusable else ''}reply {get('repeats')} times" + (
+            f" ({unusable})" if unusable else ""
+        )
+    elif kind == "decision" and get("stage") == "triage":
+        why = f"{get('decision')}: {get('rationale')}"
+    run["why"] = why or run["why"]  # the last event that says why a run ended wins
 
 
 # ----------------------------------------------------------------------------
