@@ -1034,19 +1034,7 @@ def _read_plain_file(path, limit, flags=0):
 
 # == Processes: argv only, a timeout, the whole process group killed, output capped ==
 
-_SETTINGS = (
-    "BASE_URL",
-    "OPENAI_BASE_URL",
-    "API_KEY",
-    "OPENAI_API_KEY",
-    "MODEL_ID",
-    "LEDGER_KEY",
-    "WEBHOOK_SECRET",
-    "WEBHOOK_SECRET_FILE",
-    "READ_TOKEN",
-    "CLICKHOUSE_PASSWORD",
-    "LEDGER_SHIP_URL"
-)
+_SETTINGS = rl.SECRET_ENV_VARS + ("BASE_URL", "OPENAI_BASE_URL", "MODEL_ID", "LEDGER_SHIP_URL")
 _PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # empty and private in the box
 _RLIMITS = (
     ("RLIMIT_CPU", "cpu_s"),

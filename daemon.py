@@ -70,9 +70,8 @@ REJECTIONS_PER_S, REJECTIONS_BURST = 5, 50
 MAX_SIGNATURES = 16  # webhook-signature entries looked at
 MAX_EVENTS_SHOWN = 5000  # GET /runs/<id> shows at most this many events
 MAX_SHOWN_CHARS = 4000  # one value on the timeline page
-DAEMON_ENV = ("WEBHOOK_SECRET", "WEBHOOK_SECRET_FILE", "READ_TOKEN")  # never passed to a run
-# passed to a run on its stdin, not in its environment
-PIPED_ENV = ("API_KEY", "OPENAI_API_KEY", rl.KEY_ENV)
+# passed to a run on its stdin, not in its environment; and never passed to a run
+PIPED_ENV, DAEMON_ENV = rl.SECRET_ENV_VARS[:3], rl.SECRET_ENV_VARS[3:6]
 _BUSY_BODY = b'{"error": "too many connections; retry later"}\n'
 _BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"

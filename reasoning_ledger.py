@@ -83,7 +83,19 @@ MAX_LINE_BYTES = 1024 * 1024  # a line, newline included, is at most this long: 
 MAX_DEPTH = 64  # nesting levels of a payload; the payload object itself is level 1
 KEY_ENV = "LEDGER_KEY"
 REDACTED = "[REDACTED]"
-SECRET_ENV_VARS = ("API_KEY", "OPENAI_API_KEY", "WEBHOOK_SECRET", "LEDGER_KEY")
+# The toolkit's own secret settings, the one list (docs/secrets.md): their values are masked, no
+# program the agent runs sees them, and the daemon hands a run the first three on its stdin and
+# keeps the next three, its own, from it.
+SECRET_ENV_VARS = (
+    "API_KEY",
+    "OPENAI_API_KEY",
+    KEY_ENV,
+    "WEBHOOK_SECRET",
+    "WEBHOOK_SECRET_FILE",
+    "READ_TOKEN",
+    "PROXY_TOKEN",
+    "CLICKHOUSE_PASSWORD"
+)
 REDACT_ENV_LIST = "LEDGER_REDACT_ENV"
 MIN_SECRET_CHARS = 8  # shorter env values ("none", "test") are too common to mask by value
 INDEX_NAME = "index.jsonl"
