@@ -1233,7 +1233,7 @@ def _td(field, row, colours, runs_url):
             + f"{more}</td>"
         )
     # only an id of agent.py's shape is a link
-    if field == "run_id" and rl._OUR_RUN_ID_RE.match(str(value)):
+    if field == "run_id" and rl.OUR_RUN_ID_RE.match(str(value)):
         return f'<td class="t"><a href="{_e(runs_url + value)}">{_e(value)}</a></td>'
     if field == "what":
         return f'<td class="t" title="{_e(value)}">{_e(_WHAT.get(value, value))}</td>'

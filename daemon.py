@@ -78,7 +78,7 @@ _BUSY = (
     b"Retry-After: 1\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
 )
 
-_DELIVERY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
+_DELIVERY_RE = rl.RUN_ID_RE  # a delivery id has the shape of a run id
 _EVENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}\Z")
 _GITHUB_SIG_RE = re.compile(r"sha256=([0-9a-fA-F]{64})\Z")
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?\Z")

@@ -132,8 +132,9 @@ _AT_RE = re.compile(
     r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
     r"\.[0-9]{6}Z\Z"
 )
-_OUR_RUN_ID_RE = re.compile(r"[0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8}\Z")
-_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
+# Any run id (the daemon's delivery ids too), and the shape of the ones new_run_id() makes.
+RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
+OUR_RUN_ID_RE = re.compile(r"[0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8}\Z")
 _SEQ_PREFIX_RE = re.compile(rb'\{"seq":([1-9][0-9]*),')
 _PREV_SUFFIX_RE = re.compile(rb',"prev":"([0-9a-f]{64})"\}\Z')
 # Python 3.11+ refuses to print longer ints; a line must read back everywhere
@@ -689,7 +690,7 @@ class Ledger:
                 f"{self.path} holds run {own}'s events only; not {printable(run_id)!r}"
             )
         self.run_id = run_id or own or new_run_id()
-        if type(self.run_id) is not str or not _RUN_ID_RE.match(self.run_id):
+        if type(self.run_id) is not str or not RUN_ID_RE.match(self.run_id):
             raise UsageError(
                 f"bad run id {printable(self.run_id)!r}: letters, digits and _.:- only, at most 128"
             )
@@ -991,7 +992,7 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
     events.jsonl."""
     runs_dir, given = Path(runs_dir), run_id
     runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if given is not None and (type(given) is not str or not _RUN_ID_RE.match(given)):
+    if given is not None and (type(given) is not str or not RUN_ID_RE.match(given)):
         raise UsageError(f"bad run id {printable(given)!r}")
     while True:
         run_id = given or new_run_id()
@@ -1024,7 +1025,7 @@ def run_dir_id(path):
     path = Path(path)
     return (
         path.parent.name
-        if path.name == EVENTS_NAME and _OUR_RUN_ID_RE.match(path.parent.name)
+        if path.name == EVENTS_NAME and OUR_RUN_ID_RE.match(path.parent.name)
         else None
     )
 
@@ -1087,7 +1088,7 @@ def _envelope_problem(event, lineno, run_id, known):
         return f"expected seq {lineno}, got {seq!r}" + (
             "" if type(seq) is not int else " (gap in seq)" if seq > lineno else " (repeated seq)"
         )
-    if type(rid) is not str or not _RUN_ID_RE.match(rid):
+    if type(rid) is not str or not RUN_ID_RE.match(rid):
         return f"bad run_id {rid!r}"
     if run_id not in (None, rid):
         return f"run_id {rid!r} differs from the run directory's {run_id!r}"
