@@ -2,9 +2,11 @@
 """reasoning_ledger.py -- an append-only, hash-chained JSONL ledger. Standard library only.
 
 Usage:
-  python reasoning_ledger.py verify PATH... [--all RUNS_DIR] [--expect-head SEQ:HASH] [--key-env NAME]
+  python reasoning_ledger.py verify PATH... [--all RUNS_DIR] [--expect-head SEQ:HASH]
+                             [--key-env NAME]
   python reasoning_ledger.py head PATH [--key-env NAME]
-  python reasoning_ledger.py report PATH... [--all RUNS_DIR] [--kind K] [--stage S] [--run R] [--since T] [--until T] [--json]
+  python reasoning_ledger.py report PATH... [--all RUNS_DIR] [--kind K] [--stage S] [--run R]
+                             [--since T] [--until T] [--json]
   python reasoning_ledger.py append PATH --kind K [--run-id R] [--payload JSON | < payload.json]
 
 Library (copy this one file next to your code):
@@ -25,10 +27,9 @@ import functools
 import hashlib
 import hmac
 import json
+import math
 import os
 import re
-
-
 import sys
 import threading
 import time
@@ -77,7 +78,7 @@ __all__ = [
 # Constants and errors
 # ----------------------------------------------------------------------------
 
-FIELDS = ("seq", "run_id", "kind", "at", "payload", "prev")
+FIELDS = tuple("seq run_id kind at payload prev".split())
 GENESIS = "0" * 64
 MAX_LINE_BYTES = 1024 * 1024  # a line, newline included, is at most this long: the format's limit
 MAX_DEPTH = 64  # nesting levels of a payload; the payload object itself is level 1
@@ -86,15 +87,9 @@ REDACTED = "[REDACTED]"
 # The toolkit's own secret settings, the one list (docs/secrets.md): their values are masked, no
 # program the agent runs sees them, and the daemon hands a run the first three on its stdin and
 # keeps the next three, its own, from it.
-SECRET_ENV_VARS = (
-    "API_KEY",
-    "OPENAI_API_KEY",
-    KEY_ENV,
-    "WEBHOOK_SECRET",
-    "WEBHOOK_SECRET_FILE",
-    "READ_TOKEN",
-    "PROXY_TOKEN",
-    "CLICKHOUSE_PASSWORD"
+SECRET_ENV_VARS = tuple(
+    "API_KEY OPENAI_API_KEY LEDGER_KEY WEBHOOK_SECRET WEBHOOK_SECRET_FILE READ_TOKEN PROXY_TOKEN "
+    "CLICKHOUSE_PASSWORD".split()
 )
 REDACT_ENV_LIST = "LEDGER_REDACT_ENV"
 MIN_SECRET_CHARS = 8  # shorter env values ("none", "test") are too common to mask by value
@@ -116,10 +111,14 @@ EVENTS_NAME = "events.jsonl"
 ) = range(10)
 EXIT_CODES = {
     EXIT_OK: "ok",
-    EXIT_FAILED: "failed: integrity failure (verify, audit, ship), failed call (ask), error outcome (agent)",
+    EXIT_FAILED: (
+        "failed: integrity failure (verify, audit, ship), failed call (ask), error outcome (agent)"
+    ),
     EXIT_USAGE: "usage, configuration or I/O error; nothing was done",
     EXIT_CHECK: "answer received but a check failed (ask); proposal rejected by the judge (agent)",
-    EXIT_CHANGED: "changes found: audit --fail-on-change; decisions another tools.json flips (agent replay)",
+    EXIT_CHANGED: (
+        "changes found: audit --fail-on-change; decisions another tools.json flips (agent replay)"
+    ),
     EXIT_OUTPUT: "stdout could not be written; the result was recorded",
     EXIT_LOCKED: "another run holds the repository's lock (agent)",
     EXIT_BUDGET: "budget exhausted (agent)",
@@ -142,7 +141,7 @@ _INT_LIMIT = 10**4300
 
 
 class LedgerError(Exception):
-    """Base of every error the toolkit raises on purpose. `exit_code` is what a script exits with."""
+    """Base of every error the toolkit raises on purpose; a script exits with its `exit_code`."""
 
     exit_code = EXIT_USAGE
 
@@ -271,45 +270,16 @@ def parse_head(text):
 # segment is one of these words, or its last two one of these pairs (input_tokens, max_tokens,
 # token_count stay).
 _SECRET_WORDS = frozenset(
-    (
-        "token",
-        "secret",
-        "password",
-        "passwd",
-        "passphrase",
-        "credential",
-        "credentials",
-        "apikey",
-        "session",
-        "cookie",
-        "authorization"
-    )
+    "token secret password passwd passphrase credential credentials apikey session cookie "
+    "authorization".split()
 )
 _SECRET_PAIRS = frozenset(
-    (
-        ("api", "key"),
-        ("private", "key"),
-        ("access", "key"),
-        ("secret", "key"),
-        ("signing", "key"),
-        ("encryption", "key"),
-        ("master", "key"),
-        ("client", "key")
-    )
+    "api_key private_key access_key secret_key signing_key encryption_key master_key "
+    "client_key".split()
 )
 # Query and fragment parameters that carry a secret although their names end in another word.
 _SECRET_PARAMS = frozenset(
-    (
-        "key",
-        "code",
-        "sig",
-        "signature",
-        "auth",
-        "pwd",
-        "pass",
-        "x_amz_signature",
-        "x_goog_signature"
-    )
+    "key code sig signature auth pwd pass x_amz_signature x_goog_signature".split()
 )
 _SEGMENT_RE = re.compile(r"[_\-.]+|(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 
@@ -324,7 +294,7 @@ def is_secret_key(name):
     """True when a key name (a payload key, an env var, a query parameter) names a secret."""
     segments = _segments(name)
     return bool(segments) and (
-        segments[-1] in _SECRET_WORDS or tuple(segments[-2:]) in _SECRET_PAIRS
+        segments[-1] in _SECRET_WORDS or "_".join(segments[-2:]) in _SECRET_PAIRS
     )
 
 
@@ -370,25 +340,24 @@ def _mask_assignment(m):
 # mask alone.
 _SHAPES = (
     (
-        r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
-        re.S,
+        r"(?s)-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
         REDACTED
     ),
     (
-        r"\b((?:set-)?cookie|(?:proxy-)?authorization)([ \t]*:[ \t]*)(?!\[REDACTED\])\S[^\r\n]*",
-        re.I,
+        r"(?i)\b((?:set-)?cookie|(?:proxy-)?authorization)"
+        r"([ \t]*:[ \t]*)(?!\[REDACTED\])\S[^\r\n]*",
         r"\1\2" + REDACTED
     ),
-    (r"\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=-]+)", re.I, _mask_scheme),
-    (r"\bsk-[A-Za-z0-9_-]{8,}", 0, REDACTED),
-    (r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", 0, REDACTED),
-    (r"\bxox[abposr]-[A-Za-z0-9-]{8,}", 0, REDACTED),
-    (r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", 0, REDACTED),
-    (r"\b([a-zA-Z][a-zA-Z0-9+.-]{0,31}://)([^\s/?#\"'<>]+)@", 0, _mask_userinfo),
-    (r"([?&;#])([A-Za-z0-9_.\[\]-]{1,64})=([^&#\s\"'<>]+)", 0, _mask_param),
+    (r"(?i)\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=-]+)", _mask_scheme),
+    (r"\bsk-[A-Za-z0-9_-]{8,}", REDACTED),
+    (r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", REDACTED),
+    (r"\bxox[abposr]-[A-Za-z0-9-]{8,}", REDACTED),
+    (r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", REDACTED),
+    (r"\b([a-zA-Z][a-zA-Z0-9+.-]{0,31}://)([^\s/?#\"'<>]+)@", _mask_userinfo),
+    (r"([?&;#])([A-Za-z0-9_.\[\]-]{1,64})=([^&#\s\"'<>]+)", _mask_param),
     (
-        r"\b([A-Za-z][A-Za-z0-9_.-]{0,63})([\"']?[ \t]*[:=][ \t]*)(?:\"([^\"\r\n]*)\"|'([^'\r\n]*)'|([^\s\"',;&]+))",
-        0,
+        r"\b([A-Za-z][A-Za-z0-9_.-]{0,63})([\"']?[ \t]*[:=][ \t]*)"
+        r"(?:\"([^\"\r\n]*)\"|'([^'\r\n]*)'|([^\s\"',;&]+))",
         _mask_assignment
     )
 )
@@ -415,7 +384,7 @@ def _may_match(text):
 
 @functools.lru_cache(maxsize=1)
 def _compiled_shapes():  # on first use: verify never needs them
-    return tuple((re.compile(src, flags), repl) for src, flags, repl in _SHAPES)
+    return tuple((re.compile(src), repl) for src, repl in _SHAPES)
 
 
 class Redactor:
@@ -443,26 +412,11 @@ class Redactor:
 
 
 # Credential variables of common tools that the rule of is_secret_env_name misses (docs/secrets.md).
-SECRET_ENV_NAMES = (
-    "SSHPASS",
-    "DATABASE_URL",
-    "*_DATABASE_URL",
-    "REDIS_URL",
-    "MONGODB_URI",
-    "MONGO_URL",
-    "AMQP_URL",
-    "CELERY_BROKER_URL",
-    "PIP_INDEX_URL",
-    "PIP_EXTRA_INDEX_URL",
-    "UV_INDEX_URL",
-    "UV_EXTRA_INDEX_URL",
-    "POETRY_PYPI_TOKEN_*",
-    "BUNDLE_*__*",
-    "COMPOSER_AUTH",
-    "DOCKER_AUTH_CONFIG",
-    "AZURE_STORAGE_CONNECTION_STRING",
-    "GOOGLE_APPLICATION_CREDENTIALS_JSON",
-    "GOOGLE_CREDENTIALS"
+SECRET_ENV_NAMES = tuple(
+    "SSHPASS DATABASE_URL *_DATABASE_URL REDIS_URL MONGODB_URI MONGO_URL AMQP_URL "
+    "CELERY_BROKER_URL PIP_INDEX_URL PIP_EXTRA_INDEX_URL UV_INDEX_URL UV_EXTRA_INDEX_URL "
+    "POETRY_PYPI_TOKEN_* BUNDLE_*__* COMPOSER_AUTH DOCKER_AUTH_CONFIG "
+    "AZURE_STORAGE_CONNECTION_STRING GOOGLE_APPLICATION_CREDENTIALS_JSON GOOGLE_CREDENTIALS".split()
 )
 
 
@@ -514,7 +468,7 @@ def _clean(value, redactor, depth=1):
         return redactor.text(value)
     if kind is int and not -_INT_LIMIT < value < _INT_LIMIT:
         raise _BadValue("an integer longer than 4300 digits cannot be read back on Python 3.11+")
-    if kind is float and (value != value or value in (float("inf"), float("-inf"))):
+    if kind is float and not math.isfinite(value):
         raise _BadValue(f"{value!r} is not valid JSON (NaN/Infinity)")
     if value is None or kind is bool or kind is int or kind is float:
         return value
@@ -615,8 +569,8 @@ def _rfind_newline(fd, stop):
 
 
 def _scan_tail(fd, size, path):
-    """(offset past the last newline, the last complete line: b"" if none, None if too long), read from
-    the end."""
+    """(offset past the last newline, the last complete line: b"" if none, None if too long), read
+    from the end."""
     last_nl = _rfind_newline(fd, size)
     if last_nl is None:
         raise IntegrityError(
@@ -723,7 +677,8 @@ class Ledger:
                 self._fd = None
 
     def _locked(self, work):
-        """work(fd) under the thread lock and the file's exclusive flock; I/O errors name the file."""
+        """work(fd) under the thread lock and the file's exclusive flock; I/O errors name the
+        file."""
         with self._lock:
             try:
                 if self._fd is None:
@@ -770,8 +725,8 @@ class Ledger:
         self._mode_checked = True
 
     def check(self):
-        """The file's head (seq, hash) if the next append can succeed (a torn tail it recovers); writes
-        nothing."""
+        """The file's head (seq, hash) if the next append can succeed (a torn tail it recovers);
+        writes nothing."""
 
         def tail(fd):
             seq, prev = self._next(*_scan_tail(fd, os.fstat(fd).st_size, self.path))
@@ -780,7 +735,8 @@ class Ledger:
         return self._locked(tail)
 
     def append(self, kind, payload=None):
-        """Append one event; return it as written (payload masked). PayloadError: nothing was written."""
+        """Append one event; return it as written (payload masked). PayloadError: nothing was
+        written."""
         if type(kind) is not str or not _KIND_RE.match(kind):
             raise PayloadError(f"bad kind {printable(kind)!r}: lower-case [a-z][a-z0-9_.]*")
         payload = {} if payload is None else payload
@@ -840,14 +796,7 @@ class Ledger:
             )
         _write_or_undo(fd, raw + b"\n", size, self.fsync)
         self.head = (seq, line_hash(raw, self.key))
-        return {
-            "seq": seq,
-            "run_id": self.run_id,
-            "kind": kind,
-            "at": at,
-            "payload": clean,
-            "prev": prev
-        }
+        return dict(zip(FIELDS, (seq, self.run_id, kind, at, clean, prev)))
 
     def _recover_torn_tail(self, fd, size, end, last):
         fragment = os.pread(fd, size - end, end)
@@ -902,7 +851,8 @@ class Ledger:
 
 
 def store_artifact(directory, data, *, redact_secrets=True, extra_secrets=(), redactor=None):
-    """Store bytes or text (masked first) as directory/<sha256>; return {"sha256", "size", "path"}."""
+    """Store bytes or text (masked first) as directory/<sha256>; return {"sha256", "size",
+    "path"}."""
     if isinstance(data, str):
         data = data.encode("utf-8", "backslashreplace")  # a lone surrogate stays visible as \\udXXX
     if redact_secrets:
@@ -1045,7 +995,7 @@ def _form_problem(body):
         raise _BadValue(f"{name} is not JSON the writer writes")
 
     def finite(literal):
-        if abs(float(literal)) == float("inf"):
+        if math.isinf(float(literal)):
             raise _BadValue(f"the number {literal[:40]} overflows to Infinity")
         return float(literal)
 
@@ -1254,8 +1204,8 @@ def verify(path, *, key=None, expect_head=None, **options):
 
 
 def run_heads(runs_dir, *, key=None):
-    """Yield (run id, (head seq, head hash)) for each closed run runs_dir/index.jsonl records, reading
-    the index as read_events() does (nothing when there is none)."""
+    """Yield (run id, (head seq, head hash)) for each closed run runs_dir/index.jsonl records,
+    reading the index as read_events() does (nothing when there is none)."""
     index = Path(runs_dir) / INDEX_NAME
     for event in read_events(index, key=key) if index.is_file() else ():
         entry = event["payload"]
@@ -1264,21 +1214,18 @@ def run_heads(runs_dir, *, key=None):
 
 
 def run_ledgers(runs_dir, key=None):
-    """[(path, expected head or None)]: index.jsonl, every run (a closed one with its index head), then
-    the runs the index names whose events.jsonl is missing. The index is read as far as it verifies.
-    """
+    """[(path, expected head or None)]: index.jsonl, every run (a closed one with its index head),
+    then the runs the index names whose events.jsonl is missing. The index is read as far as it
+    verifies."""
     runs_dir, heads = Path(runs_dir), {}
     with contextlib.suppress(LedgerError, OSError):
         for run_id, head in run_heads(runs_dir, key=key):
             heads[run_id] = head
-    index = runs_dir / INDEX_NAME
-    runs = sorted(runs_dir.glob(f"*/{EVENTS_NAME}"))
-    missing = sorted(set(heads) - {events.parent.name for events in runs})
-    return (
-        ([(index, None)] if index.exists() else [])
-        + [(events, heads.get(events.parent.name)) for events in runs]
-        + [(runs_dir / run_id / EVENTS_NAME, heads[run_id]) for run_id in missing]
-    )
+    index, found = runs_dir / INDEX_NAME, {p.parent.name for p in runs_dir.glob(f"*/{EVENTS_NAME}")}
+    return ([(index, None)] if index.exists() else []) + [
+        (runs_dir / run_id / EVENTS_NAME, heads.get(run_id))
+        for run_id in sorted(found) + sorted(set(heads) - found)
+    ]
 
 
 def verify_runs(runs_dir, *, key=None):
@@ -1296,24 +1243,20 @@ def verify_runs(runs_dir, *, key=None):
 # ----------------------------------------------------------------------------
 
 # A run's summary, field by field, as it starts (docs/audit.md, "Agent runs").
-_RUN = {
-    "run_id": None,
-    "started": None,
-    "outcome": "open",
-    "judge_verdict": None,
-    "steps": 0,
-    "tools_allowed": 0,
-    "tools_denied": 0,
-    "model_calls": 0,
-    "input_tokens": 0,
-    "output_tokens": 0,
-    "usage_calls": 0,
-    "est_tokens": 0,
-    "errors": 0,
-    "why": None,
-    "proposal": None,
-    "unboxed": None
-}
+_RUN = dict(
+    run_id=None,
+    started=None,
+    outcome="open",
+    judge_verdict=None,
+    **dict.fromkeys(
+        "steps tools_allowed tools_denied model_calls input_tokens output_tokens usage_calls "
+        "est_tokens errors".split(),
+        0
+    ),
+    why=None,
+    proposal=None,
+    unboxed=None
+)
 # A model_call's token fields, each summed into this field of the run.
 _CALL_TOKENS = {
     "input_tokens": "input_tokens",
@@ -1356,7 +1299,7 @@ def add_run_event(run, event):
         why = (
             f"{get('type')}: {get('message')}"
             if get("error_type") is None
-            else f"{get('stage') or 'model'}: {get('error_type')}" + (f" ({code})" if code else "")
+            else f"{get('stage') or 'model'}: {get('error_type')}{f' ({code})' if code else ''}"
         )
     elif kind == "judge_verdict":
         run["judge_verdict"] = get("verdict") if type(get("verdict")) is str else None
@@ -1371,8 +1314,9 @@ def add_run_event(run, event):
         why = f"budget {get('limit')}: {get('used')} of {get('max')}"
     elif kind == "stuck":
         unusable = str(get("unusable") or "").split(":")[0]
-        why = f"stuck: the same {'unusable ' if unusable else ''}reply {get('repeats')} times" + (
-            f" ({unusable})" if unusable else ""
+        why = (
+            f"stuck: the same {'unusable ' if unusable else ''}reply {get('repeats')} times"
+            f"{f' ({unusable})' if unusable else ''}"
         )
     elif kind == "decision" and get("stage") == "triage":
         why = f"{get('decision')}: {get('rationale')}"
@@ -1408,8 +1352,8 @@ _stdout_dead = []  # the OutputError that ended stdout: later writes raise it ag
 
 
 def write_out(text):
-    """Write text to stdout and flush. A stdout that is closed, full or cannot encode the text raises
-    OutputError; later writes are dropped, and the interpreter's last flush cannot fail."""
+    """Write text to stdout and flush. A stdout that is closed, full or cannot encode the text
+    raises OutputError; later writes are dropped, and the interpreter's last flush cannot fail."""
     if not _stdout_dead and sys.stdout is None:  # started with stdout closed (>&-)
         _stdout_dead.append(OutputError("stdout is closed"))
     if _stdout_dead:
@@ -1459,7 +1403,8 @@ def run_cli(command, args, secrets=()):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, with a usage error as the toolkit's one `error: …` line (and a pointer to --help)."""
+    """argparse, with a usage error as the toolkit's one `error: …` line (and a pointer to
+    --help)."""
 
     def error(self, message):
         error(f"{self.prog}: {message} (see {self.prog} --help)")
@@ -1479,30 +1424,27 @@ def exit_codes_epilog(*codes):
 
 
 def parse_time(text, end=False, now=None):
-    """A date (YYYY-MM-DD), an ISO time, `today`, `yesterday`, or an age (`36h`, `7d`: that long before
-    now) -> the ledger's `at` string form for comparing. `end` makes a day its last microsecond."""
-    text, now = text.strip(), now or datetime.datetime.now(datetime.timezone.utc)
+    """A date (YYYY-MM-DD), an ISO time, `today`, `yesterday`, or an age (`36h`, `7d`: that long
+    before now) -> the ledger's `at` string form for comparing. `end` makes a day its last
+    microsecond."""
+    utc, timedelta = datetime.timezone.utc, datetime.timedelta
+    text, now = text.strip(), now or datetime.datetime.now(utc)
     if text in ("today", "yesterday"):
-        text = (now - datetime.timedelta(days=1 if text == "yesterday" else 0)).strftime("%Y-%m-%d")
+        text = (now - timedelta(days=text == "yesterday")).strftime("%Y-%m-%d")
     age = re.fullmatch(r"([0-9]{1,5})([hd])", text)
     try:
         if age:
-            moment = now - datetime.timedelta(
-                hours=int(age.group(1)) * (24 if age.group(2) == "d" else 1)
-            )
-        elif re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text):
-            moment = datetime.datetime.strptime(text, "%Y-%m-%d").replace(
-                tzinfo=datetime.timezone.utc
-            )
-            moment += datetime.timedelta(days=1, microseconds=-1) if end else datetime.timedelta()
-        else:
+            moment = now - timedelta(hours=int(age.group(1)) * (24 if age.group(2) == "d" else 1))
+        else:  # a date is its first microsecond, or its last with `end`
             moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-            moment = moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)
+            moment = moment if moment.tzinfo else moment.replace(tzinfo=utc)
+            if end and re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text):
+                moment += timedelta(days=1, microseconds=-1)
     except ValueError:
         raise UsageError(
             f"not a date, an ISO time, today, yesterday or an age like 7d: {printable(text)!r}"
         ) from None
-    return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return moment.astimezone(utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 # Commands that moved to another script answer with one error line naming the new one
@@ -1579,11 +1521,11 @@ def tally(results, good, summary, inside="", after=""):
         counts[state] += 1
         write_out(line + suffix + "\n")
     write_out(summary(counts["ok"], sum(counts.values())) + "\n")
-    if counts["fail"]:
-        them = "it" if counts["fail"] == 1 else "them"
+    failed = counts["fail"]
+    if failed:
         error(
-            f"integrity check failed ({counts['fail']} ledger{'s' if them == 'them' else ''}{inside})"
-            + after.format(them)
+            f"integrity check failed ({failed} ledger{'s' if failed > 1 else ''}{inside})"
+            + after.format("them" if failed > 1 else "it")
         )
         return EXIT_FAILED
     if counts["error"]:
@@ -1622,21 +1564,9 @@ def _cmd_head(args):
 
 
 # Payload fields that say what happened, shown on an event's line by `report`.
-_REPORT_FIELDS = (
-    "stage",
-    "decision",
-    "outcome",
-    "tool",
-    "rule",
-    "verdict",
-    "reason",
-    "limit",
-    "request_model",
-    "response_model",
-    "error_type",
-    "error_code",
-    "error",
-    "message"
+_REPORT_FIELDS = tuple(
+    "stage decision outcome tool rule verdict reason limit request_model response_model error_type "
+    "error_code error message".split()
 )
 _ARTIFACT_RE = re.compile(r"artifacts/[0-9a-f]{64}\Z")
 
@@ -1675,7 +1605,8 @@ def _tests_meaning(path, payload):
 
 
 def _event_summary(path, event):
-    """The envelope, the fields that say what happened, what it means (a failed check, tests, a reply)."""
+    """The envelope, the fields that say what happened, what it means (a failed check, tests, a
+    reply)."""
     payload = event["payload"]
     parts = [event["at"], f"#{event['seq']}", event["kind"]] + [
         f"{name}={payload[name]}"
@@ -1702,13 +1633,14 @@ def _cmd_report(args):
     targets = [(Path(p), None) for p in args.paths] + (
         run_ledgers(args.all, key) if args.all else []
     )
-    since = parse_time(args.since) if args.since else None
-    until = parse_time(args.until, end=True) if args.until else None
+    since, until = args.since and parse_time(args.since), args.until and parse_time(
+        args.until, True
+    )
     try:
         for path, expect in targets:
             if len(targets) > 1 and not args.json:
                 write_out(f"== {printable(path)}\n")
-            for event, raw, _digest in verified_events(path, key=key, expect=expect, run_id=None):
+            for event, raw, _digest in verified_events(path, key=key, expect=expect):
                 if not (
                     (args.kind and event["kind"] not in args.kind)
                     or (args.stage and event["payload"].get("stage") != args.stage)
@@ -1717,9 +1649,7 @@ def _cmd_report(args):
                     or (until and event["at"] > until)
                 ):
                     write_out(
-                        raw.decode("utf-8") + "\n"
-                        if args.json
-                        else _event_summary(path, event) + "\n"
+                        (raw.decode("utf-8") if args.json else _event_summary(path, event)) + "\n"
                     )
     except OutputError as exc:
         if not exc.pipe:  # `report | head`: the reader has all it wanted
