@@ -70,7 +70,8 @@ REJECTIONS_PER_S, REJECTIONS_BURST = 5, 50
 MAX_SIGNATURES = 16  # webhook-signature entries looked at
 MAX_EVENTS_SHOWN = 5000  # GET /runs/<id> shows at most this many events
 MAX_SHOWN_CHARS = 4000  # one value on the timeline page
-# passed to a run on its stdin, not in its environment; and never passed to a run
+# the model's keys and the ledger key reach a run on its stdin, not in its environment; the
+# daemon's own secrets never reach it
 PIPED_ENV, DAEMON_ENV = rl.SECRET_ENV_VARS[:3], rl.SECRET_ENV_VARS[3:6]
 _BUSY_BODY = b'{"error": "too many connections; retry later"}\n'
 _BUSY = (

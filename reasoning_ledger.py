@@ -1036,7 +1036,9 @@ def _envelope_problem(event, lineno, run_id, known):
     seq, rid, kind, at, payload, prev = event.values()
     if type(seq) is not int or seq != lineno:
         return f"expected seq {lineno}, got {seq!r}" + (
-            "" if type(seq) is not int else " (gap in seq)" if seq > lineno else " (repeated seq)"
+            ""
+            if type(seq) is not int
+            else " (gap in seq)" if seq > lineno else " (duplicate or repeated seq)"
         )
     if type(rid) is not str or not RUN_ID_RE.match(rid):
         return f"bad run_id {rid!r}"
