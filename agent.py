@@ -952,19 +952,7 @@ def _read_plain_file(path, limit, flags=0):
 
 # == Processes: argv only, a timeout, the whole process group killed, output capped ==
 
-_SETTINGS = (
-    "BASE_URL",
-    "OPENAI_BASE_URL",
-    "API_KEY",
-    "OPENAI_API_KEY",
-    "MODEL_ID",
-    "LEDGER_KEY",
-    "WEBHOOK_SECRET",
-    "WEBHOOK_SECRET_FILE",
-    "READ_TOKEN",
-    "CLICKHOUSE_PASSWORD",
-    "LEDGER_SHIP_URL"
-)
+_SETTINGS = rl.SECRET_ENV_VARS + ("BASE_URL", "OPENAI_BASE_URL", "MODEL_ID", "LEDGER_SHIP_URL")
 _PRIVATE_DIRS = ("/tmp", "/var/tmp", "/dev/shm", "/run")  # empty and private in the box
 _RLIMITS = {
     "RLIMIT_CPU": "cpu_s",
@@ -3431,57 +3419,44 @@ def _flips(recorded, produced):
 
 
 def list_runs(runs_dir):
-    """One row per run: id, started, outcome, steps, tokens, and whether it verifies against the index."""
-    import audit  # its run summaries: one reader of the agent's events
-
-    runs_dir = Path(runs_dir)
-    status = {
-        Path(path).parent.name: (
-            "ok"
-            if isinstance(result, rl.Verified)
-            else "FAIL" if isinstance(result, rl.IntegrityError) else "ERROR"
-        )
-        for path, result in rl.verify_runs(runs_dir)
-        if Path(path).name == rl.EVENTS_NAME
-    }
-    summary = audit.Audit()
-    for events in sorted(runs_dir.glob(f"*/{rl.EVENTS_NAME}")):
-        if status.get(events.parent.name) == "ok":
-            summary.add_file(events)
-    rows = {r["run_id"]: r for r in summary.run_rows()}
-    out = []
-    for run_id in sorted(status):
-        row = rows.get(run_id, {})
-        reported = row.get("input_tokens")
+    """One row per run: id, started, outcome, steps, tokens, whether it verifies against the index,
+    why it ended, whether it ran unboxed, and the head the index recorded (`seq:hash`)."""
+    rows = []
+    for path, head in rl.run_ledgers(runs_dir):
+        if path.name != rl.EVENTS_NAME:
+            continue
+        try:
+            lines = rl.verified_events(path, expect=head, closed=True)
+            run, verified = rl.run_summary(event for event, _raw, _digest in lines), "ok"
+        except rl.IntegrityError:
+            run, verified = {}, "FAIL"
+        except (rl.LedgerError, OSError):
+            run, verified = {}, "ERROR"
         tokens, source = (
-            (reported + (row.get("output_tokens") or 0), "reported")
-            if reported is not None
-            else (row["est_tokens"], "estimated") if row.get("est_tokens") else (None, None)
+            (run["input_tokens"] + run["output_tokens"], "reported")
+            if run.get("usage_calls")
+            else (run["est_tokens"], "estimated") if run.get("est_tokens") else (None, None)
         )
-        out.append(
+        rows.append(
             {
-                "run_id": run_id,
-                "started": row.get("started"),
-                "outcome": row.get("outcome"),
-                "steps": row.get("steps"),
+                "run_id": path.parent.name,
+                "started": run.get("started"),
+                "outcome": run.get("outcome"),
+                "steps": run.get("steps"),
                 "tokens": tokens,
                 "tokens_source": source,
-                "verified": status[run_id],
-                "why": row.get("why"),
-                "unboxed": _unboxed(_events_of(runs_dir / run_id)) is not None
+                "verified": verified,
+                "why": run.get("why"),
+                "unboxed": run.get("unboxed") is not None,
+                "head": f"{head[0]}:{head[1]}" if head else None
             }
         )
-    return out
+    return sorted(rows, key=lambda row: row["run_id"])
 
 
 def run_reason(events):
-    """Why a run ended, in a few words, as audit.py reads its events."""
-    import audit
-
-    why = None
-    for event in events:
-        why = audit.run_event_why(event["kind"], event["payload"]) or why
-    return why or ""
+    """Why a run ended, in a few words (rl.run_summary())."""
+    return rl.run_summary(events)["why"] or ""
 
 
 def _tokens_cell(row):

@@ -1658,8 +1658,7 @@ def main(argv=None):
     if args is None:
         return code
     args.ledger = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
-    secrets = [os.environ.get(name) for name in ("API_KEY", "OPENAI_API_KEY")]
-    return rl.run_cli(_run, args, secrets=[s for s in secrets if s])
+    return rl.run_cli(_run, args)  # its error line masks rl.SECRET_ENV_VARS' values
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ __all__ = [
     "AuditError",
     "run_audit",
     "remote_audit",
-    "run_event_why",
     "render_text",
     "render_json",
     "render_csv",
@@ -91,27 +90,10 @@ _TYPES = {
     )
 }
 
-# agent.py's event kinds that the agent-runs table reads (docs/audit.md, "Agent runs").
-_STEP_KINDS = ("model_proposed", "proposal_malformed")
-_RUN_COUNTS = {"tool_allowed": "tools_allowed", "tool_denied": "tools_denied", "error": "errors"}
-_NEW_RUN = {
-    "run_id": None,
-    "path": None,
-    "started": None,
-    "outcome": "open",
-    "judge_verdict": None,
-    "steps": 0,
-    "tools_allowed": 0,
-    "tools_denied": 0,
-    "model_calls": 0,
-    "input_tokens": 0,
-    "output_tokens": 0,
-    "usage_calls": 0,
-    "est_tokens": 0,
-    "errors": 0,
-    "why": None
-}
-RUN_COLUMNS = tuple(name for name in _NEW_RUN if name not in ("path", "usage_calls"))
+# the agent-runs table: how the ledger sums a run up (docs/audit.md, "Agent runs")
+RUN_COLUMNS = tuple(
+    name for name in rl.run_summary() if name not in ("usage_calls", "proposal", "unboxed")
+)
 
 
 class AuditError(rl.UsageError):
@@ -338,37 +320,27 @@ class Audit:
 
     def _verified(self, path, info):
         """A closed run is held to the head its index recorded, as `verify --all` holds it."""
-        expect, count = self._index_head(path), 0
+        count = 0
         try:
-            for event, _raw, _digest in rl.verified_events(path, expect=expect):
+            for event, _raw, _digest in rl.verified_events(
+                path, expect=self._index_head(path), closed=True
+            ):
                 count += 1
                 yield event
         except rl.TornTailError as exc:
             info["status"], info["reason"] = "torn", str(exc)
         finally:
             info["lines"] = count
-        if expect and count > expect[0]:
-            raise rl.IntegrityError(
-                path,
-                expect[0] + 1,
-                f"{count - expect[0]} line(s) after the run closed at "
-                f"seq {expect[0]} (nothing is written to a closed run)"
-            )
 
     def _index_head(self, path):
         if path.name != rl.EVENTS_NAME:
             return None
         index = path.parent.parent / rl.INDEX_NAME
         if index not in self._heads:
-            heads = self._heads[index] = {}
-            for event in rl.read_events(index, run_id=None) if index.is_file() else ():
-                entry = event["payload"]
-                if event["kind"] == "run_closed" and type(entry.get("run")) is str:
-                    heads[entry["run"]] = (entry.get("head_seq"), entry.get("head_hash"))
-        head = self._heads[index].get(path.parent.name)
-        if head is not None and (type(head[0]) is not int or type(head[1]) is not str):
-            raise rl.IntegrityError(path, None, "the index entry for this run has no valid head")
-        return head
+            heads = self._heads[index] = {}  # a broken index fails the first run read under it
+            for run_id, head in rl.run_heads(index.parent):
+                heads[run_id] = head
+        return self._heads[index].get(path.parent.name)
 
     def _consume(self, events, agent_run, path):
         run = None
@@ -380,10 +352,9 @@ class Audit:
                 continue
             if agent_run:
                 run = run or self.runs.setdefault(
-                    event["run_id"],
-                    dict(_NEW_RUN, run_id=event["run_id"], path=str(path), started=at)
+                    event["run_id"], rl.run_summary(run_id=event["run_id"])
                 )
-                _run_event(run, kind, payload)
+                rl.add_run_event(run, event)
             if kind == "model_call":
                 call, malformed = model_call_view(payload)
                 if self.model is not None and call["request_model"] != self.model:
@@ -530,55 +501,6 @@ def _set_change(before, after, words):
     return "; ".join(
         f"{word} {', '.join(map(_label, sorted(names, key=str)))}" for word, names in parts if names
     )
-
-
-def _run_event(run, kind, payload):
-    """Fold one event of an agent run (agent.py's vocabulary) into its summary row."""
-    if kind == "model_call":
-        call, _malformed = model_call_view(payload)
-        run["model_calls"] += 1
-        if call["input_tokens"] is not None or call["output_tokens"] is not None:
-            run["usage_calls"] += 1
-            run["input_tokens"] += call["input_tokens"] or 0
-            run["output_tokens"] += call["output_tokens"] or 0
-        run["est_tokens"] += (call["est_input_tokens"] or 0) + (call["est_output_tokens"] or 0)
-        run["errors"] += call["error_type"] is not None
-    elif kind in _STEP_KINDS:
-        step = payload.get("step")
-        run["steps"] = max(run["steps"], step if type(step) is int else run["steps"] + 1)
-    elif kind in _RUN_COUNTS:
-        run[_RUN_COUNTS[kind]] += 1
-    elif kind == "judge_verdict":
-        verdict = payload.get("verdict")
-        run["judge_verdict"] = verdict if type(verdict) is str else None
-    elif kind == "run_closed":
-        outcome = payload.get("outcome")
-        run["outcome"] = outcome if type(outcome) is str else "closed"
-    run["why"] = run_event_why(kind, payload) or run["why"]
-
-
-def run_event_why(kind, payload):
-    """How a run ended, in a few words, if this event of it says (the last that says wins;
-    docs/audit.md)."""
-    get = payload.get
-    if kind == "budget_exhausted":
-        return f"budget {get('limit')}: {get('used')} of {get('max')}"
-    if kind == "error" and get("error_type") is not None:
-        code = get("error_code")
-        return f"{get('stage') or 'model'}: {get('error_type')}" + (f" ({code})" if code else "")
-    if kind == "error":
-        return f"{get('type')}: {get('message')}"
-    if kind == "judge_verdict":
-        return f"judge {get('verdict')}: {get('reason')}"
-    if kind == "stuck":
-        unusable = str(get("unusable") or "").split(":")[0]
-        return f"stuck: the same {'unusable ' if unusable else ''}reply {get('repeats')} times" + (
-            f" ({unusable})" if unusable else ""
-        )
-    if kind == "decision" and get("stage") == "triage":
-        return f"{get('decision')}: {get('rationale')}"
-    why = get("why") if kind == "run_closed" else None
-    return why if type(why) is str and why else None
 
 
 def _usage_habit(g):
@@ -1311,7 +1233,7 @@ def _td(field, row, colours, runs_url):
             + f"{more}</td>"
         )
     # only an id of agent.py's shape is a link
-    if field == "run_id" and rl._OUR_RUN_ID_RE.match(str(value)):
+    if field == "run_id" and rl.OUR_RUN_ID_RE.match(str(value)):
         return f'<td class="t"><a href="{_e(runs_url + value)}">{_e(value)}</a></td>'
     if field == "what":
         return f'<td class="t" title="{_e(value)}">{_e(_WHAT.get(value, value))}</td>'

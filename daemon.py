@@ -70,16 +70,16 @@ REJECTIONS_PER_S, REJECTIONS_BURST = 5, 50
 MAX_SIGNATURES = 16  # webhook-signature entries looked at
 MAX_EVENTS_SHOWN = 5000  # GET /runs/<id> shows at most this many events
 MAX_SHOWN_CHARS = 4000  # one value on the timeline page
-DAEMON_ENV = ("WEBHOOK_SECRET", "WEBHOOK_SECRET_FILE", "READ_TOKEN")  # never passed to a run
-# passed to a run on its stdin, not in its environment
-PIPED_ENV = ("API_KEY", "OPENAI_API_KEY", rl.KEY_ENV)
+# the model's keys and the ledger key reach a run on its stdin, not in its environment; the
+# daemon's own secrets never reach it
+PIPED_ENV, DAEMON_ENV = rl.SECRET_ENV_VARS[:3], rl.SECRET_ENV_VARS[3:6]
 _BUSY_BODY = b'{"error": "too many connections; retry later"}\n'
 _BUSY = (
     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
     b"Retry-After: 1\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
 )
 
-_DELIVERY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
+_DELIVERY_RE = rl.RUN_ID_RE  # a delivery id has the shape of a run id
 _EVENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}\Z")
 _GITHUB_SIG_RE = re.compile(r"sha256=([0-9a-fA-F]{64})\Z")
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?\Z")
@@ -1134,18 +1134,12 @@ class Daemon:
             }
 
     def runs(self):
-        """GET /runs: list_runs' rows, with the head the index recorded and the delivery that asked."""
-        heads = {
-            path.parent.name: head for path, head in rl.run_ledgers(self.settings.runs_dir) if head
-        }
+        """GET /runs: list_runs' rows (with the head the index recorded) and the delivery that asked."""
         with self.cond:
             origin = {run_id: delivery for delivery, run_id in self.deliveries.items() if run_id}
         rows = agent.list_runs(self.settings.runs_dir)
         for row in rows:
-            head = heads.get(row["run_id"])
-            row["head"], row["delivery"] = (f"{head[0]}:{head[1]}" if head else None), origin.get(
-                row["run_id"]
-            )
+            row["delivery"] = origin.get(row["run_id"])
         return rows
 
     def run_events(self, run_id):
@@ -1222,14 +1216,14 @@ def timeline_html(found, run_dir):
         else f"<span class=\"bad\">does not verify: {_shown(found['problem'])}</span>"
     )
     more = f" (the first {len(found['events'])} events)" if found["truncated"] else ""
-    closed = ([e["payload"] for e in found["events"] if e["kind"] == "run_closed"] or [{}])[-1]
+    run = rl.run_summary(found["events"])
     summary = "".join(
         f"<dt>{name}</dt><dd>{_shown(value or '-')}</dd>"
         for name, value in (
-            ("outcome", closed.get("outcome") or "open (not closed yet)"),
-            ("why", agent.run_reason(found["events"])),
-            ("proposal", closed.get("proposal")),
-            ("verdict", closed.get("verdict"))
+            ("outcome", "open (not closed yet)" if run["outcome"] == "open" else run["outcome"]),
+            ("why", run["why"]),
+            ("proposal", run["proposal"]),
+            ("verdict", run["judge_verdict"])
         )
     )
     return _page(

@@ -14,7 +14,6 @@ server, 2 usage, configuration or refusal, 5 stdout could not be written.
 """
 
 import argparse
-import contextlib
 import datetime
 import functools
 import hashlib
@@ -371,7 +370,7 @@ def _row(base, event, body, line_sha, shipped_at):
                 malformed = malformed or name != "total_tokens"
         row["malformed"] = int(malformed)
     row["raw"] = body.decode("utf-8")
-    return rl._dumps(row).encode("utf-8") + b"\n"
+    return rl.dumps(row).encode("utf-8") + b"\n"
 
 
 def _spool_limit():  # SHIP_SPOOL_MAX, or half the free space of the temp dir
@@ -412,18 +411,18 @@ def ship(
     """Send the new verified lines of each (path, expected head or None) to ClickHouse. Yields (path,
     Shipped or the LedgerError/OSError that stopped it: nothing of it was sent); a ClickHouseError
     propagates."""
-    key, host = rl._resolve_key(key), host or socket.gethostname()
+    key, host = rl.resolve_key(key), host or socket.gethostname()
     if not 0 < batch_rows <= SHIP_MAX_BATCH_ROWS:
         raise rl.UsageError(f"--batch-rows must be between 1 and {SHIP_MAX_BATCH_ROWS:,}")
     # {path: SHA-256 of line 1, None without a complete line, or the OSError of reading it}
     ids = {}
     for path, _expect in targets:
         try:
-            with rl._file_lines(path) as lines:
-                first = next(lines, b"")
+            with open(path, "rb") as handle:
+                first = handle.readline(rl.MAX_LINE_BYTES)
             ids[path] = hashlib.sha256(first[:-1]).hexdigest() if first[-1:] == b"\n" else None
         except OSError as exc:
-            ids[path] = rl._named(exc, path)
+            ids[path] = rl.named_error(exc, path)
     try:
         client.ensure_table()
         wanted, heads = sorted(i for i in set(ids.values()) if type(i) is str), {}
@@ -452,13 +451,13 @@ def ship(
                 ids[path],
                 heads.get(ids[path]),
                 key,
-                rl._checked_head(expect, path),
+                expect,
                 host,
                 batch_rows,
                 batch_bytes
             )
         except (rl.IntegrityError, rl.KeyRequiredError, OSError) as exc:
-            yield path, rl._named(exc, path)
+            yield path, rl.named_error(exc, path)
 
 
 def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, batch_bytes):
@@ -466,23 +465,24 @@ def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, ba
     them."""
     import tempfile
 
-    texts = ("index.jsonl records", "the run ends at")
+    held = dict(
+        key=key or b"",
+        expect=expect,
+        truncated="index.jsonl records seq {} but the run ends at seq {}"
+    )
     if ledger_id is None:  # no complete line yet
-        rl._reached(path, expect, 0, key, *texts)
-        return Shipped(path, "-" * 12, 1, 0, (0, rl._genesis(key)))
+        return Shipped(path, "-" * 12, 1, 0, rl.verify(path, lines=(), **held).head)
     top, top_sha, stored = server or (0, None, 0)
     # ClickHouse lost rows (deleted?): send them all again; FINAL keeps one of each
     resend = stored < top
     start = 0 if resend else top
     # marks: (last seq, spool offset)
-    head, torn, last, marks = (0, rl._genesis(key)), None, None, [(start, 0)]
+    head, torn, last, marks = (0, rl.genesis(key)), None, None, [(start, 0)]
     base = {"ledger_id": ledger_id, "host": host, "path": os.path.abspath(path)}
     limit, shipped_at = _spool_limit(), int(time.time())
     with tempfile.SpooledTemporaryFile(max_size=SHIP_SPOOL_MEMORY) as spool:
         try:
-            for event, body, digest in rl._verified(
-                path, rl._file_lines(path), key, expect, rl._expected_run_id(path), *texts
-            ):
+            for event, body, digest in rl.verified_events(path, **held):
                 seq, line_sha = event["seq"], hashlib.sha256(body).hexdigest() if key else digest
                 if seq == 1 and line_sha != ledger_id:
                     raise rl.IntegrityError(
@@ -504,9 +504,8 @@ def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, ba
                         marks.append((seq, spool.tell()))
                         last = seq if spool.tell() >= limit else None
                 head = (seq, digest)
-        except rl.TornTailError as exc:
-            torn = exc
-            rl._reached(path, expect, head[0], key, *texts)
+        except rl.TornTailError as exc:  # the reader held it to `expect` first
+            torn, head = exc, exc.head
         if head[0] < top:
             raise rl.IntegrityError(
                 path,
@@ -560,7 +559,6 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
     SQL WHERE `condition`."""
     import itertools
 
-    key = rl._resolve_key(key)
     for prefix in ledger_ids:
         if not re.fullmatch(r"[0-9a-f]{1,64}", prefix):
             raise rl.UsageError(
@@ -603,15 +601,14 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
                 "last_path": None
             }
             name = f"clickhouse:{ledger_id}"
-            run_id = rl._expected_run_id(ledger["last_path"]) if ledger["last_path"] else None
-            lines = contextlib.nullcontext(_stored_lines(name, ledger_id, rows))
             try:
-                yield ledger, rl._tally_lines(
+                yield ledger, rl.verify(
                     name,
-                    rl._verified(
-                        name, lines, key, expect_head, run_id, ends="ClickHouse holds up to"
-                    ),
-                    key
+                    key=key,
+                    expect_head=expect_head,
+                    run_id=rl.run_dir_id(ledger["last_path"] or ""),
+                    lines=_stored_lines(name, ledger_id, rows),
+                    truncated="the expected head is seq {} but ClickHouse holds up to seq {}"
                 )
             except (rl.IntegrityError, rl.KeyRequiredError) as exc:
                 yield ledger, exc

@@ -576,8 +576,7 @@ def main(argv=None):
     if args is None:
         return code
     args.ledger = args.ledger or os.environ.get("LEDGER") or ask.DEFAULT_LEDGER
-    secrets = [os.environ.get(name) for name in ("API_KEY", "OPENAI_API_KEY", "PROXY_TOKEN")]
-    return rl.run_cli(_run_proxy, args, secrets=[s for s in secrets if s])
+    return rl.run_cli(_run_proxy, args)  # its error line masks rl.SECRET_ENV_VARS' values
 
 
 if __name__ == "__main__":

@@ -2,9 +2,11 @@
 """reasoning_ledger.py -- an append-only, hash-chained JSONL ledger. Standard library only.
 
 Usage:
-  python reasoning_ledger.py verify PATH... [--all RUNS_DIR] [--expect-head SEQ:HASH] [--key-env NAME]
+  python reasoning_ledger.py verify PATH... [--all RUNS_DIR] [--expect-head SEQ:HASH]
+                             [--key-env NAME]
   python reasoning_ledger.py head PATH [--key-env NAME]
-  python reasoning_ledger.py report PATH... [--all RUNS_DIR] [--kind K] [--stage S] [--run R] [--since T] [--until T] [--json]
+  python reasoning_ledger.py report PATH... [--all RUNS_DIR] [--kind K] [--stage S] [--run R]
+                             [--since T] [--until T] [--json]
   python reasoning_ledger.py append PATH --kind K [--run-id R] [--payload JSON | < payload.json]
 
 Library (copy this one file next to your code):
@@ -25,10 +27,9 @@ import functools
 import hashlib
 import hmac
 import json
+import math
 import os
 import re
-
-
 import sys
 import threading
 import time
@@ -45,11 +46,13 @@ __all__ = [
     "open_run",
     "store_artifact",
     "read_events",
-    "iter_lines",
     "verified_events",
     "verify",
     "verify_runs",
     "run_ledgers",
+    "run_heads",
+    "run_summary",
+    "add_run_event",
     "Verified",
     "parse_head",
     "new_run_id",
@@ -75,13 +78,19 @@ __all__ = [
 # Constants and errors
 # ----------------------------------------------------------------------------
 
-FIELDS = ("seq", "run_id", "kind", "at", "payload", "prev")
+FIELDS = tuple("seq run_id kind at payload prev".split())
 GENESIS = "0" * 64
 MAX_LINE_BYTES = 1024 * 1024  # a line, newline included, is at most this long: the format's limit
 MAX_DEPTH = 64  # nesting levels of a payload; the payload object itself is level 1
 KEY_ENV = "LEDGER_KEY"
 REDACTED = "[REDACTED]"
-SECRET_ENV_VARS = ("API_KEY", "OPENAI_API_KEY", "WEBHOOK_SECRET", "LEDGER_KEY")
+# The toolkit's own secret settings, the one list (docs/secrets.md): their values are masked, no
+# program the agent runs sees them, and the daemon hands a run the first three on its stdin and
+# keeps the next three, its own, from it.
+SECRET_ENV_VARS = tuple(
+    "API_KEY OPENAI_API_KEY LEDGER_KEY WEBHOOK_SECRET WEBHOOK_SECRET_FILE READ_TOKEN PROXY_TOKEN "
+    "CLICKHOUSE_PASSWORD".split()
+)
 REDACT_ENV_LIST = "LEDGER_REDACT_ENV"
 MIN_SECRET_CHARS = 8  # shorter env values ("none", "test") are too common to mask by value
 INDEX_NAME = "index.jsonl"
@@ -102,10 +111,14 @@ EVENTS_NAME = "events.jsonl"
 ) = range(10)
 EXIT_CODES = {
     EXIT_OK: "ok",
-    EXIT_FAILED: "failed: integrity failure (verify, audit, ship), failed call (ask), error outcome (agent)",
+    EXIT_FAILED: (
+        "failed: integrity failure (verify, audit, ship), failed call (ask), error outcome (agent)"
+    ),
     EXIT_USAGE: "usage, configuration or I/O error; nothing was done",
     EXIT_CHECK: "answer received but a check failed (ask); proposal rejected by the judge (agent)",
-    EXIT_CHANGED: "changes found: audit --fail-on-change; decisions another tools.json flips (agent replay)",
+    EXIT_CHANGED: (
+        "changes found: audit --fail-on-change; decisions another tools.json flips (agent replay)"
+    ),
     EXIT_OUTPUT: "stdout could not be written; the result was recorded",
     EXIT_LOCKED: "another run holds the repository's lock (agent)",
     EXIT_BUDGET: "budget exhausted (agent)",
@@ -118,8 +131,9 @@ _AT_RE = re.compile(
     r"[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])T([01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9]"
     r"\.[0-9]{6}Z\Z"
 )
-_OUR_RUN_ID_RE = re.compile(r"[0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8}\Z")
-_RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
+# Any run id (the daemon's delivery ids too), and the shape of the ones new_run_id() makes.
+RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
+OUR_RUN_ID_RE = re.compile(r"[0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8}\Z")
 _SEQ_PREFIX_RE = re.compile(rb'\{"seq":([1-9][0-9]*),')
 _PREV_SUFFIX_RE = re.compile(rb',"prev":"([0-9a-f]{64})"\}\Z')
 # Python 3.11+ refuses to print longer ints; a line must read back everywhere
@@ -127,7 +141,7 @@ _INT_LIMIT = 10**4300
 
 
 class LedgerError(Exception):
-    """Base of every error the toolkit raises on purpose. `exit_code` is what a script exits with."""
+    """Base of every error the toolkit raises on purpose; a script exits with its `exit_code`."""
 
     exit_code = EXIT_USAGE
 
@@ -224,8 +238,9 @@ def _key_bytes(key):
     return key.encode("utf-8") if isinstance(key, str) else bytes(key)
 
 
-def _resolve_key(key):
-    """key=None reads LEDGER_KEY; b"" or "" means explicitly unkeyed."""
+def resolve_key(key):
+    """The HMAC key as bytes, or None: key=None reads LEDGER_KEY; b"" or "" means explicitly
+    unkeyed."""
     return _key_bytes(os.environ.get(KEY_ENV) if key is None else key)
 
 
@@ -234,7 +249,8 @@ def line_hash(raw, key=None):
     return (hmac.new(key, raw, hashlib.sha256) if key else hashlib.sha256(raw)).hexdigest()
 
 
-def _genesis(key):
+def genesis(key):
+    """Line 1's prev: all zeros, or with `key` the HMAC of nothing."""
     return line_hash(b"", key) if key else GENESIS
 
 
@@ -254,45 +270,16 @@ def parse_head(text):
 # segment is one of these words, or its last two one of these pairs (input_tokens, max_tokens,
 # token_count stay).
 _SECRET_WORDS = frozenset(
-    (
-        "token",
-        "secret",
-        "password",
-        "passwd",
-        "passphrase",
-        "credential",
-        "credentials",
-        "apikey",
-        "session",
-        "cookie",
-        "authorization"
-    )
+    "token secret password passwd passphrase credential credentials apikey session cookie "
+    "authorization".split()
 )
 _SECRET_PAIRS = frozenset(
-    (
-        ("api", "key"),
-        ("private", "key"),
-        ("access", "key"),
-        ("secret", "key"),
-        ("signing", "key"),
-        ("encryption", "key"),
-        ("master", "key"),
-        ("client", "key")
-    )
+    "api_key private_key access_key secret_key signing_key encryption_key master_key "
+    "client_key".split()
 )
 # Query and fragment parameters that carry a secret although their names end in another word.
 _SECRET_PARAMS = frozenset(
-    (
-        "key",
-        "code",
-        "sig",
-        "signature",
-        "auth",
-        "pwd",
-        "pass",
-        "x_amz_signature",
-        "x_goog_signature"
-    )
+    "key code sig signature auth pwd pass x_amz_signature x_goog_signature".split()
 )
 _SEGMENT_RE = re.compile(r"[_\-.]+|(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])")
 
@@ -307,7 +294,7 @@ def is_secret_key(name):
     """True when a key name (a payload key, an env var, a query parameter) names a secret."""
     segments = _segments(name)
     return bool(segments) and (
-        segments[-1] in _SECRET_WORDS or tuple(segments[-2:]) in _SECRET_PAIRS
+        segments[-1] in _SECRET_WORDS or "_".join(segments[-2:]) in _SECRET_PAIRS
     )
 
 
@@ -353,25 +340,24 @@ def _mask_assignment(m):
 # mask alone.
 _SHAPES = (
     (
-        r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
-        re.S,
+        r"(?s)-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
         REDACTED
     ),
     (
-        r"\b((?:set-)?cookie|(?:proxy-)?authorization)([ \t]*:[ \t]*)(?!\[REDACTED\])\S[^\r\n]*",
-        re.I,
+        r"(?i)\b((?:set-)?cookie|(?:proxy-)?authorization)"
+        r"([ \t]*:[ \t]*)(?!\[REDACTED\])\S[^\r\n]*",
         r"\1\2" + REDACTED
     ),
-    (r"\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=-]+)", re.I, _mask_scheme),
-    (r"\bsk-[A-Za-z0-9_-]{8,}", 0, REDACTED),
-    (r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", 0, REDACTED),
-    (r"\bxox[abposr]-[A-Za-z0-9-]{8,}", 0, REDACTED),
-    (r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", 0, REDACTED),
-    (r"\b([a-zA-Z][a-zA-Z0-9+.-]{0,31}://)([^\s/?#\"'<>]+)@", 0, _mask_userinfo),
-    (r"([?&;#])([A-Za-z0-9_.\[\]-]{1,64})=([^&#\s\"'<>]+)", 0, _mask_param),
+    (r"(?i)\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=-]+)", _mask_scheme),
+    (r"\bsk-[A-Za-z0-9_-]{8,}", REDACTED),
+    (r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", REDACTED),
+    (r"\bxox[abposr]-[A-Za-z0-9-]{8,}", REDACTED),
+    (r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", REDACTED),
+    (r"\b([a-zA-Z][a-zA-Z0-9+.-]{0,31}://)([^\s/?#\"'<>]+)@", _mask_userinfo),
+    (r"([?&;#])([A-Za-z0-9_.\[\]-]{1,64})=([^&#\s\"'<>]+)", _mask_param),
     (
-        r"\b([A-Za-z][A-Za-z0-9_.-]{0,63})([\"']?[ \t]*[:=][ \t]*)(?:\"([^\"\r\n]*)\"|'([^'\r\n]*)'|([^\s\"',;&]+))",
-        0,
+        r"\b([A-Za-z][A-Za-z0-9_.-]{0,63})([\"']?[ \t]*[:=][ \t]*)"
+        r"(?:\"([^\"\r\n]*)\"|'([^'\r\n]*)'|([^\s\"',;&]+))",
         _mask_assignment
     )
 )
@@ -398,7 +384,7 @@ def _may_match(text):
 
 @functools.lru_cache(maxsize=1)
 def _compiled_shapes():  # on first use: verify never needs them
-    return tuple((re.compile(src, flags), repl) for src, flags, repl in _SHAPES)
+    return tuple((re.compile(src), repl) for src, repl in _SHAPES)
 
 
 class Redactor:
@@ -426,26 +412,11 @@ class Redactor:
 
 
 # Credential variables of common tools that the rule of is_secret_env_name misses (docs/secrets.md).
-SECRET_ENV_NAMES = (
-    "SSHPASS",
-    "DATABASE_URL",
-    "*_DATABASE_URL",
-    "REDIS_URL",
-    "MONGODB_URI",
-    "MONGO_URL",
-    "AMQP_URL",
-    "CELERY_BROKER_URL",
-    "PIP_INDEX_URL",
-    "PIP_EXTRA_INDEX_URL",
-    "UV_INDEX_URL",
-    "UV_EXTRA_INDEX_URL",
-    "POETRY_PYPI_TOKEN_*",
-    "BUNDLE_*__*",
-    "COMPOSER_AUTH",
-    "DOCKER_AUTH_CONFIG",
-    "AZURE_STORAGE_CONNECTION_STRING",
-    "GOOGLE_APPLICATION_CREDENTIALS_JSON",
-    "GOOGLE_CREDENTIALS"
+SECRET_ENV_NAMES = tuple(
+    "SSHPASS DATABASE_URL *_DATABASE_URL REDIS_URL MONGODB_URI MONGO_URL AMQP_URL "
+    "CELERY_BROKER_URL PIP_INDEX_URL PIP_EXTRA_INDEX_URL UV_INDEX_URL UV_EXTRA_INDEX_URL "
+    "POETRY_PYPI_TOKEN_* BUNDLE_*__* COMPOSER_AUTH DOCKER_AUTH_CONFIG "
+    "AZURE_STORAGE_CONNECTION_STRING GOOGLE_APPLICATION_CREDENTIALS_JSON GOOGLE_CREDENTIALS".split()
 )
 
 
@@ -497,7 +468,7 @@ def _clean(value, redactor, depth=1):
         return redactor.text(value)
     if kind is int and not -_INT_LIMIT < value < _INT_LIMIT:
         raise _BadValue("an integer longer than 4300 digits cannot be read back on Python 3.11+")
-    if kind is float and (value != value or value in (float("inf"), float("-inf"))):
+    if kind is float and not math.isfinite(value):
         raise _BadValue(f"{value!r} is not valid JSON (NaN/Infinity)")
     if value is None or kind is bool or kind is int or kind is float:
         return value
@@ -529,7 +500,7 @@ def _clean(value, redactor, depth=1):
 def _clean_payload(payload, redactor):
     try:
         clean = _clean(payload, redactor)
-        text = _dumps(clean)
+        text = dumps(clean)
         text.encode("utf-8")
     except _BadValue as exc:
         raise PayloadError(
@@ -558,7 +529,8 @@ def payload_problem(payload, limit=MAX_LINE_BYTES // 2):
 
 
 _SCANNER = json.JSONDecoder().scan_once
-_dumps = json.JSONEncoder(
+# The writer's JSON: compact, UTF-8 as it is; dumps(value) -> str.
+dumps = json.JSONEncoder(
     ensure_ascii=False, separators=(",", ":"), allow_nan=False, check_circular=False
 ).encode
 
@@ -568,7 +540,8 @@ _dumps = json.JSONEncoder(
 # ----------------------------------------------------------------------------
 
 
-def _named(exc, path):
+def named_error(exc, path):
+    """An OSError that names no file, named `path`; any other error as it is."""
     if isinstance(exc, OSError) and not exc.filename:
         return OSError(exc.errno, exc.strerror or str(exc), str(path))
     return exc
@@ -596,8 +569,8 @@ def _rfind_newline(fd, stop):
 
 
 def _scan_tail(fd, size, path):
-    """(offset past the last newline, the last complete line: b"" if none, None if too long), read from
-    the end."""
+    """(offset past the last newline, the last complete line: b"" if none, None if too long), read
+    from the end."""
     last_nl = _rfind_newline(fd, size)
     if last_nl is None:
         raise IntegrityError(
@@ -665,19 +638,19 @@ class Ledger:
         clock=utc_now
     ):
         self.path = Path(path)
-        own = _expected_run_id(self.path)  # runs/<run id>/events.jsonl holds that run's lines only
+        own = run_dir_id(self.path)  # runs/<run id>/events.jsonl holds that run's lines only
         if own and run_id and run_id != own:
             raise UsageError(
                 f"{self.path} holds run {own}'s events only; not {printable(run_id)!r}"
             )
         self.run_id = run_id or own or new_run_id()
-        if type(self.run_id) is not str or not _RUN_ID_RE.match(self.run_id):
+        if type(self.run_id) is not str or not RUN_ID_RE.match(self.run_id):
             raise UsageError(
                 f"bad run id {printable(self.run_id)!r}: letters, digits and _.:- only, at most 128"
             )
         if not 0 < max_line_bytes <= MAX_LINE_BYTES:
             raise UsageError(f"max_line_bytes must be 1 to {MAX_LINE_BYTES}")
-        self.key, self.fsync, self.max_line_bytes = _resolve_key(key), fsync, max_line_bytes
+        self.key, self.fsync, self.max_line_bytes = resolve_key(key), fsync, max_line_bytes
         self.clock = clock  # returns `at`; replaceable for importing history and for tests
         self.extra_secrets = tuple(s for s in secrets if s)
         self.redactor = Redactor(secret_values(self.extra_secrets))  # env read once, not per append
@@ -704,7 +677,8 @@ class Ledger:
                 self._fd = None
 
     def _locked(self, work):
-        """work(fd) under the thread lock and the file's exclusive flock; I/O errors name the file."""
+        """work(fd) under the thread lock and the file's exclusive flock; I/O errors name the
+        file."""
         with self._lock:
             try:
                 if self._fd is None:
@@ -723,7 +697,7 @@ class Ledger:
                 finally:
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
             except OSError as exc:
-                raise _named(exc, self.path) from None
+                raise named_error(exc, self.path) from None
 
     def _check_mode(self, fd):
         """Refuse to mix keyed and unkeyed lines in one file (checked once per object)."""
@@ -737,7 +711,7 @@ class Ledger:
         if not match or not _SEQ_PREFIX_RE.match(first):
             raise IntegrityError(self.path, 1, "not a ledger line; refusing to append")
         prev = match.group(1).decode()
-        if prev != _genesis(self.key):
+        if prev != genesis(self.key):
             if not self.key:
                 raise KeyRequiredError(self.path)
             if prev == GENESIS:
@@ -751,8 +725,8 @@ class Ledger:
         self._mode_checked = True
 
     def check(self):
-        """The file's head (seq, hash) if the next append can succeed (a torn tail it recovers); writes
-        nothing."""
+        """The file's head (seq, hash) if the next append can succeed (a torn tail it recovers);
+        writes nothing."""
 
         def tail(fd):
             seq, prev = self._next(*_scan_tail(fd, os.fstat(fd).st_size, self.path))
@@ -761,7 +735,8 @@ class Ledger:
         return self._locked(tail)
 
     def append(self, kind, payload=None):
-        """Append one event; return it as written (payload masked). PayloadError: nothing was written."""
+        """Append one event; return it as written (payload masked). PayloadError: nothing was
+        written."""
         if type(kind) is not str or not _KIND_RE.match(kind):
             raise PayloadError(f"bad kind {printable(kind)!r}: lower-case [a-z][a-z0-9_.]*")
         payload = {} if payload is None else payload
@@ -784,7 +759,7 @@ class Ledger:
     def _next(self, end, last):
         """(seq, prev) for the line after `last`, the file's last complete line."""
         if not last and not end:
-            return 1, _genesis(self.key)
+            return 1, genesis(self.key)
         # seq leads every line: no need to parse a 1 MiB line
         match = last and _SEQ_PREFIX_RE.match(last)
         if not match:
@@ -821,14 +796,7 @@ class Ledger:
             )
         _write_or_undo(fd, raw + b"\n", size, self.fsync)
         self.head = (seq, line_hash(raw, self.key))
-        return {
-            "seq": seq,
-            "run_id": self.run_id,
-            "kind": kind,
-            "at": at,
-            "payload": clean,
-            "prev": prev
-        }
+        return dict(zip(FIELDS, (seq, self.run_id, kind, at, clean, prev)))
 
     def _recover_torn_tail(self, fd, size, end, last):
         fragment = os.pread(fd, size - end, end)
@@ -846,7 +814,7 @@ class Ledger:
             finally:
                 os.close(sfd)
         except OSError as exc:
-            raise _named(exc, sidecar) from None
+            raise named_error(exc, sidecar) from None
         os.ftruncate(fd, end)
         if self.fsync:
             os.fsync(fd)
@@ -856,7 +824,7 @@ class Ledger:
             "sha256": digest,
             "sidecar": sidecar.name
         }
-        self._write_event(fd, end, last, "ledger_recovered", recovered, _dumps(recovered))
+        self._write_event(fd, end, last, "ledger_recovered", recovered, dumps(recovered))
         return _scan_tail(fd, os.fstat(fd).st_size, self.path)
 
     def decide(self, stage, decision, rationale, alternatives=(), **extra):
@@ -883,7 +851,8 @@ class Ledger:
 
 
 def store_artifact(directory, data, *, redact_secrets=True, extra_secrets=(), redactor=None):
-    """Store bytes or text (masked first) as directory/<sha256>; return {"sha256", "size", "path"}."""
+    """Store bytes or text (masked first) as directory/<sha256>; return {"sha256", "size",
+    "path"}."""
     if isinstance(data, str):
         data = data.encode("utf-8", "backslashreplace")  # a lone surrogate stays visible as \\udXXX
     if redact_secrets:
@@ -912,7 +881,7 @@ def store_artifact(directory, data, *, redact_secrets=True, extra_secrets=(), re
             os.replace(str(tmp), str(target))
             _fsync_dir(target)
     except OSError as exc:
-        raise _named(exc, target) from None
+        raise named_error(exc, target) from None
     return {"sha256": digest, "size": len(data), "path": f"{directory.name}/{digest}"}
 
 
@@ -973,7 +942,7 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
     events.jsonl."""
     runs_dir, given = Path(runs_dir), run_id
     runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if given is not None and (type(given) is not str or not _RUN_ID_RE.match(given)):
+    if given is not None and (type(given) is not str or not RUN_ID_RE.match(given)):
         raise UsageError(f"bad run id {printable(given)!r}")
     while True:
         run_id = given or new_run_id()
@@ -996,43 +965,49 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
 # Reading and verifying
 # ----------------------------------------------------------------------------
 
+# The words for a ledger short of the head it is held to (fleet.py words its own).
+TRUNCATED = "the expected head is seq {} but the ledger ends at seq {}"
 
-def _expected_run_id(path):
-    # runs/<run id>/events.jsonl, as open_run() makes it, holds only that run's events
+
+def run_dir_id(path):
+    """The run id of runs/<run id>/events.jsonl, which open_run() makes and which holds only that
+    run's events; else None."""
     path = Path(path)
     return (
         path.parent.name
-        if path.name == EVENTS_NAME and _OUR_RUN_ID_RE.match(path.parent.name)
+        if path.name == EVENTS_NAME and OUR_RUN_ID_RE.match(path.parent.name)
         else None
     )
 
 
 def _form_problem(body):
-    def no_duplicates(items):
+    """Why a line is not in the writer's form; asked only of a line that is not."""
+
+    def unique(pairs):
         seen = set()
-        for name, _value in items:
+        for name, _value in pairs:
             if name in seen:
                 raise _BadValue(f"duplicate key {name!r} in one object")
             seen.add(name)
-        return dict(items)
+        return dict(pairs)
 
-    def no_constant(name):
+    def constant(name):
         raise _BadValue(f"{name} is not JSON the writer writes")
 
     def finite(literal):
-        if float(literal) in (float("inf"), float("-inf")):
+        if math.isinf(float(literal)):
             raise _BadValue(f"the number {literal[:40]} overflows to Infinity")
         return float(literal)
 
     if not body.strip():
-        return "blank line" if not body else "white space only"
+        return "white space only" if body else "blank line"
     if b"\x00" in body:
         return "NUL byte in line"
     try:
         json.loads(
             body.decode("utf-8"),
-            object_pairs_hook=no_duplicates,
-            parse_constant=no_constant,
+            object_pairs_hook=unique,
+            parse_constant=constant,
             parse_float=finite
         )
     except UnicodeDecodeError as exc:
@@ -1047,96 +1022,90 @@ def _form_problem(body):
 
 
 def _envelope_problem(event, lineno, run_id, known):
+    """What is wrong with the fields of a line, or None; `known` gathers the (run_id, kind) pairs
+    found good, which the inline test of _check_lines passes."""
     if type(event) is not dict:
         return "line is not a JSON object"
     if tuple(event) != FIELDS:
-        missing = [f for f in FIELDS if f not in event]
+        missing = [name for name in FIELDS if name not in event]
         return (
             f"missing field {missing[0]!r}"
             if missing
-            else f"fields must be exactly {', '.join(FIELDS)}, in that order"
+            else "fields must be exactly seq, run_id, kind, at, payload, prev, in that order"
         )
     seq, rid, kind, at, payload, prev = event.values()
-    if type(seq) is not int:
-        return f"seq is not an integer: {printable(seq)!r}"
-    if seq != lineno:
-        return f"expected seq {lineno}, got {seq} ({'duplicate or repeated seq' if seq < lineno else 'gap in seq'})"
-    # a ledger repeats a few run ids and kinds: each pair is checked once
-    if (rid, kind) not in known:
-        if type(rid) is not str or not _RUN_ID_RE.match(rid):
-            return f"bad run_id {printable(rid)!r}"
-        if run_id is not None and rid != run_id:
-            return f"run_id {rid!r} differs from the run directory's {run_id!r}"
-        if type(kind) is not str or not _KIND_RE.match(kind):
-            return f"bad kind {printable(kind)!r}"
-        if len(known) < 4096:
-            known.add((rid, kind))
-    if not _at_ok(at):
-        return (
-            f"bad timestamp {printable(at)!r} (want a real UTC time as YYYY-MM-DDTHH:MM:SS.ffffffZ)"
+    if type(seq) is not int or seq != lineno:
+        return f"expected seq {lineno}, got {seq!r}" + (
+            ""
+            if type(seq) is not int
+            else " (gap in seq)" if seq > lineno else " (duplicate or repeated seq)"
         )
+    if type(rid) is not str or not RUN_ID_RE.match(rid):
+        return f"bad run_id {rid!r}"
+    if run_id not in (None, rid):
+        return f"run_id {rid!r} differs from the run directory's {run_id!r}"
+    if type(kind) is not str or not _KIND_RE.match(kind):
+        return f"bad kind {kind!r}"
+    if not _at_ok(at):
+        return f"bad timestamp {at!r} (want a real UTC time as YYYY-MM-DDTHH:MM:SS.ffffffZ)"
     if type(payload) is not dict:
         return "payload is not a JSON object"
-    return None if type(prev) is str else "prev is not a string"
+    if type(prev) is not str:
+        return "prev is not a string"
+    if len(known) < 4096:  # a ledger repeats a few
+        known.add((rid, kind))
+    return None
 
 
 def _chain_error(path, lineno, prev, key):
-    if lineno > 1:
-        return IntegrityError(
-            path, lineno, f"prev does not match line {lineno - 1} (changed, removed or moved)"
-        )
-    if prev == GENESIS and key:
-        return IntegrityError(
-            path, 1, "ledger is not keyed but a key was given (or was rewritten without it)"
-        )
-    if prev != GENESIS and not key:
+    if lineno == 1 and not key:
         return KeyRequiredError(path)
     return IntegrityError(
-        path, 1, "prev is not this key's genesis: wrong key, or line 1 was rewritten"
+        path,
+        lineno,
+        (
+            f"prev does not match line {lineno - 1} (changed, removed or moved)"
+            if lineno > 1
+            else (
+                "ledger is not keyed but a key was given (or was rewritten without it)"
+                if prev == GENESIS
+                else "prev is not this key's genesis: wrong key, or line 1 was rewritten"
+            )
+        )
     )
 
 
-def iter_lines(path, *, key=None, run_id=None):
-    """Yield (event, raw line, its hash), verifying each line; TornTailError after every good line of a
-    torn file."""
-    return verified_events(path, key=key, run_id=run_id)
-
-
-@contextlib.contextmanager
 def _file_lines(path):
     with open(path, "rb") as handle:
-        yield iter(functools.partial(handle.readline, MAX_LINE_BYTES), b"")
+        yield from iter(functools.partial(handle.readline, MAX_LINE_BYTES), b"")
 
 
-def _check_lines(path, source, key, run_id):
-    # `source`: a context manager giving lines (of a file, or the rows of ClickHouse); `key`: bytes
-    # or None
-    expected_prev, known, sha256 = _genesis(key), set(), hashlib.sha256
+def _check_lines(path, lines, key, run_id):
+    # `key`: bytes or None
+    expected_prev, known, sha256 = genesis(key), set(), hashlib.sha256
     lineno = offset = 0
-    with source as lines:
-        for raw in lines:
-            lineno += 1
-            if raw[-1:] != b"\n":
-                if len(raw) >= MAX_LINE_BYTES:
-                    raise IntegrityError(
-                        path,
-                        lineno,
-                        f"line is longer than the format's {MAX_LINE_BYTES}-byte limit"
-                    )
-                raise TornTailError(path, lineno, offset, len(raw), (lineno - 1, expected_prev))
-            offset += len(raw)
-            body = raw[:-1]
-            # exactly the writer's bytes: encoded again by the writer's own encoder, the line gives
-            # back its text
-            try:
-                text = body.decode("utf-8")
-                event, end = _SCANNER(text, 0)
-                canonical = end == len(text) and _dumps(event) == text
-            except (ValueError, StopIteration, RecursionError):
-                raise IntegrityError(path, lineno, _form_problem(body)) from None
-            # the common good line passes this one inline test (verify's bench guard); any other is
-            # named below
-            if not (
+    for raw in lines:
+        lineno += 1
+        if raw[-1:] != b"\n":
+            if len(raw) >= MAX_LINE_BYTES:
+                raise IntegrityError(
+                    path, lineno, f"line is longer than the format's {MAX_LINE_BYTES}-byte limit"
+                )
+            raise TornTailError(path, lineno, offset, len(raw), (lineno - 1, expected_prev))
+        offset += len(raw)
+        body = raw[:-1]
+        # exactly the writer's bytes: encoded again by the writer's own encoder, the line gives back
+        # its text
+        try:
+            text = body.decode("utf-8")
+            event, end = _SCANNER(text, 0)
+            canonical = end == len(text) and dumps(event) == text
+        except (ValueError, StopIteration, RecursionError):
+            raise IntegrityError(path, lineno, _form_problem(body)) from None
+        # the common good line passes this one inline test (verify's bench guard); any other is
+        # named below
+        try:
+            good = (
                 canonical
                 and type(event) is dict
                 and tuple(event) == FIELDS
@@ -1146,130 +1115,214 @@ def _check_lines(path, source, key, run_id):
                 and (event["run_id"], event["kind"]) in known
                 and type(event["payload"]) is dict
                 and _at_ok(event["at"])
-            ):
-                problem = _envelope_problem(event, lineno, run_id, known) or (
-                    None if canonical else _form_problem(body)
-                )
-                if problem:
-                    raise IntegrityError(path, lineno, problem)
-                if event["prev"] != expected_prev:
-                    raise _chain_error(path, lineno, event["prev"], key)
-            expected_prev = (hmac.new(key, body, sha256) if key else sha256(body)).hexdigest()
-            yield event, body, expected_prev
+            )
+        except TypeError:  # a run_id or kind that cannot be hashed
+            good = False
+        if not good:
+            problem = _envelope_problem(event, lineno, run_id, known) or (
+                None if canonical else _form_problem(body)
+            )
+            if problem:
+                raise IntegrityError(path, lineno, problem)
+            if event["prev"] != expected_prev:
+                raise _chain_error(path, lineno, event["prev"], key)
+        expected_prev = (hmac.new(key, body, sha256) if key else sha256(body)).hexdigest()
+        yield event, body, expected_prev
 
 
 def read_events(path, *, key=None, run_id=None):
     """Stream the events of a ledger in order, verifying as it goes (constant memory)."""
-    for event, _raw, _digest in iter_lines(path, key=key, run_id=run_id):
+    for event, _raw, _digest in verified_events(path, key=key, run_id=run_id):
         yield event
 
 
-def verified_events(path, *, key=None, expect=None, run_id=None):
-    """iter_lines() that also holds the ledger to a head published earlier, `expect` = (seq, hash)."""
-    run_id = _expected_run_id(path) if run_id is None else run_id
-    return _verified(path, _file_lines(path), _resolve_key(key), expect, run_id)
-
-
-def _verified(
-    path, source, key, expect, run_id, expected="the expected head is", ends="the ledger ends at"
+def verified_events(
+    path, *, key=None, expect=None, run_id=None, closed=False, lines=None, truncated=TRUNCATED
 ):
-    # the one verifying reader of files (verify, report, ship) and of the rows of ClickHouse (verify
-    # --from)
-    count = 0
-    for event, raw, digest in _check_lines(path, source, key, run_id):
-        count = event["seq"]
-        if expect and count == expect[0] and digest != expect[1]:
-            raise IntegrityError(
-                path, count, "does not match the expected head: the history up to it was rewritten"
-            )
-        yield event, raw, digest
-    _reached(path, expect, count, key, expected, ends)
+    """Yield (event, raw line, its hash) for each line of a ledger, verifying as it goes;
+    TornTailError after every good line of a torn file. `expect` = (seq, hash), a head published
+    earlier, holds the ledger to it; with `closed` it is the head index.jsonl recorded when the run
+    closed, where the ledger must end. `run_id`: the one run id of its lines (default: the run
+    directory's). `lines`: its raw lines from elsewhere (ClickHouse's rows; default: the file's);
+    `truncated`: the words for a ledger short of `expect`, as TRUNCATED."""
+    key = resolve_key(key)
+    if expect is not None and (type(expect[0]) is not int or type(expect[1]) is not str):
+        raise IntegrityError(path, None, "the index entry for this run has no valid head")
+    if closed and expect and not os.path.exists(path):
+        raise IntegrityError(path, None, "closed in the index but its events.jsonl is missing")
+    run_id, count = run_dir_id(path) if run_id is None else run_id, 0
+    try:
+        for event, raw, digest in _check_lines(
+            path, _file_lines(path) if lines is None else lines, key, run_id
+        ):
+            count = event["seq"]
+            if expect and count == expect[0] and digest != expect[1]:
+                raise IntegrityError(
+                    path,
+                    count,
+                    "does not match the expected head: the history up to it was rewritten"
+                )
+            yield event, raw, digest
+    except TornTailError:
+        _check_end(path, expect, count, key, closed, truncated)  # a cut outranks a torn tail
+        raise
+    _check_end(path, expect, count, key, closed, truncated)
 
 
-def _reached(path, expect, count, key, expected="the expected head is", ends="the ledger ends at"):
-    if expect and expect[0] == 0 and expect[1] != _genesis(key):
+def _check_end(path, expect, count, key, closed, truncated):
+    seq = expect[0] if expect else count
+    if expect and seq == 0 and expect[1] != genesis(key):
         raise IntegrityError(
             path, None, "the expected head is seq 0, but its hash is not this key's genesis"
         )
-    if expect and expect[0] > count:
+    if seq > count:
         raise IntegrityError(
-            path,
-            count + 1 if count else None,
-            f"truncated: {expected} seq {expect[0]} but {ends} seq {count}"
+            path, count + 1 if count else None, "truncated: " + truncated.format(seq, count)
+        )
+    if closed and count > seq:
+        raise IntegrityError(
+            path, seq + 1, f"{count - seq} line(s) after the run closed at seq {seq}"
         )
 
 
 class Verified:
     """The result of verify(): how many lines, and the head (seq, hash)."""
 
-    def __init__(self, path, count, head):
-        self.path, self.count, self.head = str(path), count, head
+    def __init__(self, path, head):
+        self.path, self.count, self.head = str(path), head[0], head
 
     def head_text(self):
         return f"{self.head[0]} {self.head[1]}"
 
 
-def _tally_lines(path, lines, key):
-    count, head = 0, (0, _genesis(key))
-    for event, _raw, digest in lines:
-        count, head = event["seq"], (event["seq"], digest)
-    return Verified(path, count, head)
+def verify(path, *, key=None, expect_head=None, **options):
+    """Verify a whole ledger, held to `expect_head` and the options of verified_events(); return
+    Verified or raise."""
+    key = resolve_key(key)
+    head = (0, genesis(key))
+    for event, _raw, digest in verified_events(path, key=key or b"", expect=expect_head, **options):
+        head = (event["seq"], digest)
+    return Verified(path, head)
 
 
-def verify(path, *, key=None, expect_head=None, run_id=None):
-    """Verify a whole ledger (held to `expect_head`, as verified_events); return Verified or raise."""
-    key = _resolve_key(key)
-    return _tally_lines(
-        path, verified_events(path, key=key or b"", expect=expect_head, run_id=run_id), key
-    )
+def run_heads(runs_dir, *, key=None):
+    """Yield (run id, (head seq, head hash)) for each closed run runs_dir/index.jsonl records,
+    reading the index as read_events() does (nothing when there is none)."""
+    index = Path(runs_dir) / INDEX_NAME
+    for event in read_events(index, key=key) if index.is_file() else ():
+        entry = event["payload"]
+        if event["kind"] == "run_closed" and type(entry.get("run")) is str:
+            yield entry["run"], (entry.get("head_seq"), entry.get("head_hash"))
 
 
 def run_ledgers(runs_dir, key=None):
-    """[(path, expected head or None)]: index.jsonl, every run (a closed one with its index head), then
-    the runs the index names whose events.jsonl is missing. The index is read as far as it verifies.
-    """
+    """[(path, expected head or None)]: index.jsonl, every run (a closed one with its index head),
+    then the runs the index names whose events.jsonl is missing. The index is read as far as it
+    verifies."""
     runs_dir, heads = Path(runs_dir), {}
-    index = runs_dir / INDEX_NAME
     with contextlib.suppress(LedgerError, OSError):
-        for event in read_events(index, key=key or b"", run_id=None) if index.exists() else ():
-            entry = event["payload"]
-            if event["kind"] == "run_closed" and type(entry.get("run")) is str:
-                heads[entry["run"]] = (entry.get("head_seq"), entry.get("head_hash"))
-    runs = sorted(runs_dir.glob(f"*/{EVENTS_NAME}"))
-    missing = sorted(set(heads) - {events.parent.name for events in runs})
-    return (
-        ([(index, None)] if index.exists() else [])
-        + [(events, heads.get(events.parent.name)) for events in runs]
-        + [(runs_dir / run_id / EVENTS_NAME, heads[run_id]) for run_id in missing]
-    )
+        for run_id, head in run_heads(runs_dir, key=key):
+            heads[run_id] = head
+    index, found = runs_dir / INDEX_NAME, {p.parent.name for p in runs_dir.glob(f"*/{EVENTS_NAME}")}
+    return ([(index, None)] if index.exists() else []) + [
+        (runs_dir / run_id / EVENTS_NAME, heads.get(run_id))
+        for run_id in sorted(found) + sorted(set(heads) - found)
+    ]
 
 
 def verify_runs(runs_dir, *, key=None):
-    """Yield (path, Verified or the exception) for each of run_ledgers(), closed runs held to their
-    index heads."""
+    """Yield (path, Verified or the exception) for each of run_ledgers(), a closed run held to its
+    index head (`closed`)."""
     for path, expect in run_ledgers(runs_dir, key):
         try:
-            if expect is not None and not path.exists():
-                raise IntegrityError(
-                    path, None, "closed in the index but its events.jsonl is missing"
-                )
-            result = verify(path, key=key, expect_head=_checked_head(expect, path))
-            if expect and result.count > expect[0]:
-                raise IntegrityError(
-                    path,
-                    expect[0] + 1,
-                    f"{result.count - expect[0]} line(s) after the run "
-                    f"closed at seq {expect[0]}"
-                )
-            yield path, result
+            yield path, verify(path, key=key, expect_head=expect, closed=True)
         except (LedgerError, OSError) as exc:
             yield path, exc
 
 
-def _checked_head(expect, path):
-    if expect is not None and (type(expect[0]) is not int or type(expect[1]) is not str):
-        raise IntegrityError(path, None, "the index entry for this run has no valid head")
-    return expect
+# ----------------------------------------------------------------------------
+# A run summed up: agent.py writes the events, and every reader of a run asks here
+# ----------------------------------------------------------------------------
+
+# A run's summary, field by field, as it starts (docs/audit.md, "Agent runs").
+_RUN = dict(
+    run_id=None,
+    started=None,
+    outcome="open",
+    judge_verdict=None,
+    **dict.fromkeys(
+        "steps tools_allowed tools_denied model_calls input_tokens output_tokens usage_calls "
+        "est_tokens errors".split(),
+        0
+    ),
+    why=None,
+    proposal=None,
+    unboxed=None
+)
+# A model_call's token fields, each summed into this field of the run.
+_CALL_TOKENS = {
+    "input_tokens": "input_tokens",
+    "output_tokens": "output_tokens",
+    "est_input_tokens": "est_tokens",
+    "est_output_tokens": "est_tokens"
+}
+
+
+def run_summary(events=(), **fields):
+    """How an agent run is summed up from its events, `fields` (its run_id) given: when it started,
+    its outcome (`open` until run_closed), the judge's verdict, steps, tools allowed and denied,
+    model calls, tokens reported (by `usage_calls` of them) and estimated, errors, why it ended, the
+    proposal, and why its programs ran without a sandbox (None when they ran in one)."""
+    run = dict(_RUN, **fields)
+    for event in events:
+        add_run_event(run, event)
+    return run
+
+
+def add_run_event(run, event):
+    """Add one event to a run_summary(). A field of a type agent.py or ask.py does not write is
+    absent."""
+    kind, get = event["kind"], event["payload"].get
+    run["started"], why = run["started"] or event["at"], None
+    if kind == "model_call":
+        for name, total in _CALL_TOKENS.items():
+            run[total] += get(name) if type(get(name)) is int else 0
+        run["model_calls"] += 1
+        run["usage_calls"] += type(get("input_tokens")) is int or type(get("output_tokens")) is int
+        run["errors"] += type(get("error_type")) is str
+    elif kind in ("model_proposed", "proposal_malformed"):
+        step = get("step")
+        run["steps"] = max(run["steps"], step if type(step) is int else run["steps"] + 1)
+    elif kind in ("tool_allowed", "tool_denied"):
+        run[kind.replace("tool_", "tools_")] += 1
+    elif kind == "error":
+        run["errors"] += 1
+        code = get("error_code")
+        why = (
+            f"{get('type')}: {get('message')}"
+            if get("error_type") is None
+            else f"{get('stage') or 'model'}: {get('error_type')}{f' ({code})' if code else ''}"
+        )
+    elif kind == "judge_verdict":
+        run["judge_verdict"] = get("verdict") if type(get("verdict")) is str else None
+        why = f"judge {get('verdict')}: {get('reason')}"
+    elif kind == "run_closed":
+        run["outcome"] = get("outcome") if type(get("outcome")) is str else "closed"
+        run["proposal"] = get("proposal") if type(get("proposal")) is str else None
+        why = get("why") if type(get("why")) is str else None
+    elif kind == "run_started" and get("sandbox") == "none":
+        run["unboxed"] = get("sandbox_reason") or "no reason recorded"
+    elif kind == "budget_exhausted":
+        why = f"budget {get('limit')}: {get('used')} of {get('max')}"
+    elif kind == "stuck":
+        unusable = str(get("unusable") or "").split(":")[0]
+        why = (
+            f"stuck: the same {'unusable ' if unusable else ''}reply {get('repeats')} times"
+            f"{f' ({unusable})' if unusable else ''}"
+        )
+    elif kind == "decision" and get("stage") == "triage":
+        why = f"{get('decision')}: {get('rationale')}"
+    run["why"] = why or run["why"]  # the last event that says why a run ended wins
 
 
 # ----------------------------------------------------------------------------
@@ -1301,8 +1354,8 @@ _stdout_dead = []  # the OutputError that ended stdout: later writes raise it ag
 
 
 def write_out(text):
-    """Write text to stdout and flush. A stdout that is closed, full or cannot encode the text raises
-    OutputError; later writes are dropped, and the interpreter's last flush cannot fail."""
+    """Write text to stdout and flush. A stdout that is closed, full or cannot encode the text
+    raises OutputError; later writes are dropped, and the interpreter's last flush cannot fail."""
     if not _stdout_dead and sys.stdout is None:  # started with stdout closed (>&-)
         _stdout_dead.append(OutputError("stdout is closed"))
     if _stdout_dead:
@@ -1352,7 +1405,8 @@ def run_cli(command, args, secrets=()):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse, with a usage error as the toolkit's one `error: …` line (and a pointer to --help)."""
+    """argparse, with a usage error as the toolkit's one `error: …` line (and a pointer to
+    --help)."""
 
     def error(self, message):
         error(f"{self.prog}: {message} (see {self.prog} --help)")
@@ -1372,30 +1426,27 @@ def exit_codes_epilog(*codes):
 
 
 def parse_time(text, end=False, now=None):
-    """A date (YYYY-MM-DD), an ISO time, `today`, `yesterday`, or an age (`36h`, `7d`: that long before
-    now) -> the ledger's `at` string form for comparing. `end` makes a day its last microsecond."""
-    text, now = text.strip(), now or datetime.datetime.now(datetime.timezone.utc)
+    """A date (YYYY-MM-DD), an ISO time, `today`, `yesterday`, or an age (`36h`, `7d`: that long
+    before now) -> the ledger's `at` string form for comparing. `end` makes a day its last
+    microsecond."""
+    utc, timedelta = datetime.timezone.utc, datetime.timedelta
+    text, now = text.strip(), now or datetime.datetime.now(utc)
     if text in ("today", "yesterday"):
-        text = (now - datetime.timedelta(days=1 if text == "yesterday" else 0)).strftime("%Y-%m-%d")
+        text = (now - timedelta(days=text == "yesterday")).strftime("%Y-%m-%d")
     age = re.fullmatch(r"([0-9]{1,5})([hd])", text)
     try:
         if age:
-            moment = now - datetime.timedelta(
-                hours=int(age.group(1)) * (24 if age.group(2) == "d" else 1)
-            )
-        elif re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text):
-            moment = datetime.datetime.strptime(text, "%Y-%m-%d").replace(
-                tzinfo=datetime.timezone.utc
-            )
-            moment += datetime.timedelta(days=1, microseconds=-1) if end else datetime.timedelta()
-        else:
+            moment = now - timedelta(hours=int(age.group(1)) * (24 if age.group(2) == "d" else 1))
+        else:  # a date is its first microsecond, or its last with `end`
             moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
-            moment = moment if moment.tzinfo else moment.replace(tzinfo=datetime.timezone.utc)
+            moment = moment if moment.tzinfo else moment.replace(tzinfo=utc)
+            if end and re.fullmatch(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", text):
+                moment += timedelta(days=1, microseconds=-1)
     except ValueError:
         raise UsageError(
             f"not a date, an ISO time, today, yesterday or an age like 7d: {printable(text)!r}"
         ) from None
-    return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return moment.astimezone(utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 # Commands that moved to another script answer with one error line naming the new one
@@ -1472,11 +1523,11 @@ def tally(results, good, summary, inside="", after=""):
         counts[state] += 1
         write_out(line + suffix + "\n")
     write_out(summary(counts["ok"], sum(counts.values())) + "\n")
-    if counts["fail"]:
-        them = "it" if counts["fail"] == 1 else "them"
+    failed = counts["fail"]
+    if failed:
         error(
-            f"integrity check failed ({counts['fail']} ledger{'s' if them == 'them' else ''}{inside})"
-            + after.format(them)
+            f"integrity check failed ({failed} ledger{'s' if failed > 1 else ''}{inside})"
+            + after.format("them" if failed > 1 else "it")
         )
         return EXIT_FAILED
     if counts["error"]:
@@ -1515,21 +1566,9 @@ def _cmd_head(args):
 
 
 # Payload fields that say what happened, shown on an event's line by `report`.
-_REPORT_FIELDS = (
-    "stage",
-    "decision",
-    "outcome",
-    "tool",
-    "rule",
-    "verdict",
-    "reason",
-    "limit",
-    "request_model",
-    "response_model",
-    "error_type",
-    "error_code",
-    "error",
-    "message"
+_REPORT_FIELDS = tuple(
+    "stage decision outcome tool rule verdict reason limit request_model response_model error_type "
+    "error_code error message".split()
 )
 _ARTIFACT_RE = re.compile(r"artifacts/[0-9a-f]{64}\Z")
 
@@ -1568,7 +1607,8 @@ def _tests_meaning(path, payload):
 
 
 def _event_summary(path, event):
-    """The envelope, the fields that say what happened, what it means (a failed check, tests, a reply)."""
+    """The envelope, the fields that say what happened, what it means (a failed check, tests, a
+    reply)."""
     payload = event["payload"]
     parts = [event["at"], f"#{event['seq']}", event["kind"]] + [
         f"{name}={payload[name]}"
@@ -1595,13 +1635,14 @@ def _cmd_report(args):
     targets = [(Path(p), None) for p in args.paths] + (
         run_ledgers(args.all, key) if args.all else []
     )
-    since = parse_time(args.since) if args.since else None
-    until = parse_time(args.until, end=True) if args.until else None
+    since, until = args.since and parse_time(args.since), args.until and parse_time(
+        args.until, True
+    )
     try:
         for path, expect in targets:
             if len(targets) > 1 and not args.json:
                 write_out(f"== {printable(path)}\n")
-            for event, raw, _digest in verified_events(path, key=key, expect=expect, run_id=None):
+            for event, raw, _digest in verified_events(path, key=key, expect=expect):
                 if not (
                     (args.kind and event["kind"] not in args.kind)
                     or (args.stage and event["payload"].get("stage") != args.stage)
@@ -1610,9 +1651,7 @@ def _cmd_report(args):
                     or (until and event["at"] > until)
                 ):
                     write_out(
-                        raw.decode("utf-8") + "\n"
-                        if args.json
-                        else _event_summary(path, event) + "\n"
+                        (raw.decode("utf-8") if args.json else _event_summary(path, event)) + "\n"
                     )
     except OutputError as exc:
         if not exc.pipe:  # `report | head`: the reader has all it wanted

@@ -93,7 +93,7 @@ def bench_ledger():
     try:
         ledger_path, raw_path = work / "ledger.jsonl", work / "raw.jsonl"
         ledger = rl.Ledger(ledger_path, "bench", key=b"")
-        sample = rl._dumps(ledger.append("model_call", PAYLOAD)).encode() + b"\n"
+        sample = rl.dumps(ledger.append("model_call", PAYLOAD)).encode() + b"\n"
         raw_fd = os.open(str(raw_path), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
         def raw_batch():

@@ -67,7 +67,7 @@ def _rows_file(ledger, out):
     base = {"ledger_id": hashlib.sha256(first).hexdigest(), "host": "bench", "path": os.path.abspath(ledger)}
     now = int(time.time())
     with open(out, "wb") as handle:
-        for event, body, digest in rl.iter_lines(ledger, key=b""):
+        for event, body, digest in rl.verified_events(ledger, key=b""):
             handle.write(rl._row(base, event, body, digest, now))
 
 

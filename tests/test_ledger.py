@@ -252,7 +252,7 @@ def test_forged_line_with_right_seq_is_detected_by_the_chain(tmp_path):
     lines = _lines(path)
     forged = json.loads(lines[1])
     forged["payload"] = {"i": 99}
-    lines[1] = rl._dumps(forged).encode() + b"\n"
+    lines[1] = rl.dumps(forged).encode() + b"\n"
     path.write_bytes(b"".join(lines))
     assert "line 3: prev does not match line 2" in _verify_fails(path)
 

@@ -392,7 +392,7 @@ def test_expect_head_checks_seq_zero_too(tmp_path):
     env = clean_env(LEDGER_KEY="a-ledger-key-123")
     proc = run_script("reasoning_ledger.py", "verify", keyed, "--expect-head", f"0:{genesis}", env=env)
     assert proc.returncode == 1 and "genesis" in proc.out  # seq 0 of a keyed ledger is the key's genesis
-    right = rl._genesis(b"a-ledger-key-123")
+    right = rl.genesis(b"a-ledger-key-123")
     assert run_script("reasoning_ledger.py", "verify", keyed, "--expect-head", f"0:{right}", env=env).returncode == 0
 
 

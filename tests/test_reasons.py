@@ -116,18 +116,18 @@ def test_the_daemon_says_what_it_does_and_its_pages_say_why(serve):
 
 
 def test_the_summary_and_the_index_escape_every_value(tmp_path):
-    import daemon
+    import daemon as daemon_module
     events = [{"seq": 1, "at": "2026-12-01T00:00:00.000000Z", "kind": "judge_verdict",
                "payload": {"verdict": "reject", "reason": "<script>alert(1)</script> changed"}},
               {"seq": 2, "at": "2026-12-01T00:00:01.000000Z", "kind": "run_closed",
                "payload": {"outcome": "proposal_rejected_by_judge", "proposal": "<b>p</b>", "verdict": "reject"}}]
-    page = daemon.timeline_html({"run_id": "r", "events": events, "verified": True, "problem": None,
+    page = daemon_module.timeline_html({"run_id": "r", "events": events, "verified": True, "problem": None,
                                        "truncated": False}, tmp_path)
     parsed = Page(page)
     assert "script" not in parsed.tags and "b" not in parsed.tags
     assert "judge reject: <script>alert(1)</script> changed" in "".join(parsed.text)
     rows = [{"run_id": "<i>r</i>", "started": None, "outcome": "error", "why": "<img src=x onerror=alert(1)>",
              "steps": 1, "tokens": None, "tokens_source": None, "verified": "ok"}]
-    parsed = Page(daemon.index_html(rows))
+    parsed = Page(daemon_module.index_html(rows))
     assert "img" not in parsed.tags and "i" not in parsed.tags
     assert "<img src=x onerror=alert(1)>" in "".join(parsed.text)
