@@ -2028,11 +2028,7 @@ class _Loop:
             )
         if tool == "propose_patch":
             return self.propose(step, action)
-        cap = getattr(policy.plugins.get(tool), "output_bytes", None) or policy.caps["output_bytes"]
-        output, shown = world.run_tool(step, tool, args, cap)
-        status = "timed out" if output.timed_out else f"exit {output.returncode}"
-        cut = f", {output.size:,} bytes, cut to {cap:,}" if output.size > cap else ""
-        return f"Result of {tool} ({status}{cut}):\n{shown}"
+        return world.run_tool(step, tool, args)
 
     def malformed(self, step, text, call, checked, action, problem):
         self.world.record(
@@ -2123,12 +2119,10 @@ class LiveWorld:
         def tally(record, wait=None):
             tokens, source = _call_tokens(record)
             sources.add(source)
-            call.update(
-                attempts=call["attempts"] + 1,
-                tokens=call["tokens"] + tokens,
-                tokens_source=_source(sources),
-                latency_ms=round(call["latency_ms"] + (record["latency_ms"] or 0), 1)
-            )
+            call["attempts"] += 1
+            call["tokens"] += tokens
+            call["tokens_source"] = _source(sources)
+            call["latency_ms"] = round(call["latency_ms"] + (record["latency_ms"] or 0), 1)
 
         retries = CALL_RETRIES
         record = self._chat(messages, budget, retries, tally, "before model call")
@@ -2210,9 +2204,10 @@ class LiveWorld:
         elapsed = self.elapsed()
         return budget.over("max_wall_s", round(elapsed, 3), elapsed, during=during)
 
-    def run_tool(self, step, tool, args, cap):
-        """Run it, record tool_result (digest, excerpt, output artifact); (Output, the masked text the
-        model sees)."""
+    def run_tool(self, step, tool, args):
+        """Run it, record tool_result (digest, excerpt, output artifact); what the model is told."""
+        policy = self.ws.policy
+        cap = getattr(policy.plugins.get(tool), "output_bytes", None) or policy.caps["output_bytes"]
         output = self.ws.execute(tool, args)
         full = output.artifact_bytes()
         shown = self.run.ledger.redactor.text(output.text(cap))
@@ -2232,7 +2227,9 @@ class LiveWorld:
                 **(output.sandbox or {})
             }
         )
-        return output, shown
+        status = "timed out" if output.timed_out else f"exit {output.returncode}"
+        cut = f", {output.size:,} bytes, cut to {cap:,}" if output.size > cap else ""
+        return f"Result of {tool} ({status}{cut}):\n{shown}"
 
     def check_patch(self, step, patch):
         ws = self.ws
@@ -2248,11 +2245,8 @@ def _call_tokens(record):
 
 
 def _context_too_long(record):
-    if record["error_code"] in (
-        "context_length_exceeded",
-        "string_above_max_length",
-        "context_window_exceeded"
-    ):
+    codes = ("context_length_exceeded", "string_above_max_length", "context_window_exceeded")
+    if record["error_code"] in codes:
         return True
     return record["http_status"] in (400, 413, 422) and bool(
         re.search(
@@ -2503,9 +2497,9 @@ def run_agent(
                 _SIGNALS["armed"] = True
                 if _SIGNALS["noted"]:  # it came while the run was being opened
                     raise _terminated()
-                outcome, proposal = _run_steps(
-                    run, repo, ref, commit, policy, settings, scratch, started, origin or {}
-                )
+                tree = scratch / "tree"
+                workspace = _start(run, repo, ref, commit, policy, settings, tree, origin or {})
+                outcome, proposal = _run_steps(run, workspace, settings, started)
             finally:
                 _SIGNALS["armed"] = False
         # the boundary: recorded as an event, then the run is closed
@@ -2562,16 +2556,11 @@ def _remove_tree(path):
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origin):
-    """The run between open and close: the baseline tests, the host loop, the judge; (outcome,
-    proposal path or None)."""
-    # stored unmasked: replay reads it again
-    if any(value in policy.text for value in run.ledger.redactor.values):
-        raise rl.UsageError(
-            "tools.json holds the value of a secret (the value is not shown); it cannot be recorded"
-        )
-    workspace = _start(run, repo, ref, commit, policy, settings, scratch, origin)
-    baseline = _tests(run, workspace, scratch)
+def _run_steps(run, workspace, settings, started):
+    """The run in its workspace: the baseline tests, the host loop, the judge; (outcome, proposal
+    path or None)."""
+    policy = workspace.policy
+    baseline = _tests(run, workspace)
     broken = _test_command_broken(policy.test_command, baseline)
     if broken:
         path = _child_env().get("PATH", os.defpath)
@@ -2609,14 +2598,19 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     with os.fdopen(os.open(path, flags, 0o600), "wb") as handle:
         handle.write(check["proposal"])
-    verdict = _judge_in_child(run, policy, scratch, workspace.box)
+    verdict = _judge_in_child(run, workspace)
     return ("proposal_accepted" if verdict == "accept" else "proposal_rejected_by_judge"), path
 
 
-def _start(run, repo, ref, commit, policy, settings, scratch, origin):
-    """Copy the repository, probe the sandbox, record run_started; the run's Workspace."""
+def _start(run, repo, ref, commit, policy, settings, tree, origin):
+    """Copy the repository to `tree`, probe the sandbox, record run_started; the run's Workspace."""
+    # stored unmasked: replay reads it again
+    if any(value in policy.text for value in run.ledger.redactor.values):
+        raise rl.UsageError(
+            "tools.json holds the value of a secret (the value is not shown); it cannot be recorded"
+        )
     pinned = commit if ref else None
-    digest = snapshot(repo, pinned, scratch / "tree")
+    digest = snapshot(repo, pinned, tree)
     dirty = not ref and bool(
         git(repo, "status", "--porcelain=v1", "-z", "--untracked-files=normal")
     )
@@ -2643,12 +2637,19 @@ def _start(run, repo, ref, commit, policy, settings, scratch, origin):
         }
     )
     require_box(box, policy)
-    return Workspace(repo, pinned, scratch / "tree", policy, run.ledger.redactor, box)
+    return Workspace(repo, pinned, tree, policy, run.ledger.redactor, box)
 
 
-def _tests(run, workspace, scratch):
-    (scratch / "out").mkdir(exist_ok=True)  # out/: the one host directory a box writes
-    output, outcomes = workspace.run_tests(scratch / "out")
+def _boxed_tests(workspace):
+    """The tests in the box, which may write out/ beside the copy (JUnit XML) and nothing else of the
+    host's: (Output, per-test outcomes or None)."""
+    out = workspace.root.parent / "out"
+    out.mkdir(exist_ok=True)
+    return workspace.run_tests(out)
+
+
+def _tests(run, workspace):
+    output, outcomes = _boxed_tests(workspace)
     payload = {
         "command": workspace.policy.test_command,
         "returncode": output.returncode,
@@ -2702,12 +2703,12 @@ def _test_command_broken(command, baseline):
     return None
 
 
-def _judge_in_child(run, policy, scratch, box):
+def _judge_in_child(run, workspace):
     """Run the judge as its own process; key, secrets and probe go on stdin, never in its environment."""
     given = {
         "key": os.environ.get(rl.KEY_ENV) or None,
         "secrets": list(run.ledger.redactor.values),
-        "sandbox": box.record()
+        "sandbox": workspace.box.record()
     }
     argv = [
         sys.executable,
@@ -2719,8 +2720,8 @@ def _judge_in_child(run, policy, scratch, box):
     output = run_program(
         argv,
         HERE,
-        policy.test_timeout_s + 300,
-        env=dict(_child_env(), TMPDIR=str(scratch)),
+        workspace.policy.test_timeout_s + 300,
+        env=dict(_child_env(), TMPDIR=str(workspace.root.parent)),
         input=json.dumps(given).encode("utf-8")
     )
     verdicts = _payloads(rl.read_events(run.ledger.path), "judge_verdict")
@@ -2785,7 +2786,7 @@ def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
             )
         else:
             workspace = Workspace(repo, None, tree, policy, ledger.redactor, box)
-            _judge_tree(Path(work), patch, before, workspace, ledger, verdict)
+            _judge_tree(patch, before, workspace, ledger, verdict)
     ledger.append("judge_verdict", verdict)
     ledger.close()
     return verdict
@@ -2810,9 +2811,10 @@ def _unruled(box):
     }
 
 
-def _judge_tree(work, patch, before, workspace, ledger, verdict):
+def _judge_tree(patch, before, workspace, ledger, verdict):
     """The judge's work in its copy: read the patch as git does, apply, plant, run the tests, rule."""
-    tree, env, policy = workspace.root, _scratch_git_env(work), workspace.policy
+    tree, policy = workspace.root, workspace.policy
+    env = _scratch_git_env(tree.parent)
     reading = git_reading(tree, patch, [], env) or GitReading([], [], False)
     verdict["touched_tests"] = [f for f in reading.paths if policy.is_test_path(f)]
     verdict["shadows"] = [f for f in reading.added if _shadows_a_module(f)]
@@ -2838,8 +2840,7 @@ def _judge_tree(work, patch, before, workspace, ledger, verdict):
         )
     else:
         verdict["known_answers"] = "planted" if plants else "off"
-    (work / "out").mkdir()  # out/: the one directory of the judge's that the box may write
-    output, after = workspace.run_tests(work / "out")
+    output, after = _boxed_tests(workspace)
     after, passed, subverted = plants.read(output, after) if plants else (after, None, None)
     verdict.update(_compare(before, after, output, passed))
     if subverted:
@@ -2966,33 +2967,27 @@ def _runner(argv):
 
 def _unittest_discovery(args):
     """(start directory, pattern, why nothing can be planted or None) of `python -m unittest ARGS`."""
-    given, positional, rest = {"start": ".", "pattern": "test*.py"}, [], list(args[1:])
+    given, positional, rest, why = {"start": ".", "pattern": "test*.py"}, [], list(args[1:]), None
     if args[:1] != ["discover"]:
-        why = (
-            "the test command names test modules"
-            if any(not a.startswith("-") for a in args)
-            else (
-                "the test command can deselect or stop before the known answers"
-                if any(a in _DESELECTING for a in args)
-                else None
-            )
-        )
-        return given["start"], given["pattern"], why
-    while rest:
+        rest = []
+        if any(not a.startswith("-") for a in args):
+            why = "the test command names test modules"
+        elif any(a in _DESELECTING for a in args):
+            why = "the test command can deselect or stop before the known answers"
+    while rest and not why:
         arg = rest.pop(0)
         if arg == "-k":
-            return given["start"], given["pattern"], "-k can deselect the known answers"
-        if arg in _UNITTEST_VALUES:
-            given[_UNITTEST_VALUES[arg]] = rest.pop(0) if rest else given.get(_UNITTEST_VALUES[arg])
+            why = "-k can deselect the known answers"
+        elif arg in _UNITTEST_VALUES:
+            key = _UNITTEST_VALUES[arg]
+            given[key] = rest.pop(0) if rest else given.get(key)
         elif not arg.startswith("-"):
             positional.append(arg)
         elif arg in _DESELECTING:
-            return (
-                given["start"],
-                given["pattern"],
-                f"{arg} can stop the run before the known answers run"
-            )
-    return (positional + [given["start"]])[0], (positional[1:] + [given["pattern"]])[0], None
+            why = f"{arg} can stop the run before the known answers run"
+    if why:  # the options read before it, and no positional argument
+        positional = []
+    return (positional + [given["start"]])[0], (positional[1:] + [given["pattern"]])[0], why
 
 
 def _runner_patterns(argv):
@@ -3362,11 +3357,8 @@ class ReplayWorld:
             raise Malformed(payload["reason"])
         return {k: payload[k] for k in ("tool", "args", "reason")}, payload["form"]
 
-    def run_tool(self, step, tool, args, cap):
-        return (
-            _text_output(0, "(replayed: the recorded output is in the ledger)", time.monotonic()),
-            ""
-        )
+    def run_tool(self, step, tool, args):
+        return "(replayed: the recorded output is in the ledger)"
 
     def check_patch(self, step, patch):
         return self.checks.get(step) or {
@@ -3422,10 +3414,10 @@ def replay_run(run_dir, tools=None):
 
 
 def _flips(recorded, produced):
-    flips, tools_at = [], {k[1]: k for k in produced if k[0] in ("tool_allowed", "tool_denied")}
+    flips, tools_at = [], {k[1]: k for k in produced if k[0].startswith("tool_")}
     for seq, key, event in recorded:
-        now = tools_at.get(key[1]) if key[0] in ("tool_allowed", "tool_denied") else None
-        if now is not None and (now[0], now[3]) != (key[0], key[3]):
+        now = tools_at.get(key[1])
+        if key[0].startswith("tool_") and now and (now[0], now[3]) != (key[0], key[3]):
             p = event["payload"]
             args = json.dumps(p["args"], ensure_ascii=False)[:120]
             flips.append(
@@ -3534,7 +3526,8 @@ def _cmd_run(args):
         run_id=args.run_id,
         origin=origin
     )
-    events = _events_of(Path(args.runs_dir) / run_id)
+    runs = Path(args.runs_dir)
+    events = _events_of(runs / run_id)
     unboxed = _unboxed(events)
     if unboxed and not unboxed.startswith('tools.json sets "sandbox": "off"'):
         rl.warn(f"run {run_id}: the tests and tools ran without a sandbox: {unboxed}")
@@ -3552,9 +3545,7 @@ def _cmd_run(args):
     # bounded: a ClickHouse that hangs delays the run's exit by SHIP_RUN_DEADLINE_S at most
     if args.ship_to:
         _ship_run(
-            fleet.ClickHouse(args.ship_to, timeout=30, deadline=SHIP_RUN_DEADLINE_S),
-            Path(args.runs_dir),
-            run_id
+            fleet.ClickHouse(args.ship_to, timeout=30, deadline=SHIP_RUN_DEADLINE_S), runs, run_id
         )
     rl.write_out(f"{run_id} {outcome} {proposal or '-'}\n")
     return OUTCOME_EXIT[outcome]
