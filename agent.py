@@ -1644,7 +1644,8 @@ def junit_outcomes(path):
 
 
 class Malformed(Exception):
-    """A reply that is neither a valid action nor a bare unified diff; `reason` goes back to the model."""
+    """A reply that is neither a valid action nor a bare unified diff; `reason` goes back to the
+    model."""
 
     reason = property(lambda self: self.args[0])
 
@@ -1657,8 +1658,8 @@ _TOOL_DOCS = {
     "git_diff": "{}: the change under review (uncommitted changes, or the commit given with --ref)",
     "git_log": '{"n": 10}: recent commits',
     "run_tests": "{}: run the test command and see its output",
-    "propose_patch": '{"patch": "UNIFIED DIFF", "rationale": "why this fixes it", "alternatives": ["what else you '
-    'considered"]}: your final answer; a human reviews it'
+    "propose_patch": '{"patch": "UNIFIED DIFF", "rationale": "why this fixes it", '
+    '"alternatives": ["what else you considered"]}: your final answer; a human reviews it'
 }
 
 
@@ -1723,8 +1724,9 @@ def system_prompt(policy):
     """What the model is told about the protocol and the tools tools.json enables."""
     lines = [
         "You are a coding agent working through a host. You cannot change files and you cannot run "
-        "commands yourself: you ask the host for one action at a time, and it decides whether to run it. "
-        "Your goal is one patch that makes the failing tests pass without changing the tests.",
+        "commands yourself: you ask the host for one action at a time, and it decides whether to "
+        "run it. Your goal is one patch that makes the failing tests pass without changing the "
+        "tests.",
         "",
         "Answer every turn with exactly one JSON object and nothing else:",
         '{"tool": "NAME", "args": {...}, "reason": "why this step"}',
@@ -1737,19 +1739,21 @@ def system_prompt(policy):
         lines.append(f"- {name} {{{args}}}: {plugin.description}")
     lines += [
         "",
-        "Paths are relative to the repository root. Some paths are off limits (.git, .env files, keys) and "
-        f"outputs are cut at {policy.caps['output_bytes']} bytes. A patch is a unified diff against the "
-        "files as they are now (--- a/PATH, +++ b/PATH, @@ hunks). You may also answer with the diff alone."
+        "Paths are relative to the repository root. Some paths are off limits (.git, .env files, "
+        f"keys) and outputs are cut at {policy.caps['output_bytes']} bytes. A patch is a unified "
+        "diff against the files as they are now (--- a/PATH, +++ b/PATH, @@ hunks). You may also "
+        "answer with the diff alone."
     ]
     return "\n".join(lines)
 
 
 def first_prompt(tests_output, diff, budget_line):
+    code = "timeout" if tests_output.timed_out else tests_output.returncode
     return (
-        f"The tests fail (exit {tests_output.returncode if not tests_output.timed_out else 'timeout'}). "
-        f"Their output, cut to the end that matters:\n\n{tests_output.text(6000)}\n\n"
-        f"The change under review (git diff):\n\n{diff[:6000] or '(no uncommitted changes)'}\n\n"
-        f"{budget_line}\nPropose the next action. If you can already fix it, answer with propose_patch."
+        f"The tests fail (exit {code}). Their output, cut to the end that matters:\n\n"
+        f"{tests_output.text(6000)}\n\nThe change under review (git diff):\n\n"
+        f"{diff[:6000] or '(no uncommitted changes)'}\n\n{budget_line}\nPropose the next action. "
+        "If you can already fix it, answer with propose_patch."
     )
 
 
@@ -1840,13 +1844,13 @@ def _fit(messages, limit):
         return None
     shortened = dropped = cut_short = 0
     for message in messages[2:-2]:
+        text = message["content"]
         if size <= limit:
             break
-        if message["role"] == "user" and len(message["content"]) > 400:
-            cut = len(message["content"]) - 300
+        if message["role"] == "user" and len(text) > 400:
+            cut = len(text) - 300
             message["content"] = (
-                message["content"][:300]
-                + f"\n[... {cut:,} characters of this old output shortened]"
+                text[:300] + f"\n[... {cut:,} characters of this old output shortened]"
             )
             size -= cut - 60
             shortened += 1
@@ -1920,7 +1924,8 @@ class ContextPlan:
         return int(estimate * self.ratio * 1.1) + self.PER_MESSAGE * len(messages)
 
     def chars(self, count):
-        """The most chars `count` messages may hold, leaving a reply room of a quarter of the window."""
+        """The most chars `count` messages may hold, leaving a reply room of a quarter of the
+        window."""
         limits, window = self.limits, self.window
         if not window:
             return limits["max_context_chars"]
@@ -1987,8 +1992,9 @@ class _Loop:
         if left > 1:
             return ""
         return (
-            f"\nYou have sent the same {'unusable ' if key[1] else ''}reply {self.repeats} times in "
-            f"a row. If the next one is the same again, the host ends the run: answer differently."
+            f"\nYou have sent the same {'unusable ' if key[1] else ''}reply {self.repeats} times "
+            "in a row. If the next one is the same again, the host ends the run: answer "
+            "differently."
         )
 
     def execute(self, step, text, call, checked):
@@ -2043,13 +2049,10 @@ class _Loop:
                 "call": call
             }
         )
-        answer = '{"tool": NAME, "args": {...}, "reason": TEXT}.'
+        answer = ' JSON object {"tool": NAME, "args": {...}, "reason": TEXT}.'
         if action is None:
-            return f"The host could not read your reply: {problem}. Answer with one JSON object {answer}"
-        return (
-            f"The host could not record your action ({problem}). Answer with one plain JSON object "
-            + answer
-        )
+            return f"The host could not read your reply: {problem}. Answer with one" + answer
+        return f"The host could not record your action ({problem}). Answer with one plain" + answer
 
     def propose(self, step, action):
         args, world = action["args"], self.world
@@ -2090,8 +2093,8 @@ class _Loop:
 
 
 class LiveWorld:
-    """A live run: the model through ask.chat(), tools in the scratch copy, everything onto the run's
-    ledger."""
+    """A live run: the model through ask.chat(), tools in the scratch copy, everything onto the
+    run's ledger."""
 
     def __init__(self, run, workspace, settings, started):
         self.run, self.ws, self.settings, self.started = run, workspace, settings, started
@@ -2103,8 +2106,8 @@ class LiveWorld:
         return time.monotonic() - self.started
 
     def ask(self, step, messages, budget):
-        """One model turn through ask.chat(), which retries within the wall budget; a context overflow
-        shrinks the context once and asks again. Raises _Exit."""
+        """One model turn through ask.chat(), which retries within the wall budget; a context
+        overflow shrinks the context once and asks again. Raises _Exit."""
         trimmed = _fit(messages, self.plan.chars(len(messages)))
         if trimmed:
             self.record("context_trimmed", dict(trimmed, step=step))
@@ -2264,8 +2267,8 @@ GitReading = collections.namedtuple("GitReading", "paths added special blobs", d
 
 
 def git_reading(tree, patch_bytes, flags, env):
-    """The patch as git applies it to a throwaway index of `tree`, the reading the rules trust; None if
-    not."""
+    """The patch as git applies it to a throwaway index of `tree`, the reading the rules trust; None
+    if not."""
     with tempfile.TemporaryDirectory(prefix="agent-index-", dir=Path(tree).parent) as scratch:
         env = dict(env, GIT_INDEX_FILE=os.path.join(scratch, "index"))
         try:
@@ -2368,7 +2371,8 @@ def check_patch(scratch, patch, redactor, policy, resolve):
 
 
 def _shadows_a_module(path):
-    """A new top-level module named like one Python can import (the tests would import it instead)."""
+    """A new top-level module named like one Python can import (the tests would import it
+    instead)."""
     top = path.split("/")[0]
     name = top[:-3] if "/" not in path and top.endswith(".py") else top if "/" in path else None
     if not name or not name.isidentifier():
@@ -2422,7 +2426,8 @@ def _lock_dir():
 
 
 def take_lock(repo, run_id):
-    """The repository's run lock, an flock held for the run's life. Raises LockHeld at once when held."""
+    """The repository's run lock, an flock held for the run's life. Raises LockHeld at once when
+    held."""
     name = _sha256_hex(str(repo).encode("utf-8", "surrogateescape"))[:32] + ".lock"
     return _hold_lock(
         _lock_dir() / name, f"another run holds the lock for {repo}", f"run {run_id} "
@@ -2449,7 +2454,8 @@ _SIGNALS = {"armed": False, "noted": None}
 
 
 def _on_signal(signum, _frame):
-    """Kill the children and raise _Terminated once; while a run opens or closes, only note the signal."""
+    """Kill the children and raise _Terminated once; while a run opens or closes, only note the
+    signal."""
     for pgid in list(_CHILDREN):
         _kill_group(pgid)
     _SIGNALS["noted"] = _SIGNALS["noted"] or signum
@@ -2475,7 +2481,8 @@ def run_agent(
     run_id=None,
     origin=None
 ):
-    """One run on `repo`: (outcome, run_id, proposal path or None). Failures after open are recorded."""
+    """One run on `repo`: (outcome, run_id, proposal path or None). Failures after open are
+    recorded."""
     policy = load_policy(tools)
     overrides = {"max_steps": max_steps, "max_wall_s": max_wall_s}
     policy.budget.update((name, n) for name, n in overrides.items() if n is not None)
@@ -2641,8 +2648,8 @@ def _start(run, repo, ref, commit, policy, settings, tree, origin):
 
 
 def _boxed_tests(workspace):
-    """The tests in the box, which may write out/ beside the copy (JUnit XML) and nothing else of the
-    host's: (Output, per-test outcomes or None)."""
+    """The tests in the box, which may write out/ beside the copy (JUnit XML) and nothing else of
+    the host's: (Output, per-test outcomes or None)."""
     out = workspace.root.parent / "out"
     out.mkdir(exist_ok=True)
     return workspace.run_tests(out)
@@ -2704,7 +2711,8 @@ def _test_command_broken(command, baseline):
 
 
 def _judge_in_child(run, workspace):
-    """Run the judge as its own process; key, secrets and probe go on stdin, never in its environment."""
+    """Run the judge as its own process; key, secrets and probe go on stdin, never in its
+    environment."""
     given = {
         "key": os.environ.get(rl.KEY_ENV) or None,
         "secrets": list(run.ledger.redactor.values),
@@ -2812,7 +2820,8 @@ def _unruled(box):
 
 
 def _judge_tree(patch, before, workspace, ledger, verdict):
-    """The judge's work in its copy: read the patch as git does, apply, plant, run the tests, rule."""
+    """The judge's work in its copy: read the patch as git does, apply, plant, run the tests,
+    rule."""
     tree, policy = workspace.root, workspace.policy
     env = _scratch_git_env(tree.parent)
     reading = git_reading(tree, patch, [], env) or GitReading([], [], False)
@@ -2860,7 +2869,8 @@ def _judge_tree(patch, before, workspace, ledger, verdict):
 
 
 def _compare(before, after, output, passed):
-    """Before and after, per test where both have results; `passed`: as the known answers decided."""
+    """Before and after, per test where both have results; `passed`: as the known answers
+    decided."""
     found = {
         "tests_passed": output.returncode == 0 if passed is None else passed,
         "returncode": output.returncode,
@@ -2885,8 +2895,8 @@ def _compare(before, after, output, passed):
 
 
 def _broken_rules(verdict, policy):
-    """(rule, reason) of each rule the verdict breaks, in the order the judge rules on them; the first
-    rejects."""
+    """(rule, reason) of each rule the verdict breaks, in the order the judge rules on them; the
+    first rejects."""
 
     def listed(key):
         return ", ".join(verdict[key][:5])
@@ -2914,9 +2924,11 @@ def _broken_rules(verdict, policy):
             "bypasses the test runner"
         )
     if verdict["vanished"]:
-        yield "judge.tests_vanished", f"tests that ran before are gone or skipped: {listed('vanished')}"
+        yield "judge.tests_vanished", "tests that ran before are gone or skipped: " + listed(
+            "vanished"
+        )
     if verdict["newly_failing"]:
-        yield "judge.newly_failing", f"tests that passed before now fail: {listed('newly_failing')}"
+        yield "judge.newly_failing", "tests that passed before now fail: " + listed("newly_failing")
     if not verdict["tests_passed"]:
         yield "judge.tests_fail", (
             "the tests time out with the patch"
@@ -2931,7 +2943,8 @@ def _broken_rules(verdict, policy):
 # stop before it runs
 _PYTEST_VALUE_OPTS = set(
     "-p -c -o -W -r --rootdir --confcutdir --basetemp --tb --ignore --ignore-glob --junitxml "
-    "--junit-xml --override-ini --import-mode --durations --color --capture --log-level --cov".split()
+    "--junit-xml --override-ini --import-mode --durations --color --capture --log-level "
+    "--cov".split()
 )
 _DESELECTING = {
     *"-k -m --lf --last-failed --deselect -x --exitfirst --maxfail --sw --stepwise --random-order "
@@ -2950,8 +2963,8 @@ _UNITTEST_VALUES = {
 
 
 def _runner(argv):
-    """("pytest" | "unittest" | None, the arguments after the runner's name): `pytest`, `py.test`, or
-    `python [options] -m pytest|unittest`."""
+    """("pytest" | "unittest" | None, the arguments after the runner's name): `pytest`, `py.test`,
+    or `python [options] -m pytest|unittest`."""
     if os.path.basename(argv[0]) in ("pytest", "py.test"):
         return "pytest", argv[1:]
     for index, arg in enumerate(argv[1:], 1):
@@ -2966,7 +2979,8 @@ def _runner(argv):
 
 
 def _unittest_discovery(args):
-    """(start directory, pattern, why nothing can be planted or None) of `python -m unittest ARGS`."""
+    """(start directory, pattern, why nothing can be planted or None) of `python -m unittest
+    ARGS`."""
     given, positional, rest, why = {"start": ".", "pattern": "test*.py"}, [], list(args[1:]), None
     if args[:1] != ["discover"]:
         rest = []
@@ -2991,7 +3005,8 @@ def _unittest_discovery(args):
 
 
 def _runner_patterns(argv):
-    """The test runner's own discovery patterns, which count as test files whatever tools.json lists."""
+    """The test runner's own discovery patterns, which count as test files whatever tools.json
+    lists."""
     runner, args = _runner(argv)
     if runner == "pytest":
         return ["test_*.py", "*_test.py", "conftest.py"]
@@ -3015,8 +3030,8 @@ def _pytest_why_not(args, tree):
 
 
 class KnownAnswers:
-    """The planted tests of one judge run: their names, the token the passing one writes, how to read
-    them."""
+    """The planted tests of one judge run: their names, the token the passing one writes, how to
+    read them."""
 
     def __init__(self, runner, tag, token):
         self.runner, self.tag, self.token = runner, tag, token
@@ -3025,11 +3040,14 @@ class KnownAnswers:
     def source(self):
         # the token is never whole in the file: only the test's run writes it
         half = len(self.token) // 2
-        write = f'os.write(1, ("\\\\nknown-answer-" + "{self.token[:half]}" + "{self.token[half:]}\\\\n").encode())'
+        write = (
+            f'os.write(1, ("\\\\nknown-answer-" + "{self.token[:half]}" + "{self.token[half:]}'
+            '\\\\n").encode())'
+        )
         if self.runner == "pytest":  # plain functions, the kind pytest collects from a test file
             return (
-                f"import os\n\n\ndef {self.fail}():\n    assert False, 'planted by the judge: must fail'\n\n\n"
-                f"def {self.ok}():\n    {write}\n"
+                f"import os\n\n\ndef {self.fail}():\n    assert False, 'planted by the judge: must "
+                f"fail'\n\n\ndef {self.ok}():\n    {write}\n"
             )
         return (
             f"import os\nimport unittest\n\n\nclass KnownAnswer{self.tag}(unittest.TestCase):\n"
@@ -3038,8 +3056,8 @@ class KnownAnswers:
         )
 
     def read(self, output, after):
-        """(per-test results less the plants, whether the project's tests pass, why the runner is not
-        believed)."""
+        """(per-test results less the plants, whether the project's tests pass, why the runner is
+        not believed)."""
         if output.timed_out:
             return after, False, None
         if self.runner == "pytest":
@@ -3082,14 +3100,16 @@ class KnownAnswers:
         """The planted lines, marked, so that a reader is not alarmed by a failure the patch did not
         cause."""
         return re.sub(
-            rf"(?m)^(?=.*(?:known_(?:fail|pass)_{self.tag}|known-answer-{self.token}|KnownAnswer{self.tag}))",
+            rf"(?m)^(?=.*(?:known_(?:fail|pass)_{self.tag}|known-answer-{self.token}|"
+            rf"KnownAnswer{self.tag}))",
             "[planted by the judge] ",
             text
         )
 
 
 def plant_known_answers(tree, policy, before):
-    """Plant a must-fail and a must-pass test where the runner collects; KnownAnswers, or why not."""
+    """Plant a must-fail and a must-pass test where the runner collects; KnownAnswers, or why
+    not."""
     import fnmatch
 
     runner, args = _runner(policy.test_command)
@@ -3128,7 +3148,8 @@ def plant_known_answers(tree, policy, before):
 
 
 def _collected_file(tree, before):
-    """A test file the baseline run collected, from its JUnit class names (`tests.test_calc.TestX`)."""
+    """A test file the baseline run collected, from its JUnit class names
+    (`tests.test_calc.TestX`)."""
     for test_id in sorted(before or ()):
         parts = test_id.split("::")[0].split(".")
         for end in range(len(parts), 0, -1):
@@ -3150,7 +3171,8 @@ _MODULES_WRITES = set("update setdefault pop popitem clear __setitem__ __delitem
 
 
 def tripwires(tree, reading, enabled, env):
-    """Every enabled tripwire the patch fires, [{rule, path, what}]; only what the patch adds counts."""
+    """Every enabled tripwire the patch fires, [{rule, path, what}]; only what the patch adds
+    counts."""
     fired = []
     for path in reading.paths:
         parts, base = path.split("/"), path.rsplit("/", 1)[-1]
@@ -3192,7 +3214,8 @@ def _dotted(node):
 
 
 def _py_tripwires(source):
-    """[(rule, what, line)] in one Python file's source. See docs/sandbox.md for where each line is."""
+    """[(rule, what, line)] in one Python file's source. See docs/sandbox.md for where each line
+    is."""
     try:
         module = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -3230,22 +3253,21 @@ def _node_tripwires(node):
             elif name in {f"sys.{a}" for a in _HOOK_ATTRS}:
                 yield "tripwire.interpreter_state", f"imports {name}"
     elif isinstance(node, ast.Attribute):
-        name, root = _dotted(node) or node.attr, (_dotted(node) or "").split(".")[0]
+        attr, dotted, stored = node.attr, _dotted(node) or "", not isinstance(node.ctx, ast.Load)
+        name, root = dotted or attr, dotted.split(".")[0]
         if (
             root in _RUNNER_MODULES
-            or node.attr in _RUNNER_NAMES
-            or (root == "unittest" and node.attr in ("runner", "result"))
+            or attr in _RUNNER_NAMES
+            or (root == "unittest" and attr in ("runner", "result"))
         ):
             yield "tripwire.runner_internals", name
-        elif root in ("pytest", "unittest") and not isinstance(node.ctx, ast.Load):
+        elif root in ("pytest", "unittest") and stored:
             yield "tripwire.runner_internals", f"assigns {name}"
-        if node.attr in _HOOK_ATTRS or (
-            root in ("builtins", "__builtins__") and not isinstance(node.ctx, ast.Load)
-        ):
+        if attr in _HOOK_ATTRS or root in ("builtins", "__builtins__") and stored:
             yield "tripwire.interpreter_state", name
-        if node.attr in ("_exit", "abort") and root == "os" or root == "atexit":
+        if attr in ("_exit", "abort") and root == "os" or root == "atexit":
             yield "tripwire.exit_paths", name
-        if node.attr in _PROCESS_CALLS and root in ("os", "pty") or root in _PROCESS_MODULES:
+        if attr in _PROCESS_CALLS and root in ("os", "pty") or root in _PROCESS_MODULES:
             yield "tripwire.process_control", name
     elif isinstance(node, ast.Subscript) and not isinstance(node.ctx, ast.Load):
         if _dotted(node.value) in ("sys.modules", "__builtins__", "builtins.__dict__"):
@@ -3384,7 +3406,8 @@ def _decision_key(kind, payload):
 
 
 def replay_run(run_dir, tools=None):
-    """Drive the host again from the record: (first divergence or [], decisions `tools` would flip)."""
+    """Drive the host again from the record: (first divergence or [], decisions `tools` would
+    flip)."""
     run_dir = Path(run_dir)
     events = list(rl.read_events(run_dir / rl.EVENTS_NAME))
     started = _payloads(events, "run_started")
@@ -3580,7 +3603,8 @@ def _events_of(run_dir):
 
 
 def _unboxed(events):
-    """Why the run's programs ran without bwrap (its run_started says), or None when they ran in it."""
+    """Why the run's programs ran without bwrap (its run_started says), or None when they ran in
+    it."""
     started = (_payloads(events, "run_started") or [{}])[0]
     return (
         started.get("sandbox_reason") or "no reason recorded"
