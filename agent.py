@@ -3160,7 +3160,6 @@ def _collected_file(tree, before):
 
 
 # -- tripwires: what a fix does not need, read from the patch (tripwires, not proof)
-# --------------------
 
 _RUNNER_NAMES = set("_pytest pluggy TestResult TextTestResult TextTestRunner TestProgram".split())
 _RUNNER_MODULES = set("_pytest pluggy unittest.runner unittest.result unittest.main".split())
