@@ -1464,11 +1464,10 @@ def junit_outcomes(path):
 
 
 class Malformed(Exception):
-    """A reply that is neither a valid action nor a bare unified diff; `reason` goes back to the model."""
+    """A reply that is neither a valid action nor a bare unified diff; `reason` goes back to the
+    model."""
 
-    def __init__(self, reason):
-        super().__init__(reason)
-        self.reason = reason
+    reason = property(lambda self: self.args[0])
 
 
 _FENCE_RE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.S)
@@ -1479,8 +1478,8 @@ _TOOL_DOCS = {
     "git_diff": "{}: the change under review (uncommitted changes, or the commit given with --ref)",
     "git_log": '{"n": 10}: recent commits',
     "run_tests": "{}: run the test command and see its output",
-    "propose_patch": '{"patch": "UNIFIED DIFF", "rationale": "why this fixes it", "alternatives": ["what else you '
-    'considered"]}: your final answer; a human reviews it'
+    "propose_patch": '{"patch": "UNIFIED DIFF", "rationale": "why this fixes it", '
+    '"alternatives": ["what else you considered"]}: your final answer; a human reviews it'
 }
 
 
@@ -1494,7 +1493,7 @@ def _looks_like_diff(text):
 def _action(obj):
     if type(obj) is not dict or "tool" not in obj:
         return None
-    tool, args, reason = obj["tool"], obj.get("args", {}), obj.get("reason", "")
+    tool, args, reason = obj["tool"], obj.get("args"), obj.get("reason")
     if type(tool) is not str or not tool or len(tool) > 64:
         raise Malformed('"tool" must be a tool name (a short string)')
     if type(args) is not dict and args is not None:
@@ -1520,10 +1519,8 @@ def parse_reply(text):
     decode = json.JSONDecoder().raw_decode
     for candidate, form in whole + embedded:
         try:
-            if form == "embedded_json":
-                action = _action(decode(text, candidate)[0])
-            else:
-                action = _action(json.loads(candidate)) if candidate.startswith("{") else None
+            found = decode(text, candidate)[0] if form == "embedded_json" else json.loads(candidate)
+            action = _action(found)
         except (ValueError, RecursionError):
             continue
         if action:
@@ -1532,25 +1529,24 @@ def parse_reply(text):
     if len(diffs) == 1 and not text.replace(diffs[0], "").replace("```", "").strip(
         " \n\tdiffpatch"
     ):
-        return {
-            "tool": "propose_patch",
-            "args": {"patch": diffs[0].strip("\n") + "\n"},
-            "reason": ""
-        }, "fenced_diff"
-    if _looks_like_diff(stripped) and not re.search(r"(?m)^```", stripped):
-        return {"tool": "propose_patch", "args": {"patch": stripped + "\n"}, "reason": ""}, "diff"
-    raise Malformed(
-        'no action found: answer with one JSON object {"tool": NAME, "args": {...}, "reason": TEXT}, '
-        "or with a unified diff alone"
-    )
+        patch, form = diffs[0].strip("\n"), "fenced_diff"
+    elif _looks_like_diff(stripped) and not re.search(r"(?m)^```", stripped):
+        patch, form = stripped, "diff"
+    else:
+        raise Malformed(
+            'no action found: answer with one JSON object {"tool": NAME, "args": {...}, "reason": '
+            'TEXT}, or with a unified diff alone'
+        )
+    return {"tool": "propose_patch", "args": {"patch": patch + "\n"}, "reason": ""}, form
 
 
 def system_prompt(policy):
     """What the model is told about the protocol and the tools tools.json enables."""
     lines = [
         "You are a coding agent working through a host. You cannot change files and you cannot run "
-        "commands yourself: you ask the host for one action at a time, and it decides whether to run it. "
-        "Your goal is one patch that makes the failing tests pass without changing the tests.",
+        "commands yourself: you ask the host for one action at a time, and it decides whether to "
+        "run it. Your goal is one patch that makes the failing tests pass without changing the "
+        "tests.",
         "",
         "Answer every turn with exactly one JSON object and nothing else:",
         '{"tool": "NAME", "args": {...}, "reason": "why this step"}',
@@ -1563,19 +1559,21 @@ def system_prompt(policy):
         lines.append(f"- {name} {{{args}}}: {plugin.description}")
     lines += [
         "",
-        "Paths are relative to the repository root. Some paths are off limits (.git, .env files, keys) and "
-        f"outputs are cut at {policy.caps['output_bytes']} bytes. A patch is a unified diff against the "
-        "files as they are now (--- a/PATH, +++ b/PATH, @@ hunks). You may also answer with the diff alone."
+        "Paths are relative to the repository root. Some paths are off limits (.git, .env files, "
+        f"keys) and outputs are cut at {policy.caps['output_bytes']} bytes. A patch is a unified "
+        "diff against the files as they are now (--- a/PATH, +++ b/PATH, @@ hunks). You may also "
+        "answer with the diff alone."
     ]
     return "\n".join(lines)
 
 
 def first_prompt(tests_output, diff, budget_line):
+    code = "timeout" if tests_output.timed_out else tests_output.returncode
     return (
-        f"The tests fail (exit {tests_output.returncode if not tests_output.timed_out else 'timeout'}). "
-        f"Their output, cut to the end that matters:\n\n{tests_output.text(6000)}\n\n"
-        f"The change under review (git diff):\n\n{diff[:6000] or '(no uncommitted changes)'}\n\n"
-        f"{budget_line}\nPropose the next action. If you can already fix it, answer with propose_patch."
+        f"The tests fail (exit {code}). Their output, cut to the end that matters:\n\n"
+        f"{tests_output.text(6000)}\n\nThe change under review (git diff):\n\n"
+        f"{diff[:6000] or '(no uncommitted changes)'}\n\n{budget_line}\nPropose the next action. "
+        "If you can already fix it, answer with propose_patch."
     )
 
 
@@ -1583,12 +1581,12 @@ def first_prompt(tests_output, diff, budget_line):
 
 
 class _Exit(Exception):
-    """The loop ends: its outcome, the event that says why (none when a replay runs out of replies),
-    and the accepted patch check of a proposal."""
+    """The loop ends: its outcome, the payload of the event of that kind that says why (none for a
+    proposal, or when a replay runs out of replies), and the accepted patch check of a proposal."""
 
-    def __init__(self, outcome, kind=None, payload=None, check=None):
+    def __init__(self, outcome, payload=None, check=None):
         super().__init__(outcome)
-        self.outcome, self.kind, self.payload, self.check = outcome, kind, payload, check
+        self.outcome, self.payload, self.check = outcome, payload, check
 
 
 class Budget:
@@ -1622,11 +1620,17 @@ class Budget:
         }
         return next(((name, n) for name, n in used.items() if n >= self.limits[name]), None)
 
+    def over(self, limit, used, elapsed, **during):
+        """The _Exit of a spent budget: the limit, how much was used, what was spent."""
+        payload = {"limit": limit, "used": used, "max": self.limits[limit]}
+        return _Exit("budget_exhausted", dict(payload, budget=self.snapshot(elapsed), **during))
+
     def line(self, elapsed):
         limits = self.limits
         return (
-            f"Budget left: {limits['max_steps'] - self.steps} steps, {limits['max_model_calls'] - self.model_calls}"
-            f" model calls, {max(0, limits['max_total_tokens'] - self.tokens):,} tokens, "
+            f"Budget left: {limits['max_steps'] - self.steps} steps, "
+            f"{limits['max_model_calls'] - self.model_calls} model calls, "
+            f"{max(0, limits['max_total_tokens'] - self.tokens):,} tokens, "
             f"{max(0.0, limits['max_wall_s'] - elapsed):.0f} seconds."
         )
 
@@ -1644,21 +1648,29 @@ def _excerpt(text, limit=EXCERPT_BYTES):
     return text if len(data) <= limit else "[...] " + data[-limit:].decode("utf-8", "ignore")
 
 
+def _sha256_hex(data):
+    return hashlib.sha256(data).hexdigest()
+
+
+def _chars(messages):
+    return sum(len(m["content"]) for m in messages)
+
+
 def _fit(messages, limit):
     """Keep the conversation within `limit` chars: shorten old outputs, drop old exchanges, cut the
     longest."""
-    size = before = sum(len(m["content"]) for m in messages)
+    size = before = _chars(messages)
     if size <= limit:
         return None
     shortened = dropped = cut_short = 0
     for message in messages[2:-2]:
+        text = message["content"]
         if size <= limit:
             break
-        if message["role"] == "user" and len(message["content"]) > 400:
-            cut = len(message["content"]) - 300
+        if message["role"] == "user" and len(text) > 400:
+            cut = len(text) - 300
             message["content"] = (
-                message["content"][:300]
-                + f"\n[... {cut:,} characters of this old output shortened]"
+                text[:300] + f"\n[... {cut:,} characters of this old output shortened]"
             )
             size -= cut - 60
             shortened += 1
@@ -1677,7 +1689,7 @@ def _fit(messages, limit):
         )
         size += len(message["content"]) - len(text)
         cut_short += 1
-    after = sum(len(m["content"]) for m in messages)
+    after = _chars(messages)
     if after >= before:
         return None  # nothing could be cut: no record that says otherwise
     return {
@@ -1707,15 +1719,15 @@ def overflow_sizes(message):
 
 
 class ContextPlan:
-    """What fits the model's window: the smallest window known, and the server's token ratio to
-    chars/4."""
+    """What fits the model's window within the budget's `limits`: the smallest window known, and the
+    server's token ratio to chars/4."""
 
     MARGIN = 0.10  # of the window, kept free for the estimate's error
     PER_MESSAGE = 16  # tokens of chat template around each message
 
-    def __init__(self, window=None):
-        self.window, self.ratio, self.learned = None, 1.2, False
-        self.know(window)
+    def __init__(self, limits):
+        self.limits, self.window, self.ratio, self.learned = limits, None, 1.2, False
+        self.know(limits.get("context_tokens"))
 
     def know(self, window):
         if type(window) is int and window > 0:
@@ -1728,36 +1740,34 @@ class ContextPlan:
             self.learned = True
 
     def tokens(self, messages):
-        chars = sum(len(m["content"]) for m in messages)
-        return int(ask.estimate_tokens(chars) * self.ratio * 1.1) + self.PER_MESSAGE * len(messages)
+        estimate = ask.estimate_tokens(_chars(messages))
+        return int(estimate * self.ratio * 1.1) + self.PER_MESSAGE * len(messages)
 
-    def chars(self, limits, count):
-        """The most chars `count` messages may hold, leaving a reply room of a quarter of the window."""
-        if not self.window:
+    def chars(self, count):
+        """The most chars `count` messages may hold, leaving a reply room of a quarter of the
+        window."""
+        limits, window = self.limits, self.window
+        if not window:
             return limits["max_context_chars"]
-        room = min(limits["max_tokens_per_call"], max(128, self.window // 4))
-        prompt = self.window - int(self.window * self.MARGIN) - room - self.PER_MESSAGE * count
+        room = min(limits["max_tokens_per_call"], max(128, window // 4))
+        prompt = window - int(window * self.MARGIN) - room - self.PER_MESSAGE * count
         return max(0, min(limits["max_context_chars"], int(prompt * 4 / (self.ratio * 1.1))))
 
-    def max_tokens(self, limits, messages):
+    def max_tokens(self, messages):
         """The per-call cap, cut to what the window leaves after the messages."""
-        if not self.window:
-            return limits["max_tokens_per_call"]
-        free = self.window - int(self.window * self.MARGIN) - self.tokens(messages)
-        return max(16, min(limits["max_tokens_per_call"], free))
-
-
-def drive(world, policy, messages):
-    """The host loop, for a live run or a replay (`world`). Returns (outcome, accepted patch check or
-    None)."""
-    return _Loop(world, policy, messages).run()
+        cap, window = self.limits["max_tokens_per_call"], self.window
+        if not window:
+            return cap
+        return max(16, min(cap, window - int(window * self.MARGIN) - self.tokens(messages)))
 
 
 class _Loop:
-    """run() steps until an _Exit; step() queries the model, then executes what it asked for."""
+    """The host loop over a `world`, a live run or a replay: run() steps until an _Exit, and is
+    (outcome, accepted patch check or None); step() queries the model, then executes what it asked
+    for."""
 
     def __init__(self, world, policy, messages):
-        self.world, self.policy, self.messages, self.limits = world, policy, messages, policy.budget
+        self.world, self.policy, self.messages = world, policy, messages
         self.budget, self.last, self.repeats = Budget(policy.budget), None, 0
 
     def run(self):
@@ -1765,8 +1775,8 @@ class _Loop:
             while True:
                 self.step()
         except _Exit as end:
-            if end.kind:
-                self.world.record(end.kind, end.payload)
+            if end.payload:
+                self.world.record(end.outcome, end.payload)
             return end.outcome, end.check
 
     def step(self):
@@ -1779,22 +1789,11 @@ class _Loop:
 
     def query(self):
         budget, elapsed = self.budget, self.world.elapsed()
-        spent = budget.exhausted(elapsed)
+        checked, spent = budget.snapshot(elapsed), budget.exhausted(elapsed)
         if spent:
-            limit, used = spent
-            raise _Exit(
-                "budget_exhausted",
-                "budget_exhausted",
-                {
-                    "limit": limit,
-                    "used": used,
-                    "max": self.limits[limit],
-                    "budget": budget.snapshot(elapsed)
-                }
-            )
-        checked = budget.snapshot(elapsed)
+            raise budget.over(*spent, elapsed)
         budget.steps += 1
-        text, call = self.world.ask(budget.steps, self.messages, budget, self.limits)
+        text, call = self.world.ask(budget.steps, self.messages, budget)
         budget.add(call)
         return budget.steps, text, call, checked
 
@@ -1802,29 +1801,26 @@ class _Loop:
         """The notice before the last repeat allowed; raises _Exit (stuck) at it."""
         try:
             parse_reply(text)
-            key = hashlib.sha256(text.strip().encode("utf-8", "surrogatepass")).hexdigest(), None
+            key = _sha256_hex(text.strip().encode("utf-8", "surrogatepass")), None
         except Malformed as bad:
             key = "", bad.reason
         self.repeats, self.last = (self.repeats + 1 if key == self.last else 1), key
-        if self.repeats >= self.limits["max_repeats"]:
-            raise _Exit(
-                "stuck",
-                "stuck",
-                {"step": step, "repeats": self.repeats, "unusable": key[1], "budget": checked}
-            )
-        if self.repeats < self.limits["max_repeats"] - 1:
+        left = self.budget.limits["max_repeats"] - self.repeats
+        if left <= 0:
+            payload = {"step": step, "repeats": self.repeats, "unusable": key[1], "budget": checked}
+            raise _Exit("stuck", payload)
+        if left > 1:
             return ""
         return (
-            f"\nYou have sent the same {'unusable ' if key[1] else ''}reply {self.repeats} times in a row. "
-            f"If the next one is the same again, the host ends the run: answer differently."
+            f"\nYou have sent the same {'unusable ' if key[1] else ''}reply {self.repeats} times "
+            "in a row. If the next one is the same again, the host ends the run: answer "
+            "differently."
         )
 
     def execute(self, step, text, call, checked):
-        world, policy, answer = (
-            self.world,
-            self.policy,
-            '{"tool": NAME, "args": {...}, "reason": TEXT}.'
-        )
+        """Record the reply's action and the host's verdict on it, and run it when allowed; what the
+        model is told."""
+        world, policy = self.world, self.policy
         try:
             action, form = world.parse(step, text)
             problem = rl.payload_problem({"args": action["args"], "reason": action["reason"]})
@@ -1832,33 +1828,12 @@ class _Loop:
             action, problem = None, bad.reason
         # unreadable; or nested too deep, a lone surrogate, too large: not recordable, so no action
         if problem:
-            world.record(
-                "proposal_malformed",
-                {
-                    "step": step,
-                    "reason": (
-                        problem if action is None else f"the action cannot be recorded: {problem}"
-                    ),
-                    "excerpt": _excerpt(text, 500),
-                    "budget": checked,
-                    "call": call
-                }
-            )
-            if action is None:
-                return f"The host could not read your reply: {problem}. Answer with one JSON object {answer}"
-            return f"The host could not record your action ({problem}). Answer with one plain JSON object {answer}"
+            return self.malformed(step, text, call, checked, action, problem)
         tool, args = action["tool"], action["args"]
+        # tool, args and reason, in that order
         world.record(
             "model_proposed",
-            {
-                "step": step,
-                "form": form,
-                "tool": tool,
-                "args": args,
-                "reason": action["reason"],
-                "budget": checked,
-                "call": call
-            }
+            {"step": step, "form": form, **action, "budget": checked, "call": call}
         )
         verdict = check_action(action, policy, world.resolver(step))
         world.record(
@@ -1873,38 +1848,52 @@ class _Loop:
             }
         )
         if not verdict.allowed:
-            return f"Denied by the host: {tool}: {verdict.reason} (rule {verdict.rule}). Choose another action."
+            return (
+                f"Denied by the host: {tool}: {verdict.reason} (rule {verdict.rule}). "
+                "Choose another action."
+            )
         if tool == "propose_patch":
             return self.propose(step, action)
-        plugin = policy.plugins.get(tool)
-        cap = plugin.output_bytes if plugin and plugin.output_bytes else policy.caps["output_bytes"]
-        output, shown = world.run_tool(step, tool, args, cap)
-        status = "timed out" if output.timed_out else f"exit {output.returncode}"
-        cut = f", {output.size:,} bytes, cut to {cap:,}" if output.size > cap else ""
-        return f"Result of {tool} ({status}{cut}):\n{shown}"
+        return world.run_tool(step, tool, args)
+
+    def malformed(self, step, text, call, checked, action, problem):
+        self.world.record(
+            "proposal_malformed",
+            {
+                "step": step,
+                "reason": (
+                    problem if action is None else f"the action cannot be recorded: {problem}"
+                ),
+                "excerpt": _excerpt(text, 500),
+                "budget": checked,
+                "call": call
+            }
+        )
+        answer = ' JSON object {"tool": NAME, "args": {...}, "reason": TEXT}.'
+        if action is None:
+            return f"The host could not read your reply: {problem}. Answer with one" + answer
+        return f"The host could not record your action ({problem}). Answer with one plain" + answer
 
     def propose(self, step, action):
         args, world = action["args"], self.world
         check = world.check_patch(step, args["patch"])
+        rule = check.get("rule")
         if not check["applies"]:
-            rule = {"rule": check["rule"]} if check.get("rule") else {}
             world.record(
                 "patch_rejected",
-                dict(
-                    {
-                        "step": step,
-                        "message": check["message"],
-                        "patch_sha256": check["patch_sha256"]
-                    },
-                    **rule
-                )
+                {
+                    "step": step,
+                    "message": check["message"],
+                    "patch_sha256": check["patch_sha256"],
+                    **({"rule": rule} if rule else {})
+                }
             )
             if rule:
                 return f"Refused by the host: {check['message']}. Propose the patch without it."
             return (
-                f"The patch does not apply (git apply --check): {check['message']}\nFix the patch against the "
-                f"files as they are (read them again if needed), with the context lines around each change as "
-                f"`diff -u` writes them, and propose it again."
+                f"The patch does not apply (git apply --check): {check['message']}\nFix the patch "
+                "against the files as they are (read them again if needed), with the context lines "
+                "around each change as `diff -u` writes them, and propose it again."
             )
         world.record(
             "decision",
@@ -1924,24 +1913,22 @@ class _Loop:
 
 
 class LiveWorld:
-    """A live run: the model through ask.chat(), tools in the scratch copy, everything onto the run's
-    ledger."""
+    """A live run: the model through ask.chat(), tools in the scratch copy, everything onto the
+    run's ledger."""
 
     def __init__(self, run, workspace, settings, started):
         self.run, self.ws, self.settings, self.started = run, workspace, settings, started
-        self.plan, self.shrunk_at = ContextPlan(workspace.policy.budget.get("context_tokens")), None
-        self.record, self.parse = run.append, _parse
+        self.plan = ContextPlan(workspace.policy.budget)
+        self.record, self.resolver = run.append, lambda step: workspace.resolve
+        self.parse = lambda step, text: parse_reply(text)
 
     def elapsed(self):
         return time.monotonic() - self.started
 
-    def resolver(self, step):
-        return self.ws.resolve
-
-    def ask(self, step, messages, budget, limits):
-        """One model turn through ask.chat(), which retries within the wall budget; a context overflow
-        shrinks the context once and asks again. Raises _Exit."""
-        trimmed = _fit(messages, self.plan.chars(limits, len(messages)))
+    def ask(self, step, messages, budget):
+        """One model turn through ask.chat(), which retries within the wall budget; a context
+        overflow shrinks the context once and asks again. Raises _Exit."""
+        trimmed = _fit(messages, self.plan.chars(len(messages)))
         if trimmed:
             self.record("context_trimmed", dict(trimmed, step=step))
         call, sources = {
@@ -1955,38 +1942,32 @@ class LiveWorld:
         def tally(record, wait=None):
             tokens, source = _call_tokens(record)
             sources.add(source)
-            call.update(
-                attempts=call["attempts"] + 1,
-                tokens=call["tokens"] + tokens,
-                tokens_source=_source(sources),
-                latency_ms=round(call["latency_ms"] + (record["latency_ms"] or 0), 1)
-            )
+            call["attempts"] += 1
+            call["tokens"] += tokens
+            call["tokens_source"] = _source(sources)
+            call["latency_ms"] = round(call["latency_ms"] + (record["latency_ms"] or 0), 1)
 
         retries = CALL_RETRIES
-        record = self._chat(messages, budget, limits, retries, tally, "before model call")
-        # a second one for this step is an error
-        if _context_too_long(record) and self.shrunk_at != step:
-            # the attempts before count
-            self.shrunk_at, retries = step, max(0, CALL_RETRIES - record["attempt"])
-            self._shrink(step, messages, limits, record)
-            record = self._chat(messages, budget, limits, retries, tally, "model call")
+        record = self._chat(messages, budget, retries, tally, "before model call")
+        # once: a second overflow in this step is an error
+        if _context_too_long(record):
+            retries = max(0, CALL_RETRIES - record["attempt"])  # the attempts before count
+            self._shrink(step, messages, record)
+            record = self._chat(messages, budget, retries, tally, "model call")
         if not record["error_type"]:
             self.plan.learn(record["input_tokens"], record["est_input_tokens"])
-            call["reply_sha256"] = hashlib.sha256(
-                record["text"].encode("utf-8", "surrogatepass")
-            ).hexdigest()
+            call["reply_sha256"] = _sha256_hex(record["text"].encode("utf-8", "surrogatepass"))
             call["reply_artifact"] = self.run.store_artifact(record["text"])
             return record["text"], call
         # a timeout at the wall, or a retry ask.chat left undone (it does only when the wall has no
         # time for it)
         if (
             record["error_type"] == "timeout"
-            and self.elapsed() >= limits["max_wall_s"] - ask.MIN_ATTEMPT_S
+            and self.elapsed() >= budget.limits["max_wall_s"] - ask.MIN_ATTEMPT_S
         ) or (ask.retryable(record) and record["attempt"] <= retries):
-            raise self._out_of_wall(budget, limits, "model call")
+            raise self._out_of_wall(budget, "model call")
         code = f" ({record['error_code']})" if record["error_code"] else ""
         raise _Exit(
-            "error",
             "error",
             {
                 "type": "ModelEndpointError",
@@ -1998,9 +1979,10 @@ class LiveWorld:
             }
         )
 
-    def _chat(self, messages, budget, limits, retries, tally, during):
+    def _chat(self, messages, budget, retries, tally, during):
+        limits = budget.limits
         if limits["max_wall_s"] - self.elapsed() < ask.MIN_ATTEMPT_S:  # no call is made now
-            raise self._out_of_wall(budget, limits, during)
+            raise self._out_of_wall(budget, during)
         base_url, model, api_key = self.settings
         record = ask.chat(
             messages,
@@ -2008,24 +1990,23 @@ class LiveWorld:
             base_url=base_url,
             model=model,
             api_key=api_key,
-            max_tokens=self.plan.max_tokens(limits, messages),
+            max_tokens=self.plan.max_tokens(messages),
             timeout=limits["call_timeout_s"],
             retries=retries,
             until=self.started + limits["max_wall_s"],
-            on_retry=tally,
-            max_response_bytes=ask.DEFAULT_MAX_RESPONSE_BYTES
+            on_retry=tally
         )
         tally(record)
         return record
 
-    def _shrink(self, step, messages, limits, record):
+    def _shrink(self, step, messages, record):
         """After an overflow answer: learn the window and ratio, then cut messages and max_tokens to
         fit."""
         window, prompt = overflow_sizes(record["error_message"])
         self.plan.learn(prompt, record["est_input_tokens"])
-        before, sent = sum(len(m["content"]) for m in messages), record["max_tokens"]
+        before, sent = _chars(messages), record["max_tokens"]
         self.plan.know(window or (self.plan.tokens(messages) + sent) // 2)
-        trimmed = _fit(messages, self.plan.chars(limits, len(messages))) or {}
+        trimmed = _fit(messages, self.plan.chars(len(messages))) or {}
         self.record(
             "context_shrunk",
             dict(
@@ -2036,28 +2017,20 @@ class LiveWorld:
                 stated_prompt_tokens=prompt,
                 window_tokens=self.plan.window,
                 before_chars=before,
-                after_chars=sum(len(m["content"]) for m in messages),
+                after_chars=_chars(messages),
                 before_max_tokens=sent,
-                after_max_tokens=self.plan.max_tokens(limits, messages)
+                after_max_tokens=self.plan.max_tokens(messages)
             )
         )
 
-    def _out_of_wall(self, budget, limits, during):
-        return _Exit(
-            "budget_exhausted",
-            "budget_exhausted",
-            {
-                "limit": "max_wall_s",
-                "used": round(self.elapsed(), 3),
-                "max": limits["max_wall_s"],
-                "budget": budget.snapshot(self.elapsed()),
-                "during": during
-            }
-        )
+    def _out_of_wall(self, budget, during):
+        elapsed = self.elapsed()
+        return budget.over("max_wall_s", round(elapsed, 3), elapsed, during=during)
 
-    def run_tool(self, step, tool, args, cap):
-        """Run it, record tool_result (digest, excerpt, output artifact); (Output, the masked text the
-        model sees)."""
+    def run_tool(self, step, tool, args):
+        """Run it, record tool_result (digest, excerpt, output artifact); what the model is told."""
+        policy = self.ws.policy
+        cap = getattr(policy.plugins.get(tool), "output_bytes", None) or policy.caps["output_bytes"]
         output = self.ws.execute(tool, args)
         full = output.artifact_bytes()
         shown = self.run.ledger.redactor.text(output.text(cap))
@@ -2069,7 +2042,7 @@ class LiveWorld:
                 "returncode": output.returncode,
                 "timed_out": output.timed_out,
                 "size": output.size,
-                "sha256": hashlib.sha256(full).hexdigest(),
+                "sha256": _sha256_hex(full),
                 "truncated": output.size > cap,
                 "duration_ms": output.duration_ms,
                 "output_artifact": self.run.store_artifact(full),
@@ -2077,16 +2050,13 @@ class LiveWorld:
                 **(output.sandbox or {})
             }
         )
-        return output, shown
+        status = "timed out" if output.timed_out else f"exit {output.returncode}"
+        cut = f", {output.size:,} bytes, cut to {cap:,}" if output.size > cap else ""
+        return f"Result of {tool} ({status}{cut}):\n{shown}"
 
     def check_patch(self, step, patch):
-        return check_patch(
-            self.ws.root, patch, self.run.ledger.redactor, self.ws.policy, self.ws.resolve
-        )
-
-
-def _parse(step, text):
-    return parse_reply(text)
+        ws = self.ws
+        return check_patch(ws.root, patch, ws.redactor, ws.policy, ws.resolve)
 
 
 def _call_tokens(record):
@@ -2098,16 +2068,13 @@ def _call_tokens(record):
 
 
 def _context_too_long(record):
-    if record["error_code"] in (
-        "context_length_exceeded",
-        "string_above_max_length",
-        "context_window_exceeded"
-    ):
+    codes = ("context_length_exceeded", "string_above_max_length", "context_window_exceeded")
+    if record["error_code"] in codes:
         return True
     return record["http_status"] in (400, 413, 422) and bool(
         re.search(
-            r"context.?length|maximum context|context window|context size|too many tokens|prompt is too long|"
-            r"reduce the length",
+            r"context.?length|maximum context|context window|context size|too many tokens|"
+            r"prompt is too long|reduce the length",
             record["error_message"] or "",
             re.I
         )
@@ -2120,8 +2087,8 @@ GitReading = collections.namedtuple("GitReading", "paths added special blobs", d
 
 
 def git_reading(tree, patch_bytes, flags, env):
-    """The patch as git applies it to a throwaway index of `tree`, the reading the rules trust; None if
-    not."""
+    """The patch as git applies it to a throwaway index of `tree`, the reading the rules trust; None
+    if not."""
     with tempfile.TemporaryDirectory(prefix="agent-index-", dir=Path(tree).parent) as scratch:
         env = dict(env, GIT_INDEX_FILE=os.path.join(scratch, "index"))
         try:
@@ -2142,20 +2109,32 @@ def git_reading(tree, patch_bytes, flags, env):
             check=False
         )
     fields = raw.split(b"\0")
-    paths, added, special, blobs = [], [], False, {}
-    # ":old_mode new_mode old_sha new_sha status", path
+    added, special, blobs = [], False, {}
+    # ":old_mode new_mode old_sha new_sha status", path; each path once (no renames)
     for meta, name in zip(fields[0::2], fields[1::2]):
         parts = meta.split()
         if len(parts) < 5 or not meta.startswith(b":"):
             continue
         path = os.fsdecode(name)
-        paths.append(path)
         if parts[4] == b"A":
             added.append(path)
-        special = special or parts[1] in (b"120000", b"160000")
+        special |= parts[1] in (b"120000", b"160000")
         # 48: b"0"
         blobs[path] = tuple(None if set(sha) == {48} else sha.decode() for sha in parts[2:4])
-    return GitReading(paths, added, special, blobs)
+    return GitReading(list(blobs), added, special, blobs)
+
+
+def _git_apply(tree, patch_bytes, env, *flags):
+    """`git apply FLAGS -` in `tree`: (its exit code, its output, stderr and stdout together)."""
+    proc = subprocess.run(
+        ["git", "-C", str(tree), "apply", *flags, "-"],
+        input=patch_bytes,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        timeout=120
+    )
+    return proc.returncode, proc.stdout.decode("utf-8", "replace")
 
 
 def check_patch(scratch, patch, redactor, policy, resolve):
@@ -2167,7 +2146,7 @@ def check_patch(scratch, patch, redactor, policy, resolve):
         "recount": False,
         "message": "",
         "files": patch_files(patch)[0],
-        "patch_sha256": hashlib.sha256(patch_bytes).hexdigest(),
+        "patch_sha256": _sha256_hex(patch_bytes),
         "proposal_sha256": None,
         "proposal": None
     }
@@ -2183,30 +2162,14 @@ def check_patch(scratch, patch, redactor, policy, resolve):
         clone, env = Path(work) / "tree", _scratch_git_env(work)
         git(work, "clone", "-q", "--no-hardlinks", str(scratch), str(clone), env=env, timeout=300)
         for flags in ([], ["--recount"]):
-            proc = subprocess.run(
-                ["git", "-C", str(clone), "apply", "--check", "--verbose", *flags, "-"],
-                input=patch_bytes,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                env=env,
-                timeout=120
-            )
-            if proc.returncode == 0:
+            code, output = _git_apply(clone, patch_bytes, env, "--check", "--verbose", *flags)
+            if code == 0:
                 break
-            if not result["message"]:
-                result["message"] = redactor.text(proc.stdout.decode("utf-8", "replace").strip())[
-                    -1500:
-                ]
+            result["message"] = result["message"] or redactor.text(output.strip())[-1500:]
         else:
             return result
         reading = git_reading(clone, patch_bytes, flags, env)
-        refusal = _refuse_git_reading(reading, policy, resolve)
-        fired = [] if refusal else tripwires(clone, reading, policy.tripwires, env)
-        if fired:
-            refusal = (
-                f"the patch trips {fired[0]['rule']} ({fired[0]['path']}: {fired[0]['what']}); a fix must "
-                f"not need it: change the code without it (rule {fired[0]['rule']})"
-            )
+        refusal = _refusal(clone, reading, policy, resolve, env)
         if refusal:
             return dict(result, message=refusal)
         proposal = patch_bytes
@@ -2223,12 +2186,13 @@ def check_patch(scratch, patch, redactor, policy, resolve):
         recount=bool(flags),
         files=reading.paths,
         proposal=proposal,
-        proposal_sha256=hashlib.sha256(proposal).hexdigest()
+        proposal_sha256=_sha256_hex(proposal)
     )
 
 
 def _shadows_a_module(path):
-    """A new top-level module named like one Python can import (the tests would import it instead)."""
+    """A new top-level module named like one Python can import (the tests would import it
+    instead)."""
     top = path.split("/")[0]
     name = top[:-3] if "/" not in path and top.endswith(".py") else top if "/" in path else None
     if not name or not name.isidentifier():
@@ -2243,7 +2207,8 @@ def _shadows_a_module(path):
     return importlib.machinery.PathFinder.find_spec(name, search) is not None
 
 
-def _refuse_git_reading(reading, policy, resolve):
+def _refusal(clone, reading, policy, resolve, env):
+    """Why the host refuses a patch git can apply: as git reads it, its paths and its tripwires."""
     if reading is None:
         return "git cannot apply this patch to the baseline's index"
     if reading.special:
@@ -2255,6 +2220,11 @@ def _refuse_git_reading(reading, policy, resolve):
             check_path(name, policy, resolve, {}, what="a file in the patch,")
         except _Deny as deny:
             return f"git reads this patch as touching {name!r}: {deny.reason} (rule {deny.rule})"
+    for first in tripwires(clone, reading, policy.tripwires, env)[:1]:
+        return (
+            f"the patch trips {first['rule']} ({first['path']}: {first['what']}); a fix must not "
+            f"need it: change the code without it (rule {first['rule']})"
+        )
     return None
 
 
@@ -2276,11 +2246,12 @@ def _lock_dir():
 
 
 def take_lock(repo, run_id):
-    """The repository's run lock, an flock held for the run's life. Raises LockHeld at once when held."""
-    path = _lock_dir() / (
-        hashlib.sha256(str(repo).encode("utf-8", "surrogateescape")).hexdigest()[:32] + ".lock"
+    """The repository's run lock, an flock held for the run's life. Raises LockHeld at once when
+    held."""
+    name = _sha256_hex(str(repo).encode("utf-8", "surrogateescape"))[:32] + ".lock"
+    return _hold_lock(
+        _lock_dir() / name, f"another run holds the lock for {repo}", f"run {run_id} "
     )
-    return _hold_lock(path, f"another run holds the lock for {repo}", f"run {run_id} ")
 
 
 def _hold_lock(path, held_message, holder_note):
@@ -2303,7 +2274,8 @@ _SIGNALS = {"armed": False, "noted": None}
 
 
 def _on_signal(signum, _frame):
-    """Kill the children and raise _Terminated once; while a run opens or closes, only note the signal."""
+    """Kill the children and raise _Terminated once; while a run opens or closes, only note the
+    signal."""
     for pgid in list(_CHILDREN):
         _kill_group(pgid)
     _SIGNALS["noted"] = _SIGNALS["noted"] or signum
@@ -2329,11 +2301,11 @@ def run_agent(
     run_id=None,
     origin=None
 ):
-    """One run on `repo`: (outcome, run_id, proposal path or None). Failures after open are recorded."""
+    """One run on `repo`: (outcome, run_id, proposal path or None). Failures after open are
+    recorded."""
     policy = load_policy(tools)
-    for name, value in (("max_steps", max_steps), ("max_wall_s", max_wall_s)):
-        if value is not None:
-            policy.budget[name] = value
+    overrides = {"max_steps": max_steps, "max_wall_s": max_wall_s}
+    policy.budget.update((name, n) for name, n in overrides.items() if n is not None)
     repo = repo_root(repo)
     commit = resolve_ref(repo, ref)
     run_id = run_id or rl.new_run_id()
@@ -2352,9 +2324,9 @@ def run_agent(
                 _SIGNALS["armed"] = True
                 if _SIGNALS["noted"]:  # it came while the run was being opened
                     raise _terminated()
-                outcome, proposal = _run_steps(
-                    run, repo, ref, commit, policy, settings, scratch, started, origin or {}
-                )
+                tree = scratch / "tree"
+                workspace = _start(run, repo, ref, commit, policy, settings, tree, origin or {})
+                outcome, proposal = _run_steps(run, workspace, settings, started)
             finally:
                 _SIGNALS["armed"] = False
         # the boundary: recorded as an event, then the run is closed
@@ -2369,17 +2341,25 @@ def run_agent(
                 _terminated(" while the run was being closed"),
                 "".join(traceback.format_stack())
             )
-        events = list(rl.read_events(run.ledger.path))
-        verdicts = [e["payload"].get("verdict") for e in events if e["kind"] == "judge_verdict"]
-        run.close(
-            outcome,
-            steps=sum(e["kind"] in ("model_proposed", "proposal_malformed") for e in events),
-            proposal=PROPOSAL_NAME if (run.dir / PROPOSAL_NAME).exists() else None,
-            verdict=verdicts[-1] if verdicts else None
-        )
+        _close(run, outcome)
         return outcome, run.run_id, proposal
     finally:
         os.close(lock)
+
+
+def _close(run, outcome):
+    """run_closed, with the steps, the proposal's file and the judge's verdict."""
+    events = list(rl.read_events(run.ledger.path))
+    run.close(
+        outcome,
+        steps=sum(e["kind"] in ("model_proposed", "proposal_malformed") for e in events),
+        proposal=PROPOSAL_NAME if (run.dir / PROPOSAL_NAME).exists() else None,
+        verdict=([p.get("verdict") for p in _payloads(events, "judge_verdict")] or [None])[-1]
+    )
+
+
+def _payloads(events, kind):
+    return [e["payload"] for e in events if e["kind"] == kind]
 
 
 def _record_error(run, exc, trace):
@@ -2396,56 +2376,18 @@ def _record_error(run, exc, trace):
 def _remove_tree(path):
     for base, dirs, _files in os.walk(path):
         # a test may have left a read-only directory behind (never chmod through a link)
-        for name in dirs:
-            full = os.path.join(base, name)
+        for full in (os.path.join(base, name) for name in dirs):
             if not os.path.islink(full):
-                try:
+                with contextlib.suppress(OSError):
                     os.chmod(full, 0o700)
-                except OSError:
-                    pass
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origin):
-    base_url, model, api_key = settings
-    # stored unmasked: replay reads it again
-    if any(value in policy.text for value in run.ledger.redactor.values):
-        raise rl.UsageError(
-            "tools.json holds the value of a secret (the value is not shown); it cannot be recorded"
-        )
-    digest = snapshot(repo, commit if ref else None, scratch / "tree")
-    dirty = (
-        False
-        if ref
-        else bool(git(repo, "status", "--porcelain=v1", "-z", "--untracked-files=normal"))
-    )
-    box = probe_sandbox(policy, _hidden_paths(repo, run.dir.parent))
-    run.append(
-        "run_started",
-        {
-            "repo": str(repo),
-            "ref": ref,
-            "commit": commit,
-            "dirty": dirty,
-            "tree_digest": digest,
-            "tools_path": policy.source,
-            "tools_sha256": policy.sha256,
-            "tools_artifact": run.store_artifact(policy.text, redact_secrets=False),
-            "model": model,
-            "base_url": ask.split_base_url(base_url)[1],
-            "budget": policy.budget,
-            "test_command": policy.test_command,
-            "agent_version": __version__,
-            "python": sys.version.split()[0],
-            **box.record(),
-            **origin
-        }
-    )
-    require_box(box, policy)
-    workspace = Workspace(
-        repo, commit if ref else None, scratch / "tree", policy, run.ledger.redactor, box
-    )
-    baseline = _tests(run, workspace, scratch)
+def _run_steps(run, workspace, settings, started):
+    """The run in its workspace: the baseline tests, the host loop, the judge; (outcome, proposal
+    path or None)."""
+    policy = workspace.policy
+    baseline = _tests(run, workspace)
     broken = _test_command_broken(policy.test_command, baseline)
     if broken:
         path = _child_env().get("PATH", os.defpath)
@@ -2462,43 +2404,79 @@ def _run_steps(run, repo, ref, commit, policy, settings, scratch, started, origi
     run.append(
         "prompt_context", {"diff_artifact": run.store_artifact(diff), "diff_chars": len(diff)}
     )
+    first = first_prompt(baseline["output"], diff, Budget(policy.budget).line(0.0))
     messages = [
         {"role": "system", "content": system_prompt(policy)},
-        {
-            "role": "user",
-            "content": run.ledger.redactor.text(
-                first_prompt(baseline["output"], diff, Budget(policy.budget).line(0.0))
-            )
-        }
+        {"role": "user", "content": run.ledger.redactor.text(first)}
     ]
     world = LiveWorld(run, workspace, settings, started)
+    base_url, model, api_key = settings
     if policy.budget["context_tokens"] is None:
-        listed = ask.list_models(
-            ledger=run,
-            base_url=base_url,
-            api_key=api_key,
-            # recorded as models_list
-            timeout=min(30, policy.budget["call_timeout_s"])
-        )
+        # recorded as models_list
+        timeout = min(30, policy.budget["call_timeout_s"])
+        listed = ask.list_models(ledger=run, base_url=base_url, api_key=api_key, timeout=timeout)
         world.plan.know((listed.get("context_tokens") or {}).get(model))
-    outcome, check = drive(world, policy, messages)
+    outcome, check = _Loop(world, policy, messages).run()
     if outcome != "proposal":
         return outcome, None
-    # after the decision that accepted it: its exact bytes, never masked
+    # after the decision that accepted it: its exact bytes, never masked; one open, on the new file
+    # itself: nothing planted there is followed
     path = run.dir / PROPOSAL_NAME
-    with os.fdopen(
-        os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600),
-        # one open, on the new file itself: nothing planted there is followed
-        "wb"
-    ) as handle:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    with os.fdopen(os.open(path, flags, 0o600), "wb") as handle:
         handle.write(check["proposal"])
-    verdict = _judge_in_child(run, policy, scratch, box)
+    verdict = _judge_in_child(run, workspace)
     return ("proposal_accepted" if verdict == "accept" else "proposal_rejected_by_judge"), path
 
 
-def _tests(run, workspace, scratch):
-    (scratch / "out").mkdir(exist_ok=True)  # out/: the one host directory a box writes
-    output, outcomes = workspace.run_tests(scratch / "out")
+def _start(run, repo, ref, commit, policy, settings, tree, origin):
+    """Copy the repository to `tree`, probe the sandbox, record run_started; the run's Workspace."""
+    # stored unmasked: replay reads it again
+    if any(value in policy.text for value in run.ledger.redactor.values):
+        raise rl.UsageError(
+            "tools.json holds the value of a secret (the value is not shown); it cannot be recorded"
+        )
+    pinned = commit if ref else None
+    digest = snapshot(repo, pinned, tree)
+    dirty = not ref and bool(
+        git(repo, "status", "--porcelain=v1", "-z", "--untracked-files=normal")
+    )
+    box = probe_sandbox(policy, _hidden_paths(repo, run.dir.parent))
+    run.append(
+        "run_started",
+        {
+            "repo": str(repo),
+            "ref": ref,
+            "commit": commit,
+            "dirty": dirty,
+            "tree_digest": digest,
+            "tools_path": policy.source,
+            "tools_sha256": policy.sha256,
+            "tools_artifact": run.store_artifact(policy.text, redact_secrets=False),
+            "model": settings[1],
+            "base_url": ask.split_base_url(settings[0])[1],
+            "budget": policy.budget,
+            "test_command": policy.test_command,
+            "agent_version": __version__,
+            "python": sys.version.split()[0],
+            **box.record(),
+            **origin
+        }
+    )
+    require_box(box, policy)
+    return Workspace(repo, pinned, tree, policy, run.ledger.redactor, box)
+
+
+def _boxed_tests(workspace):
+    """The tests in the box, which may write out/ beside the copy (JUnit XML) and nothing else of
+    the host's: (Output, per-test outcomes or None)."""
+    out = workspace.root.parent / "out"
+    out.mkdir(exist_ok=True)
+    return workspace.run_tests(out)
+
+
+def _tests(run, workspace):
+    output, outcomes = _boxed_tests(workspace)
     payload = {
         "command": workspace.policy.test_command,
         "returncode": output.returncode,
@@ -2514,10 +2492,8 @@ def _tests(run, workspace, scratch):
         payload["outcomes_artifact"] = run.store_artifact(
             json.dumps(outcomes, sort_keys=True, indent=0)
         )
-        payload["counts"] = {
-            k: sum(1 for v in outcomes.values() if v == k)
-            for k in ("passed", "failed", "error", "skipped")
-        }
+        counted = list(outcomes.values())
+        payload["counts"] = {k: counted.count(k) for k in ("passed", "failed", "error", "skipped")}
     run.append("tests_run", payload)
     return dict(payload, output=output, outcomes=outcomes)
 
@@ -2554,15 +2530,14 @@ def _test_command_broken(command, baseline):
     return None
 
 
-def _judge_in_child(run, policy, scratch, box):
-    """Run the judge as its own process; key, secrets and probe go on stdin, never in its environment."""
-    given = json.dumps(
-        {
-            "key": os.environ.get(rl.KEY_ENV) or None,
-            "secrets": list(run.ledger.redactor.values),
-            "sandbox": box.record()
-        }
-    )
+def _judge_in_child(run, workspace):
+    """Run the judge as its own process; key, secrets and probe go on stdin, never in its
+    environment."""
+    given = {
+        "key": os.environ.get(rl.KEY_ENV) or None,
+        "secrets": list(run.ledger.redactor.values),
+        "sandbox": workspace.box.record()
+    }
     argv = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -2573,13 +2548,11 @@ def _judge_in_child(run, policy, scratch, box):
     output = run_program(
         argv,
         HERE,
-        policy.test_timeout_s + 300,
-        env=dict(_child_env(), TMPDIR=str(scratch)),
-        input=given.encode("utf-8")
+        workspace.policy.test_timeout_s + 300,
+        env=dict(_child_env(), TMPDIR=str(workspace.root.parent)),
+        input=json.dumps(given).encode("utf-8")
     )
-    verdicts = [
-        e["payload"] for e in rl.read_events(run.ledger.path) if e["kind"] == "judge_verdict"
-    ]
+    verdicts = _payloads(rl.read_events(run.ledger.path), "judge_verdict")
     if not verdicts:
         raise RuntimeError(
             f"the judge did not give a verdict (exit {output.returncode}): "
@@ -2595,25 +2568,23 @@ def _artifact_text(run_dir, ref):
     return (Path(run_dir) / ref["path"]).read_bytes().decode("utf-8", "replace")
 
 
+def _recorded_policy(run_dir, started):
+    text = _artifact_text(run_dir, started["tools_artifact"])
+    return policy_from_text(text, "the run's tools.json")
+
+
 def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
     """Apply proposal.patch in a throwaway copy, run the tests boxed with known answers, rule; the
     verdict."""
     run_dir = Path(run_dir).resolve()
     events = list(rl.read_events(run_dir / rl.EVENTS_NAME, key=key))
-    decisions = [
-        e["payload"]
-        for e in events
-        if e["kind"] == "decision" and e["payload"].get("stage") == "proposal"
-    ]
+    decisions = [p for p in _payloads(events, "decision") if p.get("stage") == "proposal"]
     if not decisions:
         raise rl.UsageError(f"{run_dir}: the run has no accepted proposal to judge")
-    if any(e["kind"] == "run_closed" for e in events):
+    if _payloads(events, "run_closed"):
         raise rl.UsageError(f"{run_dir}: the run is closed; its verdict is in its ledger")
-    started = next(e["payload"] for e in events if e["kind"] == "run_started")
-    baseline = next(e["payload"] for e in events if e["kind"] == "tests_run")
-    policy = policy_from_text(
-        _artifact_text(run_dir, started["tools_artifact"]), "the run's tools.json"
-    )
+    started, baseline = _payloads(events, "run_started")[0], _payloads(events, "tests_run")[0]
+    policy = _recorded_policy(run_dir, started)
     before = baseline.get("outcomes_artifact") and json.loads(
         _artifact_text(run_dir, baseline["outcomes_artifact"])
     )
@@ -2626,7 +2597,32 @@ def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
         else probe_sandbox(policy, hide)
     )
     require_box(box, policy)
-    verdict = {
+    verdict = _unruled(box)
+    ledger = rl.Ledger(
+        run_dir / rl.EVENTS_NAME,
+        run_dir.name,
+        key=key,
+        secrets=list(secrets) + repo_secrets(repo, commit)
+    )
+    with tempfile.TemporaryDirectory(prefix="agent-judge-") as work:
+        tree = Path(work) / "tree"
+        if _sha256_hex(patch) != decisions[-1].get("proposal_sha256"):
+            verdict["reason"] = "proposal.patch is not the patch the decision accepted"
+        elif snapshot(repo, commit, tree) != started["tree_digest"]:
+            verdict["reason"] = (
+                "the repository changed since the run started; the judge cannot compare"
+            )
+        else:
+            workspace = Workspace(repo, None, tree, policy, ledger.redactor, box)
+            _judge_tree(patch, before, workspace, ledger, verdict)
+    ledger.append("judge_verdict", verdict)
+    ledger.close()
+    return verdict
+
+
+def _unruled(box):
+    """The verdict before the judge rules: a reject, with nothing found yet."""
+    return {
         "verdict": "reject",
         "rule": None,
         "applies": False,
@@ -2641,58 +2637,27 @@ def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
         "tripwires": [],
         **box.record()
     }
-    ledger = rl.Ledger(
-        run_dir / rl.EVENTS_NAME,
-        run_dir.name,
-        key=key,
-        secrets=list(secrets) + repo_secrets(repo, commit)
-    )
-    with tempfile.TemporaryDirectory(prefix="agent-judge-") as work:
-        tree = Path(work) / "tree"
-        if hashlib.sha256(patch).hexdigest() != decisions[-1].get("proposal_sha256"):
-            verdict["reason"] = "proposal.patch is not the patch the decision accepted"
-        elif snapshot(repo, commit, tree) != started["tree_digest"]:
-            verdict["reason"] = (
-                "the repository changed since the run started; the judge cannot compare"
-            )
-        else:
-            _judge_tree(
-                Path(work),
-                patch,
-                policy,
-                before,
-                Workspace(repo, None, tree, policy, ledger.redactor, box),
-                ledger,
-                verdict
-            )
-    ledger.append("judge_verdict", verdict)
-    ledger.close()
-    return verdict
 
 
-def _judge_tree(work, patch, policy, before, workspace, ledger, verdict):
-    """The judge's work in its copy: read the patch as git does, apply, plant, run the tests, rule."""
-    tree, env = workspace.root, _scratch_git_env(work)
+def _judge_tree(patch, before, workspace, ledger, verdict):
+    """The judge's work in its copy: read the patch as git does, apply, plant, run the tests,
+    rule."""
+    tree, policy = workspace.root, workspace.policy
+    env = _scratch_git_env(tree.parent)
     reading = git_reading(tree, patch, [], env) or GitReading([], [], False)
     verdict["touched_tests"] = [f for f in reading.paths if policy.is_test_path(f)]
     verdict["shadows"] = [f for f in reading.added if _shadows_a_module(f)]
     verdict["tripwires"] = tripwires(tree, reading, policy.tripwires, env)
-    if len(policy.tripwires) < len(TRIPWIRES):
-        verdict["tripwires_off"] = [t for t in TRIPWIRES if t not in policy.tripwires]
-    proc = subprocess.run(
-        ["git", "-C", str(tree), "apply", "-"],
-        input=patch,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env=env,
-        timeout=120
-    )
-    verdict["applies"] = proc.returncode == 0 and not reading.special
-    if reading.special or not verdict["applies"]:
+    off = [t for t in TRIPWIRES if t not in policy.tripwires]
+    if off:
+        verdict["tripwires_off"] = off
+    code, output = _git_apply(tree, patch, env)
+    verdict["applies"] = code == 0 and not reading.special
+    if not verdict["applies"]:
         verdict["reason"] = (
             "git reads the patch as making a symlink or a submodule"
             if reading.special
-            else "the patch does not apply: " + proc.stdout.decode("utf-8", "replace")[-500:]
+            else "the patch does not apply: " + output[-500:]
         )
         return
     plants = plant_known_answers(tree, policy, before) if policy.known_answers else None
@@ -2704,8 +2669,7 @@ def _judge_tree(work, patch, policy, before, workspace, ledger, verdict):
         )
     else:
         verdict["known_answers"] = "planted" if plants else "off"
-    (work / "out").mkdir()  # out/: the one directory of the judge's that the box may write
-    output, after = workspace.run_tests(work / "out")
+    output, after = _boxed_tests(workspace)
     after, passed, subverted = plants.read(output, after) if plants else (after, None, None)
     verdict.update(_compare(before, after, output, passed))
     if subverted:
@@ -2713,20 +2677,20 @@ def _judge_tree(work, patch, policy, before, workspace, ledger, verdict):
     text = output.artifact_bytes().decode("utf-8", "replace")
     text = plants.label(text) if plants else text
     verdict["output_artifact"] = ledger.store_artifact(text)
-    verdict["excerpt"] = _excerpt(
-        ledger.redactor.text(
-            text[: EXCERPT_BYTES // 2] + text[-EXCERPT_BYTES // 2 :]
-            if len(text) > EXCERPT_BYTES
-            else text
-        ),
-        800
-    )
+    half = EXCERPT_BYTES // 2
+    shown = text[:half] + text[-half:] if len(text) > EXCERPT_BYTES else text
+    verdict["excerpt"] = _excerpt(ledger.redactor.text(shown), 800)
     verdict["duration_ms"] = output.duration_ms
-    verdict["verdict"], verdict["rule"], verdict["reason"] = _rule(verdict, policy)
+    accept = (
+        "the patch applies, the tests pass, no test that passed before fails, no test file changed"
+    )
+    rule, verdict["reason"] = next(_broken_rules(verdict, policy), (None, accept))
+    verdict["verdict"], verdict["rule"] = "reject" if rule else "accept", rule
 
 
-def _compare(before, after, output, passed=None):
-    """Before and after, per test where both have results; `passed`: as the known answers decided."""
+def _compare(before, after, output, passed):
+    """Before and after, per test where both have results; `passed`: as the known answers
+    decided."""
     found = {
         "tests_passed": output.returncode == 0 if passed is None else passed,
         "returncode": output.returncode,
@@ -2739,9 +2703,7 @@ def _compare(before, after, output, passed=None):
         return found
     found["comparison"] = "per test (JUnit XML)"
     found["newly_failing"] = sorted(
-        t
-        for t, o in before.items()
-        if o == "passed" and after.get(t, "missing") in ("failed", "error")
+        t for t, o in before.items() if o == "passed" and after.get(t) in ("failed", "error")
     )
     found["vanished"] = sorted(
         t
@@ -2752,121 +2714,61 @@ def _compare(before, after, output, passed=None):
     return found
 
 
-def _rule(verdict, policy):
-    """(verdict, rule, reason): the first rule that rejects, in this order, or accept."""
-    if verdict["tripwires"]:
-        first = verdict["tripwires"][0]
-        return (
-            "reject",
-            first["rule"],
-            f"the patch trips {first['rule']} ({first['path']}: {first['what']})"
-        )
-    if verdict.get("shadows"):
-        return (
-            "reject",
-            "judge.shadows_module",
-            (
-                f"the patch adds {', '.join(verdict['shadows'][:5])}, named like a module Python can "
-                f"already import: run from the repository, the tests would import it instead"
-            )
+def _broken_rules(verdict, policy):
+    """(rule, reason) of each rule the verdict breaks, in the order the judge rules on them; the
+    first rejects."""
+
+    def listed(key):
+        return ", ".join(verdict[key][:5])
+
+    for first in verdict["tripwires"][:1]:
+        yield first["rule"], f"the patch trips {first['rule']} ({first['path']}: {first['what']})"
+    if verdict["shadows"]:
+        yield "judge.shadows_module", (
+            f"the patch adds {listed('shadows')}, named like a module Python can already import: "
+            "run from the repository, the tests would import it instead"
         )
     if verdict["touched_tests"] and not policy.allow_test_changes:
-        return (
-            "reject",
-            "judge.test_changed",
-            (
-                f"the patch changes test files or test configuration "
-                f"({', '.join(verdict['touched_tests'][:5])}); a fix must not"
-            )
+        yield "judge.test_changed", (
+            "the patch changes test files or test configuration "
+            f"({listed('touched_tests')}); a fix must not"
         )
     if verdict.get("runner_subverted"):
-        return (
-            "reject",
-            "judge.runner_subverted",
-            (
-                f"the test runner did not report the judge's known answers "
-                f"({verdict['runner_subverted']}): the patch subverts it"
-            )
+        yield "judge.runner_subverted", (
+            "the test runner did not report the judge's known answers "
+            f"({verdict['runner_subverted']}): the patch subverts it"
         )
     if verdict.get("results_missing"):
-        return (
-            "reject",
-            "judge.results_missing",
-            (
-                "the tests gave per-test results before the patch and none with "
-                "it: the patch stops or bypasses the test runner"
-            )
+        yield "judge.results_missing", (
+            "the tests gave per-test results before the patch and none with it: the patch stops or "
+            "bypasses the test runner"
         )
     if verdict["vanished"]:
-        return (
-            "reject",
-            "judge.tests_vanished",
-            f"tests that ran before are gone or skipped: " f"{', '.join(verdict['vanished'][:5])}"
+        yield "judge.tests_vanished", "tests that ran before are gone or skipped: " + listed(
+            "vanished"
         )
     if verdict["newly_failing"]:
-        return (
-            "reject",
-            "judge.newly_failing",
-            f"tests that passed before now fail: " f"{', '.join(verdict['newly_failing'][:5])}"
-        )
+        yield "judge.newly_failing", "tests that passed before now fail: " + listed("newly_failing")
     if not verdict["tests_passed"]:
-        return (
-            "reject",
-            "judge.tests_fail",
-            (
-                "the tests time out with the patch"
-                if verdict.get("timed_out")
-                else f"the tests still fail with the patch (exit {verdict.get('returncode')})"
-            )
+        yield "judge.tests_fail", (
+            "the tests time out with the patch"
+            if verdict.get("timed_out")
+            else f"the tests still fail with the patch (exit {verdict.get('returncode')})"
         )
-    return (
-        "accept",
-        None,
-        "the patch applies, the tests pass, no test that passed before fails, no test file changed"
-    )
 
 
 # -- known answers: a test that must fail and one that must pass, planted in the judge's copy only
-# -------
 
-_PYTEST_VALUE_OPTS = {
-    "-p",
-    "-c",
-    "-o",
-    "-W",
-    "-r",
-    "--rootdir",
-    "--confcutdir",
-    "--basetemp",
-    "--tb",
-    "--ignore",
-    "--ignore-glob",
-    "--junitxml",
-    "--junit-xml",
-    "--override-ini",
-    "--import-mode",
-    "--durations",
-    "--color",
-    "--capture",
-    "--log-level",
-    "--cov"
-}
+# pytest's options that take a value as the next argument, and those that can deselect a test or
+# stop before it runs
+_PYTEST_VALUE_OPTS = set(
+    "-p -c -o -W -r --rootdir --confcutdir --basetemp --tb --ignore --ignore-glob --junitxml "
+    "--junit-xml --override-ini --import-mode --durations --color --capture --log-level "
+    "--cov".split()
+)
 _DESELECTING = {
-    "-k",
-    "-m",
-    "--lf",
-    "--last-failed",
-    "--deselect",
-    "-x",
-    "--exitfirst",
-    "--maxfail",
-    "--sw",
-    "--stepwise",
-    "--random-order",
-    "--random-order-bucket",
-    "--random-order-seed",
-    "-f",
-    "--failfast",
+    *"-k -m --lf --last-failed --deselect -x --exitfirst --maxfail --sw --stepwise --random-order "
+    "--random-order-bucket --random-order-seed -f --failfast".split(),
     "-p randomly",
     "-p random_order"
 }
@@ -2881,8 +2783,8 @@ _UNITTEST_VALUES = {
 
 
 def _runner(argv):
-    """("pytest" | "unittest" | None, the arguments after the runner's name): `pytest`, `py.test`, or
-    `python [options] -m pytest|unittest`."""
+    """("pytest" | "unittest" | None, the arguments after the runner's name): `pytest`, `py.test`,
+    or `python [options] -m pytest|unittest`."""
     if os.path.basename(argv[0]) in ("pytest", "py.test"):
         return "pytest", argv[1:]
     for index, arg in enumerate(argv[1:], 1):
@@ -2897,38 +2799,34 @@ def _runner(argv):
 
 
 def _unittest_discovery(args):
-    """(start directory, pattern, why nothing can be planted or None) of `python -m unittest ARGS`."""
-    given, positional, rest = {"start": ".", "pattern": "test*.py"}, [], list(args[1:])
+    """(start directory, pattern, why nothing can be planted or None) of `python -m unittest
+    ARGS`."""
+    given, positional, rest, why = {"start": ".", "pattern": "test*.py"}, [], list(args[1:]), None
     if args[:1] != ["discover"]:
-        why = (
-            "the test command names test modules"
-            if any(not a.startswith("-") for a in args)
-            else (
-                "the test command can deselect or stop before the known answers"
-                if any(a in _DESELECTING for a in args)
-                else None
-            )
-        )
-        return given["start"], given["pattern"], why
-    while rest:
+        rest = []
+        if any(not a.startswith("-") for a in args):
+            why = "the test command names test modules"
+        elif any(a in _DESELECTING for a in args):
+            why = "the test command can deselect or stop before the known answers"
+    while rest and not why:
         arg = rest.pop(0)
         if arg == "-k":
-            return given["start"], given["pattern"], "-k can deselect the known answers"
-        if arg in _UNITTEST_VALUES:
-            given[_UNITTEST_VALUES[arg]] = rest.pop(0) if rest else given.get(_UNITTEST_VALUES[arg])
+            why = "-k can deselect the known answers"
+        elif arg in _UNITTEST_VALUES:
+            key = _UNITTEST_VALUES[arg]
+            given[key] = rest.pop(0) if rest else given.get(key)
         elif not arg.startswith("-"):
             positional.append(arg)
         elif arg in _DESELECTING:
-            return (
-                given["start"],
-                given["pattern"],
-                f"{arg} can stop the run before the known answers run"
-            )
-    return (positional + [given["start"]])[0], (positional[1:] + [given["pattern"]])[0], None
+            why = f"{arg} can stop the run before the known answers run"
+    if why:  # the options read before it, and no positional argument
+        positional = []
+    return (positional + [given["start"]])[0], (positional[1:] + [given["pattern"]])[0], why
 
 
 def _runner_patterns(argv):
-    """The test runner's own discovery patterns, which count as test files whatever tools.json lists."""
+    """The test runner's own discovery patterns, which count as test files whatever tools.json
+    lists."""
     runner, args = _runner(argv)
     if runner == "pytest":
         return ["test_*.py", "*_test.py", "conftest.py"]
@@ -2952,8 +2850,8 @@ def _pytest_why_not(args, tree):
 
 
 class KnownAnswers:
-    """The planted tests of one judge run: their names, the token the passing one writes, how to read
-    them."""
+    """The planted tests of one judge run: their names, the token the passing one writes, how to
+    read them."""
 
     def __init__(self, runner, tag, token):
         self.runner, self.tag, self.token = runner, tag, token
@@ -2962,11 +2860,14 @@ class KnownAnswers:
     def source(self):
         # the token is never whole in the file: only the test's run writes it
         half = len(self.token) // 2
-        write = f'os.write(1, ("\\\\nknown-answer-" + "{self.token[:half]}" + "{self.token[half:]}\\\\n").encode())'
+        write = (
+            f'os.write(1, ("\\\\nknown-answer-" + "{self.token[:half]}" + "{self.token[half:]}'
+            '\\\\n").encode())'
+        )
         if self.runner == "pytest":  # plain functions, the kind pytest collects from a test file
             return (
-                f"import os\n\n\ndef {self.fail}():\n    assert False, 'planted by the judge: must fail'\n\n\n"
-                f"def {self.ok}():\n    {write}\n"
+                f"import os\n\n\ndef {self.fail}():\n    assert False, 'planted by the judge: must "
+                f"fail'\n\n\ndef {self.ok}():\n    {write}\n"
             )
         return (
             f"import os\nimport unittest\n\n\nclass KnownAnswer{self.tag}(unittest.TestCase):\n"
@@ -2975,18 +2876,15 @@ class KnownAnswers:
         )
 
     def read(self, output, after):
-        """(per-test results less the plants, whether the project's tests pass, why the runner is not
-        believed)."""
+        """(per-test results less the plants, whether the project's tests pass, why the runner is
+        not believed)."""
         if output.timed_out:
             return after, False, None
         if self.runner == "pytest":
-            mine = {
-                t: o
-                for t, o in (after or {}).items()
-                if t.endswith((f"::{self.fail}", f"::{self.ok}"))
-            }
-            rest = None if after is None else {t: o for t, o in after.items() if t not in mine}
-            got = {t.rsplit("::", 1)[1]: o for t, o in mine.items()}
+            planted = (f"::{self.fail}", f"::{self.ok}")
+            rest = after and {t: o for t, o in after.items() if not t.endswith(planted)}
+            # by test name: the plants' names are the run's own
+            got = {t.rsplit("::", 1)[-1]: o for t, o in (after or {}).items()}
             ok = (
                 got.get(self.fail) == "failed"
                 and got.get(self.ok) == "passed"
@@ -3022,22 +2920,23 @@ class KnownAnswers:
         """The planted lines, marked, so that a reader is not alarmed by a failure the patch did not
         cause."""
         return re.sub(
-            rf"(?m)^(?=.*(?:known_(?:fail|pass)_{self.tag}|known-answer-{self.token}|KnownAnswer{self.tag}))",
+            rf"(?m)^(?=.*(?:known_(?:fail|pass)_{self.tag}|known-answer-{self.token}|"
+            rf"KnownAnswer{self.tag}))",
             "[planted by the judge] ",
             text
         )
 
 
 def plant_known_answers(tree, policy, before):
-    """Plant a must-fail and a must-pass test where the runner collects; KnownAnswers, or why not."""
+    """Plant a must-fail and a must-pass test where the runner collects; KnownAnswers, or why
+    not."""
     import fnmatch
 
     runner, args = _runner(policy.test_command)
     tag = os.urandom(6).hex()
     if runner == "pytest":
-        why = _pytest_why_not(args, tree)
-        place = None if why else _collected_file(tree, before)
-        if why or place is None:
+        why, place = _pytest_why_not(args, tree), _collected_file(tree, before)
+        if why or not place:
             return why or "the baseline run collected no test file to plant beside"
         base = os.path.basename(place)
         name = (
@@ -3069,7 +2968,8 @@ def plant_known_answers(tree, policy, before):
 
 
 def _collected_file(tree, before):
-    """A test file the baseline run collected, from its JUnit class names (`tests.test_calc.TestX`)."""
+    """A test file the baseline run collected, from its JUnit class names
+    (`tests.test_calc.TestX`)."""
     for test_id in sorted(before or ()):
         parts = test_id.split("::")[0].split(".")
         for end in range(len(parts), 0, -1):
@@ -3080,25 +2980,18 @@ def _collected_file(tree, before):
 
 
 # -- tripwires: what a fix does not need, read from the patch (tripwires, not proof)
-# --------------------
 
-_RUNNER_NAMES = {
-    "_pytest",
-    "pluggy",
-    "TestResult",
-    "TextTestResult",
-    "TextTestRunner",
-    "TestProgram"
-}
-_RUNNER_MODULES = {"_pytest", "pluggy", "unittest.runner", "unittest.result", "unittest.main"}
-_PROCESS_MODULES = {"signal", "_signal", "ctypes", "_ctypes", "pty"}
-_PROCESS_CALLS = {"fork", "forkpty", "setsid", "setpgrp", "setpgid", "kill", "killpg", "fork_exec"}
-_HOOK_ATTRS = {"meta_path", "path_hooks", "path_importer_cache", "settrace", "setprofile"}
-_MODULES_WRITES = {"update", "setdefault", "pop", "popitem", "clear", "__setitem__", "__delitem__"}
+_RUNNER_NAMES = set("_pytest pluggy TestResult TextTestResult TextTestRunner TestProgram".split())
+_RUNNER_MODULES = set("_pytest pluggy unittest.runner unittest.result unittest.main".split())
+_PROCESS_MODULES = set("signal _signal ctypes _ctypes pty".split())
+_PROCESS_CALLS = set("fork forkpty setsid setpgrp setpgid kill killpg fork_exec".split())
+_HOOK_ATTRS = set("meta_path path_hooks path_importer_cache settrace setprofile".split())
+_MODULES_WRITES = set("update setdefault pop popitem clear __setitem__ __delitem__".split())
 
 
 def tripwires(tree, reading, enabled, env):
-    """Every enabled tripwire the patch fires, [{rule, path, what}]; only what the patch adds counts."""
+    """Every enabled tripwire the patch fires, [{rule, path, what}]; only what the patch adds
+    counts."""
     fired = []
     for path in reading.paths:
         parts, base = path.split("/"), path.rsplit("/", 1)[-1]
@@ -3116,14 +3009,11 @@ def tripwires(tree, reading, enabled, env):
             fired.append(("tripwire.startup_hook", path, "a file Python runs at start-up"))
         old, new = reading.blobs.get(path, (None, None))
         if new and path.endswith((".py", ".pyw")):
-            seen = (
-                collections.Counter(w[:2] for w in _py_tripwires(_blob(tree, old, env)))
-                if old
-                else {}
-            )
+            was = _py_tripwires(_blob(tree, old, env)) if old else []
+            seen = collections.Counter(w[:2] for w in was)
             for rule, what, line in _py_tripwires(_blob(tree, new, env)):
-                if seen.get((rule, what)):
-                    seen[(rule, what)] -= 1
+                if seen[rule, what]:
+                    seen[rule, what] -= 1
                 else:
                     fired.append((rule, path, f"line {line}: {what}"))
     fired.sort(key=lambda f: TRIPWIRES.index(f[0]))
@@ -3143,7 +3033,8 @@ def _dotted(node):
 
 
 def _py_tripwires(source):
-    """[(rule, what, line)] in one Python file's source. See docs/sandbox.md for where each line is."""
+    """[(rule, what, line)] in one Python file's source. See docs/sandbox.md for where each line
+    is."""
     try:
         module = ast.parse(source)
     except (SyntaxError, ValueError):
@@ -3163,13 +3054,13 @@ def _py_tripwires(source):
 
 def _node_tripwires(node):
     if isinstance(node, (ast.Import, ast.ImportFrom)):
-        base = node.module or "" if isinstance(node, ast.ImportFrom) else ""
+        base = getattr(node, "module", None) or ""
         names = [base] if base else []
         names += [f"{base}.{a.name}" if base else a.name for a in node.names]
         for name in names:
             top = name.split(".")[0]
             if (
-                top in ("_pytest", "pluggy")
+                top in _RUNNER_MODULES
                 or name in _RUNNER_MODULES
                 or name.split(".")[-1] in _RUNNER_NAMES
             ):
@@ -3181,22 +3072,21 @@ def _node_tripwires(node):
             elif name in {f"sys.{a}" for a in _HOOK_ATTRS}:
                 yield "tripwire.interpreter_state", f"imports {name}"
     elif isinstance(node, ast.Attribute):
-        name, root = _dotted(node) or node.attr, (_dotted(node) or "").split(".")[0]
+        attr, dotted, stored = node.attr, _dotted(node) or "", not isinstance(node.ctx, ast.Load)
+        name, root = dotted or attr, dotted.split(".")[0]
         if (
-            root in ("_pytest", "pluggy")
-            or node.attr in _RUNNER_NAMES
-            or (root == "unittest" and node.attr in ("runner", "result"))
+            root in _RUNNER_MODULES
+            or attr in _RUNNER_NAMES
+            or (root == "unittest" and attr in ("runner", "result"))
         ):
             yield "tripwire.runner_internals", name
-        elif root in ("pytest", "unittest") and not isinstance(node.ctx, ast.Load):
+        elif root in ("pytest", "unittest") and stored:
             yield "tripwire.runner_internals", f"assigns {name}"
-        if node.attr in _HOOK_ATTRS or (
-            root in ("builtins", "__builtins__") and not isinstance(node.ctx, ast.Load)
-        ):
+        if attr in _HOOK_ATTRS or root in ("builtins", "__builtins__") and stored:
             yield "tripwire.interpreter_state", name
-        if node.attr in ("_exit", "abort") and root == "os" or root == "atexit":
+        if attr in ("_exit", "abort") and root == "os" or root == "atexit":
             yield "tripwire.exit_paths", name
-        if node.attr in _PROCESS_CALLS and root in ("os", "pty") or root in _PROCESS_MODULES:
+        if attr in _PROCESS_CALLS and root in ("os", "pty") or root in _PROCESS_MODULES:
             yield "tripwire.process_control", name
     elif isinstance(node, ast.Subscript) and not isinstance(node.ctx, ast.Load):
         if _dotted(node.value) in ("sys.modules", "__builtins__", "builtins.__dict__"):
@@ -3272,21 +3162,13 @@ class ReplayWorld:
                 self.replies.append(payload)
             elif kind in ("tool_allowed", "tool_denied"):
                 self.paths.setdefault(payload["step"], {}).update(payload.get("paths") or {})
-            elif kind == "patch_rejected":
-                self.checks[payload["step"]] = {
-                    "applies": False,
-                    "message": payload["message"],
-                    "patch_sha256": payload["patch_sha256"],
-                    "rule": payload.get("rule")
-                }
-            elif kind == "decision" and payload.get("stage") == "proposal":
-                self.checks[payload["step"]] = dict(
-                    {
-                        k: payload[k]
-                        for k in ("recount", "files", "patch_sha256", "proposal_sha256")
-                    },
-                    applies=True
-                )
+            elif (
+                kind == "patch_rejected"
+                or kind == "decision"
+                and payload.get("stage") == "proposal"
+            ):
+                # the check as the host read it: applies, and the fields of its event
+                self.checks[payload["step"]] = dict(payload, applies=kind == "decision")
 
     def elapsed(self):
         return self.clock[min(self.steps, len(self.clock) - 1)] if self.clock else 0.0
@@ -3302,7 +3184,7 @@ class ReplayWorld:
         return lambda norm: recorded.get(norm, norm)
 
     # what the model answered, whatever the messages held
-    def ask(self, step, messages, budget, limits):
+    def ask(self, step, messages, budget):
         if step > len(self.replies):
             raise _Exit("replayed")
         self.steps, call = step, self.replies[step - 1]["call"]
@@ -3314,25 +3196,16 @@ class ReplayWorld:
         payload = self.replies[step - 1]
         if "tool" not in payload:  # proposal_malformed
             raise Malformed(payload["reason"])
-        return {
-            "tool": payload["tool"],
-            "args": payload["args"],
-            "reason": payload["reason"]
-        }, payload["form"]
+        return {k: payload[k] for k in ("tool", "args", "reason")}, payload["form"]
 
-    def run_tool(self, step, tool, args, cap):
-        return (
-            _text_output(0, "(replayed: the recorded output is in the ledger)", time.monotonic()),
-            ""
-        )
+    def run_tool(self, step, tool, args):
+        return "(replayed: the recorded output is in the ledger)"
 
     def check_patch(self, step, patch):
         return self.checks.get(step) or {
             "applies": False,
             "message": "(not checked in the recorded run)",
-            "patch_sha256": None,
-            "recount": False,
-            "files": []
+            "patch_sha256": None
         }
 
 
@@ -3352,57 +3225,45 @@ def _decision_key(kind, payload):
 
 
 def replay_run(run_dir, tools=None):
-    """Drive the host again from the record: (first divergence or [], decisions `tools` would flip)."""
+    """Drive the host again from the record: (first divergence or [], decisions `tools` would
+    flip)."""
     run_dir = Path(run_dir)
     events = list(rl.read_events(run_dir / rl.EVENTS_NAME))
-    started = next((e["payload"] for e in events if e["kind"] == "run_started"), None)
-    if started is None:
+    started = _payloads(events, "run_started")
+    if not started:
         raise rl.UsageError(f"{run_dir}: no run_started event: not an agent run")
-    policy = (
-        load_policy(tools)
-        if tools
-        else policy_from_text(
-            _artifact_text(run_dir, started["tools_artifact"]), "the run's tools.json"
-        )
-    )
+    policy = load_policy(tools) if tools else _recorded_policy(run_dir, started[0])
     # a run recorded before max_repeats existed was never stopped for repeating itself
     if tools is None:
-        policy.budget = {**DEFAULT_BUDGET, "max_repeats": float("inf"), **started["budget"]}
+        policy.budget = {**DEFAULT_BUDGET, "max_repeats": float("inf"), **started[0]["budget"]}
     world = ReplayWorld(run_dir, events)
-    drive(world, policy, [{"role": "system", "content": ""}, {"role": "user", "content": ""}])
+    _Loop(world, policy, []).run()  # the replies are the record's, whatever the messages
     recorded = [
         (e["seq"], _decision_key(e["kind"], e["payload"]), e)
         for e in events
         if e["kind"] in DECISION_KINDS
     ]
     produced = [_decision_key(k, p) for k, p in world.produced if k in DECISION_KINDS]
-    divergences = []
-    for i in range(max(len(recorded), len(produced))):
-        seq, key = recorded[i][:2] if i < len(recorded) else (None, None)
-        got = produced[i] if i < len(produced) else None
-        if got != key:
-            divergences.append((seq, key, got))
-            break
-    decided = [
-        e["payload"].get("proposal_sha256") for _s, _k, e in recorded if e["kind"] == "decision"
-    ]
+    # the first: (its seq, the recorded decision, the replayed one), None where there is none
+    pairs = itertools.zip_longest(recorded, produced)
+    divergences = [(r and r[0], r and r[1], got) for r, got in pairs if (r and r[1]) != got][:1]
+    decided = [key[2] for _seq, key, _event in recorded if key[0] == "decision"]
     proposal = run_dir / PROPOSAL_NAME
-    digest = (
-        hashlib.sha256(proposal.read_bytes()).hexdigest() if decided and proposal.exists() else None
-    )
+    digest = _sha256_hex(proposal.read_bytes()) if decided and proposal.exists() else None
     if digest and digest != decided[-1]:
         divergences.append((None, ("proposal.patch", decided[-1]), ("proposal.patch", digest)))
     return divergences, (_flips(recorded, produced) if tools is not None else [])
 
 
 def _flips(recorded, produced):
-    flips, tools_at = [], {k[1]: k for k in produced if k[0] in ("tool_allowed", "tool_denied")}
+    flips, tools_at = [], {k[1]: k for k in produced if k[0].startswith("tool_")}
     for seq, key, event in recorded:
-        now = tools_at.get(key[1]) if key[0] in ("tool_allowed", "tool_denied") else None
-        if now is not None and (now[0], now[3]) != (key[0], key[3]):
+        now = tools_at.get(key[1])
+        if key[0].startswith("tool_") and now and (now[0], now[3]) != (key[0], key[3]):
             p = event["payload"]
+            args = json.dumps(p["args"], ensure_ascii=False)[:120]
             flips.append(
-                f"seq {seq} step {key[1]}: {p['tool']} {json.dumps(p['args'], ensure_ascii=False)[:120]}: "
+                f"seq {seq} step {key[1]}: {p['tool']} {args}: "
                 f"{key[0][5:]} by {key[3]} -> {now[0][5:]} by {now[3]}"
             )
     ends = [
@@ -3494,26 +3355,26 @@ def _cmd_run(args):
         run_id=args.run_id,
         origin=origin
     )
-    events = _events_of(Path(args.runs_dir) / run_id)
+    runs = Path(args.runs_dir)
+    events = _events_of(runs / run_id)
     unboxed = _unboxed(events)
     if unboxed and not unboxed.startswith('tools.json sets "sandbox": "off"'):
         rl.warn(f"run {run_id}: the tests and tools ran without a sandbox: {unboxed}")
     # error, budget_exhausted
-    ended = ([e["payload"] for e in events if e["kind"] == outcome] or [None])[-1]
+    ended = (_payloads(events, outcome) or [None])[-1]
     if outcome == "error" and ended:
         rl.error(f"run {run_id}: {ended.get('type')}: {ended.get('message')}"[:500])
     elif outcome == "budget_exhausted" and ended:
         rl.warn(
-            f"run {run_id}: budget exhausted: {ended.get('limit')} ({ended.get('used')} of {ended.get('max')})"
+            f"run {run_id}: budget exhausted: {ended.get('limit')} "
+            f"({ended.get('used')} of {ended.get('max')})"
         )
     elif outcome == "stuck":
         rl.warn(f"run {run_id}: " + run_reason(events))
     # bounded: a ClickHouse that hangs delays the run's exit by SHIP_RUN_DEADLINE_S at most
     if args.ship_to:
         _ship_run(
-            fleet.ClickHouse(args.ship_to, timeout=30, deadline=SHIP_RUN_DEADLINE_S),
-            Path(args.runs_dir),
-            run_id
+            fleet.ClickHouse(args.ship_to, timeout=30, deadline=SHIP_RUN_DEADLINE_S), runs, run_id
         )
     rl.write_out(f"{run_id} {outcome} {proposal or '-'}\n")
     return OUTCOME_EXIT[outcome]
@@ -3534,8 +3395,8 @@ def _ship_run(client, runs_dir, run_id):
         failed = [(runs_dir / run_id, exc)]
     for path, problem in failed:
         rl.warn(
-            f"run {run_id}: {path} not shipped to ClickHouse at {client.where}: {rl.error_text(problem)}; "
-            f"`fleet.py ship --all {runs_dir}` sends it later"
+            f"run {run_id}: {path} not shipped to ClickHouse at {client.where}: "
+            f"{rl.error_text(problem)}; `fleet.py ship --all {runs_dir}` sends it later"
         )
 
 
@@ -3548,8 +3409,9 @@ def _events_of(run_dir):
 
 
 def _unboxed(events):
-    """Why the run's programs ran without bwrap (its run_started says), or None when they ran in it."""
-    started = next((e["payload"] for e in events if e["kind"] == "run_started"), {})
+    """Why the run's programs ran without bwrap (its run_started says), or None when they ran in
+    it."""
+    started = (_payloads(events, "run_started") or [{}])[0]
     return (
         started.get("sandbox_reason") or "no reason recorded"
         if started.get("sandbox") == "none"
@@ -3566,24 +3428,22 @@ def _cmd_check_tools(args):
             rl.error(f"{path}: {problem}")
         return rl.EXIT_USAGE
     rl.write_out(
-        f"ok    {path}  version {policy.version}, {len(policy.builtins)} built-ins, {len(policy.plugins)} "
-        f"plugins, sha256 {policy.sha256}\n"
+        f"ok    {path}  version {policy.version}, {len(policy.builtins)} built-ins, "
+        f"{len(policy.plugins)} plugins, sha256 {policy.sha256}\n"
     )
     return rl.EXIT_OK
 
 
 def _cmd_judge(args):
     _subreaper()
-    key, secrets, box = None, (), None
     # agent.py run hands over the ledger key, the values to mask and its probe on stdin
-    if args.from_host:
-        given = json.loads(sys.stdin.buffer.read() or b"{}")
-        key, secrets, box = (
-            (given.get("key") or "").encode("utf-8"),
-            given.get("secrets") or (),
-            given.get("sandbox")
-        )
-    verdict = judge_run(args.run_dir, key=key, secrets=secrets, sandbox=box)
+    given = json.loads(sys.stdin.buffer.read() or b"{}") if args.from_host else {}
+    verdict = judge_run(
+        args.run_dir,
+        key=(given.get("key") or "").encode("utf-8") if args.from_host else None,
+        secrets=given.get("secrets") or (),
+        sandbox=given.get("sandbox")
+    )
     rl.write_out(f"{verdict['verdict']}: {verdict['reason']}\n")
     return rl.EXIT_OK if verdict["verdict"] == "accept" else rl.EXIT_CHECK
 
@@ -3594,7 +3454,8 @@ def _cmd_replay(args):
         for line in flips:
             rl.write_out(rl.printable(line) + "\n")
         rl.write_out(
-            f"{len(flips)} decision{'s' if len(flips) != 1 else ''} would change under {args.tools}\n"
+            f"{len(flips)} decision{'s' if len(flips) != 1 else ''} would change under "
+            f"{args.tools}\n"
         )
         return rl.EXIT_CHANGED if flips else rl.EXIT_OK
     if not divergences:
@@ -3635,77 +3496,90 @@ def _cmd_runs(args):
 
 
 def _build_parser():
-    codes = (
-        rl.EXIT_OK,
-        rl.EXIT_FAILED,
-        rl.EXIT_USAGE,
-        rl.EXIT_CHECK,
-        rl.EXIT_CHANGED,
-        rl.EXIT_OUTPUT,
-        rl.EXIT_LOCKED,
-        rl.EXIT_BUDGET,
-        rl.EXIT_PROPOSAL,
-        rl.EXIT_STUCK
-    )
     parser = rl.ArgumentParser(
         prog="agent.py",
         description="The host of a coding agent.",
-        epilog=rl.exit_codes_epilog(*codes),
+        epilog=rl.exit_codes_epilog(*rl.EXIT_CODES),  # agent.py answers with every one of them
         formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    p = sub.add_parser(
-        "run",
-        help="one run on a repository: tests, then the model proposes until a patch or budget"
-    )
-    p.add_argument("--repo", required=True, help="the git repository (never modified)")
-    p.add_argument(
-        "--ref",
-        help="a commit to work on (default: the working tree, uncommitted changes included)"
-    )
-    p.add_argument(
-        "--runs-dir",
-        default=DEFAULT_RUNS,
-        help=f"where runs are recorded (default ./{DEFAULT_RUNS})"
-    )
-    p.add_argument(
-        "--tools",
-        default=str(DEFAULT_TOOLS),
-        help="the allowlist (default: tools.json beside agent.py)"
-    )
-    p.add_argument("--max-steps", type=int, help="override the budget's max_steps")
-    p.add_argument("--max-wall-s", type=float, help="override the budget's max_wall_s")
-    for hidden in ("--run-id", "--delivery", "--event"):  # the daemon's
-        p.add_argument(hidden, help=argparse.SUPPRESS)
-    p.add_argument("--settings-on-stdin", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--ship-to",
-        metavar="URL",
-        help="once closed, ship the run and the index to ClickHouse at URL"
-    )
-    p.set_defaults(func=_cmd_run)
-    p = sub.add_parser(
-        "runs", help="a table of runs: id, started, outcome, steps, tokens, verified, why"
-    )
-    p.add_argument("--runs-dir", default=DEFAULT_RUNS)
-    p.set_defaults(func=_cmd_runs)
-    p = sub.add_parser(
-        "replay", help="the same decisions from the record; --tools: which would change"
-    )
-    p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--tools", help="another tools.json: list the decisions it would flip")
-    p.set_defaults(func=_cmd_replay)
-    p = sub.add_parser("check-tools", help="validate a tools.json (exit 0 valid, 2 not)")
-    p.add_argument("file", nargs="?", metavar="FILE")
-    p.set_defaults(func=_cmd_check_tools)
-    p = sub.add_parser(
-        "judge", help="judge a run's proposal.patch in a throwaway copy (the host runs this)"
-    )
-    p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--from-host", action="store_true", help=argparse.SUPPRESS)
-    p.set_defaults(func=_cmd_judge)
+    for name, func, help, arguments in _COMMANDS:
+        command = sub.add_parser(name, help=help)
+        command.set_defaults(func=func)
+        for flag, help, *options in arguments:
+            command.add_argument(flag, help=help, **dict(*options))
     return parser
+
+
+_HIDDEN = argparse.SUPPRESS
+# Each command: its name, its function, its help, and its arguments (flag, help, other options)
+_COMMANDS = (
+    (
+        "run",
+        _cmd_run,
+        "one run on a repository: tests, then the model proposes until a patch or budget",
+        (
+            ("--repo", "the git repository (never modified)", {"required": True}),
+            (
+                "--ref",
+                "a commit to work on (default: the working tree, uncommitted changes included)"
+            ),
+            (
+                "--runs-dir",
+                f"where runs are recorded (default ./{DEFAULT_RUNS})",
+                {"default": DEFAULT_RUNS}
+            ),
+            (
+                "--tools",
+                "the allowlist (default: tools.json beside agent.py)",
+                {"default": str(DEFAULT_TOOLS)}
+            ),
+            ("--max-steps", "override the budget's max_steps", {"type": int}),
+            ("--max-wall-s", "override the budget's max_wall_s", {"type": float}),
+            # the daemon's
+            ("--run-id", _HIDDEN),
+            ("--delivery", _HIDDEN),
+            ("--event", _HIDDEN),
+            ("--settings-on-stdin", _HIDDEN, {"action": "store_true"}),
+            (
+                "--ship-to",
+                "once closed, ship the run and the index to ClickHouse at URL",
+                {"metavar": "URL"}
+            )
+        )
+    ),
+    (
+        "runs",
+        _cmd_runs,
+        "a table of runs: id, started, outcome, steps, tokens, verified, why",
+        (("--runs-dir", None, {"default": DEFAULT_RUNS}),)
+    ),
+    (
+        "replay",
+        _cmd_replay,
+        "the same decisions from the record; --tools: which would change",
+        (
+            ("run_dir", None, {"metavar": "RUN_DIR"}),
+            ("--tools", "another tools.json: list the decisions it would flip")
+        )
+    ),
+    (
+        "check-tools",
+        _cmd_check_tools,
+        "validate a tools.json (exit 0 valid, 2 not)",
+        (("file", None, {"nargs": "?", "metavar": "FILE"}),)
+    ),
+    (
+        "judge",
+        _cmd_judge,
+        "judge a run's proposal.patch in a throwaway copy (the host runs this)",
+        (
+            ("run_dir", None, {"metavar": "RUN_DIR"}),
+            ("--from-host", _HIDDEN, {"action": "store_true"})
+        )
+    )
+)
 
 
 def main(argv=None):
