@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-import ask
+import proxy as proxy_script
 import reasoning_ledger as rl
 from conftest import KEY, all_bytes_under, run_script, clean_env
 from fake_upstream import ANSWER, Upstream
@@ -164,7 +164,7 @@ def test_with_a_token_clients_must_present_it_and_it_is_masked(start, upstream, 
 
 
 def test_without_a_token_only_loopback_and_loopback_host_names(start, upstream, tmp_path):
-    proc = run_script("ask.py", "proxy", "--listen", "0.0.0.0:0", env=clean_env(BASE_URL=upstream.base_url,
+    proc = run_script("proxy.py", "--listen", "0.0.0.0:0", env=clean_env(BASE_URL=upstream.base_url,
                                                                                  API_KEY=KEY))
     assert proc.returncode == 2 and proc.err.startswith("error: ") and len(proc.err.splitlines()) == 1
     proxy = start()
@@ -175,10 +175,10 @@ def test_without_a_token_only_loopback_and_loopback_host_names(start, upstream, 
 
 
 def test_a_missing_setting_or_a_port_in_use_is_exit_2_with_one_error_line(start):
-    proc = run_script("ask.py", "proxy", "--listen", "127.0.0.1:0", env=clean_env(API_KEY=KEY))
+    proc = run_script("proxy.py", "--listen", "127.0.0.1:0", env=clean_env(API_KEY=KEY))
     assert proc.returncode == 2 and proc.err.splitlines()[0].startswith("error: BASE_URL")
     proxy = start()
-    proc = run_script("ask.py", "proxy", "--listen", f"127.0.0.1:{proxy.port}",
+    proc = run_script("proxy.py", "--listen", f"127.0.0.1:{proxy.port}",
                       env=clean_env(API_KEY=KEY, BASE_URL="http://127.0.0.1:9/v1"))
     assert proc.returncode == 2 and proc.err.startswith("error: cannot listen") and proc.out == ""
     assert proxy.first_line.startswith("proxy: listening on http://127.0.0.1:") and "-> http://" in proxy.first_line
@@ -353,7 +353,7 @@ def test_session_and_client_retry_are_recorded_and_audit_groups_by_session(start
                                                 "User-Agent": "OpenAI/Python 1.0 " + "x" * 500})
     lines = calls(proxy.ledger)
     assert [c["session_id"] for c in lines] == ["alpha", "alpha", "beta"] and lines[0]["client_retry"] == 1
-    assert len(lines[0]["user_agent"]) == ask.MAX_HEADER_CHARS
+    assert len(lines[0]["user_agent"]) == proxy_script.MAX_HEADER_CHARS
     proc = run_script("audit.py", proxy.ledger, "--by", "session", "--json")
     assert proc.returncode == 0, proc.err
     rows = json.loads(proc.out)["models"]
