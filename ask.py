@@ -616,6 +616,143 @@ class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
                 break
 
 
+# --- The one HTTP request reader, of proxy.py and daemon.py ---
+
+# Host: name[:port], [v6][:port]
+_HOST_RE = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9_.-]+))(?::[0-9]{1,5})?\Z")
+
+
+class Refused(Exception):
+    """An error answer: `reason` a short code (the proxy sends it, the daemon records it; None: a
+    malformed request), `message` all the client reads, `headers` a dict of extra ones."""
+
+    def __init__(self, status, reason, message, headers=None):
+        super().__init__(message)
+        self.status, self.reason, self.message, self.headers = (
+            status,
+            reason,
+            message,
+            headers or {}
+        )
+
+
+def http_answer(status, body, headers=(), close=False, chunked=False):
+    """The bytes of one answer, head and body in one write (no Nagle delay between them); `headers`
+    are (name, value) pairs, Content-Type application/json unless one is given."""
+    head = [f"HTTP/1.1 {status} {http.client.responses.get(status, 'Status')}"]
+    head += [f"{name}: {value}" for name, value in headers]
+    if not any(name.lower() == "content-type" for name, _ in headers):
+        head.append("Content-Type: " + ("text/event-stream" if chunked else "application/json"))
+    head.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}")
+    if close:
+        head.append("Connection: close")
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1", "replace") + body
+
+
+def host_name(value):
+    """The name a Host header (or an Origin's host) gives, lowercased, without its port, brackets or
+    final dot; None when it is not one."""
+    match = _HOST_RE.match(value.strip().lower())
+    return (match.group(1) or match.group(2)).rstrip(".") if match else None
+
+
+def require_json(headers):
+    """A body's Content-Type must be application/json, UTF-8 if a charset is named: else a 415."""
+    ctype = [part.strip() for part in (headers.get("Content-Type") or "").lower().split(";")]
+    if ctype[0] != "application/json" or any(
+        part.startswith("charset=") and part not in ("charset=utf-8", 'charset="utf-8"')
+        for part in ctype[1:]
+    ):
+        raise Refused(415, "wrong_content_type", "the body must be application/json (UTF-8)")
+
+
+class RequestHandler(socketserver.StreamRequestHandler):
+    """Reads one HTTP/1.x request under one Deadline, and checks it in order: the request line and the
+    headers (400, 431), the server's own checks (check(): Host, Origin, a token), the route and its
+    method (allowed(): 404, 405), Content-Length (411, 400, 413), `Expect: 100-continue`, the body
+    (400 when short). A refusal raises Refused; a request the deadline cuts is a 408."""
+
+    max_body, line, method, path, headers, close, stage = 0, b"", "-", "-", {}, True, "request"
+
+    def check(self):
+        """The server's checks of the head (Host, Origin, a token): raise Refused to refuse."""
+
+    def allowed(self, path):
+        """The method `path` (without its query) takes; None: no such route."""
+
+    def read_request(self, seconds, how=socket.SHUT_RDWR):
+        """The body of a request that passes every check, read within `seconds`: the deadline shuts the
+        socket (both ways, or `how`). Sets line, method, path, headers, close (no keep-alive), stage
+        ("request", then "body"). A client that sends nothing raises ConnectionAbortedError."""
+        self.deadline, self.close, self.stage = Deadline(seconds), True, "request"
+        self.connection.settimeout(seconds + 2)  # a backstop: the deadline ends the reads
+        self.deadline.watch(self.connection, how)
+        try:
+            body = self._read_request()
+            if not self.deadline.expired:  # else the head or the body ended at the deadline
+                return body
+        # the deadline's timer is late (a loaded box): the reads end all the same
+        except socket.timeout:
+            self.deadline.expire()
+        except Refused:
+            self.close = (
+                self.close
+                or "Transfer-Encoding" in self.headers
+                or (self.headers.get("Content-Length") or "0") != "0"
+            )  # a body left unread ends the connection
+            if not self.deadline.expired:
+                raise
+        raise Refused(408, None, "the request took too long")
+
+    def _read_request(self):
+        line = self.line = self.rfile.readline(65537)
+        if not line and not self.deadline.expired:
+            raise ConnectionAbortedError("no request")  # a browser's idle preconnect, say
+        parts = line.decode("latin-1").split()
+        if len(line) > 65536 or len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
+            raise Refused(400, None, "not an HTTP/1.x request line")
+        self.method, self.path = parts[:2]
+        try:
+            self.headers = http.client.parse_headers(self.rfile)
+        except http.client.HTTPException:
+            raise Refused(431, None, "the request headers are too long or too many") from None
+        connection = (self.headers.get("Connection") or "").lower()
+        self.close = "close" in connection or (
+            parts[2] == "HTTP/1.0" and "keep-alive" not in connection
+        )
+        self.check()
+        path = self.path.split("?", 1)[0]
+        method = self.allowed(path)
+        if method is None:
+            raise Refused(404, None, f"no route {path[:200]}")
+        if self.method != method:
+            raise Refused(405, None, f"use {method}", {"Allow": method})
+        return self._read_body()
+
+    def _read_body(self):
+        lengths = self.headers.get_all("Content-Length") or ([] if self.method == "POST" else ["0"])
+        if self.headers.get("Transfer-Encoding") is not None:
+            raise Refused(
+                411,
+                "transfer_encoding",
+                "send the body with Content-Length, without Transfer-Encoding"
+            )
+        if not lengths:
+            raise Refused(411, "missing_length", "Content-Length is required")
+        if len(lengths) > 1 or not re.fullmatch(r"[0-9]{1,15}", lengths[0].strip()):
+            raise Refused(400, "bad_length", "Content-Length must be one decimal number")
+        length = int(lengths[0])
+        if length > self.max_body:
+            raise Refused(413, "too_large", f"the body is larger than {self.max_body} bytes")
+        self.stage = "body"
+        if (self.headers.get("Expect") or "").lower() == "100-continue":
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        body = self.rfile.read(length)
+        if len(body) < length:
+            raise Refused(400, "incomplete_body", "the body is shorter than Content-Length")
+        return body
+
+
 # --- Transport: no redirects, one deadline for the whole attempt, bounded reads ---
 
 

@@ -17,6 +17,7 @@ import base64
 import binascii
 import collections
 import contextlib
+import email.utils
 import hashlib
 import hmac
 import html
@@ -33,7 +34,6 @@ import tempfile
 import threading
 import time
 import traceback
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 # the toolkit beside us, even under -I
@@ -73,11 +73,16 @@ MAX_SHOWN_CHARS = 4000  # one value on the timeline page
 DAEMON_ENV = ("WEBHOOK_SECRET", "WEBHOOK_SECRET_FILE", "READ_TOKEN")  # never passed to a run
 # passed to a run on its stdin, not in its environment
 PIPED_ENV = ("API_KEY", "OPENAI_API_KEY", rl.KEY_ENV)
-_BUSY_BODY = b'{"error": "too many connections; retry later"}\n'
-_BUSY = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-    b"Retry-After: 1\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+_BUSY = ask.http_answer(
+    503, b'{"error": "too many connections; retry later"}\n', [("Retry-After", "1")], close=True
 )
+# what an answer says besides its body
+_HEADERS = {
+    "Server": "agent.py-serve",
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff"
+}
+_METHODS = "GET POST PUT DELETE PATCH HEAD OPTIONS TRACE CONNECT".split()  # others: 501
 
 _DELIVERY_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
 _EVENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}\Z")
@@ -85,22 +90,7 @@ _GITHUB_SIG_RE = re.compile(r"sha256=([0-9a-fA-F]{64})\Z")
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?\Z")
 # new_run_id()'s shape only
 _RUN_URL_RE = re.compile(r"/runs/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8})\Z")
-# Host: name[:port], [v6][:port]
-_HOST_RE = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9_.-]+))(?::[0-9]{1,5})?\Z")
-
-
-class Refused(Exception):
-    """An error answer: `reason` is recorded (None: not recorded), `message` is all the client reads."""
-
-    def __init__(self, status, reason, message, headers=None):
-        super().__init__(message)
-        self.status, self.reason, self.message, self.headers = (
-            status,
-            reason,
-            message,
-            headers or {}
-        )
-
+Refused = ask.Refused
 
 # github, standard or unsigned; id; event
 Delivery = collections.namedtuple("Delivery", "source delivery event")
@@ -317,12 +307,7 @@ def authenticate(keys, headers, body, now=None):
 
 def parse_body(headers, body, found):
     """After a valid signature: (the application/json UTF-8 object, its event name). Raises Refused."""
-    ctype = [part.strip() for part in (headers.get("Content-Type") or "").lower().split(";")]
-    if ctype[0] != "application/json" or any(
-        part.startswith("charset=") and part not in ("charset=utf-8", 'charset="utf-8"')
-        for part in ctype[1:]
-    ):
-        raise Refused(415, "wrong_content_type", "the body must be application/json (UTF-8)")
+    ask.require_json(headers)
     try:
         payload = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
@@ -354,56 +339,94 @@ class _Server(ask.CappedServer):
         self.app.connection_refused(client_address[0])
 
 
-class _Handler(BaseHTTPRequestHandler):
-    """One request per connection, then closed. The socket's timeout bounds a read, the ask.Deadline
-    them all."""
+class _Handler(ask.RequestHandler):
+    """One request per connection, then closed, read under --request-timeout (docs/daemon.md)."""
 
-    protocol_version, server_version = "HTTP/1.1", "agent.py-serve"
-    # what an answer needs when the request line did not parse (it keeps its status line: HTTP/1.0)
-    default_request_version = request_version = "HTTP/1.0"
-    raw_requestline, requestline, command, sent, delivery, claimed = b"", "", None, None, None, None
-    stage, route, expect_continue = "request", "-", False
-
-    def setup(self):
-        super().setup()
-        self.app, self.started = self.server.app, time.monotonic()
-        self.connection.settimeout(self.app.settings.request_timeout + RESPONSE_GRACE_S)
-        self.deadline = ask.Deadline(self.app.settings.request_timeout)
-        # the read side only: the handler can still answer 408
-        self.deadline.watch(self.connection, socket.SHUT_RD)
+    sent = delivery = None
 
     def handle(self):
+        self.app, started = self.server.app, time.monotonic()
+        self.max_body = self.app.settings.max_body
+        with contextlib.suppress(OSError):  # the client went away (a reset, a broken pipe)
+            self._respond()
+        self.deadline.cancel()
+        # nothing sent (a browser's idle preconnect) is no request; a timeout is an event
+        if self.line:
+            status, size = self.sent or ("-", 0)
+            self.app.log(
+                f"{self.client_address[0]} {rl.printable(self.method)} {self.route} {status} "
+                f"{size} {(time.monotonic() - started) * 1000:.1f} {self.delivery or '-'}"
+            )
+
+    @property
+    def route(self):
+        """The path as logged and recorded: no query, secrets masked."""
+        return rl.printable(self.app.redactor.text(self.path.split("?", 1)[0][:200]))
+
+    def check(self):
+        if self.method not in _METHODS:
+            raise Refused(501, None, "unknown method")
+        self.app.check_host(self.headers)
+
+    def allowed(self, path):
+        if path == "/webhook":
+            return "POST"
+        return "GET" if path in ("/", "/healthz", "/runs") or path.startswith("/runs/") else None
+
+    def _respond(self):
         try:
-            self.handle_one_request()
-        except OSError:  # the client went away (a reset, a broken pipe): nothing to answer
-            pass
-        if self.deadline.expired and self.sent is None:
+            # the read side only: the handler can still answer 408
+            body = self.read_request(self.app.settings.request_timeout, socket.SHUT_RD)
+        except Refused as refused:
+            self._refuse(refused)
+            return self._linger()
+        try:
+            if self.path.split("?", 1)[0] != "/webhook":
+                return self._read(self.path.split("?", 1)[0])
+            found = authenticate(self.app.settings.keys, self.headers, body)
+            self.delivery = found.delivery
+            payload, event = parse_body(self.headers, body, found)
+            self._reply(*self.app.accept(found, event, body, payload, self.client_address[0]))
+        except Refused as refused:
+            self._refuse(refused)
+        except Exception as exc:  # the boundary: recorded, answered 500 without details
+            self.app.record_error(f"{self.method} {self.route}", exc)
+            self._reply(500, {"error": "internal error"})
+
+    def _refuse(self, refused):
+        """Record a refusal on /webhook (a timeout on any path), then answer it."""
+        claimed = (
+            self.headers.get("X-GitHub-Delivery") or self.headers.get("webhook-id") or ""
+        ).strip() or None
+        if claimed is not None and not _DELIVERY_RE.match(claimed):
+            claimed = "(not a delivery id)"
+        if refused.status == 408:
             self.app.record_rejected(
                 "webhook_timeout",
                 {
                     "remote": self.client_address[0],
                     "stage": self.stage,
                     "path": self.route,
-                    "delivery": self.claimed,
+                    "delivery": claimed,
                     "timeout_s": self.app.settings.request_timeout
                 }
             )
-            self._reply(408, {"error": "the request took too long"})
-        if self.sent and self.sent[0] >= 400 and self.stage in ("request", "body"):
-            self._linger()
-        self.deadline.cancel()
-        # nothing sent (a browser's idle preconnect) is no request; a timeout is an event
-        if self.raw_requestline:
-            status, size = self.sent or ("-", 0)
-            self.app.log(
-                f"{self.client_address[0]} {rl.printable(self.command or '-')} {self.route} {status} "
-                f"{size} {(time.monotonic() - self.started) * 1000:.1f} {self.delivery or '-'}"
+        elif refused.reason and self.path.split("?", 1)[0] == "/webhook":
+            self.app.record_rejected(
+                "webhook_rejected",
+                {
+                    "reason": refused.reason,
+                    "status": refused.status,
+                    "remote": self.client_address[0],
+                    "delivery": self.delivery or claimed
+                }
             )
+        self._reply(refused.status, {"error": refused.message}, refused.headers)
 
     def _linger(self):
-        """Drain a little of what the client still sends (LINGER_BYTES, for LINGER_S at most): a close
-        with unread input resets the answer before the client reads it, and an unbounded drain is a
-        free firehose."""
+        """Drain a little of what the client still sends (LINGER_BYTES, for LINGER_S at most): a
+        close with unread input resets the answer before the client reads it, and an unbounded
+        drain is a free firehose."""
         end, drained = time.monotonic() + LINGER_S, 0
         with contextlib.suppress(OSError):  # a timeout too
             self.connection.shutdown(socket.SHUT_WR)
@@ -414,98 +437,7 @@ class _Handler(BaseHTTPRequestHandler):
                     break
                 drained += len(chunk)
 
-    def log_message(self, format, *args):  # the access log is ours (handle)
-        pass
-
-    def version_string(self):
-        return self.server_version
-
-    def send_error(self, code, message=None, explain=None):
-        if not self.deadline.expired:  # else handle() answers 408 and records it
-            self._reply(int(code), {"error": self.responses.get(int(code), ("error",))[0]})
-
-    def handle_expect_100(self):
-        self.expect_continue = True  # 100 Continue only once the headers pass (no 100 before a 413)
-        return True
-
-    def do_GET(self):
-        path = self.path.split("?", 1)[0]
-        self.route = rl.printable(self.app.redactor.text(path[:200]))
-        if self.deadline.expired:  # the headers ended only because the deadline shut the reads
-            return
-        try:
-            self.app.check_host(self.headers)
-            if path == "/webhook":
-                self._webhook()
-            elif path in ("/", "/healthz", "/runs") or path.startswith("/runs/"):
-                self._read(path)
-            else:
-                raise Refused(404, None, "not found")
-        except Refused as refused:
-            if path == "/webhook" and refused.reason:
-                self.app.record_rejected(
-                    "webhook_rejected",
-                    {
-                        "reason": refused.reason,
-                        "status": refused.status,
-                        "remote": self.client_address[0],
-                        "delivery": self.delivery or self.claimed
-                    }
-                )
-            self._reply(refused.status, {"error": refused.message}, refused.headers)
-        except Exception as exc:  # the boundary: recorded, answered 500 without details
-            self.app.record_error(f"{self.command} {self.route}", exc)
-            self._reply(500, {"error": "internal error"})
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = do_GET
-
-    def _webhook(self):
-        claimed = (
-            self.headers.get("X-GitHub-Delivery") or self.headers.get("webhook-id") or ""
-        ).strip() or None
-        self.claimed = (
-            claimed if claimed is None or _DELIVERY_RE.match(claimed) else "(not a delivery id)"
-        )
-        lengths = self.headers.get_all("Content-Length") or []
-        if self.command != "POST":
-            raise Refused(405, None, "use POST", {"Allow": "POST"})
-        if self.headers.get("Transfer-Encoding") is not None:
-            raise Refused(
-                411,
-                "transfer_encoding",
-                "send the body with Content-Length, without Transfer-Encoding"
-            )
-        if not lengths:
-            raise Refused(411, "missing_length", "Content-Length is required")
-        if len(lengths) > 1 or not re.fullmatch(r"[0-9]{1,15}", lengths[0].strip()):
-            raise Refused(400, "bad_length", "Content-Length must be one decimal number")
-        length = int(lengths[0])
-        if length > self.app.settings.max_body:
-            raise Refused(
-                413, "too_large", f"the body is larger than {self.app.settings.max_body} bytes"
-            )
-        self.stage = "body"
-        if self.expect_continue:
-            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        try:
-            body = self.rfile.read(length)
-        # the deadline's timer is late (a loaded box): the reads end all the same
-        except socket.timeout:
-            self.deadline.expire()
-            body = b""
-        if len(body) < length:
-            if self.deadline.expired:
-                return  # handle() answers 408
-            raise Refused(400, "incomplete_body", "the body is shorter than Content-Length")
-        self.stage = "processing"
-        found = authenticate(self.app.settings.keys, self.headers, body)
-        self.delivery = found.delivery
-        payload, event = parse_body(self.headers, body, found)
-        self._reply(*self.app.accept(found, event, body, payload, self.client_address[0]))
-
     def _read(self, path):
-        if self.command != "GET":
-            raise Refused(405, None, "use GET", {"Allow": "GET"})
         allowed = self.app.read_allowed(self.headers.get("Authorization"))
         if path == "/healthz":
             return self._reply(200, self.app.health(detailed=allowed))
@@ -539,24 +471,14 @@ class _Handler(BaseHTTPRequestHandler):
         kind = (
             {"Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": _PAGE_POLICY}
             if page
-            else {"Content-Type": "application/json"}
+            else {}
         )
+        head = dict(_HEADERS, Date=email.utils.formatdate(usegmt=True), **kind, **(headers or {}))
+        answer = ask.http_answer(status, data, head.items(), close=True)
         self.sent = (status, len(data))
         try:
             self.connection.settimeout(self.deadline.remaining() + RESPONSE_GRACE_S)
-            self.send_response(status)
-            for name, value in {
-                **kind,
-                "Content-Length": str(len(data)),
-                "Cache-Control": "no-store",
-                "X-Content-Type-Options": "nosniff",
-                **(headers or {}),
-                "Connection": "close"
-            }.items():
-                self.send_header(name, value)
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
+            self.wfile.write(answer[: len(answer) - len(data)] if self.method == "HEAD" else answer)
         except OSError:
             pass  # the client went away; what was accepted is recorded already
 
@@ -779,12 +701,9 @@ class Daemon:
             raise Refused(403, "bad_origin", "requests from this Origin are refused")
 
     def _names_us(self, value):
-        match = _HOST_RE.match(value.strip().lower())
-        if not match:
-            return False
-        name = (match.group(1) or match.group(2)).rstrip(".")
+        name = ask.host_name(value)
         # listening on every address: no rebinding
-        literal = match.group(1) or re.fullmatch(r"[0-9.]+", name)
+        literal = name and (":" in name or re.fullmatch(r"[0-9.]+", name))
         return (
             name in self.settings.names
             or bool(literal)

@@ -14,13 +14,11 @@ Exit codes: 0 stopped by SIGTERM or SIGINT, 2 usage or configuration error. See 
 import argparse
 import functools
 import hmac
-import http.client
 import json
 import math
 import os
 import re
 import socket
-import socketserver
 import sys
 import threading
 import time
@@ -164,18 +162,6 @@ def _passed_back(headers):
     ]
 
 
-def _http_answer(status, body, headers=(), close=False, chunked=False):
-    """The bytes of one answer, head and body in one write (no Nagle delay between them)."""
-    head = [f"HTTP/1.1 {status} {http.client.responses.get(status, 'Status')}"]
-    head += [f"{name}: {value}" for name, value in headers]
-    if not any(name.lower() == "content-type" for name, _ in headers):
-        head.append("Content-Type: " + ("text/event-stream" if chunked else "application/json"))
-    head.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}")
-    if close:
-        head.append("Connection: close")
-    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1", "replace") + body
-
-
 def _error_json(message, code, kind="proxy_error"):
     return json.dumps(
         {"error": {"message": message, "type": kind, "param": None, "code": code}}
@@ -197,7 +183,7 @@ class _ProxyServer(ask.CappedServer):
             secrets=self.secrets
         )
         ask._check_ledger(self.book)
-        busy = _http_answer(
+        busy = ask.http_answer(
             503,
             _error_json("too many connections; retry later", "busy"),
             [("Retry-After", "1")],
@@ -216,19 +202,18 @@ class _ProxyServer(ask.CappedServer):
             rl.error(str(exc), self.secrets)
 
 
-class _ProxyHandler(socketserver.StreamRequestHandler):
+class _ProxyHandler(ask.RequestHandler):
     """One client connection: requests in turn (keep-alive), each read under --read-timeout, then
     forwarded."""
+
+    max_body = PROXY_MAX_BODY
 
     def handle(self):
         # each event goes out at once
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         args, self.close = self.server.args, False
         while not self.close and self._await_request():
-            self.started, self.status, self.method, self.path = time.perf_counter(), None, "-", "-"
-            self.deadline = ask.Deadline(args.read_timeout)
-            self.deadline.watch(self.connection)
-            self.connection.settimeout(args.read_timeout)
+            self.started, self.status = time.perf_counter(), None
             try:
                 self._one_request()
             except OSError:  # the client went away: nothing to answer
@@ -236,9 +221,10 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
             finally:
                 self.deadline.cancel()
             if args.verbose:
+                path = self.server.book.redactor.text(self.path)[:200]
                 print(
                     rl.printable(
-                        f"proxy: {self.client_address[0]} {self.method} {self.path[:200]} {self.status} "
+                        f"proxy: {self.client_address[0]} {self.method} {path} {self.status} "
                         f"{ask._ms_since(self.started)} ms"
                     ),
                     file=sys.stderr,
@@ -260,88 +246,44 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
             with app.lock:
                 app.idle.discard(self.connection)
 
-    def _one_request(self):
-        try:
-            route, raw = self._read_request()
-        # nothing was sent upstream; a body left unread ends the connection
-        except ask._CallFailed as refused:
-            self.close = (
-                self.close
-                or "Transfer-Encoding" in self.headers
-                or (self.headers.get("Content-Length") or "0") != "0"
+    def check(self):
+        app, host = self.server, ask.host_name(self.headers.get("Host") or "")
+        if app.stopping:
+            self.close = True
+            raise ask.Refused(
+                503, "unavailable", "the proxy is shutting down", {"Retry-After": "1"}
             )
+        if app.token and not hmac.compare_digest(
+            (self.headers.get("Authorization") or "").encode("latin-1", "replace"),
+            f"Bearer {app.token}".encode()
+        ):
+            raise ask.Refused(401, "invalid_api_key", "the proxy token is required as the API key")
+        if not app.token and not _is_loopback(host or ""):
+            raise ask.Refused(
+                403, "forbidden", "Host must be a loopback name (set PROXY_TOKEN to serve others)"
+            )
+
+    def allowed(self, path):
+        self.route = path[3:].rstrip("/") if path.startswith("/v1/") else None
+        return PROXY_ROUTES.get(self.route)
+
+    def _one_request(self):
+        args = self.server.args
+        try:
+            raw = self.read_request(args.read_timeout)
+        # nothing was sent upstream
+        except ask.Refused as refused:
+            code = {404: "not_found", 405: "method_not_allowed"}.get(refused.status)
             return self._error(
-                refused.status, refused.message, refused.error_type, refused.headers or ()
+                refused.status,
+                refused.message,
+                refused.reason or code or "invalid_request",
+                refused.headers
             )
         # the body is in: from here the upstream's deadline bounds the request
         self.deadline.cancel()
-        self.connection.settimeout(self.server.args.timeout + self.server.args.read_timeout)
-        return self._models() if route == "/models" else self._call(route, raw)
-
-    def _read_request(self):
-        """(route, body) of a request that passes every check; raises _CallFailed to refuse it."""
-        app, line, self.close = self.server, self.rfile.readline(65537), True
-        parts = line.decode("latin-1").split()
-        if len(line) > 65536 or len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
-            raise ask._CallFailed("invalid_request", "not an HTTP/1.x request line", 400)
-        self.method, self.path = parts[0], rl.redact_text(parts[1], app.secrets)
-        try:
-            self.headers = http.client.parse_headers(self.rfile)
-        except http.client.HTTPException:
-            raise ask._CallFailed(
-                "invalid_request", "the request headers are too long or too many", 431
-            ) from None
-        header = self.headers.get
-        connection = (header("Connection") or "").lower()
-        self.close = "close" in connection or (
-            parts[2] == "HTTP/1.0" and "keep-alive" not in connection
-        )
-        host = (header("Host") or "").strip()
-        host = (
-            host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
-        )
-        path = self.path.split("?", 1)[0]
-        route = path[3:].rstrip("/") if path.startswith("/v1/") else None
-        if app.stopping:
-            self.close = True
-            raise ask._CallFailed(
-                "unavailable", "the proxy is shutting down", 503, [("Retry-After", "1")]
-            )
-        if app.token and not hmac.compare_digest(
-            (header("Authorization") or "").encode("latin-1", "replace"),
-            f"Bearer {app.token}".encode()
-        ):
-            raise ask._CallFailed(
-                "invalid_api_key", "the proxy token is required as the API key", 401
-            )
-        if not app.token and not _is_loopback(host):
-            raise ask._CallFailed(
-                "forbidden", "Host must be a loopback name (set PROXY_TOKEN to serve others)", 403
-            )
-        if route not in PROXY_ROUTES:
-            raise ask._CallFailed("not_found", f"no route {path[:200]}", 404)
-        if self.method != PROXY_ROUTES[route]:
-            raise ask._CallFailed(
-                "method_not_allowed",
-                f"use {PROXY_ROUTES[route]}",
-                405,
-                [("Allow", PROXY_ROUTES[route])]
-            )
-        length = header("Content-Length") or ("" if self.method == "POST" else "0")
-        if header("Transfer-Encoding") or not length.isdigit():
-            raise ask._CallFailed("length_required", "send the body with Content-Length", 411)
-        if int(length) > PROXY_MAX_BODY:
-            raise ask._CallFailed(
-                "request_too_large", f"the body is over {PROXY_MAX_BODY} bytes", 413
-            )
-        if (header("Expect") or "").lower() == "100-continue":
-            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        raw = self.rfile.read(int(length))
-        if len(raw) < int(length):
-            raise ask._CallFailed(
-                "incomplete_body", "the body is shorter than its Content-Length", 400
-            )
-        return route, raw
+        self.connection.settimeout(args.timeout + args.read_timeout)
+        return self._models() if self.route == "/models" else self._call(self.route, raw)
 
     def _record(self, route, model, stream, attempt, messages, tokens, body):
         """The record of one upstream attempt: a direct call's, plus the client's route, address and
@@ -448,10 +390,10 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
 
     def _send(self, status, body, headers=(), chunked=False):
         self.status = status
-        self.wfile.write(_http_answer(status, body, headers, close=self.close, chunked=chunked))
+        self.wfile.write(ask.http_answer(status, body, headers, close=self.close, chunked=chunked))
 
-    def _error(self, status, message, code, headers=(), kind="proxy_error"):
-        self._send(status, _error_json(message, code, kind), list(headers))
+    def _error(self, status, message, code, headers=None, kind="proxy_error"):
+        self._send(status, _error_json(message, code, kind), list((headers or {}).items()))
 
 
 class _Relay:
