@@ -22,6 +22,7 @@ import contextlib
 import functools
 import hashlib
 import http.client
+import ipaddress
 import json
 import math
 import os
@@ -654,6 +655,16 @@ def host_name(value):
     final dot; None when it is not one."""
     match = _HOST_RE.match(value.strip().lower())
     return (match.group(1) or match.group(2)).rstrip(".") if match else None
+
+
+def is_loopback(host):
+    """Is `host` loopback by its text alone: `localhost` or a loopback address? A name is never
+    resolved: under DNS rebinding a name resolves to whatever its owner says."""
+    host = host.strip("[]").lower()
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
 
 
 def require_json(headers):

@@ -21,7 +21,6 @@ import email.utils
 import hashlib
 import hmac
 import html
-import ipaddress
 import itertools
 import json
 import os
@@ -117,7 +116,7 @@ def serve_settings(args, environ):
         raise rl.UsageError(
             "the read token (--read-token / READ_TOKEN) must be at least 16 characters"
         )
-    loopback = is_loopback(args.host)
+    loopback = ask.is_loopback(args.host)
     if not loopback and not secrets:
         raise rl.UsageError(
             f"refusing to listen on {rl.printable(args.host)}, which is not a loopback address, "
@@ -195,17 +194,6 @@ def signing_keys(secrets):
                 ) from None
         keys.append((raw, standard))
     return keys
-
-
-def is_loopback(host):
-    """True when every address `host` names is a loopback address."""
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except (socket.gaierror, UnicodeError):
-        raise rl.UsageError(f"--host {rl.printable(host)}: cannot resolve that name") from None
-    return bool(infos) and all(
-        ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos
-    )
 
 
 # -- authentication: before the body is parsed ---------------------------------

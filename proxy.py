@@ -76,15 +76,6 @@ _PASS_BACK = (
 _WHOLE_ERRORS = ("api_error", "malformed_response", "empty_content")  # the stream ended by itself
 
 
-def _is_loopback(host):
-    import ipaddress
-
-    try:
-        return host == "localhost" or ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return False
-
-
 def _json_text(value):
     return json.dumps(value, ensure_ascii=False, separators=(",", ":"), default=str)
 
@@ -258,7 +249,7 @@ class _ProxyHandler(ask.RequestHandler):
             f"Bearer {app.token}".encode()
         ):
             raise ask.Refused(401, "invalid_api_key", "the proxy token is required as the API key")
-        if not app.token and not _is_loopback(host or ""):
+        if not app.token and not ask.is_loopback(host or ""):
             raise ask.Refused(
                 403, "forbidden", "Host must be a loopback name (set PROXY_TOKEN to serve others)"
             )
@@ -493,7 +484,7 @@ def _run_proxy(args):
     if not match or int(match.group(2)) > 65535:
         raise ask.ConfigError(f"--listen must be HOST:PORT, not {args.listen!r}")
     host, port = match.group(1), int(match.group(2))
-    if token is None and not _is_loopback(host):
+    if token is None and not ask.is_loopback(host):
         raise ask.ConfigError(
             f"--listen {host}: set PROXY_TOKEN to listen on anything but loopback"
         )
