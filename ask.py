@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import functools
 import hashlib
+import hmac
 import http.client
 import ipaddress
 import json
@@ -665,6 +666,15 @@ def is_loopback(host):
         return host == "localhost" or ipaddress.ip_address(host.split("%")[0]).is_loopback
     except ValueError:
         return False
+
+
+def bearer_ok(authorization, token):
+    """Does an Authorization header carry `Bearer TOKEN` (the scheme in any case)? Compared in
+    constant time."""
+    scheme, _, given = (authorization or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        given.strip().encode("latin-1", "replace"), token.encode()
+    )
 
 
 def require_json(headers):

@@ -1015,14 +1015,8 @@ class Daemon:
     def read_allowed(self, authorization):
         """The bearer token of the read endpoints (not needed on loopback without a token)."""
         token = self.settings.read_token
-        scheme, _, given = (authorization or "").strip().partition(" ")
         return (
-            not self.settings.token_required
-            or bool(token)
-            and scheme.lower() == "bearer"
-            and (
-                hmac.compare_digest(given.strip().encode("utf-8", "replace"), token.encode("utf-8"))
-            )
+            not self.settings.token_required or bool(token) and ask.bearer_ok(authorization, token)
         )
 
     def health(self, detailed):

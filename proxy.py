@@ -13,7 +13,6 @@ Exit codes: 0 stopped by SIGTERM or SIGINT, 2 usage or configuration error. See 
 
 import argparse
 import functools
-import hmac
 import json
 import math
 import os
@@ -244,10 +243,7 @@ class _ProxyHandler(ask.RequestHandler):
             raise ask.Refused(
                 503, "unavailable", "the proxy is shutting down", {"Retry-After": "1"}
             )
-        if app.token and not hmac.compare_digest(
-            (self.headers.get("Authorization") or "").encode("latin-1", "replace"),
-            f"Bearer {app.token}".encode()
-        ):
+        if app.token and not ask.bearer_ok(self.headers.get("Authorization"), app.token):
             raise ask.Refused(401, "invalid_api_key", "the proxy token is required as the API key")
         if not app.token and not ask.is_loopback(host or ""):
             raise ask.Refused(
