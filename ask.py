@@ -58,6 +58,11 @@ __all__ = [
     "MODEL_CALL_OPTIONAL",
     "DEFAULT_MAX_RESPONSE_BYTES"
 ]
+# Ours beyond __all__ (the rooms' surface, not the vendoring promise). The HTTP kit, for proxy.py,
+# daemon.py and fleet.py: Deadline, http_open, CappedServer, RequestHandler, Refused, http_answer,
+# host_name, is_loopback, bearer_ok, require_json. One call's parts, for proxy.py: attempts (every
+# attempt of a call), call_record, finish, models_call, CallFailed, endpoint, check_ledger,
+# append_record, check_number, ms_since, RESPONSE_DONE.
 
 # --- Constants ---
 
@@ -163,7 +168,7 @@ class RecordError(rl.UsageError):
         self.record = record
 
 
-class _CallFailed(Exception):
+class CallFailed(Exception):
     """One attempt failed: what the ledger records about it (body: an HTTP error's, capped)."""
 
     def __init__(
@@ -246,12 +251,12 @@ def split_base_url(base_url):
     return (parts.scheme, netloc, path, parts.query), recorded, host, port
 
 
-def _endpoint(request_base, suffix):
+def endpoint(request_base, suffix):
     scheme, netloc, path, query = request_base
     return urllib.parse.urlunsplit((scheme, netloc, path + suffix, query, ""))
 
 
-def _check_number(name, value, minimum=None, above=None):
+def check_number(name, value, minimum=None, above=None):
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -801,7 +806,7 @@ def _classify(exc, deadline):  # a failure below a complete HTTP answer
 
 def _open(url, record, problems, *, api_key, deadline, limit, body=None):
     """Send one request (GET without a body); return the response of a 2xx, its head in `record`.
-    Raises _CallFailed for anything else, or for a body announced over `limit`."""
+    Raises CallFailed for anything else, or for a body announced over `limit`."""
     stream = bool(body and body.get("stream"))
     headers = {
         "Authorization": f"Bearer {api_key}",
@@ -822,7 +827,7 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
             host = (
                 urllib.parse.urlsplit(location).netloc.rpartition("@")[2][:200] or "(no Location)"
             )
-            raise _CallFailed(
+            raise CallFailed(
                 "redirect",
                 f"HTTP {exc.code}: redirect to {host} not followed (the API key is "
                 f"never sent to another URL; fix BASE_URL)",
@@ -836,7 +841,7 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
         error_type = STATUS_ERRORS.get(
             exc.code, "server_error" if exc.code >= 500 else "http_error"
         )
-        raise _CallFailed(
+        raise CallFailed(
             error_type,
             f"HTTP {exc.code}: {message or exc.reason}",
             exc.code,
@@ -845,13 +850,13 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
             body=raw
         ) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-        raise _CallFailed(*_classify(exc, deadline)) from None
+        raise CallFailed(*_classify(exc, deadline)) from None
     record["http_status"] = response.status
     _fill_head(record, response.headers, problems)
     declared = response.headers.get("Content-Length", "")
     if declared.isdigit() and int(declared) > limit:
         response.close()
-        raise _CallFailed(
+        raise CallFailed(
             "response_too_large",
             f"the body announces {declared} bytes, over the {limit}-byte "
             f"limit (--max-response-bytes)",
@@ -891,7 +896,7 @@ def _read_body(response, limit, deadline, tolerant=False):
             f"the body ended {response.length} bytes short of its Content-Length"
         )
     if failed is not None:
-        raise _CallFailed(*failed, response.status, response.headers)
+        raise CallFailed(*failed, response.status, response.headers)
     return raw
 
 
@@ -903,24 +908,24 @@ def _parse_json(raw, what, problems, status, headers):
             parse_constant=lambda name: problems.append(f"{name} in the {what}")
         )
     except UnicodeDecodeError:
-        raise _CallFailed(
+        raise CallFailed(
             "invalid_json", f"HTTP {status} but the {what} is not UTF-8", status, headers
         ) from None
     except ValueError:
         message = _error_from_body(raw, headers.get("Content-Type", ""))[0]
         error_type = "html_response" if message.startswith("an HTML page") else "invalid_json"
-        raise _CallFailed(
+        raise CallFailed(
             error_type,
             f"HTTP {status} but the {what} is not JSON: {message[:200]}",
             status,
             headers
         ) from None
     except RecursionError:
-        raise _CallFailed(
+        raise CallFailed(
             "malformed_response", f"the {what} is nested too deeply to read", status, headers
         ) from None
     if not isinstance(data, dict):
-        raise _CallFailed(
+        raise CallFailed(
             "invalid_json", f"HTTP {status} but the {what} is not a JSON object", status, headers
         )
     return data
@@ -930,7 +935,7 @@ def _api_error(err, status, headers, prefix):
     message, code = (
         (err.get("message"), _code(err.get("code"))) if isinstance(err, dict) else (err, None)
     )
-    raise _CallFailed(
+    raise CallFailed(
         "api_error", f"{prefix}: {str(message)[:MAX_ERROR_CHARS]}", status, headers, code=code
     )
 
@@ -942,7 +947,7 @@ def _sha256(text):
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _new_record(model, recorded_base, host, port, stream, attempt, messages, options):
+def call_record(model, recorded_base, host, port, stream, attempt, messages, options):
     system = [m["content"] for m in messages if m["role"] == "system"]
     users = [m["content"] for m in messages if m["role"] == "user"]
     system_chars = sum(map(len, system))
@@ -1007,7 +1012,7 @@ def _take(record, data, key, state, problems, status, headers):
         state["tools"] = state["embedding"] = True  # an answer, without text
         return None
     if whole and (not isinstance(choices, list) or not choices):
-        raise _CallFailed(
+        raise CallFailed(
             "no_choices", f"HTTP {status} but the response has no choices", status, headers
         )
     if type(choices or []) is not list:
@@ -1043,7 +1048,7 @@ def _choice_text(record, choice, key, where, state, problems):
     return _content_text(part.get("content"), f"{where}.{key}.content", problems)
 
 
-_RESPONSE_DONE = ("response.completed", "response.incomplete", "response.failed")
+RESPONSE_DONE = ("response.completed", "response.incomplete", "response.failed")
 
 
 def _take_response(record, data, whole, state, problems, status, headers):
@@ -1055,7 +1060,7 @@ def _take_response(record, data, whole, state, problems, status, headers):
     if type(response) is dict:
         _fill_ids(record, response, problems)
         state["usage"] = response.get("usage", state.get("usage"))
-        if whole or kind in _RESPONSE_DONE:
+        if whole or kind in RESPONSE_DONE:
             record["finish_reason"] = _server_text(
                 response.get("status"), "status", problems, MAX_FIELD_CHARS
             )
@@ -1089,7 +1094,7 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems, 
             line = response.readline(MAX_SSE_LINE_BYTES + 1)
             total += len(line)
             if total > limit or (len(line) > MAX_SSE_LINE_BYTES and not line.endswith(b"\n")):
-                raise _CallFailed(
+                raise CallFailed(
                     "response_too_large",
                     f"the stream is over the {limit}-byte limit or has a line "
                     f"over {MAX_SSE_LINE_BYTES} bytes",
@@ -1097,7 +1102,7 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems, 
                     headers
                 )
             if line and not line.endswith(b"\n"):
-                raise _CallFailed(
+                raise CallFailed(
                     "truncated_stream",
                     "the stream was cut in the middle of an event",
                     status,
@@ -1124,20 +1129,20 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems, 
             piece = _take(record, chunk, "delta", state, problems, status, headers) if chunk else ""
             if piece:
                 if record["ttft_ms"] is None:
-                    record["ttft_ms"] = _ms_since(started)
+                    record["ttft_ms"] = ms_since(started)
                 parts.append(piece)
                 on_text(piece)
             if not line:
                 break
         if deadline.expired:
-            raise _CallFailed(*_classify(None, deadline), status, headers)
+            raise CallFailed(*_classify(None, deadline), status, headers)
     except (OSError, http.client.HTTPException) as exc:
-        raise _CallFailed(*_classify(exc, deadline), status, headers) from None
+        raise CallFailed(*_classify(exc, deadline), status, headers) from None
     finally:
         record["response_chars"] = sum(map(len, parts))
         record["est_output_tokens"] = estimate_tokens(record["response_chars"])
     if not (state.get("done") or state.get("finished")):
-        raise _CallFailed(
+        raise CallFailed(
             "truncated_stream",
             "the stream ended without a finish_reason or [DONE]",
             status,
@@ -1166,7 +1171,7 @@ def _one_attempt(
     url, body, record, started, *, api_key, deadline, limit, on_text, problems, relay, state
 ):
     """Send once; fill `record` but latency_ms and `state` (status, headers, a parsed body's bytes);
-    return the text. Raises _CallFailed."""
+    return the text. Raises CallFailed."""
     with _open(
         url, record, problems, api_key=api_key, deadline=deadline, limit=limit, body=body
     ) as response:
@@ -1186,7 +1191,7 @@ def _one_attempt(
             )
         # a shape the readers did not foresee
         except (KeyError, TypeError, AttributeError, IndexError) as exc:
-            raise _CallFailed(
+            raise CallFailed(
                 "malformed_response",
                 f"the answer's shape cannot be read ({type(exc).__name__})",
                 response.status,
@@ -1202,23 +1207,23 @@ def _one_attempt(
                 record["usage_status"] = "complete"  # embeddings have input tokens only
 
 
-def _finish(record, started, text, failure, problems, redactor, answered=False):
+def finish(record, started, text, failure, problems, redactor, answered=False):
     """The last steps of every attempt, one-shot, proxied, refused or /models: latency, sizes, problems
     and the failure, if any, into `record`. Returns the failure (None on success)."""
-    record["latency_ms"] = _ms_since(started)  # to the end of the body, or to the failure
+    record["latency_ms"] = ms_since(started)  # to the end of the body, or to the failure
     if text is not None:
         record["response_chars"] = len(text)
         record["est_output_tokens"] = estimate_tokens(len(text))
     if problems:
         record["malformed"] = problems[:MAX_PROBLEMS]
     if problems and failure is None:
-        failure = _CallFailed(
+        failure = CallFailed(
             "malformed_response",
             "the answer arrived but the body is malformed: " + "; ".join(problems[:3]),
             record["http_status"]
         )
     if failure is None and not answered and not (text or "").strip():
-        failure = _CallFailed(
+        failure = CallFailed(
             "empty_content",
             f"HTTP {record['http_status']} but the answer is empty",
             record["http_status"]
@@ -1238,7 +1243,7 @@ def _finish(record, started, text, failure, problems, redactor, answered=False):
     return failure
 
 
-def _ms_since(started):
+def ms_since(started):
     return round((time.perf_counter() - started) * 1000, 1)
 
 
@@ -1291,7 +1296,7 @@ def _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, unti
     return wait
 
 
-def _attempts(
+def attempts(
     url,
     body,
     new_record,
@@ -1340,11 +1345,11 @@ def _attempts(
                 relay=out,
                 state=state
             )
-        except _CallFailed as exc:
+        except CallFailed as exc:
             failure = exc
         finally:
             deadline.cancel()
-        failure = _finish(
+        failure = finish(
             record, started, text, failure, problems, redactor, tools_answer and state.get("tools")
         )
         if failure is None and checks:
@@ -1393,14 +1398,14 @@ def _opened(ledger, api_key):
     )
     book.add_secret(api_key)
     try:
-        _check_ledger(book)
+        check_ledger(book)
         yield book
     finally:
         if owned:
             book.close()
 
 
-def _check_ledger(book):
+def check_ledger(book):
     try:
         book.check()  # a ledger that cannot take the line costs no request
     except (rl.LedgerError, OSError) as exc:
@@ -1409,7 +1414,7 @@ def _check_ledger(book):
         ) from None
 
 
-def _append(book, kind, record):
+def append_record(book, kind, record):
     try:
         book.append(kind, record)
     except (rl.LedgerError, OSError) as exc:
@@ -1476,7 +1481,7 @@ def chat(
         ("max_tokens", max_tokens, 1, None),
         ("max_response_bytes", max_response_bytes, 1024, None)
     ):
-        _check_number(name, value, minimum, above)
+        check_number(name, value, minimum, above)
     try:
         expect = re.compile(expect) if isinstance(expect, str) else expect
     except re.error as exc:
@@ -1508,17 +1513,17 @@ def chat(
 
         def new_record(attempt):
             return dict(
-                _new_record(
+                call_record(
                     model, recorded_base, host, port, bool(stream), attempt, messages, options
                 ),
                 **artifacts
             )
 
-        return _attempts(
-            _endpoint(request_base, "/chat/completions"),
+        return attempts(
+            endpoint(request_base, "/chat/completions"),
             body,
             new_record,
-            functools.partial(_append, book),
+            functools.partial(append_record, book),
             api_key=api_key,
             timeout=timeout,
             limit=max_response_bytes,
@@ -1557,14 +1562,14 @@ def list_models(
     docs/small-models.md)."""
     check_api_key(api_key)
     split = split_base_url(base_url)
-    _check_number("timeout", timeout, above=0)
+    check_number("timeout", timeout, above=0)
     with _opened(ledger, api_key) as book:
-        record = _models_call(book.redactor, split, api_key, timeout, max_response_bytes)[0]
-        _append(book, "models_list", record)
+        record = models_call(book.redactor, split, api_key, timeout, max_response_bytes)[0]
+        append_record(book, "models_list", record)
     return record
 
 
-def _models_call(redactor, split, api_key, timeout, limit):
+def models_call(redactor, split, api_key, timeout, limit):
     """GET /models once: (record, raw body or None, failure or None, response headers or None)."""
     request_base, recorded_base, host, port = split
     record = {
@@ -1585,7 +1590,7 @@ def _models_call(redactor, split, api_key, timeout, limit):
     problems, raw, failure, headers = [], None, None, None
     try:
         with _open(
-            _endpoint(request_base, "/models"),
+            endpoint(request_base, "/models"),
             record,
             problems,
             api_key=api_key,
@@ -1597,7 +1602,7 @@ def _models_call(redactor, split, api_key, timeout, limit):
             data = _parse_json(raw, "body", problems, response.status, headers)
         items = data.get("data")
         if not isinstance(items, list):
-            raise _CallFailed("invalid_json", "HTTP 200 but the body has no data list", 200)
+            raise CallFailed("invalid_json", "HTTP 200 but the body has no data list", 200)
         items = [item for item in items if isinstance(item, dict)]
         ids = {
             _server_text(item.get("id"), "data[].id", problems, MAX_FIELD_CHARS) for item in items
@@ -1621,11 +1626,11 @@ def _models_call(redactor, split, api_key, timeout, limit):
             record["context_tokens"] = dict(sorted(windows.items())[:10000])
         if problems:
             record["malformed"] = problems[:MAX_PROBLEMS]
-    except _CallFailed as exc:
+    except CallFailed as exc:
         failure, raw = exc, None
     finally:
         deadline.cancel()
-    _finish(record, started, None, failure, [], redactor, answered=True)
+    finish(record, started, None, failure, [], redactor, answered=True)
     return record, raw, failure, headers
 
 

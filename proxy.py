@@ -172,7 +172,7 @@ class _ProxyServer(ask.CappedServer):
             fsync=not args.no_fsync,
             secrets=self.secrets
         )
-        ask._check_ledger(self.book)
+        ask.check_ledger(self.book)
         busy = ask.http_answer(
             503,
             _error_json("too many connections; retry later", "busy"),
@@ -186,7 +186,7 @@ class _ProxyServer(ask.CappedServer):
 
     def append(self, kind, record):
         try:
-            ask._append(self.book, kind, record)
+            ask.append_record(self.book, kind, record)
         # the answer still goes to the client: a paid answer is never thrown away
         except ask.RecordError as exc:
             rl.error(str(exc), self.secrets)
@@ -215,7 +215,7 @@ class _ProxyHandler(ask.RequestHandler):
                 print(
                     rl.printable(
                         f"proxy: {self.client_address[0]} {self.method} {path} {self.status} "
-                        f"{ask._ms_since(self.started)} ms"
+                        f"{ask.ms_since(self.started)} ms"
                     ),
                     file=sys.stderr,
                     flush=True
@@ -278,7 +278,7 @@ class _ProxyHandler(ask.RequestHandler):
         number = body.get("temperature")
         limits = [body.get(k) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")]
         limits = [n for n in limits if type(n) is int and 0 < n < 2**63]
-        record = ask._new_record(
+        record = ask.call_record(
             model,
             *self.server.split[1:],
             stream,
@@ -313,14 +313,14 @@ class _ProxyHandler(ask.RequestHandler):
             messages, tokens = _client_messages(route, body)
         except (ValueError, RecursionError) as exc:
             body, messages, tokens = {}, [], 0
-            refused = ask._CallFailed(
+            refused = ask.CallFailed(
                 "invalid_request", f"the request body cannot be read: {str(exc)[:200]}"
             )
         model = body.get("model")
         if refused is None and (type(model) is not str or not model):
-            refused = ask._CallFailed("model_missing", "the request has no model")
+            refused = ask.CallFailed("model_missing", "the request has no model")
         elif refused is None and app.model and model != app.model:
-            refused = ask._CallFailed(
+            refused = ask.CallFailed(
                 "model_not_allowed", f"this proxy serves {app.model!r} only, not {model[:200]!r}"
             )
         model = model[: ask.MAX_FIELD_CHARS] if type(model) is str and model else app.model or ""
@@ -330,7 +330,7 @@ class _ProxyHandler(ask.RequestHandler):
         )
         if refused is not None:  # recorded, with no HTTP status: nothing was sent
             record = new_record(1)
-            ask._finish(record, self.started, None, refused, [], app.book.redactor)
+            ask.finish(record, self.started, None, refused, [], app.book.redactor)
             app.append("model_call", record)
             return self._error(
                 400, refused.message, refused.error_type, kind="invalid_request_error"
@@ -339,8 +339,8 @@ class _ProxyHandler(ask.RequestHandler):
         injected = stream and route != "/responses" and options.get("include_usage") is not True
         if injected:
             body["stream_options"] = dict(options, include_usage=True)
-        result, failure, state, out = ask._attempts(
-            ask._endpoint(app.split[0], route),
+        result, failure, state, out = ask.attempts(
+            ask.endpoint(app.split[0], route),
             body,
             new_record,
             app.append,
@@ -367,7 +367,7 @@ class _ProxyHandler(ask.RequestHandler):
 
     def _models(self):
         app = self.server
-        record, raw, failure, headers = ask._models_call(
+        record, raw, failure, headers = ask.models_call(
             app.book.redactor, app.split, app.api_key, app.args.timeout, app.args.max_response_bytes
         )
         app.append("models_list", record)
@@ -401,7 +401,7 @@ class _Relay:
             chunk is None
             and raw.rstrip().endswith(b"[DONE]")
             or chunk
-            and chunk.get("type") in ask._RESPONSE_DONE
+            and chunk.get("type") in ask.RESPONSE_DONE
         ):
             # read at its line
             self.held.append(raw if raw.endswith((b"\n\n", b"\r\n\r\n")) else raw + b"\n")
@@ -422,7 +422,7 @@ class _Relay:
                 self.handler.wfile.write(b"%x\r\n%s\r\n" % (len(raw), raw))
         except OSError:
             self.handler.close = True
-            raise ask._CallFailed(
+            raise ask.CallFailed(
                 "client_gone", "the client closed the connection during the stream"
             ) from None
 
@@ -432,7 +432,7 @@ class _Relay:
             for raw in self.held + [b""]:
                 self._write(raw)
             self.handler.wfile.write(b"0\r\n\r\n" if whole else b"")
-        except (ask._CallFailed, OSError):
+        except (ask.CallFailed, OSError):
             whole = False
         self.handler.close = self.handler.close or not whole
 
@@ -475,7 +475,7 @@ def _run_proxy(args):
         )
     for flag, _kind, _default, least, _text in _PROXY_OPTIONS:
         value = getattr(args, flag[2:].replace("-", "_"))
-        ask._check_number(flag, value, minimum=least, above=0 if least is None else None)
+        ask.check_number(flag, value, minimum=least, above=0 if least is None else None)
     match = re.fullmatch(r"\[?([^\[\]]*?)\]?:([0-9]{1,5})", args.listen)
     if not match or int(match.group(2)) > 65535:
         raise ask.ConfigError(f"--listen must be HOST:PORT, not {args.listen!r}")
