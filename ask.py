@@ -2,19 +2,19 @@
 """ask.py -- one call to an OpenAI-compatible endpoint, one ledger line per attempt. Stdlib only.
 
 Usage:
-  python ask.py < prompt.txt                      # the answer on stdout, a model_call line in the ledger
-  python ask.py prompt.txt --expect '\\b4\\b'       # assertion gate: exit 3 when the answer does not match
+  python ask.py < prompt.txt                  # the answer on stdout, a model_call line in a ledger
+  python ask.py prompt.txt --expect '\\b4\\b'   # a gate: exit 3 when the answer does not match
   python ask.py --expect-json --retries 3 < prompt.txt
-  python ask.py --stream < prompt.txt             # print as it arrives; records time-to-first-token
-  python ask.py --models                          # is my key and base URL right? lists the model ids
+  python ask.py --stream < prompt.txt         # print as it arrives; records time-to-first-token
+  python ask.py --models                      # is my key and base URL right? lists the model ids
 
 Settings (environment; flags override): BASE_URL (or OPENAI_BASE_URL), API_KEY (or OPENAI_API_KEY),
 MODEL_ID (--model). Optional: LEDGER (--ledger, default ./calls.jsonl), LEDGER_RUN_ID, LEDGER_KEY.
-Exit codes: 0 ok, 1 the call failed, 2 usage/config/ledger error, 3 answer received but a check failed,
-5 stdout could not be written (the call is recorded).
+Exit codes: 0 ok, 1 the call failed, 2 usage/config/ledger error, 3 answer received but a check
+failed, 5 stdout could not be written (the call is recorded).
 
-Library (the one code path for a model call; agent.py uses it): ask.chat(messages, ledger=..., base_url=...,
-model=..., api_key=...) returns the last attempt's record plus "text" (docs/ask.md).
+Library (the one code path for a model call; agent.py uses it): ask.chat(messages, ledger=...,
+base_url=..., model=..., api_key=...) returns the last attempt's record plus "text" (docs/ask.md).
 """
 
 import argparse
@@ -161,7 +161,8 @@ class ConfigError(rl.UsageError):
 
 
 class RecordError(rl.UsageError):
-    """The call was made but its ledger line could not be written; `.record` holds what was received."""
+    """The call was made but its ledger line could not be written; `.record` holds what was
+    received."""
 
     def __init__(self, message, record):
         super().__init__(message)
@@ -195,7 +196,8 @@ class CallFailed(Exception):
 
 
 def settings_from_env(base_url=None, model=None, api_key=None, environ=None, need_model=True):
-    """(base_url, model, api_key) from flags, then the environment; no defaults. Raises ConfigError."""
+    """(base_url, model, api_key) from flags, then the environment; no defaults. Raises
+    ConfigError."""
     env = os.environ if environ is None else environ
     base_url = base_url or env.get("BASE_URL") or env.get("OPENAI_BASE_URL")
     model = model or env.get("MODEL_ID")
@@ -209,8 +211,8 @@ def settings_from_env(base_url=None, model=None, api_key=None, environ=None, nee
         names = missing[0] if len(missing) == 1 else ", ".join(missing[:-1]) + " and " + missing[-1]
         raise ConfigError(
             f"{names} {'is' if len(missing) == 1 else 'are'} not set; export BASE_URL (like "
-            f"https://host/v1), API_KEY (any value for servers that ignore it) and MODEL_ID (the exact "
-            f"model id); there are no defaults"
+            "https://host/v1), API_KEY (any value for servers that ignore it) and MODEL_ID "
+            "(the exact model id); there are no defaults"
         )
     check_api_key(api_key)
     split_base_url(base_url)
@@ -226,8 +228,8 @@ def check_api_key(api_key):
 
 
 def split_base_url(base_url):
-    """(request_base, recorded_base, host, port): the first keeps a query string (api-version=...), the
-    recorded one drops user:password, query and fragment. Raises ConfigError for a bad URL."""
+    """(request_base, recorded_base, host, port): the first keeps a query string (api-version=...),
+    the recorded one drops user:password, query and fragment. Raises ConfigError for a bad URL."""
     # no query, fragment or credentials
     safe = rl.redact_text(re.split(r"[?#]", base_url, maxsplit=1)[0])
     try:
@@ -242,7 +244,8 @@ def split_base_url(base_url):
         or not parts.hostname
     ):
         raise ConfigError(
-            f"BASE_URL must be an http(s) URL like https://host/v1, with no white space, not {safe!r}"
+            "BASE_URL must be an http(s) URL like https://host/v1, with no white space, "
+            f"not {safe!r}"
         )
     host = parts.hostname
     netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
@@ -318,8 +321,8 @@ _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
 def _server_text(value, where, problems, limit=None):
-    """A string the server chose, safe to record: another type, a lone surrogate or an over-long value
-    is noted."""
+    """A string the server chose, safe to record: another type, a lone surrogate or an over-long
+    value is noted."""
     if type(value) is not str:
         if value is not None:
             problems.append(f"{where} is a {type(value).__name__}, not a string")
@@ -467,9 +470,9 @@ def shut(sock, how=socket.SHUT_RDWR):
 
 
 class Deadline:
-    """The deadline of a whole request, connect to last byte: a server that trickles one byte at a time
-    passes every socket timeout, so every socket watched is shut down when it passes. Deadline(None)
-    has none."""
+    """The deadline of a whole request, connect to last byte: a server that trickles one byte at a
+    time passes every socket timeout, so every socket watched is shut down when it passes.
+    Deadline(None) has none."""
 
     def __init__(self, seconds):
         import heapq
@@ -511,12 +514,10 @@ _http = threading.local()
 
 
 def http_open(request, deadline, timeout=None):
-    """Open a urllib Request: proxies from the environment, never a redirect (a 3xx raises HTTPError,
-    so no key goes to another URL), every socket under `deadline`, each read under `timeout`
-    (default: what remains)."""
+    """Open a urllib Request: proxies from the environment, never a redirect (a 3xx raises
+    HTTPError, so no key goes to another URL), every socket under `deadline`, each read under
+    `timeout` (default: what remains)."""
     if getattr(_http, "opener", None) is None:
-        import http.client
-        import urllib.request
 
         def watched(connection_class):
             def make(host, **kwargs):
@@ -562,9 +563,9 @@ def _tls_context():
 
 
 class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    """A thread per connection, at most `max_connections` (past that `busy`, an answer's bytes, and a
-    close). Handlers add their idle keep-alive sockets to `idle` (under `lock`), which stop() shuts
-    at once."""
+    """A thread per connection, at most `max_connections` (past that `busy`, an answer's bytes, and
+    a close). Handlers add their idle keep-alive sockets to `idle` (under `lock`), which stop()
+    shuts at once."""
 
     daemon_threads, block_on_close, allow_reuse_address, request_queue_size = True, False, True, 128
 
@@ -693,12 +694,12 @@ def require_json(headers):
 
 
 class RequestHandler(socketserver.StreamRequestHandler):
-    """Reads one HTTP/1.x request under one Deadline, and checks it in order: the request line and the
-    headers (400, 431), the server's own checks (check(): Host, Origin, a token), the route and its
-    method (allowed(): 404, 405), Content-Length (411, 400, 413), `Expect: 100-continue`, the body
-    (400 when short). A refusal raises Refused; a request the deadline cuts is a 408."""
+    """Reads one HTTP/1.x request under one Deadline, and checks it in order: the request line and
+    the headers (400, 431), the server's own checks (check(): Host, Origin, a token), the route and
+    its method (allowed(): 404, 405), Content-Length (411, 400, 413), `Expect: 100-continue`, the
+    body (400 when short). A refusal raises Refused; a request the deadline cuts is a 408."""
 
-    max_body, line, method, path, headers, close, stage = 0, b"", "-", "-", {}, True, "request"
+    line, method, path, headers, close, stage = b"", "-", "-", {}, True, "request"
 
     def check(self):
         """The server's checks of the head (Host, Origin, a token): raise Refused to refuse."""
@@ -706,15 +707,16 @@ class RequestHandler(socketserver.StreamRequestHandler):
     def allowed(self, path):
         """The method `path` (without its query) takes; None: no such route."""
 
-    def read_request(self, seconds, how=socket.SHUT_RDWR):
-        """The body of a request that passes every check, read within `seconds`: the deadline shuts the
-        socket (both ways, or `how`). Sets line, method, path, headers, close (no keep-alive), stage
-        ("request", then "body"). A client that sends nothing raises ConnectionAbortedError."""
+    def read_request(self, seconds, max_body, how=socket.SHUT_RDWR):
+        """The body of a request that passes every check, read within `seconds`: the deadline shuts
+        the socket (both ways, or `how`). Sets line, method, path, headers, close (no keep-alive),
+        stage ("request", then "body"). A client that sends nothing raises ConnectionAbortedError.
+        """
         self.deadline, self.close, self.stage = Deadline(seconds), True, "request"
         self.connection.settimeout(seconds + 2)  # a backstop: the deadline ends the reads
         self.deadline.watch(self.connection, how)
         try:
-            body = self._read_request()
+            body = self._read_request(max_body)
             if not self.deadline.expired:  # else the head or the body ended at the deadline
                 return body
         # the deadline's timer is late (a loaded box): the reads end all the same
@@ -730,7 +732,7 @@ class RequestHandler(socketserver.StreamRequestHandler):
                 raise
         raise Refused(408, None, "the request took too long")
 
-    def _read_request(self):
+    def _read_request(self, max_body):
         line = self.line = self.rfile.readline(65537)
         if not line and not self.deadline.expired:
             raise ConnectionAbortedError("no request")  # a browser's idle preconnect, say
@@ -753,9 +755,6 @@ class RequestHandler(socketserver.StreamRequestHandler):
             raise Refused(404, None, f"no route {path[:200]}")
         if self.method != method:
             raise Refused(405, None, f"use {method}", {"Allow": method})
-        return self._read_body()
-
-    def _read_body(self):
         lengths = self.headers.get_all("Content-Length") or ([] if self.method == "POST" else ["0"])
         if self.headers.get("Transfer-Encoding") is not None:
             raise Refused(
@@ -768,8 +767,8 @@ class RequestHandler(socketserver.StreamRequestHandler):
         if len(lengths) > 1 or not re.fullmatch(r"[0-9]{1,15}", lengths[0].strip()):
             raise Refused(400, "bad_length", "Content-Length must be one decimal number")
         length = int(lengths[0])
-        if length > self.max_body:
-            raise Refused(413, "too_large", f"the body is larger than {self.max_body} bytes")
+        if length > max_body:
+            raise Refused(413, "too_large", f"the body is larger than {max_body} bytes")
         self.stage = "body"
         if (self.headers.get("Expect") or "").lower() == "100-continue":
             self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -867,8 +866,8 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
 
 
 def _read_body(response, limit, deadline, tolerant=False):
-    """The body, at most `limit` bytes, checked against Content-Length, unless `tolerant` (an error's
-    body)."""
+    """The body, at most `limit` bytes, checked against Content-Length, unless `tolerant` (an
+    error's body)."""
     failed, parts, size = None, [], 0
     try:
         # in pieces: read(limit + 1) sets the whole limit aside for a body of unknown length
@@ -947,7 +946,9 @@ def _sha256(text):
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def call_record(model, recorded_base, host, port, stream, attempt, messages, options):
+def call_record(model, split, stream, messages, options, attempt, **extra):
+    """A model_call record before the answer: the request's fields, then `extra` (artifacts)."""
+    _request_base, recorded_base, host, port = split
     system = [m["content"] for m in messages if m["role"] == "system"]
     users = [m["content"] for m in messages if m["role"] == "user"]
     system_chars = sum(map(len, system))
@@ -974,6 +975,7 @@ def call_record(model, recorded_base, host, port, stream, attempt, messages, opt
     )
     if system:
         record["system_sha256"] = _sha256("\n".join(system))
+    record.update(extra)
     return record
 
 
@@ -989,8 +991,8 @@ def _fill_ids(record, data, problems):
 
 
 def _take(record, data, key, state, problems, status, headers):
-    """A whole answer (key "message") or a stream chunk ("delta") of chat, completions, the Responses
-    API or embeddings into record and state; returns its text (None for embeddings)."""
+    """A whole answer (key "message") or a stream chunk ("delta") of chat, completions, the
+    Responses API or embeddings into record and state; returns its text (None for embeddings)."""
     whole, kind, choices = key == "message", data.get("type"), data.get("choices")
     if kind == "error" or (
         data.get("error") is not None and not (whole and (choices or data.get("output")))
@@ -1083,9 +1085,22 @@ def _take_response(record, data, whole, state, problems, status, headers):
     return "".join(texts)
 
 
+def _sse_chunk(data, state, problems, status, headers):
+    """The JSON object an event's data lines hold; None for [DONE] (noted in `state`), a comment, or
+    an event that is not a JSON object (noted in `problems`)."""
+    event = b"\n".join(data) if data else None
+    if event == b"[DONE]":
+        state["done"] = True
+    elif event is not None and event[:1] == b"{":
+        return _parse_json(event, "stream chunk", problems, status, headers)
+    elif event is not None:
+        problems.append(f"a stream chunk is not a JSON object: {event[:80]!r}")
+    return None
+
+
 def _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state):
-    """Read server-sent events to [DONE], a finish_reason or response.completed; return the text. Lines
-    and the stream are capped; `relay(raw, chunk)` gets each event as sent, as it arrives (the
+    """Read server-sent events to [DONE], a finish_reason or response.completed; return the text.
+    Lines and the stream are capped; `relay(raw, chunk)` gets each event as sent, as it arrives (the
     proxy)."""
     status, headers = response.status, response.headers
     parts, raw, data, total = [], [], [], 0
@@ -1116,13 +1131,7 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems, 
                 continue  # the event goes on (a lone blank line goes out with the next one)
             if not (line or data):
                 break
-            event, chunk = b"\n".join(data) if data else None, None
-            if event == b"[DONE]":
-                state["done"] = True
-            elif event is not None and event[:1] == b"{":
-                chunk = _parse_json(event, "stream chunk", problems, status, headers)
-            elif event is not None:
-                problems.append(f"a stream chunk is not a JSON object: {event[:80]!r}")
+            chunk = _sse_chunk(data, state, problems, status, headers)
             if relay is not None:
                 relay(b"".join(raw), chunk)
             raw, data = [], []
@@ -1168,7 +1177,7 @@ def _fill_head(record, headers, problems):
 
 
 def _one_attempt(
-    url, body, record, started, *, api_key, deadline, limit, on_text, problems, relay, state
+    url, body, record, started, api_key, deadline, limit, on_text, problems, relay, state
 ):
     """Send once; fill `record` but latency_ms and `state` (status, headers, a parsed body's bytes);
     return the text. Raises CallFailed."""
@@ -1207,9 +1216,49 @@ def _one_attempt(
                 record["usage_status"] = "complete"  # embeddings have input tokens only
 
 
+def _attempt(
+    record,
+    on_text,
+    relay,
+    seconds,
+    url,
+    body,
+    api_key,
+    limit,
+    redactor,
+    tools_answer,
+    checks,
+    store
+):
+    """One attempt under a deadline of `seconds`, its record finished, checked (`checks` for
+    run_checks) and its text stored (`store`): (text, failure or None, state)."""
+    text, failure, problems, state, started = None, None, [], {}, time.perf_counter()
+    deadline = Deadline(seconds)
+    try:
+        text = _one_attempt(
+            url, body, record, started, api_key, deadline, limit, on_text, problems, relay, state
+        )
+    except CallFailed as exc:
+        failure = exc
+    finally:
+        deadline.cancel()
+    answered = tools_answer and state.get("tools")
+    failure = finish(record, started, text, failure, problems, redactor, answered)
+    if failure is None and checks:
+        record["check"], record["check_detail"] = run_checks(
+            text,
+            request_model=record["request_model"],
+            response_model=record["response_model"],
+            **checks
+        )
+    if text and store is not None:
+        record["response_artifact"] = store(text)
+    return text, failure, state
+
+
 def finish(record, started, text, failure, problems, redactor, answered=False):
-    """The last steps of every attempt, one-shot, proxied, refused or /models: latency, sizes, problems
-    and the failure, if any, into `record`. Returns the failure (None on success)."""
+    """The last steps of every attempt, one-shot, proxied, refused or /models: latency, sizes,
+    problems and the failure, if any, into `record`. Returns the failure (None on success)."""
     record["latency_ms"] = ms_since(started)  # to the end of the body, or to the failure
     if text is not None:
         record["response_chars"] = len(text)
@@ -1248,13 +1297,14 @@ def ms_since(started):
 
 
 def retryable(record):
-    """Whether a failed attempt is worth retrying: a timeout, a dropped or cut answer, a busy or broken
-    server."""
+    """Whether a failed attempt is worth retrying: a timeout, a dropped or cut answer, a busy or
+    broken server."""
     return record["error_type"] in RETRYABLE_ERRORS or record["http_status"] in RETRYABLE_STATUS
 
 
 class _Printer:
-    """The caller's on_text; once it raises it is called no more, and the exception waits for the line."""
+    """The caller's on_text; once it raises it is called no more, and the exception waits for the
+    line."""
 
     def __init__(self, on_text):
         self.on_text, self.raised = on_text, None
@@ -1269,7 +1319,8 @@ class _Printer:
 
 
 def _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, until):
-    """The wait before the next attempt (its reason into `record`), or None when there is none to make."""
+    """The wait before the next attempt (its reason into `record`), or None when there is none to
+    make."""
     if (
         "stream_options" in body
         and failure.status in (400, 422)
@@ -1321,52 +1372,21 @@ def attempts(
     """Every attempt of one call, each one model_call line through `append`, retried as _retry_wait
     says. Returns (result, failure, state, relay) of the last attempt; result is its record plus
     "text"."""
-    attempt, dropped = 0, False
+    attempt, options = 0, "stream_options" in body
+    # the same each attempt
+    call = (url, body, api_key, limit, redactor, tools_answer, checks, store)
     while True:
         attempt += 1
         record, printer, out = new_record(attempt), _Printer(on_text), relay() if relay else None
-        if dropped:
+        if options and "stream_options" not in body:  # _retry_wait dropped them
             record["stream_options_dropped"] = True
-        text, failure, problems, state, started = None, None, [], {}, time.perf_counter()
-        deadline = Deadline(
-            timeout if until is None else max(0.001, min(timeout, until - time.monotonic()))
-        )
-        try:
-            text = _one_attempt(
-                url,
-                body,
-                record,
-                started,
-                api_key=api_key,
-                deadline=deadline,
-                limit=limit,
-                on_text=printer,
-                problems=problems,
-                relay=out,
-                state=state
-            )
-        except CallFailed as exc:
-            failure = exc
-        finally:
-            deadline.cancel()
-        failure = finish(
-            record, started, text, failure, problems, redactor, tools_answer and state.get("tools")
-        )
-        if failure is None and checks:
-            record["check"], record["check_detail"] = run_checks(
-                text,
-                request_model=record["request_model"],
-                response_model=record["response_model"],
-                **checks
-            )
-        if text and store is not None:
-            record["response_artifact"] = store(text)
-        wait, sent_options = None, "stream_options" in body
+        seconds = timeout if until is None else max(0.001, min(timeout, until - time.monotonic()))
+        text, failure, state = _attempt(record, printer, out, seconds, *call)
+        wait = None
         # a stream already shown is not sent twice
         printed = on_text is not None and record["ttft_ms"] is not None
         if failure is not None and not (printed or (out is not None and out.began)):
             wait = _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, until)
-        dropped = dropped or (sent_options and "stream_options" not in body)
         result = dict(
             record,
             text=text if failure is None or failure.error_type == "malformed_response" else None
@@ -1448,10 +1468,62 @@ def chat(
     sleep=time.sleep,
     until=None
 ):
-    """Send `messages` to {base_url}/chat/completions, one model_call line per attempt; return the last
-    attempt's record plus "text". Failures are in the record; ConfigError means nothing was sent
-    (docs/ask.md)."""
-    if not model:
+    """Send `messages` to {base_url}/chat/completions, one model_call line per attempt; return the
+    last attempt's record plus "text". Failures are in the record; ConfigError means nothing was
+    sent (docs/ask.md)."""
+    expect = _check_chat(locals())
+    split = split_base_url(base_url)
+    options = {"max_tokens": max_tokens, "temperature": temperature}
+    body = {
+        "model": model,
+        "messages": [{"role": m["role"], "content": m["content"]} for m in messages]
+    }
+    body.update((name, value) for name, value in options.items() if value is not None)
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    with _opened(ledger, api_key) as book:
+        artifacts = _stored_texts(book, messages) if store_text else {}
+        return attempts(
+            endpoint(split[0], "/chat/completions"),
+            body,
+            functools.partial(
+                call_record, model, split, bool(stream), messages, options, **artifacts
+            ),
+            functools.partial(append_record, book),
+            api_key=api_key,
+            timeout=timeout,
+            limit=max_response_bytes,
+            redactor=book.redactor,
+            retries=retries,
+            checks=dict(expect=expect, expect_json=expect_json, strict_model=strict_model),
+            store=book.store_artifact if store_text else None,
+            backoff=backoff,
+            max_wait=max_wait,
+            on_text=on_text,
+            on_retry=on_retry,
+            sleep=sleep,
+            until=until
+        )[0]
+
+
+# chat()'s numbers: (name, the least allowed, the value to be above)
+_CHAT_NUMBERS = (
+    ("temperature", None, None),
+    ("timeout", None, 0),
+    ("max_wait", 0, None),
+    ("backoff", 0, None),
+    ("until", None, None),
+    ("retries", 0, None),
+    ("max_tokens", 1, None),
+    ("max_response_bytes", 1024, None)
+)
+
+
+def _check_chat(args):
+    """chat()'s arguments (`args`: its locals() on entry), before anything is sent; returns `expect`
+    compiled. Raises ConfigError."""
+    messages = args["messages"]
+    if not args["model"]:
         raise ConfigError(
             "MODEL_ID is not set (export MODEL_ID=..., or pass --model); there is no default"
         )
@@ -1468,76 +1540,36 @@ def chat(
         raise ConfigError("the prompt is empty")
     if any(
         type(n) is not int
-        for n in (retries, max_response_bytes, 1 if max_tokens is None else max_tokens)
+        for n in (
+            args["retries"],
+            args["max_response_bytes"],
+            1 if args["max_tokens"] is None else args["max_tokens"]
+        )
     ):
         raise ConfigError("retries, max_tokens and max_response_bytes must be integers")
-    for name, value, minimum, above in (
-        ("temperature", temperature, None, None),
-        ("timeout", timeout, None, 0),
-        ("max_wait", max_wait, 0, None),
-        ("backoff", backoff, 0, None),
-        ("until", until, None, None),
-        ("retries", retries, 0, None),
-        ("max_tokens", max_tokens, 1, None),
-        ("max_response_bytes", max_response_bytes, 1024, None)
-    ):
-        check_number(name, value, minimum, above)
+    for name, minimum, above in _CHAT_NUMBERS:
+        check_number(name, args[name], minimum, above)
+    check_api_key(args["api_key"])
     try:
-        expect = re.compile(expect) if isinstance(expect, str) else expect
+        expect = args["expect"]
+        return re.compile(expect) if isinstance(expect, str) else expect
     except re.error as exc:
         raise ConfigError(f"--expect is not a valid regular expression: {exc}") from None
-    check_api_key(api_key)
-    request_base, recorded_base, host, port = split_base_url(base_url)
-    body = {
-        "model": model,
-        "messages": [{"role": m["role"], "content": m["content"]} for m in messages]
-    }
-    options = {"max_tokens": max_tokens, "temperature": temperature}
-    body.update((name, value) for name, value in options.items() if value is not None)
-    if stream:
-        body.update(stream=True, stream_options={"include_usage": True})
-    with _opened(ledger, api_key) as book:
-        users = [m["content"] for m in messages if m["role"] == "user"]
-        system = "\n".join(m["content"] for m in messages if m["role"] == "system")
-        artifacts = (
-            {"prompt_artifact": book.store_artifact(users[-1] if users else "")}
-            if store_text
-            else {}
+
+
+def _stored_texts(book, messages):
+    """--store-text: the prompt, the system prompt and the whole conversation (when there is more),
+    as artifacts."""
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+    artifacts = {"prompt_artifact": book.store_artifact(users[-1] if users else "")}
+    if system:
+        artifacts["system_artifact"] = book.store_artifact(system)
+    if len(messages) > len(users[-1:]) + (1 if system else 0):
+        artifacts["messages_artifact"] = book.store_artifact(
+            json.dumps(messages, ensure_ascii=False, indent=1)
         )
-        if store_text and system:
-            artifacts["system_artifact"] = book.store_artifact(system)
-        if store_text and len(messages) > len(users[-1:]) + (1 if system else 0):
-            artifacts["messages_artifact"] = book.store_artifact(
-                json.dumps(messages, ensure_ascii=False, indent=1)
-            )
-
-        def new_record(attempt):
-            return dict(
-                call_record(
-                    model, recorded_base, host, port, bool(stream), attempt, messages, options
-                ),
-                **artifacts
-            )
-
-        return attempts(
-            endpoint(request_base, "/chat/completions"),
-            body,
-            new_record,
-            functools.partial(append_record, book),
-            api_key=api_key,
-            timeout=timeout,
-            limit=max_response_bytes,
-            redactor=book.redactor,
-            retries=retries,
-            checks=dict(expect=expect, expect_json=expect_json, strict_model=strict_model),
-            store=book.store_artifact if store_text else None,
-            backoff=backoff,
-            max_wait=max_wait,
-            on_text=on_text,
-            on_retry=on_retry,
-            sleep=sleep,
-            until=until
-        )[0]
+    return artifacts
 
 
 def ask(prompt, *, system=None, **kwargs):
@@ -1599,31 +1631,9 @@ def models_call(redactor, split, api_key, timeout, limit):
         ) as response:
             headers = response.headers
             raw = _read_body(response, limit, deadline)
-            data = _parse_json(raw, "body", problems, response.status, headers)
-        items = data.get("data")
-        if not isinstance(items, list):
-            raise CallFailed("invalid_json", "HTTP 200 but the body has no data list", 200)
-        items = [item for item in items if isinstance(item, dict)]
-        ids = {
-            _server_text(item.get("id"), "data[].id", problems, MAX_FIELD_CHARS) for item in items
-        } - {None}
-        record["model_ids"], record["count"] = sorted(ids)[:10000], len(ids)
-        windows = {}
-        for item in items:  # vLLM's max_model_len, llama.cpp's meta.n_ctx_train, or context_length
-            meta = item.get("meta") if isinstance(item.get("meta"), dict) else {}
-            window = [
-                n
-                for n in (
-                    item.get("max_model_len"),
-                    meta.get("n_ctx_train"),
-                    item.get("context_length")
-                )
-                if type(n) is int and n > 0
-            ]
-            if window and type(item.get("id")) is str and item["id"] in ids:
-                windows[item["id"]] = window[0]
-        if windows:
-            record["context_tokens"] = dict(sorted(windows.items())[:10000])
+            _model_list(
+                record, _parse_json(raw, "body", problems, response.status, headers), problems
+            )
         if problems:
             record["malformed"] = problems[:MAX_PROBLEMS]
     except CallFailed as exc:
@@ -1632,6 +1642,34 @@ def models_call(redactor, split, api_key, timeout, limit):
         deadline.cancel()
     finish(record, started, None, failure, [], redactor, answered=True)
     return record, raw, failure, headers
+
+
+def _model_list(record, data, problems):
+    """A /models answer's ids into `record`, and the context windows it states."""
+    items = data.get("data")
+    if not isinstance(items, list):
+        raise CallFailed("invalid_json", "HTTP 200 but the body has no data list", 200)
+    items = [item for item in items if isinstance(item, dict)]
+    ids = {
+        _server_text(item.get("id"), "data[].id", problems, MAX_FIELD_CHARS) for item in items
+    } - {None}
+    record["model_ids"], record["count"] = sorted(ids)[:10000], len(ids)
+    windows = {}
+    for item in items:  # vLLM's max_model_len, llama.cpp's meta.n_ctx_train, or context_length
+        meta = item.get("meta") if isinstance(item.get("meta"), dict) else {}
+        window = [
+            n
+            for n in (
+                item.get("max_model_len"),
+                meta.get("n_ctx_train"),
+                item.get("context_length")
+            )
+            if type(n) is int and n > 0
+        ]
+        if window and type(item.get("id")) is str and item["id"] in ids:
+            windows[item["id"]] = window[0]
+    if windows:
+        record["context_tokens"] = dict(sorted(windows.items())[:10000])
 
 
 # --- CLI ---
@@ -1735,30 +1773,13 @@ def _run(args):
     # the numbers are checked once, by chat() and list_models(), before anything is sent
     secrets = [api_key]
     if args.models:
-        record = list_models(
-            ledger=args.ledger,
-            base_url=base_url,
-            api_key=api_key,
-            timeout=args.timeout,
-            max_response_bytes=args.max_response_bytes
-        )
-        if record["error_type"]:
-            rl.error(
-                f"{record['error_type']}: {record['error_message']} ({record['base_url']})", secrets
-            )
-            return rl.EXIT_FAILED
-        rl.write_out(
-            json.dumps(record, ensure_ascii=False) + "\n"
-            if args.json
-            else "".join(rl.printable(m) + "\n" for m in record["model_ids"])
-        )
-        return rl.EXIT_OK
+        return _run_models(args, base_url, api_key)
     prompt = _read_prompt(args.prompt_file)
 
     def announce_retry(result, wait):
         rl.warn(
-            f"attempt {result['attempt']} failed ({result['error_type']}: {result['error_message']}); "
-            f"retrying in {wait:.2f} s",
+            f"attempt {result['attempt']} failed ({result['error_type']}: "
+            f"{result['error_message']}); retrying in {wait:.2f} s",
             secrets
         )
 
@@ -1802,6 +1823,28 @@ def _run(args):
     if record["check"] is False:
         rl.error(f"check failed: {record['check_detail']}", secrets)
         return rl.EXIT_CHECK
+    return rl.EXIT_OK
+
+
+def _run_models(args, base_url, api_key):
+    """--models: the endpoint's model ids on stdout (the record with --json)."""
+    record = list_models(
+        ledger=args.ledger,
+        base_url=base_url,
+        api_key=api_key,
+        timeout=args.timeout,
+        max_response_bytes=args.max_response_bytes
+    )
+    if record["error_type"]:
+        rl.error(
+            f"{record['error_type']}: {record['error_message']} ({record['base_url']})", [api_key]
+        )
+        return rl.EXIT_FAILED
+    rl.write_out(
+        json.dumps(record, ensure_ascii=False) + "\n"
+        if args.json
+        else "".join(rl.printable(m) + "\n" for m in record["model_ids"])
+    )
     return rl.EXIT_OK
 
 

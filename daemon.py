@@ -221,8 +221,8 @@ def verify_github(keys, body, header):
 
 
 def verify_standard(keys, body, msg_id, timestamp, header, now=None):
-    """Standard Webhooks: `v1,<base64 HMAC-SHA256 of id.timestamp.body>` entries, a timestamp within 5
-    minutes."""
+    """Standard Webhooks: `v1,<base64 HMAC-SHA256 of id.timestamp.body>` entries, a timestamp
+    within 5 minutes."""
     if not msg_id or not timestamp or not header:
         raise Refused(
             401,
@@ -294,7 +294,8 @@ def authenticate(keys, headers, body, now=None):
 
 
 def parse_body(headers, body, found):
-    """After a valid signature: (the application/json UTF-8 object, its event name). Raises Refused."""
+    """After a valid signature: (the application/json UTF-8 object, its event name). Raises
+    Refused."""
     ask.require_json(headers)
     try:
         payload = json.loads(body.decode("utf-8"))
@@ -334,7 +335,6 @@ class _Handler(ask.RequestHandler):
 
     def handle(self):
         self.app, started = self.server.app, time.monotonic()
-        self.max_body = self.app.settings.max_body
         with contextlib.suppress(OSError):  # the client went away (a reset, a broken pipe)
             self._respond()
         self.deadline.cancel()
@@ -352,9 +352,19 @@ class _Handler(ask.RequestHandler):
         return rl.printable(self.app.redactor.text(self.path.split("?", 1)[0][:200]))
 
     def check(self):
+        """501 for an unknown method; DNS rebinding: only a Host (if any: else not a browser) and an
+        Origin naming this daemon are answered."""
+        host, origin = self.headers.get("Host"), self.headers.get("Origin")
         if self.method not in _METHODS:
             raise Refused(501, None, "unknown method")
-        self.app.check_host(self.headers)
+        if host is not None and not self.app.names_us(host):
+            raise Refused(
+                421, "bad_host", "the Host header does not name this daemon (see --allow-host)"
+            )
+        if origin is not None and not self.app.names_us(
+            re.sub(r"\Ahttps?://", "", origin.strip().lower())
+        ):
+            raise Refused(403, "bad_origin", "requests from this Origin are refused")
 
     def allowed(self, path):
         if path == "/webhook":
@@ -364,13 +374,15 @@ class _Handler(ask.RequestHandler):
     def _respond(self):
         try:
             # the read side only: the handler can still answer 408
-            body = self.read_request(self.app.settings.request_timeout, socket.SHUT_RD)
+            s = self.app.settings
+            body = self.read_request(s.request_timeout, s.max_body, socket.SHUT_RD)
         except Refused as refused:
             self._refuse(refused)
             return self._linger()
+        path = self.path.split("?", 1)[0]
         try:
-            if self.path.split("?", 1)[0] != "/webhook":
-                return self._read(self.path.split("?", 1)[0])
+            if path != "/webhook":
+                return self._read(path)
             found = authenticate(self.app.settings.keys, self.headers, body)
             self.delivery = found.delivery
             payload, event = parse_body(self.headers, body, found)
@@ -456,12 +468,14 @@ class _Handler(ask.RequestHandler):
         nothing)."""
         page = type(body) is str
         data = (body if page else json.dumps(body, ensure_ascii=False) + "\n").encode("utf-8")
-        kind = (
-            {"Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": _PAGE_POLICY}
-            if page
-            else {}
-        )
-        head = dict(_HEADERS, Date=email.utils.formatdate(usegmt=True), **kind, **(headers or {}))
+        head = dict(_HEADERS, Date=email.utils.formatdate(usegmt=True), **(headers or {}))
+        if page:
+            head.update(
+                {
+                    "Content-Type": "text/html; charset=utf-8",
+                    "Content-Security-Policy": _PAGE_POLICY
+                }
+            )
         answer = ask.http_answer(status, data, head.items(), close=True)
         self.sent = (status, len(data))
         try:
@@ -511,7 +525,8 @@ def _wait(poll, until):
 
 
 def _is_run_process(pid, run_id):
-    """Is `pid` a live `agent.py run --run-id=RUN_ID`? (Its command line, read through /proc: Linux.)"""
+    """Is `pid` a live `agent.py run --run-id=RUN_ID`? (Its command line, read through /proc:
+    Linux.)"""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
@@ -520,7 +535,8 @@ def _is_run_process(pid, run_id):
 
 
 class Daemon:
-    """The daemon: serve_settings(), its ledger, the deliveries seen, the queue and the one worker."""
+    """The daemon: serve_settings(), its ledger, the deliveries seen, the queue and the one
+    worker."""
 
     def __init__(self, settings, log, say):
         self.settings, self.log, self._say = settings, log, say
@@ -563,34 +579,7 @@ class Daemon:
         host, port = self.server.server_address[:2]
         address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         self.ledger = rl.Ledger(path, f"daemon-{rl.new_run_id()}", secrets=s.secrets)
-        shown = (
-            "token_required",
-            "max_body",
-            "queue",
-            "max_connections",
-            "grace_s",
-            "kill_after_s",
-            "fetch",
-            "allow_hosts"
-        )
-        self.record(
-            "daemon_started",
-            dict(
-                {name: getattr(s, name) for name in shown},
-                address=address,
-                pid=os.getpid(),
-                repo=str(s.repo),
-                runs_dir=str(s.runs_dir),
-                tools=str(s.tools),
-                tools_sha256=s.policy.sha256,
-                secrets=len(s.keys),
-                read_token=bool(s.read_token),
-                backlog=_Server.request_queue_size,
-                request_timeout_s=s.request_timeout,
-                agent_version=__version__,
-                python=sys.version.split()[0]
-            )
-        )
+        self.record("daemon_started", self._started(address))
         self._recover()
         self.say(f"serving on {address}")  # before the worker can say a run started
         self.worker = threading.Thread(target=self._work, name="worker", daemon=True)
@@ -600,6 +589,28 @@ class Daemon:
         self.worker.start()
         self.serving.start()
         return address
+
+    def _started(self, address):
+        """daemon_started: the address and the settings, never a secret."""
+        s = self.settings
+        shown = (
+            "token_required max_body queue max_connections grace_s kill_after_s fetch allow_hosts"
+        )
+        return dict(
+            {name: getattr(s, name) for name in shown.split()},
+            address=address,
+            pid=os.getpid(),
+            repo=str(s.repo),
+            runs_dir=str(s.runs_dir),
+            tools=str(s.tools),
+            tools_sha256=s.policy.sha256,
+            secrets=len(s.keys),
+            read_token=bool(s.read_token),
+            backlog=_Server.request_queue_size,
+            request_timeout_s=s.request_timeout,
+            agent_version=__version__,
+            python=sys.version.split()[0]
+        )
 
     def stop(self, signum=None):
         """Stop accepting, finish the requests in flight, give a run --grace-s; what is queued stays
@@ -675,26 +686,13 @@ class Daemon:
     def say(self, line):
         self._say(self.redactor.text(line))
 
-    def check_host(self, headers):
-        """DNS rebinding: only a Host (if any: else not a browser) and an Origin naming this daemon are
-        answered."""
-        host, origin = headers.get("Host"), headers.get("Origin")
-        if host is not None and not self._names_us(host):
-            raise Refused(
-                421, "bad_host", "the Host header does not name this daemon (see --allow-host)"
-            )
-        if origin is not None and not self._names_us(
-            re.sub(r"\Ahttps?://", "", origin.strip().lower())
-        ):
-            raise Refused(403, "bad_origin", "requests from this Origin are refused")
-
-    def _names_us(self, value):
+    def names_us(self, value):
+        """Does a Host (or an Origin's host) name this daemon?"""
         name = ask.host_name(value)
-        # listening on every address: no rebinding
-        literal = name and (":" in name or re.fullmatch(r"[0-9.]+", name))
+        # listening on every address, any address literal: no name, no rebinding
         return (
             name in self.settings.names
-            or bool(literal)
+            or bool(name and (":" in name or re.fullmatch(r"[0-9.]+", name)))
             and self.settings.host in ("0.0.0.0", "::", "")
         )
 
@@ -716,24 +714,7 @@ class Daemon:
                 else (self.bodies.get(digest) if found.source == "github" else None)
             )
             if original is not None:
-                run_id = self.deliveries[original]
-                duplicate = {
-                    "delivery": found.delivery,
-                    "event": event,
-                    "run_id": run_id,
-                    "source": found.source,
-                    "remote": remote,
-                    "body_sha256": digest
-                }
-                self.record(
-                    "webhook_duplicate",
-                    (
-                        dict(duplicate, same_body_as=original)
-                        if original != found.delivery
-                        else duplicate
-                    )
-                )
-                return 200, {"run_id": run_id, "delivery": original, "duplicate": True}, {}
+                return self._duplicate(found, event, remote, digest, original)
             if event != "ping" and len(self.queue) >= self.settings.queue:
                 self.record(
                     "queue_full",
@@ -771,6 +752,22 @@ class Daemon:
                 )
                 self.cond.notify_all()
         return (202 if run_id else 200), {"run_id": run_id, "delivery": found.delivery}, {}
+
+    def _duplicate(self, found, event, remote, digest, original):
+        """A delivery seen before, by its id or (GitHub) its body: its first run, and no new one."""
+        run_id = self.deliveries[original]
+        duplicate = {
+            "delivery": found.delivery,
+            "event": event,
+            "run_id": run_id,
+            "source": found.source,
+            "remote": remote,
+            "body_sha256": digest
+        }
+        if original != found.delivery:
+            duplicate["same_body_as"] = original
+        self.record("webhook_duplicate", duplicate)
+        return 200, {"run_id": run_id, "delivery": original, "duplicate": True}, {}
 
     def _work(self):
         while True:
@@ -950,9 +947,9 @@ class Daemon:
         ]
         return (closed[-1] if closed else None), agent.run_reason(events)
 
-    def _recover(self):
-        """Rebuild the delivery map from daemon.jsonl; requeue, adopt or close what an earlier daemon
-        left."""
+    def _replay(self):
+        """daemon.jsonl read again into the delivery map and the last run: (run id: webhook_received
+        payload, the run ids dispatched, those finished)."""
         received, dispatched, finished = {}, set(), set()
         for event in rl.read_events(self.ledger.path, run_id=None):
             kind, payload = event["kind"], event["payload"]
@@ -967,6 +964,12 @@ class Daemon:
             elif kind == "run_finished":
                 finished.add(payload.get("run_id"))
                 self.last_run = payload
+        return received, dispatched, finished
+
+    def _recover(self):
+        """Rebuild the delivery map from daemon.jsonl; requeue, adopt or close what an earlier
+        daemon left."""
+        received, dispatched, finished = self._replay()
         summary, adopted, requeued = (
             {"requeued": [], "adopted": [], "finished": [], "interrupted": []},
             [],
@@ -1196,8 +1199,8 @@ def _serve(args):
     daemon.start()
     if not daemon.settings.keys:
         rl.warn(
-            "no webhook secret (WEBHOOK_SECRET, WEBHOOK_SECRET_FILE): unsigned deliveries are accepted; "
-            "this is allowed on a loopback address only"
+            "no webhook secret (WEBHOOK_SECRET, WEBHOOK_SECRET_FILE): unsigned deliveries are "
+            "accepted; this is allowed on a loopback address only"
         )
     if daemon.settings.token_required and not daemon.settings.read_token:
         rl.warn("no read token (READ_TOKEN): /, /runs and /runs/<id> answer 401 to everyone")
@@ -1208,6 +1211,21 @@ def _serve(args):
         rl.error("the daemon's accept loop or worker stopped unexpectedly; see daemon_error events")
         return rl.EXIT_FAILED
     return rl.EXIT_OK
+
+
+_LIMITS = (  # flag, type, default, metavar, help
+    ("--max-body", int, 5 * 1024 * 1024, "BYTES", "larger bodies get 413 unread"),
+    ("--queue", int, 16, "N", "deliveries waiting for the worker; more get 503"),
+    ("--max-connections", int, 64, "N", "connections handled at once; more get 503"),
+    ("--request-timeout", float, 10, "S", "wall deadline of a whole request, headers and body"),
+    (
+        "--grace-s",
+        float,
+        30,
+        "S",
+        "on SIGTERM/SIGINT, a run in progress gets this long, then is terminated"
+    )
+)
 
 
 def _build_parser():
@@ -1235,19 +1253,7 @@ def _build_parser():
         "--runs-dir", default=agent.DEFAULT_RUNS, help="where runs and daemon.jsonl are recorded"
     )
     p.add_argument("--tools", default=str(agent.DEFAULT_TOOLS), help="the allowlist every run uses")
-    for flag, kind, default, metavar, text in (
-        ("--max-body", int, 5 * 1024 * 1024, "BYTES", "larger bodies get 413 unread"),
-        ("--queue", int, 16, "N", "deliveries waiting for the worker; more get 503"),
-        ("--max-connections", int, 64, "N", "connections handled at once; more get 503"),
-        ("--request-timeout", float, 10, "S", "wall deadline of a whole request, headers and body"),
-        (
-            "--grace-s",
-            float,
-            30,
-            "S",
-            "on SIGTERM/SIGINT, a run in progress gets this long, then is terminated"
-        )
-    ):
+    for flag, kind, default, metavar, text in _LIMITS:
         p.add_argument(
             flag, type=kind, default=default, metavar=metavar, help=f"{text} (default %(default)s)"
         )

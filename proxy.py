@@ -159,8 +159,8 @@ def _error_json(message, code, kind="proxy_error"):
 
 
 class _ProxyServer(ask.CappedServer):
-    """The settings, the one Ledger and a thread per connection, at most --max-connections (past that a
-    503)."""
+    """The settings, the one Ledger and a thread per connection, at most --max-connections (past
+    that a 503)."""
 
     def __init__(self, address, args, upstream, token):
         base_url, self.model, self.api_key = upstream
@@ -196,8 +196,6 @@ class _ProxyHandler(ask.RequestHandler):
     """One client connection: requests in turn (keep-alive), each read under --read-timeout, then
     forwarded."""
 
-    max_body = PROXY_MAX_BODY
-
     def handle(self):
         # each event goes out at once
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -222,7 +220,8 @@ class _ProxyHandler(ask.RequestHandler):
                 )
 
     def _await_request(self):
-        """Wait --idle-timeout for a request; at shutdown none (a request already sent gets its 503)."""
+        """Wait --idle-timeout for a request; at shutdown none (a request already sent gets its
+        503)."""
         app = self.server
         with app.lock:  # stop() shuts the idle connections; one that comes later does not wait
             stopping = app.stopping
@@ -257,7 +256,7 @@ class _ProxyHandler(ask.RequestHandler):
     def _one_request(self):
         args = self.server.args
         try:
-            raw = self.read_request(args.read_timeout)
+            raw = self.read_request(args.read_timeout, PROXY_MAX_BODY)
         # nothing was sent upstream
         except ask.Refused as refused:
             code = {404: "not_found", 405: "method_not_allowed"}.get(refused.status)
@@ -280,16 +279,16 @@ class _ProxyHandler(ask.RequestHandler):
         limits = [n for n in limits if type(n) is int and 0 < n < 2**63]
         record = ask.call_record(
             model,
-            *self.server.split[1:],
+            self.server.split,
             stream,
-            attempt,
             messages,
             {
                 "temperature": (
                     number if type(number) in (int, float) and abs(number) < math.inf else None
                 ),
                 "max_tokens": limits[0] if limits else None
-            }
+            },
+            attempt
         )
         if tokens:
             record["est_input_tokens"] += tokens
@@ -384,8 +383,8 @@ class _ProxyHandler(ask.RequestHandler):
 
 
 class _Relay:
-    """A stream's events to the client as they arrive (chunked); the usage chunk the proxy asked for is
-    dropped, and the last event is held until the ledger line is written."""
+    """A stream's events to the client as they arrive (chunked); the usage chunk the proxy asked for
+    is dropped, and the last event is held until the ledger line is written."""
 
     def __init__(self, handler, injected):
         self.handler, self.injected, self.began, self.held, self.headers = (
@@ -427,7 +426,8 @@ class _Relay:
             ) from None
 
     def end(self, whole):
-        """Send what was held; a whole stream ends cleanly, a broken one by closing the connection."""
+        """Send what was held; a whole stream ends cleanly, a broken one by closing the
+        connection."""
         try:
             for raw in self.held + [b""]:
                 self._write(raw)
@@ -441,8 +441,8 @@ def _proxy_parser():
     p = rl.ArgumentParser(
         prog="proxy.py",
         description="A recording OpenAI-compatible proxy: BASE_URL and API_KEY upstream "
-        "(MODEL_ID optional: pins the model; PROXY_TOKEN optional: the clients' key), one model_call line per "
-        "upstream attempt. See docs/proxy.md.",
+        "(MODEL_ID optional: pins the model; PROXY_TOKEN optional: the clients' key), "
+        "one model_call line per upstream attempt. See docs/proxy.md.",
         epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_USAGE),
         formatter_class=argparse.RawDescriptionHelpFormatter
     )
