@@ -2,26 +2,28 @@
 """ask.py -- one call to an OpenAI-compatible endpoint, one ledger line per attempt. Stdlib only.
 
 Usage:
-  python ask.py < prompt.txt                      # the answer on stdout, a model_call line in the ledger
-  python ask.py prompt.txt --expect '\\b4\\b'       # assertion gate: exit 3 when the answer does not match
+  python ask.py < prompt.txt                  # the answer on stdout, a model_call line in a ledger
+  python ask.py prompt.txt --expect '\\b4\\b'   # a gate: exit 3 when the answer does not match
   python ask.py --expect-json --retries 3 < prompt.txt
-  python ask.py --stream < prompt.txt             # print as it arrives; records time-to-first-token
-  python ask.py --models                          # is my key and base URL right? lists the model ids
+  python ask.py --stream < prompt.txt         # print as it arrives; records time-to-first-token
+  python ask.py --models                      # is my key and base URL right? lists the model ids
 
 Settings (environment; flags override): BASE_URL (or OPENAI_BASE_URL), API_KEY (or OPENAI_API_KEY),
 MODEL_ID (--model). Optional: LEDGER (--ledger, default ./calls.jsonl), LEDGER_RUN_ID, LEDGER_KEY.
-Exit codes: 0 ok, 1 the call failed, 2 usage/config/ledger error, 3 answer received but a check failed,
-5 stdout could not be written (the call is recorded).
+Exit codes: 0 ok, 1 the call failed, 2 usage/config/ledger error, 3 answer received but a check
+failed, 5 stdout could not be written (the call is recorded).
 
-Library (the one code path for a model call; agent.py uses it): ask.chat(messages, ledger=..., base_url=...,
-model=..., api_key=...) returns the last attempt's record plus "text" (docs/ask.md).
+Library (the one code path for a model call; agent.py uses it): ask.chat(messages, ledger=...,
+base_url=..., model=..., api_key=...) returns the last attempt's record plus "text" (docs/ask.md).
 """
 
 import argparse
 import contextlib
 import functools
 import hashlib
+import hmac
 import http.client
+import ipaddress
 import json
 import math
 import os
@@ -56,6 +58,11 @@ __all__ = [
     "MODEL_CALL_OPTIONAL",
     "DEFAULT_MAX_RESPONSE_BYTES"
 ]
+# Ours beyond __all__ (the rooms' surface, not the vendoring promise). The HTTP kit, for proxy.py,
+# daemon.py and fleet.py: Deadline, http_open, CappedServer, RequestHandler, Refused, http_answer,
+# host_name, is_loopback, bearer_ok, require_json. One call's parts, for proxy.py: attempts (every
+# attempt of a call), call_record, finish, models_call, CallFailed, endpoint, check_ledger,
+# append_record, check_number, ms_since, RESPONSE_DONE.
 
 # --- Constants ---
 
@@ -154,14 +161,15 @@ class ConfigError(rl.UsageError):
 
 
 class RecordError(rl.UsageError):
-    """The call was made but its ledger line could not be written; `.record` holds what was received."""
+    """The call was made but its ledger line could not be written; `.record` holds what was
+    received."""
 
     def __init__(self, message, record):
         super().__init__(message)
         self.record = record
 
 
-class _CallFailed(Exception):
+class CallFailed(Exception):
     """One attempt failed: what the ledger records about it (body: an HTTP error's, capped)."""
 
     def __init__(
@@ -188,7 +196,8 @@ class _CallFailed(Exception):
 
 
 def settings_from_env(base_url=None, model=None, api_key=None, environ=None, need_model=True):
-    """(base_url, model, api_key) from flags, then the environment; no defaults. Raises ConfigError."""
+    """(base_url, model, api_key) from flags, then the environment; no defaults. Raises
+    ConfigError."""
     env = os.environ if environ is None else environ
     base_url = base_url or env.get("BASE_URL") or env.get("OPENAI_BASE_URL")
     model = model or env.get("MODEL_ID")
@@ -202,8 +211,8 @@ def settings_from_env(base_url=None, model=None, api_key=None, environ=None, nee
         names = missing[0] if len(missing) == 1 else ", ".join(missing[:-1]) + " and " + missing[-1]
         raise ConfigError(
             f"{names} {'is' if len(missing) == 1 else 'are'} not set; export BASE_URL (like "
-            f"https://host/v1), API_KEY (any value for servers that ignore it) and MODEL_ID (the exact "
-            f"model id); there are no defaults"
+            "https://host/v1), API_KEY (any value for servers that ignore it) and MODEL_ID "
+            "(the exact model id); there are no defaults"
         )
     check_api_key(api_key)
     split_base_url(base_url)
@@ -219,8 +228,8 @@ def check_api_key(api_key):
 
 
 def split_base_url(base_url):
-    """(request_base, recorded_base, host, port): the first keeps a query string (api-version=...), the
-    recorded one drops user:password, query and fragment. Raises ConfigError for a bad URL."""
+    """(request_base, recorded_base, host, port): the first keeps a query string (api-version=...),
+    the recorded one drops user:password, query and fragment. Raises ConfigError for a bad URL."""
     # no query, fragment or credentials
     safe = rl.redact_text(re.split(r"[?#]", base_url, maxsplit=1)[0])
     try:
@@ -235,7 +244,8 @@ def split_base_url(base_url):
         or not parts.hostname
     ):
         raise ConfigError(
-            f"BASE_URL must be an http(s) URL like https://host/v1, with no white space, not {safe!r}"
+            "BASE_URL must be an http(s) URL like https://host/v1, with no white space, "
+            f"not {safe!r}"
         )
     host = parts.hostname
     netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
@@ -244,12 +254,12 @@ def split_base_url(base_url):
     return (parts.scheme, netloc, path, parts.query), recorded, host, port
 
 
-def _endpoint(request_base, suffix):
+def endpoint(request_base, suffix):
     scheme, netloc, path, query = request_base
     return urllib.parse.urlunsplit((scheme, netloc, path + suffix, query, ""))
 
 
-def _check_number(name, value, minimum=None, above=None):
+def check_number(name, value, minimum=None, above=None):
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
@@ -311,8 +321,8 @@ _SURROGATE_RE = re.compile("[\ud800-\udfff]")
 
 
 def _server_text(value, where, problems, limit=None):
-    """A string the server chose, safe to record: another type, a lone surrogate or an over-long value
-    is noted."""
+    """A string the server chose, safe to record: another type, a lone surrogate or an over-long
+    value is noted."""
     if type(value) is not str:
         if value is not None:
             problems.append(f"{where} is a {type(value).__name__}, not a string")
@@ -460,9 +470,9 @@ def shut(sock, how=socket.SHUT_RDWR):
 
 
 class Deadline:
-    """The deadline of a whole request, connect to last byte: a server that trickles one byte at a time
-    passes every socket timeout, so every socket watched is shut down when it passes. Deadline(None)
-    has none."""
+    """The deadline of a whole request, connect to last byte: a server that trickles one byte at a
+    time passes every socket timeout, so every socket watched is shut down when it passes.
+    Deadline(None) has none."""
 
     def __init__(self, seconds):
         import heapq
@@ -504,12 +514,10 @@ _http = threading.local()
 
 
 def http_open(request, deadline, timeout=None):
-    """Open a urllib Request: proxies from the environment, never a redirect (a 3xx raises HTTPError,
-    so no key goes to another URL), every socket under `deadline`, each read under `timeout`
-    (default: what remains)."""
+    """Open a urllib Request: proxies from the environment, never a redirect (a 3xx raises
+    HTTPError, so no key goes to another URL), every socket under `deadline`, each read under
+    `timeout` (default: what remains)."""
     if getattr(_http, "opener", None) is None:
-        import http.client
-        import urllib.request
 
         def watched(connection_class):
             def make(host, **kwargs):
@@ -555,9 +563,9 @@ def _tls_context():
 
 
 class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    """A thread per connection, at most `max_connections` (past that `busy`, an answer's bytes, and a
-    close). Handlers add their idle keep-alive sockets to `idle` (under `lock`), which stop() shuts
-    at once."""
+    """A thread per connection, at most `max_connections` (past that `busy`, an answer's bytes, and
+    a close). Handlers add their idle keep-alive sockets to `idle` (under `lock`), which stop()
+    shuts at once."""
 
     daemon_threads, block_on_close, allow_reuse_address, request_queue_size = True, False, True, 128
 
@@ -616,6 +624,160 @@ class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
                 break
 
 
+# --- The one HTTP request reader, of proxy.py and daemon.py ---
+
+# Host: name[:port], [v6][:port]
+_HOST_RE = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9_.-]+))(?::[0-9]{1,5})?\Z")
+
+
+class Refused(Exception):
+    """An error answer: `reason` a short code (the proxy sends it, the daemon records it; None: a
+    malformed request), `message` all the client reads, `headers` a dict of extra ones."""
+
+    def __init__(self, status, reason, message, headers=None):
+        super().__init__(message)
+        self.status, self.reason, self.message, self.headers = (
+            status,
+            reason,
+            message,
+            headers or {}
+        )
+
+
+def http_answer(status, body, headers=(), close=False, chunked=False):
+    """The bytes of one answer, head and body in one write (no Nagle delay between them); `headers`
+    are (name, value) pairs, Content-Type application/json unless one is given."""
+    head = [f"HTTP/1.1 {status} {http.client.responses.get(status, 'Status')}"]
+    head += [f"{name}: {value}" for name, value in headers]
+    if not any(name.lower() == "content-type" for name, _ in headers):
+        head.append("Content-Type: " + ("text/event-stream" if chunked else "application/json"))
+    head.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}")
+    if close:
+        head.append("Connection: close")
+    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1", "replace") + body
+
+
+def host_name(value):
+    """The name a Host header (or an Origin's host) gives, lowercased, without its port, brackets or
+    final dot; None when it is not one."""
+    match = _HOST_RE.match(value.strip().lower())
+    return (match.group(1) or match.group(2)).rstrip(".") if match else None
+
+
+def is_loopback(host):
+    """Is `host` loopback by its text alone: `localhost` or a loopback address? A name is never
+    resolved: under DNS rebinding a name resolves to whatever its owner says."""
+    host = host.strip("[]").lower()
+    try:
+        return host == "localhost" or ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def bearer_ok(authorization, token):
+    """Does an Authorization header carry `Bearer TOKEN` (the scheme in any case)? Compared in
+    constant time."""
+    scheme, _, given = (authorization or "").strip().partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        given.strip().encode("latin-1", "replace"), token.encode()
+    )
+
+
+def require_json(headers):
+    """A body's Content-Type must be application/json, UTF-8 if a charset is named: else a 415."""
+    ctype = [part.strip() for part in (headers.get("Content-Type") or "").lower().split(";")]
+    if ctype[0] != "application/json" or any(
+        part.startswith("charset=") and part not in ("charset=utf-8", 'charset="utf-8"')
+        for part in ctype[1:]
+    ):
+        raise Refused(415, "wrong_content_type", "the body must be application/json (UTF-8)")
+
+
+class RequestHandler(socketserver.StreamRequestHandler):
+    """Reads one HTTP/1.x request under one Deadline, and checks it in order: the request line and
+    the headers (400, 431), the server's own checks (check(): Host, Origin, a token), the route and
+    its method (allowed(): 404, 405), Content-Length (411, 400, 413), `Expect: 100-continue`, the
+    body (400 when short). A refusal raises Refused; a request the deadline cuts is a 408."""
+
+    line, method, path, headers, close, stage = b"", "-", "-", {}, True, "request"
+
+    def check(self):
+        """The server's checks of the head (Host, Origin, a token): raise Refused to refuse."""
+
+    def allowed(self, path):
+        """The method `path` (without its query) takes; None: no such route."""
+
+    def read_request(self, seconds, max_body, how=socket.SHUT_RDWR):
+        """The body of a request that passes every check, read within `seconds`: the deadline shuts
+        the socket (both ways, or `how`). Sets line, method, path, headers, close (no keep-alive),
+        stage ("request", then "body"). A client that sends nothing raises ConnectionAbortedError.
+        """
+        self.deadline, self.close, self.stage = Deadline(seconds), True, "request"
+        self.connection.settimeout(seconds + 2)  # a backstop: the deadline ends the reads
+        self.deadline.watch(self.connection, how)
+        try:
+            body = self._read_request(max_body)
+            if not self.deadline.expired:  # else the head or the body ended at the deadline
+                return body
+        # the deadline's timer is late (a loaded box): the reads end all the same
+        except socket.timeout:
+            self.deadline.expire()
+        except Refused:
+            self.close = (
+                self.close
+                or "Transfer-Encoding" in self.headers
+                or (self.headers.get("Content-Length") or "0") != "0"
+            )  # a body left unread ends the connection
+            if not self.deadline.expired:
+                raise
+        raise Refused(408, None, "the request took too long")
+
+    def _read_request(self, max_body):
+        line = self.line = self.rfile.readline(65537)
+        if not line and not self.deadline.expired:
+            raise ConnectionAbortedError("no request")  # a browser's idle preconnect, say
+        parts = line.decode("latin-1").split()
+        if len(line) > 65536 or len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
+            raise Refused(400, None, "not an HTTP/1.x request line")
+        self.method, self.path = parts[:2]
+        try:
+            self.headers = http.client.parse_headers(self.rfile)
+        except http.client.HTTPException:
+            raise Refused(431, None, "the request headers are too long or too many") from None
+        connection = (self.headers.get("Connection") or "").lower()
+        self.close = "close" in connection or (
+            parts[2] == "HTTP/1.0" and "keep-alive" not in connection
+        )
+        self.check()
+        path = self.path.split("?", 1)[0]
+        method = self.allowed(path)
+        if method is None:
+            raise Refused(404, None, f"no route {path[:200]}")
+        if self.method != method:
+            raise Refused(405, None, f"use {method}", {"Allow": method})
+        lengths = self.headers.get_all("Content-Length") or ([] if self.method == "POST" else ["0"])
+        if self.headers.get("Transfer-Encoding") is not None:
+            raise Refused(
+                411,
+                "transfer_encoding",
+                "send the body with Content-Length, without Transfer-Encoding"
+            )
+        if not lengths:
+            raise Refused(411, "missing_length", "Content-Length is required")
+        if len(lengths) > 1 or not re.fullmatch(r"[0-9]{1,15}", lengths[0].strip()):
+            raise Refused(400, "bad_length", "Content-Length must be one decimal number")
+        length = int(lengths[0])
+        if length > max_body:
+            raise Refused(413, "too_large", f"the body is larger than {max_body} bytes")
+        self.stage = "body"
+        if (self.headers.get("Expect") or "").lower() == "100-continue":
+            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        body = self.rfile.read(length)
+        if len(body) < length:
+            raise Refused(400, "incomplete_body", "the body is shorter than Content-Length")
+        return body
+
+
 # --- Transport: no redirects, one deadline for the whole attempt, bounded reads ---
 
 
@@ -643,7 +805,7 @@ def _classify(exc, deadline):  # a failure below a complete HTTP answer
 
 def _open(url, record, problems, *, api_key, deadline, limit, body=None):
     """Send one request (GET without a body); return the response of a 2xx, its head in `record`.
-    Raises _CallFailed for anything else, or for a body announced over `limit`."""
+    Raises CallFailed for anything else, or for a body announced over `limit`."""
     stream = bool(body and body.get("stream"))
     headers = {
         "Authorization": f"Bearer {api_key}",
@@ -664,7 +826,7 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
             host = (
                 urllib.parse.urlsplit(location).netloc.rpartition("@")[2][:200] or "(no Location)"
             )
-            raise _CallFailed(
+            raise CallFailed(
                 "redirect",
                 f"HTTP {exc.code}: redirect to {host} not followed (the API key is "
                 f"never sent to another URL; fix BASE_URL)",
@@ -678,7 +840,7 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
         error_type = STATUS_ERRORS.get(
             exc.code, "server_error" if exc.code >= 500 else "http_error"
         )
-        raise _CallFailed(
+        raise CallFailed(
             error_type,
             f"HTTP {exc.code}: {message or exc.reason}",
             exc.code,
@@ -687,13 +849,13 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
             body=raw
         ) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
-        raise _CallFailed(*_classify(exc, deadline)) from None
+        raise CallFailed(*_classify(exc, deadline)) from None
     record["http_status"] = response.status
     _fill_head(record, response.headers, problems)
     declared = response.headers.get("Content-Length", "")
     if declared.isdigit() and int(declared) > limit:
         response.close()
-        raise _CallFailed(
+        raise CallFailed(
             "response_too_large",
             f"the body announces {declared} bytes, over the {limit}-byte "
             f"limit (--max-response-bytes)",
@@ -704,8 +866,8 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
 
 
 def _read_body(response, limit, deadline, tolerant=False):
-    """The body, at most `limit` bytes, checked against Content-Length, unless `tolerant` (an error's
-    body)."""
+    """The body, at most `limit` bytes, checked against Content-Length, unless `tolerant` (an
+    error's body)."""
     failed, parts, size = None, [], 0
     try:
         # in pieces: read(limit + 1) sets the whole limit aside for a body of unknown length
@@ -733,7 +895,7 @@ def _read_body(response, limit, deadline, tolerant=False):
             f"the body ended {response.length} bytes short of its Content-Length"
         )
     if failed is not None:
-        raise _CallFailed(*failed, response.status, response.headers)
+        raise CallFailed(*failed, response.status, response.headers)
     return raw
 
 
@@ -745,24 +907,24 @@ def _parse_json(raw, what, problems, status, headers):
             parse_constant=lambda name: problems.append(f"{name} in the {what}")
         )
     except UnicodeDecodeError:
-        raise _CallFailed(
+        raise CallFailed(
             "invalid_json", f"HTTP {status} but the {what} is not UTF-8", status, headers
         ) from None
     except ValueError:
         message = _error_from_body(raw, headers.get("Content-Type", ""))[0]
         error_type = "html_response" if message.startswith("an HTML page") else "invalid_json"
-        raise _CallFailed(
+        raise CallFailed(
             error_type,
             f"HTTP {status} but the {what} is not JSON: {message[:200]}",
             status,
             headers
         ) from None
     except RecursionError:
-        raise _CallFailed(
+        raise CallFailed(
             "malformed_response", f"the {what} is nested too deeply to read", status, headers
         ) from None
     if not isinstance(data, dict):
-        raise _CallFailed(
+        raise CallFailed(
             "invalid_json", f"HTTP {status} but the {what} is not a JSON object", status, headers
         )
     return data
@@ -772,7 +934,7 @@ def _api_error(err, status, headers, prefix):
     message, code = (
         (err.get("message"), _code(err.get("code"))) if isinstance(err, dict) else (err, None)
     )
-    raise _CallFailed(
+    raise CallFailed(
         "api_error", f"{prefix}: {str(message)[:MAX_ERROR_CHARS]}", status, headers, code=code
     )
 
@@ -784,7 +946,9 @@ def _sha256(text):
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _new_record(model, recorded_base, host, port, stream, attempt, messages, options):
+def call_record(model, split, stream, messages, options, attempt, **extra):
+    """A model_call record before the answer: the request's fields, then `extra` (artifacts)."""
+    _request_base, recorded_base, host, port = split
     system = [m["content"] for m in messages if m["role"] == "system"]
     users = [m["content"] for m in messages if m["role"] == "user"]
     system_chars = sum(map(len, system))
@@ -811,6 +975,7 @@ def _new_record(model, recorded_base, host, port, stream, attempt, messages, opt
     )
     if system:
         record["system_sha256"] = _sha256("\n".join(system))
+    record.update(extra)
     return record
 
 
@@ -826,8 +991,8 @@ def _fill_ids(record, data, problems):
 
 
 def _take(record, data, key, state, problems, status, headers):
-    """A whole answer (key "message") or a stream chunk ("delta") of chat, completions, the Responses
-    API or embeddings into record and state; returns its text (None for embeddings)."""
+    """A whole answer (key "message") or a stream chunk ("delta") of chat, completions, the
+    Responses API or embeddings into record and state; returns its text (None for embeddings)."""
     whole, kind, choices = key == "message", data.get("type"), data.get("choices")
     if kind == "error" or (
         data.get("error") is not None and not (whole and (choices or data.get("output")))
@@ -849,7 +1014,7 @@ def _take(record, data, key, state, problems, status, headers):
         state["tools"] = state["embedding"] = True  # an answer, without text
         return None
     if whole and (not isinstance(choices, list) or not choices):
-        raise _CallFailed(
+        raise CallFailed(
             "no_choices", f"HTTP {status} but the response has no choices", status, headers
         )
     if type(choices or []) is not list:
@@ -885,7 +1050,7 @@ def _choice_text(record, choice, key, where, state, problems):
     return _content_text(part.get("content"), f"{where}.{key}.content", problems)
 
 
-_RESPONSE_DONE = ("response.completed", "response.incomplete", "response.failed")
+RESPONSE_DONE = ("response.completed", "response.incomplete", "response.failed")
 
 
 def _take_response(record, data, whole, state, problems, status, headers):
@@ -897,7 +1062,7 @@ def _take_response(record, data, whole, state, problems, status, headers):
     if type(response) is dict:
         _fill_ids(record, response, problems)
         state["usage"] = response.get("usage", state.get("usage"))
-        if whole or kind in _RESPONSE_DONE:
+        if whole or kind in RESPONSE_DONE:
             record["finish_reason"] = _server_text(
                 response.get("status"), "status", problems, MAX_FIELD_CHARS
             )
@@ -920,9 +1085,22 @@ def _take_response(record, data, whole, state, problems, status, headers):
     return "".join(texts)
 
 
+def _sse_chunk(data, state, problems, status, headers):
+    """The JSON object an event's data lines hold; None for [DONE] (noted in `state`), a comment, or
+    an event that is not a JSON object (noted in `problems`)."""
+    event = b"\n".join(data) if data else None
+    if event == b"[DONE]":
+        state["done"] = True
+    elif event is not None and event[:1] == b"{":
+        return _parse_json(event, "stream chunk", problems, status, headers)
+    elif event is not None:
+        problems.append(f"a stream chunk is not a JSON object: {event[:80]!r}")
+    return None
+
+
 def _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state):
-    """Read server-sent events to [DONE], a finish_reason or response.completed; return the text. Lines
-    and the stream are capped; `relay(raw, chunk)` gets each event as sent, as it arrives (the
+    """Read server-sent events to [DONE], a finish_reason or response.completed; return the text.
+    Lines and the stream are capped; `relay(raw, chunk)` gets each event as sent, as it arrives (the
     proxy)."""
     status, headers = response.status, response.headers
     parts, raw, data, total = [], [], [], 0
@@ -931,7 +1109,7 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems, 
             line = response.readline(MAX_SSE_LINE_BYTES + 1)
             total += len(line)
             if total > limit or (len(line) > MAX_SSE_LINE_BYTES and not line.endswith(b"\n")):
-                raise _CallFailed(
+                raise CallFailed(
                     "response_too_large",
                     f"the stream is over the {limit}-byte limit or has a line "
                     f"over {MAX_SSE_LINE_BYTES} bytes",
@@ -939,7 +1117,7 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems, 
                     headers
                 )
             if line and not line.endswith(b"\n"):
-                raise _CallFailed(
+                raise CallFailed(
                     "truncated_stream",
                     "the stream was cut in the middle of an event",
                     status,
@@ -953,33 +1131,27 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems, 
                 continue  # the event goes on (a lone blank line goes out with the next one)
             if not (line or data):
                 break
-            event, chunk = b"\n".join(data) if data else None, None
-            if event == b"[DONE]":
-                state["done"] = True
-            elif event is not None and event[:1] == b"{":
-                chunk = _parse_json(event, "stream chunk", problems, status, headers)
-            elif event is not None:
-                problems.append(f"a stream chunk is not a JSON object: {event[:80]!r}")
+            chunk = _sse_chunk(data, state, problems, status, headers)
             if relay is not None:
                 relay(b"".join(raw), chunk)
             raw, data = [], []
             piece = _take(record, chunk, "delta", state, problems, status, headers) if chunk else ""
             if piece:
                 if record["ttft_ms"] is None:
-                    record["ttft_ms"] = _ms_since(started)
+                    record["ttft_ms"] = ms_since(started)
                 parts.append(piece)
                 on_text(piece)
             if not line:
                 break
         if deadline.expired:
-            raise _CallFailed(*_classify(None, deadline), status, headers)
+            raise CallFailed(*_classify(None, deadline), status, headers)
     except (OSError, http.client.HTTPException) as exc:
-        raise _CallFailed(*_classify(exc, deadline), status, headers) from None
+        raise CallFailed(*_classify(exc, deadline), status, headers) from None
     finally:
         record["response_chars"] = sum(map(len, parts))
         record["est_output_tokens"] = estimate_tokens(record["response_chars"])
     if not (state.get("done") or state.get("finished")):
-        raise _CallFailed(
+        raise CallFailed(
             "truncated_stream",
             "the stream ended without a finish_reason or [DONE]",
             status,
@@ -1005,10 +1177,10 @@ def _fill_head(record, headers, problems):
 
 
 def _one_attempt(
-    url, body, record, started, *, api_key, deadline, limit, on_text, problems, relay, state
+    url, body, record, started, api_key, deadline, limit, on_text, problems, relay, state
 ):
     """Send once; fill `record` but latency_ms and `state` (status, headers, a parsed body's bytes);
-    return the text. Raises _CallFailed."""
+    return the text. Raises CallFailed."""
     with _open(
         url, record, problems, api_key=api_key, deadline=deadline, limit=limit, body=body
     ) as response:
@@ -1028,7 +1200,7 @@ def _one_attempt(
             )
         # a shape the readers did not foresee
         except (KeyError, TypeError, AttributeError, IndexError) as exc:
-            raise _CallFailed(
+            raise CallFailed(
                 "malformed_response",
                 f"the answer's shape cannot be read ({type(exc).__name__})",
                 response.status,
@@ -1044,23 +1216,63 @@ def _one_attempt(
                 record["usage_status"] = "complete"  # embeddings have input tokens only
 
 
-def _finish(record, started, text, failure, problems, redactor, answered=False):
-    """The last steps of every attempt, one-shot, proxied, refused or /models: latency, sizes, problems
-    and the failure, if any, into `record`. Returns the failure (None on success)."""
-    record["latency_ms"] = _ms_since(started)  # to the end of the body, or to the failure
+def _attempt(
+    record,
+    on_text,
+    relay,
+    seconds,
+    url,
+    body,
+    api_key,
+    limit,
+    redactor,
+    tools_answer,
+    checks,
+    store
+):
+    """One attempt under a deadline of `seconds`, its record finished, checked (`checks` for
+    run_checks) and its text stored (`store`): (text, failure or None, state)."""
+    text, failure, problems, state, started = None, None, [], {}, time.perf_counter()
+    deadline = Deadline(seconds)
+    try:
+        text = _one_attempt(
+            url, body, record, started, api_key, deadline, limit, on_text, problems, relay, state
+        )
+    except CallFailed as exc:
+        failure = exc
+    finally:
+        deadline.cancel()
+    answered = tools_answer and state.get("tools")
+    failure = finish(record, started, text, failure, problems, redactor, answered)
+    if failure is None and checks:
+        record["check"], record["check_detail"] = run_checks(
+            text,
+            request_model=record["request_model"],
+            response_model=record["response_model"],
+            **checks
+        )
+    if text and store is not None:
+        record["response_artifact"] = store(text)
+    return text, failure, state
+
+
+def finish(record, started, text, failure, problems, redactor, answered=False):
+    """The last steps of every attempt, one-shot, proxied, refused or /models: latency, sizes,
+    problems and the failure, if any, into `record`. Returns the failure (None on success)."""
+    record["latency_ms"] = ms_since(started)  # to the end of the body, or to the failure
     if text is not None:
         record["response_chars"] = len(text)
         record["est_output_tokens"] = estimate_tokens(len(text))
     if problems:
         record["malformed"] = problems[:MAX_PROBLEMS]
     if problems and failure is None:
-        failure = _CallFailed(
+        failure = CallFailed(
             "malformed_response",
             "the answer arrived but the body is malformed: " + "; ".join(problems[:3]),
             record["http_status"]
         )
     if failure is None and not answered and not (text or "").strip():
-        failure = _CallFailed(
+        failure = CallFailed(
             "empty_content",
             f"HTTP {record['http_status']} but the answer is empty",
             record["http_status"]
@@ -1080,18 +1292,19 @@ def _finish(record, started, text, failure, problems, redactor, answered=False):
     return failure
 
 
-def _ms_since(started):
+def ms_since(started):
     return round((time.perf_counter() - started) * 1000, 1)
 
 
 def retryable(record):
-    """Whether a failed attempt is worth retrying: a timeout, a dropped or cut answer, a busy or broken
-    server."""
+    """Whether a failed attempt is worth retrying: a timeout, a dropped or cut answer, a busy or
+    broken server."""
     return record["error_type"] in RETRYABLE_ERRORS or record["http_status"] in RETRYABLE_STATUS
 
 
 class _Printer:
-    """The caller's on_text; once it raises it is called no more, and the exception waits for the line."""
+    """The caller's on_text; once it raises it is called no more, and the exception waits for the
+    line."""
 
     def __init__(self, on_text):
         self.on_text, self.raised = on_text, None
@@ -1106,7 +1319,8 @@ class _Printer:
 
 
 def _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, until):
-    """The wait before the next attempt (its reason into `record`), or None when there is none to make."""
+    """The wait before the next attempt (its reason into `record`), or None when there is none to
+    make."""
     if (
         "stream_options" in body
         and failure.status in (400, 422)
@@ -1133,7 +1347,7 @@ def _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, unti
     return wait
 
 
-def _attempts(
+def attempts(
     url,
     body,
     new_record,
@@ -1158,52 +1372,21 @@ def _attempts(
     """Every attempt of one call, each one model_call line through `append`, retried as _retry_wait
     says. Returns (result, failure, state, relay) of the last attempt; result is its record plus
     "text"."""
-    attempt, dropped = 0, False
+    attempt, options = 0, "stream_options" in body
+    # the same each attempt
+    call = (url, body, api_key, limit, redactor, tools_answer, checks, store)
     while True:
         attempt += 1
         record, printer, out = new_record(attempt), _Printer(on_text), relay() if relay else None
-        if dropped:
+        if options and "stream_options" not in body:  # _retry_wait dropped them
             record["stream_options_dropped"] = True
-        text, failure, problems, state, started = None, None, [], {}, time.perf_counter()
-        deadline = Deadline(
-            timeout if until is None else max(0.001, min(timeout, until - time.monotonic()))
-        )
-        try:
-            text = _one_attempt(
-                url,
-                body,
-                record,
-                started,
-                api_key=api_key,
-                deadline=deadline,
-                limit=limit,
-                on_text=printer,
-                problems=problems,
-                relay=out,
-                state=state
-            )
-        except _CallFailed as exc:
-            failure = exc
-        finally:
-            deadline.cancel()
-        failure = _finish(
-            record, started, text, failure, problems, redactor, tools_answer and state.get("tools")
-        )
-        if failure is None and checks:
-            record["check"], record["check_detail"] = run_checks(
-                text,
-                request_model=record["request_model"],
-                response_model=record["response_model"],
-                **checks
-            )
-        if text and store is not None:
-            record["response_artifact"] = store(text)
-        wait, sent_options = None, "stream_options" in body
+        seconds = timeout if until is None else max(0.001, min(timeout, until - time.monotonic()))
+        text, failure, state = _attempt(record, printer, out, seconds, *call)
+        wait = None
         # a stream already shown is not sent twice
         printed = on_text is not None and record["ttft_ms"] is not None
         if failure is not None and not (printed or (out is not None and out.began)):
             wait = _retry_wait(record, failure, body, attempt, retries, backoff, max_wait, until)
-        dropped = dropped or (sent_options and "stream_options" not in body)
         result = dict(
             record,
             text=text if failure is None or failure.error_type == "malformed_response" else None
@@ -1235,14 +1418,14 @@ def _opened(ledger, api_key):
     )
     book.add_secret(api_key)
     try:
-        _check_ledger(book)
+        check_ledger(book)
         yield book
     finally:
         if owned:
             book.close()
 
 
-def _check_ledger(book):
+def check_ledger(book):
     try:
         book.check()  # a ledger that cannot take the line costs no request
     except (rl.LedgerError, OSError) as exc:
@@ -1251,7 +1434,7 @@ def _check_ledger(book):
         ) from None
 
 
-def _append(book, kind, record):
+def append_record(book, kind, record):
     try:
         book.append(kind, record)
     except (rl.LedgerError, OSError) as exc:
@@ -1285,10 +1468,62 @@ def chat(
     sleep=time.sleep,
     until=None
 ):
-    """Send `messages` to {base_url}/chat/completions, one model_call line per attempt; return the last
-    attempt's record plus "text". Failures are in the record; ConfigError means nothing was sent
-    (docs/ask.md)."""
-    if not model:
+    """Send `messages` to {base_url}/chat/completions, one model_call line per attempt; return the
+    last attempt's record plus "text". Failures are in the record; ConfigError means nothing was
+    sent (docs/ask.md)."""
+    expect = _check_chat(locals())
+    split = split_base_url(base_url)
+    options = {"max_tokens": max_tokens, "temperature": temperature}
+    body = {
+        "model": model,
+        "messages": [{"role": m["role"], "content": m["content"]} for m in messages]
+    }
+    body.update((name, value) for name, value in options.items() if value is not None)
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    with _opened(ledger, api_key) as book:
+        artifacts = _stored_texts(book, messages) if store_text else {}
+        return attempts(
+            endpoint(split[0], "/chat/completions"),
+            body,
+            functools.partial(
+                call_record, model, split, bool(stream), messages, options, **artifacts
+            ),
+            functools.partial(append_record, book),
+            api_key=api_key,
+            timeout=timeout,
+            limit=max_response_bytes,
+            redactor=book.redactor,
+            retries=retries,
+            checks=dict(expect=expect, expect_json=expect_json, strict_model=strict_model),
+            store=book.store_artifact if store_text else None,
+            backoff=backoff,
+            max_wait=max_wait,
+            on_text=on_text,
+            on_retry=on_retry,
+            sleep=sleep,
+            until=until
+        )[0]
+
+
+# chat()'s numbers: (name, the least allowed, the value to be above)
+_CHAT_NUMBERS = (
+    ("temperature", None, None),
+    ("timeout", None, 0),
+    ("max_wait", 0, None),
+    ("backoff", 0, None),
+    ("until", None, None),
+    ("retries", 0, None),
+    ("max_tokens", 1, None),
+    ("max_response_bytes", 1024, None)
+)
+
+
+def _check_chat(args):
+    """chat()'s arguments (`args`: its locals() on entry), before anything is sent; returns `expect`
+    compiled. Raises ConfigError."""
+    messages = args["messages"]
+    if not args["model"]:
         raise ConfigError(
             "MODEL_ID is not set (export MODEL_ID=..., or pass --model); there is no default"
         )
@@ -1305,76 +1540,36 @@ def chat(
         raise ConfigError("the prompt is empty")
     if any(
         type(n) is not int
-        for n in (retries, max_response_bytes, 1 if max_tokens is None else max_tokens)
+        for n in (
+            args["retries"],
+            args["max_response_bytes"],
+            1 if args["max_tokens"] is None else args["max_tokens"]
+        )
     ):
         raise ConfigError("retries, max_tokens and max_response_bytes must be integers")
-    for name, value, minimum, above in (
-        ("temperature", temperature, None, None),
-        ("timeout", timeout, None, 0),
-        ("max_wait", max_wait, 0, None),
-        ("backoff", backoff, 0, None),
-        ("until", until, None, None),
-        ("retries", retries, 0, None),
-        ("max_tokens", max_tokens, 1, None),
-        ("max_response_bytes", max_response_bytes, 1024, None)
-    ):
-        _check_number(name, value, minimum, above)
+    for name, minimum, above in _CHAT_NUMBERS:
+        check_number(name, args[name], minimum, above)
+    check_api_key(args["api_key"])
     try:
-        expect = re.compile(expect) if isinstance(expect, str) else expect
+        expect = args["expect"]
+        return re.compile(expect) if isinstance(expect, str) else expect
     except re.error as exc:
         raise ConfigError(f"--expect is not a valid regular expression: {exc}") from None
-    check_api_key(api_key)
-    request_base, recorded_base, host, port = split_base_url(base_url)
-    body = {
-        "model": model,
-        "messages": [{"role": m["role"], "content": m["content"]} for m in messages]
-    }
-    options = {"max_tokens": max_tokens, "temperature": temperature}
-    body.update((name, value) for name, value in options.items() if value is not None)
-    if stream:
-        body.update(stream=True, stream_options={"include_usage": True})
-    with _opened(ledger, api_key) as book:
-        users = [m["content"] for m in messages if m["role"] == "user"]
-        system = "\n".join(m["content"] for m in messages if m["role"] == "system")
-        artifacts = (
-            {"prompt_artifact": book.store_artifact(users[-1] if users else "")}
-            if store_text
-            else {}
+
+
+def _stored_texts(book, messages):
+    """--store-text: the prompt, the system prompt and the whole conversation (when there is more),
+    as artifacts."""
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    system = "\n".join(m["content"] for m in messages if m["role"] == "system")
+    artifacts = {"prompt_artifact": book.store_artifact(users[-1] if users else "")}
+    if system:
+        artifacts["system_artifact"] = book.store_artifact(system)
+    if len(messages) > len(users[-1:]) + (1 if system else 0):
+        artifacts["messages_artifact"] = book.store_artifact(
+            json.dumps(messages, ensure_ascii=False, indent=1)
         )
-        if store_text and system:
-            artifacts["system_artifact"] = book.store_artifact(system)
-        if store_text and len(messages) > len(users[-1:]) + (1 if system else 0):
-            artifacts["messages_artifact"] = book.store_artifact(
-                json.dumps(messages, ensure_ascii=False, indent=1)
-            )
-
-        def new_record(attempt):
-            return dict(
-                _new_record(
-                    model, recorded_base, host, port, bool(stream), attempt, messages, options
-                ),
-                **artifacts
-            )
-
-        return _attempts(
-            _endpoint(request_base, "/chat/completions"),
-            body,
-            new_record,
-            functools.partial(_append, book),
-            api_key=api_key,
-            timeout=timeout,
-            limit=max_response_bytes,
-            redactor=book.redactor,
-            retries=retries,
-            checks=dict(expect=expect, expect_json=expect_json, strict_model=strict_model),
-            store=book.store_artifact if store_text else None,
-            backoff=backoff,
-            max_wait=max_wait,
-            on_text=on_text,
-            on_retry=on_retry,
-            sleep=sleep,
-            until=until
-        )[0]
+    return artifacts
 
 
 def ask(prompt, *, system=None, **kwargs):
@@ -1399,14 +1594,14 @@ def list_models(
     docs/small-models.md)."""
     check_api_key(api_key)
     split = split_base_url(base_url)
-    _check_number("timeout", timeout, above=0)
+    check_number("timeout", timeout, above=0)
     with _opened(ledger, api_key) as book:
-        record = _models_call(book.redactor, split, api_key, timeout, max_response_bytes)[0]
-        _append(book, "models_list", record)
+        record = models_call(book.redactor, split, api_key, timeout, max_response_bytes)[0]
+        append_record(book, "models_list", record)
     return record
 
 
-def _models_call(redactor, split, api_key, timeout, limit):
+def models_call(redactor, split, api_key, timeout, limit):
     """GET /models once: (record, raw body or None, failure or None, response headers or None)."""
     request_base, recorded_base, host, port = split
     record = {
@@ -1427,7 +1622,7 @@ def _models_call(redactor, split, api_key, timeout, limit):
     problems, raw, failure, headers = [], None, None, None
     try:
         with _open(
-            _endpoint(request_base, "/models"),
+            endpoint(request_base, "/models"),
             record,
             problems,
             api_key=api_key,
@@ -1436,39 +1631,45 @@ def _models_call(redactor, split, api_key, timeout, limit):
         ) as response:
             headers = response.headers
             raw = _read_body(response, limit, deadline)
-            data = _parse_json(raw, "body", problems, response.status, headers)
-        items = data.get("data")
-        if not isinstance(items, list):
-            raise _CallFailed("invalid_json", "HTTP 200 but the body has no data list", 200)
-        items = [item for item in items if isinstance(item, dict)]
-        ids = {
-            _server_text(item.get("id"), "data[].id", problems, MAX_FIELD_CHARS) for item in items
-        } - {None}
-        record["model_ids"], record["count"] = sorted(ids)[:10000], len(ids)
-        windows = {}
-        for item in items:  # vLLM's max_model_len, llama.cpp's meta.n_ctx_train, or context_length
-            meta = item.get("meta") if isinstance(item.get("meta"), dict) else {}
-            window = [
-                n
-                for n in (
-                    item.get("max_model_len"),
-                    meta.get("n_ctx_train"),
-                    item.get("context_length")
-                )
-                if type(n) is int and n > 0
-            ]
-            if window and type(item.get("id")) is str and item["id"] in ids:
-                windows[item["id"]] = window[0]
-        if windows:
-            record["context_tokens"] = dict(sorted(windows.items())[:10000])
+            _model_list(
+                record, _parse_json(raw, "body", problems, response.status, headers), problems
+            )
         if problems:
             record["malformed"] = problems[:MAX_PROBLEMS]
-    except _CallFailed as exc:
+    except CallFailed as exc:
         failure, raw = exc, None
     finally:
         deadline.cancel()
-    _finish(record, started, None, failure, [], redactor, answered=True)
+    finish(record, started, None, failure, [], redactor, answered=True)
     return record, raw, failure, headers
+
+
+def _model_list(record, data, problems):
+    """A /models answer's ids into `record`, and the context windows it states."""
+    items = data.get("data")
+    if not isinstance(items, list):
+        raise CallFailed("invalid_json", "HTTP 200 but the body has no data list", 200)
+    items = [item for item in items if isinstance(item, dict)]
+    ids = {
+        _server_text(item.get("id"), "data[].id", problems, MAX_FIELD_CHARS) for item in items
+    } - {None}
+    record["model_ids"], record["count"] = sorted(ids)[:10000], len(ids)
+    windows = {}
+    for item in items:  # vLLM's max_model_len, llama.cpp's meta.n_ctx_train, or context_length
+        meta = item.get("meta") if isinstance(item.get("meta"), dict) else {}
+        window = [
+            n
+            for n in (
+                item.get("max_model_len"),
+                meta.get("n_ctx_train"),
+                item.get("context_length")
+            )
+            if type(n) is int and n > 0
+        ]
+        if window and type(item.get("id")) is str and item["id"] in ids:
+            windows[item["id"]] = window[0]
+    if windows:
+        record["context_tokens"] = dict(sorted(windows.items())[:10000])
 
 
 # --- CLI ---
@@ -1572,30 +1773,13 @@ def _run(args):
     # the numbers are checked once, by chat() and list_models(), before anything is sent
     secrets = [api_key]
     if args.models:
-        record = list_models(
-            ledger=args.ledger,
-            base_url=base_url,
-            api_key=api_key,
-            timeout=args.timeout,
-            max_response_bytes=args.max_response_bytes
-        )
-        if record["error_type"]:
-            rl.error(
-                f"{record['error_type']}: {record['error_message']} ({record['base_url']})", secrets
-            )
-            return rl.EXIT_FAILED
-        rl.write_out(
-            json.dumps(record, ensure_ascii=False) + "\n"
-            if args.json
-            else "".join(rl.printable(m) + "\n" for m in record["model_ids"])
-        )
-        return rl.EXIT_OK
+        return _run_models(args, base_url, api_key)
     prompt = _read_prompt(args.prompt_file)
 
     def announce_retry(result, wait):
         rl.warn(
-            f"attempt {result['attempt']} failed ({result['error_type']}: {result['error_message']}); "
-            f"retrying in {wait:.2f} s",
+            f"attempt {result['attempt']} failed ({result['error_type']}: "
+            f"{result['error_message']}); retrying in {wait:.2f} s",
             secrets
         )
 
@@ -1639,6 +1823,28 @@ def _run(args):
     if record["check"] is False:
         rl.error(f"check failed: {record['check_detail']}", secrets)
         return rl.EXIT_CHECK
+    return rl.EXIT_OK
+
+
+def _run_models(args, base_url, api_key):
+    """--models: the endpoint's model ids on stdout (the record with --json)."""
+    record = list_models(
+        ledger=args.ledger,
+        base_url=base_url,
+        api_key=api_key,
+        timeout=args.timeout,
+        max_response_bytes=args.max_response_bytes
+    )
+    if record["error_type"]:
+        rl.error(
+            f"{record['error_type']}: {record['error_message']} ({record['base_url']})", [api_key]
+        )
+        return rl.EXIT_FAILED
+    rl.write_out(
+        json.dumps(record, ensure_ascii=False) + "\n"
+        if args.json
+        else "".join(rl.printable(m) + "\n" for m in record["model_ids"])
+    )
     return rl.EXIT_OK
 
 

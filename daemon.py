@@ -17,10 +17,10 @@ import base64
 import binascii
 import collections
 import contextlib
+import email.utils
 import hashlib
 import hmac
 import html
-import ipaddress
 import itertools
 import json
 import os
@@ -33,7 +33,6 @@ import tempfile
 import threading
 import time
 import traceback
-from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 # the toolkit beside us, even under -I
@@ -73,11 +72,16 @@ MAX_SHOWN_CHARS = 4000  # one value on the timeline page
 # the model's keys and the ledger key reach a run on its stdin, not in its environment; the
 # daemon's own secrets never reach it
 PIPED_ENV, DAEMON_ENV = rl.SECRET_ENV_VARS[:3], rl.SECRET_ENV_VARS[3:6]
-_BUSY_BODY = b'{"error": "too many connections; retry later"}\n'
-_BUSY = (
-    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-    b"Retry-After: 1\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+_BUSY = ask.http_answer(
+    503, b'{"error": "too many connections; retry later"}\n', [("Retry-After", "1")], close=True
 )
+# what an answer says besides its body
+_HEADERS = {
+    "Server": "agent.py-serve",
+    "Cache-Control": "no-store",
+    "X-Content-Type-Options": "nosniff"
+}
+_METHODS = "GET POST PUT DELETE PATCH HEAD OPTIONS TRACE CONNECT".split()  # others: 501
 
 _DELIVERY_RE = rl.RUN_ID_RE  # a delivery id has the shape of a run id
 _EVENT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}\Z")
@@ -85,22 +89,7 @@ _GITHUB_SIG_RE = re.compile(r"sha256=([0-9a-fA-F]{64})\Z")
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?\Z")
 # new_run_id()'s shape only
 _RUN_URL_RE = re.compile(r"/runs/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8})\Z")
-# Host: name[:port], [v6][:port]
-_HOST_RE = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9_.-]+))(?::[0-9]{1,5})?\Z")
-
-
-class Refused(Exception):
-    """An error answer: `reason` is recorded (None: not recorded), `message` is all the client reads."""
-
-    def __init__(self, status, reason, message, headers=None):
-        super().__init__(message)
-        self.status, self.reason, self.message, self.headers = (
-            status,
-            reason,
-            message,
-            headers or {}
-        )
-
+Refused = ask.Refused
 
 # github, standard or unsigned; id; event
 Delivery = collections.namedtuple("Delivery", "source delivery event")
@@ -127,7 +116,7 @@ def serve_settings(args, environ):
         raise rl.UsageError(
             "the read token (--read-token / READ_TOKEN) must be at least 16 characters"
         )
-    loopback = is_loopback(args.host)
+    loopback = ask.is_loopback(args.host)
     if not loopback and not secrets:
         raise rl.UsageError(
             f"refusing to listen on {rl.printable(args.host)}, which is not a loopback address, "
@@ -207,17 +196,6 @@ def signing_keys(secrets):
     return keys
 
 
-def is_loopback(host):
-    """True when every address `host` names is a loopback address."""
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except (socket.gaierror, UnicodeError):
-        raise rl.UsageError(f"--host {rl.printable(host)}: cannot resolve that name") from None
-    return bool(infos) and all(
-        ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos
-    )
-
-
 # -- authentication: before the body is parsed ---------------------------------
 
 
@@ -243,8 +221,8 @@ def verify_github(keys, body, header):
 
 
 def verify_standard(keys, body, msg_id, timestamp, header, now=None):
-    """Standard Webhooks: `v1,<base64 HMAC-SHA256 of id.timestamp.body>` entries, a timestamp within 5
-    minutes."""
+    """Standard Webhooks: `v1,<base64 HMAC-SHA256 of id.timestamp.body>` entries, a timestamp
+    within 5 minutes."""
     if not msg_id or not timestamp or not header:
         raise Refused(
             401,
@@ -316,13 +294,9 @@ def authenticate(keys, headers, body, now=None):
 
 
 def parse_body(headers, body, found):
-    """After a valid signature: (the application/json UTF-8 object, its event name). Raises Refused."""
-    ctype = [part.strip() for part in (headers.get("Content-Type") or "").lower().split(";")]
-    if ctype[0] != "application/json" or any(
-        part.startswith("charset=") and part not in ("charset=utf-8", 'charset="utf-8"')
-        for part in ctype[1:]
-    ):
-        raise Refused(415, "wrong_content_type", "the body must be application/json (UTF-8)")
+    """After a valid signature: (the application/json UTF-8 object, its event name). Raises
+    Refused."""
+    ask.require_json(headers)
     try:
         payload = json.loads(body.decode("utf-8"))
     except UnicodeDecodeError:
@@ -354,56 +328,105 @@ class _Server(ask.CappedServer):
         self.app.connection_refused(client_address[0])
 
 
-class _Handler(BaseHTTPRequestHandler):
-    """One request per connection, then closed. The socket's timeout bounds a read, the ask.Deadline
-    them all."""
+class _Handler(ask.RequestHandler):
+    """One request per connection, then closed, read under --request-timeout (docs/daemon.md)."""
 
-    protocol_version, server_version = "HTTP/1.1", "agent.py-serve"
-    # what an answer needs when the request line did not parse (it keeps its status line: HTTP/1.0)
-    default_request_version = request_version = "HTTP/1.0"
-    raw_requestline, requestline, command, sent, delivery, claimed = b"", "", None, None, None, None
-    stage, route, expect_continue = "request", "-", False
-
-    def setup(self):
-        super().setup()
-        self.app, self.started = self.server.app, time.monotonic()
-        self.connection.settimeout(self.app.settings.request_timeout + RESPONSE_GRACE_S)
-        self.deadline = ask.Deadline(self.app.settings.request_timeout)
-        # the read side only: the handler can still answer 408
-        self.deadline.watch(self.connection, socket.SHUT_RD)
+    sent = delivery = None
 
     def handle(self):
+        self.app, started = self.server.app, time.monotonic()
+        with contextlib.suppress(OSError):  # the client went away (a reset, a broken pipe)
+            self._respond()
+        self.deadline.cancel()
+        # nothing sent (a browser's idle preconnect) is no request; a timeout is an event
+        if self.line:
+            status, size = self.sent or ("-", 0)
+            self.app.log(
+                f"{self.client_address[0]} {rl.printable(self.method)} {self.route} {status} "
+                f"{size} {(time.monotonic() - started) * 1000:.1f} {self.delivery or '-'}"
+            )
+
+    @property
+    def route(self):
+        """The path as logged and recorded: no query, secrets masked."""
+        return rl.printable(self.app.redactor.text(self.path.split("?", 1)[0][:200]))
+
+    def check(self):
+        """501 for an unknown method; DNS rebinding: only a Host (if any: else not a browser) and an
+        Origin naming this daemon are answered."""
+        host, origin = self.headers.get("Host"), self.headers.get("Origin")
+        if self.method not in _METHODS:
+            raise Refused(501, None, "unknown method")
+        if host is not None and not self.app.names_us(host):
+            raise Refused(
+                421, "bad_host", "the Host header does not name this daemon (see --allow-host)"
+            )
+        if origin is not None and not self.app.names_us(
+            re.sub(r"\Ahttps?://", "", origin.strip().lower())
+        ):
+            raise Refused(403, "bad_origin", "requests from this Origin are refused")
+
+    def allowed(self, path):
+        if path == "/webhook":
+            return "POST"
+        return "GET" if path in ("/", "/healthz", "/runs") or path.startswith("/runs/") else None
+
+    def _respond(self):
         try:
-            self.handle_one_request()
-        except OSError:  # the client went away (a reset, a broken pipe): nothing to answer
-            pass
-        if self.deadline.expired and self.sent is None:
+            # the read side only: the handler can still answer 408
+            s = self.app.settings
+            body = self.read_request(s.request_timeout, s.max_body, socket.SHUT_RD)
+        except Refused as refused:
+            self._refuse(refused)
+            return self._linger()
+        path = self.path.split("?", 1)[0]
+        try:
+            if path != "/webhook":
+                return self._read(path)
+            found = authenticate(self.app.settings.keys, self.headers, body)
+            self.delivery = found.delivery
+            payload, event = parse_body(self.headers, body, found)
+            self._reply(*self.app.accept(found, event, body, payload, self.client_address[0]))
+        except Refused as refused:
+            self._refuse(refused)
+        except Exception as exc:  # the boundary: recorded, answered 500 without details
+            self.app.record_error(f"{self.method} {self.route}", exc)
+            self._reply(500, {"error": "internal error"})
+
+    def _refuse(self, refused):
+        """Record a refusal on /webhook (a timeout on any path), then answer it."""
+        claimed = (
+            self.headers.get("X-GitHub-Delivery") or self.headers.get("webhook-id") or ""
+        ).strip() or None
+        if claimed is not None and not _DELIVERY_RE.match(claimed):
+            claimed = "(not a delivery id)"
+        if refused.status == 408:
             self.app.record_rejected(
                 "webhook_timeout",
                 {
                     "remote": self.client_address[0],
                     "stage": self.stage,
                     "path": self.route,
-                    "delivery": self.claimed,
+                    "delivery": claimed,
                     "timeout_s": self.app.settings.request_timeout
                 }
             )
-            self._reply(408, {"error": "the request took too long"})
-        if self.sent and self.sent[0] >= 400 and self.stage in ("request", "body"):
-            self._linger()
-        self.deadline.cancel()
-        # nothing sent (a browser's idle preconnect) is no request; a timeout is an event
-        if self.raw_requestline:
-            status, size = self.sent or ("-", 0)
-            self.app.log(
-                f"{self.client_address[0]} {rl.printable(self.command or '-')} {self.route} {status} "
-                f"{size} {(time.monotonic() - self.started) * 1000:.1f} {self.delivery or '-'}"
+        elif refused.reason and self.path.split("?", 1)[0] == "/webhook":
+            self.app.record_rejected(
+                "webhook_rejected",
+                {
+                    "reason": refused.reason,
+                    "status": refused.status,
+                    "remote": self.client_address[0],
+                    "delivery": self.delivery or claimed
+                }
             )
+        self._reply(refused.status, {"error": refused.message}, refused.headers)
 
     def _linger(self):
-        """Drain a little of what the client still sends (LINGER_BYTES, for LINGER_S at most): a close
-        with unread input resets the answer before the client reads it, and an unbounded drain is a
-        free firehose."""
+        """Drain a little of what the client still sends (LINGER_BYTES, for LINGER_S at most): a
+        close with unread input resets the answer before the client reads it, and an unbounded
+        drain is a free firehose."""
         end, drained = time.monotonic() + LINGER_S, 0
         with contextlib.suppress(OSError):  # a timeout too
             self.connection.shutdown(socket.SHUT_WR)
@@ -414,98 +437,7 @@ class _Handler(BaseHTTPRequestHandler):
                     break
                 drained += len(chunk)
 
-    def log_message(self, format, *args):  # the access log is ours (handle)
-        pass
-
-    def version_string(self):
-        return self.server_version
-
-    def send_error(self, code, message=None, explain=None):
-        if not self.deadline.expired:  # else handle() answers 408 and records it
-            self._reply(int(code), {"error": self.responses.get(int(code), ("error",))[0]})
-
-    def handle_expect_100(self):
-        self.expect_continue = True  # 100 Continue only once the headers pass (no 100 before a 413)
-        return True
-
-    def do_GET(self):
-        path = self.path.split("?", 1)[0]
-        self.route = rl.printable(self.app.redactor.text(path[:200]))
-        if self.deadline.expired:  # the headers ended only because the deadline shut the reads
-            return
-        try:
-            self.app.check_host(self.headers)
-            if path == "/webhook":
-                self._webhook()
-            elif path in ("/", "/healthz", "/runs") or path.startswith("/runs/"):
-                self._read(path)
-            else:
-                raise Refused(404, None, "not found")
-        except Refused as refused:
-            if path == "/webhook" and refused.reason:
-                self.app.record_rejected(
-                    "webhook_rejected",
-                    {
-                        "reason": refused.reason,
-                        "status": refused.status,
-                        "remote": self.client_address[0],
-                        "delivery": self.delivery or self.claimed
-                    }
-                )
-            self._reply(refused.status, {"error": refused.message}, refused.headers)
-        except Exception as exc:  # the boundary: recorded, answered 500 without details
-            self.app.record_error(f"{self.command} {self.route}", exc)
-            self._reply(500, {"error": "internal error"})
-
-    do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_TRACE = do_CONNECT = do_GET
-
-    def _webhook(self):
-        claimed = (
-            self.headers.get("X-GitHub-Delivery") or self.headers.get("webhook-id") or ""
-        ).strip() or None
-        self.claimed = (
-            claimed if claimed is None or _DELIVERY_RE.match(claimed) else "(not a delivery id)"
-        )
-        lengths = self.headers.get_all("Content-Length") or []
-        if self.command != "POST":
-            raise Refused(405, None, "use POST", {"Allow": "POST"})
-        if self.headers.get("Transfer-Encoding") is not None:
-            raise Refused(
-                411,
-                "transfer_encoding",
-                "send the body with Content-Length, without Transfer-Encoding"
-            )
-        if not lengths:
-            raise Refused(411, "missing_length", "Content-Length is required")
-        if len(lengths) > 1 or not re.fullmatch(r"[0-9]{1,15}", lengths[0].strip()):
-            raise Refused(400, "bad_length", "Content-Length must be one decimal number")
-        length = int(lengths[0])
-        if length > self.app.settings.max_body:
-            raise Refused(
-                413, "too_large", f"the body is larger than {self.app.settings.max_body} bytes"
-            )
-        self.stage = "body"
-        if self.expect_continue:
-            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        try:
-            body = self.rfile.read(length)
-        # the deadline's timer is late (a loaded box): the reads end all the same
-        except socket.timeout:
-            self.deadline.expire()
-            body = b""
-        if len(body) < length:
-            if self.deadline.expired:
-                return  # handle() answers 408
-            raise Refused(400, "incomplete_body", "the body is shorter than Content-Length")
-        self.stage = "processing"
-        found = authenticate(self.app.settings.keys, self.headers, body)
-        self.delivery = found.delivery
-        payload, event = parse_body(self.headers, body, found)
-        self._reply(*self.app.accept(found, event, body, payload, self.client_address[0]))
-
     def _read(self, path):
-        if self.command != "GET":
-            raise Refused(405, None, "use GET", {"Allow": "GET"})
         allowed = self.app.read_allowed(self.headers.get("Authorization"))
         if path == "/healthz":
             return self._reply(200, self.app.health(detailed=allowed))
@@ -536,27 +468,19 @@ class _Handler(BaseHTTPRequestHandler):
         nothing)."""
         page = type(body) is str
         data = (body if page else json.dumps(body, ensure_ascii=False) + "\n").encode("utf-8")
-        kind = (
-            {"Content-Type": "text/html; charset=utf-8", "Content-Security-Policy": _PAGE_POLICY}
-            if page
-            else {"Content-Type": "application/json"}
-        )
+        head = dict(_HEADERS, Date=email.utils.formatdate(usegmt=True), **(headers or {}))
+        if page:
+            head.update(
+                {
+                    "Content-Type": "text/html; charset=utf-8",
+                    "Content-Security-Policy": _PAGE_POLICY
+                }
+            )
+        answer = ask.http_answer(status, data, head.items(), close=True)
         self.sent = (status, len(data))
         try:
             self.connection.settimeout(self.deadline.remaining() + RESPONSE_GRACE_S)
-            self.send_response(status)
-            for name, value in {
-                **kind,
-                "Content-Length": str(len(data)),
-                "Cache-Control": "no-store",
-                "X-Content-Type-Options": "nosniff",
-                **(headers or {}),
-                "Connection": "close"
-            }.items():
-                self.send_header(name, value)
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(data)
+            self.wfile.write(answer[: len(answer) - len(data)] if self.method == "HEAD" else answer)
         except OSError:
             pass  # the client went away; what was accepted is recorded already
 
@@ -601,7 +525,8 @@ def _wait(poll, until):
 
 
 def _is_run_process(pid, run_id):
-    """Is `pid` a live `agent.py run --run-id=RUN_ID`? (Its command line, read through /proc: Linux.)"""
+    """Is `pid` a live `agent.py run --run-id=RUN_ID`? (Its command line, read through /proc:
+    Linux.)"""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
@@ -610,7 +535,8 @@ def _is_run_process(pid, run_id):
 
 
 class Daemon:
-    """The daemon: serve_settings(), its ledger, the deliveries seen, the queue and the one worker."""
+    """The daemon: serve_settings(), its ledger, the deliveries seen, the queue and the one
+    worker."""
 
     def __init__(self, settings, log, say):
         self.settings, self.log, self._say = settings, log, say
@@ -653,34 +579,7 @@ class Daemon:
         host, port = self.server.server_address[:2]
         address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         self.ledger = rl.Ledger(path, f"daemon-{rl.new_run_id()}", secrets=s.secrets)
-        shown = (
-            "token_required",
-            "max_body",
-            "queue",
-            "max_connections",
-            "grace_s",
-            "kill_after_s",
-            "fetch",
-            "allow_hosts"
-        )
-        self.record(
-            "daemon_started",
-            dict(
-                {name: getattr(s, name) for name in shown},
-                address=address,
-                pid=os.getpid(),
-                repo=str(s.repo),
-                runs_dir=str(s.runs_dir),
-                tools=str(s.tools),
-                tools_sha256=s.policy.sha256,
-                secrets=len(s.keys),
-                read_token=bool(s.read_token),
-                backlog=_Server.request_queue_size,
-                request_timeout_s=s.request_timeout,
-                agent_version=__version__,
-                python=sys.version.split()[0]
-            )
-        )
+        self.record("daemon_started", self._started(address))
         self._recover()
         self.say(f"serving on {address}")  # before the worker can say a run started
         self.worker = threading.Thread(target=self._work, name="worker", daemon=True)
@@ -690,6 +589,28 @@ class Daemon:
         self.worker.start()
         self.serving.start()
         return address
+
+    def _started(self, address):
+        """daemon_started: the address and the settings, never a secret."""
+        s = self.settings
+        shown = (
+            "token_required max_body queue max_connections grace_s kill_after_s fetch allow_hosts"
+        )
+        return dict(
+            {name: getattr(s, name) for name in shown.split()},
+            address=address,
+            pid=os.getpid(),
+            repo=str(s.repo),
+            runs_dir=str(s.runs_dir),
+            tools=str(s.tools),
+            tools_sha256=s.policy.sha256,
+            secrets=len(s.keys),
+            read_token=bool(s.read_token),
+            backlog=_Server.request_queue_size,
+            request_timeout_s=s.request_timeout,
+            agent_version=__version__,
+            python=sys.version.split()[0]
+        )
 
     def stop(self, signum=None):
         """Stop accepting, finish the requests in flight, give a run --grace-s; what is queued stays
@@ -765,29 +686,13 @@ class Daemon:
     def say(self, line):
         self._say(self.redactor.text(line))
 
-    def check_host(self, headers):
-        """DNS rebinding: only a Host (if any: else not a browser) and an Origin naming this daemon are
-        answered."""
-        host, origin = headers.get("Host"), headers.get("Origin")
-        if host is not None and not self._names_us(host):
-            raise Refused(
-                421, "bad_host", "the Host header does not name this daemon (see --allow-host)"
-            )
-        if origin is not None and not self._names_us(
-            re.sub(r"\Ahttps?://", "", origin.strip().lower())
-        ):
-            raise Refused(403, "bad_origin", "requests from this Origin are refused")
-
-    def _names_us(self, value):
-        match = _HOST_RE.match(value.strip().lower())
-        if not match:
-            return False
-        name = (match.group(1) or match.group(2)).rstrip(".")
-        # listening on every address: no rebinding
-        literal = match.group(1) or re.fullmatch(r"[0-9.]+", name)
+    def names_us(self, value):
+        """Does a Host (or an Origin's host) name this daemon?"""
+        name = ask.host_name(value)
+        # listening on every address, any address literal: no name, no rebinding
         return (
             name in self.settings.names
-            or bool(literal)
+            or bool(name and (":" in name or re.fullmatch(r"[0-9.]+", name)))
             and self.settings.host in ("0.0.0.0", "::", "")
         )
 
@@ -809,24 +714,7 @@ class Daemon:
                 else (self.bodies.get(digest) if found.source == "github" else None)
             )
             if original is not None:
-                run_id = self.deliveries[original]
-                duplicate = {
-                    "delivery": found.delivery,
-                    "event": event,
-                    "run_id": run_id,
-                    "source": found.source,
-                    "remote": remote,
-                    "body_sha256": digest
-                }
-                self.record(
-                    "webhook_duplicate",
-                    (
-                        dict(duplicate, same_body_as=original)
-                        if original != found.delivery
-                        else duplicate
-                    )
-                )
-                return 200, {"run_id": run_id, "delivery": original, "duplicate": True}, {}
+                return self._duplicate(found, event, remote, digest, original)
             if event != "ping" and len(self.queue) >= self.settings.queue:
                 self.record(
                     "queue_full",
@@ -864,6 +752,22 @@ class Daemon:
                 )
                 self.cond.notify_all()
         return (202 if run_id else 200), {"run_id": run_id, "delivery": found.delivery}, {}
+
+    def _duplicate(self, found, event, remote, digest, original):
+        """A delivery seen before, by its id or (GitHub) its body: its first run, and no new one."""
+        run_id = self.deliveries[original]
+        duplicate = {
+            "delivery": found.delivery,
+            "event": event,
+            "run_id": run_id,
+            "source": found.source,
+            "remote": remote,
+            "body_sha256": digest
+        }
+        if original != found.delivery:
+            duplicate["same_body_as"] = original
+        self.record("webhook_duplicate", duplicate)
+        return 200, {"run_id": run_id, "delivery": original, "duplicate": True}, {}
 
     def _work(self):
         while True:
@@ -1043,9 +947,9 @@ class Daemon:
         ]
         return (closed[-1] if closed else None), agent.run_reason(events)
 
-    def _recover(self):
-        """Rebuild the delivery map from daemon.jsonl; requeue, adopt or close what an earlier daemon
-        left."""
+    def _replay(self):
+        """daemon.jsonl read again into the delivery map and the last run: (run id: webhook_received
+        payload, the run ids dispatched, those finished)."""
         received, dispatched, finished = {}, set(), set()
         for event in rl.read_events(self.ledger.path, run_id=None):
             kind, payload = event["kind"], event["payload"]
@@ -1060,6 +964,12 @@ class Daemon:
             elif kind == "run_finished":
                 finished.add(payload.get("run_id"))
                 self.last_run = payload
+        return received, dispatched, finished
+
+    def _recover(self):
+        """Rebuild the delivery map from daemon.jsonl; requeue, adopt or close what an earlier
+        daemon left."""
+        received, dispatched, finished = self._replay()
         summary, adopted, requeued = (
             {"requeued": [], "adopted": [], "finished": [], "interrupted": []},
             [],
@@ -1108,14 +1018,8 @@ class Daemon:
     def read_allowed(self, authorization):
         """The bearer token of the read endpoints (not needed on loopback without a token)."""
         token = self.settings.read_token
-        scheme, _, given = (authorization or "").strip().partition(" ")
         return (
-            not self.settings.token_required
-            or bool(token)
-            and scheme.lower() == "bearer"
-            and (
-                hmac.compare_digest(given.strip().encode("utf-8", "replace"), token.encode("utf-8"))
-            )
+            not self.settings.token_required or bool(token) and ask.bearer_ok(authorization, token)
         )
 
     def health(self, detailed):
@@ -1289,8 +1193,8 @@ def _serve(args):
     daemon.start()
     if not daemon.settings.keys:
         rl.warn(
-            "no webhook secret (WEBHOOK_SECRET, WEBHOOK_SECRET_FILE): unsigned deliveries are accepted; "
-            "this is allowed on a loopback address only"
+            "no webhook secret (WEBHOOK_SECRET, WEBHOOK_SECRET_FILE): unsigned deliveries are "
+            "accepted; this is allowed on a loopback address only"
         )
     if daemon.settings.token_required and not daemon.settings.read_token:
         rl.warn("no read token (READ_TOKEN): /, /runs and /runs/<id> answer 401 to everyone")
@@ -1301,6 +1205,21 @@ def _serve(args):
         rl.error("the daemon's accept loop or worker stopped unexpectedly; see daemon_error events")
         return rl.EXIT_FAILED
     return rl.EXIT_OK
+
+
+_LIMITS = (  # flag, type, default, metavar, help
+    ("--max-body", int, 5 * 1024 * 1024, "BYTES", "larger bodies get 413 unread"),
+    ("--queue", int, 16, "N", "deliveries waiting for the worker; more get 503"),
+    ("--max-connections", int, 64, "N", "connections handled at once; more get 503"),
+    ("--request-timeout", float, 10, "S", "wall deadline of a whole request, headers and body"),
+    (
+        "--grace-s",
+        float,
+        30,
+        "S",
+        "on SIGTERM/SIGINT, a run in progress gets this long, then is terminated"
+    )
+)
 
 
 def _build_parser():
@@ -1328,19 +1247,7 @@ def _build_parser():
         "--runs-dir", default=agent.DEFAULT_RUNS, help="where runs and daemon.jsonl are recorded"
     )
     p.add_argument("--tools", default=str(agent.DEFAULT_TOOLS), help="the allowlist every run uses")
-    for flag, kind, default, metavar, text in (
-        ("--max-body", int, 5 * 1024 * 1024, "BYTES", "larger bodies get 413 unread"),
-        ("--queue", int, 16, "N", "deliveries waiting for the worker; more get 503"),
-        ("--max-connections", int, 64, "N", "connections handled at once; more get 503"),
-        ("--request-timeout", float, 10, "S", "wall deadline of a whole request, headers and body"),
-        (
-            "--grace-s",
-            float,
-            30,
-            "S",
-            "on SIGTERM/SIGINT, a run in progress gets this long, then is terminated"
-        )
-    ):
+    for flag, kind, default, metavar, text in _LIMITS:
         p.add_argument(
             flag, type=kind, default=default, metavar=metavar, help=f"{text} (default %(default)s)"
         )

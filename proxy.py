@@ -13,14 +13,11 @@ Exit codes: 0 stopped by SIGTERM or SIGINT, 2 usage or configuration error. See 
 
 import argparse
 import functools
-import hmac
-import http.client
 import json
 import math
 import os
 import re
 import socket
-import socketserver
 import sys
 import threading
 import time
@@ -76,15 +73,6 @@ _PASS_BACK = (
     "openai-processing-ms"
 )
 _WHOLE_ERRORS = ("api_error", "malformed_response", "empty_content")  # the stream ended by itself
-
-
-def _is_loopback(host):
-    import ipaddress
-
-    try:
-        return host == "localhost" or ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return False
 
 
 def _json_text(value):
@@ -164,18 +152,6 @@ def _passed_back(headers):
     ]
 
 
-def _http_answer(status, body, headers=(), close=False, chunked=False):
-    """The bytes of one answer, head and body in one write (no Nagle delay between them)."""
-    head = [f"HTTP/1.1 {status} {http.client.responses.get(status, 'Status')}"]
-    head += [f"{name}: {value}" for name, value in headers]
-    if not any(name.lower() == "content-type" for name, _ in headers):
-        head.append("Content-Type: " + ("text/event-stream" if chunked else "application/json"))
-    head.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}")
-    if close:
-        head.append("Connection: close")
-    return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1", "replace") + body
-
-
 def _error_json(message, code, kind="proxy_error"):
     return json.dumps(
         {"error": {"message": message, "type": kind, "param": None, "code": code}}
@@ -183,8 +159,8 @@ def _error_json(message, code, kind="proxy_error"):
 
 
 class _ProxyServer(ask.CappedServer):
-    """The settings, the one Ledger and a thread per connection, at most --max-connections (past that a
-    503)."""
+    """The settings, the one Ledger and a thread per connection, at most --max-connections (past
+    that a 503)."""
 
     def __init__(self, address, args, upstream, token):
         base_url, self.model, self.api_key = upstream
@@ -196,8 +172,8 @@ class _ProxyServer(ask.CappedServer):
             fsync=not args.no_fsync,
             secrets=self.secrets
         )
-        ask._check_ledger(self.book)
-        busy = _http_answer(
+        ask.check_ledger(self.book)
+        busy = ask.http_answer(
             503,
             _error_json("too many connections; retry later", "busy"),
             [("Retry-After", "1")],
@@ -210,13 +186,13 @@ class _ProxyServer(ask.CappedServer):
 
     def append(self, kind, record):
         try:
-            ask._append(self.book, kind, record)
+            ask.append_record(self.book, kind, record)
         # the answer still goes to the client: a paid answer is never thrown away
         except ask.RecordError as exc:
             rl.error(str(exc), self.secrets)
 
 
-class _ProxyHandler(socketserver.StreamRequestHandler):
+class _ProxyHandler(ask.RequestHandler):
     """One client connection: requests in turn (keep-alive), each read under --read-timeout, then
     forwarded."""
 
@@ -225,10 +201,7 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         args, self.close = self.server.args, False
         while not self.close and self._await_request():
-            self.started, self.status, self.method, self.path = time.perf_counter(), None, "-", "-"
-            self.deadline = ask.Deadline(args.read_timeout)
-            self.deadline.watch(self.connection)
-            self.connection.settimeout(args.read_timeout)
+            self.started, self.status = time.perf_counter(), None
             try:
                 self._one_request()
             except OSError:  # the client went away: nothing to answer
@@ -236,17 +209,19 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
             finally:
                 self.deadline.cancel()
             if args.verbose:
+                path = self.server.book.redactor.text(self.path)[:200]
                 print(
                     rl.printable(
-                        f"proxy: {self.client_address[0]} {self.method} {self.path[:200]} {self.status} "
-                        f"{ask._ms_since(self.started)} ms"
+                        f"proxy: {self.client_address[0]} {self.method} {path} {self.status} "
+                        f"{ask.ms_since(self.started)} ms"
                     ),
                     file=sys.stderr,
                     flush=True
                 )
 
     def _await_request(self):
-        """Wait --idle-timeout for a request; at shutdown none (a request already sent gets its 503)."""
+        """Wait --idle-timeout for a request; at shutdown none (a request already sent gets its
+        503)."""
         app = self.server
         with app.lock:  # stop() shuts the idle connections; one that comes later does not wait
             stopping = app.stopping
@@ -260,88 +235,41 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
             with app.lock:
                 app.idle.discard(self.connection)
 
-    def _one_request(self):
-        try:
-            route, raw = self._read_request()
-        # nothing was sent upstream; a body left unread ends the connection
-        except ask._CallFailed as refused:
-            self.close = (
-                self.close
-                or "Transfer-Encoding" in self.headers
-                or (self.headers.get("Content-Length") or "0") != "0"
+    def check(self):
+        app, host = self.server, ask.host_name(self.headers.get("Host") or "")
+        if app.stopping:
+            self.close = True
+            raise ask.Refused(
+                503, "unavailable", "the proxy is shutting down", {"Retry-After": "1"}
             )
+        if app.token and not ask.bearer_ok(self.headers.get("Authorization"), app.token):
+            raise ask.Refused(401, "invalid_api_key", "the proxy token is required as the API key")
+        if not app.token and not ask.is_loopback(host or ""):
+            raise ask.Refused(
+                403, "forbidden", "Host must be a loopback name (set PROXY_TOKEN to serve others)"
+            )
+
+    def allowed(self, path):
+        self.route = path[3:].rstrip("/") if path.startswith("/v1/") else None
+        return PROXY_ROUTES.get(self.route)
+
+    def _one_request(self):
+        args = self.server.args
+        try:
+            raw = self.read_request(args.read_timeout, PROXY_MAX_BODY)
+        # nothing was sent upstream
+        except ask.Refused as refused:
+            code = {404: "not_found", 405: "method_not_allowed"}.get(refused.status)
             return self._error(
-                refused.status, refused.message, refused.error_type, refused.headers or ()
+                refused.status,
+                refused.message,
+                refused.reason or code or "invalid_request",
+                refused.headers
             )
         # the body is in: from here the upstream's deadline bounds the request
         self.deadline.cancel()
-        self.connection.settimeout(self.server.args.timeout + self.server.args.read_timeout)
-        return self._models() if route == "/models" else self._call(route, raw)
-
-    def _read_request(self):
-        """(route, body) of a request that passes every check; raises _CallFailed to refuse it."""
-        app, line, self.close = self.server, self.rfile.readline(65537), True
-        parts = line.decode("latin-1").split()
-        if len(line) > 65536 or len(parts) != 3 or parts[2] not in ("HTTP/1.0", "HTTP/1.1"):
-            raise ask._CallFailed("invalid_request", "not an HTTP/1.x request line", 400)
-        self.method, self.path = parts[0], rl.redact_text(parts[1], app.secrets)
-        try:
-            self.headers = http.client.parse_headers(self.rfile)
-        except http.client.HTTPException:
-            raise ask._CallFailed(
-                "invalid_request", "the request headers are too long or too many", 431
-            ) from None
-        header = self.headers.get
-        connection = (header("Connection") or "").lower()
-        self.close = "close" in connection or (
-            parts[2] == "HTTP/1.0" and "keep-alive" not in connection
-        )
-        host = (header("Host") or "").strip()
-        host = (
-            host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
-        )
-        path = self.path.split("?", 1)[0]
-        route = path[3:].rstrip("/") if path.startswith("/v1/") else None
-        if app.stopping:
-            self.close = True
-            raise ask._CallFailed(
-                "unavailable", "the proxy is shutting down", 503, [("Retry-After", "1")]
-            )
-        if app.token and not hmac.compare_digest(
-            (header("Authorization") or "").encode("latin-1", "replace"),
-            f"Bearer {app.token}".encode()
-        ):
-            raise ask._CallFailed(
-                "invalid_api_key", "the proxy token is required as the API key", 401
-            )
-        if not app.token and not _is_loopback(host):
-            raise ask._CallFailed(
-                "forbidden", "Host must be a loopback name (set PROXY_TOKEN to serve others)", 403
-            )
-        if route not in PROXY_ROUTES:
-            raise ask._CallFailed("not_found", f"no route {path[:200]}", 404)
-        if self.method != PROXY_ROUTES[route]:
-            raise ask._CallFailed(
-                "method_not_allowed",
-                f"use {PROXY_ROUTES[route]}",
-                405,
-                [("Allow", PROXY_ROUTES[route])]
-            )
-        length = header("Content-Length") or ("" if self.method == "POST" else "0")
-        if header("Transfer-Encoding") or not length.isdigit():
-            raise ask._CallFailed("length_required", "send the body with Content-Length", 411)
-        if int(length) > PROXY_MAX_BODY:
-            raise ask._CallFailed(
-                "request_too_large", f"the body is over {PROXY_MAX_BODY} bytes", 413
-            )
-        if (header("Expect") or "").lower() == "100-continue":
-            self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        raw = self.rfile.read(int(length))
-        if len(raw) < int(length):
-            raise ask._CallFailed(
-                "incomplete_body", "the body is shorter than its Content-Length", 400
-            )
-        return route, raw
+        self.connection.settimeout(args.timeout + args.read_timeout)
+        return self._models() if self.route == "/models" else self._call(self.route, raw)
 
     def _record(self, route, model, stream, attempt, messages, tokens, body):
         """The record of one upstream attempt: a direct call's, plus the client's route, address and
@@ -349,18 +277,18 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         number = body.get("temperature")
         limits = [body.get(k) for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")]
         limits = [n for n in limits if type(n) is int and 0 < n < 2**63]
-        record = ask._new_record(
+        record = ask.call_record(
             model,
-            *self.server.split[1:],
+            self.server.split,
             stream,
-            attempt,
             messages,
             {
                 "temperature": (
                     number if type(number) in (int, float) and abs(number) < math.inf else None
                 ),
                 "max_tokens": limits[0] if limits else None
-            }
+            },
+            attempt
         )
         if tokens:
             record["est_input_tokens"] += tokens
@@ -384,14 +312,14 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
             messages, tokens = _client_messages(route, body)
         except (ValueError, RecursionError) as exc:
             body, messages, tokens = {}, [], 0
-            refused = ask._CallFailed(
+            refused = ask.CallFailed(
                 "invalid_request", f"the request body cannot be read: {str(exc)[:200]}"
             )
         model = body.get("model")
         if refused is None and (type(model) is not str or not model):
-            refused = ask._CallFailed("model_missing", "the request has no model")
+            refused = ask.CallFailed("model_missing", "the request has no model")
         elif refused is None and app.model and model != app.model:
-            refused = ask._CallFailed(
+            refused = ask.CallFailed(
                 "model_not_allowed", f"this proxy serves {app.model!r} only, not {model[:200]!r}"
             )
         model = model[: ask.MAX_FIELD_CHARS] if type(model) is str and model else app.model or ""
@@ -401,7 +329,7 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         )
         if refused is not None:  # recorded, with no HTTP status: nothing was sent
             record = new_record(1)
-            ask._finish(record, self.started, None, refused, [], app.book.redactor)
+            ask.finish(record, self.started, None, refused, [], app.book.redactor)
             app.append("model_call", record)
             return self._error(
                 400, refused.message, refused.error_type, kind="invalid_request_error"
@@ -410,8 +338,8 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
         injected = stream and route != "/responses" and options.get("include_usage") is not True
         if injected:
             body["stream_options"] = dict(options, include_usage=True)
-        result, failure, state, out = ask._attempts(
-            ask._endpoint(app.split[0], route),
+        result, failure, state, out = ask.attempts(
+            ask.endpoint(app.split[0], route),
             body,
             new_record,
             app.append,
@@ -438,7 +366,7 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
 
     def _models(self):
         app = self.server
-        record, raw, failure, headers = ask._models_call(
+        record, raw, failure, headers = ask.models_call(
             app.book.redactor, app.split, app.api_key, app.args.timeout, app.args.max_response_bytes
         )
         app.append("models_list", record)
@@ -448,15 +376,15 @@ class _ProxyHandler(socketserver.StreamRequestHandler):
 
     def _send(self, status, body, headers=(), chunked=False):
         self.status = status
-        self.wfile.write(_http_answer(status, body, headers, close=self.close, chunked=chunked))
+        self.wfile.write(ask.http_answer(status, body, headers, close=self.close, chunked=chunked))
 
-    def _error(self, status, message, code, headers=(), kind="proxy_error"):
-        self._send(status, _error_json(message, code, kind), list(headers))
+    def _error(self, status, message, code, headers=None, kind="proxy_error"):
+        self._send(status, _error_json(message, code, kind), list((headers or {}).items()))
 
 
 class _Relay:
-    """A stream's events to the client as they arrive (chunked); the usage chunk the proxy asked for is
-    dropped, and the last event is held until the ledger line is written."""
+    """A stream's events to the client as they arrive (chunked); the usage chunk the proxy asked for
+    is dropped, and the last event is held until the ledger line is written."""
 
     def __init__(self, handler, injected):
         self.handler, self.injected, self.began, self.held, self.headers = (
@@ -472,7 +400,7 @@ class _Relay:
             chunk is None
             and raw.rstrip().endswith(b"[DONE]")
             or chunk
-            and chunk.get("type") in ask._RESPONSE_DONE
+            and chunk.get("type") in ask.RESPONSE_DONE
         ):
             # read at its line
             self.held.append(raw if raw.endswith((b"\n\n", b"\r\n\r\n")) else raw + b"\n")
@@ -493,17 +421,18 @@ class _Relay:
                 self.handler.wfile.write(b"%x\r\n%s\r\n" % (len(raw), raw))
         except OSError:
             self.handler.close = True
-            raise ask._CallFailed(
+            raise ask.CallFailed(
                 "client_gone", "the client closed the connection during the stream"
             ) from None
 
     def end(self, whole):
-        """Send what was held; a whole stream ends cleanly, a broken one by closing the connection."""
+        """Send what was held; a whole stream ends cleanly, a broken one by closing the
+        connection."""
         try:
             for raw in self.held + [b""]:
                 self._write(raw)
             self.handler.wfile.write(b"0\r\n\r\n" if whole else b"")
-        except (ask._CallFailed, OSError):
+        except (ask.CallFailed, OSError):
             whole = False
         self.handler.close = self.handler.close or not whole
 
@@ -512,8 +441,8 @@ def _proxy_parser():
     p = rl.ArgumentParser(
         prog="proxy.py",
         description="A recording OpenAI-compatible proxy: BASE_URL and API_KEY upstream "
-        "(MODEL_ID optional: pins the model; PROXY_TOKEN optional: the clients' key), one model_call line per "
-        "upstream attempt. See docs/proxy.md.",
+        "(MODEL_ID optional: pins the model; PROXY_TOKEN optional: the clients' key), "
+        "one model_call line per upstream attempt. See docs/proxy.md.",
         epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_USAGE),
         formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -546,12 +475,12 @@ def _run_proxy(args):
         )
     for flag, _kind, _default, least, _text in _PROXY_OPTIONS:
         value = getattr(args, flag[2:].replace("-", "_"))
-        ask._check_number(flag, value, minimum=least, above=0 if least is None else None)
+        ask.check_number(flag, value, minimum=least, above=0 if least is None else None)
     match = re.fullmatch(r"\[?([^\[\]]*?)\]?:([0-9]{1,5})", args.listen)
     if not match or int(match.group(2)) > 65535:
         raise ask.ConfigError(f"--listen must be HOST:PORT, not {args.listen!r}")
     host, port = match.group(1), int(match.group(2))
-    if token is None and not _is_loopback(host):
+    if token is None and not ask.is_loopback(host):
         raise ask.ConfigError(
             f"--listen {host}: set PROXY_TOKEN to listen on anything but loopback"
         )

@@ -304,13 +304,13 @@ def test_a_signed_push_is_recorded_before_the_202_and_runs_at_its_after_commit(s
 
 
 def test_standard_webhooks_signed_per_the_spec_are_accepted_and_stale_ones_rejected(serve):
-    import agent  # the spec's own example: secret, id, timestamp, payload and signature
-    keys = daemon.signing_keys(["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"])
+    import daemon as script  # the spec's own example: secret, id, timestamp, payload and signature
+    keys = script.signing_keys(["whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"])
     example = (b'{"test": 2432232314}', "msg_p5jXN8AQM9LWM0D4loKWxJek", "1614265330",
                "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=")
-    daemon.verify_standard(keys, *example, now=1614265330)
-    with pytest.raises(daemon.Refused) as stale:
-        daemon.verify_standard(keys, *example, now=1614265330 + 301)
+    script.verify_standard(keys, *example, now=1614265330)
+    with pytest.raises(script.Refused) as stale:
+        script.verify_standard(keys, *example, now=1614265330 + 301)
     assert stale.value.reason == "stale_timestamp"
 
     daemon = serve()

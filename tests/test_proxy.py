@@ -6,8 +6,7 @@ import threading
 
 import pytest
 
-import ask
-import proxy as proxy_py  # the name `proxy` is a fixture here
+import proxy as proxy_script
 import reasoning_ledger as rl
 from conftest import KEY, all_bytes_under, run_script, clean_env
 from fake_upstream import ANSWER, Upstream
@@ -354,7 +353,7 @@ def test_session_and_client_retry_are_recorded_and_audit_groups_by_session(start
                                                 "User-Agent": "OpenAI/Python 1.0 " + "x" * 500})
     lines = calls(proxy.ledger)
     assert [c["session_id"] for c in lines] == ["alpha", "alpha", "beta"] and lines[0]["client_retry"] == 1
-    assert len(lines[0]["user_agent"]) == proxy_py.MAX_HEADER_CHARS
+    assert len(lines[0]["user_agent"]) == proxy_script.MAX_HEADER_CHARS
     proc = run_script("audit.py", proxy.ledger, "--by", "session", "--json")
     assert proc.returncode == 0, proc.err
     rows = json.loads(proc.out)["models"]
