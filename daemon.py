@@ -940,7 +940,8 @@ class Daemon:
         return after if has else None
 
     def _closed(self, run_id):
-        """(the outcome the run recorded when it closed, or None; why it ended, as its events say)."""
+        """(the outcome the run recorded when it closed, or None; why it ended, as its events
+        say)."""
         events = agent._events_of(self.settings.runs_dir / run_id)
         closed = [
             event["payload"].get("outcome") for event in events if event["kind"] == "run_closed"
@@ -1038,7 +1039,8 @@ class Daemon:
             }
 
     def runs(self):
-        """GET /runs: list_runs' rows (with the head the index recorded) and the delivery that asked."""
+        """GET /runs: list_runs' rows (with the head the index recorded) and the delivery that
+        asked."""
         with self.cond:
             origin = {run_id: delivery for delivery, run_id in self.deliveries.items() if run_id}
         rows = agent.list_runs(self.settings.runs_dir)
@@ -1047,8 +1049,8 @@ class Daemon:
         return rows
 
     def run_events(self, run_id):
-        """GET /runs/<id> (an id of new_run_id()'s shape): its events as far as they verify; None: no
-        such run."""
+        """GET /runs/<id> (an id of new_run_id()'s shape): its events as far as they verify;
+        None: no such run."""
         path = self.settings.runs_dir / run_id / rl.EVENTS_NAME
         if not path.is_file():
             return None
@@ -1086,9 +1088,11 @@ _PAGE_POLICY = (
     "frame-ancestors 'none'"
 )
 _PAGE_STYLE = (
-    "body{font:14px/1.45 system-ui,sans-serif;margin:1.5em}table{border-collapse:collapse;width:100%}"
+    "body{font:14px/1.45 system-ui,sans-serif;margin:1.5em}"
+    "table{border-collapse:collapse;width:100%}"
     "td,th{border-bottom:1px solid #ddd;padding:.3em .5em;vertical-align:top;text-align:left}"
-    "pre{white-space:pre-wrap;word-break:break-word;margin:0}dt{font-weight:600}dd{margin:0 0 .3em 1em}"
+    "pre{white-space:pre-wrap;word-break:break-word;margin:0}"
+    "dt{font-weight:600}dd{margin:0 0 .3em 1em}"
     ".decision{background:#eef6ff}.allowed{background:#effaef}.denied{background:#fff0f0}"
     ".verdict{background:#fff8e6}.bad{color:#a00}"
 )
@@ -1102,7 +1106,8 @@ def _shown(value):
 
 
 def timeline_html(found, run_dir):
-    """A readable page of one run: a summary, then every event's fields, every value HTML-escaped."""
+    """A readable page of one run: a summary, then every event's fields, every value
+    HTML-escaped."""
     rows = []
     for event in found["events"]:
         detail = "".join(
@@ -1111,8 +1116,9 @@ def timeline_html(found, run_dir):
             if value not in (None, "", [], {})
         )
         rows.append(
-            f"<tr class=\"{_HIGHLIGHT.get(event['kind'], '')}\"><td>{_shown(event['seq'])}</td><td>"
-            f"{_shown(event['at'])}</td><td>{_shown(event['kind'])}</td><td><dl>{detail}</dl></td></tr>"
+            f"<tr class=\"{_HIGHLIGHT.get(event['kind'], '')}\">"
+            f"<td>{_shown(event['seq'])}</td><td>{_shown(event['at'])}</td>"
+            f"<td>{_shown(event['kind'])}</td><td><dl>{detail}</dl></td></tr>"
         )
     status = (
         "verified"
@@ -1148,7 +1154,8 @@ def index_html(rows):
             for name in names
         )
         body.append(
-            f"<tr><td><a href=\"/runs/{_shown(row['run_id'])}\">{_shown(row['run_id'])}</a></td>{cells}</tr>"
+            f"<tr><td><a href=\"/runs/{_shown(row['run_id'])}\">{_shown(row['run_id'])}</a></td>"
+            f"{cells}</tr>"
         )
     return _page(
         "runs", f"<p>{len(rows)} runs, newest first</p>" + _table(("run_id",) + names, body)
