@@ -531,7 +531,7 @@ MISTYPED = [
 
 
 @pytest.fixture
-def fleet(tmp_path, server):
+def fleet_files(tmp_path, server):
     """Ledgers of several days, two models, errors, calls without usage, checks, model listings, retries,
     a ledger another tool wrote with fields of the wrong types, and agent runs."""
     ledger = tmp_path / "calls.jsonl"
@@ -564,8 +564,8 @@ def _comparable(data):
     return data
 
 
-def test_audit_from_equals_the_local_audit(clickhouse, db, fleet, tmp_path):
-    ledger, other, runs = fleet
+def test_audit_from_equals_the_local_audit(clickhouse, db, fleet_files, tmp_path):
+    ledger, other, runs = fleet_files
     proc = ship(clickhouse, db, ledger, other, "--all", runs)
     assert proc.returncode == 0, proc.err
     for flags in ([], ["--by", "day"], ["--by", "day", "--since", DAY2], ["--until", DAY2, "--model", "fake-model"],
@@ -689,7 +689,7 @@ def test_a_table_an_earlier_version_made_is_shipped_to_and_read(clickhouse, db, 
 def test_a_full_spool_ships_what_it_holds_and_the_next_run_the_rest(clickhouse, db, tmp_path, monkeypatch):
     ledger = tmp_path / "a.jsonl"
     notes(ledger, 7)
-    monkeypatch.setattr(rl, "_spool_limit", lambda: 1)  # full after the first batch
+    monkeypatch.setattr(fleet, "_spool_limit", lambda: 1)  # full after the first batch
     client = fleet.ClickHouse(clickhouse.url, database=db, environ=ch_env(clickhouse))
     ((path, first),) = fleet.ship([(ledger, None)], client, host="box", batch_rows=3)
     assert (first.first, first.last, first.more) == (1, 3, 4)
@@ -702,14 +702,14 @@ def test_a_full_spool_ships_what_it_holds_and_the_next_run_the_rest(clickhouse, 
     assert {r["host"] for r in rows(clickhouse, f"SELECT host FROM {db}.ledger_lines")} == {"box"}
 
 
-def test_the_docs_table_and_its_sql_questions_work_on_a_shipped_fleet(clickhouse, db, fleet):
+def test_the_docs_table_and_its_sql_questions_work_on_a_shipped_fleet(clickhouse, db, fleet_files):
     readme = (ROOT / "docs" / "fleet.md").read_text(encoding="utf-8")
     assert fleet.ship_ddl() in readme  # the table docs/fleet.md shows is the one ship makes
     section = readme[readme.index("**Three questions in SQL**"):]
     block = section[section.index("```sql\n") + 7:section.index("\n```", section.index("```sql\n"))]
     queries = [q.strip() for q in block.split(";") if q.strip()]
     assert len(queries) == 3
-    ledger, other, runs = fleet
+    ledger, other, runs = fleet_files
     assert ship(clickhouse, db, ledger, other, "--all", runs).returncode == 0
     answers = [rows(clickhouse, query.replace("reasoning_ledger.ledger_lines", f"{db}.ledger_lines"))
                for query in queries]
