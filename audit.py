@@ -30,7 +30,6 @@ from pathlib import Path
 
 # the toolkit beside us, even under -I
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ask  # noqa: E402  -- the model_call field types
 import fleet  # noqa: E402
 import reasoning_ledger as rl  # noqa: E402
 
@@ -69,27 +68,6 @@ MAX_CHART_MODELS = 8
 TEXT_WIDTH = 120  # the text report fits a terminal this wide, unless --wide
 MIN_CUT_WIDTH = 8  # a name is never cut narrower than this to fit
 ELLIPSIS = "\u2026"
-
-# The model_call fields this audit reads, each checked against ask.py's definition of its types.
-_TYPES = {
-    name: ask.MODEL_CALL_FIELDS[name]
-    for name in (
-        "request_model",
-        "base_url",
-        "attempt",
-        "error_type",
-        "usage_status",
-        "usage_reported",
-        "latency_ms",
-        "response_model",
-        "system_fingerprint",
-        "check",
-        "input_tokens",
-        "output_tokens",
-        "est_input_tokens",
-        "est_output_tokens"
-    )
-}
 
 # agent.py's event kinds that the agent-runs table reads (docs/audit.md, "Agent runs").
 _STEP_KINDS = ("model_proposed", "proposal_malformed")
@@ -130,20 +108,8 @@ def percentile(sorted_values, q):
     )
 
 
-def model_call_view(payload):
-    """(fields, malformed): the fields read, each None unless of a type ask.py writes (then malformed
-    is True)."""
-    view, malformed = {}, False
-    for name, types in _TYPES.items():
-        value = payload.get(name)
-        if value is not None and (
-            type(value) not in types or type(value) is float and not math.isfinite(value)
-        ):
-            malformed, value = True, None
-        view[name] = value
-    code = payload.get("error_code")
-    view["error_code"] = code if type(code) is str and code else None
-    return view, malformed
+# (fields, malformed) of a model_call payload: the one rule, which the shipped table follows too
+model_call_view = fleet.call_fields
 
 
 def _label(value):
@@ -176,8 +142,9 @@ def _add(counter, key, n):
     counter[key] = counter.get(key, 0) + n
 
 
-def _count_label(counter, label, n=1):
-    _add(counter, label if label in counter or len(counter) < MAX_LABELS else OTHER, n)
+def _count_label(counter, label, n=1):  # per call: _add inline
+    label = label if label in counter or len(counter) < MAX_LABELS else OTHER
+    counter[label] = counter.get(label, 0) + n
 
 
 def find_ledgers(paths):
@@ -234,8 +201,8 @@ class Group:
         self.latencies = []
         self.response_models, self.fingerprints, self.errors = {}, {}, {}
 
-    def add(self, call, malformed):
-        """Count one model_call (its model_call_view)."""
+    def add(self, call, malformed, code=None):
+        """Count one model_call (its model_call_view, and the payload's error_code)."""
         self.calls += 1
         self.malformed += malformed
         self.retries += (call["attempt"] or 1) > 1
@@ -252,11 +219,8 @@ class Group:
                 self.checked += 1
                 self.passed += call["check"] is True
         else:
-            code = call["error_code"]
-            _count_label(
-                self.errors,
-                f"{call['error_type']} ({code})" if code is not None else call["error_type"]
-            )
+            label = call["error_type"]
+            _count_label(self.errors, f"{label} ({code})" if type(code) is str and code else label)
         if measured and (call["input_tokens"] is not None or call["output_tokens"] is not None):
             self.usage_calls += 1
             self.input_tokens += call["input_tokens"] or 0
@@ -371,12 +335,12 @@ class Audit:
         return head
 
     def _consume(self, events, agent_run, path):
-        run = None
+        # the per-line path: what it reads of self is read once, into locals
+        run, since, until, only = None, self.since or "", self.until, self.model
+        groups, strings, by_session = self.groups, self.model_strings, self.by_session
         for event in events:
             kind, at, payload = event["kind"], event["at"], event["payload"]
-            if (self.since is not None and at < self.since) or (
-                self.until is not None and at > self.until
-            ):
+            if at < since or until is not None and at > until:
                 continue
             if agent_run:
                 run = run or self.runs.setdefault(
@@ -386,28 +350,31 @@ class Audit:
                 _run_event(run, kind, payload)
             if kind == "model_call":
                 call, malformed = model_call_view(payload)
-                if self.model is not None and call["request_model"] != self.model:
+                model, base = call["request_model"], call["base_url"]
+                if only is not None and model != only:
                     continue
                 session = payload.get("session_id")
-                day = (session if type(session) is str else "-") if self.by_session else at[:10]
-                model, base = call["request_model"], call["base_url"]
-                if (model, base) not in self.model_strings:
-                    if len(self.model_strings) >= MAX_MODEL_STRINGS:
+                day = (session if type(session) is str else "-") if by_session else at[:10]
+                if (model, base) not in strings:
+                    if len(strings) >= MAX_MODEL_STRINGS:
                         self.folded += 1
                         model = base = OTHER
                     else:
-                        self.model_strings.add((model, base))
-                group = self.groups.get((model, base, day))
+                        strings.add((model, base))
+                group = groups.get((model, base, day))
                 if group is None:  # not setdefault: that would build a Group for every call
-                    group = self.groups[(model, base, day)] = Group()
-                group.add(call, malformed)
+                    group = groups[(model, base, day)] = Group()
+                group.add(call, malformed, payload.get("error_code"))
             elif kind == "models_list":
-                ids, base = payload.get("model_ids"), payload.get("base_url")
-                if type(ids) is list and type(base) is str and all(type(i) is str for i in ids):
-                    previous = self.listings.get((base, at[:10]))
-                    # the day's last listing wins; a new (base_url, day) is kept while under the cap
-                    if (previous[0] <= at) if previous else len(self.listings) < MAX_LISTINGS:
-                        self.listings[(base, at[:10])] = (at, ids[:10000])
+                self._listing(payload, at)
+
+    def _listing(self, payload, at):
+        ids, base = payload.get("model_ids"), payload.get("base_url")
+        if type(ids) is list and type(base) is str and all(type(i) is str for i in ids):
+            previous = self.listings.get((base, at[:10]))
+            # the day's last listing wins; a new (base_url, day) is kept while under the cap
+            if (previous[0] <= at) if previous else len(self.listings) < MAX_LISTINGS:
+                self.listings[(base, at[:10])] = (at, ids[:10000])
 
     def model_rows(self, by_day=False):
         groups = self.groups

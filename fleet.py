@@ -19,6 +19,7 @@ import datetime
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import socket
@@ -58,11 +59,12 @@ SHIP_SPOOL_MAX = 2 * 1024 * 1024 * 1024
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 _STORED_ROW_RE = re.compile(rb"([0-9a-f]{64})\t([0-9]{1,20})\t([0-9a-f]{64})\t")
 
-# The model_call fields shipped as typed columns. A value its column cannot hold as ask.py writes it
-# (String: a JSON string, Int64: an integer within Int64, UInt8: true or false, Float64: a number)
-# is shipped as NULL, and the row's `malformed` is 1 when audit.py reads the field (all but
-# total_tokens): the local audit's rule, so SQL counts what the audit counts. The typing is done
-# here: ClickHouse 18.16 has no JSON functions to do it.
+# The model_call fields the audit reads, and total_tokens, shipped as typed columns. One rule for
+# what a malformed field is, which the table and audit.py both use (call_fields), so SQL counts what
+# the audit counts: a value is read only as ask.py writes it, and so as its column holds it (String:
+# a JSON string, Int64: an integer within Int64, UInt8: true or false, Float64: a finite number).
+# Another value is read as None (stored as NULL) and makes the call malformed, unless the field is
+# total_tokens, which the audit does not read. ClickHouse 18.16 has no JSON functions to do it.
 SHIP_CALL_FIELDS = (
     ("request_model", "String"),
     ("response_model", "String"),
@@ -80,7 +82,29 @@ SHIP_CALL_FIELDS = (
     ("est_input_tokens", "Int64"),
     ("est_output_tokens", "Int64")
 )
-_SHIP_TYPES = {"String": (str,), "Int64": (int,), "UInt8": (bool,), "Float64": (float, int)}
+# the types read of each kind (None is absent, never malformed), and a number's open range
+_READ = {"String": (str,), "Int64": (int,), "UInt8": (bool,), "Float64": (float, int)}
+_RANGE = {"Int64": (-1 - (1 << 63), 1 << 63), "Float64": (-math.inf, math.inf)}
+_CALL_RULES = tuple(
+    (name, _READ[kind] + (type(None),)) + _RANGE.get(kind, (None, None))
+    for name, kind in SHIP_CALL_FIELDS
+)
+
+
+def call_fields(payload):
+    """(fields, malformed): each of SHIP_CALL_FIELDS of a model_call payload, None when absent or not
+    as ask.py writes it; malformed when a field but total_tokens was not."""
+    fields, malformed = {}, False
+    for name, types, low, high in _CALL_RULES:
+        value = payload.get(name)
+        if type(value) not in types or (
+            low is not None and value is not None and not low < value < high
+        ):
+            malformed, value = malformed or name != "total_tokens", None
+        fields[name] = value
+    return fields, malformed
+
+
 # ledger_id is the SHA-256 of line 1; `raw` the exact line; line_sha256 its plain SHA-256 (keyed
 # ledgers too); at_time `at` in Unix seconds (0 outside 1970..2105).
 SHIP_COLUMNS = (
@@ -358,18 +382,8 @@ def _row(base, event, body, line_sha, shipped_at):
         shipped_at=shipped_at
     )
     if event["kind"] == "model_call":
-        malformed = False
-        for name, kind in SHIP_CALL_FIELDS:
-            value = event["payload"].get(name)
-            if value is None:
-                continue
-            if type(value) in _SHIP_TYPES[kind] and (
-                type(value) is not int or -1 << 63 <= value < 1 << 63
-            ):
-                row[name] = float(value) if kind == "Float64" else value
-            else:
-                malformed = malformed or name != "total_tokens"
-        row["malformed"] = int(malformed)
+        fields, malformed = call_fields(event["payload"])
+        row.update(fields, malformed=int(malformed))
     row["raw"] = body.decode("utf-8")
     return rl._dumps(row).encode("utf-8") + b"\n"
 

@@ -634,9 +634,8 @@ def test_a_model_name_cannot_inject_sql(clickhouse, db, tmp_path):
 # Every field of every JSON type: the SQL side counts what the local audit counts
 # ----------------------------------------------------------------------------
 
-# Integers beyond Int64 are left out: they cannot be stored, and the SQL side counts them malformed where the
-# local audit does not (the limit reasoning_ledger.SHIP_CALL_FIELDS documents).
-JSON_VALUES = ("text", 3, -3, 0, 2 ** 62, 2.5, float(2 ** 70), True, False, None, [1], {"a": 1})
+# An integer beyond Int64 is malformed on both sides (fleet.call_fields, the one rule).
+JSON_VALUES = ("text", 3, -3, 0, 2 ** 62, 2 ** 70, 2.5, float(2 ** 70), True, False, None, [1], {"a": 1})
 
 
 def test_every_field_of_every_json_type_audits_the_same_from_clickhouse(clickhouse, db, tmp_path):
@@ -656,6 +655,9 @@ def test_every_field_of_every_json_type_audits_the_same_from_clickhouse(clickhou
     assert _comparable(json.loads(remote.out)) == _comparable(json.loads(local.out))
     summary = json.loads(local.out)["summary"]
     assert summary["model_calls"] == len(ask.MODEL_CALL_FIELDS) * len(JSON_VALUES) and 0 < summary["malformed"]
+    # and SQL over the typed columns counts what the audit counts
+    (row,) = rows(clickhouse, f"SELECT sum(malformed) AS malformed, count() AS calls FROM {db}.ledger_lines FINAL")
+    assert row == {"malformed": summary["malformed"], "calls": summary["model_calls"]}
 
 
 # The table as format 1.x's ship made it, column for column: a table made by an earlier version, not by today's
