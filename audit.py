@@ -595,27 +595,11 @@ def compare_days(
 
 
 def remote_audit(client, *, since=None, until=None, model=None, verify=True):
-    """Audit the lines shipped to ClickHouse (an fleet.ClickHouse), each ledger re-verified from its
+    """Audit the lines shipped to ClickHouse (a fleet.ClickHouse), each ledger re-verified from its
     stored lines unless told not to (as `fleet.py verify`), through the local pass. Returns (audit,
     failures) like run_audit."""
     audit, failures = Audit(since=since, until=until, model=model), []
-    client.require_table()
-    in_range = "".join(
-        f" AND at {op} {fleet.sql_string(t)}"
-        for op, t in ((">=", since), ("<=", until))
-        if t is not None
-    )
-    condition = (
-        f"WHERE ledger_id IN (SELECT ledger_id FROM {client.name} WHERE 1{in_range})"
-        if in_range
-        else ""
-    )
-    found = (
-        fleet.verify_shipped(client, condition=condition)
-        if verify
-        else ((ledger, None) for ledger in fleet.shipped_ledgers(client, condition))
-    )
-    for ledger, result in found:
+    for ledger, result in fleet.shipped_in_range(client, since, until, verify):
         if isinstance(result, rl.IntegrityError):
             failures.append(result)
         elif result is not None and not isinstance(result, rl.Verified):
@@ -630,19 +614,9 @@ def remote_audit(client, *, since=None, until=None, model=None, verify=True):
                     "reason": None
                 }
             )
-    if failures:
-        return audit, failures
-    response = client.stream(
-        f"SELECT ledger_id, path, raw FROM {client.name} FINAL WHERE 1{in_range} "
-        f"ORDER BY ledger_id, seq FORMAT JSONEachRow"
-    )
-    with response:
-        rows = (json.loads(line) for line in response if line.strip())
-        for _ledger, lines in itertools.groupby(rows, key=lambda row: row["ledger_id"]):
-            first = next(lines)
-            events = (json.loads(row["raw"]) for row in itertools.chain([first], lines))
-            audit._consume(events, first["path"].endswith("/" + rl.EVENTS_NAME), first["path"])
-    return audit, []
+    for path, events in () if failures else fleet.events_in_range(client, since, until):
+        audit._consume(events, path.endswith("/" + rl.EVENTS_NAME), path)
+    return audit, failures
 
 
 # == Reports: text, JSON, CSV ==

@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import functools
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -572,8 +573,6 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
     """Re-verify the raw lines ClickHouse holds, and each row's line_sha256, seq and ledger_id. Yields
     (ledger as shipped_ledgers(), Verified or the error); `ledger_ids`: ids or their starts, or a
     SQL WHERE `condition`."""
-    import itertools
-
     key = rl._resolve_key(key)
     for prefix in ledger_ids:
         if not re.fullmatch(r"[0-9a-f]{1,64}", prefix):
@@ -629,6 +628,43 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
                 )
             except (rl.IntegrityError, rl.KeyRequiredError) as exc:
                 yield ledger, exc
+
+
+# -- audit.py --from ------------------------------------------------------
+
+
+def _in_range(since, until):
+    return "".join(
+        f" AND at {op} {sql_string(t)}" for op, t in ((">=", since), ("<=", until)) if t is not None
+    )
+
+
+def shipped_in_range(client, since=None, until=None, verify=True):
+    """The ledgers holding a line at since..until (ISO times, or None): (ledger as shipped_ledgers(),
+    Verified or the error as verify_shipped() yields, or None without `verify`)."""
+    client.require_table()
+    in_range = _in_range(since, until)
+    where = (
+        f"WHERE ledger_id IN (SELECT ledger_id FROM {client.name} WHERE 1{in_range})"
+        if in_range
+        else ""
+    )
+    if verify:
+        return verify_shipped(client, condition=where)
+    return ((ledger, None) for ledger in shipped_ledgers(client, where))
+
+
+def events_in_range(client, since=None, until=None):
+    """(path, events) per shipped ledger: its events at since..until in seq order, and the path its
+    first one was shipped from. Streamed: read a ledger's events before the next."""
+    with client.stream(
+        f"SELECT ledger_id, path, raw FROM {client.name} FINAL WHERE 1{_in_range(since, until)} "
+        f"ORDER BY ledger_id, seq FORMAT JSONEachRow"
+    ) as response:
+        rows = (json.loads(line) for line in response if line.strip())
+        for _ledger, lines in itertools.groupby(rows, key=lambda row: row["ledger_id"]):
+            first = next(lines)
+            yield first["path"], (json.loads(row["raw"]) for row in itertools.chain([first], lines))
 
 
 def _stored_rows(response, client):
