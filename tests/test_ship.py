@@ -436,6 +436,15 @@ def test_verify_from_proves_the_copy_and_finds_an_altered_or_deleted_row(clickho
     assert f"FAIL  clickhouse:{lid}: line 2: missing from ClickHouse: the next row stored is seq 3" in proc.out
 
 
+def test_verify_from_without_a_url_reads_the_environment_as_the_cron_line_does(clickhouse, db, tmp_path):
+    ledger = tmp_path / "a.jsonl"
+    notes(ledger, 2)
+    assert ship(clickhouse, db, ledger).returncode == 0
+    proc = run_script("fleet.py", "verify", "--from", "--database", db,
+                      env=ch_env(clickhouse, LEDGER_SHIP_URL=clickhouse.url))
+    assert proc.returncode == 0 and "1/1 ledgers valid" in proc.out, proc.err
+
+
 def test_rows_deleted_at_the_end_are_found_against_a_published_head(clickhouse, db, tmp_path):
     ledger = tmp_path / "a.jsonl"
     notes(ledger, 5)
