@@ -116,9 +116,9 @@ def _label(value):
     return "-" if value is None else str(value)
 
 
-def _num(value, null="-"):
+def _num(value):
     if value is None:
-        return null
+        return "-"
     return f"{value:,}" if isinstance(value, int) else f"{value:,.1f}"
 
 
@@ -173,6 +173,17 @@ def find_ledgers(paths):
 
 
 # == Core: one streaming pass ==
+
+
+# a models-table row's keys, in order: the CSV's columns
+MODEL_COLUMNS = tuple(
+    (
+        "request_model base_url day calls ok failed no_usage malformed checked passed input_tokens "
+        "output_tokens usage_calls est_input_tokens est_output_tokens latency_min_ms "
+        "latency_p50_ms latency_p95_ms latency_max_ms retries response_models system_fingerprints "
+        "errors"
+    ).split()
+)
 
 
 class Group:
@@ -237,35 +248,34 @@ class Group:
             dict(sorted(getattr(self, name).items(), key=lambda kv: str(kv[0])))
             for name in self.LABELS
         ]
-        return {
-            "request_model": request_model,
-            "base_url": base_url,
-            "day": day,
-            "calls": self.calls,
-            "ok": self.ok,
-            "failed": self.calls - self.ok,
-            "no_usage": self.no_usage,
-            "malformed": self.malformed,
-            "checked": self.checked,
-            "passed": self.passed if self.checked else None,
-            "input_tokens": self.input_tokens if usage else None,
-            "output_tokens": self.output_tokens if usage else None,
-            "usage_calls": usage,
-            "est_input_tokens": self.est_input_tokens if self.calls else None,
-            "est_output_tokens": self.est_output_tokens if self.est_output_calls else None,
-            "latency_min_ms": lat[0] if lat else None,
-            "latency_p50_ms": percentile(lat, 50),
-            "latency_p95_ms": percentile(lat, 95),
-            "latency_max_ms": lat[-1] if lat else None,
-            "retries": self.retries,
-            "response_models": labels[0],
-            "system_fingerprints": labels[1],
-            "errors": labels[2]
-        }
-
-
-# a models-table row's keys, in order: the CSV's columns
-MODEL_COLUMNS = tuple(Group().row(None, None, None))
+        return dict(
+            zip(
+                MODEL_COLUMNS,
+                (
+                    request_model,
+                    base_url,
+                    day,
+                    self.calls,
+                    self.ok,
+                    self.calls - self.ok,  # failed
+                    self.no_usage,
+                    self.malformed,
+                    self.checked,
+                    self.passed if self.checked else None,
+                    self.input_tokens if usage else None,
+                    self.output_tokens if usage else None,
+                    usage,  # usage_calls
+                    self.est_input_tokens if self.calls else None,
+                    self.est_output_tokens if self.est_output_calls else None,
+                    lat[0] if lat else None,  # latency_min_ms
+                    percentile(lat, 50),  # latency_p50_ms
+                    percentile(lat, 95),  # latency_p95_ms
+                    lat[-1] if lat else None,  # latency_max_ms
+                    self.retries,
+                    *labels  # response_models, system_fingerprints, errors
+                )
+            )
+        )
 
 
 class Audit:
@@ -389,35 +399,18 @@ class Audit:
     ):
         """What changed from one day to the next: per model string (compare_days), then per
         endpoint's list."""
-        found = []
         groups = (((model, base), day, g) for (model, base, day), g in self.groups.items())
-        for (model, base), prev_day, prev, day, cur in _day_pairs(groups):
-            found += [
-                {
-                    "request_model": model,
-                    "base_url": base,
-                    "day": day,
-                    "previous_day": prev_day,
-                    "what": what,
-                    "detail": detail
-                }
-                for what, detail in compare_days(prev, cur, latency_shift, rate_jump, latency_floor)
-            ]
+        found = [
+            (model, base, day, prev_day, what, detail)
+            for (model, base), prev_day, prev, day, cur in _day_pairs(groups)
+            for what, detail in compare_days(prev, cur, latency_shift, rate_jump, latency_floor)
+        ]
         listings = (((base,), day, ids) for (base, day), (_at, ids) in self.listings.items())
         for (base,), prev_day, before, day, after in _day_pairs(listings):
             detail = _set_change(before, after, ("gained", "lost"))
-            if detail:
-                found.append(
-                    {
-                        "request_model": None,
-                        "base_url": base,
-                        "day": day,
-                        "previous_day": prev_day,
-                        "what": "models_list",
-                        "detail": detail
-                    }
-                )
-        return found
+            found += [(None, base, day, prev_day, "models_list", detail)] if detail else []
+        keys = "request_model base_url day previous_day what detail".split()
+        return [dict(zip(keys, change)) for change in found]
 
     def unlisted(self):
         """The model strings asked for at an endpoint whose latest /models list (ask.py --models)
@@ -902,7 +895,7 @@ def _csv_cell(value):
             dict(sorted(value.items(), key=lambda kv: str(kv[0]))), ensure_ascii=False
         )
     text = str(value)
-    return "'" + text if text.startswith(("=", "+", "-", "@", "\t", "\r")) else text
+    return "'" + text if text.startswith(tuple("=+-@\t\r")) else text
 
 
 def render_csv(rows):
@@ -1156,8 +1149,7 @@ def _rect(x, y, width, height, colour, title, error_type=None):
     kind = "" if error_type is None else f' data-error-type="{_e(error_type)}"'
     return (
         f'<rect{kind} x="{x:.1f}" y="{y:.1f}" width="{width:.1f}" height="{height:.1f}" '
-        f'fill="{colour}">'
-        f"<title>{_e(title)}</title></rect>"
+        f'fill="{colour}"><title>{_e(title)}</title></rect>'
     )
 
 
@@ -1168,7 +1160,7 @@ def _td(field, row, colours, runs_url):
             return '<td class="t">(models list)</td>'
         key = _key(colours.get((value, row["base_url"]), _GREY))
         return f'<td class="t">{key}{_e(_label(value))}</td>'
-    if value is None or value == {} or value == "":
+    if value in (None, {}, ""):
         return f'<td class="null">{_DASH}</td>'
     if isinstance(value, dict):
         ranked = _ranked(value)
@@ -1207,8 +1199,7 @@ def _html_table(css_class, columns, rows, colours=None, runs_url=""):
     )
     return (
         f'<div class="scroll"><table class="{css_class}"><thead><tr>{heads}</tr></thead>'
-        f'<tbody>\n{body}\n'
-        "</tbody></table></div>"
+        f"<tbody>\n{body}\n</tbody></table></div>"
     )
 
 
@@ -1242,9 +1233,8 @@ def _per_day_section(series, axis):
         ]
         return out + [
             f'<p class="note one-day">One day of data ({_e(days[0])}): the per-day charts start '
-            'with the '
-            "second day. That day, per model:</p>",
-            _html_table("one-day", ("label", "calls", "failed", "reported", "est_tokens"), rows)
+            "with the second day. That day, per model:</p>",
+            _html_table("one-day", "label calls failed reported est_tokens".split(), rows)
         ]
     out += [
         '<p class="note">A gap in a line: nothing to show that day (no calls, or no usage '
@@ -1252,14 +1242,13 @@ def _per_day_section(series, axis):
         "Reported and estimated tokens are separate charts and are never added together.</p>",
         '<div class="charts">'
     ]
-    xs, ticks = _bands(axis[1])
-    out += [_day_chart(chart, series, figures, xs, ticks, axis) for chart in _DAY_CHARTS]
+    out += [_day_chart(chart, series, figures, axis) for chart in _DAY_CHARTS]
     return out + ["</div>"]
 
 
-def _day_chart(chart, series, figures, xs, ticks, axis):
+def _day_chart(chart, series, figures, axis):
     """One of _DAY_CHARTS: a line per series; a gap where there is nothing, never a 0."""
-    cls, title, unit, pick, fmt = chart
+    (cls, title, unit, pick, fmt), (xs, ticks) = chart, _bands(axis[1])
     lines = [(s, [pick(*day) for day in figs]) for s, figs in zip(series, figures)]
     top = max((v for _s, values in lines for v in values if v is not None), default=0)
     parts, y_of = _frame(cls, title, top, unit, ticks, axis[2], fmt or _short, fmt is None)
@@ -1443,15 +1432,13 @@ def _latency_section(series, bins=32):
     out = [
         '<h2 id="latency">Latency per model</h2>',
         '<p class="note">Successful calls only, log-scale bins: a second hump to the right is '
-        'usually cold '
-        "starts or queueing. Dashed lines mark p50 and p95.</p>",
+        "usually cold starts or queueing. Dashed lines mark p50 and p95.</p>",
         '<div class="charts">'
     ]
     out += [_histogram(s, bins) for s in series if s["key"]] + ["</div>"]
     return out + [
         f'<p class="note">{_key(_GREY, True)}{_e(s["label"])}: no histogram (only the '
-        f'{MAX_CHART_MODELS} '
-        "busiest model strings get one).</p>"
+        f"{MAX_CHART_MODELS} busiest model strings get one).</p>"
         for s in series
         if not s["key"]
     ]
@@ -1468,7 +1455,7 @@ def _lists_sections(audit, changes, runs, runs_url, colours):
         (
             _html_table(
                 "changes",
-                ("day", "request_model", "base_url", "what", "detail", "previous_day"),
+                "day request_model base_url what detail previous_day".split(),
                 changes[:_MAX_LIST_ROWS],
                 colours
             )
@@ -1491,11 +1478,8 @@ def _lists_sections(audit, changes, runs, runs_url, colours):
         ]
     return out + [
         f'<h2 id="ledgers">Ledgers read ({len(audit.ledgers):,})</h2><details><summary>show the '
-        'list'
-        "</summary>",
-        _html_table(
-            "ledgers", ("path", "status", "lines", "reason"), audit.ledgers[:_MAX_LIST_ROWS]
-        ),
+        "list</summary>",
+        _html_table("ledgers", "path status lines reason".split(), audit.ledgers[:_MAX_LIST_ROWS]),
         "</details>"
     ]
 
@@ -1558,11 +1542,10 @@ def _models_section(rows, order, by_day, colours):
     shown = shown[:_MAX_TABLE_ROWS]
     return [
         f'<h2 id="models">Models{" by day" if by_day else ""}</h2><p class="note">One row per '
-        'model '
-        f'string (the model asked for, at its endpoint){" and day" if by_day else ""}, busiest '
-        "first. Reported tokens are what servers said; estimated tokens are chars/4 and are never "
-        "added to them. \u2013 means nothing was reported. OK calls, malformed payloads, minimum "
-        "latency and fingerprints: --json or --csv."
+        f'model string (the model asked for, at its endpoint){" and day" if by_day else ""}, '
+        "busiest first. Reported tokens are what servers said; estimated tokens are chars/4 and "
+        "are never added to them. \u2013 means nothing was reported. OK calls, malformed payloads,"
+        " minimum latency and fingerprints: --json or --csv."
         + (
             f" The {len(shown):,} busiest rows; --json or --csv has all {len(rows):,}."
             if len(rows) > len(shown)
@@ -1721,17 +1704,14 @@ def run_audit(paths, *, verify=True, since=None, until=None, model=None, by_sess
 
 def _gather(args):
     """(audit, failures) of the ledgers at PATHs, or with --from of those shipped to ClickHouse."""
-    since = rl.parse_time(args.since) if args.since else None
-    until = rl.parse_time(args.until, end=True) if args.until else None
+    kw = dict(
+        since=rl.parse_time(args.since) if args.since else None,
+        until=rl.parse_time(args.until, end=True) if args.until else None,
+        model=args.model,
+        verify=not args.no_verify
+    )
     if args.from_url is None:
-        return run_audit(
-            args.paths,
-            verify=not args.no_verify,
-            since=since,
-            until=until,
-            model=args.model,
-            by_session=args.by == "session"
-        )
+        return run_audit(args.paths, by_session=args.by == "session", **kw)
     if args.paths or args.by == "session":
         raise AuditError(
             "--from reads ClickHouse: it takes no PATH"
@@ -1742,9 +1722,7 @@ def _gather(args):
         args.from_url or None, database=args.database, table=args.table, timeout=args.timeout
     )
     try:
-        return remote_audit(
-            client, since=since, until=until, model=args.model, verify=not args.no_verify
-        )
+        return remote_audit(client, **kw)
     except fleet.ClickHouseError as exc:
         exc.exit_code = rl.EXIT_USAGE  # the input could not be read
         raise

@@ -79,21 +79,29 @@ SHIP_CALL_FIELDS = tuple(
 # the types read of each kind (None is absent, never malformed), and a number's open range
 _READ = {"String": (str,), "Int64": (int,), "UInt8": (bool,), "Float64": (float, int)}
 _RANGE = {"Int64": (-1 - (1 << 63), 1 << 63), "Float64": (-math.inf, math.inf)}
-_CALL_RULES = tuple(
-    (name, _READ[kind] + (type(None),)) + _RANGE.get(kind, (None, None))
+_TEXT_RULES = tuple(
+    (name, _READ[kind] + (type(None),)) for name, kind in SHIP_CALL_FIELDS if kind not in _RANGE
+)
+_NUMBER_RULES = tuple(
+    (name, _READ[kind] + (type(None),)) + _RANGE[kind]
     for name, kind in SHIP_CALL_FIELDS
+    if kind in _RANGE
 )
 
 
 def call_fields(payload):
     """(fields, malformed): each of SHIP_CALL_FIELDS of a model_call payload, None when absent or
-    not as ask.py writes it; malformed when a field but total_tokens was not."""
+    not as ask.py writes it; malformed when a field but total_tokens was not. The audit runs this
+    for every call: two loops, as only the numbers have a range to check."""
     fields, malformed = {}, False
-    for name, types, low, high in _CALL_RULES:
+    for name, types in _TEXT_RULES:
         value = payload.get(name)
-        if type(value) not in types or (
-            low is not None and value is not None and not low < value < high
-        ):
+        if type(value) not in types:
+            malformed, value = True, None
+        fields[name] = value
+    for name, types, low, high in _NUMBER_RULES:
+        value = payload.get(name)
+        if type(value) not in types or value is not None and not low < value < high:
             malformed, value = malformed or name != "total_tokens", None
         fields[name] = value
     return fields, malformed
@@ -233,10 +241,11 @@ class ClickHouse:
         import urllib.request
 
         query = {"wait_end_of_query": 1, "output_format_json_quote_64bit_integers": 0}
-        query.update({"query": sql} if data is not None else {})
+        if data is not None:
+            query["query"] = sql
         request = urllib.request.Request(
             self.base + "?" + urllib.parse.urlencode(query),
-            data=sql.encode("utf-8") if data is None else data,
+            data=sql.encode() if data is None else data,
             headers=self._headers,
             method="POST"
         )
@@ -300,9 +309,8 @@ class ClickHouse:
             if found.get(name) != kind:
                 what = f"{name} {found[name]}" if name in found else f"no column {name}"
                 raise ClickHouseError(
-                    f"ClickHouse at {self.where}: table {self.name} has {what}, want {kind}: "
-                    "it was not made by this tool (or by another version); "
-                    "pick another with --table",
+                    f"ClickHouse at {self.where}: table {self.name} has {what}, want {kind}: it "
+                    "was not made by this tool (or by another version); pick another with --table",
                     rl.EXIT_USAGE
                 )
 
@@ -363,13 +371,13 @@ def _row(base, event, body, line_sha, shipped_at):
         at_time=seconds if 0 <= seconds < 1 << 32 else 0,
         line_sha256=line_sha,
         shipped_at=shipped_at,
-        raw=body.decode("utf-8"),
+        raw=body.decode(),
         **{name: event[name] for name in ("seq", "run_id", "kind", "at", "prev")}
     )
     if event["kind"] == "model_call":
         fields, malformed = call_fields(event["payload"])
         row.update(fields, malformed=int(malformed))
-    return rl._dumps(row).encode("utf-8") + b"\n"
+    return rl._dumps(row).encode() + b"\n"
 
 
 def _spool_limit():  # SHIP_SPOOL_MAX, or half the free space of the temp dir
@@ -509,9 +517,8 @@ def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, ba
             raise rl.IntegrityError(
                 path,
                 head[0] + 1,
-                f"ClickHouse holds this ledger up to seq {top} but the file ends "
-                f"at seq {head[0]}: it was cut or rewritten after it was shipped; "
-                f"nothing was sent"
+                f"ClickHouse holds this ledger up to seq {top} but the file ends at seq {head[0]}: "
+                "it was cut or rewritten after it was shipped; nothing was sent"
             )
         last = last or head[0]
         marks += [(last, spool.tell())] if last > marks[-1][0] else []
@@ -625,10 +632,8 @@ def shipped_in_range(client, since=None, until=None, verify=True):
     `verify`)."""
     client.require_table()
     in_range = _in_range(since, until)
-    where = (
+    where = in_range and (
         f"WHERE ledger_id IN (SELECT ledger_id FROM {client.name} WHERE 1{in_range})"
-        if in_range
-        else ""
     )
     if verify:
         return verify_shipped(client, condition=where)
@@ -663,8 +668,8 @@ def _stored_rows(response, client):
                 while line and line[-1:] != b"\n":
                     line = read()
                 continue
-            last = match.group(1).decode("ascii")
-            yield last, int(match.group(2)), match.group(3).decode("ascii"), line[match.end() :]
+            last, seq, sha = line[: match.end() - 1].decode().split("\t")
+            yield last, int(seq), sha, line[match.end() :]
     except (OSError, http.client.HTTPException) as exc:
         raise ClickHouseError(
             f"ClickHouse at {client.where}: the answer was cut short "
@@ -682,8 +687,7 @@ def _stored_lines(name, ledger_id, rows):
                 name,
                 expected,
                 (
-                    f"missing from ClickHouse: the next row stored is seq {seq} "
-                    f"(a row was deleted)"
+                    f"missing from ClickHouse: the next row stored is seq {seq} (a row was deleted)"
                     if seq > expected
                     else f"seq {seq} comes twice"
                 )
@@ -738,10 +742,8 @@ def _cmd_ship(args):
     return rl.tally(
         ((path, result, "") for path, result in results),
         shipped,
-        lambda ok, total: (
-            f"{ok}/{total} ledgers shipped or up to date, {sum(sent):,} new lines sent to "
-            f"{client.where} {client.name}"
-        ),
+        lambda ok, total: f"{ok}/{total} ledgers shipped or up to date, {sum(sent):,} new lines "
+        f"sent to {client.where} {client.name}",
         after="; nothing of {} was shipped"
     )
 
@@ -771,11 +773,12 @@ def _cmd_verify(args):
         return rl.tally(
             rows(),
             rl.verified_line,
-            lambda ok, total: (f"{ok}/{total} ledgers valid in {client.where} {client.name}"),
+            lambda ok, total: f"{ok}/{total} ledgers valid in {client.where} {client.name}",
             inside=" in ClickHouse"
         )
     except ClickHouseError as exc:  # ClickHouse could not be read: like a file that cannot be read
-        raise ClickHouseError(str(exc), rl.EXIT_USAGE) from None
+        exc.exit_code = rl.EXIT_USAGE
+        raise
 
 
 # ----------------------------------------------------------------------------
