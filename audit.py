@@ -4,7 +4,7 @@
 Usage:
   python audit.py                          # ./calls.jsonl and ./runs/*/events.jsonl
   python audit.py calls.jsonl runs/ --by day
-  python audit.py --since 2026-11-01 --model my-model --fail-on-change   # exit 4 when something changed
+  python audit.py --since 2026-11-01 --model my-model --fail-on-change  # exit 4 on any change
   python audit.py --wide                   # every column, names whole (default: fits 120 columns)
   python audit.py --json > audit.json      # or --csv; --html report.html for a page with charts
   python audit.py --no-verify broken.jsonl # audit anyway, marked UNVERIFIED
@@ -30,7 +30,6 @@ from pathlib import Path
 
 # the toolkit beside us, even under -I
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ask  # noqa: E402  -- the model_call field types
 import fleet  # noqa: E402
 import reasoning_ledger as rl  # noqa: E402
 
@@ -69,27 +68,6 @@ TEXT_WIDTH = 120  # the text report fits a terminal this wide, unless --wide
 MIN_CUT_WIDTH = 8  # a name is never cut narrower than this to fit
 ELLIPSIS = "\u2026"
 
-# The model_call fields this audit reads, each checked against ask.py's definition of its types.
-_TYPES = {
-    name: ask.MODEL_CALL_FIELDS[name]
-    for name in (
-        "request_model",
-        "base_url",
-        "attempt",
-        "error_type",
-        "usage_status",
-        "usage_reported",
-        "latency_ms",
-        "response_model",
-        "system_fingerprint",
-        "check",
-        "input_tokens",
-        "output_tokens",
-        "est_input_tokens",
-        "est_output_tokens"
-    )
-}
-
 # the agent-runs table: how the ledger sums a run up (docs/audit.md, "Agent runs")
 RUN_COLUMNS = tuple(
     name for name in rl.run_summary() if name not in ("usage_calls", "proposal", "unboxed")
@@ -112,29 +90,17 @@ def percentile(sorted_values, q):
     )
 
 
-def model_call_view(payload):
-    """(fields, malformed): the fields read, each None unless of a type ask.py writes (then malformed
-    is True)."""
-    view, malformed = {}, False
-    for name, types in _TYPES.items():
-        value = payload.get(name)
-        if value is not None and (
-            type(value) not in types or type(value) is float and not math.isfinite(value)
-        ):
-            malformed, value = True, None
-        view[name] = value
-    code = payload.get("error_code")
-    view["error_code"] = code if type(code) is str and code else None
-    return view, malformed
+# (fields, malformed) of a model_call payload: the one rule, which the shipped table follows too
+model_call_view = fleet.call_fields
 
 
 def _label(value):
     return "-" if value is None else str(value)
 
 
-def _num(value, null="-"):
+def _num(value):
     if value is None:
-        return null
+        return "-"
     return f"{value:,}" if isinstance(value, int) else f"{value:,.1f}"
 
 
@@ -158,12 +124,14 @@ def _add(counter, key, n):
     counter[key] = counter.get(key, 0) + n
 
 
-def _count_label(counter, label, n=1):
-    _add(counter, label if label in counter or len(counter) < MAX_LABELS else OTHER, n)
+def _count_label(counter, label, n=1):  # per call: _add inline
+    label = label if label in counter or len(counter) < MAX_LABELS else OTHER
+    counter[label] = counter.get(label, 0) + n
 
 
 def find_ledgers(paths):
-    """Expand PATHs (files, directories, globs) into ledger files; default: ./calls.jsonl + ./runs/."""
+    """Expand PATHs (files, directories, globs) into ledger files; default: ./calls.jsonl +
+    ./runs/."""
     if not paths:
         return [Path(name) for name in DEFAULT_LEDGERS if Path(name).is_file()] + sorted(
             Path(DEFAULT_RUNS).glob("*/" + rl.EVENTS_NAME)
@@ -189,23 +157,25 @@ def find_ledgers(paths):
 # == Core: one streaming pass ==
 
 
+# a models-table row's keys, in order: the CSV's columns
+MODEL_COLUMNS = tuple(
+    (
+        "request_model base_url day calls ok failed no_usage malformed checked passed input_tokens "
+        "output_tokens usage_calls est_input_tokens est_output_tokens latency_min_ms "
+        "latency_p50_ms latency_p95_ms latency_max_ms retries response_models system_fingerprints "
+        "errors"
+    ).split()
+)
+
+
 class Group:
     """Counters for one (request_model, base_url, day)."""
 
-    COUNTS = (
-        "calls",
-        "ok",
-        "no_usage",
-        "malformed",
-        "checked",
-        "passed",
-        "input_tokens",
-        "output_tokens",
-        "usage_calls",
-        "est_input_tokens",
-        "est_output_tokens",
-        "est_output_calls",
-        "retries"
+    COUNTS = tuple(
+        (
+            "calls ok no_usage malformed checked passed input_tokens output_tokens usage_calls "
+            "est_input_tokens est_output_tokens est_output_calls retries"
+        ).split()
     )
     LABELS = ("response_models", "fingerprints", "errors")
     __slots__ = COUNTS + LABELS + ("latencies",)
@@ -216,8 +186,8 @@ class Group:
         self.latencies = []
         self.response_models, self.fingerprints, self.errors = {}, {}, {}
 
-    def add(self, call, malformed):
-        """Count one model_call (its model_call_view)."""
+    def add(self, call, malformed, code=None):
+        """Count one model_call (its model_call_view, and the payload's error_code)."""
         self.calls += 1
         self.malformed += malformed
         self.retries += (call["attempt"] or 1) > 1
@@ -234,11 +204,8 @@ class Group:
                 self.checked += 1
                 self.passed += call["check"] is True
         else:
-            code = call["error_code"]
-            _count_label(
-                self.errors,
-                f"{call['error_type']} ({code})" if code is not None else call["error_type"]
-            )
+            label = call["error_type"]
+            _count_label(self.errors, f"{label} ({code})" if type(code) is str and code else label)
         if measured and (call["input_tokens"] is not None or call["output_tokens"] is not None):
             self.usage_calls += 1
             self.input_tokens += call["input_tokens"] or 0
@@ -263,35 +230,34 @@ class Group:
             dict(sorted(getattr(self, name).items(), key=lambda kv: str(kv[0])))
             for name in self.LABELS
         ]
-        return {
-            "request_model": request_model,
-            "base_url": base_url,
-            "day": day,
-            "calls": self.calls,
-            "ok": self.ok,
-            "failed": self.calls - self.ok,
-            "no_usage": self.no_usage,
-            "malformed": self.malformed,
-            "checked": self.checked,
-            "passed": self.passed if self.checked else None,
-            "input_tokens": self.input_tokens if usage else None,
-            "output_tokens": self.output_tokens if usage else None,
-            "usage_calls": usage,
-            "est_input_tokens": self.est_input_tokens if self.calls else None,
-            "est_output_tokens": self.est_output_tokens if self.est_output_calls else None,
-            "latency_min_ms": lat[0] if lat else None,
-            "latency_p50_ms": percentile(lat, 50),
-            "latency_p95_ms": percentile(lat, 95),
-            "latency_max_ms": lat[-1] if lat else None,
-            "retries": self.retries,
-            "response_models": labels[0],
-            "system_fingerprints": labels[1],
-            "errors": labels[2]
-        }
-
-
-# a models-table row's keys, in order: the CSV's columns
-MODEL_COLUMNS = tuple(Group().row(None, None, None))
+        return dict(
+            zip(
+                MODEL_COLUMNS,
+                (
+                    request_model,
+                    base_url,
+                    day,
+                    self.calls,
+                    self.ok,
+                    self.calls - self.ok,  # failed
+                    self.no_usage,
+                    self.malformed,
+                    self.checked,
+                    self.passed if self.checked else None,
+                    self.input_tokens if usage else None,
+                    self.output_tokens if usage else None,
+                    usage,  # usage_calls
+                    self.est_input_tokens if self.calls else None,
+                    self.est_output_tokens if self.est_output_calls else None,
+                    lat[0] if lat else None,  # latency_min_ms
+                    percentile(lat, 50),  # latency_p50_ms
+                    percentile(lat, 95),  # latency_p95_ms
+                    lat[-1] if lat else None,  # latency_max_ms
+                    self.retries,
+                    *labels  # response_models, system_fingerprints, errors
+                )
+            )
+        )
 
 
 class Audit:
@@ -343,12 +309,12 @@ class Audit:
         return self._heads[index].get(path.parent.name)
 
     def _consume(self, events, agent_run, path):
-        run = None
+        # the per-line path: what it reads of self is read once, into locals
+        run, since, until, only = None, self.since or "", self.until, self.model
+        groups, strings, by_session = self.groups, self.model_strings, self.by_session
         for event in events:
             kind, at, payload = event["kind"], event["at"], event["payload"]
-            if (self.since is not None and at < self.since) or (
-                self.until is not None and at > self.until
-            ):
+            if at < since or until is not None and at > until:
                 continue
             if agent_run:
                 run = run or self.runs.setdefault(
@@ -357,28 +323,31 @@ class Audit:
                 rl.add_run_event(run, event)
             if kind == "model_call":
                 call, malformed = model_call_view(payload)
-                if self.model is not None and call["request_model"] != self.model:
+                model, base = call["request_model"], call["base_url"]
+                if only is not None and model != only:
                     continue
                 session = payload.get("session_id")
-                day = (session if type(session) is str else "-") if self.by_session else at[:10]
-                model, base = call["request_model"], call["base_url"]
-                if (model, base) not in self.model_strings:
-                    if len(self.model_strings) >= MAX_MODEL_STRINGS:
+                day = (session if type(session) is str else "-") if by_session else at[:10]
+                if (model, base) not in strings:
+                    if len(strings) >= MAX_MODEL_STRINGS:
                         self.folded += 1
                         model = base = OTHER
                     else:
-                        self.model_strings.add((model, base))
-                group = self.groups.get((model, base, day))
+                        strings.add((model, base))
+                group = groups.get((model, base, day))
                 if group is None:  # not setdefault: that would build a Group for every call
-                    group = self.groups[(model, base, day)] = Group()
-                group.add(call, malformed)
+                    group = groups[(model, base, day)] = Group()
+                group.add(call, malformed, payload.get("error_code"))
             elif kind == "models_list":
-                ids, base = payload.get("model_ids"), payload.get("base_url")
-                if type(ids) is list and type(base) is str and all(type(i) is str for i in ids):
-                    previous = self.listings.get((base, at[:10]))
-                    # the day's last listing wins; a new (base_url, day) is kept while under the cap
-                    if (previous[0] <= at) if previous else len(self.listings) < MAX_LISTINGS:
-                        self.listings[(base, at[:10])] = (at, ids[:10000])
+                self._listing(payload, at)
+
+    def _listing(self, payload, at):
+        ids, base = payload.get("model_ids"), payload.get("base_url")
+        if type(ids) is list and type(base) is str and all(type(i) is str for i in ids):
+            previous = self.listings.get((base, at[:10]))
+            # the day's last listing wins; a new (base_url, day) is kept while under the cap
+            if (previous[0] <= at) if previous else len(self.listings) < MAX_LISTINGS:
+                self.listings[(base, at[:10])] = (at, ids[:10000])
 
     def model_rows(self, by_day=False):
         groups = self.groups
@@ -399,41 +368,24 @@ class Audit:
         rate_jump=DEFAULT_RATE_JUMP,
         latency_floor=DEFAULT_LATENCY_FLOOR_MS
     ):
-        """What changed from one day to the next: per model string (compare_days), then per endpoint's
-        list."""
-        found = []
+        """What changed from one day to the next: per model string (compare_days), then per
+        endpoint's list."""
         groups = (((model, base), day, g) for (model, base, day), g in self.groups.items())
-        for (model, base), prev_day, prev, day, cur in _day_pairs(groups):
-            found += [
-                {
-                    "request_model": model,
-                    "base_url": base,
-                    "day": day,
-                    "previous_day": prev_day,
-                    "what": what,
-                    "detail": detail
-                }
-                for what, detail in compare_days(prev, cur, latency_shift, rate_jump, latency_floor)
-            ]
+        found = [
+            (model, base, day, prev_day, what, detail)
+            for (model, base), prev_day, prev, day, cur in _day_pairs(groups)
+            for what, detail in compare_days(prev, cur, latency_shift, rate_jump, latency_floor)
+        ]
         listings = (((base,), day, ids) for (base, day), (_at, ids) in self.listings.items())
         for (base,), prev_day, before, day, after in _day_pairs(listings):
             detail = _set_change(before, after, ("gained", "lost"))
-            if detail:
-                found.append(
-                    {
-                        "request_model": None,
-                        "base_url": base,
-                        "day": day,
-                        "previous_day": prev_day,
-                        "what": "models_list",
-                        "detail": detail
-                    }
-                )
-        return found
+            found += [(None, base, day, prev_day, "models_list", detail)] if detail else []
+        keys = "request_model base_url day previous_day what detail".split()
+        return [dict(zip(keys, change)) for change in found]
 
     def unlisted(self):
-        """The model strings asked for at an endpoint whose latest /models list (ask.py --models) lacks
-        them."""
+        """The model strings asked for at an endpoint whose latest /models list (ask.py --models)
+        lacks them."""
         latest = {
             base: listing
             for (base, _day), listing in sorted(self.listings.items(), key=lambda kv: kv[1][0])
@@ -483,8 +435,8 @@ def _unverified(path, info):
 
 
 def _day_pairs(entries):
-    """(who, previous day, its value, day, its value) for consecutive days of each `who` in (who, day,
-    value)."""
+    """(who, previous day, its value, day, its value) for consecutive days of each `who` in (who,
+    day, value)."""
     by_who = {}
     for who, day, value in entries:
         by_who.setdefault(who, []).append((day, value))
@@ -495,8 +447,8 @@ def _day_pairs(entries):
 
 
 def _set_change(before, after, words):
-    """'new a, b; gone c' (with `words`): what `after` has that `before` lacks, then the reverse; "" if
-    none."""
+    """'new a, b; gone c' (with `words`): what `after` has that `before` lacks, then the reverse;
+    "" if none."""
     parts = [(words[0], set(after) - set(before)), (words[1], set(before) - set(after))]
     return "; ".join(
         f"{word} {', '.join(map(_label, sorted(names, key=str)))}" for word, names in parts if names
@@ -519,7 +471,8 @@ def compare_days(
     rate_jump=DEFAULT_RATE_JUMP,
     latency_floor=DEFAULT_LATENCY_FLOOR_MS
 ):
-    """What differs from one day (a Group) to the next for one model string: yields (what, detail)."""
+    """What differs from one day (a Group) to the next for one model string: yields (what,
+    detail)."""
     for what, name in (
         ("response_model", "response_models"),
         ("system_fingerprint", "fingerprints")
@@ -550,27 +503,11 @@ def compare_days(
 
 
 def remote_audit(client, *, since=None, until=None, model=None, verify=True):
-    """Audit the lines shipped to ClickHouse (an fleet.ClickHouse), each ledger re-verified from its
+    """Audit the lines shipped to ClickHouse (a fleet.ClickHouse), each ledger re-verified from its
     stored lines unless told not to (as `fleet.py verify`), through the local pass. Returns (audit,
     failures) like run_audit."""
     audit, failures = Audit(since=since, until=until, model=model), []
-    client.require_table()
-    in_range = "".join(
-        f" AND at {op} {fleet.sql_string(t)}"
-        for op, t in ((">=", since), ("<=", until))
-        if t is not None
-    )
-    condition = (
-        f"WHERE ledger_id IN (SELECT ledger_id FROM {client.name} WHERE 1{in_range})"
-        if in_range
-        else ""
-    )
-    found = (
-        fleet.verify_shipped(client, condition=condition)
-        if verify
-        else ((ledger, None) for ledger in fleet.shipped_ledgers(client, condition))
-    )
-    for ledger, result in found:
+    for ledger, result in fleet.shipped_in_range(client, since, until, verify):
         if isinstance(result, rl.IntegrityError):
             failures.append(result)
         elif result is not None and not isinstance(result, rl.Verified):
@@ -585,19 +522,9 @@ def remote_audit(client, *, since=None, until=None, model=None, verify=True):
                     "reason": None
                 }
             )
-    if failures:
-        return audit, failures
-    response = client.stream(
-        f"SELECT ledger_id, path, raw FROM {client.name} FINAL WHERE 1{in_range} "
-        f"ORDER BY ledger_id, seq FORMAT JSONEachRow"
-    )
-    with response:
-        rows = (json.loads(line) for line in response if line.strip())
-        for _ledger, lines in itertools.groupby(rows, key=lambda row: row["ledger_id"]):
-            first = next(lines)
-            events = (json.loads(row["raw"]) for row in itertools.chain([first], lines))
-            audit._consume(events, first["path"].endswith("/" + rl.EVENTS_NAME), first["path"])
-    return audit, []
+    for path, events in () if failures else fleet.events_in_range(client, since, until):
+        audit._consume(events, path.endswith("/" + rl.EVENTS_NAME), path)
+    return audit, failures
 
 
 # == Reports: text, JSON, CSV ==
@@ -635,32 +562,20 @@ def _elide(text, width, where="middle"):
 
 
 def _model_table(rows, by_day, wide, endpoints):
-    """The models table: every column whole with --wide; else fitted to TEXT_WIDTH (docs/audit.md)."""
+    """The models table: every column whole with --wide; else fitted to TEXT_WIDTH
+    (docs/audit.md)."""
 
     def tokens(value):
         return _num(value) if value is None or wide or value < 10000 else _short(value)
 
-    day = ["day"] if by_day else []
-    if wide:
-        columns = (
-            ["model", "base_url"]
-            + day
-            + (
-                "calls ok failed no_usage checks in_tok out_tok est_in~ est_out~ "
-                "min_ms p50_ms p95_ms max_ms retries served"
-            ).split()
-        )
-    else:
-        columns = (
-            ["model"]
-            + (["at"] if len(endpoints) > 1 else [])
-            + day
-            + (
-                "calls failed no_usage checks in_tok out_tok est~ p50_ms p95_ms"
-                + ("" if by_day else " retries")
-                + " served"
-            ).split()
-        )
+    day = " day" if by_day else ""
+    columns = (
+        f"model base_url{day} calls ok failed no_usage checks in_tok out_tok est_in~ est_out~ "
+        "min_ms p50_ms p95_ms max_ms retries served"
+        if wide
+        else f"model{' at' if len(endpoints) > 1 else ''}{day} calls failed no_usage checks in_tok "
+        f"out_tok est~ p50_ms p95_ms{'' if by_day else ' retries'} served"
+    ).split()
     body = []
     for r in rows:
         est = (
@@ -722,6 +637,23 @@ _RUN_TEXT = {
 }
 
 
+def _runs_table(runs, wide):
+    """`why` (how the run ended) last, cut at its end to fit unless --wide."""
+    columns = (
+        "run outcome verdict steps tools_ok tools_denied model_calls in_tok out_tok est_tok~ why"
+        if wide
+        else "run outcome steps calls denied why"
+    ).split()
+    text = {"run", "outcome", "verdict", "why"}
+    body = [
+        [_label(r[_RUN_TEXT[c]]) if c in text else _num(r[_RUN_TEXT[c]]) for c in columns]
+        for r in runs
+    ]
+    return _table(
+        columns, body, text, None if wide else {"why": "end"}, None if wide else TEXT_WIDTH
+    )[0]
+
+
 def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
     sums, warnings = _sums(rows), _warnings(audit)
     files = len(audit.ledgers)
@@ -748,8 +680,8 @@ def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
                 if cut
                 else ""
             )
-            + "served: = is the model asked for; latency in ms (ok calls); tokens from 10,000 on in k/M "
-            "(3 digits); --wide shows exact tokens, min_ms, max_ms, ok, est_in~/est_out~"
+            + "served: = is the model asked for; latency in ms (ok calls); tokens from 10,000 on "
+            "in k/M (3 digits); --wide shows exact tokens, min_ms, max_ms, ok, est_in~/est_out~"
             + (" and cut names whole" if cut else "")
         )
     out += _text_notes(sums) + [line for line in warnings if not line.startswith("warning:")]
@@ -761,32 +693,8 @@ def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
             f"  {change['day']}  {who} @ {where}: {change['what']}: {change['detail']}  "
             f"(vs {change['previous_day']})"
         )
-    if runs:  # `why` (how the run ended) last, cut at its end to fit unless --wide
-        columns = (
-            [
-                "run",
-                "outcome",
-                "verdict",
-                "steps",
-                "tools_ok",
-                "tools_denied",
-                "model_calls",
-                "in_tok",
-                "out_tok",
-                "est_tok~",
-                "why"
-            ]
-            if wide
-            else ["run", "outcome", "steps", "calls", "denied", "why"]
-        )
-        text = {"run", "outcome", "verdict", "why"}
-        body = [
-            [_label(r[_RUN_TEXT[c]]) if c in text else _num(r[_RUN_TEXT[c]]) for c in columns]
-            for r in runs
-        ]
-        out += ["", f"Agent runs: {len(runs)}"] + _table(
-            columns, body, text, None if wide else {"why": "end"}, None if wide else TEXT_WIDTH
-        )[0]
+    if runs:
+        out += ["", f"Agent runs: {len(runs)}"] + _runs_table(runs, wide)
     # nothing from a ledger may forge a line or drive the terminal
     out = [rl.printable(line) for line in out]
     if not wide:  # prose wider than the terminal continues on the next line, indented
@@ -809,16 +717,9 @@ def _sums(rows):
     sums = {
         k: sum(r[k] or 0 for r in rows)
         for k in (
-            "calls",
-            "ok",
-            "no_usage",
-            "malformed",
-            "usage_calls",
-            "input_tokens",
-            "output_tokens",
-            "est_input_tokens",
+            "calls ok no_usage malformed usage_calls input_tokens output_tokens est_input_tokens "
             "est_output_tokens"
-        )
+        ).split()
     }
     sums["errors"] = {}
     for r in rows:
@@ -836,18 +737,18 @@ def _warnings(audit):
             out.append(f"warning: {ledger['reason']}")
         if ledger.get("skipped"):
             out.append(
-                f"warning: {ledger['path']}: {ledger['skipped']:,} lines are not ledger events and were "
-                "skipped"
+                f"warning: {ledger['path']}: {ledger['skipped']:,} lines are not ledger events and "
+                "were skipped"
             )
     if audit.folded:
         out.append(
-            f"warning: more than {MAX_MODEL_STRINGS:,} model strings; {audit.folded:,} calls are counted "
-            f"under {OTHER}"
+            f"warning: more than {MAX_MODEL_STRINGS:,} model strings; {audit.folded:,} calls are "
+            f"counted under {OTHER}"
         )
     return out + [
-        f"not listed: {item['request_model']} @ {item['base_url']} ({item['calls']:,} calls) is not in "
-        f"that endpoint's /models list of {item['listed_at'][:10]}: a server that answers to any model "
-        "name served it"
+        f"not listed: {item['request_model']} @ {item['base_url']} ({item['calls']:,} calls) is "
+        f"not in that endpoint's /models list of {item['listed_at'][:10]}: a server that answers "
+        "to any model name served it"
         for item in audit.unlisted()
     ]
 
@@ -856,14 +757,14 @@ def _text_notes(sums):
     ok, measured = sums["ok"], sums["usage_calls"]
     share = f"{measured / ok:.0%}" if ok else "-"
     out = [
-        f"usage: {sums['no_usage']:,} of {ok:,} ok calls lacked usage; in_tok/out_tok are what servers reported "
-        f"and cover {measured:,} call{'' if measured == 1 else 's'} ({share}).",
+        f"usage: {sums['no_usage']:,} of {ok:,} ok calls lacked usage; in_tok/out_tok are what "
+        f"servers reported and cover {measured:,} call{'' if measured == 1 else 's'} ({share}).",
         "est: est~ (est_in~ + est_out~) are chars/4 estimates, never added in."
     ]
     if sums["malformed"]:
         out.append(
-            f"malformed: {sums['malformed']:,} model_call payloads had fields of the wrong type (written by "
-            f"another tool?); those fields were not counted"
+            f"malformed: {sums['malformed']:,} model_call payloads had fields of the wrong type "
+            "(written by another tool?); those fields were not counted"
         )
     if sums["errors"]:
         out.append(
@@ -916,7 +817,7 @@ def _csv_cell(value):
             dict(sorted(value.items(), key=lambda kv: str(kv[0]))), ensure_ascii=False
         )
     text = str(value)
-    return "'" + text if text.startswith(("=", "+", "-", "@", "\t", "\r")) else text
+    return "'" + text if text.startswith(tuple("=+-@\t\r")) else text
 
 
 def render_csv(rows):
@@ -978,40 +879,14 @@ _HEADINGS = {
 }
 # The tables lead with what is read first, so a narrow window scrolls only past the token counts.
 _HTML_MODEL_COLUMNS = (
-    "request_model",
-    "base_url",
-    "day",
-    "calls",
-    "failed",
-    "latency_p50_ms",
-    "latency_p95_ms",
-    "latency_max_ms",
-    "response_models",
-    "errors",
-    "no_usage",
-    "checked",
-    "passed",
-    "input_tokens",
-    "output_tokens",
-    "est_input_tokens",
-    "est_output_tokens",
-    "retries"
-)
+    "request_model base_url day calls failed latency_p50_ms latency_p95_ms latency_max_ms "
+    "response_models errors no_usage checked passed input_tokens output_tokens est_input_tokens "
+    "est_output_tokens retries"
+).split()
 _HTML_RUN_COLUMNS = (
-    "run_id",
-    "started",
-    "outcome",
-    "why",
-    "judge_verdict",
-    "steps",
-    "tools_allowed",
-    "tools_denied",
-    "model_calls",
-    "input_tokens",
-    "output_tokens",
-    "est_tokens",
-    "errors"
-)
+    "run_id started outcome why judge_verdict steps tools_allowed tools_denied model_calls "
+    "input_tokens output_tokens est_tokens errors"
+).split()
 _WHAT = {
     "response_model": "Served model",
     "system_fingerprint": "System fingerprint",
@@ -1022,40 +897,29 @@ _WHAT = {
     "checks": "Check pass rate",
     "models_list": "Models listed"
 }
-_TEXT_FIELDS = {
-    "request_model",
-    "base_url",
-    "day",
-    "response_models",
-    "errors",
-    "run_id",
-    "started",
-    "outcome",
-    "judge_verdict",
-    "what",
-    "detail",
-    "previous_day",
-    "path",
-    "status",
-    "reason",
-    "why",
-    "label"
-}
+_TEXT_FIELDS = set(
+    (
+        "request_model base_url day response_models errors run_id started outcome judge_verdict "
+        "what detail previous_day path status reason why label"
+    ).split()
+)
 _CSS = (
-    "body{font:14px system-ui,sans-serif;margin:24px auto;max-width:1400px;padding:0 24px;color:#1f2328}"
-    "h2{margin-top:32px;padding-top:8px;border-top:1px solid #ddd}h3{font-size:14px;overflow-wrap:anywhere}"
-    "h3 span{display:block;font-weight:400}.note,figcaption,.k,.s{color:#555;font-size:13px}.warn,.bad{color:#a33a00}"
-    "nav a{margin-right:14px}.cards{display:flex;flex-wrap:wrap;gap:10px}.v{font-size:22px;font-weight:600}"
+    "body{font:14px system-ui,sans-serif;margin:24px auto;max-width:1400px;padding:0 24px;"
+    "color:#1f2328}h2{margin-top:32px;padding-top:8px;border-top:1px solid #ddd}h3{font-size:14px;"
+    "overflow-wrap:anywhere}h3 span{display:block;font-weight:400}.note,figcaption,.k,"
+    ".s{color:#555;font-size:13px}.warn,.bad{color:#a33a00}nav a{margin-right:14px}"
+    ".cards{display:flex;flex-wrap:wrap;gap:10px}.v{font-size:22px;font-weight:600}"
     ".card{border:1px solid #ddd;border-radius:8px;padding:8px 12px;min-width:140px}"
-    ".scroll{overflow:auto;max-height:80vh;border:1px solid #ddd}table{border-collapse:collapse;width:100%}"
-    "th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;vertical-align:top;white-space:nowrap}"
-    "th{background:#f3f4f6;position:sticky;top:0}.t{text-align:left;white-space:normal;overflow-wrap:anywhere}"
-    ".null{color:#aaa}.key{display:inline-block;width:11px;height:11px;margin-right:6px}"
+    ".scroll{overflow:auto;max-height:80vh;border:1px solid #ddd}table{border-collapse:collapse;"
+    "width:100%}th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;"
+    "vertical-align:top;white-space:nowrap}th{background:#f3f4f6;position:sticky;top:0}"
+    ".t{text-align:left;white-space:normal;overflow-wrap:anywhere}.null{color:#aaa}"
+    ".key{display:inline-block;width:11px;height:11px;margin-right:6px}"
     ".dash{background:repeating-linear-gradient(90deg,#8c8c8c 0 4px,#fff 4px 6px)!important}"
     ".legend{list-style:none;padding:0;display:flex;flex-wrap:wrap;gap:4px 18px}figure{margin:0}"
     ".charts{display:grid;grid-template-columns:repeat(auto-fill,minmax(420px,1fr));gap:18px 28px}"
-    "svg{max-width:100%;height:auto}svg text{font-size:11px;fill:#333}.gl{stroke:#e6e6e6}.axis{stroke:#888}"
-    ".mark{stroke:#333;stroke-dasharray:4 3}"
+    "svg{max-width:100%;height:auto}svg text{font-size:11px;fill:#333}.gl{stroke:#e6e6e6}"
+    ".axis{stroke:#888}.mark{stroke:#333;stroke-dasharray:4 3}"
 )
 # The per-day line charts: class, heading, unit (y axis and tooltips), a day's figure from (calls,
 # ok, usage_calls, reported, estimated tokens) or None for a gap, and the format of a share (else a
@@ -1175,8 +1039,8 @@ def _frame(cls, title, top_value, y_title, x_ticks, x_title, fmt=_short, integer
         return bottom - (bottom - top) * value / ymax
 
     parts = [
-        f'<svg class="{cls}"{attrs} xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" role="img"><title>{_e(title)}</title>'
+        f'<svg class="{cls}"{attrs} xmlns="http://www.w3.org/2000/svg" width="{width}" '
+        f'height="{height}" viewBox="0 0 {width} {height}" role="img"><title>{_e(title)}</title>'
     ]
     for y, value in ((y_of(i * step), i * step) for i in range(int(round(ymax / step)) + 1)):
         parts.append(
@@ -1188,9 +1052,10 @@ def _frame(cls, title, top_value, y_title, x_ticks, x_title, fmt=_short, integer
         for x, label in x_ticks
     ]
     parts.append(
-        f'<text text-anchor="middle" transform="translate(14 {(top + bottom) / 2:.0f}) rotate(-90)">'
-        f'{_e(y_title)}</text><line class="axis" x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}"/>'
-        f'<text x="{(left + right) / 2:.0f}" y="{bottom + 38}" text-anchor="middle">{_e(x_title)}</text>'
+        f'<text text-anchor="middle" transform="translate(14 {(top + bottom) / 2:.0f}) '
+        f'rotate(-90)">{_e(y_title)}</text><line class="axis" x1="{left}" y1="{bottom}" '
+        f'x2="{right}" y2="{bottom}"/><text x="{(left + right) / 2:.0f}" y="{bottom + 38}" '
+        f'text-anchor="middle">{_e(x_title)}</text>'
     )
     return parts, y_of
 
@@ -1205,8 +1070,8 @@ def _bands(labels):
 def _rect(x, y, width, height, colour, title, error_type=None):
     kind = "" if error_type is None else f' data-error-type="{_e(error_type)}"'
     return (
-        f'<rect{kind} x="{x:.1f}" y="{y:.1f}" width="{width:.1f}" height="{height:.1f}" fill="{colour}">'
-        f"<title>{_e(title)}</title></rect>"
+        f'<rect{kind} x="{x:.1f}" y="{y:.1f}" width="{width:.1f}" height="{height:.1f}" '
+        f'fill="{colour}"><title>{_e(title)}</title></rect>'
     )
 
 
@@ -1215,8 +1080,9 @@ def _td(field, row, colours, runs_url):
     if field == "request_model":
         if value is None and "what" in row:
             return '<td class="t">(models list)</td>'
-        return f'<td class="t">{_key(colours.get((value, row["base_url"]), _GREY))}{_e(_label(value))}</td>'
-    if value is None or value == {} or value == "":
+        key = _key(colours.get((value, row["base_url"]), _GREY))
+        return f'<td class="t">{key}{_e(_label(value))}</td>'
+    if value in (None, {}, ""):
         return f'<td class="null">{_DASH}</td>'
     if isinstance(value, dict):
         ranked = _ranked(value)
@@ -1254,14 +1120,14 @@ def _html_table(css_class, columns, rows, colours=None, runs_url=""):
         for row in rows
     )
     return (
-        f'<div class="scroll"><table class="{css_class}"><thead><tr>{heads}</tr></thead><tbody>\n{body}\n'
-        "</tbody></table></div>"
+        f'<div class="scroll"><table class="{css_class}"><thead><tr>{heads}</tr></thead>'
+        f"<tbody>\n{body}\n</tbody></table></div>"
     )
 
 
 def _per_day_section(series, axis):
-    """A line chart per figure over the days, per model; with one day of data, that day's figures in a
-    table."""
+    """A line chart per figure over the days, per model; with one day of data, that day's figures in
+    a table."""
     days = axis[0]
     if not days:
         return ['<h2 id="per-day">Per day</h2><p>No model calls.</p>']
@@ -1288,49 +1154,52 @@ def _per_day_section(series, axis):
             for s, [(c, o, u, r, e)] in zip(series, figures)
         ]
         return out + [
-            f'<p class="note one-day">One day of data ({_e(days[0])}): the per-day charts start with the '
-            "second day. That day, per model:</p>",
-            _html_table("one-day", ("label", "calls", "failed", "reported", "est_tokens"), rows)
+            f'<p class="note one-day">One day of data ({_e(days[0])}): the per-day charts start '
+            "with the second day. That day, per model:</p>",
+            _html_table("one-day", "label calls failed reported est_tokens".split(), rows)
         ]
     out += [
-        '<p class="note">A gap in a line: nothing to show that day (no calls, or no usage reported). '
+        '<p class="note">A gap in a line: nothing to show that day (no calls, or no usage '
+        'reported). '
         "Reported and estimated tokens are separate charts and are never added together.</p>",
         '<div class="charts">'
     ]
-    xs, ticks = _bands(axis[1])
-    # a line per series; a gap where there is nothing, never a 0
-    for cls, title, unit, pick, fmt in _DAY_CHARTS:
-        lines = [(s, [pick(*day) for day in figs]) for s, figs in zip(series, figures)]
-        top = max((v for _s, values in lines for v in values if v is not None), default=0)
-        parts, y_of = _frame(cls, title, top, unit, ticks, axis[2], fmt or _short, fmt is None)
-        for s, values in lines:
-            parts.append(
-                f'<g class="series" data-series="{_e(s["label"])}"><title>{_e(s["label"])}</title>'
-            )
-            dash = ' stroke-dasharray="6 4"' if s["dashed"] else ""
-            for present, run in itertools.groupby(
-                zip(xs, values), key=lambda point: point[1] is not None
-            ):
-                run = list(run)
-                if present and len(run) > 1:
-                    parts.append(
-                        f'<polyline fill="none" stroke="{s["colour"]}" stroke-width="2.2"{dash} points="'
-                        + " ".join(f"{x:.1f},{y_of(v):.1f}" for x, v in run)
-                        + '"/>'
-                    )
-            points = [(x, day, v) for x, day, v in zip(xs, days, values) if v is not None]
-            for x, day, v in points if len(days) <= _MARKER_DAYS or len(points) == 1 else ():
-                parts.append(
-                    f'<circle cx="{x:.1f}" cy="{y_of(v):.1f}" r="3.2" fill="{s["colour"]}" stroke="#fff">'
-                    f'<title>{_e(s["label"])} \u00b7 {_e(day)}: {(fmt or _num)(v)} {unit}</title></circle>'
-                )
-            parts.append("</g>")
-        out.append(f"<figure><h3>{title}</h3>{''.join(parts)}</svg></figure>")
+    out += [_day_chart(chart, series, figures, axis) for chart in _DAY_CHARTS]
     return out + ["</div>"]
 
 
+def _day_chart(chart, series, figures, axis):
+    """One of _DAY_CHARTS: a line per series; a gap where there is nothing, never a 0."""
+    (cls, title, unit, pick, fmt), (xs, ticks) = chart, _bands(axis[1])
+    lines = [(s, [pick(*day) for day in figs]) for s, figs in zip(series, figures)]
+    top = max((v for _s, values in lines for v in values if v is not None), default=0)
+    parts, y_of = _frame(cls, title, top, unit, ticks, axis[2], fmt or _short, fmt is None)
+    for s, values in lines:
+        parts.append(
+            f'<g class="series" data-series="{_e(s["label"])}"><title>{_e(s["label"])}</title>'
+        )
+        dash = ' stroke-dasharray="6 4"' if s["dashed"] else ""
+        for present, run in itertools.groupby(
+            zip(xs, values), key=lambda point: point[1] is not None
+        ):
+            run = list(run)
+            if present and len(run) > 1:
+                parts.append(
+                    f'<polyline fill="none" stroke="{s["colour"]}" stroke-width="2.2"{dash} '
+                    'points="' + " ".join(f"{x:.1f},{y_of(v):.1f}" for x, v in run) + '"/>'
+                )
+        points = [(x, day, v) for x, day, v in zip(xs, axis[0], values) if v is not None]
+        for x, day, v in points if len(axis[0]) <= _MARKER_DAYS or len(points) == 1 else ():
+            parts.append(
+                f'<circle cx="{x:.1f}" cy="{y_of(v):.1f}" r="3.2" fill="{s["colour"]}" '
+                f'stroke="#fff"><title>{_e(s["label"])} \u00b7 {_e(day)}: {(fmt or _num)(v)} '
+                f"{unit}</title></circle>"
+            )
+        parts.append("</g>")
+    return f"<figure><h3>{title}</h3>{''.join(parts)}</svg></figure>"
+
+
 def _errors_section(series, axis):
-    left, _top, right, bottom = _BOX
     found = [
         (i, day, name, n)
         for i, s in enumerate(series)
@@ -1362,7 +1231,8 @@ def _errors_section(series, axis):
         f'<ul class="legend" data-legend="error-types">{legend}</ul>',
         '<div class="charts">'
     ]
-    fit = max(4, int((right - left) / len(series) / 6.5))  # a model's name cut to its bar's width
+    # a model's name cut to its bar's width
+    fit = max(4, int((_BOX[2] - _BOX[0]) / len(series) / 6.5))
     charts = (
         [
             (
@@ -1387,109 +1257,110 @@ def _errors_section(series, axis):
             "model, busiest first"
         )
     )
-    # stacked bars, a rect per error type
-    for kind, heading, cats, labels, counts, x_title in charts:
-        totals = [sum(per.values()) for per in counts]
-        xs, ticks = _bands(labels)
-        parts, y_of = _frame(
-            f"errors-per-{kind}",
-            f"failed calls per {kind}, by error type",
-            max(totals),
-            "failed calls",
-            ticks,
-            x_title
+    return out + [_stacked_bars(*chart, types, colours) for chart in charts] + ["</div>"]
+
+
+def _stacked_bars(kind, heading, cats, labels, counts, x_title, types, colours):
+    """A bar per category, a rect per error type stacked in it."""
+    left, _top, right, bottom = _BOX
+    totals = [sum(per.values()) for per in counts]
+    xs, ticks = _bands(labels)
+    parts, y_of = _frame(
+        f"errors-per-{kind}",
+        f"failed calls per {kind}, by error type",
+        max(totals),
+        "failed calls",
+        ticks,
+        x_title
+    )
+    width = min((right - left) / len(cats) * 0.7, 56)
+    for cat, x, per, total in zip(cats, xs, counts, totals):
+        parts.append(f'<g class="{kind}" data-{kind}="{_e(cat)}">')
+        y = bottom
+        for name in (name for name in types if per.get(name)):
+            y -= bottom - y_of(per[name])
+            title = f"{cat}: {name} \u00d7 {per[name]:,}"
+            parts.append(
+                _rect(x - width / 2, y, width, bottom - y_of(per[name]), colours[name], title, name)
+            )
+        if total and len(cats) <= _MARKER_DAYS:
+            parts.append(f'<text x="{x:.1f}" y="{y - 4:.1f}" text-anchor="middle">{total:,}</text>')
+        parts.append("</g>")
+    return f"<figure><h3>{heading}</h3>{''.join(parts)}</svg></figure>"
+
+
+def _histogram(s, bins):
+    """One model's ok latencies in `bins` log-scale bins over whole decades of ms, p50 and p95
+    marked."""
+    left, top, right, bottom = _BOX
+    ordered = sorted(v for _day, group in s["groups"] for v in group.latencies)
+    lo = math.floor(math.log10(max(ordered[0], 1.0))) if ordered else 2
+    span = max(math.ceil(math.log10(max(ordered[-1], 1.0))) - lo, 1) if ordered else 1
+    ticks = [
+        m * 10**k
+        for k in range(lo, lo + span + 1)
+        for m in ((1, 2, 5) if span < 3 else (1,))
+        if m * 10**k <= 10 ** (lo + span)
+    ]
+
+    def x_of(value):
+        return left + (right - left) * (math.log10(max(value, 1.0)) - lo) / span
+
+    counts = [0] * bins
+    for value in ordered:
+        counts[min(max(int((x_of(value) - left) / (right - left) * bins), 0), bins - 1)] += 1
+    parts, y_of = _frame(
+        "latency-histogram",
+        f"latency of {s['label']} (ms, log scale)",
+        max(counts),
+        "ok calls",
+        [(x_of(t), f"{t:g} ms" if t < 1000 else f"{t / 1000:g} s") for t in ticks],
+        "latency (ms, log scale)",
+        attrs=f' data-model="{_e(s["label"])}"'
+    )
+    for i, n in enumerate(counts):
+        if n:
+            a, b = (10 ** (lo + span * j / bins) for j in (i, i + 1))
+            title = f"{_ms_text(a)} \u2013 {_ms_text(b)}: {n:,} calls"
+            parts.append(
+                _rect(
+                    x_of(a) + 0.5,
+                    y_of(n),
+                    (right - left) / bins - 1,
+                    bottom - y_of(n),
+                    s["colour"],
+                    title
+                )
+            )
+    for row, q in enumerate((50, 95) if ordered else ()):
+        x = x_of(percentile(ordered, q))
+        anchor, dx = ("end", -3) if x > right - 90 else ("start", 3)
+        parts.append(
+            f'<line class="mark" x1="{x:.1f}" y1="{top - 12 + 12 * row}" x2="{x:.1f}" '
+            f'y2="{bottom}"/><text x="{x + dx:.1f}" y="{top - 4 + 12 * row}" '
+            f'text-anchor="{anchor}">p{q} {_ms_text(percentile(ordered, q))}</text>'
         )
-        width = min((right - left) / len(cats) * 0.7, 56)
-        for cat, x, per, total in zip(cats, xs, counts, totals):
-            parts.append(f'<g class="{kind}" data-{kind}="{_e(cat)}">')
-            y = bottom
-            for name in (name for name in types if per.get(name)):
-                y -= bottom - y_of(per[name])
-                parts.append(
-                    _rect(
-                        x - width / 2,
-                        y,
-                        width,
-                        bottom - y_of(per[name]),
-                        colours[name],
-                        f"{cat}: {name} \u00d7 {per[name]:,}",
-                        name
-                    )
-                )
-            if total and len(cats) <= _MARKER_DAYS:
-                parts.append(
-                    f'<text x="{x:.1f}" y="{y - 4:.1f}" text-anchor="middle">{total:,}</text>'
-                )
-            parts.append("</g>")
-        out.append(f"<figure><h3>{heading}</h3>{''.join(parts)}</svg></figure>")
-    return out + ["</div>"]
+    return (
+        f'<figure><h3>{_key(s["colour"])}{_e(_label(s["key"][0]))}'
+        f'<span>{_e(_label(s["key"][1]))}</span></h3>{"".join(parts)}</svg><figcaption>'
+        f"{len(ordered):,} ok calls \u00b7 max {_ms_text(ordered[-1] if ordered else None)}"
+        "</figcaption></figure>"
+    )
 
 
 def _latency_section(series, bins=32):
-    """A histogram per model of its ok latencies in log-scale bins, so a cold-start hump stands apart."""
-    left, top, right, bottom = _BOX
+    """A histogram per model of its ok latencies in log-scale bins, so a cold-start hump stands
+    apart."""
     out = [
         '<h2 id="latency">Latency per model</h2>',
-        '<p class="note">Successful calls only, log-scale bins: a second hump to the right is usually cold '
-        "starts or queueing. Dashed lines mark p50 and p95.</p>",
+        '<p class="note">Successful calls only, log-scale bins: a second hump to the right is '
+        "usually cold starts or queueing. Dashed lines mark p50 and p95.</p>",
         '<div class="charts">'
     ]
-    for s in [one for one in series if one["key"]]:
-        ordered = sorted(v for _day, group in s["groups"] for v in group.latencies)
-        lo = math.floor(math.log10(max(ordered[0], 1.0))) if ordered else 2  # whole decades of ms
-        span = max(math.ceil(math.log10(max(ordered[-1], 1.0))) - lo, 1) if ordered else 1
-        ticks = [
-            m * 10**k
-            for k in range(lo, lo + span + 1)
-            for m in ((1, 2, 5) if span < 3 else (1,))
-            if m * 10**k <= 10 ** (lo + span)
-        ]
-
-        def x_of(value):
-            return left + (right - left) * (math.log10(max(value, 1.0)) - lo) / span
-
-        counts = [0] * bins
-        for value in ordered:
-            counts[min(max(int((x_of(value) - left) / (right - left) * bins), 0), bins - 1)] += 1
-        parts, y_of = _frame(
-            "latency-histogram",
-            f"latency of {s['label']} (ms, log scale)",
-            max(counts),
-            "ok calls",
-            [(x_of(t), f"{t:g} ms" if t < 1000 else f"{t / 1000:g} s") for t in ticks],
-            "latency (ms, log scale)",
-            attrs=f' data-model="{_e(s["label"])}"'
-        )
-        for i, n in enumerate(counts):
-            if n:
-                a, b = (10 ** (lo + span * j / bins) for j in (i, i + 1))
-                parts.append(
-                    _rect(
-                        x_of(a) + 0.5,
-                        y_of(n),
-                        (right - left) / bins - 1,
-                        bottom - y_of(n),
-                        s["colour"],
-                        f"{_ms_text(a)} \u2013 {_ms_text(b)}: {n:,} calls"
-                    )
-                )
-        for row, q in enumerate((50, 95) if ordered else ()):
-            x = x_of(percentile(ordered, q))
-            anchor, dx = ("end", -3) if x > right - 90 else ("start", 3)
-            parts.append(
-                f'<line class="mark" x1="{x:.1f}" y1="{top - 12 + 12 * row}" x2="{x:.1f}" y2="{bottom}"/>'
-                f'<text x="{x + dx:.1f}" y="{top - 4 + 12 * row}" text-anchor="{anchor}">'
-                f'p{q} {_ms_text(percentile(ordered, q))}</text>'
-            )
-        out.append(
-            f'<figure><h3>{_key(s["colour"])}{_e(_label(s["key"][0]))}<span>{_e(_label(s["key"][1]))}'
-            f'</span></h3>{"".join(parts)}</svg><figcaption>{len(ordered):,} ok calls \u00b7 max '
-            f"{_ms_text(ordered[-1] if ordered else None)}</figcaption></figure>"
-        )
-    out.append("</div>")
+    out += [_histogram(s, bins) for s in series if s["key"]] + ["</div>"]
     return out + [
-        f'<p class="note">{_key(_GREY, True)}{_e(s["label"])}: no histogram (only the {MAX_CHART_MODELS} '
-        "busiest model strings get one).</p>"
+        f'<p class="note">{_key(_GREY, True)}{_e(s["label"])}: no histogram (only the '
+        f"{MAX_CHART_MODELS} busiest model strings get one).</p>"
         for s in series
         if not s["key"]
     ]
@@ -1506,7 +1377,7 @@ def _lists_sections(audit, changes, runs, runs_url, colours):
         (
             _html_table(
                 "changes",
-                ("day", "request_model", "base_url", "what", "detail", "previous_day"),
+                "day request_model base_url what detail previous_day".split(),
                 changes[:_MAX_LIST_ROWS],
                 colours
             )
@@ -1528,20 +1399,16 @@ def _lists_sections(audit, changes, runs, runs_url, colours):
             _html_table("runs", _HTML_RUN_COLUMNS, runs[-_MAX_LIST_ROWS:], runs_url=runs_url)
         ]
     return out + [
-        f'<h2 id="ledgers">Ledgers read ({len(audit.ledgers):,})</h2><details><summary>show the list'
-        "</summary>",
-        _html_table(
-            "ledgers", ("path", "status", "lines", "reason"), audit.ledgers[:_MAX_LIST_ROWS]
-        ),
+        f'<h2 id="ledgers">Ledgers read ({len(audit.ledgers):,})</h2><details><summary>show the '
+        "list</summary>",
+        _html_table("ledgers", "path status lines reason".split(), audit.ledgers[:_MAX_LIST_ROWS]),
         "</details>"
     ]
 
 
-def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_RUNS_URL):
-    series, order = _chart_models(audit)
-    colours = {s["key"]: s["colour"] for s in series if s["key"]}
-    # the x axis: every calendar day to the last (at most _MAX_CHART_DAYS), or the days found if
-    # some are not dates
+def _day_axis(audit):
+    """(days, their labels, the axis title): every calendar day to the last (at most
+    _MAX_CHART_DAYS), or the days found if some are not dates."""
     days = sorted({day for (_m, _b, day) in audit.groups})[-_MAX_CHART_DAYS:]
     dated = bool(days) and all(map(_is_date, days))
     if dated:
@@ -1549,35 +1416,15 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
         n = min((last - datetime.date.fromisoformat(days[0])).days, _MAX_CHART_DAYS - 1)
         days = [(last - datetime.timedelta(i)).isoformat() for i in range(n, -1, -1)]
     years = _DASH.join(sorted({days[0][:4], days[-1][:4]})) if dated else ""
-    axis = (
+    return (
         days,
         [day[5:] if dated else day for day in days],
         f"day (UTC{', ' + years if years else ''})"
     )
-    rank = {key: i for i, key in enumerate(order)}
-    shown = sorted(rows, key=lambda r: rank.get((r["request_model"], r["base_url"]), len(rank)))[
-        :_MAX_TABLE_ROWS
-    ]
-    sums, files = _sums(rows), len(audit.ledgers)
+
+
+def _cards(audit, sums, days):
     calls, ok, measured = sums["calls"], sums["ok"], sums["usage_calls"]
-    out = [
-        "<!DOCTYPE html>",
-        '<html lang="en"><head><meta charset="utf-8">',
-        '<meta name="viewport" content="width=device-width, initial-scale=1">',
-        f"<title>reasoning-ledger audit</title><style>{_CSS}</style></head><body><h1>Model calls audit</h1>",
-        f'<p class="note">{files:,} ledger{"s" if files != 1 else ""}, {calls:,} model calls, '
-        + (
-            "verified (every hash chain checked)."
-            if verified
-            else '<strong class="warn">UNVERIFIED</strong> '
-            "(--no-verify): the hash chain was not checked; anything on this page may have been edited."
-        )
-        + '</p><nav><a href="#models">Models</a><a href="#per-day">Per day</a><a href="#errors">Errors</a>'
-        '<a href="#latency">Latency</a><a href="#changes">Changes</a>'
-        + ('<a href="#runs">Agent runs</a>' if runs else "")
-        + '<a href="#ledgers">Ledgers</a></nav>'
-    ]
-    out += [f'<p class="warn">{_e(line)}</p>' for line in _warnings(audit)[:_MAX_LIST_ROWS]]
     latencies = sorted(v for g in audit.groups.values() for v in g.latencies)
     strings = f"{len(audit.model_strings):,}{'+' if audit.folded else ''} model strings"
     cards = [
@@ -1600,7 +1447,7 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
             f"p95 {_ms_text(percentile(latencies, 95))}"
         )
     ]
-    out += (
+    return (
         ['<div class="cards">']
         + [
             f'<div class="card"><div class="k">{_e(k)}</div><div class="v">{_e(v)}</div>'
@@ -1609,11 +1456,18 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
         ]
         + ["</div>"]
     )
-    out += [
-        f'<h2 id="models">Models{" by day" if by_day else ""}</h2><p class="note">One row per model string (the '
-        f'model asked for, at its endpoint){" and day" if by_day else ""}, busiest first. Reported tokens are what '
-        "servers said; estimated tokens are chars/4 and are never added to them. \u2013 means nothing was reported."
-        " OK calls, malformed payloads, minimum latency and fingerprints: --json or --csv."
+
+
+def _models_section(rows, order, by_day, colours):
+    rank = {key: i for i, key in enumerate(order)}
+    shown = sorted(rows, key=lambda r: rank.get((r["request_model"], r["base_url"]), len(rank)))
+    shown = shown[:_MAX_TABLE_ROWS]
+    return [
+        f'<h2 id="models">Models{" by day" if by_day else ""}</h2><p class="note">One row per '
+        f'model string (the model asked for, at its endpoint){" and day" if by_day else ""}, '
+        "busiest first. Reported tokens are what servers said; estimated tokens are chars/4 and "
+        "are never added to them. \u2013 means nothing was reported. OK calls, malformed payloads,"
+        " minimum latency and fingerprints: --json or --csv."
         + (
             f" The {len(shown):,} busiest rows; --json or --csv has all {len(rows):,}."
             if len(rows) > len(shown)
@@ -1624,12 +1478,65 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
             "models", [c for c in _HTML_MODEL_COLUMNS if by_day or c != "day"], shown, colours
         )
     ]
+
+
+def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_RUNS_URL):
+    series, order = _chart_models(audit)
+    colours = {s["key"]: s["colour"] for s in series if s["key"]}
+    axis, sums, files = _day_axis(audit), _sums(rows), len(audit.ledgers)
+    out = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>reasoning-ledger audit</title><style>{_CSS}</style></head><body>"
+        "<h1>Model calls audit</h1>",
+        f'<p class="note">{files:,} ledger{"s" if files != 1 else ""}, {sums["calls"]:,} model '
+        "calls, "
+        + (
+            "verified (every hash chain checked)."
+            if verified
+            else '<strong class="warn">UNVERIFIED</strong> (--no-verify): the hash chain was not '
+            "checked; anything on this page may have been edited."
+        )
+        + '</p><nav><a href="#models">Models</a><a href="#per-day">Per day</a>'
+        '<a href="#errors">Errors</a><a href="#latency">Latency</a><a href="#changes">Changes</a>'
+        + ('<a href="#runs">Agent runs</a>' if runs else "")
+        + '<a href="#ledgers">Ledgers</a></nav>'
+    ]
+    out += [f'<p class="warn">{_e(line)}</p>' for line in _warnings(audit)[:_MAX_LIST_ROWS]]
+    out += _cards(audit, sums, axis[0]) + _models_section(rows, order, by_day, colours)
     out += _per_day_section(series, axis) + _errors_section(series, axis) + _latency_section(series)
     out += _lists_sections(audit, changes, runs, runs_url, colours) + ["</body></html>"]
     return "\n".join(out) + "\n"
 
 
 # == CLI ==
+
+
+# The change thresholds: (flag, default, metavar, help, 0 allowed); each a finite number
+_THRESHOLDS = (
+    (
+        "--latency-shift",
+        DEFAULT_LATENCY_SHIFT,
+        None,
+        "flag a p50/p95 move larger than this fraction (default 0.5)",
+        False
+    ),
+    (
+        "--latency-floor",
+        DEFAULT_LATENCY_FLOOR_MS,
+        "MS",
+        "never flag a latency move smaller than this many ms (default 50)",
+        True
+    ),
+    (
+        "--rate-jump",
+        DEFAULT_RATE_JUMP,
+        None,
+        "flag an error rate rise or pass rate fall of this much (default 0.2)",
+        False
+    )
+)
 
 
 def _build_parser():
@@ -1648,76 +1555,55 @@ def _build_parser():
         help="ledgers, directories or globs (default: calls.jsonl and runs/*/events.jsonl)"
     )
     p.add_argument("--version", action="version", version=__version__)
-    p.add_argument(
-        "--by",
-        choices=("model", "day", "session"),
-        default="model",
-        help="one row per model, per model and day, or per model and proxy session (X-Ledger-Session)"
-    )
-    p.add_argument("--since", help="date (UTC) or ISO time")
-    p.add_argument("--until", help="date (inclusive) or ISO time")
-    p.add_argument("--model", help="only this request_model")
-    out = p.add_mutually_exclusive_group()
-    out.add_argument("--json", action="store_true", help="machine-readable output, stable keys")
-    out.add_argument("--csv", action="store_true", help="the model table as CSV")
-    p.add_argument(
-        "--wide",
-        action="store_true",
-        help=f"every column, names whole (default: fit {TEXT_WIDTH} columns)"
-    )
-    p.add_argument("--html", metavar="FILE", help="also write a self-contained page with charts")
-    p.add_argument(
-        "--runs-url",
-        default=DEFAULT_RUNS_URL,
-        metavar="URL",
-        help="with --html: run ids link to URL + id, "
-        f"e.g. the daemon's http://HOST:PORT/runs/ (default {DEFAULT_RUNS_URL!r}, relative to the page)"
-    )
-    p.add_argument(
-        "--no-verify",
-        action="store_true",
-        help="audit without checking the chain (marked UNVERIFIED)"
-    )
-    p.add_argument(
-        "--fail-on-change", action="store_true", help="exit 4 when the Changes section is not empty"
-    )
-    p.add_argument(
-        "--latency-shift",
-        type=float,
-        default=DEFAULT_LATENCY_SHIFT,
-        help="flag a p50/p95 move larger " "than this fraction (default 0.5)"
-    )
-    p.add_argument(
-        "--latency-floor",
-        type=float,
-        default=DEFAULT_LATENCY_FLOOR_MS,
-        metavar="MS",
-        help="never flag a " "latency move smaller than this many ms (default 50)"
-    )
-    p.add_argument(
-        "--rate-jump",
-        type=float,
-        default=DEFAULT_RATE_JUMP,
-        help="flag an error rate rise or pass rate " "fall of this much (default 0.2)"
-    )
+    output, flag = p.add_mutually_exclusive_group(), {"action": "store_true"}
+    for where, name, about, options in (
+        (
+            p,
+            "--by",
+            "one row per model, per model and day, or per model and proxy session "
+            "(X-Ledger-Session)",
+            {"choices": ("model", "day", "session"), "default": "model"}
+        ),
+        (p, "--since", "date (UTC) or ISO time", {}),
+        (p, "--until", "date (inclusive) or ISO time", {}),
+        (p, "--model", "only this request_model", {}),
+        (output, "--json", "machine-readable output, stable keys", flag),
+        (output, "--csv", "the model table as CSV", flag),
+        (p, "--wide", f"every column, names whole (default: fit {TEXT_WIDTH} columns)", flag),
+        (p, "--html", "also write a self-contained page with charts", {"metavar": "FILE"}),
+        (
+            p,
+            "--runs-url",
+            "with --html: run ids link to URL + id, e.g. the daemon's http://HOST:PORT/runs/ "
+            f"(default {DEFAULT_RUNS_URL!r}, relative to the page)",
+            {"default": DEFAULT_RUNS_URL, "metavar": "URL"}
+        ),
+        (p, "--no-verify", "audit without checking the chain (marked UNVERIFIED)", flag),
+        (p, "--fail-on-change", "exit 4 when the Changes section is not empty", flag)
+    ):
+        where.add_argument(name, help=about, **options)
+    for name, default, metavar, about, _zero in _THRESHOLDS:
+        p.add_argument(name, type=float, default=default, metavar=metavar, help=about)
+    _from_options(p)
+    return p
+
+
+def _from_options(p):
     p.add_argument(
         "--from",
         dest="from_url",
         nargs="?",
         const="",
         metavar="URL",
-        help=f"audit the lines shipped to ClickHouse at URL (default ${fleet.SHIP_URL_ENV}) instead of "
-        f"files; user and password from ${fleet.SHIP_USER_ENV} / ${fleet.SHIP_PASSWORD_ENV}"
+        help=f"audit the lines shipped to ClickHouse at URL (default ${fleet.SHIP_URL_ENV}) "
+        f"instead of files; user and password from ${fleet.SHIP_USER_ENV} / "
+        f"${fleet.SHIP_PASSWORD_ENV}"
     )
-    p.add_argument(
-        "--database",
-        default=fleet.SHIP_DATABASE,
-        metavar="DB",
-        help=f"with --from ({fleet.SHIP_DATABASE})"
-    )
-    p.add_argument(
-        "--table", default=fleet.SHIP_TABLE, metavar="T", help=f"with --from ({fleet.SHIP_TABLE})"
-    )
+    for name, default, metavar, about in (
+        ("--database", fleet.SHIP_DATABASE, "DB", f"with --from ({fleet.SHIP_DATABASE})"),
+        ("--table", fleet.SHIP_TABLE, "T", f"with --from ({fleet.SHIP_TABLE})")
+    ):
+        p.add_argument(name, default=default, metavar=metavar, help=about)
     p.add_argument(
         "--timeout",
         type=float,
@@ -1725,7 +1611,6 @@ def _build_parser():
         metavar="S",
         help="with --from: seconds a request (300)"
     )
-    return p
 
 
 def run_audit(paths, *, verify=True, since=None, until=None, model=None, by_session=False):
@@ -1739,44 +1624,40 @@ def run_audit(paths, *, verify=True, since=None, until=None, model=None, by_sess
     return audit, failures
 
 
+def _gather(args):
+    """(audit, failures) of the ledgers at PATHs, or with --from of those shipped to ClickHouse."""
+    kw = dict(
+        since=rl.parse_time(args.since) if args.since else None,
+        until=rl.parse_time(args.until, end=True) if args.until else None,
+        model=args.model,
+        verify=not args.no_verify
+    )
+    if args.from_url is None:
+        return run_audit(args.paths, by_session=args.by == "session", **kw)
+    if args.paths or args.by == "session":
+        raise AuditError(
+            "--from reads ClickHouse: it takes no PATH"
+            if args.paths
+            else "--by session reads ledgers: the shipped table has no session column"
+        )
+    client = fleet.ClickHouse(
+        args.from_url or None, database=args.database, table=args.table, timeout=args.timeout
+    )
+    try:
+        return remote_audit(client, **kw)
+    except fleet.ClickHouseError as exc:
+        exc.exit_code = rl.EXIT_USAGE  # the input could not be read
+        raise
+
+
 def _run(args):
-    for name, value, low in (
-        ("--latency-shift", args.latency_shift, 0),
-        ("--rate-jump", args.rate_jump, 0),
-        ("--latency-floor", args.latency_floor, None)
-    ):
-        if not (math.isfinite(value) and (value > 0 if low == 0 else value >= 0)):
+    for name, _default, _metavar, _about, zero in _THRESHOLDS:
+        value = vars(args)[name[2:].replace("-", "_")]
+        if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):
             raise AuditError(
-                f"{name} must be a " + ("positive number" if low == 0 else "number of at least 0")
+                f"{name} must be a " + ("number of at least 0" if zero else "positive number")
             )
-    since = rl.parse_time(args.since) if args.since else None
-    until = rl.parse_time(args.until, end=True) if args.until else None
-    if args.from_url is not None:
-        if args.paths or args.by == "session":
-            raise AuditError(
-                "--from reads ClickHouse: it takes no PATH"
-                if args.paths
-                else "--by session reads ledgers: the shipped table has no session column"
-            )
-        client = fleet.ClickHouse(
-            args.from_url or None, database=args.database, table=args.table, timeout=args.timeout
-        )
-        try:
-            audit, failures = remote_audit(
-                client, since=since, until=until, model=args.model, verify=not args.no_verify
-            )
-        except fleet.ClickHouseError as exc:
-            exc.exit_code = rl.EXIT_USAGE  # the input could not be read
-            raise
-    else:
-        audit, failures = run_audit(
-            args.paths,
-            verify=not args.no_verify,
-            since=since,
-            until=until,
-            model=args.model,
-            by_session=args.by == "session"
-        )
+    audit, failures = _gather(args)
     if failures:
         for exc in failures:
             rl.write_out(f"FAIL  {rl.printable(exc)}\n")
@@ -1786,39 +1667,27 @@ def _run(args):
         )
         return rl.EXIT_FAILED
     if not audit.ledgers:
-        where = (
-            ", ".join(map(str, args.paths))
-            if args.paths
-            else "./calls.jsonl and ./runs/*/events.jsonl"
-        )
+        where = ", ".join(map(str, args.paths)) or "./calls.jsonl and ./runs/*/events.jsonl"
         rl.warn(
             f"no ledgers found (looked in {where})"
             if args.from_url is None
             else "no ledgers found in ClickHouse (nothing shipped in that time range)"
         )
-    by_day = args.by != "model"  # by session: the session in the day column
+    # by session: the session in the day column
+    by_day, by_session = args.by != "model", args.by == "session"
     rows = audit.model_rows(by_day)
-    for row in rows if args.by == "session" else ():
+    for row in rows if by_session else ():
         row["session_id"] = row["day"]
     changes = (
-        []
-        if args.by == "session"
-        else audit.changes(args.latency_shift, args.rate_jump, args.latency_floor)
+        [] if by_session else audit.changes(args.latency_shift, args.rate_jump, args.latency_floor)
     )
-    runs, verified = audit.run_rows(), not args.no_verify
+    report = (audit, rows, changes, audit.run_rows(), not args.no_verify, by_day)
     if args.html:
-        Path(args.html).write_text(
-            render_html(audit, rows, changes, runs, verified, by_day, runs_url=args.runs_url),
-            encoding="utf-8"
-        )
+        Path(args.html).write_text(render_html(*report, runs_url=args.runs_url), encoding="utf-8")
     rl.write_out(
-        render_json(audit, rows, changes, runs, verified, by_day)
+        render_json(*report)
         if args.json
-        else (
-            render_csv(rows)
-            if args.csv
-            else render_text(audit, rows, changes, runs, verified, by_day, wide=args.wide)
-        )
+        else render_csv(rows) if args.csv else render_text(*report, wide=args.wide)
     )
     if args.fail_on_change and changes:
         rl.error(f"{len(changes)} change(s) found")

@@ -3,7 +3,7 @@
 
 Usage:
   python3 fleet.py ship PATH... [--all RUNS_DIR] [--to URL]     # URL or LEDGER_SHIP_URL; for cron
-  python3 fleet.py verify [--from URL] [--ledger-id ID] [--expect-head SEQ:HASH]
+  python3 fleet.py verify [--from [URL]] [--ledger-id ID] [--expect-head SEQ:HASH]
 
 `ship` sends only lines it verified, resumes where ClickHouse stops, and never sends a torn tail;
 `verify` re-verifies every shipped ledger from its stored lines, as `reasoning_ledger.py verify`
@@ -17,7 +17,9 @@ import argparse
 import datetime
 import functools
 import hashlib
+import itertools
 import json
+import math
 import os
 import re
 import socket
@@ -55,47 +57,65 @@ SHIP_SPOOL_MEMORY = 64 * 1024 * 1024
 # then go to a temp file up to this (or half the free space)
 SHIP_SPOOL_MAX = 2 * 1024 * 1024 * 1024
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
+_EPOCH, _SECOND = datetime.datetime(1970, 1, 1), datetime.timedelta(seconds=1)
 _STORED_ROW_RE = re.compile(rb"([0-9a-f]{64})\t([0-9]{1,20})\t([0-9a-f]{64})\t")
 
-# The model_call fields shipped as typed columns. A value its column cannot hold as ask.py writes it
-# (String: a JSON string, Int64: an integer within Int64, UInt8: true or false, Float64: a number)
-# is shipped as NULL, and the row's `malformed` is 1 when audit.py reads the field (all but
-# total_tokens): the local audit's rule, so SQL counts what the audit counts. The typing is done
-# here: ClickHouse 18.16 has no JSON functions to do it.
-SHIP_CALL_FIELDS = (
-    ("request_model", "String"),
-    ("response_model", "String"),
-    ("base_url", "String"),
-    ("attempt", "Int64"),
-    ("error_type", "String"),
-    ("usage_status", "String"),
-    ("usage_reported", "UInt8"),
-    ("latency_ms", "Float64"),
-    ("system_fingerprint", "String"),
-    ("check", "UInt8"),
-    ("input_tokens", "Int64"),
-    ("output_tokens", "Int64"),
-    ("total_tokens", "Int64"),
-    ("est_input_tokens", "Int64"),
-    ("est_output_tokens", "Int64")
+# The model_call fields the audit reads, and total_tokens, shipped as typed columns. One rule for
+# what a malformed field is, which the table and audit.py both use (call_fields), so SQL counts what
+# the audit counts: a value is read only as ask.py writes it, and so as its column holds it (String:
+# a JSON string, Int64: an integer within Int64, UInt8: true or false, Float64: a finite number).
+# Another value is read as None (stored as NULL) and makes the call malformed, unless the field is
+# total_tokens, which the audit does not read. ClickHouse 18.16 has no JSON functions to do it.
+SHIP_CALL_FIELDS = tuple(
+    tuple(column.split())
+    for column in (
+        "request_model String, response_model String, base_url String, attempt Int64, "
+        "error_type String, usage_status String, usage_reported UInt8, latency_ms Float64, "
+        "system_fingerprint String, check UInt8, input_tokens Int64, output_tokens Int64, "
+        "total_tokens Int64, est_input_tokens Int64, est_output_tokens Int64"
+    ).split(", ")
 )
-_SHIP_TYPES = {"String": (str,), "Int64": (int,), "UInt8": (bool,), "Float64": (float, int)}
+# the types read of each kind (None is absent, never malformed), and a number's open range
+_READ = {"String": (str,), "Int64": (int,), "UInt8": (bool,), "Float64": (float, int)}
+_RANGE = {"Int64": (-1 - (1 << 63), 1 << 63), "Float64": (-math.inf, math.inf)}
+_TEXT_RULES = tuple(
+    (name, _READ[kind] + (type(None),)) for name, kind in SHIP_CALL_FIELDS if kind not in _RANGE
+)
+_NUMBER_RULES = tuple(
+    (name, _READ[kind] + (type(None),)) + _RANGE[kind]
+    for name, kind in SHIP_CALL_FIELDS
+    if kind in _RANGE
+)
+
+
+def call_fields(payload):
+    """(fields, malformed): each of SHIP_CALL_FIELDS of a model_call payload, None when absent or
+    not as ask.py writes it; malformed when a field but total_tokens was not. The audit runs this
+    for every call: two loops, as only the numbers have a range to check."""
+    fields, malformed = {}, False
+    for name, types in _TEXT_RULES:
+        value = payload.get(name)
+        if type(value) not in types:
+            malformed, value = True, None
+        fields[name] = value
+    for name, types, low, high in _NUMBER_RULES:
+        value = payload.get(name)
+        if type(value) not in types or value is not None and not low < value < high:
+            malformed, value = malformed or name != "total_tokens", None
+        fields[name] = value
+    return fields, malformed
+
+
 # ledger_id is the SHA-256 of line 1; `raw` the exact line; line_sha256 its plain SHA-256 (keyed
 # ledgers too); at_time `at` in Unix seconds (0 outside 1970..2105).
 SHIP_COLUMNS = (
-    (
-        ("ledger_id", "String"),
-        ("host", "String"),
-        ("path", "String"),
-        ("seq", "UInt64"),
-        ("run_id", "String"),
-        ("kind", "String"),
-        ("at", "String"),
-        ("at_time", "DateTime"),
-        ("raw", "String"),
-        ("line_sha256", "String"),
-        ("prev", "String"),
-        ("shipped_at", "DateTime")
+    tuple(
+        tuple(column.split())
+        for column in (
+            "ledger_id String, host String, path String, seq UInt64, run_id String, kind String, "
+            "at String, at_time DateTime, raw String, line_sha256 String, prev String, "
+            "shipped_at DateTime"
+        ).split(", ")
     )
     + tuple((name, f"Nullable({kind})") for name, kind in SHIP_CALL_FIELDS)
     + (("malformed", "UInt8"),)
@@ -103,7 +123,8 @@ SHIP_COLUMNS = (
 
 
 def ship_ddl(database=SHIP_DATABASE, table=SHIP_TABLE):
-    """The CREATE TABLE `ship` runs: one row per (ledger_id, seq) once merged; every read uses FINAL."""
+    """The CREATE TABLE `ship` runs: one row per (ledger_id, seq) once merged; every read uses
+    FINAL."""
     columns = ",\n".join(f"    {name} {kind}" for name, kind in SHIP_COLUMNS)
     return (
         f"CREATE TABLE IF NOT EXISTS {database}.{table} (\n{columns}\n) "
@@ -146,7 +167,8 @@ class ClickHouse:
         url = (url if url is not None else env.get(SHIP_URL_ENV) or "").strip()
         if not url:
             raise rl.UsageError(
-                f"no ClickHouse URL: pass --to URL or set {SHIP_URL_ENV} (e.g. http://127.0.0.1:8123)"
+                f"no ClickHouse URL: pass --to URL or set {SHIP_URL_ENV} "
+                "(e.g. http://127.0.0.1:8123)"
             )
         try:  # a URL is never echoed: it may hold a password
             parts = urllib.parse.urlsplit(url)
@@ -170,7 +192,8 @@ class ClickHouse:
         for what, name in (("--database", database), ("--table", table)):
             if type(name) is not str or not _NAME_RE.match(name):
                 raise rl.UsageError(
-                    f"{what}: want letters, digits and _ (a ClickHouse name), got {rl.printable(name)!r}"
+                    f"{what}: want letters, digits and _ (a ClickHouse name), "
+                    f"got {rl.printable(name)!r}"
                 )
         if not (timeout > 0 and (deadline is None or deadline > 0)):
             raise rl.UsageError("--timeout and --deadline must be positive numbers")
@@ -203,8 +226,11 @@ class ClickHouse:
                 if attempt > self.retries or (
                     self.ends and self.ends - time.monotonic() < delay + 0.1
                 ):
-                    took = f"{attempt} attempt{'s' if attempt != 1 else ''} in {time.monotonic() - started:.1f} s"
-                    raise ClickHouseError(f"ClickHouse at {self.where}: {exc} ({took})") from None
+                    took = f"{time.monotonic() - started:.1f} s"
+                    raise ClickHouseError(
+                        f"ClickHouse at {self.where}: {exc} "
+                        f"({attempt} attempt{'s' if attempt != 1 else ''} in {took})"
+                    ) from None
                 time.sleep(delay)
 
     def _once(self, sql, data, stream):
@@ -214,10 +240,11 @@ class ClickHouse:
         import urllib.request
 
         query = {"wait_end_of_query": 1, "output_format_json_quote_64bit_integers": 0}
-        query.update({"query": sql} if data is not None else {})
+        if data is not None:
+            query["query"] = sql
         request = urllib.request.Request(
             self.base + "?" + urllib.parse.urlencode(query),
-            data=sql.encode("utf-8") if data is None else data,
+            data=sql.encode() if data is None else data,
             headers=self._headers,
             method="POST"
         )
@@ -281,8 +308,8 @@ class ClickHouse:
             if found.get(name) != kind:
                 what = f"{name} {found[name]}" if name in found else f"no column {name}"
                 raise ClickHouseError(
-                    f"ClickHouse at {self.where}: table {self.name} has {what}, want {kind}: it was "
-                    f"not made by this tool (or by another version); pick another with --table",
+                    f"ClickHouse at {self.where}: table {self.name} has {what}, want {kind}: it "
+                    "was not made by this tool (or by another version); pick another with --table",
                     rl.EXIT_USAGE
                 )
 
@@ -314,18 +341,14 @@ def _http_error(exc):
 
 
 class Shipped:
-    """What `ship` did for one ledger: lines first..last sent (none when first > last), and its head."""
+    """What `ship` did for one ledger: lines first..last sent (none when first > last), its head,
+    and the torn tail it stopped at; `resend`: ClickHouse had lost rows, all were sent again."""
 
-    def __init__(self, path, ledger_id, first, last, head, torn=None, more=0, resent=False):
-        self.path, self.ledger_id, self.first, self.last, self.head = (
-            str(path),
-            ledger_id,
-            first,
-            last,
-            head
-        )
-        self.torn, self.more, self.resent = torn, more, resent
+    def __init__(self, path, ledger_id, first, last, head, torn=None, resend=False):
+        self.path, self.ledger_id, self.first, self.last = str(path), ledger_id, first, last
+        self.head, self.torn, self.more = head, torn, head[0] - last
         self.sent = max(0, last - first + 1)
+        self.resent = resend and self.sent > 0
 
     def text(self):
         where = f"{rl.printable(self.path)}  {self.ledger_id[:12]}"
@@ -335,42 +358,25 @@ class Shipped:
         what = f"{lines} re-sent" if self.resent else f"new {lines}"
         more = f", {self.more:,} more next run" if self.more else ""
         return (
-            f"shipped {where}  {self.sent:,} {what} "
-            f"(seq {self.first}..{self.last}){more}  head {self.head[0]} {self.head[1]}"
+            f"shipped {where}  {self.sent:,} {what} (seq {self.first}..{self.last}){more}  "
+            f"head {self.head[0]} {self.head[1]}"
         )
 
 
 def _row(base, event, body, line_sha, shipped_at):
-    at = event["at"]
-    seconds = (
-        datetime.date(int(at[:4]), int(at[5:7]), int(at[8:10])).toordinal() - 719163
-    ) * 86400 + (int(at[11:13]) * 3600 + int(at[14:16]) * 60 + int(at[17:19]))
+    seconds = (datetime.datetime.fromisoformat(event["at"][:19]) - _EPOCH) // _SECOND
     row = dict(
         base,
-        seq=event["seq"],
-        run_id=event["run_id"],
-        kind=event["kind"],
-        at=at,
         at_time=seconds if 0 <= seconds < 1 << 32 else 0,
-        prev=event["prev"],
         line_sha256=line_sha,
-        shipped_at=shipped_at
+        shipped_at=shipped_at,
+        raw=body.decode(),
+        **{name: event[name] for name in ("seq", "run_id", "kind", "at", "prev")}
     )
     if event["kind"] == "model_call":
-        malformed = False
-        for name, kind in SHIP_CALL_FIELDS:
-            value = event["payload"].get(name)
-            if value is None:
-                continue
-            if type(value) in _SHIP_TYPES[kind] and (
-                type(value) is not int or -1 << 63 <= value < 1 << 63
-            ):
-                row[name] = float(value) if kind == "Float64" else value
-            else:
-                malformed = malformed or name != "total_tokens"
-        row["malformed"] = int(malformed)
-    row["raw"] = body.decode("utf-8")
-    return rl.dumps(row).encode("utf-8") + b"\n"
+        fields, malformed = call_fields(event["payload"])
+        row.update(fields, malformed=int(malformed))
+    return rl.dumps(row).encode() + b"\n"
 
 
 def _spool_limit():  # SHIP_SPOOL_MAX, or half the free space of the temp dir
@@ -408,9 +414,9 @@ def ship(
     batch_rows=SHIP_BATCH_ROWS,
     batch_bytes=SHIP_BATCH_BYTES
 ):
-    """Send the new verified lines of each (path, expected head or None) to ClickHouse. Yields (path,
-    Shipped or the LedgerError/OSError that stopped it: nothing of it was sent); a ClickHouseError
-    propagates."""
+    """Send the new verified lines of each (path, expected head or None) to ClickHouse. Yields
+    (path, Shipped or the LedgerError/OSError that stopped it: nothing of it was sent); a
+    ClickHouseError propagates."""
     key, host = rl.resolve_key(key), host or socket.gethostname()
     if not 0 < batch_rows <= SHIP_MAX_BATCH_ROWS:
         raise rl.UsageError(f"--batch-rows must be between 1 and {SHIP_MAX_BATCH_ROWS:,}")
@@ -430,9 +436,9 @@ def ship(
             heads.update(
                 (row["ledger_id"], (row["top"], row["sha"], row["n"]))
                 for row in client.rows(
-                    f"SELECT ledger_id, max(seq) AS top, argMax(line_sha256, seq) AS sha, count() AS n FROM "
-                    f"{client.name} FINAL WHERE ledger_id IN ({', '.join(map(sql_string, wanted[i:i + 500]))}) "
-                    f"GROUP BY ledger_id"
+                    f"SELECT ledger_id, max(seq) AS top, argMax(line_sha256, seq) AS sha, "
+                    f"count() AS n FROM {client.name} FINAL WHERE ledger_id IN "
+                    f"({', '.join(map(sql_string, wanted[i:i + 500]))}) GROUP BY ledger_id"
                 )
             )
     except ClickHouseError as exc:
@@ -510,34 +516,29 @@ def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, ba
             raise rl.IntegrityError(
                 path,
                 head[0] + 1,
-                f"ClickHouse holds this ledger up to seq {top} but the file ends "
-                f"at seq {head[0]}: it was cut or rewritten after it was shipped; "
-                f"nothing was sent"
+                f"ClickHouse holds this ledger up to seq {top} but the file ends at seq {head[0]}: "
+                "it was cut or rewritten after it was shipped; nothing was sent"
             )
         last = last or head[0]
         marks += [(last, spool.tell())] if last > marks[-1][0] else []
-        spool.seek(0)
-        for (sent, offset), (_seq, end) in zip(marks, marks[1:]):
-            try:
-                client.query(
-                    f"INSERT INTO {client.name} FORMAT JSONEachRow", data=spool.read(end - offset)
-                )
-            except ClickHouseError as exc:
-                raise ClickHouseError(
-                    f"{exc}; {sent - start:,} of {last - start:,} new lines of {path} were sent, "
-                    f"the next run resumes at seq {sent + 1}",
-                    exc.exit_code
-                ) from None
-    return Shipped(
-        path,
-        ledger_id,
-        start + 1,
-        last,
-        head,
-        torn,
-        more=head[0] - last,
-        resent=resend and last > start
-    )
+        _send(client, path, spool, marks)
+    return Shipped(path, ledger_id, start + 1, last, head, torn, resend)
+
+
+def _send(client, path, spool, marks):
+    """INSERT the spooled rows batch by batch, marks [(last seq, spool offset)] apart."""
+    start, last = marks[0][0], marks[-1][0]
+    spool.seek(0)
+    for (sent, offset), (_seq, end) in zip(marks, marks[1:]):
+        try:
+            query = f"INSERT INTO {client.name} FORMAT JSONEachRow"
+            client.query(query, data=spool.read(end - offset))
+        except ClickHouseError as exc:
+            raise ClickHouseError(
+                f"{exc}; {sent - start:,} of {last - start:,} new lines of {path} were sent, "
+                f"the next run resumes at seq {sent + 1}",
+                exc.exit_code
+            ) from None
 
 
 # -- verify ---------------------------------------------------------------
@@ -554,15 +555,14 @@ def shipped_ledgers(client, condition=""):
 
 
 def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, condition=None):
-    """Re-verify the raw lines ClickHouse holds, and each row's line_sha256, seq and ledger_id. Yields
-    (ledger as shipped_ledgers(), Verified or the error); `ledger_ids`: ids or their starts, or a
-    SQL WHERE `condition`."""
-    import itertools
-
+    """Re-verify the raw lines ClickHouse holds, and each row's line_sha256, seq and ledger_id.
+    Yields (ledger as shipped_ledgers(), Verified or the error); `ledger_ids`: ids or their starts,
+    or a SQL WHERE `condition`."""
     for prefix in ledger_ids:
         if not re.fullmatch(r"[0-9a-f]{1,64}", prefix):
             raise rl.UsageError(
-                f"--ledger-id: want hex digits (a ledger_id or its start), got {rl.printable(prefix)!r}"
+                "--ledger-id: want hex digits (a ledger_id or its start), "
+                f"got {rl.printable(prefix)!r}"
             )
     client.require_table()
     where = (
@@ -614,9 +614,45 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
                 yield ledger, exc
 
 
+# -- audit.py --from ------------------------------------------------------
+
+
+def _in_range(since, until):
+    return "".join(
+        f" AND at {op} {sql_string(t)}" for op, t in ((">=", since), ("<=", until)) if t is not None
+    )
+
+
+def shipped_in_range(client, since=None, until=None, verify=True):
+    """The ledgers holding a line at since..until (ISO times, or None): (ledger as
+    shipped_ledgers(), Verified or the error as verify_shipped() yields, or None without
+    `verify`)."""
+    client.require_table()
+    in_range = _in_range(since, until)
+    where = in_range and (
+        f"WHERE ledger_id IN (SELECT ledger_id FROM {client.name} WHERE 1{in_range})"
+    )
+    if verify:
+        return verify_shipped(client, condition=where)
+    return ((ledger, None) for ledger in shipped_ledgers(client, where))
+
+
+def events_in_range(client, since=None, until=None):
+    """(path, events) per shipped ledger: its events at since..until in seq order, and the path its
+    first one was shipped from. Streamed: read a ledger's events before the next."""
+    with client.stream(
+        f"SELECT ledger_id, path, raw FROM {client.name} FINAL WHERE 1{_in_range(since, until)} "
+        f"ORDER BY ledger_id, seq FORMAT JSONEachRow"
+    ) as response:
+        rows = (json.loads(line) for line in response if line.strip())
+        for _ledger, lines in itertools.groupby(rows, key=lambda row: row["ledger_id"]):
+            first = next(lines)
+            yield first["path"], (json.loads(row["raw"]) for row in itertools.chain([first], lines))
+
+
 def _stored_rows(response, client):
-    """(ledger_id, seq, line_sha256, line) for each TSVRaw row; one of another shape as (last id, None,
-    why, b"")."""
+    """(ledger_id, seq, line_sha256, line) for each TSVRaw row; one of another shape as (last id,
+    None, why, b"")."""
     import http.client
 
     last, read = "", functools.partial(response.readline, rl.MAX_LINE_BYTES + 256)
@@ -624,12 +660,13 @@ def _stored_rows(response, client):
         for line in iter(read, b""):
             match = _STORED_ROW_RE.match(line)
             if match is None or line[-1:] != b"\n":
-                yield last, None, "a stored row is not in the expected shape (too long, or holds a newline?)", b""
+                why = "a stored row is not in the expected shape (too long, or holds a newline?)"
+                yield last, None, why, b""
                 while line and line[-1:] != b"\n":
                     line = read()
                 continue
-            last = match.group(1).decode("ascii")
-            yield last, int(match.group(2)), match.group(3).decode("ascii"), line[match.end() :]
+            last, seq, sha = line[: match.end() - 1].decode().split("\t")
+            yield last, int(seq), sha, line[match.end() :]
     except (OSError, http.client.HTTPException) as exc:
         raise ClickHouseError(
             f"ClickHouse at {client.where}: the answer was cut short "
@@ -647,8 +684,7 @@ def _stored_lines(name, ledger_id, rows):
                 name,
                 expected,
                 (
-                    f"missing from ClickHouse: the next row stored is seq {seq} "
-                    f"(a row was deleted)"
+                    f"missing from ClickHouse: the next row stored is seq {seq} (a row was deleted)"
                     if seq > expected
                     else f"seq {seq} comes twice"
                 )
@@ -664,16 +700,19 @@ def _stored_lines(name, ledger_id, rows):
         yield line
 
 
-def _cmd_ship(args):
-    rl.check_targets(args, "ship")
-    key = rl.cli_key(args)
-    client = ClickHouse(
-        args.to,
+def _client(args):  # --to or --from (then "" for the environment's URL)
+    return ClickHouse(
+        args.to or None,
         database=args.database,
         table=args.table,
         timeout=args.timeout,
         deadline=args.deadline
     )
+
+
+def _cmd_ship(args):
+    rl.check_targets(args, "ship")
+    key, client = rl.cli_key(args), _client(args)
     sent = []
 
     def shipped(result):
@@ -685,7 +724,8 @@ def _cmd_ship(args):
             quiet = False
         if not quiet:
             rl.warn(
-                f"{torn}; the lines before it were shipped, the torn bytes were not (a crash, not tampering)"
+                f"{torn}; the lines before it were shipped, the torn bytes were not "
+                "(a crash, not tampering)"
             )
         return result.text()
 
@@ -699,9 +739,8 @@ def _cmd_ship(args):
     return rl.tally(
         ((path, result, "") for path, result in results),
         shipped,
-        lambda ok, total: (
-            f"{ok}/{total} ledgers shipped or up to date, {sum(sent):,} new lines sent to {client.where} {client.name}"
-        ),
+        lambda ok, total: f"{ok}/{total} ledgers shipped or up to date, {sum(sent):,} new lines "
+        f"sent to {client.where} {client.name}",
         after="; nothing of {} was shipped"
     )
 
@@ -711,9 +750,7 @@ def _cmd_verify(args):
     ids = [i.strip().lower() for i in args.ledger_id or ()]
     if expect is not None and len(ids) != 1:
         raise rl.UsageError("--expect-head goes with exactly one --ledger-id")
-    client = ClickHouse(
-        args.from_url or None, database=args.database, table=args.table, timeout=args.timeout
-    )
+    client = _client(args)
 
     def rows():
         for ledger, result in verify_shipped(
@@ -733,11 +770,12 @@ def _cmd_verify(args):
         return rl.tally(
             rows(),
             rl.verified_line,
-            lambda ok, total: (f"{ok}/{total} ledgers valid in {client.where} {client.name}"),
+            lambda ok, total: f"{ok}/{total} ledgers valid in {client.where} {client.name}",
             inside=" in ClickHouse"
         )
     except ClickHouseError as exc:  # ClickHouse could not be read: like a file that cannot be read
-        raise ClickHouseError(str(exc), rl.EXIT_USAGE) from None
+        exc.exit_code = rl.EXIT_USAGE
+        raise
 
 
 # ----------------------------------------------------------------------------
@@ -754,64 +792,77 @@ def _build_parser():
     )
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    ship_p = sub.add_parser("ship", help="send the verified lines of ledgers (resumable; for cron)")
-    ship_p.set_defaults(func=_cmd_ship)
-    rl.add_targets(ship_p)
-    ship_p.add_argument(
+    for command in (_ship_parser(sub), _verify_parser(sub)):
+        command.add_argument(
+            "--database", default=SHIP_DATABASE, metavar="DB", help=f"default {SHIP_DATABASE}"
+        )
+        command.add_argument(
+            "--table", default=SHIP_TABLE, metavar="T", help=f"default {SHIP_TABLE}"
+        )
+        rl.add_key_env(command)
+    return parser
+
+
+def _ship_parser(sub):
+    command = sub.add_parser(
+        "ship", help="send the verified lines of ledgers (resumable; for cron)"
+    )
+    command.set_defaults(func=_cmd_ship)
+    rl.add_targets(command)
+    command.add_argument(
         "--to",
         metavar="URL",
         help=f"ClickHouse's HTTP interface (default ${SHIP_URL_ENV}); user and "
         f"password from ${SHIP_USER_ENV} / ${SHIP_PASSWORD_ENV}"
     )
-    ship_p.add_argument(
+    command.add_argument(
         "--timeout",
         type=float,
         default=SHIP_TIMEOUT,
         metavar="S",
         help=f"seconds a request ({SHIP_TIMEOUT:g})"
     )
-    ship_p.add_argument(
+    command.add_argument(
         "--batch-rows",
         type=int,
         default=SHIP_BATCH_ROWS,
         metavar="N",
         help=f"lines per INSERT ({SHIP_BATCH_ROWS:,}; at most {SHIP_BATCH_BYTES >> 20} MiB)"
     )
-    ship_p.add_argument(
+    command.add_argument(
         "--deadline",
         type=float,
         default=SHIP_DEADLINE,
         metavar="S",
         help=f"seconds for the whole run; the next run resumes ({SHIP_DEADLINE:g})"
     )
-    ship_p.add_argument(
+    command.add_argument(
         "--host", help="host name recorded with each line (default: this machine's)"
     )
-    verify_p = sub.add_parser("verify", help="re-verify the shipped lines; exit 1 on any failure")
-    verify_p.set_defaults(func=_cmd_verify)
-    verify_p.add_argument(
+    return command
+
+
+def _verify_parser(sub):
+    command = sub.add_parser("verify", help="re-verify the shipped lines; exit 1 on any failure")
+    command.set_defaults(func=_cmd_verify, deadline=None)
+    command.add_argument(
         "--from",
-        dest="from_url",
-        default="",
+        dest="to",
+        nargs="?",
+        const="",
         metavar="URL",
         help=f"ClickHouse's HTTP interface (default ${SHIP_URL_ENV})"
     )
-    verify_p.add_argument(
+    command.add_argument(
         "--ledger-id", action="append", metavar="ID", help="this ledger (or prefix), repeatable"
     )
-    verify_p.add_argument(
+    command.add_argument(
         "--expect-head", metavar="SEQ:HASH", help="a head published earlier (finds truncation)"
     )
-    verify_p.add_argument(
+    command.add_argument(
         "--timeout", type=float, default=300.0, metavar="S", help="seconds a request (300)"
     )
-    for p in (ship_p, verify_p):
-        p.add_argument(
-            "--database", default=SHIP_DATABASE, metavar="DB", help=f"default {SHIP_DATABASE}"
-        )
-        p.add_argument("--table", default=SHIP_TABLE, metavar="T", help=f"default {SHIP_TABLE}")
-        rl.add_key_env(p)
-    return parser
+    return command
 
 
 def main(argv=None):

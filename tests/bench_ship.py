@@ -68,7 +68,7 @@ def _rows_file(ledger, out):
     now = int(time.time())
     with open(out, "wb") as handle:
         for event, body, digest in rl.verified_events(ledger, key=b""):
-            handle.write(rl._row(base, event, body, digest, now))
+            handle.write(fleet._row(base, event, body, digest, now))
 
 
 def _timed(cmd, **kwargs):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import ask
-import fleet as fleet_py  # the name `fleet` is a fixture here
+import fleet
 import reasoning_ledger as rl
 from clickhouse_server import ClickHouse, skip_reason
 from conftest import (ROOT, SAMPLE_CALC, all_bytes_under, clean_env, clock_for, error_lines, lines_of, make_repo,
@@ -436,6 +436,15 @@ def test_verify_from_proves_the_copy_and_finds_an_altered_or_deleted_row(clickho
     assert f"FAIL  clickhouse:{lid}: line 2: missing from ClickHouse: the next row stored is seq 3" in proc.out
 
 
+def test_verify_from_without_a_url_reads_the_environment_as_the_cron_line_does(clickhouse, db, tmp_path):
+    ledger = tmp_path / "a.jsonl"
+    notes(ledger, 2)
+    assert ship(clickhouse, db, ledger).returncode == 0
+    proc = run_script("fleet.py", "verify", "--from", "--database", db,
+                      env=ch_env(clickhouse, LEDGER_SHIP_URL=clickhouse.url))
+    assert proc.returncode == 0 and "1/1 ledgers valid" in proc.out, proc.err
+
+
 def test_rows_deleted_at_the_end_are_found_against_a_published_head(clickhouse, db, tmp_path):
     ledger = tmp_path / "a.jsonl"
     notes(ledger, 5)
@@ -531,7 +540,7 @@ MISTYPED = [
 
 
 @pytest.fixture
-def fleet(tmp_path, server):
+def fleet_files(tmp_path, server):
     """Ledgers of several days, two models, errors, calls without usage, checks, model listings, retries,
     a ledger another tool wrote with fields of the wrong types, and agent runs."""
     ledger = tmp_path / "calls.jsonl"
@@ -564,8 +573,8 @@ def _comparable(data):
     return data
 
 
-def test_audit_from_equals_the_local_audit(clickhouse, db, fleet, tmp_path):
-    ledger, other, runs = fleet
+def test_audit_from_equals_the_local_audit(clickhouse, db, fleet_files, tmp_path):
+    ledger, other, runs = fleet_files
     proc = ship(clickhouse, db, ledger, other, "--all", runs)
     assert proc.returncode == 0, proc.err
     for flags in ([], ["--by", "day"], ["--by", "day", "--since", DAY2], ["--until", DAY2, "--model", "fake-model"],
@@ -634,9 +643,8 @@ def test_a_model_name_cannot_inject_sql(clickhouse, db, tmp_path):
 # Every field of every JSON type: the SQL side counts what the local audit counts
 # ----------------------------------------------------------------------------
 
-# Integers beyond Int64 are left out: they cannot be stored, and the SQL side counts them malformed where the
-# local audit does not (the limit reasoning_ledger.SHIP_CALL_FIELDS documents).
-JSON_VALUES = ("text", 3, -3, 0, 2 ** 62, 2.5, float(2 ** 70), True, False, None, [1], {"a": 1})
+# An integer beyond Int64 is malformed on both sides (fleet.call_fields, the one rule).
+JSON_VALUES = ("text", 3, -3, 0, 2 ** 62, 2 ** 70, 2.5, float(2 ** 70), True, False, None, [1], {"a": 1})
 
 
 def test_every_field_of_every_json_type_audits_the_same_from_clickhouse(clickhouse, db, tmp_path):
@@ -656,6 +664,9 @@ def test_every_field_of_every_json_type_audits_the_same_from_clickhouse(clickhou
     assert _comparable(json.loads(remote.out)) == _comparable(json.loads(local.out))
     summary = json.loads(local.out)["summary"]
     assert summary["model_calls"] == len(ask.MODEL_CALL_FIELDS) * len(JSON_VALUES) and 0 < summary["malformed"]
+    # and SQL over the typed columns counts what the audit counts
+    (row,) = rows(clickhouse, f"SELECT sum(malformed) AS malformed, count() AS calls FROM {db}.ledger_lines FINAL")
+    assert row == {"malformed": summary["malformed"], "calls": summary["model_calls"]}
 
 
 # The table as format 1.x's ship made it, column for column: a table made by an earlier version, not by today's
@@ -689,27 +700,27 @@ def test_a_table_an_earlier_version_made_is_shipped_to_and_read(clickhouse, db, 
 def test_a_full_spool_ships_what_it_holds_and_the_next_run_the_rest(clickhouse, db, tmp_path, monkeypatch):
     ledger = tmp_path / "a.jsonl"
     notes(ledger, 7)
-    monkeypatch.setattr(fleet_py, "_spool_limit", lambda: 1)  # full after the first batch
-    client = fleet_py.ClickHouse(clickhouse.url, database=db, environ=ch_env(clickhouse))
-    ((path, first),) = fleet_py.ship([(ledger, None)], client, host="box", batch_rows=3)
+    monkeypatch.setattr(fleet, "_spool_limit", lambda: 1)  # full after the first batch
+    client = fleet.ClickHouse(clickhouse.url, database=db, environ=ch_env(clickhouse))
+    ((path, first),) = fleet.ship([(ledger, None)], client, host="box", batch_rows=3)
     assert (first.first, first.last, first.more) == (1, 3, 4)
     assert "3 new lines (seq 1..3), 4 more next run" in first.text()
-    ((path, second),) = fleet_py.ship([(ledger, None)], client, host="box", batch_rows=3)
+    ((path, second),) = fleet.ship([(ledger, None)], client, host="box", batch_rows=3)
     assert (second.first, second.last, second.more) == (4, 6, 1)
-    ((path, third),) = fleet_py.ship([(ledger, None)], client, host="box", batch_rows=3)
+    ((path, third),) = fleet.ship([(ledger, None)], client, host="box", batch_rows=3)
     assert (third.sent, third.more, third.head[0]) == (1, 0, 7)
     assert counts(clickhouse, db) == (7, 7)
     assert {r["host"] for r in rows(clickhouse, f"SELECT host FROM {db}.ledger_lines")} == {"box"}
 
 
-def test_the_docs_table_and_its_sql_questions_work_on_a_shipped_fleet(clickhouse, db, fleet):
+def test_the_docs_table_and_its_sql_questions_work_on_a_shipped_fleet(clickhouse, db, fleet_files):
     readme = (ROOT / "docs" / "fleet.md").read_text(encoding="utf-8")
-    assert fleet_py.ship_ddl() in readme  # the table docs/fleet.md shows is the one ship makes
+    assert fleet.ship_ddl() in readme  # the table docs/fleet.md shows is the one ship makes
     section = readme[readme.index("**Three questions in SQL**"):]
     block = section[section.index("```sql\n") + 7:section.index("\n```", section.index("```sql\n"))]
     queries = [q.strip() for q in block.split(";") if q.strip()]
     assert len(queries) == 3
-    ledger, other, runs = fleet
+    ledger, other, runs = fleet_files
     assert ship(clickhouse, db, ledger, other, "--all", runs).returncode == 0
     answers = [rows(clickhouse, query.replace("reasoning_ledger.ledger_lines", f"{db}.ledger_lines"))
                for query in queries]
