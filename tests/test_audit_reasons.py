@@ -18,7 +18,7 @@ import agent
 import daemon
 import reasoning_ledger as rl
 from conftest import ROOT, clean_env, run_script
-from test_ship import audit_from, clickhouse, db, ship  # noqa: F401  -- clickhouse and db are fixtures
+from test_fleet import audit_from, clickhouse, db, ship  # noqa: F401  -- clickhouse and db are fixtures
 
 KEY = "sk-audit-reasons-key-0001"
 DAY1, DAY2 = "2026-11-01", "2026-11-02"
