@@ -108,3 +108,14 @@ def test_a_moved_command_is_refused_even_without_its_new_home(tmp_path):
     proc = subprocess.run([sys.executable, "-I", "reasoning_ledger.py", "ship", "x"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "fleet.py ship" in proc.stderr, proc.stderr
+
+
+def test_the_readme_names_what_a_vendoring_script_may_rely_on():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("### Vendoring"):readme.index("### Publishing the head")]
+    for name in SHIPPED:
+        tree = _tree(name)
+        names = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
+                     and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets))
+        missing = [n for n in names if n != "main" and f"`{n}`" not in section]
+        assert not missing, (name, missing)
