@@ -1306,10 +1306,9 @@ sys.exit(0 if found else 1)
 class Workspace:
     """The host's scratch copy of the repository, and the tools that run there."""
 
-    def __init__(self, repo, ref, root, policy, redactor, box):
+    def __init__(self, repo, ref, root, policy, box):
         # box: every program run here, its rlimits, and its bwrap when it works
         self.repo, self.ref, self.root, self.policy, self.box = repo, ref, Path(root), policy, box
-        self.redactor = redactor
 
     def resolve(self, rel):
         root = os.path.realpath(self.root)
@@ -2056,7 +2055,7 @@ class LiveWorld:
 
     def check_patch(self, step, patch):
         ws = self.ws
-        return check_patch(ws.root, patch, ws.redactor, ws.policy, ws.resolve)
+        return check_patch(ws.root, patch, self.run.ledger.redactor, ws.policy, ws.resolve)
 
 
 def _call_tokens(record):
@@ -2349,12 +2348,12 @@ def run_agent(
 
 def _close(run, outcome):
     """run_closed, with the steps, the proposal's file and the judge's verdict."""
-    events = list(rl.read_events(run.ledger.path))
+    summed = rl.run_summary(rl.read_events(run.ledger.path))
     run.close(
         outcome,
-        steps=sum(e["kind"] in ("model_proposed", "proposal_malformed") for e in events),
+        steps=summed["steps"],
         proposal=PROPOSAL_NAME if (run.dir / PROPOSAL_NAME).exists() else None,
-        verdict=([p.get("verdict") for p in _payloads(events, "judge_verdict")] or [None])[-1]
+        verdict=summed["judge_verdict"]
     )
 
 
@@ -2464,7 +2463,7 @@ def _start(run, repo, ref, commit, policy, settings, tree, origin):
         }
     )
     require_box(box, policy)
-    return Workspace(repo, pinned, tree, policy, run.ledger.redactor, box)
+    return Workspace(repo, pinned, tree, policy, box)
 
 
 def _boxed_tests(workspace):
@@ -2552,13 +2551,13 @@ def _judge_in_child(run, workspace):
         env=dict(_child_env(), TMPDIR=str(workspace.root.parent)),
         input=json.dumps(given).encode("utf-8")
     )
-    verdicts = _payloads(rl.read_events(run.ledger.path), "judge_verdict")
-    if not verdicts:
+    verdict = rl.run_summary(rl.read_events(run.ledger.path))["judge_verdict"]
+    if verdict is None:
         raise RuntimeError(
             f"the judge did not give a verdict (exit {output.returncode}): "
             f"{output.text(1000).strip()[-500:]}"
         )
-    return verdicts[-1].get("verdict")
+    return verdict
 
 
 # == The judge: reads only the run's ledger and artifacts, works in its own copy ==
@@ -2613,7 +2612,7 @@ def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
                 "the repository changed since the run started; the judge cannot compare"
             )
         else:
-            workspace = Workspace(repo, None, tree, policy, ledger.redactor, box)
+            workspace = Workspace(repo, None, tree, policy, box)
             _judge_tree(patch, before, workspace, ledger, verdict)
     ledger.append("judge_verdict", verdict)
     ledger.close()
@@ -3357,7 +3356,8 @@ def _cmd_run(args):
     )
     runs = Path(args.runs_dir)
     events = _events_of(runs / run_id)
-    unboxed = _unboxed(events)
+    summed = rl.run_summary(events)
+    unboxed = summed["unboxed"]
     if unboxed and not unboxed.startswith('tools.json sets "sandbox": "off"'):
         rl.warn(f"run {run_id}: the tests and tools ran without a sandbox: {unboxed}")
     # error, budget_exhausted
@@ -3370,7 +3370,7 @@ def _cmd_run(args):
             f"({ended.get('used')} of {ended.get('max')})"
         )
     elif outcome == "stuck":
-        rl.warn(f"run {run_id}: " + run_reason(events))
+        rl.warn(f"run {run_id}: {summed['why'] or ''}")
     # bounded: a ClickHouse that hangs delays the run's exit by SHIP_RUN_DEADLINE_S at most
     if args.ship_to:
         _ship_run(
@@ -3406,17 +3406,6 @@ def _events_of(run_dir):
         return list(rl.read_events(Path(run_dir) / rl.EVENTS_NAME))
     except (rl.LedgerError, OSError):
         return []
-
-
-def _unboxed(events):
-    """Why the run's programs ran without bwrap (its run_started says), or None when they ran in
-    it."""
-    started = (_payloads(events, "run_started") or [{}])[0]
-    return (
-        started.get("sandbox_reason") or "no reason recorded"
-        if started.get("sandbox") == "none"
-        else None
-    )
 
 
 def _cmd_check_tools(args):
@@ -3593,7 +3582,7 @@ def main(argv=None):
     if not args.command:
         parser.print_help(sys.stderr)
         return rl.EXIT_USAGE
-    return rl.run_cli(args.func, args, secrets=[os.environ.get("API_KEY") or ""])
+    return rl.run_cli(args.func, args)
 
 
 if __name__ == "__main__":
