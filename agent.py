@@ -403,12 +403,12 @@ def _plugin_problems(where, name, spec):
 
 
 def _no_duplicate_keys(pairs):
-    twice = [
-        key for key, count in collections.Counter(key for key, _value in pairs).items() if count > 1
-    ]
-    if twice:
-        raise ValueError(f"duplicate key {twice[0]!r}")
-    return dict(pairs)
+    found = {}
+    for key, value in pairs:
+        if key in found:
+            raise ValueError(f"duplicate key {key!r}")
+        found[key] = value
+    return found
 
 
 def load_policy(path):
@@ -480,9 +480,7 @@ def check_path(path, policy, resolve, paths, what="path"):
     glob = policy.denied_by(norm)
     if glob:
         raise _Deny("path.denied", f"{what} {path!r} matches the deny glob {glob!r}")
-    if path not in paths:
-        paths[path] = resolve(norm)
-    resolved = paths[path]
+    resolved = paths.setdefault(path, resolve(norm))
     if resolved is None:
         raise _Deny("path.escape", f"{what} {path!r} resolves outside the repository (a symlink?)")
     glob = policy.denied_by(resolved)
@@ -802,6 +800,10 @@ def _ref_entries(repo, ref):
         batch.wait()
 
 
+# a file created here, never one that was there, nor through a symlink
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def _safe_rel(rel):
     """A path git would check out: no `..`, no `.git` in any case (`.GIT` is `.git` on a
     case-insensitive disk)."""
@@ -826,11 +828,7 @@ def _create(dest, rel, executable=False, link=None):
     try:
         if link is not None:
             return os.symlink(link, path)
-        return os.open(
-            path,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o755 if executable else 0o644
-        )
+        return os.open(path, _NEW_FILE, 0o755 if executable else 0o644)
     except (FileExistsError, IsADirectoryError, NotADirectoryError):
         return None
 
@@ -893,9 +891,7 @@ def repo_secrets(repo, commit=None):
             for _mode, sha, path in _tree_blobs(repo, rev, check=False)
             if re.search(r"(?i)(^|/)\.env", path)
         ]
-        texts += [
-            git(repo, "cat-file", "blob", sha, check=False)[: 256 * 1024] for sha in blobs[:200]
-        ]
+        texts += [_blob(repo, sha)[: 256 * 1024] for sha in blobs[:200]]
     values = (v for text in texts for v in dotenv_values((text or b"").decode("utf-8", "replace")))
     return list(dict.fromkeys(values))
 
@@ -1659,8 +1655,6 @@ def _fit(messages, limit):
     """Keep the conversation within `limit` chars: shorten old outputs, drop old exchanges, cut the
     longest."""
     size = before = _chars(messages)
-    if size <= limit:
-        return None
     shortened = dropped = cut_short = 0
     for message in messages[2:-2]:
         text = message["content"]
@@ -2068,10 +2062,9 @@ def _call_tokens(record):
 
 def _context_too_long(record):
     codes = ("context_length_exceeded", "string_above_max_length", "context_window_exceeded")
-    if record["error_code"] in codes:
-        return True
-    return record["http_status"] in (400, 413, 422) and bool(
-        re.search(
+    return record["error_code"] in codes or (
+        record["http_status"] in (400, 413, 422)
+        and re.search(
             r"context.?length|maximum context|context window|context size|too many tokens|"
             r"prompt is too long|reduce the length",
             record["error_message"] or "",
@@ -2080,9 +2073,9 @@ def _context_too_long(record):
     )
 
 
-# What git does with a patch: paths (a rename as both), added paths, special (a symlink or a
-# submodule), and blobs: path -> (blob before, blob after), None where there is none.
-GitReading = collections.namedtuple("GitReading", "paths added special blobs", defaults=({},))
+# What git does with a patch: the added paths, special (a symlink or a submodule), and blobs: each
+# path it touches (a rename as both) -> (blob before, blob after), None where there is none.
+GitReading = collections.namedtuple("GitReading", "added special blobs")
 
 
 def git_reading(tree, patch_bytes, flags, env):
@@ -2120,7 +2113,7 @@ def git_reading(tree, patch_bytes, flags, env):
         special |= parts[1] in (b"120000", b"160000")
         # 48: b"0"
         blobs[path] = tuple(None if set(sha) == {48} else sha.decode() for sha in parts[2:4])
-    return GitReading(list(blobs), added, special, blobs)
+    return GitReading(added, special, blobs)
 
 
 def _git_apply(tree, patch_bytes, env, *flags):
@@ -2183,7 +2176,7 @@ def check_patch(scratch, patch, redactor, policy, resolve):
         result,
         applies=True,
         recount=bool(flags),
-        files=reading.paths,
+        files=list(reading.blobs),
         proposal=proposal,
         proposal_sha256=_sha256_hex(proposal)
     )
@@ -2212,9 +2205,9 @@ def _refusal(clone, reading, policy, resolve, env):
         return "git cannot apply this patch to the baseline's index"
     if reading.special:
         return "git reads this patch as making a symlink or a submodule (rule patch.mode)"
-    if not reading.paths:
+    if not reading.blobs:
         return "git reads no file in this patch (rule patch.no_files)"
-    for name in reading.paths:
+    for name in reading.blobs:
         try:
             check_path(name, policy, resolve, {}, what="a file in the patch,")
         except _Deny as deny:
@@ -2409,9 +2402,8 @@ def _run_steps(run, workspace, settings, started):
         {"role": "user", "content": run.ledger.redactor.text(first)}
     ]
     world = LiveWorld(run, workspace, settings, started)
-    base_url, model, api_key = settings
-    if policy.budget["context_tokens"] is None:
-        # recorded as models_list
+    if policy.budget["context_tokens"] is None:  # asked of the endpoint, recorded as models_list
+        base_url, model, api_key = settings
         timeout = min(30, policy.budget["call_timeout_s"])
         listed = ask.list_models(ledger=run, base_url=base_url, api_key=api_key, timeout=timeout)
         world.plan.know((listed.get("context_tokens") or {}).get(model))
@@ -2421,8 +2413,7 @@ def _run_steps(run, workspace, settings, started):
     # after the decision that accepted it: its exact bytes, never masked; one open, on the new file
     # itself: nothing planted there is followed
     path = run.dir / PROPOSAL_NAME
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    with os.fdopen(os.open(path, flags, 0o600), "wb") as handle:
+    with os.fdopen(os.open(path, _NEW_FILE, 0o600), "wb") as handle:
         handle.write(check["proposal"])
     verdict = _judge_in_child(run, workspace)
     return ("proposal_accepted" if verdict == "accept" else "proposal_rejected_by_judge"), path
@@ -2643,8 +2634,8 @@ def _judge_tree(patch, before, workspace, ledger, verdict):
     rule."""
     tree, policy = workspace.root, workspace.policy
     env = _scratch_git_env(tree.parent)
-    reading = git_reading(tree, patch, [], env) or GitReading([], [], False)
-    verdict["touched_tests"] = [f for f in reading.paths if policy.is_test_path(f)]
+    reading = git_reading(tree, patch, [], env) or GitReading([], False, {})
+    verdict["touched_tests"] = [f for f in reading.blobs if policy.is_test_path(f)]
     verdict["shadows"] = [f for f in reading.added if _shadows_a_module(f)]
     verdict["tripwires"] = tripwires(tree, reading, policy.tripwires, env)
     off = [t for t in TRIPWIRES if t not in policy.tripwires]
@@ -2676,9 +2667,7 @@ def _judge_tree(patch, before, workspace, ledger, verdict):
     text = output.artifact_bytes().decode("utf-8", "replace")
     text = plants.label(text) if plants else text
     verdict["output_artifact"] = ledger.store_artifact(text)
-    half = EXCERPT_BYTES // 2
-    shown = text[:half] + text[-half:] if len(text) > EXCERPT_BYTES else text
-    verdict["excerpt"] = _excerpt(ledger.redactor.text(shown), 800)
+    verdict["excerpt"] = _excerpt(ledger.redactor.text(text[-EXCERPT_BYTES:]), 800)
     verdict["duration_ms"] = output.duration_ms
     accept = (
         "the patch applies, the tests pass, no test that passed before fails, no test file changed"
@@ -2992,21 +2981,20 @@ def tripwires(tree, reading, enabled, env):
     """Every enabled tripwire the patch fires, [{rule, path, what}]; only what the patch adds
     counts."""
     fired = []
-    for path in reading.paths:
-        parts, base = path.split("/"), path.rsplit("/", 1)[-1]
+    for path, (old, new) in reading.blobs.items():
+        parts = path.split("/")
         if (
             any(p.endswith((".dist-info", ".egg-info")) for p in parts)
-            or base == "entry_points.txt"
+            or parts[-1] == "entry_points.txt"
         ):
             fired.append(
                 ("tripwire.packaging_metadata", path, "packaging metadata (a runner plug-in point)")
             )
-        if base.endswith(".pth") or any(
+        if parts[-1].endswith(".pth") or any(
             p in ("sitecustomize.py", "usercustomize.py", "sitecustomize", "usercustomize")
             for p in parts
         ):
             fired.append(("tripwire.startup_hook", path, "a file Python runs at start-up"))
-        old, new = reading.blobs.get(path, (None, None))
         if new and path.endswith((".py", ".pyw")):
             was = _py_tripwires(_blob(tree, old, env)) if old else []
             seen = collections.Counter(w[:2] for w in was)
@@ -3019,7 +3007,7 @@ def tripwires(tree, reading, enabled, env):
     return [{"rule": r, "path": p, "what": w} for r, p, w in fired if r in enabled]
 
 
-def _blob(tree, sha, env):
+def _blob(tree, sha, env=None):
     return git(tree, "cat-file", "blob", sha, check=False, env=env)
 
 
