@@ -256,7 +256,7 @@ class Policy:
 
     def __init__(self, data, text, source):
         self.source, self.text = str(source), text
-        self.sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        self.sha256 = _sha256_hex(text)
         self.version, self.test_command = data["version"], data["test_command"]
         self.test_timeout_s = data.get("test_timeout_s", 300)
         self.builtins = frozenset(data.get("builtins", ()))
@@ -667,7 +667,7 @@ def git(repo, *args, input=None, check=True, timeout=120, env=None):
     """A git command in `repo`, read-only unless `env` says otherwise (no optional locks). Its
     stdout bytes."""
     proc = subprocess.run(
-        ["git", "-c", "core.fsmonitor=false", "-c", "core.quotepath=false", "-C", str(repo), *args],
+        ["git", "-c", "core.fsmonitor=false", "-c", "core.quotepath=false", "-C", repo, *args],
         input=input,
         capture_output=True,
         env=env or _git_env(),
@@ -776,7 +776,7 @@ def _ref_entries(repo, ref):
     objects."""
     entries = list(_tree_blobs(repo, ref))  # _create refuses an unsafe name
     batch = subprocess.Popen(
-        ["git", "-C", str(repo), "cat-file", "--batch"],
+        ["git", "-C", repo, "cat-file", "--batch"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=_git_env()
@@ -816,7 +816,7 @@ def _create(dest, rel, executable=False, link=None):
     nor over a path."""
     if not _safe_rel(rel):
         return None
-    parent = str(dest)
+    parent = dest
     for part in rel.split("/")[:-1]:
         parent = os.path.join(parent, part)
         try:
@@ -1311,15 +1311,16 @@ class Workspace:
         real = os.path.realpath(os.path.join(root, rel))
         return os.path.relpath(real, root) if _under(real, root) else None
 
-    def run_tests(self, out=None):
-        """(Output, pytest's per-test outcomes or None); `out`: a directory the box may write JUnit
-        XML to."""
-        argv, junit = list(self.policy.test_command), None
-        if out and _is_pytest(argv):
+    def run_tests(self):
+        """The tests in the box, which may write out/ beside the copy (JUnit XML) and nothing else
+        of the host's: (Output, pytest's per-test outcomes or None)."""
+        argv, out, junit = list(self.policy.test_command), self.root.parent / "out", None
+        out.mkdir(exist_ok=True)
+        if _is_pytest(argv):
             junit = out / f"junit-{time.monotonic_ns()}.xml"
             argv += [f"--junitxml={junit}", "-p", "no:cacheprovider"]
         output = run_program(
-            argv, self.root, self.policy.test_timeout_s, box=self.box, writable=[out] if out else ()
+            argv, self.root, self.policy.test_timeout_s, box=self.box, writable=[out]
         )
         return output, junit_outcomes(junit) if junit else None
 
@@ -1331,8 +1332,10 @@ class Workspace:
             return run_program(
                 plugin.command(args), self.root, plugin.timeout_s or timeout, box=self.box
             )
-        if tool == "run_tests":
-            return self.run_tests()[0]
+        if tool == "run_tests":  # as tools.json has it, with no file of results
+            return run_program(
+                self.policy.test_command, self.root, self.policy.test_timeout_s, box=self.box
+            )
         if tool == "grep":
             files = self._files(args.get("path") or ".")
             if not files:
@@ -1644,6 +1647,9 @@ def _excerpt(text, limit=EXCERPT_BYTES):
 
 
 def _sha256_hex(data):
+    """SHA-256 of bytes, or of a text's UTF-8 (a lone surrogate kept as it is)."""
+    if type(data) is str:
+        data = data.encode("utf-8", "surrogatepass")
     return hashlib.sha256(data).hexdigest()
 
 
@@ -1794,7 +1800,7 @@ class _Loop:
         """The notice before the last repeat allowed; raises _Exit (stuck) at it."""
         try:
             parse_reply(text)
-            key = _sha256_hex(text.strip().encode("utf-8", "surrogatepass")), None
+            key = _sha256_hex(text.strip()), None
         except Malformed as bad:
             key = "", bad.reason
         self.repeats, self.last = (self.repeats + 1 if key == self.last else 1), key
@@ -1949,7 +1955,7 @@ class LiveWorld:
             record = self._chat(messages, budget, retries, tally, "model call")
         if not record["error_type"]:
             self.plan.learn(record["input_tokens"], record["est_input_tokens"])
-            call["reply_sha256"] = _sha256_hex(record["text"].encode("utf-8", "surrogatepass"))
+            call["reply_sha256"] = _sha256_hex(record["text"])
             call["reply_artifact"] = self.run.store_artifact(record["text"])
             return record["text"], call
         # a timeout at the wall, or a retry ask.chat left undone (it does only when the wall has no
@@ -2119,7 +2125,7 @@ def git_reading(tree, patch_bytes, flags, env):
 def _git_apply(tree, patch_bytes, env, *flags):
     """`git apply FLAGS -` in `tree`: (its exit code, its output, stderr and stdout together)."""
     proc = subprocess.run(
-        ["git", "-C", str(tree), "apply", *flags, "-"],
+        ["git", "-C", tree, "apply", *flags, "-"],
         input=patch_bytes,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -2152,7 +2158,7 @@ def check_patch(scratch, patch, redactor, policy, resolve):
         )
     with tempfile.TemporaryDirectory(prefix="agent-patch-", dir=Path(scratch).parent) as work:
         clone, env = Path(work) / "tree", _scratch_git_env(work)
-        git(work, "clone", "-q", "--no-hardlinks", str(scratch), str(clone), env=env, timeout=300)
+        git(work, "clone", "-q", "--no-hardlinks", scratch, clone, env=env, timeout=300)
         for flags in ([], ["--recount"]):
             code, output = _git_apply(clone, patch_bytes, env, "--check", "--verbose", *flags)
             if code == 0:
@@ -2249,7 +2255,7 @@ def take_lock(repo, run_id):
 def _hold_lock(path, held_message, holder_note):
     """An exclusive flock on `path`, taken without waiting, noting who holds it; the fd. Raises
     LockHeld."""
-    fd = os.open(str(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -2457,16 +2463,8 @@ def _start(run, repo, ref, commit, policy, settings, tree, origin):
     return Workspace(repo, pinned, tree, policy, box)
 
 
-def _boxed_tests(workspace):
-    """The tests in the box, which may write out/ beside the copy (JUnit XML) and nothing else of
-    the host's: (Output, per-test outcomes or None)."""
-    out = workspace.root.parent / "out"
-    out.mkdir(exist_ok=True)
-    return workspace.run_tests(out)
-
-
 def _tests(run, workspace):
-    output, outcomes = _boxed_tests(workspace)
+    output, outcomes = workspace.run_tests()
     payload = {
         "command": workspace.policy.test_command,
         "returncode": output.returncode,
@@ -2528,13 +2526,7 @@ def _judge_in_child(run, workspace):
         "secrets": list(run.ledger.redactor.values),
         "sandbox": workspace.box.record()
     }
-    argv = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "judge",
-        str(run.dir.resolve()),
-        "--from-host"
-    ]
+    argv = [sys.executable, Path(__file__).resolve(), "judge", run.dir.resolve(), "--from-host"]
     output = run_program(
         argv,
         HERE,
@@ -2555,7 +2547,7 @@ def _judge_in_child(run, workspace):
 
 
 def _artifact_text(run_dir, ref):
-    return (Path(run_dir) / ref["path"]).read_bytes().decode("utf-8", "replace")
+    return (run_dir / ref["path"]).read_bytes().decode("utf-8", "replace")
 
 
 def _recorded_policy(run_dir, started):
@@ -2659,7 +2651,7 @@ def _judge_tree(patch, before, workspace, ledger, verdict):
         )
     else:
         verdict["known_answers"] = "planted" if plants else "off"
-    output, after = _boxed_tests(workspace)
+    output, after = workspace.run_tests()
     after, passed, subverted = plants.read(output, after) if plants else (after, None, None)
     verdict.update(_compare(before, after, output, passed))
     if subverted:
@@ -3270,7 +3262,7 @@ def list_runs(runs_dir):
     """One row per run: id, started, outcome, steps, tokens, whether it verifies against the index,
     why it ended, whether it ran unboxed, and the head the index recorded (`seq:hash`)."""
     rows = []
-    for path, head in rl.run_ledgers(runs_dir):
+    for path, head in sorted(rl.run_ledgers(runs_dir)):  # by run id
         if path.name != rl.EVENTS_NAME:
             continue
         try:
@@ -3299,7 +3291,7 @@ def list_runs(runs_dir):
                 "head": f"{head[0]}:{head[1]}" if head else None
             }
         )
-    return sorted(rows, key=lambda row: row["run_id"])
+    return rows
 
 
 def run_reason(events):
