@@ -1026,11 +1026,11 @@ class Sandbox:
         roots = _program_roots(program, env, self.hide)
         args += [arg for path in roots for arg in ("--ro-bind", path, path)]
         # after the private /tmp: cwd and `writable` usually live there
-        args += [arg for path in map(str, (cwd, *writable)) for arg in ("--bind", path, path)]
+        args += [arg for path in (cwd, *writable) for arg in ("--bind", path, path)]
         # a pyenv shim cds to where pyenv was first called, which may be hidden here
         if "PYENV_DIR" in env:
-            args += ["--setenv", "PYENV_DIR", str(cwd)]
-        return args + ["--chdir", str(cwd), "--", program, *argv[1:]]
+            args += ["--setenv", "PYENV_DIR", cwd]
+        return args + ["--chdir", cwd, "--", program, *argv[1:]]
 
 
 def _hidden_paths(repo, runs_dir):
@@ -1620,8 +1620,16 @@ class Budget:
 
     def over(self, limit, used, elapsed, **during):
         """The _Exit of a spent budget: the limit, how much was used, what was spent."""
-        payload = {"limit": limit, "used": used, "max": self.limits[limit]}
-        return _Exit("budget_exhausted", dict(payload, budget=self.snapshot(elapsed), **during))
+        return _Exit(
+            "budget_exhausted",
+            {
+                "limit": limit,
+                "used": used,
+                "max": self.limits[limit],
+                "budget": self.snapshot(elapsed),
+                **during
+            }
+        )
 
     def line(self, elapsed):
         limits = self.limits
@@ -1827,7 +1835,24 @@ class _Loop:
             action, problem = None, bad.reason
         # unreadable; or nested too deep, a lone surrogate, too large: not recordable, so no action
         if problem:
-            return self.malformed(step, text, call, checked, action, problem)
+            world.record(
+                "proposal_malformed",
+                {
+                    "step": step,
+                    "reason": (
+                        problem if action is None else f"the action cannot be recorded: {problem}"
+                    ),
+                    "excerpt": _excerpt(text, 500),
+                    "budget": checked,
+                    "call": call
+                }
+            )
+            answer = ' JSON object {"tool": NAME, "args": {...}, "reason": TEXT}.'
+            if action is None:
+                return f"The host could not read your reply: {problem}. Answer with one" + answer
+            return (
+                f"The host could not record your action ({problem}). Answer with one plain" + answer
+            )
         tool, args = action["tool"], action["args"]
         # tool, args and reason, in that order
         world.record(
@@ -1854,24 +1879,6 @@ class _Loop:
         if tool == "propose_patch":
             return self.propose(step, action)
         return world.run_tool(step, tool, args)
-
-    def malformed(self, step, text, call, checked, action, problem):
-        self.world.record(
-            "proposal_malformed",
-            {
-                "step": step,
-                "reason": (
-                    problem if action is None else f"the action cannot be recorded: {problem}"
-                ),
-                "excerpt": _excerpt(text, 500),
-                "budget": checked,
-                "call": call
-            }
-        )
-        answer = ' JSON object {"tool": NAME, "args": {...}, "reason": TEXT}.'
-        if action is None:
-            return f"The host could not read your reply: {problem}. Answer with one" + answer
-        return f"The host could not record your action ({problem}). Answer with one plain" + answer
 
     def propose(self, step, action):
         args, world = action["args"], self.world
@@ -2302,8 +2309,9 @@ def run_agent(
     """One run on `repo`: (outcome, run_id, proposal path or None). Failures after open are
     recorded."""
     policy = load_policy(tools)
-    overrides = {"max_steps": max_steps, "max_wall_s": max_wall_s}
-    policy.budget.update((name, n) for name, n in overrides.items() if n is not None)
+    for name, n in (("max_steps", max_steps), ("max_wall_s", max_wall_s)):
+        if n is not None:
+            policy.budget[name] = n
     repo = repo_root(repo)
     commit = resolve_ref(repo, ref)
     run_id = run_id or rl.new_run_id()
@@ -2816,7 +2824,8 @@ def _runner_patterns(argv):
 def _pytest_why_not(args, tree):
     index = 0
     while index < len(args):
-        arg, option = args[index], args[index].split("=", 1)[0]
+        arg = args[index]
+        option = arg.split("=", 1)[0]
         pair = f"{arg} {args[index + 1]}" if index + 1 < len(args) else arg
         if option in _DESELECTING or pair in _DESELECTING:
             return f"{option} can deselect the known answers or stop before they run"
@@ -3131,7 +3140,7 @@ class ReplayWorld:
     ledger."""
 
     def __init__(self, run_dir, events):
-        self.run_dir, self.produced, self.steps = Path(run_dir), [], 0
+        self.run_dir, self.produced, self.steps = run_dir, [], 0
         self.replies, self.clock, self.paths, self.checks = [], [], {}, {}
         for event in events:
             kind, payload = event["kind"], event["payload"]
@@ -3156,9 +3165,7 @@ class ReplayWorld:
         self.produced.append((kind, payload))
 
     def resolver(self, step):
-        recorded = {
-            posixpath.normpath(g): r for g, r in reversed(list(self.paths.get(step, {}).items()))
-        }
+        recorded = {posixpath.normpath(g): r for g, r in reversed(self.paths.get(step, {}).items())}
         # not resolved in the recorded run: taken at its word
         return lambda norm: recorded.get(norm, norm)
 
