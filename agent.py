@@ -1483,8 +1483,8 @@ _TOOL_DOCS = {
 
 def _looks_like_diff(text):
     text = text.lstrip()
-    return text.startswith(("diff --git ", "--- ")) and bool(
-        re.search(r"(?m)^--- \S.*\n\+\+\+ \S.*\n@@ ", text)
+    return text.startswith(("diff --git ", "--- ")) and re.search(
+        r"(?m)^--- \S.*\n\+\+\+ \S.*\n@@ ", text
     )
 
 
