@@ -256,7 +256,7 @@ class Policy:
 
     def __init__(self, data, text, source):
         self.source, self.text = str(source), text
-        self.sha256 = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        self.sha256 = _sha256_hex(text)
         self.version, self.test_command = data["version"], data["test_command"]
         self.test_timeout_s = data.get("test_timeout_s", 300)
         self.builtins = frozenset(data.get("builtins", ()))
@@ -403,12 +403,12 @@ def _plugin_problems(where, name, spec):
 
 
 def _no_duplicate_keys(pairs):
-    twice = [
-        key for key, count in collections.Counter(key for key, _value in pairs).items() if count > 1
-    ]
-    if twice:
-        raise ValueError(f"duplicate key {twice[0]!r}")
-    return dict(pairs)
+    found = {}
+    for key, value in pairs:
+        if key in found:
+            raise ValueError(f"duplicate key {key!r}")
+        found[key] = value
+    return found
 
 
 def load_policy(path):
@@ -480,9 +480,7 @@ def check_path(path, policy, resolve, paths, what="path"):
     glob = policy.denied_by(norm)
     if glob:
         raise _Deny("path.denied", f"{what} {path!r} matches the deny glob {glob!r}")
-    if path not in paths:
-        paths[path] = resolve(norm)
-    resolved = paths[path]
+    resolved = paths.setdefault(path, resolve(norm))
     if resolved is None:
         raise _Deny("path.escape", f"{what} {path!r} resolves outside the repository (a symlink?)")
     glob = policy.denied_by(resolved)
@@ -669,7 +667,7 @@ def git(repo, *args, input=None, check=True, timeout=120, env=None):
     """A git command in `repo`, read-only unless `env` says otherwise (no optional locks). Its
     stdout bytes."""
     proc = subprocess.run(
-        ["git", "-c", "core.fsmonitor=false", "-c", "core.quotepath=false", "-C", str(repo), *args],
+        ["git", "-c", "core.fsmonitor=false", "-c", "core.quotepath=false", "-C", repo, *args],
         input=input,
         capture_output=True,
         env=env or _git_env(),
@@ -778,7 +776,7 @@ def _ref_entries(repo, ref):
     objects."""
     entries = list(_tree_blobs(repo, ref))  # _create refuses an unsafe name
     batch = subprocess.Popen(
-        ["git", "-C", str(repo), "cat-file", "--batch"],
+        ["git", "-C", repo, "cat-file", "--batch"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=_git_env()
@@ -802,6 +800,10 @@ def _ref_entries(repo, ref):
         batch.wait()
 
 
+# a file created here, never one that was there, nor through a symlink
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 def _safe_rel(rel):
     """A path git would check out: no `..`, no `.git` in any case (`.GIT` is `.git` on a
     case-insensitive disk)."""
@@ -814,7 +816,7 @@ def _create(dest, rel, executable=False, link=None):
     nor over a path."""
     if not _safe_rel(rel):
         return None
-    parent = str(dest)
+    parent = dest
     for part in rel.split("/")[:-1]:
         parent = os.path.join(parent, part)
         try:
@@ -826,11 +828,7 @@ def _create(dest, rel, executable=False, link=None):
     try:
         if link is not None:
             return os.symlink(link, path)
-        return os.open(
-            path,
-            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-            0o755 if executable else 0o644
-        )
+        return os.open(path, _NEW_FILE, 0o755 if executable else 0o644)
     except (FileExistsError, IsADirectoryError, NotADirectoryError):
         return None
 
@@ -893,9 +891,7 @@ def repo_secrets(repo, commit=None):
             for _mode, sha, path in _tree_blobs(repo, rev, check=False)
             if re.search(r"(?i)(^|/)\.env", path)
         ]
-        texts += [
-            git(repo, "cat-file", "blob", sha, check=False)[: 256 * 1024] for sha in blobs[:200]
-        ]
+        texts += [_blob(repo, sha)[: 256 * 1024] for sha in blobs[:200]]
     values = (v for text in texts for v in dotenv_values((text or b"").decode("utf-8", "replace")))
     return list(dict.fromkeys(values))
 
@@ -1030,11 +1026,11 @@ class Sandbox:
         roots = _program_roots(program, env, self.hide)
         args += [arg for path in roots for arg in ("--ro-bind", path, path)]
         # after the private /tmp: cwd and `writable` usually live there
-        args += [arg for path in map(str, (cwd, *writable)) for arg in ("--bind", path, path)]
+        args += [arg for path in (cwd, *writable) for arg in ("--bind", path, path)]
         # a pyenv shim cds to where pyenv was first called, which may be hidden here
         if "PYENV_DIR" in env:
-            args += ["--setenv", "PYENV_DIR", str(cwd)]
-        return args + ["--chdir", str(cwd), "--", program, *argv[1:]]
+            args += ["--setenv", "PYENV_DIR", cwd]
+        return args + ["--chdir", cwd, "--", program, *argv[1:]]
 
 
 def _hidden_paths(repo, runs_dir):
@@ -1306,25 +1302,25 @@ sys.exit(0 if found else 1)
 class Workspace:
     """The host's scratch copy of the repository, and the tools that run there."""
 
-    def __init__(self, repo, ref, root, policy, redactor, box):
+    def __init__(self, repo, ref, root, policy, box):
         # box: every program run here, its rlimits, and its bwrap when it works
         self.repo, self.ref, self.root, self.policy, self.box = repo, ref, Path(root), policy, box
-        self.redactor = redactor
 
     def resolve(self, rel):
         root = os.path.realpath(self.root)
         real = os.path.realpath(os.path.join(root, rel))
         return os.path.relpath(real, root) if _under(real, root) else None
 
-    def run_tests(self, out=None):
-        """(Output, pytest's per-test outcomes or None); `out`: a directory the box may write JUnit
-        XML to."""
-        argv, junit = list(self.policy.test_command), None
-        if out and _is_pytest(argv):
+    def run_tests(self):
+        """The tests in the box, which may write out/ beside the copy (JUnit XML) and nothing else
+        of the host's: (Output, pytest's per-test outcomes or None)."""
+        argv, out, junit = list(self.policy.test_command), self.root.parent / "out", None
+        out.mkdir(exist_ok=True)
+        if _is_pytest(argv):
             junit = out / f"junit-{time.monotonic_ns()}.xml"
             argv += [f"--junitxml={junit}", "-p", "no:cacheprovider"]
         output = run_program(
-            argv, self.root, self.policy.test_timeout_s, box=self.box, writable=[out] if out else ()
+            argv, self.root, self.policy.test_timeout_s, box=self.box, writable=[out]
         )
         return output, junit_outcomes(junit) if junit else None
 
@@ -1336,8 +1332,10 @@ class Workspace:
             return run_program(
                 plugin.command(args), self.root, plugin.timeout_s or timeout, box=self.box
             )
-        if tool == "run_tests":
-            return self.run_tests()[0]
+        if tool == "run_tests":  # as tools.json has it, with no file of results
+            return run_program(
+                self.policy.test_command, self.root, self.policy.test_timeout_s, box=self.box
+            )
         if tool == "grep":
             files = self._files(args.get("path") or ".")
             if not files:
@@ -1485,8 +1483,8 @@ _TOOL_DOCS = {
 
 def _looks_like_diff(text):
     text = text.lstrip()
-    return text.startswith(("diff --git ", "--- ")) and bool(
-        re.search(r"(?m)^--- \S.*\n\+\+\+ \S.*\n@@ ", text)
+    return text.startswith(("diff --git ", "--- ")) and re.search(
+        r"(?m)^--- \S.*\n\+\+\+ \S.*\n@@ ", text
     )
 
 
@@ -1622,8 +1620,16 @@ class Budget:
 
     def over(self, limit, used, elapsed, **during):
         """The _Exit of a spent budget: the limit, how much was used, what was spent."""
-        payload = {"limit": limit, "used": used, "max": self.limits[limit]}
-        return _Exit("budget_exhausted", dict(payload, budget=self.snapshot(elapsed), **during))
+        return _Exit(
+            "budget_exhausted",
+            {
+                "limit": limit,
+                "used": used,
+                "max": self.limits[limit],
+                "budget": self.snapshot(elapsed),
+                **during
+            }
+        )
 
     def line(self, elapsed):
         limits = self.limits
@@ -1649,6 +1655,9 @@ def _excerpt(text, limit=EXCERPT_BYTES):
 
 
 def _sha256_hex(data):
+    """SHA-256 of bytes, or of a text's UTF-8 (a lone surrogate kept as it is)."""
+    if type(data) is str:
+        data = data.encode("utf-8", "surrogatepass")
     return hashlib.sha256(data).hexdigest()
 
 
@@ -1660,8 +1669,6 @@ def _fit(messages, limit):
     """Keep the conversation within `limit` chars: shorten old outputs, drop old exchanges, cut the
     longest."""
     size = before = _chars(messages)
-    if size <= limit:
-        return None
     shortened = dropped = cut_short = 0
     for message in messages[2:-2]:
         text = message["content"]
@@ -1801,7 +1808,7 @@ class _Loop:
         """The notice before the last repeat allowed; raises _Exit (stuck) at it."""
         try:
             parse_reply(text)
-            key = _sha256_hex(text.strip().encode("utf-8", "surrogatepass")), None
+            key = _sha256_hex(text.strip()), None
         except Malformed as bad:
             key = "", bad.reason
         self.repeats, self.last = (self.repeats + 1 if key == self.last else 1), key
@@ -1828,7 +1835,24 @@ class _Loop:
             action, problem = None, bad.reason
         # unreadable; or nested too deep, a lone surrogate, too large: not recordable, so no action
         if problem:
-            return self.malformed(step, text, call, checked, action, problem)
+            world.record(
+                "proposal_malformed",
+                {
+                    "step": step,
+                    "reason": (
+                        problem if action is None else f"the action cannot be recorded: {problem}"
+                    ),
+                    "excerpt": _excerpt(text, 500),
+                    "budget": checked,
+                    "call": call
+                }
+            )
+            answer = ' JSON object {"tool": NAME, "args": {...}, "reason": TEXT}.'
+            if action is None:
+                return f"The host could not read your reply: {problem}. Answer with one" + answer
+            return (
+                f"The host could not record your action ({problem}). Answer with one plain" + answer
+            )
         tool, args = action["tool"], action["args"]
         # tool, args and reason, in that order
         world.record(
@@ -1855,24 +1879,6 @@ class _Loop:
         if tool == "propose_patch":
             return self.propose(step, action)
         return world.run_tool(step, tool, args)
-
-    def malformed(self, step, text, call, checked, action, problem):
-        self.world.record(
-            "proposal_malformed",
-            {
-                "step": step,
-                "reason": (
-                    problem if action is None else f"the action cannot be recorded: {problem}"
-                ),
-                "excerpt": _excerpt(text, 500),
-                "budget": checked,
-                "call": call
-            }
-        )
-        answer = ' JSON object {"tool": NAME, "args": {...}, "reason": TEXT}.'
-        if action is None:
-            return f"The host could not read your reply: {problem}. Answer with one" + answer
-        return f"The host could not record your action ({problem}). Answer with one plain" + answer
 
     def propose(self, step, action):
         args, world = action["args"], self.world
@@ -1956,7 +1962,7 @@ class LiveWorld:
             record = self._chat(messages, budget, retries, tally, "model call")
         if not record["error_type"]:
             self.plan.learn(record["input_tokens"], record["est_input_tokens"])
-            call["reply_sha256"] = _sha256_hex(record["text"].encode("utf-8", "surrogatepass"))
+            call["reply_sha256"] = _sha256_hex(record["text"])
             call["reply_artifact"] = self.run.store_artifact(record["text"])
             return record["text"], call
         # a timeout at the wall, or a retry ask.chat left undone (it does only when the wall has no
@@ -2056,7 +2062,7 @@ class LiveWorld:
 
     def check_patch(self, step, patch):
         ws = self.ws
-        return check_patch(ws.root, patch, ws.redactor, ws.policy, ws.resolve)
+        return check_patch(ws.root, patch, self.run.ledger.redactor, ws.policy, ws.resolve)
 
 
 def _call_tokens(record):
@@ -2069,10 +2075,9 @@ def _call_tokens(record):
 
 def _context_too_long(record):
     codes = ("context_length_exceeded", "string_above_max_length", "context_window_exceeded")
-    if record["error_code"] in codes:
-        return True
-    return record["http_status"] in (400, 413, 422) and bool(
-        re.search(
+    return record["error_code"] in codes or (
+        record["http_status"] in (400, 413, 422)
+        and re.search(
             r"context.?length|maximum context|context window|context size|too many tokens|"
             r"prompt is too long|reduce the length",
             record["error_message"] or "",
@@ -2081,9 +2086,9 @@ def _context_too_long(record):
     )
 
 
-# What git does with a patch: paths (a rename as both), added paths, special (a symlink or a
-# submodule), and blobs: path -> (blob before, blob after), None where there is none.
-GitReading = collections.namedtuple("GitReading", "paths added special blobs", defaults=({},))
+# What git does with a patch: the added paths, special (a symlink or a submodule), and blobs: each
+# path it touches (a rename as both) -> (blob before, blob after), None where there is none.
+GitReading = collections.namedtuple("GitReading", "added special blobs")
 
 
 def git_reading(tree, patch_bytes, flags, env):
@@ -2121,13 +2126,13 @@ def git_reading(tree, patch_bytes, flags, env):
         special |= parts[1] in (b"120000", b"160000")
         # 48: b"0"
         blobs[path] = tuple(None if set(sha) == {48} else sha.decode() for sha in parts[2:4])
-    return GitReading(list(blobs), added, special, blobs)
+    return GitReading(added, special, blobs)
 
 
 def _git_apply(tree, patch_bytes, env, *flags):
     """`git apply FLAGS -` in `tree`: (its exit code, its output, stderr and stdout together)."""
     proc = subprocess.run(
-        ["git", "-C", str(tree), "apply", *flags, "-"],
+        ["git", "-C", tree, "apply", *flags, "-"],
         input=patch_bytes,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -2160,7 +2165,7 @@ def check_patch(scratch, patch, redactor, policy, resolve):
         )
     with tempfile.TemporaryDirectory(prefix="agent-patch-", dir=Path(scratch).parent) as work:
         clone, env = Path(work) / "tree", _scratch_git_env(work)
-        git(work, "clone", "-q", "--no-hardlinks", str(scratch), str(clone), env=env, timeout=300)
+        git(work, "clone", "-q", "--no-hardlinks", scratch, clone, env=env, timeout=300)
         for flags in ([], ["--recount"]):
             code, output = _git_apply(clone, patch_bytes, env, "--check", "--verbose", *flags)
             if code == 0:
@@ -2184,7 +2189,7 @@ def check_patch(scratch, patch, redactor, policy, resolve):
         result,
         applies=True,
         recount=bool(flags),
-        files=reading.paths,
+        files=list(reading.blobs),
         proposal=proposal,
         proposal_sha256=_sha256_hex(proposal)
     )
@@ -2213,9 +2218,9 @@ def _refusal(clone, reading, policy, resolve, env):
         return "git cannot apply this patch to the baseline's index"
     if reading.special:
         return "git reads this patch as making a symlink or a submodule (rule patch.mode)"
-    if not reading.paths:
+    if not reading.blobs:
         return "git reads no file in this patch (rule patch.no_files)"
-    for name in reading.paths:
+    for name in reading.blobs:
         try:
             check_path(name, policy, resolve, {}, what="a file in the patch,")
         except _Deny as deny:
@@ -2257,7 +2262,7 @@ def take_lock(repo, run_id):
 def _hold_lock(path, held_message, holder_note):
     """An exclusive flock on `path`, taken without waiting, noting who holds it; the fd. Raises
     LockHeld."""
-    fd = os.open(str(path), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -2304,8 +2309,9 @@ def run_agent(
     """One run on `repo`: (outcome, run_id, proposal path or None). Failures after open are
     recorded."""
     policy = load_policy(tools)
-    overrides = {"max_steps": max_steps, "max_wall_s": max_wall_s}
-    policy.budget.update((name, n) for name, n in overrides.items() if n is not None)
+    for name, n in (("max_steps", max_steps), ("max_wall_s", max_wall_s)):
+        if n is not None:
+            policy.budget[name] = n
     repo = repo_root(repo)
     commit = resolve_ref(repo, ref)
     run_id = run_id or rl.new_run_id()
@@ -2349,12 +2355,12 @@ def run_agent(
 
 def _close(run, outcome):
     """run_closed, with the steps, the proposal's file and the judge's verdict."""
-    events = list(rl.read_events(run.ledger.path))
+    summed = rl.run_summary(rl.read_events(run.ledger.path))
     run.close(
         outcome,
-        steps=sum(e["kind"] in ("model_proposed", "proposal_malformed") for e in events),
+        steps=summed["steps"],
         proposal=PROPOSAL_NAME if (run.dir / PROPOSAL_NAME).exists() else None,
-        verdict=([p.get("verdict") for p in _payloads(events, "judge_verdict")] or [None])[-1]
+        verdict=summed["judge_verdict"]
     )
 
 
@@ -2410,9 +2416,8 @@ def _run_steps(run, workspace, settings, started):
         {"role": "user", "content": run.ledger.redactor.text(first)}
     ]
     world = LiveWorld(run, workspace, settings, started)
-    base_url, model, api_key = settings
-    if policy.budget["context_tokens"] is None:
-        # recorded as models_list
+    if policy.budget["context_tokens"] is None:  # asked of the endpoint, recorded as models_list
+        base_url, model, api_key = settings
         timeout = min(30, policy.budget["call_timeout_s"])
         listed = ask.list_models(ledger=run, base_url=base_url, api_key=api_key, timeout=timeout)
         world.plan.know((listed.get("context_tokens") or {}).get(model))
@@ -2422,8 +2427,7 @@ def _run_steps(run, workspace, settings, started):
     # after the decision that accepted it: its exact bytes, never masked; one open, on the new file
     # itself: nothing planted there is followed
     path = run.dir / PROPOSAL_NAME
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    with os.fdopen(os.open(path, flags, 0o600), "wb") as handle:
+    with os.fdopen(os.open(path, _NEW_FILE, 0o600), "wb") as handle:
         handle.write(check["proposal"])
     verdict = _judge_in_child(run, workspace)
     return ("proposal_accepted" if verdict == "accept" else "proposal_rejected_by_judge"), path
@@ -2464,19 +2468,11 @@ def _start(run, repo, ref, commit, policy, settings, tree, origin):
         }
     )
     require_box(box, policy)
-    return Workspace(repo, pinned, tree, policy, run.ledger.redactor, box)
-
-
-def _boxed_tests(workspace):
-    """The tests in the box, which may write out/ beside the copy (JUnit XML) and nothing else of
-    the host's: (Output, per-test outcomes or None)."""
-    out = workspace.root.parent / "out"
-    out.mkdir(exist_ok=True)
-    return workspace.run_tests(out)
+    return Workspace(repo, pinned, tree, policy, box)
 
 
 def _tests(run, workspace):
-    output, outcomes = _boxed_tests(workspace)
+    output, outcomes = workspace.run_tests()
     payload = {
         "command": workspace.policy.test_command,
         "returncode": output.returncode,
@@ -2538,13 +2534,7 @@ def _judge_in_child(run, workspace):
         "secrets": list(run.ledger.redactor.values),
         "sandbox": workspace.box.record()
     }
-    argv = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "judge",
-        str(run.dir.resolve()),
-        "--from-host"
-    ]
+    argv = [sys.executable, Path(__file__).resolve(), "judge", run.dir.resolve(), "--from-host"]
     output = run_program(
         argv,
         HERE,
@@ -2552,20 +2542,20 @@ def _judge_in_child(run, workspace):
         env=dict(_child_env(), TMPDIR=str(workspace.root.parent)),
         input=json.dumps(given).encode("utf-8")
     )
-    verdicts = _payloads(rl.read_events(run.ledger.path), "judge_verdict")
-    if not verdicts:
+    verdict = rl.run_summary(rl.read_events(run.ledger.path))["judge_verdict"]
+    if verdict is None:
         raise RuntimeError(
             f"the judge did not give a verdict (exit {output.returncode}): "
             f"{output.text(1000).strip()[-500:]}"
         )
-    return verdicts[-1].get("verdict")
+    return verdict
 
 
 # == The judge: reads only the run's ledger and artifacts, works in its own copy ==
 
 
 def _artifact_text(run_dir, ref):
-    return (Path(run_dir) / ref["path"]).read_bytes().decode("utf-8", "replace")
+    return (run_dir / ref["path"]).read_bytes().decode("utf-8", "replace")
 
 
 def _recorded_policy(run_dir, started):
@@ -2613,7 +2603,7 @@ def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
                 "the repository changed since the run started; the judge cannot compare"
             )
         else:
-            workspace = Workspace(repo, None, tree, policy, ledger.redactor, box)
+            workspace = Workspace(repo, None, tree, policy, box)
             _judge_tree(patch, before, workspace, ledger, verdict)
     ledger.append("judge_verdict", verdict)
     ledger.close()
@@ -2644,8 +2634,8 @@ def _judge_tree(patch, before, workspace, ledger, verdict):
     rule."""
     tree, policy = workspace.root, workspace.policy
     env = _scratch_git_env(tree.parent)
-    reading = git_reading(tree, patch, [], env) or GitReading([], [], False)
-    verdict["touched_tests"] = [f for f in reading.paths if policy.is_test_path(f)]
+    reading = git_reading(tree, patch, [], env) or GitReading([], False, {})
+    verdict["touched_tests"] = [f for f in reading.blobs if policy.is_test_path(f)]
     verdict["shadows"] = [f for f in reading.added if _shadows_a_module(f)]
     verdict["tripwires"] = tripwires(tree, reading, policy.tripwires, env)
     off = [t for t in TRIPWIRES if t not in policy.tripwires]
@@ -2669,7 +2659,7 @@ def _judge_tree(patch, before, workspace, ledger, verdict):
         )
     else:
         verdict["known_answers"] = "planted" if plants else "off"
-    output, after = _boxed_tests(workspace)
+    output, after = workspace.run_tests()
     after, passed, subverted = plants.read(output, after) if plants else (after, None, None)
     verdict.update(_compare(before, after, output, passed))
     if subverted:
@@ -2677,9 +2667,7 @@ def _judge_tree(patch, before, workspace, ledger, verdict):
     text = output.artifact_bytes().decode("utf-8", "replace")
     text = plants.label(text) if plants else text
     verdict["output_artifact"] = ledger.store_artifact(text)
-    half = EXCERPT_BYTES // 2
-    shown = text[:half] + text[-half:] if len(text) > EXCERPT_BYTES else text
-    verdict["excerpt"] = _excerpt(ledger.redactor.text(shown), 800)
+    verdict["excerpt"] = _excerpt(ledger.redactor.text(text[-EXCERPT_BYTES:]), 800)
     verdict["duration_ms"] = output.duration_ms
     accept = (
         "the patch applies, the tests pass, no test that passed before fails, no test file changed"
@@ -2836,7 +2824,8 @@ def _runner_patterns(argv):
 def _pytest_why_not(args, tree):
     index = 0
     while index < len(args):
-        arg, option = args[index], args[index].split("=", 1)[0]
+        arg = args[index]
+        option = arg.split("=", 1)[0]
         pair = f"{arg} {args[index + 1]}" if index + 1 < len(args) else arg
         if option in _DESELECTING or pair in _DESELECTING:
             return f"{option} can deselect the known answers or stop before they run"
@@ -2993,21 +2982,20 @@ def tripwires(tree, reading, enabled, env):
     """Every enabled tripwire the patch fires, [{rule, path, what}]; only what the patch adds
     counts."""
     fired = []
-    for path in reading.paths:
-        parts, base = path.split("/"), path.rsplit("/", 1)[-1]
+    for path, (old, new) in reading.blobs.items():
+        parts = path.split("/")
         if (
             any(p.endswith((".dist-info", ".egg-info")) for p in parts)
-            or base == "entry_points.txt"
+            or parts[-1] == "entry_points.txt"
         ):
             fired.append(
                 ("tripwire.packaging_metadata", path, "packaging metadata (a runner plug-in point)")
             )
-        if base.endswith(".pth") or any(
+        if parts[-1].endswith(".pth") or any(
             p in ("sitecustomize.py", "usercustomize.py", "sitecustomize", "usercustomize")
             for p in parts
         ):
             fired.append(("tripwire.startup_hook", path, "a file Python runs at start-up"))
-        old, new = reading.blobs.get(path, (None, None))
         if new and path.endswith((".py", ".pyw")):
             was = _py_tripwires(_blob(tree, old, env)) if old else []
             seen = collections.Counter(w[:2] for w in was)
@@ -3020,7 +3008,7 @@ def tripwires(tree, reading, enabled, env):
     return [{"rule": r, "path": p, "what": w} for r, p, w in fired if r in enabled]
 
 
-def _blob(tree, sha, env):
+def _blob(tree, sha, env=None):
     return git(tree, "cat-file", "blob", sha, check=False, env=env)
 
 
@@ -3152,7 +3140,7 @@ class ReplayWorld:
     ledger."""
 
     def __init__(self, run_dir, events):
-        self.run_dir, self.produced, self.steps = Path(run_dir), [], 0
+        self.run_dir, self.produced, self.steps = run_dir, [], 0
         self.replies, self.clock, self.paths, self.checks = [], [], {}, {}
         for event in events:
             kind, payload = event["kind"], event["payload"]
@@ -3177,9 +3165,7 @@ class ReplayWorld:
         self.produced.append((kind, payload))
 
     def resolver(self, step):
-        recorded = {
-            posixpath.normpath(g): r for g, r in reversed(list(self.paths.get(step, {}).items()))
-        }
+        recorded = {posixpath.normpath(g): r for g, r in reversed(self.paths.get(step, {}).items())}
         # not resolved in the recorded run: taken at its word
         return lambda norm: recorded.get(norm, norm)
 
@@ -3283,7 +3269,7 @@ def list_runs(runs_dir):
     """One row per run: id, started, outcome, steps, tokens, whether it verifies against the index,
     why it ended, whether it ran unboxed, and the head the index recorded (`seq:hash`)."""
     rows = []
-    for path, head in rl.run_ledgers(runs_dir):
+    for path, head in sorted(rl.run_ledgers(runs_dir)):  # by run id
         if path.name != rl.EVENTS_NAME:
             continue
         try:
@@ -3312,7 +3298,7 @@ def list_runs(runs_dir):
                 "head": f"{head[0]}:{head[1]}" if head else None
             }
         )
-    return sorted(rows, key=lambda row: row["run_id"])
+    return rows
 
 
 def run_reason(events):
@@ -3357,7 +3343,8 @@ def _cmd_run(args):
     )
     runs = Path(args.runs_dir)
     events = _events_of(runs / run_id)
-    unboxed = _unboxed(events)
+    summed = rl.run_summary(events)
+    unboxed = summed["unboxed"]
     if unboxed and not unboxed.startswith('tools.json sets "sandbox": "off"'):
         rl.warn(f"run {run_id}: the tests and tools ran without a sandbox: {unboxed}")
     # error, budget_exhausted
@@ -3370,7 +3357,7 @@ def _cmd_run(args):
             f"({ended.get('used')} of {ended.get('max')})"
         )
     elif outcome == "stuck":
-        rl.warn(f"run {run_id}: " + run_reason(events))
+        rl.warn(f"run {run_id}: {summed['why'] or ''}")
     # bounded: a ClickHouse that hangs delays the run's exit by SHIP_RUN_DEADLINE_S at most
     if args.ship_to:
         _ship_run(
@@ -3406,17 +3393,6 @@ def _events_of(run_dir):
         return list(rl.read_events(Path(run_dir) / rl.EVENTS_NAME))
     except (rl.LedgerError, OSError):
         return []
-
-
-def _unboxed(events):
-    """Why the run's programs ran without bwrap (its run_started says), or None when they ran in
-    it."""
-    started = (_payloads(events, "run_started") or [{}])[0]
-    return (
-        started.get("sandbox_reason") or "no reason recorded"
-        if started.get("sandbox") == "none"
-        else None
-    )
 
 
 def _cmd_check_tools(args):
@@ -3593,7 +3569,7 @@ def main(argv=None):
     if not args.command:
         parser.print_help(sys.stderr)
         return rl.EXIT_USAGE
-    return rl.run_cli(args.func, args, secrets=[os.environ.get("API_KEY") or ""])
+    return rl.run_cli(args.func, args)
 
 
 if __name__ == "__main__":

@@ -292,7 +292,7 @@ def test_deleting_a_file_named_with_a_mode_like_number_is_not_a_mode_change(deni
     gone = "diff --git a/weird-120000.txt b/weird-120000.txt\ndeleted file mode 100644\n--- a/weird-120000.txt\n" \
            "+++ /dev/null\n@@ -1 +0,0 @@\n-x\n"
     assert agent_module.patch_files(FIX + gone) == (["calc.py", "weird-120000.txt"], [])
-    resolve = agent_module.Workspace(repo, None, repo, policy, rl.Redactor(), None).resolve
+    resolve = agent_module.Workspace(repo, None, repo, policy, None).resolve
     assert agent_module.check_action({"tool": "propose_patch", "args": {"patch": FIX + gone}}, policy, resolve).allowed
     check = agent_module.check_patch(repo, FIX + gone, rl.Redactor(), policy, resolve)
     assert check["applies"] is True and sorted(check["files"]) == ["calc.py", "weird-120000.txt"], check
@@ -405,7 +405,7 @@ def denial_tree(tmp_path_factory):
     os.symlink(".env", repo / "link_to_env")
     (repo / ".env").write_text(f"SECRET_TOKEN={ENV_SECRET}\n")
     policy = agent_module.load_policy(tools_json(root / "tools.json"))
-    return policy, agent_module.Workspace(repo, None, repo, policy, rl.Redactor(), None).resolve, repo
+    return policy, agent_module.Workspace(repo, None, repo, policy, None).resolve, repo
 
 
 @pytest.mark.parametrize("call,rule", DENIALS + ALLOWED, ids=[f"{i}-{d[1]}" for i, d in enumerate(DENIALS + ALLOWED)])
