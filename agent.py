@@ -3301,11 +3301,6 @@ def list_runs(runs_dir):
     return rows
 
 
-def run_reason(events):
-    """Why a run ended, in a few words (rl.run_summary())."""
-    return rl.run_summary(events)["why"] or ""
-
-
 def _tokens_cell(row):
     if row["tokens"] is None:
         return "-"

@@ -942,11 +942,8 @@ class Daemon:
     def _closed(self, run_id):
         """(the outcome the run recorded when it closed, or None; why it ended, as its events
         say)."""
-        events = agent._events_of(self.settings.runs_dir / run_id)
-        closed = [
-            event["payload"].get("outcome") for event in events if event["kind"] == "run_closed"
-        ]
-        return (closed[-1] if closed else None), agent.run_reason(events)
+        run = rl.run_summary(agent._events_of(self.settings.runs_dir / run_id))
+        return (None if run["outcome"] == "open" else run["outcome"]), run["why"] or ""
 
     def _replay(self):
         """daemon.jsonl read again into the delivery map and the last run: (run id: webhook_received
