@@ -3268,10 +3268,11 @@ def _flips(recorded, produced):
 def list_runs(runs_dir):
     """One row per run: id, started, outcome, steps, tokens, whether it verifies against the index,
     why it ended, whether it ran unboxed, and the head the index recorded (`seq:hash`)."""
-    rows = []
-    for path, head in sorted(rl.run_ledgers(runs_dir)):  # by run id
-        if path.name != rl.EVENTS_NAME:
-            continue
+    runs_dir, rows = Path(runs_dir), []
+    heads = dict(rl.run_heads(runs_dir))  # the index anchors every run: one that fails raises
+    found = {path.parent.name for path in runs_dir.glob(f"*/{rl.EVENTS_NAME}")}
+    for run_id in sorted(found | set(heads)):
+        path, head = runs_dir / run_id / rl.EVENTS_NAME, heads.get(run_id)
         try:
             lines = rl.verified_events(path, expect=head, closed=True)
             run, verified = rl.run_summary(event for event, _raw, _digest in lines), "ok"
@@ -3286,7 +3287,7 @@ def list_runs(runs_dir):
         )
         rows.append(
             {
-                "run_id": path.parent.name,
+                "run_id": run_id,
                 "started": run.get("started"),
                 "outcome": run.get("outcome"),
                 "steps": run.get("steps"),

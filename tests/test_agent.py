@@ -832,3 +832,22 @@ def test_runs_lists_every_run_and_whether_it_verifies(agent, tmp_path):
     assert proc.returncode == 1 and "FAIL" in proc.out
     audit = run_script("audit.py", agent.runs, "--json")
     assert audit.returncode == 1  # the audit refuses a tampered run too
+
+
+@pytest.mark.parametrize("tamper", ["flipped byte", "garbage line", "torn tail", "not UTF-8"])
+def test_runs_refuses_a_broken_index_rather_than_vouch_for_the_runs_it_anchors(agent, tmp_path, tamper):
+    """The index holds every closed run's head: with it broken, no run can be called verified, and a
+    run cut back to before its run_closed must not pass as an open one."""
+    agent(make_repo(tmp_path / "passing", calc=CALC.replace("a - b", "a + b")))
+    agent(make_repo(tmp_path / "second", calc=CALC.replace("a - b", "a + b")))
+    cut = sorted(agent.runs.glob("*/events.jsonl"))[1]
+    cut.write_bytes(b"".join(cut.read_bytes().splitlines(keepends=True)[:-1]))  # its run_closed gone
+    index = agent.runs / "index.jsonl"
+    raw = index.read_bytes()
+    index.write_bytes({"flipped byte": raw[:-20] + bytes([raw[-20] ^ 1]) + raw[-19:],
+                       "garbage line": raw + b"garbage\n",
+                       "torn tail": raw + b'{"seq":3,',
+                       "not UTF-8": raw + b'\xff\xfe\n'}[tamper])
+    proc = run_script("agent.py", "runs", "--runs-dir", agent.runs)
+    assert proc.returncode == 1 and proc.out == "", (proc.returncode, proc.out)
+    assert len(error_lines(proc.err)) == 1 == len(proc.err.splitlines()) and "index.jsonl" in proc.err, proc.err

@@ -868,6 +868,11 @@ def test_read_endpoints_need_the_token_once_one_is_set_and_run_ids_are_checked(s
         answer = daemon.get(path, bearer)
         assert answer.status == 404 and b"not for you" not in answer.body, path
     assert len(daemon.payloads("read_rejected")) == 8
+    index = serve.runs / "index.jsonl"  # the index anchors every run: broken, it vouches for none
+    index.write_bytes(index.read_bytes() + b"garbage\n")
+    answer = daemon.get("/runs", bearer)
+    assert answer.status == 500 and b"ok" not in answer.body
+    assert "index.jsonl" in daemon.payloads("daemon_error")[-1]["message"]
 
 
 def test_the_timeline_page_shows_every_value_escaped(serve, server):

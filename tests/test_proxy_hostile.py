@@ -99,6 +99,28 @@ def _closed_by_peer(sock):
         return False
 
 
+def test_a_bad_request_after_a_good_one_on_a_keep_alive_is_judged_and_logged_on_its_own(start, upstream):
+    """Nothing of the last request on a connection (its method, path or headers) speaks for the next."""
+    proxy = start(upstream.base_url, "--verbose")
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=HANG_GUARD_S)
+    body = json.dumps(CHAT).encode()
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    sock.sendall(b"GARBAGE\r\n\r\n")
+    answers = b""
+    while answers.count(b"HTTP/1.1 ") < 2 or not answers.endswith(b"}\n"):
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        answers += chunk
+    sock.close()
+    assert answers.startswith(b"HTTP/1.1 200") and b"HTTP/1.1 400" in answers, answers[:300]
+    code, _out, err = proxy.stop()
+    log = [line for line in err.splitlines() if line.startswith("proxy: ")]
+    assert code == 0 and len(log) == 2 and " 400 " in log[1], log
+    assert " POST /v1/chat/completions 200 " in log[0] and " - - 400 " in log[1], log
+    assert len(calls(proxy.ledger)) == 1
+
 def test_a_body_over_the_cap_is_413_without_reading_it(start, upstream):
     proxy = start(upstream.base_url)
     conn = proxy.conn()
