@@ -713,7 +713,8 @@ class RequestHandler(socketserver.StreamRequestHandler):
         stage ("request", then "body"). A client that sends nothing raises ConnectionAbortedError.
         """
         self.deadline, self.close, self.stage = Deadline(seconds), True, "request"
-        self.method, self.path, self.headers = "-", "-", {}  # nothing of a keep-alive's last request
+        # nothing of a keep-alive connection's last request speaks for this one
+        self.method, self.path, self.headers = "-", "-", {}
         self.connection.settimeout(seconds + 2)  # a backstop: the deadline ends the reads
         self.deadline.watch(self.connection, how)
         try:
