@@ -3555,17 +3555,7 @@ _COMMANDS = (
 
 
 def main(argv=None):
-    moved = rl.moved_command("agent.py", {"serve": "daemon.py"}, argv)
-    if moved:
-        return moved
-    parser = _build_parser()
-    args, code = rl.parse_cli(parser, argv)
-    if args is None:
-        return code
-    if not args.command:
-        parser.print_help(sys.stderr)
-        return rl.EXIT_USAGE
-    return rl.run_cli(args.func, args)
+    return rl.run_main(_build_parser(), argv, moved={"serve": "daemon.py"})
 
 
 if __name__ == "__main__":

@@ -1769,6 +1769,7 @@ _ASK_FLAGS = (
 
 
 def _run(args):
+    args.ledger = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
     base_url, model, api_key = settings_from_env(
         args.base_url, args.model, need_model=not args.models
     )
@@ -1859,14 +1860,7 @@ def _print_answer(record, args):
 
 
 def main(argv=None):
-    moved = rl.moved_command("ask.py", {"proxy": "proxy.py"}, argv)
-    if moved:
-        return moved
-    args, code = rl.parse_cli(_build_parser(), argv)
-    if args is None:
-        return code
-    args.ledger = args.ledger or os.environ.get("LEDGER") or DEFAULT_LEDGER
-    return rl.run_cli(_run, args)  # its error line masks rl.SECRET_ENV_VARS' values
+    return rl.run_main(_build_parser(), argv, _run, {"proxy": "proxy.py"})
 
 
 if __name__ == "__main__":

@@ -1696,10 +1696,7 @@ def _run(args):
 
 
 def main(argv=None):
-    args, code = rl.parse_cli(_build_parser(), argv)
-    if args is None:
-        return code
-    return rl.run_cli(_run, args)
+    return rl.run_main(_build_parser(), argv, _run)
 
 
 if __name__ == "__main__":

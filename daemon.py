@@ -1280,10 +1280,7 @@ def _build_parser():
 
 
 def main(argv=None):
-    args, code = rl.parse_cli(_build_parser(), argv)
-    if args is None:
-        return code
-    return rl.run_cli(_serve, args, secrets=[os.environ.get("API_KEY") or ""])
+    return rl.run_main(_build_parser(), argv, _serve)
 
 
 if __name__ == "__main__":

@@ -866,14 +866,7 @@ def _verify_parser(sub):
 
 
 def main(argv=None):
-    parser = _build_parser()
-    args, code = rl.parse_cli(parser, argv)
-    if args is None:
-        return code
-    if not args.command:
-        parser.print_help(sys.stderr)
-        return rl.EXIT_USAGE
-    return rl.run_cli(args.func, args)
+    return rl.run_main(_build_parser(), argv)
 
 
 if __name__ == "__main__":

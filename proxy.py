@@ -468,6 +468,7 @@ def _proxy_parser():
 def _run_proxy(args):
     import signal
 
+    args.ledger = args.ledger or os.environ.get("LEDGER") or ask.DEFAULT_LEDGER
     upstream, token = ask.settings_from_env(need_model=False), os.environ.get("PROXY_TOKEN") or None
     if token is not None and not re.fullmatch(r"[\x21-\x7e]+", token):
         raise ask.ConfigError(
@@ -501,11 +502,7 @@ def _run_proxy(args):
 
 
 def main(argv=None):
-    args, code = rl.parse_cli(_proxy_parser(), argv)
-    if args is None:
-        return code
-    args.ledger = args.ledger or os.environ.get("LEDGER") or ask.DEFAULT_LEDGER
-    return rl.run_cli(_run_proxy, args)  # its error line masks rl.SECRET_ENV_VARS' values
+    return rl.run_main(_proxy_parser(), argv, _run_proxy)
 
 
 if __name__ == "__main__":

@@ -1452,19 +1452,26 @@ def parse_time(text, end=False, now=None):
 MOVED = {"ship": "fleet.py ship", "verify --from": "fleet.py verify --from"}
 
 
-def moved_command(prog, moved, argv):
-    """EXIT_USAGE after one error line when argv spells a command of `moved` (the old spelling, its
-    first word and any option after it), else None. It imports nothing: the new home may be absent.
-    """
+def run_main(parser, argv=None, command=None, moved=None):
+    """A script's main(): the one error line of a command that moved (`moved`: old spelling -> new;
+    answered without importing the new home), else argv parsed and `command`, or the chosen
+    subcommand, run under run_cli. No subcommand shows the help (exit 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    for old, new in moved.items():
+    for old, new in (moved or {}).items():
         first, *options = old.split()
         if argv[:1] == [first] and all(
             any(a == o or a.startswith(o + "=") for a in argv[1:]) for o in options
         ):
-            error(f"`{prog} {old}` has moved: run `python3 {new}` (see CHANGELOG.md)")
+            error(f"`{parser.prog} {old}` has moved: run `python3 {new}` (see CHANGELOG.md)")
             return EXIT_USAGE
-    return None
+    args, code = parse_cli(parser, argv)
+    if args is None:
+        return code
+    command = command or getattr(args, "func", None)
+    if command is None:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    return run_cli(command, args)
 
 
 def add_targets(parser):
@@ -1724,17 +1731,7 @@ def _build_parser():
 
 
 def main(argv=None):
-    moved = moved_command("reasoning_ledger.py", MOVED, argv)
-    if moved:
-        return moved
-    parser = _build_parser()
-    args, code = parse_cli(parser, argv)
-    if args is None:
-        return code
-    if not args.command:
-        parser.print_help(sys.stderr)
-        return EXIT_USAGE
-    return run_cli(args.func, args)
+    return run_main(_build_parser(), argv, moved=MOVED)
 
 
 if __name__ == "__main__":
