@@ -664,6 +664,11 @@ def host_name(value):
     return (match.group(1) or match.group(2)).rstrip(".") if match else None
 
 
+def origin_host(origin):
+    """The host[:port] of an http(s) Origin; anything else (`null`) comes back as it is."""
+    return re.sub(r"\Ahttps?://", "", origin.strip().lower())
+
+
 def is_loopback(host):
     """Is `host` loopback by its text alone: `localhost` or a loopback address? A name is never
     resolved: under DNS rebinding a name resolves to whatever its owner says."""

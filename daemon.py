@@ -361,9 +361,7 @@ class _Handler(ask.RequestHandler):
             raise Refused(
                 421, "bad_host", "the Host header does not name this daemon (see --allow-host)"
             )
-        if origin is not None and not self.app.names_us(
-            re.sub(r"\Ahttps?://", "", origin.strip().lower())
-        ):
+        if origin is not None and not self.app.names_us(ask.origin_host(origin)):
             raise Refused(403, "bad_origin", "requests from this Origin are refused")
 
     def allowed(self, path):

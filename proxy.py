@@ -248,10 +248,21 @@ class _ProxyHandler(ask.RequestHandler):
             raise ask.Refused(
                 403, "forbidden", "Host must be a loopback name (set PROXY_TOKEN to serve others)"
             )
+        # what a web page sends: a browser names the page's origin, and a cross-site fetch
+        origin = self.headers.get("Origin")
+        if (
+            origin is not None
+            and not ask.is_loopback(ask.host_name(ask.origin_host(origin)) or "")
+            or (self.headers.get("Sec-Fetch-Site") or "").strip().lower() == "cross-site"
+        ):
+            raise ask.Refused(403, "bad_origin", "requests from a web page's Origin are refused")
 
     def allowed(self, path):
         self.route = path[3:].rstrip("/") if path.startswith("/v1/") else None
-        return PROXY_ROUTES.get(self.route)
+        method = PROXY_ROUTES.get(self.route)
+        if method == self.method == "POST":  # a 415 before the body is read: no simple POST
+            ask.require_json(self.headers)
+        return method
 
     def _one_request(self):
         args = self.server.args

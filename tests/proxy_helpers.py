@@ -9,6 +9,8 @@ import sys
 
 from conftest import KEY, ROOT, clean_env
 
+JSON = {"Content-Type": "application/json"}  # what every real client sends with a body
+
 
 class Proxy:
     """`python proxy.py --listen 127.0.0.1:0 ...` against `base_url`; the port from its first stdout line."""

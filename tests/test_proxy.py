@@ -10,7 +10,7 @@ import proxy as proxy_script
 import reasoning_ledger as rl
 from conftest import KEY, all_bytes_under, run_script, clean_env
 from fake_upstream import ANSWER, Upstream
-from proxy_helpers import Proxy, events, post
+from proxy_helpers import JSON, Proxy, events, post
 
 CHAT = {"model": "up-model", "messages": [{"role": "user", "content": "2+2?"}]}
 BODIES = {
@@ -230,7 +230,7 @@ def test_an_upstream_error_reaches_the_client_as_it_is_without_the_key(start, up
 def _stream(proxy):
     """A streamed chat request whose response is left unread: the test reads it as it arrives."""
     conn = proxy.conn()
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=True)))
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=True)), headers=JSON)
     return conn.getresponse()
 
 
@@ -301,7 +301,7 @@ def test_tool_calls_without_text_are_an_answer(start, upstream, stream):
 def test_the_line_is_there_before_the_answer_ends(start, stream):
     proxy = start()
     conn = proxy.conn()
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=stream)))
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=stream)), headers=JSON)
     response = conn.getresponse()
     if stream:
         while b"[DONE]" not in response.readline():

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conftest import run_script
-from proxy_helpers import Proxy, post
+from proxy_helpers import JSON, Proxy, post
 from test_proxy import CHAT, calls, upstream  # noqa: F401 -- the scripted upstream fixture
 
 HANG_GUARD_S = 60  # a hang guard only: every wait below ends on an event, never on a margin
@@ -72,7 +72,7 @@ def test_a_stream_cut_mid_event_after_relaying_began_is_truncated_stream(start, 
     hostile.queue({"name": "sse", "events": [first, b'data: {"model": "m", "choi'], "cut": True})
     proxy = start(hostile.base_url)
     conn = proxy.conn()
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=True)))
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=True)), headers=JSON)
     response = conn.getresponse()
     assert response.status == 200 and b"Hi" in response.readline()
     with pytest.raises(Exception) as broken:
@@ -121,10 +121,49 @@ def test_a_bad_request_after_a_good_one_on_a_keep_alive_is_judged_and_logged_on_
     assert " POST /v1/chat/completions 200 " in log[0] and " - - 400 " in log[1], log
     assert len(calls(proxy.ledger)) == 1
 
+# what a browser sends for a cross-site "simple" POST (fetch with mode no-cors, or a form)
+BROWSER = {"Content-Type": "text/plain;charset=UTF-8", "Origin": "https://evil.example",
+           "Sec-Fetch-Site": "cross-site", "Sec-Fetch-Mode": "no-cors", "Sec-Fetch-Dest": "empty",
+           "Host": "127.0.0.1:8787"}
+
+
+@pytest.mark.parametrize("headers, status, code", [
+    (BROWSER, 403, "bad_origin"),
+    ({k: v for k, v in BROWSER.items() if k != "Origin"}, 403, "bad_origin"),
+    (dict(BROWSER, Origin="null"), 403, "bad_origin"),
+    (dict(BROWSER, **{"Sec-Fetch-Site": "same-site"}), 403, "bad_origin"),
+    ({k: v for k, v in BROWSER.items() if k not in ("Origin", "Sec-Fetch-Site")}, 415,
+     "wrong_content_type"),
+    ({"Content-Type": "application/x-www-form-urlencoded"}, 415, "wrong_content_type"),
+    ({"Content-Type": "multipart/form-data; boundary=x"}, 415, "wrong_content_type"),
+    ({"Content-Type": ""}, 415, "wrong_content_type"),
+], ids=["cross-site", "no-origin", "null-origin", "evil-origin", "text-plain", "form", "multipart",
+        "none"])
+def test_what_a_web_page_can_send_is_refused_and_never_forwarded(start, upstream, headers, status,
+                                                                  code):
+    proxy = start(upstream.base_url)
+    response, raw = post(proxy.conn(), "/chat/completions", json.dumps(CHAT).encode(), headers)
+    assert response.status == status, raw
+    assert json.loads(raw)["error"]["code"] == code
+    assert upstream.requests == []
+    assert not proxy.ledger.exists() or calls(proxy.ledger) == []
+
+
+def test_a_loopback_origin_and_json_with_a_charset_are_served(start, upstream):
+    proxy = start(upstream.base_url)
+    for origin in (f"http://127.0.0.1:{proxy.port}", f"http://localhost:{proxy.port}", None):
+        headers = {"Content-Type": "application/json; charset=utf-8", "Sec-Fetch-Site": "same-origin"}
+        if origin is not None:
+            headers["Origin"] = origin
+        assert post(proxy.conn(), "/chat/completions", CHAT, headers)[0].status == 200, origin
+    assert len(upstream.requests) == 3 and len(calls(proxy.ledger)) == 3
+
+
 def test_a_body_over_the_cap_is_413_without_reading_it(start, upstream):
     proxy = start(upstream.base_url)
     conn = proxy.conn()
     conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Type", "application/json")
     conn.putheader("Content-Length", str(64 * 1024 * 1024))
     conn.endheaders()
     response = conn.getresponse()
@@ -136,7 +175,7 @@ def test_a_body_over_the_cap_is_413_without_reading_it(start, upstream):
 def test_a_slow_client_is_cut_at_the_read_deadline_and_holds_no_one_else(start, upstream, how):
     proxy = start(upstream.base_url, "--read-timeout", "1")
     sock = socket.create_connection(("127.0.0.1", proxy.port))
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: 100\r\n"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
     stop = threading.Event()
     if how == "stalled head":
         sock.sendall(head)
@@ -162,7 +201,7 @@ def test_an_idle_keep_alive_connection_is_closed_after_the_idle_timeout(start, u
     proxy = start(upstream.base_url, "--idle-timeout", "1")
     sock = socket.create_connection(("127.0.0.1", proxy.port))
     body = json.dumps(CHAT).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s"
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                  % (len(body), body))
     assert _closed_by_peer(sock)  # the answer, then the close
 
@@ -171,7 +210,7 @@ def test_a_long_stream_is_not_cut_by_the_read_deadline(start, upstream):
     upstream.queue("gated")
     proxy = start(upstream.base_url, "--read-timeout", "1")
     conn = proxy.conn()
-    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=True)))
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=True)), headers=JSON)
     response = conn.getresponse()
     assert b"The an" in response.readline()
     time.sleep(2.5)  # past the read deadline: it was cancelled once the body was in, so nothing is cut
@@ -210,13 +249,13 @@ def test_sigterm_closes_idle_connections_finishes_those_in_flight_and_exits_0(st
     proxy = start(upstream.base_url, "--grace", str(HANG_GUARD_S))
     idle = socket.create_connection(("127.0.0.1", proxy.port))
     body = json.dumps(CHAT).encode()
-    idle.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s"
+    idle.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                  % (len(body), body))
     answer = b""
     while b"The answer is 4." not in answer:
         answer += idle.recv(65536)
     busy = proxy.conn()
-    busy.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=True)))
+    busy.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=True)), headers=JSON)
     response = busy.getresponse()
     assert b"The an" in response.readline()
     proxy.proc.send_signal(signal.SIGTERM)
@@ -280,7 +319,7 @@ def test_after_sigterm_a_request_already_sent_behind_one_in_flight_gets_503(star
     proxy = start(upstream.base_url, "--grace", str(HANG_GUARD_S))
     sock = socket.create_connection(("127.0.0.1", proxy.port))
     streamed, plain = json.dumps(dict(CHAT, stream=True)).encode(), json.dumps(CHAT).encode()
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n"
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
     sock.sendall(head % len(streamed) + streamed)
     assert upstream.first_sent.wait(HANG_GUARD_S)
     sock.sendall(head % len(plain) + plain)  # pipelined behind the stream in flight
