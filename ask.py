@@ -701,8 +701,8 @@ def require_json(headers):
 class RequestHandler(socketserver.StreamRequestHandler):
     """Reads one HTTP/1.x request under one Deadline, and checks it in order: the request line and
     the headers (400, 431), the server's own checks (check(): Host, Origin, a token), the route and
-    its method (allowed(): 404, 405), Content-Length (411, 400, 413), `Expect: 100-continue`, the
-    body (400 when short). A refusal raises Refused; a request the deadline cuts is a 408."""
+    its method (allowed(): 404, 405), Content-Length (411, 400, 413; admit(): a budget), `Expect:
+    100-continue`, the body (400 when short). A refusal raises Refused; a late one is a 408."""
 
     line, method, path, headers, close, stage = b"", "-", "-", {}, True, "request"
 
@@ -711,6 +711,9 @@ class RequestHandler(socketserver.StreamRequestHandler):
 
     def allowed(self, path):
         """The method `path` (without its query) takes; None: no such route."""
+
+    def admit(self, length):
+        """Before a body of `length` bytes is read: raise Refused to refuse it unread."""
 
     def read_request(self, seconds, max_body, how=socket.SHUT_RDWR):
         """The body of a request that passes every check, read within `seconds`: the deadline shuts
@@ -776,6 +779,7 @@ class RequestHandler(socketserver.StreamRequestHandler):
         length = int(lengths[0])
         if length > max_body:
             raise Refused(413, "too_large", f"the body is larger than {max_body} bytes")
+        self.admit(length)
         self.stage = "body"
         if (self.headers.get("Expect") or "").lower() == "100-continue":
             self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -821,8 +825,8 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
     }
     if body is not None:
         headers["Content-Type"] = "application/json"
-    # \u escapes: lone surrogates go out too
-    data = None if body is None else json.dumps(body).encode("ascii")
+    # \u escapes: lone surrogates go out too; a proxied body nothing changed goes as it came (.raw)
+    data = None if body is None else getattr(body, "raw", None) or json.dumps(body).encode("ascii")
     try:
         response = http_open(urllib.request.Request(url, data=data, headers=headers), deadline)
     except urllib.error.HTTPError as exc:

@@ -43,9 +43,16 @@ PROXY_ROUTES = {
     "/models": "GET"
 }
 PROXY_LISTEN = "127.0.0.1:8787"
-PROXY_MAX_BODY = 32 * 1024 * 1024
 MAX_HEADER_CHARS = 200
 _PROXY_OPTIONS = (  # flag, type, default, least value (None: above 0), help
+    ("--max-body-bytes", int, 32 * 1024 * 1024, 1024, "the largest request body (past it, 413)"),
+    (
+        "--max-body-bytes-in-flight",
+        int,
+        64 * 1024 * 1024,
+        1024,
+        "request-body bytes held at once, all connections (past it, 503 with Retry-After)"
+    ),
     ("--max-connections", int, 64, 1, "past this many at once, 503 with Retry-After"),
     ("--grace", float, 10.0, 0, "seconds for the requests in flight at SIGTERM"),
     ("--idle-timeout", float, 15.0, None, "seconds a keep-alive connection may idle"),
@@ -158,6 +165,20 @@ def _error_json(message, code, kind="proxy_error"):
     ).encode()
 
 
+class _Body(dict):
+    """A client's JSON object: upstream it goes as the bytes it came in (`raw`) until changed."""
+
+    raw = None
+
+    def __setitem__(self, key, value):
+        self.raw = None
+        super().__setitem__(key, value)
+
+    def pop(self, *args):
+        self.raw = None
+        return super().pop(*args)
+
+
 class _ProxyServer(ask.CappedServer):
     """The settings, the one Ledger and a thread per connection, at most --max-connections (past
     that a 503)."""
@@ -173,6 +194,7 @@ class _ProxyServer(ask.CappedServer):
             secrets=self.secrets
         )
         ask.check_ledger(self.book)
+        self.in_flight = 0  # request-body bytes admitted and not yet done with, under the lock
         busy = ask.http_answer(
             503,
             _error_json("too many connections; retry later", "busy"),
@@ -183,6 +205,14 @@ class _ProxyServer(ask.CappedServer):
             super().__init__(address, _ProxyHandler, args.max_connections, busy)
         except OSError as exc:
             raise ask.ConfigError(f"cannot listen on {args.listen}: {rl.error_text(exc)}") from None
+
+    def hold(self, size):
+        """Take `size` bytes of the body budget (a negative size gives them back): False if full."""
+        with self.lock:
+            if self.in_flight + size > self.args.max_body_bytes_in_flight:
+                return False
+            self.in_flight += size
+            return True
 
     def append(self, kind, record):
         try:
@@ -264,10 +294,24 @@ class _ProxyHandler(ask.RequestHandler):
             ask.require_json(self.headers)
         return method
 
+    def admit(self, length):
+        # the parsed body and its record cost many times its bytes: the budget bounds the memory
+        if not self.server.hold(length):
+            raise ask.Refused(
+                503, "busy", "too many request bytes in flight; retry later", {"Retry-After": "1"}
+            )
+        self.held = length
+
     def _one_request(self):
-        args = self.server.args
+        self.held = 0
         try:
-            raw = self.read_request(args.read_timeout, PROXY_MAX_BODY)
+            self._read_and_call(self.server.args)
+        finally:
+            self.server.hold(-self.held)
+
+    def _read_and_call(self, args):
+        try:
+            raw = self.read_request(args.read_timeout, args.max_body_bytes)
         # nothing was sent upstream
         except ask.Refused as refused:
             code = {404: "not_found", 405: "method_not_allowed"}.get(refused.status)
@@ -320,6 +364,8 @@ class _ProxyHandler(ask.RequestHandler):
             body = json.loads(raw.decode("utf-8"))
             if type(body) is not dict:
                 raise ValueError("not a JSON object")
+            # pinned, the body is re-encoded: the model checked is the one sent (no duplicate key)
+            body, body.raw = _Body(body), None if app.model else raw
             messages, tokens = _client_messages(route, body)
         except (ValueError, RecursionError) as exc:
             body, messages, tokens = {}, [], 0
@@ -492,6 +538,8 @@ def _run_proxy(args):
     if not match or int(match.group(2)) > 65535:
         raise ask.ConfigError(f"--listen must be HOST:PORT, not {args.listen!r}")
     host, port = match.group(1), int(match.group(2))
+    if args.max_body_bytes_in_flight < args.max_body_bytes:
+        raise ask.ConfigError("--max-body-bytes-in-flight must be at least --max-body-bytes")
     if token is None and not ask.is_loopback(host):
         raise ask.ConfigError(
             f"--listen {host}: set PROXY_TOKEN to listen on anything but loopback"

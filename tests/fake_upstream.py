@@ -5,7 +5,7 @@ Usage:
   from fake_upstream import Upstream
   up = Upstream().start()          # 127.0.0.1, port 0
   up.queue("tools", {"name": "error", "status": 429, "headers": {"Retry-After": "7"}})
-  ... up.base_url, up.requests (method, path, headers, body), up.gate / up.first_sent, up.stop()
+  ... up.base_url, up.requests (method, path, headers, body, raw), up.gate / up.first_sent, up.stop()
 
 It speaks every route the proxy forwards: chat/completions, completions, responses (the Responses API,
 whose stream has `event:` lines, no [DONE], and usage in response.completed), embeddings and models.
@@ -130,8 +130,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         up = self.server.up
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"null")
-        scenario = up.take(self, body)
+        raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = json.loads(raw or b"null")
+        scenario = up.take(self, body, raw)
         name, route = scenario["name"], self.path.split("?")[0][len("/v1"):]
         model = body.get("model", "") if isinstance(body, dict) else ""
         if name == "error":
@@ -173,10 +174,10 @@ class Upstream:
             self.scenarios.extend({"name": s} if isinstance(s, str) else s for s in scenarios)
         return self
 
-    def take(self, handler, body):
+    def take(self, handler, body, raw=None):
         with self.lock:
             scenario = self.scenarios.pop(0) if self.scenarios else {"name": "ok"}
-            self.requests.append({"method": handler.command, "path": handler.path, "body": body,
+            self.requests.append({"method": handler.command, "path": handler.path, "body": body, "raw": raw,
                                   "headers": {k.lower(): v for k, v in handler.headers.items()}})
         return scenario
 

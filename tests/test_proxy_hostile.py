@@ -171,6 +171,98 @@ def test_a_body_over_the_cap_is_413_without_reading_it(start, upstream):
     assert upstream.requests == [] and calls(proxy.ledger) == []
 
 
+def _held_body(proxy, length):
+    """A request whose body is admitted (its 100 Continue came back) and never sent."""
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=HANG_GUARD_S)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                 b"application/json\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n" % length)
+    assert sock.recv(100).startswith(b"HTTP/1.1 100 ")
+    return sock
+
+
+def test_past_the_body_budget_the_answer_is_503_with_retry_after_before_the_body_is_read(start,
+                                                                                        upstream):
+    proxy = start(upstream.base_url, "--max-body-bytes", "4096", "--max-body-bytes-in-flight", "8192")
+    held = [_held_body(proxy, 4096) for _ in range(2)]  # the whole budget
+    conn = proxy.conn()
+    conn.putrequest("POST", "/v1/chat/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", "100")
+    conn.endheaders()  # the head only: the answer comes without the body
+    response = conn.getresponse()
+    assert response.status == 503 and response.getheader("Retry-After") == "1"
+    assert json.loads(response.read())["error"]["code"] == "busy"
+    assert upstream.requests == [] and calls(proxy.ledger) == []
+    body = json.dumps(CHAT).encode().ljust(4096)
+    held[0].sendall(body)  # a held body that comes in is served, and gives its bytes back
+    assert held[0].recv(65536).startswith(b"HTTP/1.1 200 ")
+    assert post(proxy.conn(), "/chat/completions", CHAT)[0].status == 200
+    assert post(proxy.conn(), "/chat/completions", b"x" * 4097)[0].status == 413
+    held[1].close()
+    assert len(upstream.requests) == 2 and upstream.requests[0]["raw"] == body
+
+
+def test_a_body_goes_upstream_as_it_came_unless_the_proxy_must_change_it(start, upstream):
+    raw = ('{"model":"up-model",  "messages":[{"role":"user","content":"caf\u00e9 é"}],'
+           '"temperature":1.0E0}').encode()
+    proxy = start(upstream.base_url)
+    assert post(proxy.conn(), "/chat/completions", raw)[0].status == 200
+    streamed = raw[:-1] + b',"stream":true}'  # the proxy asks for the usage chunk: re-encoded
+    assert post(proxy.conn(), "/chat/completions", streamed)[0].status == 200
+    pinned = start(upstream.base_url, MODEL_ID="up-model")  # the model checked is the model sent
+    assert post(pinned.conn(), "/chat/completions", raw)[0].status == 200
+    sent = [r["raw"] for r in upstream.requests]
+    assert sent[0] == raw and sent[1] != streamed and sent[2] != raw
+    assert [r["body"] for r in upstream.requests] == [
+        json.loads(raw), dict(json.loads(streamed), stream_options={"include_usage": True}),
+        json.loads(raw)]
+
+
+MAX_BODY, BODIES_IN_FLIGHT = 4 * 1024 * 1024, 4
+RSS_BOUND = 48 * 1024 * 1024 + 24 * MAX_BODY * BODIES_IN_FLIGHT  # docs/proxy.md's bound
+
+
+def _peak_rss(pid):
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    pytest.skip("no VmHWM in /proc")
+
+
+def test_peak_memory_is_bounded_by_the_body_budget(start, upstream, capsys):
+    """The documented maximum of concurrent maximum-size bodies of tiny messages, and as many
+    again: those past the budget are 503s, and the peak RSS stays under docs/proxy.md's bound."""
+    proxy = start(upstream.base_url, "--max-body-bytes", MAX_BODY, "--max-body-bytes-in-flight",
+                  MAX_BODY * BODIES_IN_FLIGHT)
+    message = b'{"role":"user","content":"a"},'
+    head = b'{"model":"up-model","messages":['
+    body = head + message * ((MAX_BODY - len(head) - 60) // len(message)) + message[:-1] + b"]}"
+    assert len(body) <= MAX_BODY
+    before, statuses = _peak_rss(proxy.proc.pid), []
+    barrier = threading.Barrier(BODIES_IN_FLIGHT * 2)
+
+    def client():
+        conn = proxy.conn(timeout=HANG_GUARD_S)
+        barrier.wait(HANG_GUARD_S)
+        try:
+            statuses.append(post(conn, "/chat/completions", body)[0].status)
+        except OSError:  # refused unread: the proxy's 503 and close can cut the sending short
+            statuses.append(503)
+    threads = [threading.Thread(target=client) for _ in range(BODIES_IN_FLIGHT * 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_GUARD_S)
+    peak = _peak_rss(proxy.proc.pid)
+    with capsys.disabled():
+        print(f"\nproxy peak RSS {peak / 2**20:.0f} MiB (start {before / 2**20:.0f} MiB, bound "
+              f"{RSS_BOUND / 2**20:.0f} MiB), statuses {sorted(statuses)}")
+    assert len(statuses) == len(threads) and set(statuses) <= {200, 503}
+    assert statuses.count(200) >= BODIES_IN_FLIGHT
+    assert len(upstream.requests) == statuses.count(200) and peak < RSS_BOUND
+
+
 @pytest.mark.parametrize("how", ["stalled head", "stalled body", "trickled head"])
 def test_a_slow_client_is_cut_at_the_read_deadline_and_holds_no_one_else(start, upstream, how):
     proxy = start(upstream.base_url, "--read-timeout", "1")
