@@ -142,12 +142,12 @@ def _client_messages(route, body):
             for k, v in item.items()
             if k in ("tool_calls", "function_call", "arguments", "output")
         )
-        messages.append(
-            {
-                "role": "system" if role == "developer" else role[:40],
-                "content": _as_text(item.get("content")) + calls
-            }
-        )
+        one = {
+            "role": "system" if role == "developer" else role[:40],
+            "content": _as_text(item.get("content")) + calls
+        }
+        # a message already in this shape is kept, not copied: a body of tiny ones costs half
+        messages.append(item if item == one and list(item) == ["role", "content"] else one)
     return messages, tokens
 
 

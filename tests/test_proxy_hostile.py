@@ -219,7 +219,7 @@ def test_a_body_goes_upstream_as_it_came_unless_the_proxy_must_change_it(start, 
 
 
 MAX_BODY, BODIES_IN_FLIGHT = 4 * 1024 * 1024, 4
-RSS_BOUND = 48 * 1024 * 1024 + 24 * MAX_BODY * BODIES_IN_FLIGHT  # docs/proxy.md's bound
+RSS_BOUND = 48 * 1024 * 1024 + 16 * MAX_BODY * BODIES_IN_FLIGHT  # docs/proxy.md's bound
 
 
 def _peak_rss(pid):
