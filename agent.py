@@ -1455,7 +1455,7 @@ def junit_outcomes(path):
 
     data, why = _read_plain_file(path, MAX_RESULTS_BYTES)
     if why or data is None:
-        return None, why
+        return None, why and f"the JUnit XML is {why}"
     try:
         tree = ElementTree.fromstring(data)
     except ElementTree.ParseError:
@@ -2504,7 +2504,7 @@ def _tests(run, workspace):
         counted = list(outcomes.values())
         payload["counts"] = {k: counted.count(k) for k in ("passed", "failed", "error", "skipped")}
     if why:
-        payload["results_unread"] = f"the JUnit XML is {why}"
+        payload["results_unread"] = why
     run.append("tests_run", payload)
     return dict(payload, output=output, outcomes=outcomes)
 
@@ -2676,7 +2676,7 @@ def _judge_tree(patch, before, workspace, ledger, verdict):
         verdict["known_answers"] = "planted" if plants else "off"
     output, after, why = workspace.run_tests()
     if why:
-        verdict["results_unread"] = f"the JUnit XML is {why}"
+        verdict["results_unread"] = why
     after, passed, subverted = plants.read(output, after) if plants else (after, None, None)
     verdict.update(_compare(before, after, output, passed))
     if subverted:
