@@ -248,3 +248,34 @@ def test_the_hosts_first_run_leaves_out_results_that_are_not_a_plain_file_and_sa
     baseline = payloads(events, "tests_run")[0]
     assert "outcomes_artifact" not in baseline and baseline["results_unread"] == "the JUnit XML is a FIFO"
     assert payloads(events, "judge_verdict")[-1]["rule"] == "judge.results_missing", proc.err
+
+
+def test_read_file_and_the_results_reader_open_only_plain_files_and_say_what_else_they_found(tmp_path):
+    import signal
+    import socket
+
+    import agent as agent_module
+
+    def blocked(*_):
+        raise TimeoutError("the reader blocked")
+
+    repo, cap = make_repo(tmp_path / "repo"), agent_module.MAX_RESULTS_BYTES
+    workspace = agent_module.Workspace(repo, None, repo, agent_module.load_policy(tools_json(tmp_path / "t.json")), None)
+    os.mkfifo(repo / "fifo")
+    os.symlink("/etc/passwd", repo / "link")
+    (repo / "big.xml").write_bytes(b" " * (cap + 1))
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(60)  # a hang guard: a reader blocked in open() on the FIFO would wait for ever
+    try:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(str(repo / "sock"))
+            for name, what in [("fifo", "a FIFO"), ("sock", "a socket")]:
+                output = workspace.execute("read_file", {"path": name})
+                assert output.returncode == 1 and f"{name}: {what}" in output.text(1000), output
+            for name, what in [("fifo", "a FIFO"), ("sock", "a socket"), ("link", "a symlink"),
+                               ("big.xml", f"over {cap} bytes")]:
+                assert agent_module.junit_outcomes(repo / name) == (None, f"the JUnit XML is {what}")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert workspace.execute("read_file", {"path": "calc.py"}).returncode == 0
