@@ -121,6 +121,7 @@ MAX_TEXT_ARG_CHARS = 8000
 MAX_PATCH_BYTES = 256 * 1024
 MAX_GREP_PATTERN = 200
 MAX_ARTIFACT_BYTES = 8 * 1024 * 1024
+MAX_RESULTS_BYTES = 8 * 1024 * 1024  # the JUnit XML a box leaves, as the host or the judge reads it
 EXCERPT_BYTES = 2000
 CALL_RETRIES = 2
 GIT_ENV = {
@@ -757,7 +758,7 @@ def _worktree_entries(repo):
         if stat.S_ISLNK(mode):
             yield rel, False, os.readlink(path), None
         elif stat.S_ISREG(mode):
-            content = _read_plain_file(path, None, os.O_NOFOLLOW)
+            content = _read_plain_file(path)[0]
             if content is not None:  # else gone, or replaced by a symlink, since it was listed
                 yield rel, mode & 0o111, None, content
 
@@ -877,7 +878,7 @@ def repo_secrets(repo, commit=None):
         check=False
     )
     texts = [
-        _read_plain_file(Path(repo) / os.fsdecode(raw), 256 * 1024)
+        _read_plain_file(Path(repo) / os.fsdecode(raw), 256 * 1024, 0)[0]
         for raw in list(dict.fromkeys(listing.split(b"\0")))[:200]
         if raw
     ]
@@ -935,15 +936,24 @@ def dotenv_values(text):
     return [value.strip() for value in values if value.strip()]
 
 
-def _read_plain_file(path, limit, flags=0):
-    """Up to `limit` bytes (None: all) of a regular file, or None (never blocks on a FIFO or reads a
-    device)."""
+_NOT_PLAIN = {stat.S_IFIFO: "a FIFO", stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory"}
+
+
+def _read_plain_file(path, limit=None, flags=os.O_NOFOLLOW):
+    """(up to `limit` bytes (None: all) of a regular file, why not all of it) or (None, what the
+    path is instead; None when missing). It never blocks on a FIFO, reads a device or, by default,
+    follows a symlink: the one way to read what a box may have left."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | flags)
-    except OSError:
-        return None
+    except OSError as exc:  # a socket cannot be opened, nor a symlink under O_NOFOLLOW
+        why = {errno.ELOOP: "a symlink", errno.ENXIO: "a socket", errno.ENOENT: None}
+        return None, why.get(exc.errno, exc.strerror)
     with os.fdopen(fd, "rb") as handle:
-        return handle.read(limit) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+        kind = stat.S_IFMT(os.fstat(fd).st_mode)
+        if kind != stat.S_IFREG:
+            return None, _NOT_PLAIN.get(kind, "a device")
+        data = handle.read(-1 if limit is None else limit + 1)
+    return data[:limit], f"over {limit} bytes" if len(data) > (limit or len(data)) else None
 
 
 # == Processes: argv only, a timeout, the whole process group killed, output capped ==
@@ -1313,7 +1323,7 @@ class Workspace:
 
     def run_tests(self):
         """The tests in the box, which may write out/ beside the copy (JUnit XML) and nothing else
-        of the host's: (Output, pytest's per-test outcomes or None)."""
+        of the host's: (Output, pytest's per-test outcomes or None, why they are None)."""
         argv, out, junit = list(self.policy.test_command), self.root.parent / "out", None
         out.mkdir(exist_ok=True)
         if _is_pytest(argv):
@@ -1322,7 +1332,7 @@ class Workspace:
         output = run_program(
             argv, self.root, self.policy.test_timeout_s, box=self.box, writable=[out]
         )
-        return output, junit_outcomes(junit) if junit else None
+        return (output, *junit_outcomes(junit)) if junit else (output, None, None)
 
     def execute(self, tool, args):
         """Run an allowed action. Returns an Output."""
@@ -1376,13 +1386,12 @@ class Workspace:
 
     def _read_file(self, args):
         path = args["path"]
-        try:
-            with open(self.root / path, "rb") as handle:
-                data = handle.read(MAX_ARTIFACT_BYTES)
-        except IsADirectoryError:
+        # a program run in the box may have left a FIFO: the copy's files are read as a box's are
+        data, why = _read_plain_file(self.root / path, MAX_ARTIFACT_BYTES, 0)
+        if why == "a directory":
             return 1, f"{path} is a directory; use list_files"
-        except OSError as exc:
-            return 1, f"{path}: {exc.strerror}"
+        if data is None:
+            return 1, f"{path}: {why or os.strerror(errno.ENOENT)}"
         if b"\0" in data[:8192]:
             return 1, f"{path} is a binary file ({len(data)} bytes); not shown"
         lines = data.decode("utf-8", "replace").splitlines()
@@ -1440,13 +1449,17 @@ def _text_output(code, text, started):
 
 
 def junit_outcomes(path):
-    """{test id: passed|failed|error|skipped} from a JUnit XML file, or None when there is none."""
+    """({test id: passed|failed|error|skipped}, None) from a JUnit XML file; (None, why) when it is
+    not a plain file of at most MAX_RESULTS_BYTES; (None, None) when there is none."""
     import xml.etree.ElementTree as ElementTree  # only when pytest ran
 
+    data, why = _read_plain_file(path, MAX_RESULTS_BYTES)
+    if why or data is None:
+        return None, why and f"the JUnit XML is {why}"
     try:
-        tree = ElementTree.parse(path)
-    except (OSError, ElementTree.ParseError):
-        return None
+        tree = ElementTree.fromstring(data)
+    except ElementTree.ParseError:
+        return None, None
     outcomes = {}
     for case in tree.iter("testcase"):
         kinds = {child.tag for child in case}
@@ -1455,7 +1468,7 @@ def junit_outcomes(path):
             if "failure" in kinds
             else "error" if "error" in kinds else "skipped" if "skipped" in kinds else "passed"
         )
-    return outcomes
+    return outcomes, None
 
 
 # == The action protocol =======================================================
@@ -2472,7 +2485,7 @@ def _start(run, repo, ref, commit, policy, settings, tree, origin):
 
 
 def _tests(run, workspace):
-    output, outcomes = workspace.run_tests()
+    output, outcomes, why = workspace.run_tests()
     payload = {
         "command": workspace.policy.test_command,
         "returncode": output.returncode,
@@ -2490,6 +2503,8 @@ def _tests(run, workspace):
         )
         counted = list(outcomes.values())
         payload["counts"] = {k: counted.count(k) for k in ("passed", "failed", "error", "skipped")}
+    if why:
+        payload["results_unread"] = why
     run.append("tests_run", payload)
     return dict(payload, output=output, outcomes=outcomes)
 
@@ -2659,7 +2674,9 @@ def _judge_tree(patch, before, workspace, ledger, verdict):
         )
     else:
         verdict["known_answers"] = "planted" if plants else "off"
-    output, after = workspace.run_tests()
+    output, after, why = workspace.run_tests()
+    if why:
+        verdict["results_unread"] = why
     after, passed, subverted = plants.read(output, after) if plants else (after, None, None)
     verdict.update(_compare(before, after, output, passed))
     if subverted:
@@ -2720,6 +2737,11 @@ def _broken_rules(verdict, policy):
         yield "judge.test_changed", (
             "the patch changes test files or test configuration "
             f"({listed('touched_tests')}); a fix must not"
+        )
+    if verdict.get("results_unread"):  # before the plants, whose results it holds
+        yield "judge.results_missing", (
+            f"the judge reads only a plain file of at most {MAX_RESULTS_BYTES} bytes: "
+            + verdict["results_unread"]
         )
     if verdict.get("runner_subverted"):
         yield "judge.runner_subverted", (

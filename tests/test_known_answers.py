@@ -215,3 +215,67 @@ def test_known_answers_false_turns_the_plants_off_and_says_so(agent, tmp_path):
     repo = make_repo(tmp_path / "repo")
     verdict, _ = accepted(agent, tmp_path, repo, FIX, PYTEST, judge={"known_answers": False})
     assert verdict["known_answers"] == "off"
+
+
+def swap_junit(code):
+    """Python that, at exit, after pytest wrote its JUnit XML, removes it and runs `code` (`p`: its path)."""
+    return ("import atexit\nimport os\nimport sys\n\n\ndef _swap():\n"
+            "    for p in [a.split('=', 1)[1] for a in sys.argv if a.startswith('--junitxml=')]:\n"
+            f"        os.remove(p)\n        {code}\n\n\natexit.register(_swap)\n")
+
+
+SWAPS = [  # (id, what takes the JUnit XML's place, what the judge says it is)
+    ("fifo", "os.mkfifo(p)", "a FIFO"),
+    ("symlink", "os.symlink('/etc/passwd', p)", "a symlink"),
+    ("100-mib", "os.truncate(os.open(p, os.O_WRONLY | os.O_CREAT), 100 << 20)", "over 8388608 bytes"),
+]
+
+
+@pytest.mark.parametrize("code,why", [s[1:] for s in SWAPS], ids=[s[0] for s in SWAPS])
+def test_the_judge_reads_only_a_plain_junit_file_of_bounded_size(agent, tmp_path, code, why):
+    repo = make_repo(tmp_path / "repo")
+    # the agent's timeout is a hang guard: a judge blocked in open() would hold the run far longer
+    proc, run_dir, events = run_with(agent, tmp_path, repo, calc_plus(swap_junit(code)), PYTEST, judge=ALL_OFF)
+    verdict = payloads(events, "judge_verdict")[-1]
+    assert proc.returncode == rl.EXIT_CHECK, (proc.err, verdict)
+    assert verdict["rule"] == "judge.results_missing" and why in verdict["reason"], verdict
+    assert payloads(events, "run_closed")[-1]["outcome"] != "error"
+
+
+def test_the_hosts_first_run_leaves_out_results_that_are_not_a_plain_file_and_says_why(agent, tmp_path):
+    repo = make_repo(tmp_path / "repo", extra={"conftest.py": swap_junit("os.mkfifo(p)")})
+    proc, run_dir, events = run_with(agent, tmp_path, repo, FIX, PYTEST)
+    baseline = payloads(events, "tests_run")[0]
+    assert "outcomes_artifact" not in baseline and baseline["results_unread"] == "the JUnit XML is a FIFO"
+    assert payloads(events, "judge_verdict")[-1]["rule"] == "judge.results_missing", proc.err
+
+
+def test_read_file_and_the_results_reader_open_only_plain_files_and_say_what_else_they_found(tmp_path):
+    import signal
+    import socket
+
+    import agent as agent_module
+
+    def blocked(*_):
+        raise TimeoutError("the reader blocked")
+
+    repo, cap = make_repo(tmp_path / "repo"), agent_module.MAX_RESULTS_BYTES
+    workspace = agent_module.Workspace(repo, None, repo, agent_module.load_policy(tools_json(tmp_path / "t.json")), None)
+    os.mkfifo(repo / "fifo")
+    os.symlink("/etc/passwd", repo / "link")
+    (repo / "big.xml").write_bytes(b" " * (cap + 1))
+    previous = signal.signal(signal.SIGALRM, blocked)
+    signal.alarm(60)  # a hang guard: a reader blocked in open() on the FIFO would wait for ever
+    try:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(str(repo / "sock"))
+            for name, what in [("fifo", "a FIFO"), ("sock", "a socket")]:
+                output = workspace.execute("read_file", {"path": name})
+                assert output.returncode == 1 and f"{name}: {what}" in output.text(1000), output
+            for name, what in [("fifo", "a FIFO"), ("sock", "a socket"), ("link", "a symlink"),
+                               ("big.xml", f"over {cap} bytes")]:
+                assert agent_module.junit_outcomes(repo / name) == (None, f"the JUnit XML is {what}")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert workspace.execute("read_file", {"path": "calc.py"}).returncode == 0
