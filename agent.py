@@ -1050,7 +1050,8 @@ class Sandbox:
             args += ["--symlink", os.readlink(path), path] if link else ["--ro-bind", path, path]
         args += [arg for path in _PRIVATE_DIRS for arg in ("--tmpfs", path)]
         etc = [p for name in _ETC for p in sorted(glob.glob("/etc/" + name)) if os.path.exists(p)]
-        reads = etc + _program_roots(program, env, [cwd, *writable, *self.hide]) + self.reads
+        never = [*map(os.path.realpath, (cwd, *writable)), *self.hide]
+        reads = etc + _program_roots(program, env, never) + self.reads
         args += [arg for path in reads for arg in ("--ro-bind", path, path)]
         # a repository, runs dir or secrets file inside a tree read here
         for path in self.hide:
