@@ -295,6 +295,8 @@ def _unknown(text, name, known):
 def _problems(value, rule=_SCHEMA, where="tools.json", key=""):
     """Every problem of a parsed tools.json held to `rule` (a shape of _SCHEMA), each naming its
     place."""
+    if key == "sandbox" and type(value) is dict:  # a mode, or {"mode": ..., "read_paths": [...]}
+        rule = {"mode": "sandbox", "read_paths": "paths"}
     if not isinstance(rule, dict):
         return _leaf_problems(where, value, rule, key)
     if type(value) is not dict:
@@ -339,8 +341,6 @@ def _leaf_problems(where, value, rule, key):
     if rule == "version":
         return [] if value == 1 else [f"{where}: must be 1 (this agent.py reads version 1)"]
     if rule == "sandbox":
-        if type(value) is dict and key == "sandbox":  # or {"mode": ..., "read_paths": [...]}
-            return _problems(value, {"mode": "sandbox", "read_paths": "paths"}, where)
         if value in SANDBOX_MODES:
             return []
         return [f"{where}: must be one of {', '.join(map(repr, SANDBOX_MODES))}"]
