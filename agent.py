@@ -43,6 +43,7 @@ import contextlib
 import difflib
 import errno
 import fcntl
+import glob
 import hashlib
 import itertools
 import json
@@ -274,7 +275,9 @@ class Policy:
         self.known_answers = judge.get("known_answers", True)
         off = judge.get("tripwires_off", [])
         self.tripwires = () if off == ["*"] else tuple(t for t in TRIPWIRES if t not in off)
-        self.sandbox = data.get("sandbox", "auto")
+        sandbox = data.get("sandbox", "auto")
+        sandbox = sandbox if type(sandbox) is dict else {"mode": sandbox}
+        self.sandbox, self.read_paths = sandbox.get("mode", "auto"), sandbox.get("read_paths", [])
         self.plugins = {name: Plugin(spec) for name, spec in data.get("plugins", {}).items()}
 
     def denied_by(self, path):
@@ -293,6 +296,8 @@ def _unknown(text, name, known):
 def _problems(value, rule=_SCHEMA, where="tools.json", key=""):
     """Every problem of a parsed tools.json held to `rule` (a shape of _SCHEMA), each naming its
     place."""
+    if key == "sandbox" and type(value) is dict:  # a mode, or {"mode": ..., "read_paths": [...]}
+        rule = {"mode": "sandbox", "read_paths": "paths"}
     if not isinstance(rule, dict):
         return _leaf_problems(where, value, rule, key)
     if type(value) is not dict:
@@ -365,6 +370,12 @@ def _leaf_problems(where, value, rule, key):
             f"{where}: {g!r} is not a glob of repository paths"
             for g in value
             if "\x00" in g or ".." in g.split("/")
+        ]
+    if rule == "paths":
+        return [
+            f"{where}: {p!r} is not an absolute path that exists"
+            for p in value
+            if not (os.path.isabs(p) and os.path.exists(p))
         ]
     if rule == "tripwires" and value != ["*"] and not set(value) <= set(TRIPWIRES):
         return [f"{where}: names from {', '.join(TRIPWIRES)}, or [\"*\"] for all"]
@@ -994,13 +1005,31 @@ class SandboxError(rl.UsageError):
     """ "sandbox": "required" and bwrap does not work on this box."""
 
 
-class Sandbox:
-    """How a run's programs are boxed ("bwrap", or "none" and why), what is hidden, and the
-    rlimits."""
+# What the box reads of the host besides the interpreter: the system trees (a link stays a link)
+# and the /etc entries programs read (the loader, users and names, time, certificates, Python,
+# locales)
+_SYSTEM_TREES = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+_ETC = (
+    "ld.so.cache ld.so.conf ld.so.conf.d passwd group hosts host.conf nsswitch.conf resolv.conf"
+    " gai.conf localtime timezone ssl ca-certificates ca-certificates.conf alternatives python3*"
+    " locale.alias locale.conf default/locale mime.types protocols services"
+).split()
 
-    def __init__(self, kind, reason, hide, caps):
-        self.kind, self.reason, self.hide, self.caps = kind, reason, hide, caps
+
+class Sandbox:
+    """How a run's programs are boxed ("bwrap", or "none" and why), what is never in the box, what
+    tools.json adds to read, and the rlimits."""
+
+    def __init__(self, kind, reason, hide, policy):
+        self.kind, self.reason, self.hide, self.caps = kind, reason, hide, policy.caps
         self.bwrap = shutil.which("bwrap") if kind == "bwrap" else None
+        self.reads = [os.path.realpath(p) for p in policy.read_paths]
+        for path in self.reads:
+            if any(_under(path, h) or _under(h, path) for h in hide):
+                raise rl.UsageError(
+                    f"tools.json: sandbox.read_paths: {path} is in or above the repository, "
+                    "runs or lock directory or a *_FILE setting's file"
+                )
 
     def record(self):
         return {
@@ -1021,65 +1050,68 @@ class Sandbox:
             resource.setrlimit(which, (value, value))
 
     def wrap(self, program, argv, cwd, env, writable=()):
-        """bwrap's argv: no network, own pids, host read-only with hidden paths, only cwd and
-        `writable` written."""
+        """bwrap's argv: no network, own pids, reads only what programs need (an allow-list), only
+        cwd and `writable` written."""
         args = [self.bwrap] + (
-            "--die-with-parent --new-session --unshare-all --cap-drop ALL --ro-bind / /"
-            " --proc /proc --dev /dev"
+            "--die-with-parent --new-session --unshare-all --cap-drop ALL --proc /proc --dev /dev"
         ).split()
-        for path in self.hide:
-            if os.path.isdir(path):
-                args += ["--tmpfs", path]
-            elif os.path.exists(path):
-                args += ["--ro-bind", "/dev/null", path]
+        for path in filter(os.path.lexists, _SYSTEM_TREES):
+            link = os.path.islink(path)
+            args += ["--symlink", os.readlink(path), path] if link else ["--ro-bind", path, path]
         args += [arg for path in _PRIVATE_DIRS for arg in ("--tmpfs", path)]
-        roots = _program_roots(program, env, self.hide)
-        args += [arg for path in roots for arg in ("--ro-bind", path, path)]
+        etc = [p for name in _ETC for p in sorted(glob.glob("/etc/" + name)) if os.path.exists(p)]
+        never = [*map(os.path.realpath, (cwd, *writable)), *self.hide]
+        reads = etc + _program_roots(program, env, never) + self.reads
+        args += [arg for path in reads for arg in ("--ro-bind", path, path)]
+        # a repository, runs dir or secrets file inside a tree read here
+        for path in self.hide:
+            if _under(path, *_SYSTEM_TREES, *reads):
+                blank = os.path.isdir(path)
+                args += ["--tmpfs", path] if blank else ["--ro-bind", "/dev/null", path]
         # after the private /tmp: cwd and `writable` usually live there
         args += [arg for path in (cwd, *writable) for arg in ("--bind", path, path)]
-        # a pyenv shim cds to where pyenv was first called, which may be hidden here
+        # a pyenv shim cds to where pyenv was first called, which is absent here
         if "PYENV_DIR" in env:
             args += ["--setenv", "PYENV_DIR", cwd]
         return args + ["--chdir", cwd, "--", program, *argv[1:]]
 
 
 def _hidden_paths(repo, runs_dir):
-    """What a boxed program must not see: HOME, the repo, the runs and lock dirs, files settings
+    """What a boxed program must never see: the repo, the runs and lock dirs, files settings
     name."""
-    hidden = [os.path.expanduser("~"), repo, runs_dir, _lock_dir()]
+    hidden = [repo, runs_dir, _lock_dir()]
     hidden += [v for n, v in os.environ.items() if n.endswith("_FILE") and os.path.isfile(v)]
-    # HOME=/ hides nothing
-    return [p for p in (os.path.realpath(h) for h in hidden if h) if p != "/"]
+    return list(dict.fromkeys(os.path.realpath(h) for h in hidden if h))
 
 
-def _program_roots(program, env, hidden):
-    """The hidden trees a program needs (its HOME top dir, a venv's base, ~/.local); never repo or
-    runs."""
+def _program_roots(program, env, never):
+    """The interpreter's trees, from the host's view of the program and of python3 on PATH: their
+    prefixes, a venv's base, pyenv's root. Nothing in `never` (the scratch copy, the repository)
+    chooses one, and none is in or above `never`, $HOME or a private dir."""
     home = os.path.realpath(os.path.expanduser("~"))
-    places = [
-        os.path.dirname(program),
-        os.path.dirname(os.path.realpath(program)),
-        env.get("PYENV_ROOT"),
-        os.path.join(home, ".local")
-    ]
-    cfg = Path(os.path.dirname(os.path.dirname(program))) / "pyvenv.cfg"
-    if cfg.is_file():  # a venv: its `home = DIR` line names the base interpreter's bin/
-        text = cfg.read_text("utf-8", "replace")
-        places += [line.strip() for line in re.findall(r"(?m)^[ \t]*home[ \t]*=(.*)", text)]
-    # the repository, runs and lock dirs: never in, never over
-    others = [h for h in hidden if h != home]
+    pyenv = os.path.realpath(env.get("PYENV_ROOT") or os.path.join(home, ".pyenv"))
+    places = []
+    for exe in (program, shutil.which("python3", path=env.get("PATH", os.defpath))):
+        real = os.path.realpath(exe or "/")
+        if not exe or _under(real, *never) or _under(os.path.abspath(exe), *never):
+            continue
+        prefix = os.path.dirname(os.path.dirname(os.path.abspath(exe)))
+        places += [prefix, os.path.dirname(os.path.dirname(real))]
+        places += [pyenv] if _under(real, pyenv) else []
+        cfg = os.path.join(prefix, "pyvenv.cfg")
+        if os.path.isfile(cfg) and not _under(os.path.realpath(cfg), *never):
+            # a venv: its `home = DIR` line names the base interpreter's bin/
+            text = Path(cfg).read_text("utf-8", "replace")
+            lines = re.findall(r"(?m)^[ \t]*home[ \t]*=(.*)", text)
+            places += [os.path.dirname(line.strip()) for line in lines]
     roots = []
-    for place in (os.path.realpath(p) for p in places if p and os.path.isdir(p)):
-        if _under(place, home):
-            root = os.path.join(home, os.path.relpath(place, home).split(os.sep)[0])
-        else:  # a prefix (a venv in /tmp, say) the box hides: its parent, bin/'s prefix
-            root = os.path.dirname(place) if _under(place, *hidden, *_PRIVATE_DIRS) else None
+    for place in sorted(set(map(os.path.realpath, places)), key=len):  # the widest first
         if (
-            root
-            and root not in (home, "/", *_PRIVATE_DIRS, *roots)
-            and not any(_under(root, h) or _under(h, root) for h in others)
+            os.path.isdir(place)
+            and not _under(place, *_SYSTEM_TREES, *roots, *never)
+            and not any(_under(p, place) for p in (home, *never, *_PRIVATE_DIRS))
         ):
-            roots.append(root)
+            roots.append(place)
     return roots
 
 
@@ -1090,9 +1122,9 @@ def _under(path, *bases):
 def probe_sandbox(policy, hide):
     """Once per run: does bwrap box a trivial command here? A Sandbox, kind "none" and why when
     not."""
-    box = Sandbox("bwrap", None, hide, policy.caps)
+    box = Sandbox("bwrap", None, hide, policy)
     reason = _unboxed_because(policy, box)
-    return Sandbox("none", reason, hide, policy.caps) if reason else box
+    return Sandbox("none", reason, hide, policy) if reason else box
 
 
 def _unboxed_because(policy, box):
@@ -2477,6 +2509,7 @@ def _start(run, repo, ref, commit, policy, settings, tree, origin):
             "agent_version": __version__,
             "python": sys.version.split()[0],
             **box.record(),
+            **({"read_paths": box.reads} if box.reads else {}),
             **origin
         }
     )
@@ -2597,7 +2630,7 @@ def judge_run(run_dir, *, key=None, secrets=(), sandbox=None):
     repo, commit = Path(started["repo"]), started["commit"] if started.get("ref") else None
     hide = _hidden_paths(repo, run_dir.parent)
     box = (
-        Sandbox(sandbox["sandbox"], sandbox.get("sandbox_reason"), hide, policy.caps)
+        Sandbox(sandbox["sandbox"], sandbox.get("sandbox_reason"), hide, policy)
         if sandbox
         else probe_sandbox(policy, hide)
     )

@@ -334,3 +334,113 @@ def test_the_daemon_hands_a_run_its_keys_through_a_pipe_not_its_environment(serv
     output = (serve.runs / run_id / tests_run["output_artifact"]["path"]).read_text()
     assert "KEY-IN-RUN-ENV False" in output, output
     daemon.stop()
+
+
+# Issue 24: the box reads an allow-list, not "everything but a hide-list"
+
+def theft(paths, extra=None):
+    """calc.py fixed, plus an import-time read of each of `paths`, printed hex-encoded (no masking sees it);
+    `extra` maps more files the patch adds to their text."""
+    code = ("\nfor _path in %r:\n    try:\n        print('STOLEN', open(_path[::-1], 'rb').read().hex(), flush=True)\n"
+            "    except OSError as _exc:\n        print('UNREADABLE', type(_exc).__name__, flush=True)\n"
+            % [str(p)[::-1] for p in paths])  # reversed: a secret setting's value (a path) is masked
+    patch = udiff("calc.py", CALC, CALC.replace("a - b", "a + b") + code)
+    return patch + "".join(udiff(name, "", text).replace("--- a/", "--- /dev/null\n", 1).replace(
+        "/dev/null\n" + name, "/dev/null", 1) for name, text in (extra or {}).items())
+
+
+def secret_file(path):
+    """A 0600 file of random bytes under `path`, as the deployment's agent.env is; its bytes."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = ("SECRET-" + os.urandom(12).hex()).encode()
+    path.write_bytes(data)
+    path.chmod(0o600)
+    return data
+
+
+def stolen_run(server, base, paths, env_extra=None, tools_extra=None, extra=None, setup=None):
+    """A run whose patch reads `paths` in the judge's box; (proc, events, the judge's output, all bytes under
+    runs)."""
+    home, repo, runs, locks, canary, tools, env = world(base)
+    data = json.loads(tools.read_text())
+    data.update(tools_extra or {})
+    tools.write_text(json.dumps(data))
+    if setup:
+        setup(repo, home)
+    env.update(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model", **(env_extra or {}))
+    proc, run_dir, events = agent_run(server, repo, runs, tools, [propose(theft(paths, extra))], env)
+    verdicts = payloads(events, "judge_verdict")
+    assert verdicts and verdicts[-1]["sandbox"] == "bwrap", proc.err + proc.out
+    output = (run_dir / verdicts[-1]["output_artifact"]["path"]).read_text()
+    return proc, events, output, all_bytes_under(runs)
+
+
+def assert_not_stolen(secrets, output, blob, unreadable):
+    assert output.count("UNREADABLE") == unreadable, output  # the theft ran, and read nothing
+    for data in secrets:
+        assert data not in blob and data.hex().encode() not in blob, "a secret's bytes landed in the run"
+
+
+def test_files_outside_the_repository_and_home_are_absent_in_the_judges_box(server, base):
+    """The documented deployment: agent.env (0600) and WEBHOOK_SECRET_FILE in a directory standing for
+    /etc/reasoning-ledger, outside the repository, $HOME and /tmp. The judge is started without
+    WEBHOOK_SECRET_FILE, so only an allow-list keeps its file out of the judge's box."""
+    need_bwrap()
+    etc = base / "etc-reasoning-ledger"
+    env_file, hooks = etc / "agent.env", etc / "webhook-secrets"
+    secrets = [secret_file(env_file), secret_file(hooks)]
+    proc, events, output, blob = stolen_run(server, base, [env_file, hooks],
+                                            env_extra={"WEBHOOK_SECRET_FILE": str(hooks)})
+    assert proc.returncode == rl.EXIT_PROPOSAL, proc.err + proc.out
+    assert_not_stolen(secrets, output, blob, 2)
+
+
+def test_a_pyvenv_cfg_in_the_repository_chooses_no_mount(server, base):
+    """The test program sits one directory down (bin/test), so the repository root's pyvenv.cfg is the one
+    beside its bin/: the patch writes it with `home = $HOME/.ssh` and reads ~/.ssh."""
+    need_bwrap()
+    ssh = base / "home" / ".ssh"
+
+    def setup(repo, home):
+        secrets.append(secret_file(ssh / "id_test"))
+        script = repo / "bin" / "test"
+        script.parent.mkdir()
+        script.write_text("#!/bin/sh\nexec python3 -m pytest -q -s -p no:cacheprovider\n")
+        script.chmod(0o755)
+        subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
+        subprocess.run(["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm",
+                        "bin/test"], check=True)
+
+    secrets = []
+    proc, events, output, blob = stolen_run(
+        server, base, [ssh / "id_test"], tools_extra={"test_command": ["bin/test"]}, setup=setup,
+        extra={"pyvenv.cfg": f"home = {ssh}\ninclude-system-site-packages = true\n"})
+    assert payloads(events, "tests_run")[0]["sandbox"] == "bwrap"
+    assert_not_stolen(secrets, output, blob, 1)
+
+
+def test_read_paths_adds_a_path_and_the_run_records_it(server, base, tmp_path):
+    need_bwrap()
+    shared = base / "shared"
+    shared.mkdir()
+    data = secret_file(shared / "data.txt")
+    proc, events, output, blob = stolen_run(server, base, [shared / "data.txt"],
+                                            tools_extra={"sandbox": {"mode": "required", "read_paths": [str(shared)]}})
+    assert proc.returncode == rl.EXIT_PROPOSAL, proc.err + proc.out
+    assert payloads(events, "run_started")[0]["read_paths"] == [str(shared.resolve())]
+    assert "STOLEN " + data.hex() in output  # read_paths is read in the box
+    bad = tools_json(tmp_path / "bad.json", sandbox={"mode": "auto", "read_paths": ["relative", "/no/such/path"]})
+    proc = run_script("agent.py", "check-tools", bad)
+    assert proc.returncode == rl.EXIT_USAGE
+    assert proc.err.count("is not an absolute path that exists") == 2, proc.err
+
+
+def test_read_paths_over_the_runs_directory_is_refused(server, base):
+    home, repo, runs, locks, canary, tools, env = world(base)
+    data = json.loads(tools.read_text())
+    data["sandbox"] = {"read_paths": [str(base)]}
+    tools.write_text(json.dumps(data))
+    env.update(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model")
+    proc, run_dir, events = agent_run(server, repo, runs, tools, [], env)
+    assert proc.returncode != 0 and "sandbox.read_paths" in proc.err, proc.err
+    assert server.requests == []
