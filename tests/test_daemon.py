@@ -990,3 +990,48 @@ def test_configuration_errors_stop_the_daemon_before_it_listens(serve, tmp_path)
                       "--tools", tools, env=dict(base, WEBHOOK_SECRET=SECRET))
     assert proc.returncode == 6 and "another daemon serves" in proc.err
     assert daemon.get("/healthz").status == 200
+
+
+def test_secret_files_are_absent_in_the_judges_box_under_the_daemon(serve, server):
+    """Issue 24 under the daemon: WEBHOOK_SECRET_FILE (the daemon reads it; the run and the judge are started
+    without it) and a file standing for /etc/reasoning-ledger/agent.env, both 0600 in a directory outside
+    the repository, $HOME and /tmp. The model's patch fixes calc.py and, at import time in the judge's box,
+    prints both files hex-encoded: neither file's bytes nor their hex land under the runs directory."""
+    import shutil
+    import tempfile
+
+    import test_agent
+    from test_sandbox import need_bwrap, secret_file, theft
+    need_bwrap()
+    base = Path(tempfile.mkdtemp(prefix=".daemon-box-test-", dir=ROOT))  # outside /tmp and $HOME
+    try:
+        os.chmod(base, 0o755)
+        etc = base / "etc-reasoning-ledger"
+        env_file, hooks = etc / "agent.env", etc / "webhook-secrets"
+        secrets = [secret_file(env_file)]
+        hooks.write_bytes((serve.tmp / "webhook-secrets").read_bytes())  # the fixture's secrets: pushes still sign
+        hooks.chmod(0o600)
+        secrets.append(hooks.read_bytes())
+        repo = test_agent.make_repo(base / "repo")  # test_add fails: the model is asked for a patch
+        tools = conftest.tools_json(base / "tools.json", test_command=[sys.executable, "-m", "pytest", "-q", "-s"],
+                                    sandbox="required", judge={"tripwires_off": ["*"]})
+        server.queue({"name": "ok", "answer": test_agent.propose(theft([env_file, hooks]))})
+        daemon = serve(repo=repo, tools=tools, env={"WEBHOOK_SECRET_FILE": str(hooks)})
+        body = push_body()
+        answer = daemon.post(body, github_headers(body, delivery="box-24"))
+        assert answer.status == 202, answer.body
+        run_id = answer.json()["run_id"]
+        finished = daemon.finished([run_id])[run_id]
+        assert finished["outcome"] in ("proposal_accepted", "proposal_rejected_by_judge"), (finished,
+                                                                                            daemon.stderr())
+        events = run_events(serve.runs, run_id)
+        verdict = [e["payload"] for e in events if e["kind"] == "judge_verdict"][-1]
+        assert verdict["sandbox"] == "bwrap", verdict
+        output = (serve.runs / run_id / verdict["output_artifact"]["path"]).read_text()
+        assert output.count("UNREADABLE") == 2, output  # the theft ran in the judge's box, and read nothing
+        assert daemon.stop() == 0
+        blob = all_bytes_under(serve.runs) + daemon.stderr().encode()
+        for data in secrets:
+            assert data not in blob and data.hex().encode() not in blob, "a secret file's bytes landed in the run"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
