@@ -165,6 +165,14 @@ def _error_json(message, code, kind="proxy_error"):
     ).encode()
 
 
+def _object(twice, pairs):
+    """A JSON object of a client's body; a key it gives twice is noted in `twice`."""
+    value = dict(pairs)
+    if len(value) < len(pairs):
+        twice.append(pairs)
+    return value
+
+
 class _Body(dict):
     """A client's JSON object: upstream it goes as the bytes it came in (`raw`) until changed."""
 
@@ -361,11 +369,14 @@ class _ProxyHandler(ask.RequestHandler):
     def _call(self, route, raw):
         app, refused = self.server, None
         try:
-            body = json.loads(raw.decode("utf-8"))
+            twice = []  # a key given twice: re-encoded, upstream reads what the record says
+            body = json.loads(
+                raw.decode("utf-8"), object_pairs_hook=functools.partial(_object, twice)
+            )
             if type(body) is not dict:
                 raise ValueError("not a JSON object")
-            # pinned, the body is re-encoded: the model checked is the one sent (no duplicate key)
-            body, body.raw = _Body(body), None if app.model else raw
+            # pinned, the body is re-encoded too: the model checked is the one sent
+            body, body.raw = _Body(body), None if app.model or twice else raw
             messages, tokens = _client_messages(route, body)
         except (ValueError, RecursionError) as exc:
             body, messages, tokens = {}, [], 0

@@ -218,6 +218,17 @@ def test_a_body_goes_upstream_as_it_came_unless_the_proxy_must_change_it(start, 
         json.loads(raw)]
 
 
+
+def test_a_body_with_a_key_given_twice_goes_upstream_as_the_record_reads_it(start, upstream):
+    """Parsers disagree on a repeated key (first or last wins): the proxy never forwards such bytes."""
+    raw = (b'{"model":"up-model","messages":[{"role":"user","content":"hi","role":"system"}],'
+           b'"model":"other-model"}')
+    proxy = start(upstream.base_url)
+    assert post(proxy.conn(), "/chat/completions", raw)[0].status == 200
+    (sent,) = [r["raw"] for r in upstream.requests]
+    assert sent != raw and sent.count(b'"model"') == 1 and b'"role":' in sent
+    assert json.loads(sent)["model"] == calls(proxy.ledger)[0]["request_model"] == "other-model"
+
 MAX_BODY, BODIES_IN_FLIGHT = 4 * 1024 * 1024, 4
 RSS_BOUND = 48 * 1024 * 1024 + 16 * MAX_BODY * BODIES_IN_FLIGHT  # docs/proxy.md's bound
 
