@@ -62,7 +62,8 @@ __all__ = [
 # daemon.py and fleet.py: Deadline, http_open, CappedServer, RequestHandler, Refused, http_answer,
 # host_name, is_loopback, bearer_ok, require_json. One call's parts, for proxy.py: attempts (every
 # attempt of a call), call_record, finish, models_call, CallFailed, endpoint, check_ledger,
-# append_record, check_number, ms_since, RESPONSE_DONE.
+# append_record, check_number, ms_since, RESPONSE_DONE; _take and _fill_ids, which proxy.py's reader
+# of Anthropic's answers (a body's `take`) builds on.
 
 # --- Constants ---
 
@@ -144,6 +145,7 @@ MODEL_CALL_OPTIONAL = {
     "retry_in_s": (_F, _I),
     "retry_reason": (_S,),
     "stream_options_dropped": (_B,),
+    "cache_creation_input_tokens": (_I,),
     "redirect_host": (_S,),
     "malformed": (_L,),
     "route": (_S,),
@@ -819,10 +821,11 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
     Raises CallFailed for anything else, or for a body announced over `limit`."""
     stream = bool(body and body.get("stream"))
     headers = {
-        "Authorization": f"Bearer {api_key}",
         "User-Agent": USER_AGENT,
         "Accept": "text/event-stream" if stream else "application/json"
     }
+    # a dict: the headers that carry the key (the proxy's UPSTREAM_AUTH, anthropic-version)
+    headers.update(api_key if type(api_key) is dict else {"Authorization": f"Bearer {api_key}"})
     if body is not None:
         headers["Content-Type"] = "application/json"
     # \u escapes: lone surrogates go out too; a proxied body nothing changed goes as it came (.raw)
@@ -1109,7 +1112,7 @@ def _sse_chunk(data, state, problems, status, headers):
     return None
 
 
-def _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state):
+def _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state, take):
     """Read server-sent events to [DONE], a finish_reason or response.completed; return the text.
     Lines and the stream are capped; `relay(raw, chunk)` gets each event as sent, as it arrives (the
     proxy)."""
@@ -1146,7 +1149,7 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems, 
             if relay is not None:
                 relay(b"".join(raw), chunk)
             raw, data = [], []
-            piece = _take(record, chunk, "delta", state, problems, status, headers) if chunk else ""
+            piece = take(record, chunk, "delta", state, problems, status, headers) if chunk else ""
             if piece:
                 if record["ttft_ms"] is None:
                     record["ttft_ms"] = ms_since(started)
@@ -1192,6 +1195,7 @@ def _one_attempt(
 ):
     """Send once; fill `record` but latency_ms and `state` (status, headers, a parsed body's bytes);
     return the text. Raises CallFailed."""
+    take = getattr(body, "take", _take)  # a proxied body may name the reader of its API's answer
     with _open(
         url, record, problems, api_key=api_key, deadline=deadline, limit=limit, body=body
     ) as response:
@@ -1201,14 +1205,21 @@ def _one_attempt(
                 if relay is not None:
                     relay.headers = response.headers
                 return _read_stream(
-                    response, record, started, on_text, limit, deadline, problems, relay, state
+                    response,
+                    record,
+                    started,
+                    on_text,
+                    limit,
+                    deadline,
+                    problems,
+                    relay,
+                    state,
+                    take
                 )
             raw = _read_body(response, limit, deadline)
             data = _parse_json(raw, "body", problems, response.status, response.headers)
             state["raw"] = raw
-            return _take(
-                record, data, "message", state, problems, response.status, response.headers
-            )
+            return take(record, data, "message", state, problems, response.status, response.headers)
         # a shape the readers did not foresee
         except (KeyError, TypeError, AttributeError, IndexError) as exc:
             raise CallFailed(

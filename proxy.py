@@ -1,13 +1,16 @@
 #!/usr/bin/env python3
-"""proxy.py -- a recording OpenAI-compatible proxy: point any agent at it, and every upstream
-attempt of every client is one model_call line in the ledger, as ask.py writes it.
+"""proxy.py -- a recording proxy for OpenAI-compatible APIs and Anthropic's Messages API: point any
+agent at it, and every upstream attempt of every client is one model_call line in the ledger, as
+ask.py writes it.
 
 Usage:
   BASE_URL=... API_KEY=... python3 proxy.py [--listen HOST:PORT] [--ledger FILE]
   # then the agent's base URL is http://127.0.0.1:8787/v1 (MODEL_ID pins the model;
-  # PROXY_TOKEN is the key clients must send, and is needed to listen beyond loopback)
+  # PROXY_TOKEN is the key clients must send, and is needed to listen beyond loopback;
+  # Claude Code: ANTHROPIC_BASE_URL=http://127.0.0.1:8787; UPSTREAM_AUTH=x-api-key|bearer)
 
-Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings; GET /v1/models.
+Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/messages,
+/v1/messages/count_tokens; GET /v1/models; HEAD / (answered here).
 Exit codes: 0 stopped by SIGTERM or SIGINT, 2 usage or configuration error. See docs/proxy.md.
 """
 
@@ -40,6 +43,8 @@ PROXY_ROUTES = {
     "/completions": "POST",
     "/responses": "POST",
     "/embeddings": "POST",
+    "/messages": "POST",
+    "/messages/count_tokens": "POST",
     "/models": "GET"
 }
 PROXY_LISTEN = "127.0.0.1:8787"
@@ -77,9 +82,11 @@ _PASS_BACK = (
     "retry-after",
     "retry-after-ms",
     "x-request-id",
+    "request-id",
     "openai-processing-ms"
 )
 _WHOLE_ERRORS = ("api_error", "malformed_response", "empty_content")  # the stream ended by itself
+_LAST_EVENTS = ask.RESPONSE_DONE + ("message_stop",)  # held until the line is written
 
 
 def _json_text(value):
@@ -98,7 +105,7 @@ def _as_text(content):
             part["text"]
             if type(part) is dict and type(part.get("text")) is str
             else (
-                f"[{str(part.get('type', 'part'))[:40]}]"
+                _block_text(part)
                 if type(part) is dict
                 else part if type(part) is str else _json_text(part)
             )
@@ -120,6 +127,10 @@ def _client_messages(route, body):
             items.append({"role": "system", "content": body["instructions"]})
         given = body.get("input")
         items += given if type(given) is list else [{"role": "user", "content": given}]
+    elif route.startswith("/messages"):
+        items = [{"role": "system", "content": body["system"]}] if body.get("system") else []
+        given = body.get("messages")
+        items += given if type(given) is list else [given]
     else:
         given = body.get("prompt" if route == "/completions" else "input")
         given = given if type(given) is list else [given]
@@ -155,13 +166,14 @@ def _passed_back(headers):
     return [
         (name, re.sub(r"[\r\n]", " ", value))
         for name, value in (headers.items() if headers is not None else ())
-        if name.lower() in _PASS_BACK or name.lower().startswith("x-ratelimit-")
+        if name.lower() in _PASS_BACK
+        or name.lower().startswith(("x-ratelimit-", "anthropic-ratelimit-"))
     ]
 
 
 def _error_json(message, code, kind="proxy_error"):
     return json.dumps(
-        {"error": {"message": message, "type": kind, "param": None, "code": code}}
+        {"type": "error", "error": {"message": message, "type": kind, "param": None, "code": code}}
     ).encode()
 
 
@@ -191,8 +203,9 @@ class _ProxyServer(ask.CappedServer):
     """The settings, the one Ledger and a thread per connection, at most --max-connections (past
     that a 503)."""
 
-    def __init__(self, address, args, upstream, token):
+    def __init__(self, address, args, upstream, token, auth=None):
         base_url, self.model, self.api_key = upstream
+        self.auth = auth  # UPSTREAM_AUTH: None, "x-api-key" or "bearer"
         self.args, self.split, self.token = args, ask.split_base_url(base_url), token
         self.secrets = [s for s in (self.api_key, token) if s]
         self.book = rl.Ledger(
@@ -280,7 +293,9 @@ class _ProxyHandler(ask.RequestHandler):
             raise ask.Refused(
                 503, "unavailable", "the proxy is shutting down", {"Retry-After": "1"}
             )
-        if app.token and not ask.bearer_ok(self.headers.get("Authorization"), app.token):
+        key = self.headers.get("x-api-key")  # how Anthropic's clients send it
+        given = self.headers.get("Authorization") if key is None else "Bearer " + key
+        if app.token and not ask.bearer_ok(given, app.token):
             raise ask.Refused(401, "invalid_api_key", "the proxy token is required as the API key")
         if not app.token and not ask.is_loopback(host or ""):
             raise ask.Refused(
@@ -296,6 +311,8 @@ class _ProxyHandler(ask.RequestHandler):
             raise ask.Refused(403, "bad_origin", "requests from a web page's Origin are refused")
 
     def allowed(self, path):
+        if path in _PROBES:
+            return "HEAD"
         self.route = path[3:].rstrip("/") if path.startswith("/v1/") else None
         method = PROXY_ROUTES.get(self.route)
         if method == self.method == "POST":  # a 415 before the body is read: no simple POST
@@ -332,6 +349,8 @@ class _ProxyHandler(ask.RequestHandler):
         # the body is in: from here the upstream's deadline bounds the request
         self.deadline.cancel()
         self.connection.settimeout(args.timeout + args.read_timeout)
+        if self.method == "HEAD":  # a client's probe: answered here, neither sent on nor recorded
+            return self._send(200, b"")
         return self._models() if self.route == "/models" else self._call(self.route, raw)
 
     def _record(self, route, model, stream, attempt, messages, tokens, body):
@@ -361,7 +380,12 @@ class _ProxyHandler(ask.RequestHandler):
             route=route,
             client_address=self.client_address[0],
             user_agent=(self.headers.get("User-Agent") or "")[:MAX_HEADER_CHARS] or None,
-            session_id=(self.headers.get("X-Ledger-Session") or "")[:MAX_HEADER_CHARS] or None,
+            session_id=(
+                self.headers.get("X-Ledger-Session")
+                or self.headers.get("X-Claude-Code-Session-Id")
+                or ""
+            )[:MAX_HEADER_CHARS]
+            or None,
             client_retry=int(retry) if retry.isdigit() and len(retry) < 10 else None
         )
         return record
@@ -377,6 +401,8 @@ class _ProxyHandler(ask.RequestHandler):
                 raise ValueError("not a JSON object")
             # pinned, the body is re-encoded too: the model checked is the one sent
             body, body.raw = _Body(body), None if app.model or twice else raw
+            if route.startswith("/messages"):
+                body.take = _take_messages
             messages, tokens = _client_messages(route, body)
         except (ValueError, RecursionError) as exc:
             body, messages, tokens = {}, [], 0
@@ -403,15 +429,21 @@ class _ProxyHandler(ask.RequestHandler):
                 400, refused.message, refused.error_type, kind="invalid_request_error"
             )
         options = body.get("stream_options") if type(body.get("stream_options")) is dict else {}
-        injected = stream and route != "/responses" and options.get("include_usage") is not True
+        injected = (
+            stream
+            and route in ("/chat/completions", "/completions")
+            and options.get("include_usage") is not True
+        )
         if injected:
             body["stream_options"] = dict(options, include_usage=True)
+        url = ask.endpoint(app.split[0], route)
+        query = self.path.partition("?")[2]  # ?beta=true goes on as it came
         result, failure, state, out = ask.attempts(
-            ask.endpoint(app.split[0], route),
+            url + ("&" if "?" in url else "?") + query if query else url,
             body,
             new_record,
             app.append,
-            api_key=app.api_key,
+            api_key=self._upstream_headers(route),
             timeout=app.args.timeout,
             limit=app.args.max_response_bytes,
             redactor=app.book.redactor,
@@ -435,12 +467,28 @@ class _ProxyHandler(ask.RequestHandler):
     def _models(self):
         app = self.server
         record, raw, failure, headers = ask.models_call(
-            app.book.redactor, app.split, app.api_key, app.args.timeout, app.args.max_response_bytes
+            app.book.redactor,
+            app.split,
+            self._upstream_headers("/models"),
+            app.args.timeout,
+            app.args.max_response_bytes
         )
         app.append("models_list", record)
         return self._answer(
             record, failure, {"raw": raw, "status": 200, "headers": headers} if raw else {}, None
         )
+
+    def _upstream_headers(self, route):
+        """The proxy's key as UPSTREAM_AUTH says (by default x-api-key on /messages, else bearer),
+        and the Anthropic headers the client sent; the client's own key is never among them."""
+        auth = self.server.auth or ("x-api-key" if route.startswith("/messages") else "bearer")
+        key = self.server.api_key
+        headers = {"x-api-key": key} if auth == "x-api-key" else {"Authorization": "Bearer " + key}
+        for name in _ANTHROPIC_HEADERS:
+            value = self.headers.get(name)
+            if value is not None and re.fullmatch(r"[\x20-\x7e]*", value):
+                headers[name] = value
+        return headers
 
     def _send(self, status, body, headers=(), chunked=False):
         self.status = status
@@ -468,7 +516,7 @@ class _Relay:
             chunk is None
             and raw.rstrip().endswith(b"[DONE]")
             or chunk
-            and chunk.get("type") in ask.RESPONSE_DONE
+            and chunk.get("type") in _LAST_EVENTS
         ):
             # read at its line
             self.held.append(raw if raw.endswith((b"\n\n", b"\r\n\r\n")) else raw + b"\n")
@@ -503,6 +551,105 @@ class _Relay:
         except (ask.CallFailed, OSError):
             whole = False
         self.handler.close = self.handler.close or not whole
+
+
+# ----------------------------------------------------------------------------
+# Anthropic's Messages API: /v1/messages (plain and streamed) and /v1/messages/count_tokens
+# ----------------------------------------------------------------------------
+
+_PROBES = ("/", "/api/hello")  # HEAD: a client's reachability check (Claude Code's preconnect)
+_ANTHROPIC_HEADERS = ("anthropic-version", "anthropic-beta")  # passed on as the client sent them
+# the events _take_messages reads itself; any other (error, ping) is ask._take's
+_MESSAGE_EVENTS = (
+    "message",
+    "message_start",
+    "content_block_start",
+    "content_block_delta",
+    "message_delta",
+    "message_stop"
+)
+_USAGE_KEYS = (
+    "input_tokens",
+    "cache_read_input_tokens",
+    "cache_creation_input_tokens",
+    "output_tokens"
+)
+
+
+def _block_text(part):
+    """A content part that is not text: an Anthropic tool call's input, a tool result, thinking;
+    any other (an image) is named."""
+    if "input" in part:
+        return _json_text(part["input"])
+    if "content" in part:
+        return _as_text(part["content"])
+    if type(part.get("thinking")) is str:
+        return part["thinking"]
+    return f"[{str(part.get('type', 'part'))[:40]}]"
+
+
+def _usage(seen):
+    """Anthropic's usage in the fields ask.parse_usage reads. Its input_tokens leaves out the cached
+    input, read or written; the record counts it in, as OTel's GenAI conventions do, and
+    total_tokens, which Anthropic does not report, is input plus output."""
+    fresh, read, made, out = (
+        seen.get(k) if type(seen.get(k)) is int and seen[k] >= 0 else None for k in _USAGE_KEYS
+    )
+    given = fresh if fresh is None else fresh + (read or 0) + (made or 0)
+    return {
+        "prompt_tokens": given,
+        "completion_tokens": out,
+        "total_tokens": None if None in (given, out) else given + out,
+        "prompt_tokens_details": {"cached_tokens": read}
+    }
+
+
+def _take_messages(record, data, key, state, problems, status, headers):
+    """A Messages API answer into `record` and `state`, as ask._take reads OpenAI's: the whole
+    message (key "message"), one stream event ("delta") or count_tokens' answer. Returns the text
+    its blocks add: text, thinking and tool input, which all count as output."""
+    kind = data.get("type")
+    if key == "message" and kind is None and "input_tokens" in data:  # count_tokens
+        # input tokens only, complete usage, as for embeddings
+        state.update(usage={"prompt_tokens": data["input_tokens"]}, tools=True, embedding=True)
+        return None
+    if kind not in _MESSAGE_EVENTS:
+        return ask._take(record, data, key, state, problems, status, headers)
+    message = data.get("message") if kind == "message_start" else data
+    message = message if type(message) is dict else {}
+    if kind in ("message", "message_start"):
+        ask._fill_ids(record, message, problems)
+    got = message.get("usage")
+    if type(got) is dict:  # message_start's, then message_delta's, the later count winning
+        seen = state.setdefault("anthropic_usage", {})
+        seen.update((k, got[k]) for k in _USAGE_KEYS if got.get(k) is not None)
+        state["usage"] = _usage(seen)
+        made = seen.get("cache_creation_input_tokens")
+        if type(made) is int and made >= 0:
+            record["cache_creation_input_tokens"] = made
+    delta = data.get("delta") if type(data.get("delta")) is dict else {}
+    if kind == "message" or delta.get("stop_reason") is not None:
+        record["finish_reason"] = ask._server_text(
+            message.get("stop_reason", delta.get("stop_reason")),
+            "stop_reason",
+            problems,
+            ask.MAX_FIELD_CHARS
+        )
+    state["done"] = state.get("done") or kind == "message_stop"
+    blocks = message.get("content") if kind == "message" else [data.get("content_block"), delta]
+    blocks = [b for b in blocks if b is not None] if type(blocks) is list else []
+    texts = []
+    for block in blocks:
+        if type(block) is not dict:
+            problems.append(f"a content block is a {type(block).__name__}, not an object")
+            continue
+        state["tools"] = state.get("tools") or block.get("type") == "tool_use"
+        if key == "message" and block.get("type") == "tool_use":
+            texts.append(_json_text(block.get("input")))
+        texts += [
+            block[k] for k in ("text", "thinking", "partial_json") if type(block.get(k)) is str
+        ]
+    return "".join(texts)
 
 
 def _proxy_parser():
@@ -555,7 +702,10 @@ def _run_proxy(args):
         raise ask.ConfigError(
             f"--listen {host}: set PROXY_TOKEN to listen on anything but loopback"
         )
-    server = _ProxyServer((host, port), args, upstream, token)
+    auth = os.environ.get("UPSTREAM_AUTH") or None
+    if auth not in (None, "x-api-key", "bearer"):
+        raise ask.ConfigError(f"UPSTREAM_AUTH must be x-api-key or bearer, not {auth[:40]!r}")
+    server = _ProxyServer((host, port), args, upstream, token, auth)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

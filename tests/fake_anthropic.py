@@ -20,7 +20,7 @@ A turn is {"text": str} or {"tool_use": {"name": str, "input": dict}}, either op
 input_tokens, output_tokens, cache_read_input_tokens, cache_creation_input_tokens; a key set to None
 is left out). For hostile tests a turn may instead be {"status": int, "error": {"type", "message"}}
 (an HTTP error in Anthropic's shape) or {"raw": bytes} (those bytes after a 200 text/event-stream
-head, then the connection is closed). Also: HEAD / -> 200, POST /v1/messages/count_tokens ->
+head, then the connection is closed). Also: HEAD / and HEAD /api/hello -> 200, POST /v1/messages/count_tokens ->
 {"input_tokens": N}, anything else 404. `headers` keys are lower-case; `body` is the parsed JSON,
 or the raw bytes when it is not JSON.
 """
@@ -61,7 +61,8 @@ def _blocks(turn, serial):
     return blocks
 
 
-def _message(body, turn, serial):
+def message(body, turn, serial):
+    """The whole message that answers `turn` to a request `body` (`serial`: its number)."""
     blocks = _blocks(turn, serial)
     out = sum(
         len(b.get("text") or b.get("thinking") or json.dumps(b.get("input", ""))) for b in blocks
@@ -90,8 +91,9 @@ def _pieces(text):
     return [text[i : i + CHUNK_CHARS] for i in range(0, len(text), CHUNK_CHARS)] or [""]
 
 
-def events(message):
-    """The server-sent events of `message`, as the Messages API streams it: [(event, data)]."""
+def events(whole):
+    """The server-sent events of a `whole` message, as the Messages API streams it: [(event, data)]."""
+    message = whole
     usage = message["usage"]
     start_usage = {k: v for k, v in usage.items() if k != "output_tokens"}
     start_usage["output_tokens"] = 1
@@ -175,7 +177,8 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_HEAD(self):
         self._note(None)
-        self.send_response(200 if self.path.split("?")[0] == "/" else 404)
+        # Claude Code's preconnect is HEAD /api/hello
+        self.send_response(200 if self.path.split("?")[0] in ("/", "/api/hello") else 404)
         self.send_header("Content-Length", "0")
         self.end_headers()
 
@@ -207,10 +210,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(turn["status"], error["type"], error["message"])
         if "raw" in turn:
             return self._send(200, turn["raw"], "text/event-stream", close=True)
-        message = _message(body, turn, serial)
+        answer = message(body, turn, serial)
         if body.get("stream"):
-            return self._send(200, sse(events(message)), "text/event-stream", close=True)
-        return self._send(200, json.dumps(message).encode())
+            return self._send(200, sse(events(answer)), "text/event-stream", close=True)
+        return self._send(200, json.dumps(answer).encode())
 
 
 class ScriptedAnthropic:
