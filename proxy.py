@@ -655,8 +655,9 @@ def _take_messages(record, data, key, state, problems, status, headers):
 def _proxy_parser():
     p = rl.ArgumentParser(
         prog="proxy.py",
-        description="A recording OpenAI-compatible proxy: BASE_URL and API_KEY upstream "
-        "(MODEL_ID optional: pins the model; PROXY_TOKEN optional: the clients' key), "
+        description="A recording proxy for OpenAI-compatible APIs and Anthropic's Messages API: "
+        "BASE_URL and API_KEY upstream (MODEL_ID optional: pins the model; PROXY_TOKEN optional: "
+        "the clients' key; UPSTREAM_AUTH optional: x-api-key or bearer), "
         "one model_call line per upstream attempt. See docs/proxy.md.",
         epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_USAGE),
         formatter_class=argparse.RawDescriptionHelpFormatter
