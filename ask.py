@@ -816,6 +816,8 @@ def _classify(exc, deadline):  # a failure below a complete HTTP answer
     return "connection_error", f"{type(reason).__name__}: {str(reason)[:200]}"
 
 
+# api_key: a key, sent as a bearer token, or a dict of the headers that carry it (the proxy's
+# UPSTREAM_AUTH and the anthropic-* headers)
 def _open(url, record, problems, *, api_key, deadline, limit, body=None):
     """Send one request (GET without a body); return the response of a 2xx, its head in `record`.
     Raises CallFailed for anything else, or for a body announced over `limit`."""
@@ -824,7 +826,6 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
         "User-Agent": USER_AGENT,
         "Accept": "text/event-stream" if stream else "application/json"
     }
-    # a dict: the headers that carry the key (the proxy's UPSTREAM_AUTH, anthropic-version)
     headers.update(api_key if type(api_key) is dict else {"Authorization": f"Bearer {api_key}"})
     if body is not None:
         headers["Content-Type"] = "application/json"

@@ -86,6 +86,7 @@ _PASS_BACK = (
     "openai-processing-ms"
 )
 _WHOLE_ERRORS = ("api_error", "malformed_response", "empty_content")  # the stream ended by itself
+_USAGE_ASKED = ("/chat/completions", "/completions")  # streams the proxy asks usage of
 _LAST_EVENTS = ask.RESPONSE_DONE + ("message_stop",)  # held until the line is written
 
 
@@ -429,11 +430,7 @@ class _ProxyHandler(ask.RequestHandler):
                 400, refused.message, refused.error_type, kind="invalid_request_error"
             )
         options = body.get("stream_options") if type(body.get("stream_options")) is dict else {}
-        injected = (
-            stream
-            and route in ("/chat/completions", "/completions")
-            and options.get("include_usage") is not True
-        )
+        injected = stream and route in _USAGE_ASKED and options.get("include_usage") is not True
         if injected:
             body["stream_options"] = dict(options, include_usage=True)
         url = ask.endpoint(app.split[0], route)

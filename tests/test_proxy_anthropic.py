@@ -270,3 +270,32 @@ def test_upstream_http_errors_go_back_as_sent_and_are_recorded(run, tmp_path):
     assert "Overloaded" in first["error_message"]
     assert second["error_type"] is not None
     check_ledger(tmp_path)
+
+
+PLAIN = {
+    # an error object with a 200: the body goes back as it came, the line says api_error
+    "error_in_200": (json.dumps(OVERLOADED).encode(), "api_error"),
+    "block_not_an_object": (
+        json.dumps({"type": "message", "id": "m", "model": "m", "content": [7], "usage": USAGE}).encode(),
+        "malformed_response",
+    ),
+    "cut_json": (b'{"type": "message", "content": [{"type": "text", "te', "invalid_json"),
+    "empty_message": (
+        json.dumps({"type": "message", "content": [], "stop_reason": "end_turn"}).encode(),
+        "empty_content",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(PLAIN))
+def test_hostile_plain_answers_are_recorded_as_what_they_are(run, tmp_path, name):
+    raw, error_type = PLAIN[name]
+    fake, proxy = run([{"raw": raw}])
+    response, got = post(proxy.conn(), "/messages", ASK, HEADERS)
+    [line] = calls(tmp_path / "calls.jsonl")
+    assert line["error_type"] == error_type and line["route"] == "/messages"
+    if error_type == "invalid_json":  # nothing usable came: a 502 naming it
+        assert response.status == 502 and json.loads(got)["error"]["code"] == "invalid_json"
+    else:  # a body that parses goes back as it came, whatever its line says of it
+        assert response.status == 200 and got == raw
+    check_ledger(tmp_path)
