@@ -14,6 +14,7 @@ from fake_anthropic import ScriptedAnthropic
 from proxy_helpers import Proxy
 
 CLIENT_KEY = "sk-ant-api03-client-own-key-never-forwarded-0123456789"
+TOKEN = "proxy-token-for-claude-code-0123456789abcdef"
 
 
 @pytest.fixture
@@ -21,7 +22,10 @@ def claude():
     return client("claude")
 
 
-def test_claude_code_tool_round_trip_through_the_proxy(claude, tmp_path):
+# without PROXY_TOKEN the client's own key is ignored; with it, the client sends it as x-api-key
+@pytest.mark.parametrize("token", [None, TOKEN])
+def test_claude_code_tool_round_trip_through_the_proxy(claude, tmp_path, token):
+    client_key = token or CLIENT_KEY
     work, home = tmp_path / "work", tmp_path / "home"
     work.mkdir()
     target = work / "made.txt"
@@ -40,13 +44,13 @@ def test_claude_code_tool_round_trip_through_the_proxy(claude, tmp_path):
     ledger = tmp_path / "ledger" / "calls.jsonl"
     ledger.parent.mkdir()
     with ScriptedAnthropic(turns) as fake:
-        proxy = Proxy(fake.base_url + "/v1", ledger)
+        proxy = Proxy(fake.base_url + "/v1", ledger, PROXY_TOKEN=token)
         try:
             # docs/proxy.md's recipe: the proxy's address, without /v1; the client's own key
             env = offline_env(
                 home,
                 ANTHROPIC_BASE_URL=f"http://127.0.0.1:{proxy.port}",
-                ANTHROPIC_API_KEY=CLIENT_KEY,
+                ANTHROPIC_API_KEY=client_key,
             )
             done = subprocess.run(
                 [claude, "-p", "Make a file called made.txt here.", "--model", "stand-in-model",
@@ -88,9 +92,10 @@ def test_claude_code_tool_round_trip_through_the_proxy(claude, tmp_path):
     assert lines[0]["cache_creation_input_tokens"] == 200
     assert lines[0]["input_tokens"] > 1200 and lines[0]["ttft_ms"] is not None
     assert run_script("reasoning_ledger.py", "verify", ledger).returncode == 0
-    audited = run_script("audit.py", ledger)
+    audited = run_script("audit.py", "--by", "session", ledger)
     assert audited.returncode == 0, audited.err
+    assert session in audited.out
     # no key in any file written: the ledger, the client's home and config, the work dir
     blob = all_bytes_under(tmp_path)
-    assert CLIENT_KEY.encode() not in blob and KEY.encode() not in blob
-    assert CLIENT_KEY[-20:].encode() not in blob
+    assert client_key.encode() not in blob and KEY.encode() not in blob
+    assert client_key[-20:].encode() not in blob
