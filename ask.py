@@ -62,8 +62,8 @@ __all__ = [
 # daemon.py and fleet.py: Deadline, http_open, CappedServer, RequestHandler, Refused, http_answer,
 # host_name, is_loopback, bearer_ok, require_json. One call's parts, for proxy.py: attempts (every
 # attempt of a call), call_record, finish, models_call, CallFailed, endpoint, check_ledger,
-# append_record, check_number, ms_since, RESPONSE_DONE; _take and _fill_ids, which proxy.py's reader
-# of Anthropic's answers (a body's `take`) builds on.
+# append_record, check_number, ms_since, RESPONSE_DONE; _take, _fill_ids and _server_text, which
+# proxy.py's reader of Anthropic's answers (a body's `take`) builds on.
 
 # --- Constants ---
 
