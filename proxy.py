@@ -801,7 +801,7 @@ class _BridgeStream(_Relay):
             self._write(_events(events))
 
     def finish(self, record, failure):
-        whole = failure is None or failure.error_type == "empty_content"
+        whole = failure is None or failure.error_type in _WHOLE_ERRORS[1:]
         if not self.began:
             self(b"", None)
         status = "completed" if whole else "failed"
