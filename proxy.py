@@ -5,7 +5,8 @@ attempt of every client is one model_call line in the ledger, as ask.py writes i
 Usage:
   BASE_URL=... API_KEY=... python3 proxy.py [--listen HOST:PORT] [--ledger FILE]
   # then the agent's base URL is http://127.0.0.1:8787/v1 (MODEL_ID pins the model;
-  # PROXY_TOKEN is the key clients must send, and is needed to listen beyond loopback)
+  # PROXY_TOKEN is the key clients must send, and is needed to listen beyond loopback;
+  # UPSTREAM_API=chat carries /v1/responses to an upstream that has chat completions only)
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings; GET /v1/models.
 Exit codes: 0 stopped by SIGTERM or SIGINT, 2 usage or configuration error. See docs/proxy.md.
@@ -817,7 +818,8 @@ def _proxy_parser():
     p = rl.ArgumentParser(
         prog="proxy.py",
         description="A recording OpenAI-compatible proxy: BASE_URL and API_KEY upstream "
-        "(MODEL_ID optional: pins the model; PROXY_TOKEN optional: the clients' key), "
+        "(MODEL_ID optional: pins the model; PROXY_TOKEN optional: the clients' key; "
+        "UPSTREAM_API=chat: /responses carried to chat completions), "
         "one model_call line per upstream attempt. See docs/proxy.md.",
         epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_USAGE),
         formatter_class=argparse.RawDescriptionHelpFormatter
