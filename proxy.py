@@ -335,7 +335,7 @@ class _ProxyHandler(ask.RequestHandler):
         self.connection.settimeout(args.timeout + args.read_timeout)
         return self._models() if self.route == "/models" else self._call(self.route, raw)
 
-    def _record(self, route, model, stream, attempt, messages, tokens, body, extra):
+    def _record(self, route, model, stream, attempt, messages, tokens, body):
         """The record of one upstream attempt: a direct call's, plus the client's route, address and
         headers."""
         number = body.get("temperature")
@@ -363,8 +363,7 @@ class _ProxyHandler(ask.RequestHandler):
             client_address=self.client_address[0],
             user_agent=(self.headers.get("User-Agent") or "")[:MAX_HEADER_CHARS] or None,
             session_id=(self.headers.get("X-Ledger-Session") or "")[:MAX_HEADER_CHARS] or None,
-            client_retry=int(retry) if retry.isdigit() and len(retry) < 10 else None,
-            **extra
+            client_retry=int(retry) if retry.isdigit() and len(retry) < 10 else None
         )
         return record
 
@@ -393,21 +392,10 @@ class _ProxyHandler(ask.RequestHandler):
                 "model_not_allowed", f"this proxy serves {app.model!r} only, not {model[:200]!r}"
             )
         model = model[: ask.MAX_FIELD_CHARS] if type(model) is str and model else app.model or ""
-        stream, bridge = bool(body.get("stream")), None
-        if refused is None and route == "/responses" and app.args.upstream_api == "chat":
-            try:
-                bridge = _Bridge(body)
-            except ask.CallFailed as exc:  # a tool or item the bridge cannot carry: 400
-                refused = exc
+        stream = bool(body.get("stream"))
+        bridge, refused = _Bridge.of(app.args, route, body, refused)
         new_record = functools.partial(
-            self._record,
-            route,
-            model,
-            stream,
-            messages=messages,
-            tokens=tokens,
-            body=body,
-            extra=bridge.fields if bridge else {}
+            self._record, route, model, stream, messages=messages, tokens=tokens, body=body
         )
         if refused is not None:  # recorded, with no HTTP status: nothing was sent
             record = new_record(1)
@@ -695,6 +683,16 @@ def _events(events):
 class _Bridge:
     """One Responses request carried to a chat-completions upstream, and its answer back."""
 
+    @classmethod
+    def of(cls, args, route, body, refused):
+        """(bridge or None, refusal): a request the bridge cannot carry is refused (400), unsent."""
+        if refused is not None or route != "/responses" or args.upstream_api != "chat":
+            return None, refused
+        try:
+            return cls(body), None
+        except ask.CallFailed as exc:
+            return None, exc
+
     def __init__(self, body):
         self.spaces, self.id = {}, "resp_" + os.urandom(12).hex()
         messages, reasoning = _chat_messages(body)
@@ -756,7 +754,7 @@ class _Bridge:
         record, failure, state, out = ask.attempts(
             ask.endpoint(app.split[0], "/chat/completions"),
             self.chat,
-            new_record,
+            lambda attempt: dict(new_record(attempt), **self.fields),
             app.append,
             api_key=app.api_key,
             timeout=app.args.timeout,
