@@ -618,10 +618,8 @@ class _Output:
             self.text += text
             events.append(("response.output_text.delta", self._at(self.message, delta=text)))
         for n, call in enumerate(_field(message, "tool_calls", list)):
-            index, function = call.get("index") if type(call) is dict else n, _field(
-                call, "function", dict
-            )
-            index = index if type(index) is int else n  # a whole message's calls have none
+            index = call.get("index") if type(call) is dict else n  # a whole message's have none
+            index, function = index if type(index) is int else n, _field(call, "function", dict)
             item = self.calls.get(index)
             if item is None:
                 name = _field(function, "name")
@@ -702,7 +700,9 @@ class _Bridge:
             "messages": messages,
             "stream": bool(body.get("stream"))
         }
-        self.chat.update((new, body[old]) for old, new in _BRIDGE_OPTIONS.items() if old in body)
+        self.chat.update(
+            (new, body[old]) for old, new in _BRIDGE_OPTIONS.items() if body.get(old) is not None
+        )
         choice = body.get("tool_choice")
         if _field(choice, "type") == "function":
             self.chat["tool_choice"] = {

@@ -164,6 +164,34 @@ def test_what_a_chat_server_cannot_take_is_a_clear_400_and_a_line(start, field, 
     assert (line["error_type"], line["http_status"], line["route"]) == (error_type, None, "/responses")
 
 
+HOSTILE_REQUESTS = [
+    {"input": [1, None, "text", [], {"type": 5}, {"role": ["x"], "content": {"a": 1}}]},
+    {"input": {"not": "a list"}, "instructions": ["a", {"text": "b"}, 3]},
+    {"input": [{"type": "function_call", "call_id": [], "name": {}, "arguments": 5},
+               {"type": "function_call_output", "call_id": None, "output": {"x": [1]}}]},
+    {"input": "hi", "tools": "none"},
+    {"input": "hi", "tools": [{"type": "namespace", "tools": "x"}, {"type": "namespace"}, None]},
+    {"input": "hi", "tools": [{"type": "function"}], "tool_choice": {"type": "function", "name": [1]}},
+    {"input": "hi", "tools": [{"type": "namespace", "name": "n", "tools": [
+        {"type": "namespace", "name": "m", "tools": [{"type": "function", "name": "deep"}]}]}]},
+    {"input": "hi", "max_output_tokens": "lots", "temperature": None, "stream": "yes"},
+]
+
+
+def test_hostile_client_bodies_are_carried_or_refused_never_a_crash(start):
+    with ScriptedChat([]) as chat:
+        proxy = start(chat.base_url)
+        for body in HOSTILE_REQUESTS:
+            response, raw = ask(proxy, dict(body, model="m"))
+            assert response.status in (200, 400), raw
+        assert ask(proxy, {"model": "m", "input": "still up"})[0].status == 200
+        sent = [r["body"] for r in chat.requests]
+    assert len(calls(proxy.ledger)) == len(HOSTILE_REQUESTS) + 1
+    assert all(type(m["content"]) in (str, type(None)) for body in sent for m in body["messages"])
+    code, _out, err = proxy.stop()
+    assert code == 0 and "Traceback" not in err, err
+
+
 def test_upstream_api_must_be_known(tmp_path):
     result = run_script("proxy.py", "--listen", "127.0.0.1:0", "--ledger", tmp_path / "l.jsonl",
                         env=clean_env(BASE_URL="http://127.0.0.1:9/v1", API_KEY=KEY, UPSTREAM_API="anthropic"))
