@@ -783,28 +783,29 @@ class _BridgeStream(_Relay):
         super().__init__(handler, True)
         self.bridge, self.output = bridge, _Output(bridge.spaces)
 
-    def __call__(self, raw, chunk):
-        events = []
-        if not self.began:
-            self.headers = {k: v for k, v in self.headers.items() if k.lower() != "content-type"}
-            events.append(
-                (
-                    "response.created",
-                    {"response": self.bridge.response(None, self.output, "in_progress")}
-                )
+    def _start(self):
+        """response.created, before anything is sent (the Content-Type is the proxy's)."""
+        if self.began:
+            return []
+        self.headers = {k: v for k, v in self.headers.items() if k.lower() != "content-type"}
+        return [
+            (
+                "response.created",
+                {"response": self.bridge.response(None, self.output, "in_progress")}
             )
+        ]
+
+    def __call__(self, raw, chunk):
+        events = self._start()
         for choice in _field(chunk, "choices", list):
             if _field(choice, "index", int) == 0:
                 events += self.output.add(_field(choice, "delta", dict))
-        if events:
-            self._write(_events(events))
+        self._write(_events(events))
 
     def finish(self, record, failure):
         whole = failure is None or failure.error_type in _WHOLE_ERRORS[1:]
-        if not self.began:
-            self(b"", None)
         status = "completed" if whole else "failed"
-        events = self.output.done() if whole else []
+        events = self._start() + (self.output.done() if whole else [])
         events.append(
             ("response." + status, {"response": self.bridge.response(record, self.output, status)})
         )

@@ -320,6 +320,8 @@ HOSTILE_STREAMS = [
      'data: {"choices": [{"delta": {"content": "mine"}, "finish_reason": "stop"}]}\n\n', "data: [DONE]\n\n"],
     ['data: {"choices": [{"delta": {"content": "half"}}]}\n\n', "data: {\"choi"],
     ["event: error\ndata: {\"error\": {\"message\": \"overloaded\"}}\n\n"],
+    ["data: [DONE]\n\n"],
+    [": a comment, then the connection closes\n\n"],
 ]
 
 
