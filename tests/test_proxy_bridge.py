@@ -311,17 +311,20 @@ HOSTILE_BODIES = [
                                              {"index": 2, "function": {"name": "x", "arguments": {"a": 1}}}]}}]},
     {"choices": [{"message": {"content": "fine"}}], "usage": {"prompt_tokens": "many"}, "model": ["x"]},
 ]
-HOSTILE_STREAMS = [
-    ['data: {"choices": [{"delta": "x"}]}\n\n', 'data: [1]\n\n', 'data: {"choices": 5}\n\n', "data: [DONE]\n\n"],
-    ['data: {"choices": [{"delta": {"tool_calls": [{"index": {}}, 3, {"index": 0, "function": "f"}]}}]}\n\n',
-     'data: {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": 9}}]},'
-     ' "finish_reason": "tool_calls"}]}\n\n', "data: [DONE]\n\n"],
-    ['data: {"choices": [{"index": 1, "delta": {"content": "other choice"}}]}\n\n',
-     'data: {"choices": [{"delta": {"content": "mine"}, "finish_reason": "stop"}]}\n\n', "data: [DONE]\n\n"],
-    ['data: {"choices": [{"delta": {"content": "half"}}]}\n\n', "data: {\"choi"],
-    ["event: error\ndata: {\"error\": {\"message\": \"overloaded\"}}\n\n"],
-    ["data: [DONE]\n\n"],
-    [": a comment, then the connection closes\n\n"],
+HOSTILE_STREAMS = [  # (events, the last Responses event's type and error code)
+    (['data: {"choices": [{"delta": "x"}]}\n\n', 'data: [1]\n\n', 'data: {"choices": 5}\n\n',
+      "data: [DONE]\n\n"], ("response.completed", None)),
+    (['data: {"choices": [{"delta": {"tool_calls": [{"index": {}}, 3, {"index": 0, "function": "f"}]}}]}\n\n',
+      'data: {"choices": [{"delta": {"tool_calls": [{"index": 0, "function": {"arguments": 9}}]},'
+      ' "finish_reason": "tool_calls"}]}\n\n', "data: [DONE]\n\n"], ("response.completed", None)),
+    (['data: {"choices": [{"index": 1, "delta": {"content": "other choice"}}]}\n\n',
+      'data: {"choices": [{"delta": {"content": "mine"}, "finish_reason": "stop"}]}\n\n', "data: [DONE]\n\n"],
+     ("response.completed", None)),
+    (['data: {"choices": [{"delta": {"content": "half"}}]}\n\n', "data: {\"choi"],
+     ("response.failed", "truncated_stream")),
+    (["event: error\ndata: {\"error\": {\"message\": \"overloaded\"}}\n\n"], ("response.failed", "api_error")),
+    (["data: [DONE]\n\n"], ("response.completed", None)),
+    ([": a comment, then the connection closes\n\n"], ("response.failed", "truncated_stream")),
 ]
 
 
@@ -330,7 +333,7 @@ def test_hostile_upstream_bodies_and_streams_never_break_the_bridge(start):
     try:
         for body in HOSTILE_BODIES:
             srv.queue({"name": "json", "body": body})
-        for events in HOSTILE_STREAMS:
+        for events, _verdict in HOSTILE_STREAMS:
             srv.queue({"name": "sse", "events": events})
         proxy = start(srv.base_url)
         for body in HOSTILE_BODIES:
@@ -338,11 +341,10 @@ def test_hostile_upstream_bodies_and_streams_never_break_the_bridge(start):
             assert response.status in (200, 502), raw
             answer = json.loads(raw)
             assert answer.get("object") == "response" or answer["error"]["message"].startswith("upstream: ")
-        for _events in HOSTILE_STREAMS:
+        for _events, verdict in HOSTILE_STREAMS:  # a stream always ends with its verdict
             response, raw = ask(proxy, {"model": "m", "input": "hi", "stream": True})
-            assert response.status in (200, 502), raw
-            if response.status == 200:  # a stream always ends with its verdict
-                assert sse(raw)[-1][0] in ("response.completed", "response.failed")
+            kind, last = sse(raw)[-1]
+            assert response.status == 200 and (kind, (last["response"]["error"] or {}).get("code")) == verdict
         response, raw = ask(proxy, {"model": "m", "input": "hi"})  # and the proxy still serves
         assert response.status == 200 and json.loads(raw)["output"][0]["content"][0]["text"] == ANSWER
     finally:
