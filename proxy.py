@@ -723,8 +723,10 @@ class _Bridge:
         }
 
     def response(self, record, output, status):
-        """The Responses object: in progress (no record yet), completed or failed."""
+        """The Responses object: in progress (no record yet), completed (incomplete when the
+        upstream stopped at max_tokens) or failed."""
         record = record or dict.fromkeys(("response_model", "request_model", "usage_reported"))
+        cut = status == "completed" and record.get("finish_reason") == "length"
         usage = {
             "input_tokens": record.get("input_tokens") or 0,
             "input_tokens_details": {"cached_tokens": record.get("cached_input_tokens") or 0},
@@ -738,7 +740,8 @@ class _Bridge:
             "id": self.id,
             "object": "response",
             "created_at": int(time.time()),
-            "status": status,
+            "status": "incomplete" if cut else status,
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "model": record["response_model"] or record["request_model"] or self.chat["model"],
             "output": output.items,
             "usage": usage if record["usage_reported"] else None,
@@ -806,9 +809,8 @@ class _BridgeStream(_Relay):
         whole = failure is None or failure.error_type in _WHOLE_ERRORS[1:]
         status = "completed" if whole else "failed"
         events = self._start() + (self.output.done() if whole else [])
-        events.append(
-            ("response." + status, {"response": self.bridge.response(record, self.output, status)})
-        )
+        body = self.bridge.response(record, self.output, status)
+        events.append(("response." + body["status"], {"response": body}))
         self.held = [_events(events)]
         self.end(True)
 

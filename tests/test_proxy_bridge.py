@@ -264,6 +264,33 @@ def test_tool_calls_come_back_as_function_call_items_namespace_kept(start, strea
     assert (line["error_type"], line["finish_reason"]) == (None, "tool_calls")
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_an_answer_stopped_at_max_tokens_is_incomplete(start, stream):
+    srv = HostileServer().start()
+    try:
+        if stream:
+            srv.queue({"name": "sse", "events": ['data: {"choices": [{"delta": {"content": "cut sh"}}]}\n\n',
+                                                 'data: {"choices": [{"delta": {}, "finish_reason": "length"}]}\n\n',
+                                                 "data: [DONE]\n\n"]})
+        else:
+            srv.queue({"name": "json", "body": {"choices": [{"message": {"content": "cut sh"},
+                                                             "finish_reason": "length"}]}})
+        proxy = start(srv.base_url)
+        response, raw = ask(proxy, {"model": "m", "input": "hi", "stream": stream, "max_output_tokens": 2})
+    finally:
+        srv.stop()
+    if stream:
+        kind, answer = sse(raw)[-1]
+        assert kind == "response.incomplete"
+        answer = answer["response"]
+    else:
+        answer = json.loads(raw)
+    assert (answer["status"], answer["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+    assert answer["output"][0]["content"][0]["text"] == "cut sh"
+    (line,) = calls(proxy.ledger)
+    assert (line["finish_reason"], line["error_type"], line["max_tokens"]) == ("length", None, 2)
+
+
 def test_a_stream_cut_early_is_response_failed_never_a_silent_stop(start):
     up = Upstream().start()
     try:
