@@ -564,7 +564,7 @@ def _chat_messages(body):
         item = item if type(item) is dict else {"content": item}
         kind, last = _field(item, "type") or "message", messages[-1] if messages else {}
         role = {"developer": "system"}.get(_field(item, "role"), _field(item, "role") or "user")
-        if kind == "message" and item.get("content") is None and role == "system":
+        if kind == "message" and not item.get("content") and role == "system":
             continue  # Codex sends null instructions and its prompt as developer items
         if kind == "message" and role == last.get("role") == "system":
             last["content"] += "\n\n" + _as_text(item.get("content"))
