@@ -5,6 +5,7 @@ The real-CLI tests skip where node or the pinned CLIs are missing (tests/clients
 in CI makes that a failure). Run here with CLIENTS_PREFIX=/opt/rl-clients."""
 
 import glob
+import hashlib
 import json
 import os
 import resource
@@ -141,7 +142,7 @@ def test_claude_code_session_imported_twice_then_restored(tmp_path):
     assert second["lines"] == len(path.read_bytes().splitlines())
     assert second["carry"]["session_id"] == SID
     assert sum(d["turns"] for d in second["usage"][CLAUDE_MODEL].values()) == 1
-    import hashlib
+
     assert second["sha256"] == hashlib.sha256(path.read_bytes()[size:]).hexdigest()
     assert second["prefix_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     # restore: the file back, masked; verify passes; no secret anywhere we wrote
@@ -367,3 +368,37 @@ def test_no_source_and_bad_arguments(tmp_path):
     env = clean_env(CLAUDE_CONFIG_DIR=tmp_path / "c", CODEX_HOME=tmp_path / "none", LEDGER=tmp_path / "l.jsonl")
     proc = tx("import", cwd=tmp_path, env=env)
     assert proc.returncode == 0 and len(imported(tmp_path / "l.jsonl")) == 2
+
+
+# ----------------------------------------------------------------------------
+# Shipped like any ledger: fleet.py ship, fleet.py verify --from, audit.py --from
+# ----------------------------------------------------------------------------
+
+
+def test_imported_sessions_ship_and_audit_from_clickhouse(tmp_path, made):
+    from clickhouse_server import ClickHouse, skip_reason
+    reason = skip_reason()
+    if reason:
+        if os.environ.get("CLICKHOUSE_REQUIRED") == "1":
+            pytest.fail(f"CLICKHOUSE_REQUIRED=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+    claude_tree(tmp_path, made[0].read_bytes())
+    codex_home = tmp_path / "x"
+    shutil.copytree(made[1].parent, codex_home / "sessions" / "2026")
+    assert tx("import", "--claude", tmp_path / "c", "--codex", codex_home, cwd=tmp_path).returncode == 0
+    local = json.loads(run_script("audit.py", "--json", cwd=tmp_path).out)["imported"]
+    ch = ClickHouse.start(tmp_path / "ch")
+    try:
+        env = clean_env(CLICKHOUSE_USER=ch.SHIPPER_USER, CLICKHOUSE_PASSWORD=ch.SHIPPER_PASSWORD)
+        where = ("--to", ch.url, "--database", "transcripts")
+        ch.query("CREATE DATABASE transcripts")
+        proc = run_script("fleet.py", "ship", "transcripts.jsonl", *where, cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.err
+        where = ("--from", ch.url, "--database", "transcripts")
+        assert run_script("fleet.py", "verify", *where, cwd=tmp_path, env=env).returncode == 0
+        proc = run_script("audit.py", *where, "--json", cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.err
+        remote = json.loads(proc.out)["imported"]
+    finally:
+        ch.stop()
+    assert remote == local and {r["agent"] for r in remote["models"]} == {"claude-code", "codex"}
