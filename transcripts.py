@@ -37,7 +37,9 @@ MAX_LINE = 16 * 1024 * 1024  # a longer transcript line is counted, hashed and n
 PIECE = 8 * 1024 * 1024  # the masked text goes to the store in pieces about this long
 SEGMENT = 1024 * 1024 * 1024  # one ledger line covers at most this much of a file
 BLOCK = 1024 * 1024
-MAX_MODELS = 64  # distinct model names a segment counts apart; more go under "(other)"
+# Distinct models and days a segment counts apart (more go under "(other)"), so that no transcript
+# can make its ledger line too long to write.
+MAX_MODELS, MAX_DAYS = 16, 62
 # What a ledger line carries of its file's state (the first six also on transcript_gone).
 STATE = tuple("agent session_id source root version stat offset lines prefix_sha256 carry".split())
 KINDS = ("transcript", "transcript_changed", "transcript_gone", "transcript_moved")
@@ -151,6 +153,18 @@ def _lines(handle, end, hashers):
             buf = b""
 
 
+def _plain(value):
+    """A string from a transcript that a ledger line may carry: short, and UTF-8 (no lone
+    surrogate from a \\udXXX escape)."""
+    if type(value) is not str or not 0 < len(value) <= 4096:
+        return False
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _too_deep(text):
     if text.count("{") + text.count("[") <= rl.MAX_DEPTH:
         return False
@@ -170,7 +184,10 @@ def _masked(text, value, redactor):
     view = text.replace('\\"', '"').replace("\\n", "\n").replace("\\t", "\t").replace("\\r", "\r")
     if redactor.text(view) == view:
         return text
-    clean, encoded = rl._clean_payload(value, redactor)  # the payload masking of Ledger.append
+    try:
+        clean, encoded = rl._clean_payload(value, redactor)  # the payload masking of Ledger.append
+    except rl.PayloadError:  # NaN, a lone surrogate, a 4,300-digit number: masked as text
+        return redactor.text(text)
     return text if clean == value else encoded
 
 
@@ -200,6 +217,7 @@ class _Segment:
         self.agent, self.carry = agent, dict(carry)
         self.usage, self.prompts, self.skipped, self.missing = {}, {}, {}, []
         self.first = self.last = None
+        self.days = set()
         self.lines = 0
 
     def skip(self, reason):
@@ -212,12 +230,16 @@ class _Segment:
         return self.usage.setdefault(model, {}).setdefault(day, {"turns": 0, "tool_calls": 0})
 
     def note(self, stamp, **fields):
-        if type(stamp) is str and _DAY_RE.match(stamp):
+        if _plain(stamp) and _DAY_RE.match(stamp):
             self.first = min(self.first or stamp, stamp)
             self.last = max(self.last or stamp, stamp)
-            self.carry["day"] = stamp[:10]
+            day = stamp[:10]
+            if day not in self.days and len(self.days) >= MAX_DAYS:
+                day = "(other)"
+            self.days.add(day)
+            self.carry["day"] = day
         for name, value in fields.items():
-            if type(value) is str and value and len(value) <= 4096:
+            if _plain(value):
                 self.carry[name] = value
 
     def prompt(self):
@@ -249,7 +271,7 @@ class _Segment:
             row = self.row(self.carry.get("day", ""))
             row["tool_calls"] += sum(b.get("type") == "tool_use" for b in blocks)
             ident = message.get("id")
-            if type(ident) is str and ident != self.carry.get("message_id"):
+            if _plain(ident) and ident != self.carry.get("message_id"):
                 self.carry["message_id"] = ident
                 row["turns"] += 1
                 usage = message.get("usage")

@@ -8,7 +8,6 @@ import glob
 import hashlib
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -16,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-import reasoning_ledger as rl
 from clients import client, offline_env
 from conftest import ROOT, all_bytes_under, clean_env, error_lines, lines_of, run_script
 from fake_agents import ScriptedResponses, codex_config
@@ -298,6 +296,34 @@ def test_hostile_lines_are_counted_skipped_and_kept(tmp_path, made):
         assert line in restored
     listing = tx("list", cwd=tmp_path)
     assert "\x1b" not in listing.out and "\x07" not in listing.out
+
+
+def test_values_a_ledger_line_cannot_carry_are_left_out_not_fatal(tmp_path):
+    """Lone surrogates, NaN, 5,000-digit numbers, a huge message id, thousands of models and days:
+    the import still writes one verifiable line of bounded size, and masks what it can."""
+    lines = [
+        '{"type":"assistant","sessionId":"\\ud800","cwd":"/w\\udfff","timestamp":"2026-12-01T00:00:00\\ud800",'
+        '"message":{"id":"\\udfff","model":"m\\ud800","usage":{"input_tokens":1}}}',
+        '{"type":"user","x":NaN,"note":"api_key=%s"}' % SECRETS[0],
+        '{"type":"user","n":%s,"note":"token=%s"}' % ("9" * 5000, SECRETS[1]),
+        '{"type":"assistant","message":{"id":"%s","model":"m"}}' % ("i" * 100000),
+    ]
+    for n in range(3000):
+        lines.append(json.dumps({"type": "assistant", "timestamp": "2026-%02d-%02dT00:00:00Z" % (n % 12 + 1, n % 28 + 1),
+                                 "message": {"id": "msg%d" % n, "model": "model-%d" % (n % 50),
+                                             "usage": {"output_tokens": 1}}}))
+    claude_tree(tmp_path, "\n".join(lines).encode() + b"\n", "odd.jsonl")
+    proc = tx("import", "--claude", tmp_path / "c", cwd=tmp_path)
+    assert proc.returncode == 0, proc.err
+    ledger = tmp_path / "transcripts.jsonl"
+    assert run_script("reasoning_ledger.py", "verify", ledger).returncode == 0
+    (seg,) = imported(ledger)
+    assert len(ledger.read_bytes()) < 300000 and seg["cwd"] is None
+    assert len(seg["usage"]) <= 17 and all(len(days) <= 63 for days in seg["usage"].values())
+    turns = sum(d["turns"] for days in seg["usage"].values() for d in days.values())
+    assert turns == 3000  # each response once, folded or not; an id no line can carry is no turn
+    no_secret_under(tmp_path / "transcripts.jsonl.text")
+    assert not any(s.encode() in ledger.read_bytes() for s in SECRETS)
 
 
 def test_terminal_control_in_a_session_cannot_reach_list(tmp_path):
