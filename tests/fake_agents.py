@@ -109,13 +109,14 @@ class ScriptedResponses:
         self.server.server_close()
 
 
-def codex_config(codex_home, base_url, model):
-    """A config.toml that points Codex at `base_url` (key from FAKE_API_KEY) and keeps it offline."""
+def codex_config(codex_home, base_url, model, env_key="FAKE_API_KEY"):
+    """A config.toml that points Codex at `base_url` (its key from the variable `env_key`) and
+    keeps it offline."""
     os.makedirs(codex_home, exist_ok=True)
     with open(os.path.join(codex_home, "config.toml"), "w") as handle:
         handle.write(
             f'model = "{model}"\nmodel_provider = "fake"\n\n[model_providers.fake]\n'
-            f'name = "fake"\nbase_url = "{base_url}"\nenv_key = "FAKE_API_KEY"\n'
+            f'name = "fake"\nbase_url = "{base_url}"\nenv_key = "{env_key}"\n'
             f'wire_api = "responses"\n\n[analytics]\nenabled = false\n\n'
             f"[features]\nplugins = false\n"
         )

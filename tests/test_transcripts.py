@@ -19,6 +19,7 @@ from clients import client, offline_env
 from conftest import ROOT, all_bytes_under, clean_env, error_lines, lines_of, run_script
 from fake_agents import ScriptedResponses, codex_config
 from fake_anthropic import ScriptedAnthropic
+from proxy_helpers import Proxy
 
 SID = "7d1c0a52-3f4e-4b6a-9c2d-1e0f5a6b7c8d"
 CLAUDE_MODEL = "claude-sonnet-4-5"
@@ -428,3 +429,35 @@ def test_imported_sessions_ship_and_audit_from_clickhouse(tmp_path, made):
     finally:
         ch.stop()
     assert remote == local and {r["agent"] for r in remote["models"]} == {"claude-code", "codex"}
+
+
+def test_the_audit_shows_a_codex_session_beside_its_proxied_calls(tmp_path):
+    """Codex through proxy.py: the proxy's model_call lines and the imported rollout, in one audit, the
+    tokens each reports under its own names."""
+    binary, token = client("codex"), "codex-proxy-token-0123456789"
+    home = tmp_path / "home"
+    (home / "work").mkdir(parents=True)
+    with ScriptedResponses(CODEX_TURNS) as server:
+        proxy = Proxy(server.base_url, tmp_path / "calls.jsonl", PROXY_TOKEN=token)
+        try:
+            env = offline_env(home, PROXY_TOKEN=token)
+            codex_config(env["CODEX_HOME"], f"http://127.0.0.1:{proxy.port}/v1", CODEX_MODEL, "PROXY_TOKEN")
+            proc = subprocess.run(
+                [binary, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
+                 "make x.txt"], env=env, cwd=home / "work", capture_output=True, text=True, timeout=300,
+                stdin=subprocess.DEVNULL)
+        finally:
+            code, _out, err = proxy.stop()
+    assert proc.returncode == 0 and code == 0, (proc.stderr[-2000:], err[-2000:])
+    assert tx("import", "--codex", home / ".codex", cwd=tmp_path).returncode == 0
+    report = run_script("audit.py", "--json", cwd=tmp_path)  # ./calls.jsonl and ./transcripts.jsonl
+    assert report.returncode == 0, report.err
+    audit = json.loads(report.out)
+    (calls,) = audit["models"]
+    (session,) = audit["imported"]["models"]
+    assert calls["request_model"] == session["model"] == CODEX_MODEL
+    assert calls["calls"] == session["turns"] == 2
+    assert calls["input_tokens"] == session["input_tokens"] == 200
+    assert audit["imported"]["agents"] == {"codex": {"versions": ["0.171.0"], "sessions": 1}}
+    text = run_script("audit.py", cwd=tmp_path).out
+    assert "Imported sessions" in text and "from: codex 0.171.0 (1 sessions)" in text
