@@ -72,7 +72,7 @@ CODEX_TOOL_ITEMS = frozenset(
     "function_call custom_tool_call local_shell_call web_search_call tool_search_call".split()
 )
 _DAY_RE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
-_STRING_RE = re.compile(r'"(?:[^"\\]|\\.)*"')
+_STRING_RE = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
 
 # ----------------------------------------------------------------------------
 # Helpers: finding the files, reading lines, masking
@@ -111,12 +111,13 @@ def _sources(claude, codex):
                 yield "codex", root, path, entry
 
 
-def _lines(handle, end, hashers):
+def _lines(handle, end, hashers, limit=SEGMENT):
     """Yield each complete line of `handle` up to byte `end`, its newline included; a line over
-    MAX_LINE as (its size, its SHA-256) instead. Every byte of every complete line feeds each of
-    `hashers`, a list whose items are replaced while a long line is read. A last line without its
-    newline is neither yielded nor hashed: it is read again next time."""
-    buf, pos, long, size, line_hash = b"", handle.tell(), None, 0, None
+    MAX_LINE as (its size, its SHA-256) instead; None, then nothing, when a further line would go
+    past `limit` bytes read. Every byte of every line yielded feeds each of `hashers`, a list whose
+    items are replaced while a long line is read. A last line without its newline is neither
+    yielded nor hashed: it is read again next time."""
+    buf, pos, long, size, line_hash, taken = b"", handle.tell(), None, 0, None, 0
     while pos < end:
         block = handle.read(min(BLOCK, end - pos))
         if not block:
@@ -127,15 +128,20 @@ def _lines(handle, end, hashers):
             if newline < 0:
                 break
             piece, start = block[start : newline + 1], newline + 1
+            if taken >= limit:
+                yield None
+                return
             if long is None:
                 line, buf = buf + piece if buf else piece, b""
                 for hasher in hashers:
                     hasher.update(line)
+                taken += len(line)
                 yield line
                 continue
             for hasher in long:
                 hasher.update(piece)
             hashers[:], size, long = long[:-1], size + len(piece), None
+            taken += size
             yield size, line_hash.hexdigest()
         rest = block[start:]
         if long is not None:
@@ -350,27 +356,25 @@ def _segment(ledger, store, handle, state, end):
             pieces.append(rl.store_artifact(store, b"".join(out), redact_secrets=False)["sha256"])
             out.clear()
 
-    pending = 0
-    for line in _lines(handle, min(end, start + SEGMENT), hashers):
+    pending, stat = 0, None
+    for line in _lines(handle, end, hashers):
+        if line is None:  # more than one line's payload should cover: on the next line
+            break
         if type(line) is tuple:
             seg.lines += 1
             seg.skip("too_long")
-            seg.missing.append(
-                {
-                    "line": state["lines"] + seg.lines,
-                    "offset": start + size,
-                    "size": line[0],
-                    "sha256": line[1]
-                }
-            )
+            where = {"line": state["lines"] + seg.lines, "offset": start + size}
+            seg.missing.append(dict(where, size=line[0], sha256=line[1]))
             size += line[0]
-            continue
-        size += len(line)
-        out.append(seg.take(line, redactor))
-        pending += len(out[-1])
-        if pending >= PIECE:
-            flush()
-            pending = 0
+        else:
+            size += len(line)
+            out.append(seg.take(line, redactor))
+            pending += len(out[-1])
+            if pending >= PIECE:
+                flush()
+                pending = 0
+    else:  # read to the end: the stat stands for what was imported (none: read again next run)
+        stat = state["stat"]
     flush()
     if not seg.lines:
         return None, hashers[0]
@@ -393,7 +397,7 @@ def _segment(ledger, store, handle, state, end):
         "prompts": seg.prompts,
         "skipped": seg.skipped,
         "carry": seg.carry,
-        "stat": state["stat"]
+        "stat": stat
     }
     return ledger.append("transcript", payload)["payload"], hashers[0]
 
@@ -445,7 +449,7 @@ def _import_file(ledger, store, source, old, counts):
             if added is None:
                 return
             counts["transcript"] += 1
-            state = _state("transcript", added)
+            state = dict(_state("transcript", added), stat=st)
             handle.seek(state["offset"])
 
 
