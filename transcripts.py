@@ -600,21 +600,32 @@ def restore(ledger_path, session, out):
     written, missing = [], []
     for name, parts in plan:
         with open(out / name, "xb") as handle:
-            written.append(str(out / name))
-            offset = 0
-            for part in sorted(parts, key=lambda p: p["start"]):
-                if part["start"] != offset:
-                    raise rl.IntegrityError(
-                        ledger_path, None, f"{name}: bytes {offset}-{part['start']} are not kept"
-                    )
-                for digest in part["stored"]:
-                    data = (store / digest).read_bytes()
-                    if hashlib.sha256(data).hexdigest() != digest:
-                        raise rl.IntegrityError(store / digest, None, "does not match its name")
-                    handle.write(data)
-                missing += [dict(m, file=name) for m in part["missing"]]
-                offset = part["end"]
+            try:
+                missing += _write_parts(handle, name, parts, store, ledger_path)
+                written.append(str(out / name))
+            finally:
+                if not written or written[-1] != str(out / name):  # nothing half-written stays
+                    os.unlink(str(out / name))
     return written, missing
+
+
+def _write_parts(handle, name, parts, store, ledger_path):
+    offset, missing = 0, []
+    for part in sorted(parts, key=lambda p: p["start"]):
+        if part["start"] != offset:
+            raise rl.IntegrityError(
+                ledger_path, None, f"{name}: bytes {offset}-{part['start']} are not kept"
+            )
+        for digest in part["stored"]:
+            if not re.fullmatch(r"[0-9a-f]{64}", str(digest)):
+                raise rl.IntegrityError(ledger_path, None, f"{name}: a stored piece has no hash")
+            data = (store / digest).read_bytes()
+            if hashlib.sha256(data).hexdigest() != digest:
+                raise rl.IntegrityError(store / digest, None, "does not match its name")
+            handle.write(data)
+        missing += [dict(m, file=name) for m in part["missing"]]
+        offset = part["end"]
+    return missing
 
 
 # ----------------------------------------------------------------------------

@@ -461,3 +461,16 @@ def test_the_audit_shows_a_codex_session_beside_its_proxied_calls(tmp_path):
     assert audit["imported"]["agents"] == {"codex": {"versions": ["0.171.0"], "sessions": 1}}
     text = run_script("audit.py", cwd=tmp_path).out
     assert "Imported sessions" in text and "from: codex 0.171.0 (1 sessions)" in text
+
+
+def test_restore_refuses_a_store_that_lost_or_changed_a_piece(tmp_path, made):
+    claude_tree(tmp_path, made[0].read_bytes())
+    assert tx("import", "--claude", tmp_path / "c", cwd=tmp_path).returncode == 0
+    (piece,) = (tmp_path / "transcripts.jsonl.text").iterdir()
+    piece.write_bytes(piece.read_bytes() + b"\n")
+    proc = tx("restore", SID, "--out", tmp_path / "r", cwd=tmp_path)
+    assert proc.returncode == 1 and "does not match its name" in proc.err
+    piece.unlink()
+    proc = tx("restore", SID, "--out", tmp_path / "r", cwd=tmp_path)
+    assert proc.returncode == 2 and len(error_lines(proc.err)) == 1
+    assert list((tmp_path / "r").iterdir()) == []  # nothing half-written is left
