@@ -150,7 +150,10 @@ MODEL_CALL_OPTIONAL = {
     "client_address": (_S,),
     "user_agent": (_S, _N),
     "session_id": (_S, _N),
-    "client_retry": (_I, _N)
+    "client_retry": (_I, _N),
+    "upstream_route": (_S,),
+    "tools_dropped": (_I,),
+    "reasoning_dropped": (_I,)
 }
 
 # --- Errors ---

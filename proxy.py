@@ -5,7 +5,8 @@ attempt of every client is one model_call line in the ledger, as ask.py writes i
 Usage:
   BASE_URL=... API_KEY=... python3 proxy.py [--listen HOST:PORT] [--ledger FILE]
   # then the agent's base URL is http://127.0.0.1:8787/v1 (MODEL_ID pins the model;
-  # PROXY_TOKEN is the key clients must send, and is needed to listen beyond loopback)
+  # PROXY_TOKEN is the key clients must send, and is needed to listen beyond loopback;
+  # UPSTREAM_API=chat carries /v1/responses to an upstream that has chat completions only)
 
 Routes: POST /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings; GET /v1/models.
 Exit codes: 0 stopped by SIGTERM or SIGINT, 2 usage or configuration error. See docs/proxy.md.
@@ -392,6 +393,7 @@ class _ProxyHandler(ask.RequestHandler):
             )
         model = model[: ask.MAX_FIELD_CHARS] if type(model) is str and model else app.model or ""
         stream = bool(body.get("stream"))
+        bridge, refused = _Bridge.of(app.args, route, body, refused)
         new_record = functools.partial(
             self._record, route, model, stream, messages=messages, tokens=tokens, body=body
         )
@@ -402,6 +404,8 @@ class _ProxyHandler(ask.RequestHandler):
             return self._error(
                 400, refused.message, refused.error_type, kind="invalid_request_error"
             )
+        if bridge is not None:
+            return bridge.call(self, new_record)
         options = body.get("stream_options") if type(body.get("stream_options")) is dict else {}
         injected = stream and route != "/responses" and options.get("include_usage") is not True
         if injected:
@@ -505,11 +509,318 @@ class _Relay:
         self.handler.close = self.handler.close or not whole
 
 
+# ----------------------------------------------------------------------------
+# The Responses bridge: with UPSTREAM_API=chat, /responses goes upstream as chat completions
+# ----------------------------------------------------------------------------
+
+# Responses options that chat completions names too, and their chat names
+_BRIDGE_OPTIONS = {
+    "max_output_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "parallel_tool_calls": "parallel_tool_calls",
+    "tool_choice": "tool_choice"
+}
+
+
+def _field(obj, key, kind=str):
+    """obj[key] when obj is an object and the value a `kind`, else an empty `kind`: what a client or
+    an upstream sends cannot break the translation."""
+    value = obj.get(key) if type(obj) is dict else None
+    return value if type(value) is kind else kind()
+
+
+def _chat_tools(tools, spaces):
+    """(chat tools, number dropped): function tools kept, a namespace's flattened (their names
+    noted in `spaces`), hosted web_search* tools dropped; any other kind is refused."""
+    out, dropped = [], 0
+    for tool in tools if type(tools) is list else []:
+        kind = _field(tool, "type")
+        if kind == "namespace":
+            inner, more = _chat_tools(tool.get("tools"), spaces)
+            spaces.update((t["function"]["name"], _field(tool, "name")) for t in inner)
+            out, dropped = out + inner, dropped + more
+        elif kind == "function":
+            keep = {k: tool[k] for k in ("description", "parameters", "strict") if k in tool}
+            out.append({"type": "function", "function": dict(keep, name=_field(tool, "name"))})
+        elif kind.startswith("web_search"):
+            dropped += 1
+        else:
+            raise ask.CallFailed(
+                "unsupported_tool",
+                f"a {kind[:40]!r} tool cannot run on a chat-completions upstream "
+                "(UPSTREAM_API=chat)"
+            )
+    return out, dropped
+
+
+def _chat_messages(body):
+    """(chat messages, reasoning items dropped) of the instructions and input items; an assistant
+    message and the function calls after it are one message, system and developer parts in a row
+    one system message."""
+    messages, dropped, given = [], 0, body.get("input")
+    items = given if type(given) is list else [{"role": "user", "content": given}]
+    for item in [{"role": "system", "content": body.get("instructions")}] + items:
+        item = item if type(item) is dict else {"content": item}
+        kind, last = _field(item, "type") or "message", messages[-1] if messages else {}
+        role = {"developer": "system"}.get(_field(item, "role"), _field(item, "role") or "user")
+        if kind == "message" and not item.get("content") and role == "system":
+            continue  # Codex sends null instructions and its prompt as developer items
+        if kind == "message" and role == last.get("role") == "system":
+            last["content"] += "\n\n" + _as_text(item.get("content"))
+        elif kind == "message":
+            messages.append({"role": role, "content": _as_text(item.get("content"))})
+        elif kind == "function_call":
+            if last.get("role") != "assistant":
+                messages.append({"role": "assistant", "content": None})
+            messages[-1].setdefault("tool_calls", []).append(
+                {
+                    "id": _field(item, "call_id"),
+                    "type": "function",
+                    "function": {
+                        "name": _field(item, "name"),
+                        "arguments": _field(item, "arguments")
+                    }
+                }
+            )
+        elif kind == "function_call_output":
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _field(item, "call_id"),
+                    "content": _as_text(item.get("output"))
+                }
+            )
+        elif kind == "reasoning":
+            dropped += 1
+        else:
+            raise ask.CallFailed(
+                "unsupported_input",
+                f"an input item of type {kind[:40]!r} cannot go to a chat-completions upstream"
+            )
+    return messages, dropped
+
+
+class _Output:
+    """An answer as Responses output items, from a whole chat message or a stream's deltas."""
+
+    def __init__(self, spaces):
+        self.spaces, self.items, self.calls, self.message, self.text = spaces, [], {}, None, ""
+
+    def add(self, message):
+        """A chat message or delta into the items; returns the events it makes, (type, body)."""
+        events, text = [], _field(message, "content")
+        if text:
+            if self.message is None:
+                self.message = self._open(
+                    {"type": "message", "role": "assistant", "content": []}, events
+                )
+            self.text += text
+            events.append(("response.output_text.delta", self._at(self.message, delta=text)))
+        for n, call in enumerate(_field(message, "tool_calls", list)):
+            index = call.get("index") if type(call) is dict else n  # a whole message's have none
+            index, function = index if type(index) is int else n, _field(call, "function", dict)
+            item = self.calls.get(index)
+            if item is None:
+                name = _field(function, "name")
+                item = self.calls[index] = self._open(
+                    {
+                        "type": "function_call",
+                        "call_id": _field(call, "id") or f"call_{len(self.items)}",
+                        "name": name,
+                        "arguments": ""
+                    },
+                    events
+                )
+                if name in self.spaces:
+                    item["namespace"] = self.spaces[name]
+            piece = _field(function, "arguments")
+            item["arguments"] += piece
+            if piece:
+                events.append(
+                    ("response.function_call_arguments.delta", self._at(item, delta=piece))
+                )
+        return events
+
+    def _open(self, item, events):
+        item.update(id=f"{item['type'][:2]}_{len(self.items)}", status="in_progress")
+        self.items.append(item)
+        events.append(("response.output_item.added", self._at(item, item=dict(item))))
+        return item
+
+    def _at(self, at, **more):
+        return dict(more, item_id=at["id"], output_index=self.items.index(at), content_index=0)
+
+    def done(self):
+        """The events that close every item."""
+        if self.message is not None:
+            self.message["content"] = [
+                {"type": "output_text", "text": self.text, "annotations": []}
+            ]
+        events = []
+        for item in self.items:
+            item["status"] = "completed"
+            if item["type"] == "function_call":
+                events.append(
+                    (
+                        "response.function_call_arguments.done",
+                        self._at(item, arguments=item["arguments"])
+                    )
+                )
+            events.append(("response.output_item.done", self._at(item, item=item)))
+        return events
+
+
+def _events(events):
+    return b"".join(
+        f"event: {kind}\ndata: {_json_text(dict(body, type=kind))}\n\n".encode()
+        for kind, body in events
+    )
+
+
+class _Bridge:
+    """One Responses request carried to a chat-completions upstream, and its answer back."""
+
+    @classmethod
+    def of(cls, args, route, body, refused):
+        """(bridge or None, refusal): a request the bridge cannot carry is refused (400), unsent."""
+        if refused is not None or route != "/responses" or args.upstream_api != "chat":
+            return None, refused
+        try:
+            return cls(body), None
+        except ask.CallFailed as exc:
+            return None, exc
+
+    def __init__(self, body):
+        self.spaces, self.id = {}, "resp_" + os.urandom(12).hex()
+        messages, reasoning = _chat_messages(body)
+        tools, dropped = _chat_tools(body.get("tools"), self.spaces)
+        self.chat = {
+            "model": body["model"],
+            "messages": messages,
+            "stream": bool(body.get("stream"))
+        }
+        self.chat.update(
+            (new, body[old]) for old, new in _BRIDGE_OPTIONS.items() if body.get(old) is not None
+        )
+        choice = body.get("tool_choice")
+        if _field(choice, "type") == "function":
+            self.chat["tool_choice"] = {
+                "type": "function",
+                "function": {"name": choice.get("name")}
+            }
+        if tools:
+            self.chat["tools"] = tools
+        else:  # chat servers refuse these without tools
+            for key in ("tool_choice", "parallel_tool_calls"):
+                self.chat.pop(key, None)
+        if self.chat["stream"]:
+            self.chat["stream_options"] = {"include_usage": True}
+        self.fields = {
+            "upstream_route": "/chat/completions",
+            "tools_dropped": dropped,
+            "reasoning_dropped": reasoning
+        }
+
+    def response(self, record, output, status):
+        """The Responses object: in progress (no record yet), completed (incomplete when the
+        upstream stopped at max_tokens) or failed."""
+        record = record or dict.fromkeys(("response_model", "request_model", "usage_reported"))
+        cut = status == "completed" and record.get("finish_reason") == "length"
+        usage = {
+            "input_tokens": record.get("input_tokens") or 0,
+            "input_tokens_details": {"cached_tokens": record.get("cached_input_tokens") or 0},
+            "output_tokens": record.get("output_tokens") or 0,
+            "output_tokens_details": {
+                "reasoning_tokens": record.get("reasoning_output_tokens") or 0
+            },
+            "total_tokens": record.get("total_tokens") or 0
+        }
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "status": "incomplete" if cut else status,
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "model": record["response_model"] or record["request_model"] or self.chat["model"],
+            "output": output.items,
+            "usage": usage if record["usage_reported"] else None,
+            "error": (
+                None
+                if status != "failed"
+                else {"code": record["error_type"], "message": record["error_message"]}
+            )
+        }
+
+    def call(self, handler, new_record):
+        app = handler.server
+        record, failure, state, out = ask.attempts(
+            ask.endpoint(app.split[0], "/chat/completions"),
+            self.chat,
+            lambda attempt: dict(new_record(attempt), **self.fields),
+            app.append,
+            api_key=app.api_key,
+            timeout=app.args.timeout,
+            limit=app.args.max_response_bytes,
+            redactor=app.book.redactor,
+            relay=functools.partial(_BridgeStream, handler, self) if self.chat["stream"] else None,
+            tools_answer=True
+        )
+        if out is not None and (out.began or failure is None):
+            return out.finish(record, failure)
+        if "raw" in state and (failure is None or failure.error_type in _WHOLE_ERRORS[1:]):
+            output = _Output(self.spaces)
+            choices = _field(json.loads(state["raw"]), "choices", list)
+            output.add(_field(choices[0] if choices else {}, "message", dict))
+            output.done()
+            body = self.response(record, output, "completed")
+            return handler._send(200, _json_text(body).encode())
+        return handler._answer(record, failure, {}, None)
+
+
+class _BridgeStream(_Relay):
+    """A chat stream written to the client as Responses events as it arrives; the last one,
+    response.completed or response.failed, once the line is written."""
+
+    def __init__(self, handler, bridge):
+        super().__init__(handler, True)
+        self.bridge, self.output = bridge, _Output(bridge.spaces)
+
+    def _start(self):
+        """response.created, before anything is sent (the Content-Type is the proxy's)."""
+        if self.began:
+            return []
+        self.headers = {k: v for k, v in self.headers.items() if k.lower() != "content-type"}
+        return [
+            (
+                "response.created",
+                {"response": self.bridge.response(None, self.output, "in_progress")}
+            )
+        ]
+
+    def __call__(self, raw, chunk):
+        events = self._start()
+        for choice in _field(chunk, "choices", list):
+            if _field(choice, "index", int) == 0:
+                events += self.output.add(_field(choice, "delta", dict))
+        self._write(_events(events))
+
+    def finish(self, record, failure):
+        whole = failure is None or failure.error_type in _WHOLE_ERRORS[1:]
+        status = "completed" if whole else "failed"
+        events = self._start() + (self.output.done() if whole else [])
+        body = self.bridge.response(record, self.output, status)
+        events.append(("response." + body["status"], {"response": body}))
+        self.held = [_events(events)]
+        self.end(True)
+
+
 def _proxy_parser():
     p = rl.ArgumentParser(
         prog="proxy.py",
         description="A recording OpenAI-compatible proxy: BASE_URL and API_KEY upstream "
-        "(MODEL_ID optional: pins the model; PROXY_TOKEN optional: the clients' key), "
+        "(MODEL_ID optional: pins the model; PROXY_TOKEN optional: the clients' key; "
+        "UPSTREAM_API=chat: /responses carried to chat completions), "
         "one model_call line per upstream attempt. See docs/proxy.md.",
         epilog=rl.exit_codes_epilog(rl.EXIT_OK, rl.EXIT_USAGE),
         formatter_class=argparse.RawDescriptionHelpFormatter
@@ -554,6 +865,11 @@ def _run_proxy(args):
     if token is None and not ask.is_loopback(host):
         raise ask.ConfigError(
             f"--listen {host}: set PROXY_TOKEN to listen on anything but loopback"
+        )
+    args.upstream_api = os.environ.get("UPSTREAM_API") or "responses"
+    if args.upstream_api not in ("chat", "responses"):
+        raise ask.ConfigError(
+            f"UPSTREAM_API must be chat or responses, not {args.upstream_api[:40]!r}"
         )
     server = _ProxyServer((host, port), args, upstream, token)
     stop = threading.Event()

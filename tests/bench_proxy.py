@@ -4,6 +4,8 @@ measured in the same run (`python tests/bench.py proxy`, part of `make bench`).
 Figures: the added latency per call (p50 and p99 of proxied minus direct, in ms), the added time to the first
 streamed event (p50, ms), and the throughput of 8 concurrent keep-alive clients as a ratio to direct.
 Targets (issue 19): p50 added <= 2 ms, TTFT added <= 5 ms, throughput >= 0.5x direct.
+The Responses bridge (UPSTREAM_API=chat, issue 25): the median time of a /responses call carried to chat
+completions, whole and streamed, as a ratio to the same chat call through the proxy and direct.
 """
 
 import http.client
@@ -116,6 +118,54 @@ def bench(quick=True):
                     p / f for _d, p, f in rates), "report", f"direct {statistics.median(r[2] for r in rates):.0f} "
                  f"calls/s: the upstream's connection rate bounds both"),
             ]
+    finally:
+        upstream.stop()
+    return rows + bench_bridge(quick)
+
+
+RESPONSES = json.dumps({"model": "up-model", "input": [{"role": "user", "content": "2+2?"}]}).encode()
+
+
+def _timed(targets, n):
+    """Per (port, path, body), n call times in ms, taken in turn; the first round warms up."""
+    samples = [[] for _ in targets]
+    conns = {port: http.client.HTTPConnection("127.0.0.1", port, timeout=60) for port, _, _ in targets}
+    for i in range(n + 1):
+        for (port, path, body), out in zip(targets, samples):
+            started = time.perf_counter()
+            conns[port].request("POST", path, body=body, headers={"Content-Type": "application/json"})
+            response = conns[port].getresponse()
+            response.read()
+            assert response.status == 200, response.status
+            if i:
+                out.append((time.perf_counter() - started) * 1000)
+    return [statistics.median(s) for s in samples]
+
+
+def bench_bridge(quick=True):
+    """UPSTREAM_API=chat: a Responses call carried to chat completions, against the same chat call
+    direct and through the same proxy, whole and streamed (the answer read to its end)."""
+    n = 200 if quick else 1000
+    upstream = Upstream().start()
+    direct = int(upstream.base_url.split(":")[2].split("/")[0])
+    rows = []
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            proxy = Proxy(upstream.base_url, Path(tmp) / "calls.jsonl", UPSTREAM_API="chat")
+            try:
+                for label, extra in (("whole", {}), ("streamed", {"stream": True})):
+                    chat, responses = (json.dumps(dict(json.loads(b), **extra)).encode() for b in (BODY, RESPONSES))
+                    plain, proxied, bridged = _timed(((direct, "/v1/chat/completions", chat),
+                                                      (proxy.port, "/v1/chat/completions", chat),
+                                                      (proxy.port, "/v1/responses", responses)), n)
+                    rows += [
+                        (f"bridge, {label}: /responses vs /chat/completions, both proxied", bridged / proxied,
+                         "report", f"{bridged:.2f} vs {proxied:.2f} ms"),
+                        (f"bridge, {label}: /responses vs /chat/completions direct", bridged / plain, "report",
+                         f"{bridged:.2f} vs {plain:.2f} ms"),
+                    ]
+            finally:
+                proxy.stop()
     finally:
         upstream.stop()
     return rows

@@ -18,6 +18,10 @@ Scenarios (the next request takes the next one; then "ok"):
   cut       a stream cut after two events (the connection closed)
   reject_options  400 "Unrecognized request argument supplied: stream_options" when the body has them
   error     {"status", "headers"}: an OpenAI error body with that status
+  turn      {"text": str} or {"tool_calls": [{"name": str, "arguments": dict}]}, each optionally with
+            "reasoning_content" and "usage": one scripted chat answer, streamed when asked
+ScriptedChat(turns) is the same server as a scripted conversation (tests/fake_chat.py names it for the
+real-client tests): each POST /v1/chat/completions answers the next turn, then {"text": "done"}.
 Every answer carries x-request-id, x-ratelimit-remaining-requests, openai-processing-ms, Retry-After
 and two headers the proxy must not pass back (Set-Cookie, X-Upstream-Private).
 """
@@ -62,6 +66,41 @@ def _chat_chunks(model, scenario, include_usage, text_field=False):
     return [b"data: " + json.dumps(c).encode() + b"\n\n" for c in out] + [b"data: [DONE]\n\n"]
 
 
+def _turn_message(turn):
+    """A scripted turn as a chat message: text, or tool calls (ids call_1, call_2...), its reasoning."""
+    message = {"role": "assistant", "content": turn.get("text")}
+    if turn.get("tool_calls"):
+        message["tool_calls"] = [{"id": "call_%d" % (i + 1), "type": "function",
+                                  "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                                 for i, c in enumerate(turn["tool_calls"])]
+    if turn.get("reasoning_content") is not None:
+        message["reasoning_content"] = turn["reasoning_content"]
+    return message
+
+
+def _turn_chunks(model, turn, include_usage):
+    """A scripted turn as a chat stream: reasoning, then text in pieces or each call's name then its
+    arguments in two pieces, the finish_reason, the usage chunk when asked, [DONE]."""
+    base, message, deltas = {"id": "chatcmpl-turn", "object": "chat.completion.chunk", "model": model}, \
+        _turn_message(turn), [{"role": "assistant"}]
+    if message.get("reasoning_content"):
+        deltas.append({"reasoning_content": message["reasoning_content"]})
+    text = message.get("content") or ""
+    deltas += [{"content": text[i:i + 6]} for i in range(0, len(text), 6)]
+    for i, call in enumerate(message.get("tool_calls", [])):
+        args = call["function"]["arguments"]
+        deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                       "function": {"name": call["function"]["name"], "arguments": ""}}]})
+        half = len(args) // 2
+        deltas += [{"tool_calls": [{"index": i, "function": {"arguments": a}}]} for a in (args[:half], args[half:])]
+    out = [dict(base, choices=[{"index": 0, "delta": d, "finish_reason": None}]) for d in deltas]
+    finish = "tool_calls" if message.get("tool_calls") else "stop"
+    out.append(dict(base, choices=[{"index": 0, "delta": {}, "finish_reason": finish}]))
+    if include_usage:
+        out.append(dict(base, choices=[], usage=turn.get("usage", CHAT_USAGE)))
+    return [b"data: " + json.dumps(c).encode() + b"\n\n" for c in out] + [b"data: [DONE]\n\n"]
+
+
 def _responses_events(model):
     response = {"id": "resp_up", "object": "response", "model": model, "status": "in_progress", "output": []}
     events = [("response.created", {"response": response})]
@@ -79,6 +118,13 @@ def _response(model):
 
 
 def _answer(route, model, scenario):
+    if scenario["name"] == "turn":
+        message = _turn_message(scenario)
+        return {"id": "chatcmpl-turn", "object": "chat.completion", "model": model,
+                "usage": scenario.get("usage", CHAT_USAGE),
+                "choices": [{"index": 0, "message": message,
+                             "finish_reason": "tool_calls" if message.get("tool_calls") else "stop"}]}
+    scenario = scenario["name"]
     if route == "/completions":
         return {"id": "cmpl-up", "object": "text_completion", "model": model, "usage": CHAT_USAGE,
                 "choices": [{"index": 0, "text": ANSWER, "finish_reason": "stop"}]}
@@ -126,7 +172,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self):
         self.server.up.take(self, None)
-        self._json(200, {"object": "list", "data": [{"id": "up-model", "object": "model"}]})
+        self._json(200, {"object": "list", "data": [{"id": self.server.up.model, "object": "model"}]})
 
     def do_POST(self):
         up = self.server.up
@@ -142,11 +188,13 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(400, {"error": {"message": "Unrecognized request argument supplied: stream_options",
                                               "type": "invalid_request_error", "code": None}})
         if not body.get("stream"):
-            return self._json(200, _answer(route, model, name))
-        if route == "/responses":
+            return self._json(200, _answer(route, model, scenario))
+        include = bool((body.get("stream_options") or {}).get("include_usage"))
+        if name == "turn":
+            events = _turn_chunks(model, scenario, include)
+        elif route == "/responses":
             events = _responses_events(model)
         else:
-            include = bool((body.get("stream_options") or {}).get("include_usage"))
             events = _chat_chunks(model, name, include, text_field=route == "/completions")
         self._head(200, "text/event-stream")
         for i, event in enumerate(events[:2] if name == "cut" else events):
@@ -158,6 +206,10 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 class Upstream:
+    model = "up-model"  # what GET /v1/models lists
+    default = {"name": "ok"}  # the scenario once the queue is empty
+    get_takes = True  # a GET takes the next scenario too
+
     def __init__(self):
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self.httpd.daemon_threads = True
@@ -176,7 +228,8 @@ class Upstream:
 
     def take(self, handler, body, raw=None):
         with self.lock:
-            scenario = self.scenarios.pop(0) if self.scenarios else {"name": "ok"}
+            takes = self.scenarios and (handler.command == "POST" or self.get_takes)
+            scenario = self.scenarios.pop(0) if takes else self.default
             self.requests.append({"method": handler.command, "path": handler.path, "body": body, "raw": raw,
                                   "headers": {k.lower(): v for k, v in handler.headers.items()}})
         return scenario
@@ -189,3 +242,23 @@ class Upstream:
         self.gate.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+
+
+class ScriptedChat(Upstream):
+    """A scripted chat-completions server as a context manager: `with ScriptedChat(turns) as chat:`
+    gives .base_url and .requests ({"method", "path", "headers", "body"}); each chat call answers the
+    next turn ({"text": str} or {"tool_calls": [{"name": str, "arguments": dict}]}, optionally with
+    "reasoning_content" and "usage"), then {"text": "done"}; GET /v1/models lists `model`."""
+
+    default, get_takes = {"name": "turn", "text": "done"}, False
+
+    def __init__(self, turns, model="scripted-model"):
+        super().__init__()
+        self.model = model
+        self.queue(*[dict(turn, name="turn") for turn in turns])
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
