@@ -1,5 +1,6 @@
 """transcripts.py on transcripts the real Claude Code and Codex CLIs wrote (offline, against the
-scripted stand-ins tests/fake_anthropic.py and tests/fake_agents.py), and on hostile files.
+scripted stand-ins: tests/fake_anthropic.py for Claude Code, proxy.py's bridge to tests/fake_chat.py for
+Codex), and on hostile files.
 
 The real-CLI tests skip where node or the pinned CLIs are missing (tests/clients.py; CLIENTS_REQUIRED=1
 in CI makes that a failure). Run here with CLIENTS_PREFIX=/opt/rl-clients."""
@@ -17,8 +18,8 @@ import pytest
 
 from clients import client, offline_env
 from conftest import ROOT, all_bytes_under, clean_env, error_lines, lines_of, run_script
-from fake_agents import ScriptedResponses, codex_config
 from fake_anthropic import ScriptedAnthropic
+from fake_chat import ScriptedChat
 from proxy_helpers import Proxy
 
 SID = "7d1c0a52-3f4e-4b6a-9c2d-1e0f5a6b7c8d"
@@ -27,6 +28,10 @@ CODEX_MODEL = "gpt-test-codex"
 # Secrets the sessions carry: in the agent's answers and tool output, and the client's own key.
 SECRETS = ("sk-transcript0123456789abcd", "ghp_abcdefghijklmnopqrstuvwxyz0123")
 CLIENT_KEY = "sk-ant-client-key-0123456789"
+PROXY_TOKEN = "codex-proxy-token-0123456789"
+# What the chat stand-in reports for each Codex response, in chat's names (the bridge renames them).
+CHAT_USAGE = {"prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110,
+              "prompt_tokens_details": {"cached_tokens": 20}, "completion_tokens_details": {"reasoning_tokens": 5}}
 
 
 # ----------------------------------------------------------------------------
@@ -51,19 +56,38 @@ def claude(home, prompt, turns, resume=False):
     return Path(found[0])
 
 
+def codex_config(codex_home, port):
+    """Codex pointed at proxy.py on `port` (its key from PROXY_TOKEN), offline."""
+    os.makedirs(codex_home, exist_ok=True)
+    Path(codex_home, "config.toml").write_text(
+        f'model = "{CODEX_MODEL}"\nmodel_provider = "ledger"\n\n[model_providers.ledger]\n'
+        f'name = "recording proxy"\nbase_url = "http://127.0.0.1:{port}/v1"\nenv_key = "PROXY_TOKEN"\n'
+        f'wire_api = "responses"\n\n[analytics]\nenabled = false\n\n[features]\nplugins = false\n')
+
+
 def codex(home, *args, turns=()):
-    """One codex run (`exec PROMPT`, `exec resume ID PROMPT`, `archive ID`...)."""
+    """One codex run (`exec PROMPT`, `exec resume ID PROMPT`: through proxy.py's bridge to the scripted
+    chat stand-in, recorded in HOME/calls.jsonl; `archive ID`: no model)."""
     binary = client("codex")
     work = Path(home) / "work"
     work.mkdir(parents=True, exist_ok=True)
-    with ScriptedResponses(turns) as server:
-        env = offline_env(home, FAKE_API_KEY="sk-fake-codex-key-0123456789")
-        codex_config(env["CODEX_HOME"], server.base_url, CODEX_MODEL)
-        if args[0] == "exec":
-            args = ("exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox") + args[1:]
+    env = offline_env(home, PROXY_TOKEN=PROXY_TOKEN)
+    if args[0] != "exec":
         proc = subprocess.run([binary, *args], env=env, cwd=work, capture_output=True, text=True,
                               timeout=300, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return
+    args = ("exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox") + args[1:]
+    with ScriptedChat(turns, model=CODEX_MODEL) as chat:
+        proxy = Proxy(chat.base_url, Path(home) / "calls.jsonl", UPSTREAM_API="chat", PROXY_TOKEN=PROXY_TOKEN)
+        try:
+            codex_config(env["CODEX_HOME"], proxy.port)
+            proc = subprocess.run([binary, *args], env=env, cwd=work, capture_output=True, text=True,
+                                  timeout=300, stdin=subprocess.DEVNULL)
+        finally:
+            code, _out, err = proxy.stop()
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert code == 0, err[-2000:]
 
 
 def rollouts(home, under="sessions"):
@@ -75,8 +99,8 @@ CLAUDE_TURNS = [
     {"text": f"Made x.txt. The key was api_key={SECRETS[0]}"},
 ]
 CODEX_TURNS = [
-    {"tool_calls": [{"name": "exec_command", "arguments": {"cmd": "echo made > x.txt"}}]},
-    {"text": f"Made it. token={SECRETS[1]}"},
+    {"tool_calls": [{"name": "exec_command", "arguments": {"cmd": "echo made > x.txt"}}], "usage": CHAT_USAGE},
+    {"text": f"Made it. token={SECRETS[1]}", "usage": CHAT_USAGE},
 ]
 
 
@@ -169,12 +193,12 @@ def test_codex_session_resumed_archived_and_audited(tmp_path):
     (seg,) = imported(ledger)
     assert seg["agent"] == "codex" and seg["session_id"] == session and seg["models"] == [CODEX_MODEL]
     (day,) = seg["usage"][CODEX_MODEL].values()
-    # fake_agents answers 100 in (20 cached), 10 out (5 reasoning) per response
+    # the stand-in reports 100 in (20 cached), 10 out (5 reasoning) per response (CHAT_USAGE)
     assert day["turns"] == 2 and day["tool_calls"] == 1
     assert (day["input_tokens"], day["cached_input_tokens"], day["output_tokens"]) == (200, 40, 20)
     assert day["reasoning_output_tokens"] == 10 and seg["carry"]["total"]["input_tokens"] == 200
     # resumed: the cumulative total carried over counts only the growth
-    codex(home, "exec", "resume", session, "again", turns=[{"text": "second"}])
+    codex(home, "exec", "resume", session, "again", turns=[{"text": "second", "usage": CHAT_USAGE}])
     assert tx("import", "--codex", home / ".codex", cwd=out).returncode == 0
     second = imported(ledger)[1]
     (day2,) = second["usage"][CODEX_MODEL].values()
@@ -434,22 +458,8 @@ def test_imported_sessions_ship_and_audit_from_clickhouse(tmp_path, made):
 def test_the_audit_shows_a_codex_session_beside_its_proxied_calls(tmp_path):
     """Codex through proxy.py: the proxy's model_call lines and the imported rollout, in one audit, the
     tokens each reports under its own names."""
-    binary, token = client("codex"), "codex-proxy-token-0123456789"
-    home = tmp_path / "home"
-    (home / "work").mkdir(parents=True)
-    with ScriptedResponses(CODEX_TURNS) as server:
-        proxy = Proxy(server.base_url, tmp_path / "calls.jsonl", PROXY_TOKEN=token)
-        try:
-            env = offline_env(home, PROXY_TOKEN=token)
-            codex_config(env["CODEX_HOME"], f"http://127.0.0.1:{proxy.port}/v1", CODEX_MODEL, "PROXY_TOKEN")
-            proc = subprocess.run(
-                [binary, "exec", "--skip-git-repo-check", "--dangerously-bypass-approvals-and-sandbox",
-                 "make x.txt"], env=env, cwd=home / "work", capture_output=True, text=True, timeout=300,
-                stdin=subprocess.DEVNULL)
-        finally:
-            code, _out, err = proxy.stop()
-    assert proc.returncode == 0 and code == 0, (proc.stderr[-2000:], err[-2000:])
-    assert tx("import", "--codex", home / ".codex", cwd=tmp_path).returncode == 0
+    codex(tmp_path, "exec", "make x.txt", turns=CODEX_TURNS)  # the proxy writes ./calls.jsonl
+    assert tx("import", "--codex", tmp_path / ".codex", cwd=tmp_path).returncode == 0
     report = run_script("audit.py", "--json", cwd=tmp_path)  # ./calls.jsonl and ./transcripts.jsonl
     assert report.returncode == 0, report.err
     audit = json.loads(report.out)
@@ -461,6 +471,8 @@ def test_the_audit_shows_a_codex_session_beside_its_proxied_calls(tmp_path):
     assert audit["imported"]["agents"] == {"codex": {"versions": ["0.171.0"], "sessions": 1}}
     text = run_script("audit.py", cwd=tmp_path).out
     assert "Imported sessions" in text and "from: codex 0.171.0 (1 sessions)" in text
+    disk = all_bytes_under(tmp_path)
+    assert PROXY_TOKEN.encode() not in disk and SECRETS[1].encode() not in (tmp_path / "calls.jsonl").read_bytes()
 
 
 def test_restore_refuses_a_store_that_lost_or_changed_a_piece(tmp_path, made):
