@@ -16,6 +16,7 @@ per SHA-256. docs/transcripts.md has the fields of both formats and of the ledge
 """
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -507,31 +508,45 @@ def _moved_to(old, found):
 
 def import_transcripts(ledger_path, claude=(), codex=()):
     """Import what was added to the transcripts under the given directories; return counts of the
-    ledger lines written by kind."""
-    states, counts = _ledger_states(ledger_path), dict.fromkeys(KINDS, 0)
-    found = {p: (agent, root, entry) for agent, root, p, entry in _sources(claude, codex)}
-    roots = {("claude-code", r) for r in claude} | {("codex", r) for r in codex}
-    store = Path(str(ledger_path) + ".text")
-    with rl.Ledger(ledger_path, run_id="transcripts") as ledger:
-        new = {p: v for p, v in found.items() if p not in states or states[p].get("gone")}
-        for source, old in list(states.items()):
-            if source in found or old.get("gone") or (old["agent"], old["root"]) not in roots:
-                continue
-            target = _moved_to(old, new)
-            if target:
-                moved = dict({k: old.get(k) for k in STATE}, source=target, **{"from": source})
-                states[target] = ledger.append("transcript_moved", moved)["payload"]
-                new.pop(target)
-            else:
-                gone = dict({k: old.get(k) for k in STATE[:6]}, gone=True)
-                ledger.append("transcript_gone", gone)
-            counts["transcript_moved" if target else "transcript_gone"] += 1
-        for path, (agent, root, entry) in found.items():
-            try:
-                _import_file(ledger, store, (agent, root, path, entry), states.get(path), counts)
-            except FileNotFoundError:
-                continue  # gone between the listing and the read: the next run notes it
+    ledger lines written by kind. An import that overlaps another waits for it (a lock on the
+    store), then reads the ledger's state."""
+    store, counts = Path(str(ledger_path) + ".text"), dict.fromkeys(KINDS, 0)
+    store.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lock = os.open(str(store), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        states = _ledger_states(ledger_path)
+        found = {p: (agent, root, entry) for agent, root, p, entry in _sources(claude, codex)}
+        roots = {("claude-code", r) for r in claude} | {("codex", r) for r in codex}
+        with rl.Ledger(ledger_path, run_id="transcripts") as ledger:
+            _vanished(ledger, states, found, roots, counts)
+            for path, (agent, root, entry) in found.items():
+                try:
+                    _import_file(
+                        ledger, store, (agent, root, path, entry), states.get(path), counts
+                    )
+                except FileNotFoundError:
+                    continue  # gone between the listing and the read: the next run notes it
+    finally:
+        os.close(lock)
     return counts
+
+
+def _vanished(ledger, states, found, roots, counts):
+    """Note each file of the state no longer found under a directory given: moved or gone."""
+    new = {p: v for p, v in found.items() if p not in states or states[p].get("gone")}
+    for source, old in list(states.items()):
+        if source in found or old.get("gone") or (old["agent"], old["root"]) not in roots:
+            continue
+        target = _moved_to(old, new)
+        if target:
+            moved = dict({k: old.get(k) for k in STATE}, source=target, **{"from": source})
+            states[target] = ledger.append("transcript_moved", moved)["payload"]
+            new.pop(target)
+        else:
+            gone = dict({k: old.get(k) for k in STATE[:6]}, gone=True)
+            ledger.append("transcript_gone", gone)
+        counts["transcript_moved" if target else "transcript_gone"] += 1
 
 
 def _files_of(ledger_path):

@@ -486,3 +486,12 @@ def test_restore_refuses_a_store_that_lost_or_changed_a_piece(tmp_path, made):
     proc = tx("restore", SID, "--out", tmp_path / "r", cwd=tmp_path)
     assert proc.returncode == 2 and len(error_lines(proc.err)) == 1
     assert list((tmp_path / "r").iterdir()) == []  # nothing half-written is left
+
+
+def test_imports_that_overlap_write_each_segment_once(tmp_path, made):
+    claude_tree(tmp_path, made[0].read_bytes())
+    cmd = [sys.executable, str(ROOT / "transcripts.py"), "import", "--claude", str(tmp_path / "c")]
+    procs = [subprocess.Popen(cmd, cwd=tmp_path, env=clean_env(), stdout=subprocess.PIPE) for _ in range(4)]
+    assert [p.wait(timeout=300) for p in procs] == [0, 0, 0, 0]
+    assert len(imported(tmp_path / "transcripts.jsonl")) == 1
+    assert tx("restore", SID, "--out", tmp_path / "r", cwd=tmp_path).returncode == 0
