@@ -198,12 +198,16 @@ def _masked(text, value, redactor):
     return text if clean == value else encoded
 
 
+def _count(value):
+    return type(value) is int and 0 <= value < 10**15
+
+
 def _tokens(row, usage, names, before=None):
     """Add `usage`'s counts (minus `before`'s, for a cumulative total) to row; True if any grew."""
     grew = False
     for name in names:
         value = usage.get(name)
-        if type(value) is int and 0 <= value < 10**15:
+        if _count(value):
             old = (before or {}).get(name, 0)
             delta = value - old if type(old) is int and value >= old else value
             row[name] = row.get(name, 0) + delta
@@ -255,9 +259,9 @@ class _Segment:
 
     def read(self, value):
         """Count one parsed line; False for a type this version does not know."""
-        if type(value) is not dict:
+        kind = value.get("type") if type(value) is dict else None
+        if type(kind) is not str:
             return False
-        kind = value.get("type")
         if self.agent == "claude-code":
             return kind in CLAUDE_TYPES and (self._claude(kind, value) or True)
         return kind in CODEX_TYPES and (self._codex(kind, value) or True)
@@ -291,7 +295,7 @@ class _Segment:
         payload = value.get("payload")
         payload = payload if type(payload) is dict else {}
         self.note(value.get("timestamp"), cwd=payload.get("cwd"))
-        inner = payload.get("type")
+        inner = payload.get("type") if type(payload.get("type")) is str else None
         if kind == "session_meta":
             self.note(None, session_id=payload.get("id"), agent_version=payload.get("cli_version"))
         elif kind == "turn_context":
@@ -305,9 +309,8 @@ class _Segment:
                 row = self.row(self.carry.get("day", ""))
                 if _tokens(row, total, CODEX_TOKENS, self.carry.get("total")):
                     row["turns"] += 1
-                self.carry["total"] = {
-                    n: total[n] for n in CODEX_TOKENS if type(total.get(n)) is int
-                }
+                valid = {n: total[n] for n in CODEX_TOKENS if _count(total.get(n))}
+                self.carry["total"] = dict(self.carry.get("total") or {}, **valid)
         elif kind == "event_msg" and (
             inner == "user_message"
             or inner == "item_completed"
@@ -336,7 +339,7 @@ class _Segment:
             return redactor.text(text).encode("utf-8") + b"\n"
         if not self.read(value):
             self.skip("unknown_type")
-        return line if not text else _masked(text, value, redactor).encode("utf-8") + b"\n"
+        return _masked(text, value, redactor).encode("utf-8") + b"\n"
 
 
 def _stat(entry):

@@ -306,12 +306,13 @@ def test_hostile_lines_are_counted_skipped_and_kept(tmp_path, made):
         b'"just a string"\n',
         forged.encode() + b"\n",
         b"\x1b[2J\x07 terminal\n",
+        b'{"type": {"not": "a name"}, "message": [1]}\n',
     ]
     path = claude_tree(tmp_path, b"".join(lines[:3] + hostile + lines[3:]))
     assert tx("import", "--claude", tmp_path / "c", cwd=tmp_path).returncode == 0
     ledger = tmp_path / "transcripts.jsonl"
     (seg,) = imported(ledger)
-    assert seg["skipped"] == {"not_json": 2, "unknown_type": 2, "too_deep": 1, "not_utf8": 1}
+    assert seg["skipped"] == {"not_json": 2, "unknown_type": 3, "too_deep": 1, "not_utf8": 1}
     assert seg["lines"] == len(lines) + len(hostile)
     assert run_script("reasoning_ledger.py", "verify", ledger).returncode == 0
     assert len(lines_of(ledger)) == 1
@@ -495,3 +496,24 @@ def test_imports_that_overlap_write_each_segment_once(tmp_path, made):
     assert [p.wait(timeout=300) for p in procs] == [0, 0, 0, 0]
     assert len(imported(tmp_path / "transcripts.jsonl")) == 1
     assert tx("restore", SID, "--out", tmp_path / "r", cwd=tmp_path).returncode == 0
+
+
+def test_hostile_codex_lines_are_counted_not_fatal(tmp_path, made):
+    lines = made[1].read_bytes().splitlines(True)
+    hostile = [
+        b'{"type":"response_item","payload":{"type":["function_call"]}}\n',
+        b'{"type":"event_msg","payload":{"type":{"token_count":1}}}\n',
+        b'{"type":"event_msg","payload":{"type":"token_count","info":{"total_token_usage":'
+        b'{"input_tokens":1e400,"output_tokens":-5,"total_tokens":' + b"9" * 20 + b'}}}}\n',
+        b'{"type":"turn_context","payload":"not an object"}\n',
+        b'{"type":"session_meta","payload":{"id":["x"],"cwd":7}}\n',
+    ]
+    sessions = tmp_path / "x" / "sessions" / "2026" / "12" / "02"
+    sessions.mkdir(parents=True)
+    first = next(n for n, line in enumerate(lines) if b'"token_count"' in line) + 1  # between two totals
+    (sessions / made[1].name).write_bytes(b"".join(lines[:first] + hostile + lines[first:]))
+    assert tx("import", "--codex", tmp_path / "x", cwd=tmp_path).returncode == 0
+    (seg,) = imported(tmp_path / "transcripts.jsonl")
+    assert seg["skipped"] == {} and seg["lines"] == len(lines) + len(hostile)
+    (day,) = seg["usage"][CODEX_MODEL].values()
+    assert day["turns"] == 2 and day["tool_calls"] == 1 and day["input_tokens"] == 200
