@@ -185,11 +185,13 @@ def _too_deep(text):
     return deepest > rl.MAX_DEPTH
 
 
-def _masked(text, value, redactor):
+def _masked(text, value, redactor, escaped):
     """The line masked as the ledger masks a payload, so it stays JSON: unchanged when the
-    Redactor finds nothing in it (its common escapes read), else the masked value re-encoded."""
+    Redactor finds nothing in it (its common escapes read) and it holds no secret value as JSON
+    escapes it (`escaped`), else the masked value re-encoded."""
     view = text.replace('\\"', '"').replace("\\n", "\n").replace("\\t", "\t").replace("\\r", "\r")
-    if redactor.text(view) == view:
+    view = view.replace("\\\\", "\\")
+    if redactor.text(view) == view and not any(secret in text for secret in escaped):
         return text
     try:
         clean, encoded = rl._clean_payload(value, redactor)  # the payload masking of Ledger.append
@@ -224,8 +226,10 @@ class _Segment:
     """What the new complete lines of one file say: counts per model and day, and the carry (what
     the next segment needs from this one)."""
 
-    def __init__(self, agent, carry):
+    def __init__(self, agent, carry, redactor):
         self.agent, self.carry = agent, dict(carry)
+        # the secret values whose JSON spelling differs from them (a quote, a backslash...)
+        self.escaped = [rl.dumps(v)[1:-1] for v in redactor.values if rl.dumps(v) != f'"{v}"']
         self.usage, self.prompts, self.skipped, self.missing = {}, {}, {}, []
         self.first = self.last = None
         self.days = set()
@@ -339,7 +343,7 @@ class _Segment:
             return redactor.text(text).encode("utf-8") + b"\n"
         if not self.read(value):
             self.skip("unknown_type")
-        return _masked(text, value, redactor).encode("utf-8") + b"\n"
+        return _masked(text, value, redactor, self.escaped).encode("utf-8") + b"\n"
 
 
 def _stat(entry):
@@ -352,8 +356,8 @@ def _segment(ledger, store, handle, state, end):
     bytes); append one `transcript` line and return its payload, or None when no line was whole."""
     start = state["offset"]
     hashers = [state.pop("_prefix"), hashlib.sha256()]
-    seg, pieces, out, size = _Segment(state["agent"], state.get("carry", {})), [], [], 0
     redactor = ledger.redactor
+    seg, pieces, out, size = _Segment(state["agent"], state.get("carry", {}), redactor), [], [], 0
 
     def flush():
         if out:

@@ -517,3 +517,15 @@ def test_hostile_codex_lines_are_counted_not_fatal(tmp_path, made):
     assert seg["skipped"] == {} and seg["lines"] == len(lines) + len(hostile)
     (day,) = seg["usage"][CODEX_MODEL].values()
     assert day["turns"] == 2 and day["tool_calls"] == 1 and day["input_tokens"] == 200
+
+
+def test_a_secret_value_that_json_escapes_is_masked_too(tmp_path):
+    """An environment secret with a quote and a backslash is in the file as JSON spells it."""
+    secret = 'quo"te\\slash-secret-0042'
+    line = {"type": "user", "sessionId": "esc", "message": {"role": "user", "content": f"use {secret} now"}}
+    claude_tree(tmp_path, json.dumps(line).encode() + b"\n", "esc.jsonl")
+    env = clean_env(MY_SERVICE_SECRET=secret)
+    assert tx("import", "--claude", tmp_path / "c", cwd=tmp_path, env=env).returncode == 0
+    stored = all_bytes_under(tmp_path / "transcripts.jsonl.text")
+    assert json.dumps(secret)[1:-1].encode() not in stored and b"[REDACTED]" in stored
+    json.loads(stored)
