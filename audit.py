@@ -2,7 +2,7 @@
 """audit.py -- what each model string did, day by day, from verified ledgers only. Stdlib only.
 
 Usage:
-  python audit.py                          # ./calls.jsonl and ./runs/*/events.jsonl
+  python audit.py                  # ./calls.jsonl, ./transcripts.jsonl, ./runs/*/events.jsonl
   python audit.py calls.jsonl runs/ --by day
   python audit.py --since 2026-11-01 --model my-model --fail-on-change  # exit 4 on any change
   python audit.py --wide                   # every column, names whole (default: fits 120 columns)
@@ -49,7 +49,8 @@ __all__ = [
 
 # == Constants ==
 
-DEFAULT_LEDGERS = ("calls.jsonl", "runs.jsonl")  # ask.py's default ledger, and the name it once had
+# ask.py's default ledger, the name it once had, and transcripts.py's
+DEFAULT_LEDGERS = ("calls.jsonl", "runs.jsonl", "transcripts.jsonl")
 DEFAULT_RUNS = "runs"
 DEFAULT_RUNS_URL = "runs/"  # daemon.py shows a run's timeline at /runs/ID
 DEFAULT_LATENCY_SHIFT = 0.5
@@ -274,6 +275,7 @@ class Audit:
         self.runs = {}  # run_id -> agent run summary
         self.ledgers = []  # {"path", "status", "lines", "reason"}
         self._heads = {}  # index.jsonl -> {run id: (head seq, head hash)}
+        self.imported = {}  # (agent, session, file name) -> (version, [its transcript payloads])
 
     def add_file(self, path, verify=True):
         """Stream one ledger in; returns its status. Raises IntegrityError / KeyRequiredError."""
@@ -314,6 +316,9 @@ class Audit:
         groups, strings, by_session = self.groups, self.model_strings, self.by_session
         for event in events:
             kind, at, payload = event["kind"], event["at"], event["payload"]
+            if kind == "transcript":  # counted by the transcript's own days, not the import's
+                _imported(self.imported, payload)
+                continue
             if at < since or until is not None and at > until:
                 continue
             if agent_run:
@@ -361,6 +366,9 @@ class Audit:
                 groups.items(), key=lambda kv: (str(kv[0][0]), str(kv[0][1]), kv[0][2] or "")
             )
         ]
+
+    def imported_rows(self):
+        return _imported_rows(self)
 
     def changes(
         self,
@@ -525,6 +533,73 @@ def remote_audit(client, *, since=None, until=None, model=None, verify=True):
     for path, events in () if failures else fleet.events_in_range(client, since, until):
         audit._consume(events, path.endswith("/" + rl.EVENTS_NAME), path)
     return audit, failures
+
+
+# == Imported sessions (transcripts.py): the agents' own transcripts, beside the proxied calls ==
+
+
+def _imported(files, payload):
+    # only the latest version of a file that changed counts; its segments add up
+    key = (payload.get("agent"), payload.get("session_id"), Path(str(payload.get("source"))).name)
+    (version, parts), new = files.get(key, (None, [])), payload.get("version")
+    if version != new:
+        if version is not None and not (type(new) is int and new > version):
+            return
+        files[key] = version, parts = new, []
+    parts.append({k: payload.get(k) for k in ("usage", "agent_version")})
+
+
+def _imported_rows(audit):
+    """(rows per agent, model and day: turns, tool calls, tokens under the transcript's names,
+    sessions; {agent: {"versions", "sessions"}}), within --since/--until and --model."""
+    rows, agents = {}, {}
+    first, last = (audit.since or "")[:10], (audit.until or "\uffff")[:10]
+    for (agent, session, _name), (_version, parts) in audit.imported.items():
+        seen = agents.setdefault(str(agent), {"versions": set(), "sessions": set()})
+        seen["sessions"].add(session)
+        for part in parts:
+            seen["versions"].add(str(part["agent_version"]))
+            usage = part["usage"] if type(part["usage"]) is dict else {}
+            for model, days in usage.items():
+                for day, counts in (days.items() if type(days) is dict else ()):
+                    if not first <= day <= last or audit.model not in (None, model):
+                        continue
+                    row = rows.setdefault(
+                        (str(agent), model, day),
+                        {"agent": agent, "model": model, "day": day, "sessions": set()}
+                    )
+                    row["sessions"].add(session)
+                    for name, n in counts.items() if type(counts) is dict else ():
+                        row[name] = row.get(name, 0) + n if type(n) is int else row.get(name, 0)
+    out = [dict(r, sessions=len(r["sessions"])) for _k, r in sorted(rows.items())]
+    return out, {
+        a: {"versions": sorted(v["versions"]), "sessions": len(v["sessions"])}
+        for a, v in sorted(agents.items())
+    }
+
+
+def _imported_text(audit):
+    rows, agents = audit.imported_rows()
+    if not agents:
+        return []
+    out = [
+        "",
+        "Imported sessions (transcripts.py): turns are model responses; tokens as each transcript "
+        "reports them, under its names, never estimated",
+        "  from: "
+        + "; ".join(
+            f"{a} {', '.join(v['versions'])} ({v['sessions']} sessions)" for a, v in agents.items()
+        )
+    ]
+    for row in rows:
+        tokens = ", ".join(
+            f"{k}={v:,}" for k, v in row.items() if k.endswith("tokens") and type(v) is int
+        )
+        out.append(
+            f"  {row['day']}  {row['agent']}  {row['model']}: {row.get('turns', 0)} turns, "
+            f"{row.get('tool_calls', 0)} tool calls, {row['sessions']} sessions; {tokens}"
+        )
+    return out
 
 
 # == Reports: text, JSON, CSV ==
@@ -695,6 +770,7 @@ def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
         )
     if runs:
         out += ["", f"Agent runs: {len(runs)}"] + _runs_table(runs, wide)
+    out += _imported_text(audit)
     # nothing from a ledger may forge a line or drive the terminal
     out = [rl.printable(line) for line in out]
     if not wide:  # prose wider than the terminal continues on the next line, indented
@@ -796,7 +872,8 @@ def render_json(audit, rows, changes, runs, verified, by_day):
                 "models": rows,
                 "changes": changes,
                 "agent_runs": runs,
-                "unlisted": unlisted
+                "unlisted": unlisted,
+                "imported": dict(zip(("models", "agents"), audit.imported_rows()))
             },
             ensure_ascii=False,
             indent=1
@@ -1552,7 +1629,8 @@ def _build_parser():
         "paths",
         nargs="*",
         metavar="PATH",
-        help="ledgers, directories or globs (default: calls.jsonl and runs/*/events.jsonl)"
+        help="ledgers, directories or globs (default: calls.jsonl, transcripts.jsonl and "
+        "runs/*/events.jsonl)"
     )
     p.add_argument("--version", action="version", version=__version__)
     output, flag = p.add_mutually_exclusive_group(), {"action": "store_true"}
@@ -1667,7 +1745,7 @@ def _run(args):
         )
         return rl.EXIT_FAILED
     if not audit.ledgers:
-        where = ", ".join(map(str, args.paths)) or "./calls.jsonl and ./runs/*/events.jsonl"
+        where = ", ".join(map(str, args.paths)) or "./calls.jsonl, ./transcripts.jsonl, ./runs/"
         rl.warn(
             f"no ledgers found (looked in {where})"
             if args.from_url is None

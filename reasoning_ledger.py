@@ -380,6 +380,37 @@ def _may_match(text):
     )
 
 
+# Each shape's own prefilter, on the text folded to lower case: literals of which it needs one (it
+# cannot match without), or None for the assignment shape, which changes a name only where a secret
+# word ends it (_ASSIGNMENT_HINT). A shape's mask adds "[REDACTED]" only, so it never makes a later
+# hint true. The same output, several times faster over transcripts (tests/test_redaction.py).
+_SHAPE_HINTS = (
+    ("-----begin",),
+    ("cookie", "authorization"),
+    ("bearer", "basic"),
+    ("sk-",),
+    ("gh", "github_pat_"),
+    ("xox",),
+    ("akia", "asia"),
+    ("@",),
+    ("=",),
+    None
+)
+# A secret word ending a name, then what the assignment shape needs before the value.
+_ASSIGNMENT_HINT = re.compile(
+    r"(?:token|secret|passw(?:or)?d|passphrase|credentials?|session|cookie|authorization|key)"
+    r"[_.-]*[\"']?[ \t]*[:=]"
+)
+
+
+def _folded(text):
+    # lower case, and the letters re.IGNORECASE matches to ASCII ones (ſ, ı, İ, K) as those
+    low = text.lower()
+    if text.isascii():
+        return low
+    return low.replace("\u017f", "s").replace("\u0131", "i").replace("i\u0307", "i")
+
+
 @functools.lru_cache(maxsize=1)
 def _compiled_shapes():  # on first use: verify never needs them
     return tuple((re.compile(src), repl) for src, repl in _SHAPES)
@@ -404,8 +435,10 @@ class Redactor:
             if value in text:
                 text = text.replace(value, REDACTED)
         if _may_match(text):
-            for pattern, repl in _compiled_shapes():
-                text = pattern.sub(repl, text)
+            low = _folded(text)
+            for (pattern, repl), hint in zip(_compiled_shapes(), _SHAPE_HINTS):
+                if any(map(low.__contains__, hint)) if hint else _ASSIGNMENT_HINT.search(low):
+                    text = pattern.sub(repl, text)
         return text
 
 

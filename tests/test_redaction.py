@@ -253,3 +253,41 @@ def test_the_prefilter_lets_through_every_string_a_shape_changes():
                 changed += 1
                 assert rl._may_match(sample), (pattern.pattern, sample)
     assert changed > len(SHAPE_CASES) * 10  # the cuts reach matches beyond the examples themselves
+
+
+def _reference(redactor, text):
+    """The Redactor as it was before its per-shape hints: every shape over every string."""
+    for value in redactor.values:
+        text = text.replace(value, rl.REDACTED)
+    for pattern, repl in rl._compiled_shapes():
+        text = pattern.sub(repl, text)
+    return text
+
+
+def test_the_per_shape_hints_change_nothing_the_shapes_do():
+    """Redactor.text skips a shape when the folded text lacks its literals (or, for assignments, a
+    secret word ending a name): the output equals every shape run over every string, over the secret
+    sets (rule examples, names, cuts, case and the letters re.IGNORECASE folds to ASCII, the examples
+    as JSON and as JSON keys, and generated payloads)."""
+    folds = [(next(c for c in string.ascii_lowercase if re.fullmatch(c, char, re.I)), char)
+             for char in map(chr, range(128, 0x110000)) if re.fullmatch("[a-z]", char, re.I)]
+    samples = set(PLAIN_TEXT)
+    for text, secret, _kept in SHAPE_CASES:
+        for whole in (text, secret):
+            for cut in range(len(whole)):
+                samples.update((whole[cut:], whole[:len(whole) - cut]))
+            samples.update(whole.replace(a, b).replace(a.upper(), b) for a, b in folds)
+        samples.update((json.dumps({"text": text}), json.dumps({text: 1}), text.replace(" ", "\n")))
+    for name in SECRET_NAMES + PLAIN_NAMES:
+        for form in (f"{name}=abc123xyz", f'"{name}": "abc123xyz"', f"{name.upper()} : 'v'",
+                     f"{name}_ = v", f"{name}s=v", f"x.{name}-=v"):
+            samples.update((form, form.swapcase()))
+    rng = random.Random(20261202)
+    samples.update(json.dumps(_payload(rng), ensure_ascii=False) for _ in range(500))
+    redactor = rl.Redactor(VALUES)
+    changed = 0
+    for sample in samples:
+        expected = _reference(redactor, sample)
+        assert redactor.text(sample) == expected, sample
+        changed += expected != sample
+    assert changed > len(samples) // 4  # the sets reach the shapes, not only the skips
