@@ -13,6 +13,7 @@ Exit codes: 0 stopped by SIGTERM or SIGINT, 2 usage or configuration error. See 
 
 import argparse
 import functools
+import hashlib
 import json
 import math
 import os
@@ -151,6 +152,147 @@ def _client_messages(route, body):
     return messages, tokens
 
 
+# ----------------------------------------------------------------------------
+# The conversation (--store-text): any route's messages and answer as (role, parts)
+# ----------------------------------------------------------------------------
+
+# Request headers that name a session, first found wins; recorded as session_source.
+SESSION_HEADERS = ("X-Ledger-Session", "session-id", "X-Claude-Code-Session-Id")
+MAX_CONVERSATIONS = 10000  # calls remembered to find the conversation a call extends
+_NAMED_ONCE = ("id", "call_id", "type", "name", "role", "index")  # a stream sends them whole
+
+
+def _str(value):
+    return value if type(value) is str else "" if value is None else _json_text(value)
+
+
+def _parsed(text):
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+
+
+def _part(block):
+    """A content block, tool call or output item of chat, Responses or Anthropic as one part: text,
+    tool_call, tool_result or reasoning. Transport keys (cache_control, signatures, ids of items)
+    are left out, so a message hashes alike however a client decorates it."""
+    if type(block) is not dict:
+        return {"type": "text", "text": _str(block)}
+    kind, call = block.get("type"), block.get("function")
+    call = call if type(call) is dict else block
+    if kind in ("function", "function_call", "tool_use", "custom_tool_call"):
+        return {
+            "type": "tool_call",
+            "id": _str(block.get("call_id") or block.get("id")),
+            "name": _str(call.get("name")),
+            "arguments": _str(call.get("arguments", call.get("input")))
+        }
+    if kind in ("function_call_output", "tool_result", "custom_tool_call_output"):
+        return {
+            "type": "tool_result",
+            "id": _str(block.get("call_id") or block.get("tool_use_id")),
+            "text": _as_text(block.get("output", block.get("content")))
+        }
+    if kind in ("reasoning", "thinking"):
+        pieces = [block.get("thinking")] + [
+            piece.get("text")
+            for key in ("summary", "content")
+            if type(block.get(key)) is list
+            for piece in block[key]
+            if type(piece) is dict
+        ]
+        return {"type": "reasoning", "text": "\n".join(p for p in pieces if type(p) is str)}
+    text = block.get("text", block.get("refusal"))
+    return {"type": "text", "text": text if type(text) is str else f"[{_str(kind)[:40]}]"}
+
+
+def _entry(item, role="user"):
+    """One message or input item as (role, parts)."""
+    if type(item) is not dict:
+        return role, [_part(item)]
+    kind, content, calls = item.get("type"), item.get("content"), item.get("tool_calls")
+    if type(item.get("role")) is not str and kind not in (None, "message"):
+        # a Responses item of its own: a call, its output, reasoning
+        return ("tool" if str(kind).endswith("_output") else "assistant"), [_part(item)]
+    role = item["role"][:40] if type(item.get("role")) is str else role
+    parts = [
+        _part(p)
+        for p in (content if type(content) is list else [] if content in (None, "") else [content])
+    ]
+    if role == "tool":  # chat's tool result
+        parts = [
+            {"type": "tool_result", "id": _str(item.get("tool_call_id")), "text": _as_text(content)}
+        ]
+    reasoning = item.get("reasoning_content", item.get("reasoning"))
+    if type(reasoning) is str and reasoning:
+        parts.insert(0, {"type": "reasoning", "text": reasoning})
+    parts += [_part(call) for call in (calls if type(calls) is list else [])]
+    if type(item.get("function_call")) is dict:
+        parts.append(_part(dict(item["function_call"], type="function_call")))
+    return role, parts
+
+
+def conversation(route, body):
+    """A request's messages as [(role, parts)]: the system prompt or instructions first, then chat
+    messages, Responses input items or Anthropic messages (a completion's prompt as one)."""
+    if route == "/embeddings":
+        return []
+    system = body.get("system" if route == "/messages" else "instructions")
+    given = body.get({"/responses": "input", "/completions": "prompt"}.get(route, "messages"))
+    given = [given] if route == "/completions" or type(given) is not list else given
+    return [_entry({"role": "system", "content": system})] * (system not in (None, "", [])) + [
+        _entry(item) for item in given if item is not None
+    ]
+
+
+def _join(into, delta):
+    """A stream's delta added to what came before: text in pieces joined, names kept."""
+    for key, value in delta.items() if type(delta) is dict else ():
+        if type(value) is str and key in _NAMED_ONCE:
+            into.setdefault(key, value)
+        elif type(value) is str:
+            into[key] = (into.get(key) if type(into.get(key)) is str else "") + value
+
+
+def answer(chunks):
+    """The answer's parts from the whole body ([body]) or a stream's events: chat's message or
+    deltas, a completion's text, Responses output items, Anthropic content blocks."""
+    message, calls, blocks, items = {}, {}, {}, []
+    for data in (c for c in chunks if type(c) is dict):
+        kind, whole = data.get("type"), data.get("response")
+        whole, choices = whole if type(whole) is dict else data, data.get("choices")
+        if type(whole.get("output")) is list and whole["output"]:  # all of it: never twice
+            items = whole["output"]
+        elif kind == "response.output_item.done":
+            items.append(data.get("item"))
+        elif type(data.get("content")) is list:
+            blocks = dict(enumerate(data["content"]))
+        elif kind == "content_block_start" and type(data.get("content_block")) is dict:
+            blocks[str(data.get("index"))] = dict(data["content_block"])
+        elif kind == "content_block_delta":
+            _join(blocks.setdefault(str(data.get("index")), {"type": "text"}), data.get("delta"))
+        elif kind == "response.output_text.delta":
+            _join(message, {"content": data.get("delta")})
+        elif type(choices) is list and choices and type(choices[0]) is dict:
+            one = choices[0].get("message") or choices[0].get("delta")
+            one = one if type(one) is dict else {"content": choices[0].get("text")}
+            _join(message, one)
+            given = one.get("tool_calls")
+            for i, call in enumerate(given if type(given) is list else ()):
+                if type(call) is dict:
+                    done = calls.setdefault(str(call.get("index", i)), {})
+                    _join(done, call)
+                    _join(done.setdefault("function", {}), call.get("function"))
+    for block in blocks.values():
+        if type(block) is dict and "partial_json" in block:
+            block["input"] = _parsed(block.pop("partial_json"))
+    message["tool_calls"] = list(calls.values())
+    return [p for item in items for p in _entry(item, "assistant")[1]] + (
+        [_part(block) for block in blocks.values()] + _entry(message, "assistant")[1]
+    )
+
+
 def _passed_back(headers):
     return [
         (name, re.sub(r"[\r\n]", " ", value))
@@ -203,6 +345,8 @@ class _ProxyServer(ask.CappedServer):
         )
         ask.check_ledger(self.book)
         self.in_flight = 0  # request-body bytes admitted and not yet done with, under the lock
+        # chained hashes of a call's messages -> its session, under the lock
+        self.conversations = {}
         busy = ask.http_answer(
             503,
             _error_json("too many connections; retry later", "busy"),
@@ -221,6 +365,21 @@ class _ProxyServer(ask.CappedServer):
                 return False
             self.in_flight += size
             return True
+
+    def conversation(self, texts):
+        """The session of calls whose messages extend an earlier call's: `conv-` and a hash of the
+        first call's messages."""
+        keys, key = [], ""
+        for name in texts:
+            key = hashlib.sha256((key + name).encode()).hexdigest()
+            keys.append(key)
+        with self.lock:
+            found = (self.conversations.get(k) for k in reversed(keys))
+            session = next((s for s in found if s), "conv-" + key[:16])
+            self.conversations[key] = session
+            if len(self.conversations) > MAX_CONVERSATIONS:  # the oldest call goes
+                del self.conversations[next(iter(self.conversations))]
+        return session
 
     def append(self, kind, record):
         try:
@@ -334,7 +493,7 @@ class _ProxyHandler(ask.RequestHandler):
         self.connection.settimeout(args.timeout + args.read_timeout)
         return self._models() if self.route == "/models" else self._call(self.route, raw)
 
-    def _record(self, route, model, stream, attempt, messages, tokens, body):
+    def _record(self, route, model, stream, attempt, messages, tokens, body, texts):
         """The record of one upstream attempt: a direct call's, plus the client's route, address and
         headers."""
         number = body.get("temperature")
@@ -357,17 +516,44 @@ class _ProxyHandler(ask.RequestHandler):
             record["est_input_tokens"] += tokens
             record["est_method"] = ask.EST_METHOD + " + token ids counted"
         retry = self.headers.get("x-stainless-retry-count") or ""
+        session = next(
+            (
+                ((self.headers.get(name) or "")[:MAX_HEADER_CHARS], name.lower())
+                for name in SESSION_HEADERS
+                if self.headers.get(name)
+            ),
+            (self.server.conversation(texts), "conversation") if texts else (None, None)
+        )
         record.update(
             route=route,
             client_address=self.client_address[0],
             user_agent=(self.headers.get("User-Agent") or "")[:MAX_HEADER_CHARS] or None,
-            session_id=(self.headers.get("X-Ledger-Session") or "")[:MAX_HEADER_CHARS] or None,
+            session_id=session[0],
+            session_source=session[1],
             client_retry=int(retry) if retry.isdigit() and len(retry) < 10 else None
         )
+        if texts is not None:
+            record["messages_text"] = texts
         return record
 
+    def _store(self, entries):
+        """--store-text: each (role, parts) once in the text store, before the line that names it;
+        their hashes, or None when the store cannot be written (the call goes on; one error line).
+        """
+        try:
+            return [self.server.book.store_text({"role": r, "parts": p}) for r, p in entries]
+        except (OSError, RecursionError) as exc:
+            rl.error(f"the text store: {rl.error_text(exc)}", self.server.secrets)
+            return None
+
+    def _answer_text(self, _text, state):
+        """--store-text: the answer, whole (its body) or streamed (the relay's events), stored."""
+        parts = answer([_parsed(state["raw"])] if "raw" in state else self.relay.chunks)
+        stored = self._store([("assistant", parts)]) if parts else None
+        return stored and stored[0]
+
     def _call(self, route, raw):
-        app, refused = self.server, None
+        app, refused, self.relay = self.server, None, _Relay(self, False)
         try:
             twice = []  # a key given twice: re-encoded, upstream reads what the record says
             body = json.loads(
@@ -378,8 +564,9 @@ class _ProxyHandler(ask.RequestHandler):
             # pinned, the body is re-encoded too: the model checked is the one sent
             body, body.raw = _Body(body), None if app.model or twice else raw
             messages, tokens = _client_messages(route, body)
+            entries = conversation(route, body) if app.args.store_text else []
         except (ValueError, RecursionError) as exc:
-            body, messages, tokens = {}, [], 0
+            body, messages, tokens, entries = {}, [], 0, []
             refused = ask.CallFailed(
                 "invalid_request", f"the request body cannot be read: {str(exc)[:200]}"
             )
@@ -393,7 +580,14 @@ class _ProxyHandler(ask.RequestHandler):
         model = model[: ask.MAX_FIELD_CHARS] if type(model) is str and model else app.model or ""
         stream = bool(body.get("stream"))
         new_record = functools.partial(
-            self._record, route, model, stream, messages=messages, tokens=tokens, body=body
+            self._record,
+            route,
+            model,
+            stream,
+            messages=messages,
+            tokens=tokens,
+            body=body,
+            texts=self._store(entries) if app.args.store_text else None
         )
         if refused is not None:  # recorded, with no HTTP status: nothing was sent
             record = new_record(1)
@@ -416,7 +610,8 @@ class _ProxyHandler(ask.RequestHandler):
             limit=app.args.max_response_bytes,
             redactor=app.book.redactor,
             relay=functools.partial(_Relay, self, injected) if stream else None,
-            tools_answer=True
+            tools_answer=True,
+            store=self._answer_text if app.args.store_text else None
         )
         return self._answer(result, failure, state, out)
 
@@ -462,8 +657,11 @@ class _Relay:
             [],
             None
         )
+        self.chunks, handler.relay = [], self  # the events, for --store-text's answer
 
     def __call__(self, raw, chunk):
+        if chunk and self.handler.server.args.store_text:
+            self.chunks.append(chunk)
         if (
             chunk is None
             and raw.rstrip().endswith(b"[DONE]")
@@ -528,6 +726,11 @@ def _proxy_parser():
         action="store_true",
         help="lines reach the kernel before the answer (kill -9 "
         "loses none) but are not forced to disk one by one"
+    )
+    p.add_argument(
+        "--store-text",
+        action="store_true",
+        help="keep the conversation: each message and answer, masked, once in LEDGER.text/"
     )
     p.add_argument("--verbose", action="store_true", help="one line per request on stderr")
     return p
