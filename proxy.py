@@ -288,9 +288,9 @@ def answer(chunks):
         if type(block) is dict and "partial_json" in block:
             block["input"] = _parsed(block.pop("partial_json"))
     message["tool_calls"] = list(calls.values())
-    return [p for item in items for p in _entry(item, "assistant")[1]] + (
-        [_part(block) for block in blocks.values()] + _entry(message, "assistant")[1]
-    )
+    if items:  # Responses: the items hold what the text deltas said
+        return [p for item in items for p in _entry(item, "assistant")[1]]
+    return [_part(block) for block in blocks.values()] + _entry(message, "assistant")[1]
 
 
 def _passed_back(headers):
