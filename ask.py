@@ -1493,11 +1493,7 @@ def chat(
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     with _opened(ledger, api_key) as book:
-        texts = (
-            {"messages_text": [_store(book, m["role"], m["content"]) for m in messages]}
-            if store_text
-            else {}
-        )
+        texts = {"messages_text": _stored(book, messages)} if store_text else {}
         return attempts(
             endpoint(split[0], "/chat/completions"),
             body,
@@ -1568,6 +1564,10 @@ def _check_chat(args):
         return re.compile(expect) if isinstance(expect, str) else expect
     except re.error as exc:
         raise ConfigError(f"--expect is not a valid regular expression: {exc}") from None
+
+
+def _stored(book, messages):
+    return [_store(book, m["role"], m["content"]) for m in messages]
 
 
 def _store(book, role, text, _state=None):
@@ -1749,9 +1749,7 @@ def _build_parser():
         action="store_true",
         help="the served model must be the one asked (else exit 3)"
     )
-    p.add_argument(
-        "--store-text", action="store_true", help="keep the messages and the answer in LEDGER.text/"
-    )
+    p.add_argument("--store-text", action="store_true", help="keep the text in LEDGER.text/")
     p.add_argument("--json", action="store_true", help="print the whole record instead of the text")
     return p
 

@@ -347,6 +347,7 @@ class _ProxyServer(ask.CappedServer):
         self.in_flight = 0  # request-body bytes admitted and not yet done with, under the lock
         # chained hashes of a call's messages -> its session, under the lock
         self.conversations = {}
+        self.known = {}  # the hash of an entry as sent -> its name in the store (stored_text)
         busy = ask.http_answer(
             503,
             _error_json("too many connections; retry later", "busy"),
@@ -380,6 +381,17 @@ class _ProxyServer(ask.CappedServer):
             if len(self.conversations) > MAX_CONVERSATIONS:  # the oldest call goes
                 del self.conversations[next(iter(self.conversations))]
         return session
+
+    def stored_text(self, entry):
+        """Ledger.store_text(entry), once: an agent sends every message again with each call, and
+        masking them all each time would cost more than the call."""
+        key = hashlib.sha256(_json_text(entry).encode("utf-8", "surrogatepass")).digest()
+        name = self.known.get(key)
+        if name is None:
+            name = self.known[key] = self.book.store_text(entry)
+            if len(self.known) > MAX_CONVERSATIONS * 10:
+                self.known.pop(next(iter(self.known)), None)
+        return name
 
     def append(self, kind, record):
         try:
@@ -493,7 +505,7 @@ class _ProxyHandler(ask.RequestHandler):
         self.connection.settimeout(args.timeout + args.read_timeout)
         return self._models() if self.route == "/models" else self._call(self.route, raw)
 
-    def _record(self, route, model, stream, attempt, messages, tokens, body, texts):
+    def _record(self, route, model, stream, attempt, messages, tokens, body):
         """The record of one upstream attempt: a direct call's, plus the client's route, address and
         headers."""
         number = body.get("temperature")
@@ -515,7 +527,7 @@ class _ProxyHandler(ask.RequestHandler):
         if tokens:
             record["est_input_tokens"] += tokens
             record["est_method"] = ask.EST_METHOD + " + token ids counted"
-        retry = self.headers.get("x-stainless-retry-count") or ""
+        retry, texts = self.headers.get("x-stainless-retry-count") or "", self.texts
         session = next(
             (
                 ((self.headers.get(name) or "")[:MAX_HEADER_CHARS], name.lower())
@@ -541,7 +553,7 @@ class _ProxyHandler(ask.RequestHandler):
         their hashes, or None when the store cannot be written (the call goes on; one error line).
         """
         try:
-            return [self.server.book.store_text({"role": r, "parts": p}) for r, p in entries]
+            return [self.server.stored_text({"role": r, "parts": p}) for r, p in entries]
         except (OSError, RecursionError) as exc:
             rl.error(f"the text store: {rl.error_text(exc)}", self.server.secrets)
             return None
@@ -579,15 +591,9 @@ class _ProxyHandler(ask.RequestHandler):
             )
         model = model[: ask.MAX_FIELD_CHARS] if type(model) is str and model else app.model or ""
         stream = bool(body.get("stream"))
+        self.texts = self._store(entries) if app.args.store_text else None  # named by _record
         new_record = functools.partial(
-            self._record,
-            route,
-            model,
-            stream,
-            messages=messages,
-            tokens=tokens,
-            body=body,
-            texts=self._store(entries) if app.args.store_text else None
+            self._record, route, model, stream, messages=messages, tokens=tokens, body=body
         )
         if refused is not None:  # recorded, with no HTTP status: nothing was sent
             record = new_record(1)

@@ -842,7 +842,9 @@ class Ledger:
         """One conversation entry, {"role", "parts"} (docs/format.md), masked and stored once in
         text_dir() beside the ledger; returns its SHA-256, the name a line gives it."""
         clean = dumps(_clean(entry, self.redactor))
-        return store_artifact(text_dir(self.path), clean, redact_secrets=False)["sha256"]
+        return store_artifact(text_dir(self.path), clean, redact_secrets=False, fsync=self.fsync)[
+            "sha256"
+        ]
 
     def store_artifact(self, data, *, redact_secrets=True):
         """store_artifact() under artifacts/ beside the ledger."""
@@ -860,9 +862,11 @@ def text_dir(path):
     return Path(str(path) + ".text")
 
 
-def store_artifact(directory, data, *, redact_secrets=True, extra_secrets=(), redactor=None):
-    """Store bytes or text (masked first) as directory/<sha256>; return {"sha256", "size",
-    "path"}."""
+def store_artifact(
+    directory, data, *, redact_secrets=True, extra_secrets=(), redactor=None, fsync=True
+):
+    """Store bytes or text (masked first) as directory/<sha256>, fsync'd unless `fsync` is False;
+    return {"sha256", "size", "path"}."""
     if isinstance(data, str):
         data = data.encode("utf-8", "backslashreplace")  # a lone surrogate stays visible as \\udXXX
     if redact_secrets:
@@ -882,14 +886,15 @@ def store_artifact(directory, data, *, redact_secrets=True, extra_secrets=(), re
             tmp = directory / f".{digest[:16]}.{os.urandom(8).hex()}.tmp"
             fd = os.open(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                _write_or_undo(fd, data, 0)
+                _write_or_undo(fd, data, 0, fsync)
             except OSError:
                 os.unlink(str(tmp))
                 raise
             finally:
                 os.close(fd)
             os.replace(str(tmp), str(target))
-            _fsync_dir(target)
+            if fsync:
+                _fsync_dir(target)
     except OSError as exc:
         raise named_error(exc, target) from None
     return {"sha256": digest, "size": len(data), "path": f"{directory.name}/{digest}"}
