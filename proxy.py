@@ -246,51 +246,78 @@ def conversation(route, body):
     ]
 
 
+class _Pieces(list):
+    """A text that arrives in pieces, joined once at the end (joining as they come is quadratic)."""
+
+
 def _join(into, delta):
-    """A stream's delta added to what came before: text in pieces joined, names kept."""
+    """A stream's delta added to what came before: text pieces kept, names kept once."""
     for key, value in delta.items() if type(delta) is dict else ():
         if type(value) is str and key in _NAMED_ONCE:
             into.setdefault(key, value)
         elif type(value) is str:
-            into[key] = (into.get(key) if type(into.get(key)) is str else "") + value
+            into[key] = into[key] if type(into.get(key)) is _Pieces else _Pieces()
+            into[key].append(value)
 
 
-def answer(chunks):
-    """The answer's parts from the whole body ([body]) or a stream's events: chat's message or
-    deltas, a completion's text, Responses output items, Anthropic content blocks."""
-    message, calls, blocks, items = {}, {}, {}, []
-    for data in (c for c in chunks if type(c) is dict):
+def _joined(one):
+    return {k: "".join(v) if type(v) is _Pieces else v for k, v in one.items()}
+
+
+class _Answer:
+    """An answer's parts, built as its whole body or a stream's events come (add): chat's message
+    or deltas, a completion's text, Responses output items, Anthropic content blocks."""
+
+    def __init__(self):
+        self.message, self.calls, self.blocks, self.items = {}, {}, {}, []
+
+    def add(self, data):
+        if type(data) is not dict:
+            return
         kind, whole = data.get("type"), data.get("response")
         whole, choices = whole if type(whole) is dict else data, data.get("choices")
         if type(whole.get("output")) is list and whole["output"]:  # all of it: never twice
-            items = whole["output"]
+            self.items = whole["output"]
         elif kind == "response.output_item.done":
-            items.append(data.get("item"))
+            self.items.append(data.get("item"))
         elif type(data.get("content")) is list:
-            blocks = dict(enumerate(data["content"]))
+            self.blocks = dict(enumerate(data["content"]))
         elif kind == "content_block_start" and type(data.get("content_block")) is dict:
-            blocks[str(data.get("index"))] = dict(data["content_block"])
+            self.blocks[str(data.get("index"))] = dict(data["content_block"])
         elif kind == "content_block_delta":
-            _join(blocks.setdefault(str(data.get("index")), {"type": "text"}), data.get("delta"))
+            block = self.blocks.setdefault(str(data.get("index")), {"type": "text"})
+            _join(block, data.get("delta"))
         elif kind == "response.output_text.delta":
-            _join(message, {"content": data.get("delta")})
+            _join(self.message, {"content": data.get("delta")})
         elif type(choices) is list and choices and type(choices[0]) is dict:
             one = choices[0].get("message") or choices[0].get("delta")
             one = one if type(one) is dict else {"content": choices[0].get("text")}
-            _join(message, one)
+            _join(self.message, one)
             given = one.get("tool_calls")
             for i, call in enumerate(given if type(given) is list else ()):
                 if type(call) is dict:
-                    done = calls.setdefault(str(call.get("index", i)), {})
+                    done = self.calls.setdefault(str(call.get("index", i)), {})
                     _join(done, call)
                     _join(done.setdefault("function", {}), call.get("function"))
-    for block in blocks.values():
-        if type(block) is dict and "partial_json" in block:
-            block["input"] = _parsed(block.pop("partial_json"))
-    message["tool_calls"] = list(calls.values())
-    if items:  # Responses: the items hold what the text deltas said
-        return [p for item in items for p in _entry(item, "assistant")[1]]
-    return [_part(block) for block in blocks.values()] + _entry(message, "assistant")[1]
+
+    def parts(self):
+        if self.items:  # Responses: the items hold what the text deltas said
+            return [p for item in self.items for p in _entry(item, "assistant")[1]]
+        blocks = [_joined(b) if type(b) is dict else b for b in self.blocks.values()]
+        for block in blocks:
+            if type(block) is dict and "partial_json" in block:
+                block["input"] = _parsed(block.pop("partial_json"))
+        calls = [dict(_joined(c), function=_joined(c["function"])) for c in self.calls.values()]
+        message = dict(_joined(self.message), tool_calls=calls)
+        return [_part(block) for block in blocks] + _entry(message, "assistant")[1]
+
+
+def answer(chunks):
+    """The answer's parts from the whole body ([body]) or a stream's events (parsed)."""
+    assembled = _Answer()
+    for data in chunks:
+        assembled.add(data)
+    return assembled.parts()
 
 
 def _passed_back(headers):
@@ -560,7 +587,7 @@ class _ProxyHandler(ask.RequestHandler):
 
     def _answer_text(self, _text, state):
         """--store-text: the answer, whole (its body) or streamed (the relay's events), stored."""
-        parts = answer([_parsed(state["raw"])] if "raw" in state else self.relay.chunks)
+        parts = answer([_parsed(state["raw"])]) if "raw" in state else self.relay.answer.parts()
         stored = self._store([("assistant", parts)]) if parts else None
         return stored and stored[0]
 
@@ -663,11 +690,12 @@ class _Relay:
             [],
             None
         )
-        self.chunks, handler.relay = [], self  # the events, for --store-text's answer
+        self.answer = _Answer() if handler.server.args.store_text else None
+        handler.relay = self  # its answer is --store-text's
 
     def __call__(self, raw, chunk):
-        if chunk and self.handler.server.args.store_text:
-            self.chunks.append(chunk)
+        if self.answer is not None:
+            self.answer.add(chunk)
         if (
             chunk is None
             and raw.rstrip().endswith(b"[DONE]")
