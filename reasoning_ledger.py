@@ -839,7 +839,7 @@ class Ledger:
         )
 
     def store_text(self, entry):
-        """One conversation entry, {"role", "parts"} (docs/format.md), masked and stored once in
+        """One conversation entry, {"role", "parts"} (docs/proxy.md), masked and stored once in
         text_dir() beside the ledger; returns its SHA-256, the name a line gives it."""
         clean = dumps(_clean(entry, self.redactor))
         return store_artifact(text_dir(self.path), clean, redact_secrets=False, fsync=self.fsync)[
@@ -1645,6 +1645,19 @@ def _artifact(ledger_path, ref):
         return ""
 
 
+def _answer_text(ledger_path, name):
+    """The text of an answer in the ledger's text store (answer_text), or ""."""
+    try:
+        entry = (
+            json.loads((text_dir(ledger_path) / name).read_bytes())
+            if _SHA256_RE.match(name)
+            else {}
+        )
+        return "".join(p["text"] for p in entry.get("parts", ()) if p["type"] == "text")
+    except (OSError, ValueError, RecursionError, LookupError, TypeError, AttributeError):
+        return ""  # not there, or not an entry
+
+
 def _tests_meaning(path, payload):
     counts = payload.get("counts") if type(payload.get("counts")) is dict else {}
     tally = ", ".join(f"{n} {k}" for k, n in counts.items() if n)
@@ -1679,6 +1692,8 @@ def _event_summary(path, event):
         parts.append(_tests_meaning(path, payload))
     call = payload.get("call") if type(payload.get("call")) is dict else {}
     reply = _artifact(path, payload.get("response_artifact") or call.get("reply_artifact"))
+    if type(payload.get("answer_text")) is str:
+        reply = reply or _answer_text(path, payload["answer_text"])
     line = next((s.strip() for s in reply.splitlines() if s.strip()), "")
     if line:
         parts.append(f"reply: {line if len(line) <= 120 else line[:119] + '…'}")

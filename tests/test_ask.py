@@ -99,6 +99,7 @@ def test_store_text_keeps_messages_and_answer_in_the_private_text_store(call, tm
         ("system", "Be brief."), ("user", PROMPT), ("assistant", "The answer is 4."))]
     assert {stat.S_IMODE(f.stat().st_mode) for f in store.iterdir()} == {0o600}
     assert run_script("reasoning_ledger.py", "verify", "--text", call.ledger).returncode == 0
+    assert "reply: The answer is 4." in run_script("reasoning_ledger.py", "report", call.ledger).out
 
 
 # ----------------------------------------------------------------------------
