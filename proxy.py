@@ -555,13 +555,11 @@ class _ProxyHandler(ask.RequestHandler):
             record["est_input_tokens"] += tokens
             record["est_method"] = ask.EST_METHOD + " + token ids counted"
         retry, texts = self.headers.get("x-stainless-retry-count") or "", self.texts
-        session = next(
-            (
-                ((self.headers.get(name) or "")[:MAX_HEADER_CHARS], name.lower())
-                for name in SESSION_HEADERS
-                if self.headers.get(name)
-            ),
-            (self.server.conversation(texts), "conversation") if texts else (None, None)
+        header = next((name for name in SESSION_HEADERS if self.headers.get(name)), None)
+        session = (
+            (self.headers[header][:MAX_HEADER_CHARS], header.lower())
+            if header
+            else (self.server.conversation(texts), "conversation") if texts else (None, None)
         )
         record.update(
             route=route,
@@ -576,9 +574,8 @@ class _ProxyHandler(ask.RequestHandler):
         return record
 
     def _store(self, entries):
-        """--store-text: each (role, parts) once in the text store, before the line that names it;
-        their hashes, or None when the store cannot be written (the call goes on; one error line).
-        """
+        """--store-text: each (role, parts) once in the text store, before the line naming it; their
+        hashes, or None when the store cannot be written (the call goes on; one error line)."""
         try:
             return [self.server.stored_text({"role": r, "parts": p}) for r, p in entries]
         except (OSError, RecursionError) as exc:

@@ -376,7 +376,8 @@ def _may_match(text):
         or "xox" in text
         or "AKIA" in text
         or "ASIA" in text
-        or _SCHEME_WORD.search(text) is not None
+        # without white space (a hash, an id) the scheme word cannot match: the search is skipped
+        or (not text.isalnum() and _SCHEME_WORD.search(text) is not None)
     )
 
 
