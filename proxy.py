@@ -159,6 +159,7 @@ def _client_messages(route, body):
 # Request headers that name a session, first found wins; recorded as session_source.
 SESSION_HEADERS = ("X-Ledger-Session", "session-id", "X-Claude-Code-Session-Id")
 MAX_CONVERSATIONS = 10000  # calls remembered to find the conversation a call extends
+MAX_NAMED = 10000  # hashes a line names: the earliest messages past it are stored as one entry
 _NAMED_ONCE = ("id", "call_id", "type", "name", "role", "index")  # a stream sends them whole
 
 
@@ -575,7 +576,14 @@ class _ProxyHandler(ask.RequestHandler):
 
     def _store(self, entries):
         """--store-text: each (role, parts) once in the text store, before the line naming it; their
-        hashes, or None when the store cannot be written (the call goes on; one error line)."""
+        hashes, or None when the store cannot be written (the call goes on; one error line). Past
+        MAX_NAMED the earliest are one entry: a line holds at most 1 MiB."""
+        if len(entries) > MAX_NAMED:
+            cut = len(entries) - MAX_NAMED + 1
+            earlier = [
+                [{"type": "text", "text": f"[{role}]"}] + parts for role, parts in entries[:cut]
+            ]
+            entries = [("earlier", [p for parts in earlier for p in parts])] + entries[cut:]
         try:
             return [self.server.stored_text({"role": r, "parts": p}) for r, p in entries]
         except (OSError, RecursionError) as exc:

@@ -160,6 +160,30 @@ def test_hostile_message_shapes_never_crash_and_give_one_line(start, name):
     assert proxy.proc.poll() is None
 
 
+def test_a_store_that_cannot_be_written_costs_the_call_nothing(start, tmp_path):
+    (tmp_path / "calls.jsonl.text").write_text("a file where the store's directory should be")
+    proxy = start("--store-text")
+    response, raw = post(proxy.conn(), "/chat/completions", CHAT)
+    assert response.status == 200 and json.loads(raw)["choices"][0]["message"]["content"] == ANSWER
+    (line,) = calls(proxy.ledger)
+    assert "messages_text" not in line and "answer_text" not in line and line["error_type"] is None
+    code, _out, err = proxy.stop()
+    assert code == 0 and "error: the text store: " in err and "calls.jsonl.text" in err
+
+
+def test_a_conversation_past_the_lines_limit_still_gives_its_line(start):
+    proxy = start("--store-text", "--no-fsync")
+    count = proxy_script.MAX_NAMED + 2000
+    messages = [{"role": "user", "content": f"m{n}"} for n in range(count)]
+    response, _raw = post(proxy.conn(), "/chat/completions", dict(CHAT, messages=messages))
+    assert response.status == 200
+    (line,) = calls(proxy.ledger)
+    assert len(line["messages_text"]) == proxy_script.MAX_NAMED and line["message_count"] == count
+    earlier = stored(proxy.ledger, line["messages_text"][0])
+    assert earlier["role"] == "earlier" and texts(earlier)[:4] == ["[user]", "m0", "[user]", "m1"]
+    assert stored(proxy.ledger, line["messages_text"][-1])["parts"][0]["text"] == f"m{count - 1}"
+
+
 # ----------------------------------------------------------------------------
 # verify --text
 # ----------------------------------------------------------------------------
@@ -252,6 +276,17 @@ def test_audit_conversation_shows_the_session_as_a_timeline(start, upstream, tmp
     assert "<script>alert" not in raw and "&lt;script&gt;" in raw
     text = parse_html(raw).text()
     assert "What is in the folder?" in text and REASONING in text and "notes.txt" in text
+
+
+def test_audit_conversation_says_which_text_is_missing_or_changed(start, upstream):
+    proxy = start("--store-text")
+    _recorded_session(proxy, upstream)
+    first, second = calls(proxy.ledger)
+    (rl.text_dir(proxy.ledger) / first["messages_text"][0]).unlink()
+    (rl.text_dir(proxy.ledger) / second["answer_text"]).write_text('{"role": "assistant", "parts": []}')
+    proc = run_script("audit.py", "--conversation", "task-42", proxy.ledger)
+    assert proc.returncode == 0 and "No such file" in proc.out and "[changed]" in proc.out
+    assert "notes.txt" in proc.out  # the rest is shown
 
 
 def test_audit_conversation_refuses_an_unknown_or_ambiguous_session(start):
