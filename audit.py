@@ -9,6 +9,7 @@ Usage:
   python audit.py --json > audit.json      # or --csv; --html report.html for a page with charts
   python audit.py --no-verify broken.jsonl # audit anyway, marked UNVERIFIED
   python audit.py --from http://ch:8123 --by day   # every box's shipped ledgers (fleet.py ship)
+  python audit.py --conversation conv-3f2a   # one session's messages and answers (--store-text)
 
 Exit codes: 0 ok, 1 a ledger failed verification (nothing audited), 2 usage or I/O error,
 4 changes found and --fail-on-change given, 5 stdout could not be written.

@@ -239,7 +239,7 @@ def conversation(route, body):
     messages, Responses input items or Anthropic messages (a completion's prompt as one)."""
     if route == "/embeddings":
         return []
-    system = body.get("system" if route == "/messages" else "instructions")
+    system = body.get("system" if route.startswith("/messages") else "instructions")
     given = body.get({"/responses": "input", "/completions": "prompt"}.get(route, "messages"))
     given = [given] if route == "/completions" or type(given) is not list else given
     return [_entry({"role": "system", "content": system})] * (system not in (None, "", [])) + [
@@ -413,7 +413,7 @@ class _ProxyServer(ask.CappedServer):
     def stored_text(self, entry):
         """Ledger.store_text(entry), once: an agent sends every message again with each call, and
         masking them all each time would cost more than the call."""
-        key = hashlib.sha256(_json_text(entry).encode("utf-8", "surrogatepass")).digest()
+        key = hashlib.sha256(repr(entry).encode("utf-8", "surrogatepass")).digest()
         name = self.known.get(key)
         if name is None:
             name = self.known[key] = self.book.store_text(entry)

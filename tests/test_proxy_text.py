@@ -325,6 +325,7 @@ def test_anthropic_messages_are_normalised_and_cache_control_is_left_out():
     del moved["system"][0]["cache_control"]
     moved["messages"][2]["content"][0]["cache_control"] = {"type": "ephemeral"}
     assert proxy_script.conversation("/messages", moved) == entries
+    assert proxy_script.conversation("/messages/count_tokens", ANTHROPIC) == entries
 
 
 def test_anthropic_answers_whole_and_streamed_are_the_same_parts():
