@@ -416,9 +416,11 @@ class _ProxyServer(ask.CappedServer):
         key = hashlib.sha256(repr(entry).encode("utf-8", "surrogatepass")).digest()
         name = self.known.get(key)
         if name is None:
-            name = self.known[key] = self.book.store_text(entry)
-            if len(self.known) > MAX_CONVERSATIONS * 10:
-                self.known.pop(next(iter(self.known)), None)
+            name = self.book.store_text(entry)
+            with self.lock:
+                self.known[key] = name
+                if len(self.known) > MAX_CONVERSATIONS * 10:
+                    del self.known[next(iter(self.known))]
         return name
 
     def append(self, kind, record):

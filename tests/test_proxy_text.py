@@ -5,6 +5,7 @@ The normalisers' shapes (chat, Responses, Anthropic Messages) are checked on bod
 import hashlib
 import json
 import stat
+import threading
 
 import pytest
 
@@ -116,6 +117,30 @@ def test_fifty_calls_of_a_growing_conversation_store_each_message_once(start):
     assert len(files) == 51 and len({h for line in lines for h in line["messages_text"]}) == 51
     assert sum(f.stat().st_size for f in files) < 51 * 300  # linear, not 50 copies of a growing list
     assert all(line["session_id"] == lines[0]["session_id"] for line in lines)
+
+
+def test_eight_clients_at_once_sharing_messages_every_line_and_file_whole(start):
+    proxy = start("--store-text")
+    errors = []
+
+    def client(n):
+        try:
+            conn, messages = proxy.conn(), [{"role": "system", "content": "Shared rules."}]
+            for step in range(8):
+                messages.append({"role": "user", "content": f"step {step % 3}"})  # shared by all
+                response, raw = post(conn, "/chat/completions", dict(CHAT, messages=messages, stream=n % 2 == 0))
+                assert response.status == 200
+                messages.append({"role": "assistant", "content": ANSWER})
+        except (AssertionError, OSError) as exc:
+            errors.append(exc)
+    threads = [threading.Thread(target=client, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not errors and len(calls(proxy.ledger)) == 64
+    assert len(list(rl.text_dir(proxy.ledger).iterdir())) == 5  # rules, three steps, the answer
+    assert run_script("reasoning_ledger.py", "verify", "--text", proxy.ledger).returncode == 0
 
 
 def test_secrets_in_messages_tool_calls_and_results_are_masked_in_every_file(start, tmp_path):
