@@ -138,10 +138,8 @@ MODEL_CALL_FIELDS = {
 # Fields present only when they apply.
 MODEL_CALL_OPTIONAL = {
     "system_sha256": (_S,),
-    "prompt_artifact": (_D,),
-    "system_artifact": (_D,),
-    "messages_artifact": (_D,),
-    "response_artifact": (_D,),
+    "messages_text": (_L,),
+    "answer_text": (_S,),
     "retry_in_s": (_F, _I),
     "retry_reason": (_S,),
     "stream_options_dropped": (_B,),
@@ -152,6 +150,7 @@ MODEL_CALL_OPTIONAL = {
     "client_address": (_S,),
     "user_agent": (_S, _N),
     "session_id": (_S, _N),
+    "session_source": (_S, _N),
     "client_retry": (_I, _N),
     "upstream_route": (_S,),
     "tools_dropped": (_I,),
@@ -965,7 +964,7 @@ def _sha256(text):
 
 
 def call_record(model, split, stream, messages, options, attempt, **extra):
-    """A model_call record before the answer: the request's fields, then `extra` (artifacts)."""
+    """A model_call record before the answer: the request's fields, then `extra` (messages_text)."""
     _request_base, recorded_base, host, port = split
     system = [m["content"] for m in messages if m["role"] == "system"]
     users = [m["content"] for m in messages if m["role"] == "user"]
@@ -1277,8 +1276,9 @@ def _attempt(
             response_model=record["response_model"],
             **checks
         )
-    if text and store is not None:
-        record["response_artifact"] = store(text)
+    answer = store and store(text, state)
+    if answer:
+        record["answer_text"] = answer
     return text, failure, state
 
 
@@ -1508,13 +1508,11 @@ def chat(
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     with _opened(ledger, api_key) as book:
-        artifacts = _stored_texts(book, messages) if store_text else {}
+        texts = {"messages_text": _stored(book, messages)} if store_text else {}
         return attempts(
             endpoint(split[0], "/chat/completions"),
             body,
-            functools.partial(
-                call_record, model, split, bool(stream), messages, options, **artifacts
-            ),
+            functools.partial(call_record, model, split, bool(stream), messages, options, **texts),
             functools.partial(append_record, book),
             api_key=api_key,
             timeout=timeout,
@@ -1522,7 +1520,7 @@ def chat(
             redactor=book.redactor,
             retries=retries,
             checks=dict(expect=expect, expect_json=expect_json, strict_model=strict_model),
-            store=book.store_artifact if store_text else None,
+            store=functools.partial(_store, book, "assistant") if store_text else None,
             backoff=backoff,
             max_wait=max_wait,
             on_text=on_text,
@@ -1583,19 +1581,15 @@ def _check_chat(args):
         raise ConfigError(f"--expect is not a valid regular expression: {exc}") from None
 
 
-def _stored_texts(book, messages):
-    """--store-text: the prompt, the system prompt and the whole conversation (when there is more),
-    as artifacts."""
-    users = [m["content"] for m in messages if m["role"] == "user"]
-    system = "\n".join(m["content"] for m in messages if m["role"] == "system")
-    artifacts = {"prompt_artifact": book.store_artifact(users[-1] if users else "")}
-    if system:
-        artifacts["system_artifact"] = book.store_artifact(system)
-    if len(messages) > len(users[-1:]) + (1 if system else 0):
-        artifacts["messages_artifact"] = book.store_artifact(
-            json.dumps(messages, ensure_ascii=False, indent=1)
-        )
-    return artifacts
+def _stored(book, messages):
+    return [_store(book, m["role"], m["content"]) for m in messages]
+
+
+def _store(book, role, text, _state=None):
+    """--store-text: one message as an entry in the ledger's text store; its SHA-256 (None without
+    an answer)."""
+    if text is not None:
+        return book.store_text({"role": role, "parts": [{"type": "text", "text": text}]})
 
 
 def ask(prompt, *, system=None, **kwargs):
@@ -1770,7 +1764,7 @@ def _build_parser():
         action="store_true",
         help="the served model must be the one asked (else exit 3)"
     )
-    p.add_argument("--store-text", action="store_true", help="keep prompt and answer as artifacts")
+    p.add_argument("--store-text", action="store_true", help="keep the text in LEDGER.text/")
     p.add_argument("--json", action="store_true", help="print the whole record instead of the text")
     return p
 

@@ -9,6 +9,7 @@ Usage:
   python audit.py --json > audit.json      # or --csv; --html report.html for a page with charts
   python audit.py --no-verify broken.jsonl # audit anyway, marked UNVERIFIED
   python audit.py --from http://ch:8123 --by day   # every box's shipped ledgers (fleet.py ship)
+  python audit.py --conversation conv-3f2a   # one session's messages and answers (--store-text)
 
 Exit codes: 0 ok, 1 a ledger failed verification (nothing audited), 2 usage or I/O error,
 4 changes found and --fail-on-change given, 5 stdout could not be written.
@@ -18,12 +19,14 @@ import argparse
 import csv
 import datetime
 import glob
+import hashlib
 import html
 import io
 import itertools
 import json
 import math
 import os
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -1027,13 +1030,9 @@ _DAY_CHARTS = (
 )
 
 
-def _e(value):
-    """A ledger value as HTML text or attribute (null as a dash), cut at _MAX_TEXT characters."""
-    return (
-        _DASH
-        if value is None
-        else html.escape(_elide(str(value), _MAX_TEXT + 1, "end"), quote=True)
-    )
+def _e(value, limit=_MAX_TEXT):
+    """A ledger value as HTML text or attribute (null as a dash), cut at `limit` characters."""
+    return _DASH if value is None else html.escape(_elide(str(value), limit + 1, "end"), quote=True)
 
 
 def _ms_text(value):
@@ -1587,6 +1586,129 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
     return "\n".join(out) + "\n"
 
 
+# == Conversations: one session as a timeline (--conversation) ==
+
+MAX_PART_CHARS = 20000  # a text, call or reasoning shown; the store keeps it whole
+MAX_RESULT_CHARS = 2000  # a tool's result shown
+_HASH_RE = re.compile(r"[0-9a-f]{64}\Z")
+_ROLE_CSS = (
+    ".call{margin-top:18px;padding:4px 8px;background:#f3f4f6;font-weight:600}"
+    ".msg{margin:6px 0 6px 16px;border-left:3px solid #ddd;padding:2px 10px}"
+    ".msg pre{white-space:pre-wrap;overflow-wrap:anywhere;margin:2px 0;font:13px monospace}"
+    ".user{border-color:#0072B2}.assistant{border-color:#009E73}.tool{border-color:#E69F00}"
+)
+
+
+def _stored_entry(path, name):
+    """(role, parts) of a text the ledger at `path` names, read from its text store; a missing,
+    changed or unreadable one says so."""
+    if type(name) is not str or not _HASH_RE.match(name):
+        return "?", [{"type": "text", "text": "[not a text name]"}]
+    try:
+        data = (rl.text_dir(path) / name).read_bytes()
+        entry = json.loads(data) if hashlib.sha256(data).hexdigest() == name else None
+    except (OSError, ValueError, RecursionError) as exc:
+        entry = {"parts": [{"type": "text", "text": f"[{rl.error_text(exc)}]"}]}
+    entry = entry if type(entry) is dict else {"parts": [{"type": "text", "text": "[changed]"}]}
+    parts = entry.get("parts")
+    return str(entry.get("role", "?")), parts if type(parts) is list else []
+
+
+def _call_entry(event, p):
+    """A call's own line on the timeline: when, route, model asked and served, tokens, latency."""
+    text = (
+        f"#{event['seq']} {event['at']} {p.get('route') or ''} model {p.get('request_model')} "
+        f"served {_label(p.get('response_model'))}  tokens {_num(p.get('input_tokens'))} in, "
+        f"{_num(p.get('output_tokens'))} out  {_ms_text(p.get('latency_ms'))}"
+    )
+    error = p.get("error_type")
+    return "call", [{"type": "text", "text": text + (f"  error {error}" if error else "")}]
+
+
+def conversation(paths, session):
+    """(session id, [(role, parts)]) of one session (`session`: its id or a unique prefix) in the
+    verified ledgers at `paths`: each call's line ("call"), the messages it adds to the one before,
+    and its answer."""
+    calls = [
+        (event["at"], str(path), event)
+        for path in find_ledgers(paths)
+        for event in rl.read_events(path)
+        if event["kind"] == "model_call" and type(event["payload"].get("session_id")) is str
+    ]
+    ids = {event["payload"]["session_id"] for _at, _path, event in calls}
+    found = [session] if session in ids else sorted(i for i in ids if i.startswith(session))
+    if len(found) != 1:
+        raise AuditError(
+            f"{len(found)} sessions match {session!r}: " + ", ".join(found[:10])
+            if found
+            else f"no session {session!r} in the ledgers"
+        )
+    entries, before = [], []
+    for _at, path, event in sorted(calls, key=lambda c: c[:2] + (c[2]["seq"],)):
+        p = event["payload"]
+        if p["session_id"] == found[0]:
+            names = p.get("messages_text") if type(p.get("messages_text")) is list else []
+            same = len(list(itertools.takewhile(lambda two: two[0] == two[1], zip(names, before))))
+            entries.append(_call_entry(event, p))
+            entries += [_stored_entry(path, name) for name in names[same:]]
+            entries += [_stored_entry(path, p["answer_text"])] * ("answer_text" in p)
+            before = names + [p.get("answer_text")]
+    return found[0], entries
+
+
+def _part_view(part):
+    """(label, text) of one part, bounded: text, reasoning, a tool call with its arguments, or a
+    tool's result."""
+    part = part if type(part) is dict else {"text": part}
+    kind, text = part.get("type"), str(part.get("text") or "")
+    if kind == "tool_call":
+        text = f"{part.get('name')}({part.get('arguments')}) [{part.get('id')}]"
+    elif kind == "tool_result":
+        return f"tool result [{part.get('id')}]", _elide(text, MAX_RESULT_CHARS, "end")
+    return str(kind or "text").replace("_", " "), _elide(text, MAX_PART_CHARS, "end")
+
+
+def render_conversation(session, entries):
+    """The timeline as text: control characters escaped, so a ledger cannot drive the terminal."""
+    out = [f"Conversation {rl.printable(session)}"]
+    for role, parts in entries:
+        for label, text in map(_part_view, parts):
+            if role == "call":
+                out += ["", rl.printable(text)]
+                continue
+            out.append(f"  {rl.printable(role)} ({label}):")
+            out += ["    " + rl.printable(line) for line in text.splitlines() or [""]]
+    return "\n".join(out) + "\n"
+
+
+def render_conversation_html(session, entries):
+    """The timeline as one self-contained page: every ledger value escaped."""
+    out = [
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">',
+        f"<title>conversation {_e(session)}</title><style>{_CSS}{_ROLE_CSS}</style></head><body>",
+        f"<h1>Conversation {_e(session)}</h1>"
+    ]
+    for role, parts in entries:
+        for label, text in map(_part_view, parts):
+            out.append(
+                f'<div class="call">{_e(text, MAX_PART_CHARS)}</div>'
+                if role == "call"
+                else f'<div class="msg {_e(role, 40)}"><span class="k">{_e(role)} ({_e(label)})'
+                f"</span><pre>{_e(text, MAX_PART_CHARS)}</pre></div>"
+            )
+    return "\n".join(out + ["</body></html>"]) + "\n"
+
+
+def _run_conversation(args):
+    if args.from_url is not None or args.json or args.csv:
+        raise AuditError("--conversation reads ledger files: not with --from, --json or --csv")
+    session, entries = conversation(args.paths, args.conversation)
+    if args.html:
+        Path(args.html).write_text(render_conversation_html(session, entries), encoding="utf-8")
+    rl.write_out(render_conversation(session, entries))
+    return rl.EXIT_OK
+
+
 # == CLI ==
 
 
@@ -1657,6 +1779,13 @@ def _build_parser():
             {"default": DEFAULT_RUNS_URL, "metavar": "URL"}
         ),
         (p, "--no-verify", "audit without checking the chain (marked UNVERIFIED)", flag),
+        (
+            p,
+            "--conversation",
+            "one session (its id or a unique prefix) as a timeline of messages, tool calls and "
+            "answers (proxy.py --store-text); with --html also as a page",
+            {"metavar": "SESSION"}
+        ),
         (p, "--fail-on-change", "exit 4 when the Changes section is not empty", flag)
     ):
         where.add_argument(name, help=about, **options)
@@ -1729,6 +1858,8 @@ def _gather(args):
 
 
 def _run(args):
+    if args.conversation is not None:
+        return _run_conversation(args)
     for name, _default, _metavar, _about, zero in _THRESHOLDS:
         value = vars(args)[name[2:].replace("-", "_")]
         if not (math.isfinite(value) and (value >= 0 if zero else value > 0)):

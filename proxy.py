@@ -17,6 +17,7 @@ Exit codes: 0 stopped by SIGTERM or SIGINT, 2 usage or configuration error. See 
 
 import argparse
 import functools
+import hashlib
 import json
 import math
 import os
@@ -164,6 +165,175 @@ def _client_messages(route, body):
     return messages, tokens
 
 
+# ----------------------------------------------------------------------------
+# The conversation (--store-text): any route's messages and answer as (role, parts)
+# ----------------------------------------------------------------------------
+
+# Request headers that name a session, first found wins; recorded as session_source.
+SESSION_HEADERS = ("X-Ledger-Session", "session-id", "X-Claude-Code-Session-Id")
+MAX_CONVERSATIONS = 10000  # calls remembered to find the conversation a call extends
+MAX_NAMED = 10000  # hashes a line names: the earliest messages past it are stored as one entry
+_NAMED_ONCE = ("id", "call_id", "type", "name", "role", "index")  # a stream sends them whole
+
+
+def _str(value):
+    return value if type(value) is str else "" if value is None else _json_text(value)
+
+
+def _parsed(text):
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
+
+
+def _part(block):
+    """A content block, tool call or output item of chat, Responses or Anthropic as one part: text,
+    tool_call, tool_result or reasoning. Transport keys (cache_control, signatures, ids of items)
+    are left out, so a message hashes alike however a client decorates it."""
+    if type(block) is not dict:
+        return {"type": "text", "text": _str(block)}
+    kind, call = block.get("type"), block.get("function")
+    call = call if type(call) is dict else block
+    if kind in ("function", "function_call", "tool_use", "custom_tool_call"):
+        return {
+            "type": "tool_call",
+            "id": _str(block.get("call_id") or block.get("id")),
+            "name": _str(call.get("name")),
+            "arguments": _str(call.get("arguments", call.get("input")))
+        }
+    if kind in ("function_call_output", "tool_result", "custom_tool_call_output"):
+        return {
+            "type": "tool_result",
+            "id": _str(block.get("call_id") or block.get("tool_use_id")),
+            "text": _as_text(block.get("output", block.get("content")))
+        }
+    if kind in ("reasoning", "thinking"):
+        pieces = [block.get("thinking")] + [
+            piece.get("text")
+            for key in ("summary", "content")
+            if type(block.get(key)) is list
+            for piece in block[key]
+            if type(piece) is dict
+        ]
+        return {"type": "reasoning", "text": "\n".join(p for p in pieces if type(p) is str)}
+    text = block.get("text", block.get("refusal"))
+    return {"type": "text", "text": text if type(text) is str else f"[{_str(kind)[:40]}]"}
+
+
+def _entry(item, role="user"):
+    """One message or input item as (role, parts)."""
+    if type(item) is not dict:
+        return role, [_part(item)]
+    kind, content, calls = item.get("type"), item.get("content"), item.get("tool_calls")
+    if type(item.get("role")) is not str and kind not in (None, "message"):
+        # a Responses item of its own: a call, its output, reasoning
+        return ("tool" if str(kind).endswith("_output") else "assistant"), [_part(item)]
+    role = item["role"][:40] if type(item.get("role")) is str else role
+    parts = [
+        _part(p)
+        for p in (content if type(content) is list else [] if content in (None, "") else [content])
+    ]
+    if role == "tool":  # chat's tool result
+        parts = [
+            {"type": "tool_result", "id": _str(item.get("tool_call_id")), "text": _as_text(content)}
+        ]
+    reasoning = item.get("reasoning_content", item.get("reasoning"))
+    if type(reasoning) is str and reasoning:
+        parts.insert(0, {"type": "reasoning", "text": reasoning})
+    parts += [_part(call) for call in (calls if type(calls) is list else [])]
+    if type(item.get("function_call")) is dict:
+        parts.append(_part(dict(item["function_call"], type="function_call")))
+    return role, parts
+
+
+def conversation(route, body):
+    """A request's messages as [(role, parts)]: the system prompt or instructions first, then chat
+    messages, Responses input items or Anthropic messages (a completion's prompt as one)."""
+    if route == "/embeddings":
+        return []
+    system = body.get("system" if route.startswith("/messages") else "instructions")
+    given = body.get({"/responses": "input", "/completions": "prompt"}.get(route, "messages"))
+    given = [given] if route == "/completions" or type(given) is not list else given
+    return [_entry({"role": "system", "content": system})] * (system not in (None, "", [])) + [
+        _entry(item) for item in given if item is not None
+    ]
+
+
+class _Pieces(list):
+    """A text that arrives in pieces, joined once at the end (joining as they come is quadratic)."""
+
+
+def _join(into, delta):
+    """A stream's delta added to what came before: text pieces kept, names kept once."""
+    for key, value in delta.items() if type(delta) is dict else ():
+        if type(value) is str and key in _NAMED_ONCE:
+            into.setdefault(key, value)
+        elif type(value) is str:
+            into[key] = into[key] if type(into.get(key)) is _Pieces else _Pieces()
+            into[key].append(value)
+
+
+def _joined(one):
+    return {k: "".join(v) if type(v) is _Pieces else v for k, v in one.items()}
+
+
+class _Answer:
+    """An answer's parts, built as its whole body or a stream's events come (add): chat's message
+    or deltas, a completion's text, Responses output items, Anthropic content blocks."""
+
+    def __init__(self):
+        self.message, self.calls, self.blocks, self.items = {}, {}, {}, []
+
+    def add(self, data):
+        if type(data) is not dict:
+            return
+        kind, whole = data.get("type"), data.get("response")
+        whole, choices = whole if type(whole) is dict else data, data.get("choices")
+        if type(whole.get("output")) is list and whole["output"]:  # all of it: never twice
+            self.items = whole["output"]
+        elif kind == "response.output_item.done":
+            self.items.append(data.get("item"))
+        elif type(data.get("content")) is list:
+            self.blocks = dict(enumerate(data["content"]))
+        elif kind == "content_block_start" and type(data.get("content_block")) is dict:
+            self.blocks[str(data.get("index"))] = dict(data["content_block"])
+        elif kind == "content_block_delta":
+            block = self.blocks.setdefault(str(data.get("index")), {"type": "text"})
+            _join(block, data.get("delta"))
+        elif kind == "response.output_text.delta":
+            _join(self.message, {"content": data.get("delta")})
+        elif type(choices) is list and choices and type(choices[0]) is dict:
+            one = choices[0].get("message") or choices[0].get("delta")
+            one = one if type(one) is dict else {"content": choices[0].get("text")}
+            _join(self.message, one)
+            given = one.get("tool_calls")
+            for i, call in enumerate(given if type(given) is list else ()):
+                if type(call) is dict:
+                    done = self.calls.setdefault(str(call.get("index", i)), {})
+                    _join(done, call)
+                    _join(done.setdefault("function", {}), call.get("function"))
+
+    def parts(self):
+        if self.items:  # Responses: the items hold what the text deltas said
+            return [p for item in self.items for p in _entry(item, "assistant")[1]]
+        blocks = [_joined(b) if type(b) is dict else b for b in self.blocks.values()]
+        for block in blocks:
+            if type(block) is dict and "partial_json" in block:
+                block["input"] = _parsed(block.pop("partial_json"))
+        calls = [dict(_joined(c), function=_joined(c["function"])) for c in self.calls.values()]
+        message = dict(_joined(self.message), tool_calls=calls)
+        return [_part(block) for block in blocks] + _entry(message, "assistant")[1]
+
+
+def answer(chunks):
+    """The answer's parts from the whole body ([body]) or a stream's events (parsed)."""
+    assembled = _Answer()
+    for data in chunks:
+        assembled.add(data)
+    return assembled.parts()
+
+
 def _passed_back(headers):
     return [
         (name, re.sub(r"[\r\n]", " ", value))
@@ -218,6 +388,9 @@ class _ProxyServer(ask.CappedServer):
         )
         ask.check_ledger(self.book)
         self.in_flight = 0  # request-body bytes admitted and not yet done with, under the lock
+        # chained hashes of a call's messages -> its session, under the lock
+        self.conversations = {}
+        self.known = {}  # the hash of an entry as sent -> its name in the store (stored_text)
         busy = ask.http_answer(
             503,
             _error_json("too many connections; retry later", "busy"),
@@ -236,6 +409,34 @@ class _ProxyServer(ask.CappedServer):
                 return False
             self.in_flight += size
             return True
+
+    def conversation(self, texts):
+        """The session of calls whose messages extend an earlier call's: `conv-` and a hash of the
+        first call's messages."""
+        keys, key = [], ""
+        for name in texts:
+            key = hashlib.sha256((key + name).encode()).hexdigest()
+            keys.append(key)
+        with self.lock:
+            found = (self.conversations.get(k) for k in reversed(keys))
+            session = next((s for s in found if s), "conv-" + key[:16])
+            self.conversations[key] = session
+            if len(self.conversations) > MAX_CONVERSATIONS:  # the oldest call goes
+                del self.conversations[next(iter(self.conversations))]
+        return session
+
+    def stored_text(self, entry):
+        """Ledger.store_text(entry), once: an agent sends every message again with each call, and
+        masking them all each time would cost more than the call."""
+        key = hashlib.sha256(repr(entry).encode("utf-8", "surrogatepass")).digest()
+        name = self.known.get(key)
+        if name is None:
+            name = self.book.store_text(entry)
+            with self.lock:
+                self.known[key] = name
+                if len(self.known) > MAX_CONVERSATIONS * 10:
+                    del self.known[next(iter(self.known))]
+        return name
 
     def append(self, kind, record):
         try:
@@ -377,23 +578,49 @@ class _ProxyHandler(ask.RequestHandler):
         if tokens:
             record["est_input_tokens"] += tokens
             record["est_method"] = ask.EST_METHOD + " + token ids counted"
-        retry = self.headers.get("x-stainless-retry-count") or ""
+        retry, texts = self.headers.get("x-stainless-retry-count") or "", self.texts
+        header = next((name for name in SESSION_HEADERS if self.headers.get(name)), None)
+        session = (
+            (self.headers[header][:MAX_HEADER_CHARS], header.lower())
+            if header
+            else (self.server.conversation(texts), "conversation") if texts else (None, None)
+        )
         record.update(
             route=route,
             client_address=self.client_address[0],
             user_agent=(self.headers.get("User-Agent") or "")[:MAX_HEADER_CHARS] or None,
-            session_id=(
-                self.headers.get("X-Ledger-Session")
-                or self.headers.get("X-Claude-Code-Session-Id")
-                or ""
-            )[:MAX_HEADER_CHARS]
-            or None,
+            session_id=session[0],
+            session_source=session[1],
             client_retry=int(retry) if retry.isdigit() and len(retry) < 10 else None
         )
+        if texts is not None:
+            record["messages_text"] = texts
         return record
 
+    def _store(self, entries):
+        """--store-text: each (role, parts) once in the text store, before the line naming it; their
+        hashes, or None when the store cannot be written (the call goes on; one error line). Past
+        MAX_NAMED the earliest are one entry: a line holds at most 1 MiB."""
+        if len(entries) > MAX_NAMED:
+            cut = len(entries) - MAX_NAMED + 1
+            earlier = [
+                [{"type": "text", "text": f"[{role}]"}] + parts for role, parts in entries[:cut]
+            ]
+            entries = [("earlier", [p for parts in earlier for p in parts])] + entries[cut:]
+        try:
+            return [self.server.stored_text({"role": r, "parts": p}) for r, p in entries]
+        except (OSError, RecursionError) as exc:
+            rl.error(f"the text store: {rl.error_text(exc)}", self.server.secrets)
+            return None
+
+    def _answer_text(self, _text, state):
+        """--store-text: the answer, whole (its body) or streamed (the relay's events), stored."""
+        parts = answer([_parsed(state["raw"])]) if "raw" in state else self.relay.answer.parts()
+        stored = self._store([("assistant", parts)]) if parts else None
+        return stored and stored[0]
+
     def _call(self, route, raw):
-        app, refused = self.server, None
+        app, refused, self.relay = self.server, None, _Relay(self, False)
         try:
             twice = []  # a key given twice: re-encoded, upstream reads what the record says
             body = json.loads(
@@ -406,8 +633,9 @@ class _ProxyHandler(ask.RequestHandler):
             if route.startswith("/messages"):
                 body.take = _take_messages
             messages, tokens = _client_messages(route, body)
+            entries = conversation(route, body) if app.args.store_text else []
         except (ValueError, RecursionError) as exc:
-            body, messages, tokens = {}, [], 0
+            body, messages, tokens, entries = {}, [], 0, []
             refused = ask.CallFailed(
                 "invalid_request", f"the request body cannot be read: {str(exc)[:200]}"
             )
@@ -421,6 +649,7 @@ class _ProxyHandler(ask.RequestHandler):
         model = model[: ask.MAX_FIELD_CHARS] if type(model) is str and model else app.model or ""
         stream = bool(body.get("stream"))
         bridge, refused = _Bridge.of(app.args, route, body, refused)
+        self.texts = self._store(entries) if app.args.store_text else None  # named by _record
         new_record = functools.partial(
             self._record, route, model, stream, messages=messages, tokens=tokens, body=body
         )
@@ -449,7 +678,8 @@ class _ProxyHandler(ask.RequestHandler):
             limit=app.args.max_response_bytes,
             redactor=app.book.redactor,
             relay=functools.partial(_Relay, self, injected) if stream else None,
-            tools_answer=True
+            tools_answer=True,
+            store=self._answer_text if app.args.store_text else None
         )
         return self._answer(result, failure, state, out)
 
@@ -511,8 +741,12 @@ class _Relay:
             [],
             None
         )
+        self.answer = _Answer() if handler.server.args.store_text else None
+        handler.relay = self  # its answer is --store-text's
 
     def __call__(self, raw, chunk):
+        if self.answer is not None:
+            self.answer.add(chunk)
         if (
             chunk is None
             and raw.rstrip().endswith(b"[DONE]")
@@ -908,7 +1142,8 @@ class _Bridge:
             limit=app.args.max_response_bytes,
             redactor=app.book.redactor,
             relay=functools.partial(_BridgeStream, handler, self) if self.chat["stream"] else None,
-            tools_answer=True
+            tools_answer=True,
+            store=handler._answer_text if app.args.store_text else None
         )
         if out is not None and (out.began or failure is None):
             return out.finish(record, failure)
@@ -943,6 +1178,8 @@ class _BridgeStream(_Relay):
         ]
 
     def __call__(self, raw, chunk):
+        if self.answer is not None:
+            self.answer.add(chunk)
         events = self._start()
         for choice in _field(chunk, "choices", list):
             if _field(choice, "index", int) == 0:
@@ -984,6 +1221,11 @@ def _proxy_parser():
         action="store_true",
         help="lines reach the kernel before the answer (kill -9 "
         "loses none) but are not forced to disk one by one"
+    )
+    p.add_argument(
+        "--store-text",
+        action="store_true",
+        help="keep the conversation: each message and answer, masked, once in LEDGER.text/"
     )
     p.add_argument("--verbose", action="store_true", help="one line per request on stderr")
     return p

@@ -376,7 +376,8 @@ def _may_match(text):
         or "xox" in text
         or "AKIA" in text
         or "ASIA" in text
-        or _SCHEME_WORD.search(text) is not None
+        # without white space (a hash, an id) the scheme word cannot match: the search is skipped
+        or (not text.isalnum() and _SCHEME_WORD.search(text) is not None)
     )
 
 
@@ -871,6 +872,14 @@ class Ledger:
             }
         )
 
+    def store_text(self, entry):
+        """One conversation entry, {"role", "parts"} (docs/proxy.md), masked and stored once in
+        text_dir() beside the ledger; returns its SHA-256, the name a line gives it."""
+        clean = dumps(_clean(entry, self.redactor))
+        return store_artifact(text_dir(self.path), clean, redact_secrets=False, fsync=self.fsync)[
+            "sha256"
+        ]
+
     def store_artifact(self, data, *, redact_secrets=True):
         """store_artifact() under artifacts/ beside the ledger."""
         return store_artifact(
@@ -881,9 +890,17 @@ class Ledger:
         )
 
 
-def store_artifact(directory, data, *, redact_secrets=True, extra_secrets=(), redactor=None):
-    """Store bytes or text (masked first) as directory/<sha256>; return {"sha256", "size",
-    "path"}."""
+def text_dir(path):
+    """The text store of the ledger at `path`: the directory PATH.text/ beside it, one file per
+    SHA-256."""
+    return Path(str(path) + ".text")
+
+
+def store_artifact(
+    directory, data, *, redact_secrets=True, extra_secrets=(), redactor=None, fsync=True
+):
+    """Store bytes or text (masked first) as directory/<sha256>, fsync'd unless `fsync` is False;
+    return {"sha256", "size", "path"}."""
     if isinstance(data, str):
         data = data.encode("utf-8", "backslashreplace")  # a lone surrogate stays visible as \\udXXX
     if redact_secrets:
@@ -903,14 +920,15 @@ def store_artifact(directory, data, *, redact_secrets=True, extra_secrets=(), re
             tmp = directory / f".{digest[:16]}.{os.urandom(8).hex()}.tmp"
             fd = os.open(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                _write_or_undo(fd, data, 0)
+                _write_or_undo(fd, data, 0, fsync)
             except OSError:
                 os.unlink(str(tmp))
                 raise
             finally:
                 os.close(fd)
             os.replace(str(tmp), str(target))
-            _fsync_dir(target)
+            if fsync:
+                _fsync_dir(target)
     except OSError as exc:
         raise named_error(exc, target) from None
     return {"sha256": digest, "size": len(data), "path": f"{directory.name}/{digest}"}
@@ -1217,10 +1235,11 @@ def _check_end(path, expect, count, key, closed, truncated):
 
 
 class Verified:
-    """The result of verify(): how many lines, and the head (seq, hash)."""
+    """The result of verify(): how many lines, the head (seq, hash), and the text files its lines
+    name."""
 
-    def __init__(self, path, head):
-        self.path, self.count, self.head = str(path), head[0], head
+    def __init__(self, path, head, texts=()):
+        self.path, self.count, self.head, self.texts = str(path), head[0], head, texts
 
     def head_text(self):
         return f"{self.head[0]} {self.head[1]}"
@@ -1229,11 +1248,42 @@ class Verified:
 def verify(path, *, key=None, expect_head=None, **options):
     """Verify a whole ledger, held to `expect_head` and the options of verified_events(); return
     Verified or raise."""
-    key = resolve_key(key)
+    key, texts = resolve_key(key), set()
     head = (0, genesis(key))
     for event, _raw, digest in verified_events(path, key=key or b"", expect=expect_head, **options):
-        head = (event["seq"], digest)
-    return Verified(path, head)
+        head, named = (event["seq"], digest), event["payload"].get("messages_text")
+        named = (named if type(named) is list else []) + [event["payload"].get("answer_text")]
+        texts.update(name for name in named if type(name) is str)
+    return Verified(path, head, texts)
+
+
+_SHA256_RE = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def _text_problem(directory, name):
+    """What is wrong with the text file `name` a line names: not a SHA-256, missing, or changed."""
+    if not _SHA256_RE.match(name):
+        return f"{printable(name[:80])!r} is not a SHA-256"
+    try:
+        data = (directory / name).read_bytes()
+    except OSError as exc:
+        return error_text(named_error(exc, directory / name))
+    return None if hashlib.sha256(data).hexdigest() == name else f"{directory / name}: changed"
+
+
+def _text_checked(path, result, strict):
+    """A verified ledger's named text files: any missing or changed is a failure with --text (
+    `strict`), else a warning."""
+    problems = [
+        problem
+        for problem in (_text_problem(text_dir(path), n) for n in sorted(result.texts))
+        if problem
+    ]
+    if problems and strict:
+        return IntegrityError(path, None, f"text store: {len(problems)} bad; {problems[0]}")
+    if problems:
+        warn(f"{path}: text store: {len(problems)} bad (--text fails on it); {problems[0]}")
+    return result
 
 
 def run_heads(runs_dir, *, key=None):
@@ -1595,6 +1645,10 @@ def _cmd_verify(args):
     results += (
         [(path, result, "") for path, result in verify_runs(args.all, key=key)] if args.all else []
     )
+    results = [
+        (p, r if isinstance(r, BaseException) else _text_checked(p, r, args.text), suffix)
+        for p, r, suffix in results
+    ]
     return tally(results, verified_line, "{}/{} ledgers valid".format)
 
 
@@ -1623,6 +1677,19 @@ def _artifact(ledger_path, ref):
             return handle.read(1 << 20).decode("utf-8", "replace")
     except OSError:
         return ""
+
+
+def _answer_text(ledger_path, name):
+    """The text of an answer in the ledger's text store (answer_text), or ""."""
+    try:
+        entry = (
+            json.loads((text_dir(ledger_path) / name).read_bytes())
+            if _SHA256_RE.match(name)
+            else {}
+        )
+        return "".join(p["text"] for p in entry.get("parts", ()) if p["type"] == "text")
+    except (OSError, ValueError, RecursionError, LookupError, TypeError, AttributeError):
+        return ""  # not there, or not an entry
 
 
 def _tests_meaning(path, payload):
@@ -1659,6 +1726,8 @@ def _event_summary(path, event):
         parts.append(_tests_meaning(path, payload))
     call = payload.get("call") if type(payload.get("call")) is dict else {}
     reply = _artifact(path, payload.get("response_artifact") or call.get("reply_artifact"))
+    if type(payload.get("answer_text")) is str:
+        reply = reply or _answer_text(path, payload["answer_text"])
     line = next((s.strip() for s in reply.splitlines() if s.strip()), "")
     if line:
         parts.append(f"reply: {line if len(line) <= 120 else line[:119] + '…'}")
@@ -1748,6 +1817,11 @@ def _build_parser():
     p = commands["verify"]
     p.add_argument(
         "--expect-head", metavar="SEQ:HASH", help="a head published earlier (finds truncation)"
+    )
+    p.add_argument(
+        "--text",
+        action="store_true",
+        help="a missing or changed file of the text store (LEDGER.text/) fails (default: a warning)"
     )
     p = commands["report"]
     p.add_argument("--kind", action="append", help="only this kind (repeatable)")

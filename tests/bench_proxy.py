@@ -6,6 +6,8 @@ streamed event (p50, ms), and the throughput of 8 concurrent keep-alive clients 
 Targets (issue 19): p50 added <= 2 ms, TTFT added <= 5 ms, throughput >= 0.5x direct.
 The Responses bridge (UPSTREAM_API=chat, issue 25): the median time of a /responses call carried to chat
 completions, whole and streamed, as a ratio to the same chat call through the proxy and direct.
+Issue 25: the added latency with --store-text against without, on an agent's growing conversation (each
+call repeats the conversation and adds a question; the answer comes back in the next), goal <= 1.2x.
 """
 
 import http.client
@@ -80,6 +82,40 @@ def _throughput(port, clients, per_client, fresh=False):
     return clients * per_client / (time.perf_counter() - started)
 
 
+def _conversation_latencies(ports, n):
+    """Per port, n call times (ms) of one growing conversation, each port sent the same body in turn."""
+    conns = [http.client.HTTPConnection("127.0.0.1", port, timeout=60) for port in ports]
+    samples, messages = [[] for _ in ports], [{"role": "system", "content": "You are a coding agent. " * 40}]
+    for i in range(n + 1):
+        messages.append({"role": "user", "content": f"step {i}: the tool said " + "output line\n" * 20})
+        body = json.dumps({"model": "up-model", "messages": messages}).encode()
+        for conn, out in zip(conns, samples):
+            started = time.perf_counter()
+            _call(conn, body)
+            if i:
+                out.append((time.perf_counter() - started) * 1000)
+        messages.append({"role": "assistant", "content": "The answer is 4."})
+    return samples
+
+
+def _store_text_rows(upstream, direct, n):
+    rows = []
+    for label, args in (("", ()), (", --no-fsync", ("--no-fsync",))):
+        with tempfile.TemporaryDirectory() as tmp:
+            proxies = [Proxy(upstream.base_url, Path(tmp) / name, *args, *more)
+                       for name, more in (("plain.jsonl", ()), ("text.jsonl", ("--store-text",)))]
+            try:
+                base, plain, text = map(statistics.median, _conversation_latencies(
+                    [direct] + [proxy.port for proxy in proxies], n))
+            finally:
+                for proxy in proxies:
+                    proxy.stop()
+        rows.append((f"proxy --store-text{label}: added latency vs without, growing conversation",
+                     (text - base) / (plain - base), "<= 1.2",
+                     f"added p50 {text - base:.2f} vs {plain - base:.2f} ms; direct {base:.2f} ms"))
+    return rows
+
+
 def _p(samples, q):
     ordered = sorted(samples)
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
@@ -118,6 +154,7 @@ def bench(quick=True):
                     p / f for _d, p, f in rates), "report", f"direct {statistics.median(r[2] for r in rates):.0f} "
                  f"calls/s: the upstream's connection rate bounds both"),
             ]
+        rows += _store_text_rows(upstream, direct, n // 2)
     finally:
         upstream.stop()
     return rows + bench_bridge(quick)

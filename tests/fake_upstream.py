@@ -13,6 +13,7 @@ Scenarios (the next request takes the next one; then "ok"):
   ok        the route's answer; streamed when the body asks stream: true (the usage chunk only when
             stream_options.include_usage is true, as OpenAI does)
   tools     a chat answer that is a tool call with content null (streamed too)
+  reasoning a chat answer with reasoning_content (REASONING) before its text (streamed too)
   filter    a chat stream with Azure's content-filter chunk (empty choices, no usage) first
   gated     a stream whose first text event is sent, then `first_sent` is set and the rest waits for `gate`
   cut       a stream cut after two events (the connection closed)
@@ -36,6 +37,7 @@ ANSWER = "The answer is 4."
 CHAT_USAGE = {"prompt_tokens": 21, "completion_tokens": 6, "total_tokens": 27}
 RESPONSES_USAGE = {"input_tokens": 30, "output_tokens": 7, "total_tokens": 37,
                    "input_tokens_details": {"cached_tokens": 4}, "output_tokens_details": {"reasoning_tokens": 1}}
+REASONING = "Two and two make four."
 TOOL_CALL = [{"id": "call_1", "type": "function", "function": {"name": "run", "arguments": "{\"cmd\": \"ls\"}"}}]
 PASSED = {"x-request-id": "req_up_1", "x-ratelimit-remaining-requests": "99", "openai-processing-ms": "12",
           "Retry-After": "3"}
@@ -59,6 +61,9 @@ def _chat_chunks(model, scenario, include_usage, text_field=False):
     if scenario == "tools":
         out += [dict(base, choices=[choice(tools=TOOL_CALL)]), dict(base, choices=[choice(finish="tool_calls")])]
     else:
+        if scenario == "reasoning":
+            out += [dict(base, choices=[{"index": 0, "delta": {"reasoning_content": REASONING[i:i + 9]},
+                                         "finish_reason": None}]) for i in range(0, len(REASONING), 9)]
         out += [dict(base, choices=[choice(ANSWER[i:i + 6])]) for i in range(0, len(ANSWER), 6)]
         out.append(dict(base, choices=[choice(finish="stop")]))
     if include_usage:
@@ -136,6 +141,8 @@ def _answer(route, model, scenario):
     message = {"role": "assistant", "content": ANSWER}
     if scenario == "tools":
         message = {"role": "assistant", "content": None, "tool_calls": TOOL_CALL}
+    if scenario == "reasoning":
+        message["reasoning_content"] = REASONING
     return {"id": "chatcmpl-up", "object": "chat.completion", "model": model, "usage": CHAT_USAGE,
             "choices": [{"index": 0, "message": message, "finish_reason": "tool_calls" if scenario == "tools"
                          else "stop"}]}

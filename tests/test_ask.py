@@ -89,13 +89,17 @@ def test_json_output_is_the_record(call):
     assert {k: v for k, v in record.items() if k != "text"} == _only(events)
 
 
-def test_store_text_keeps_prompt_and_answer_as_private_artifacts(call, tmp_path):
-    proc, events = call("--store-text")
+def test_store_text_keeps_messages_and_answer_in_the_private_text_store(call, tmp_path):
+    proc, events = call("--store-text", "--system", "Be brief.")
     p = _only(events)
-    prompt_file = tmp_path / p["prompt_artifact"]["path"]
-    assert prompt_file.read_text() == PROMPT
-    assert (tmp_path / p["response_artifact"]["path"]).read_text() == "The answer is 4."
-    assert stat.S_IMODE(prompt_file.stat().st_mode) == 0o600
+    store = rl.text_dir(call.ledger)
+    assert not any(k.endswith("_artifact") for k in p)  # one way to keep text
+    entries = [json.loads((store / name).read_text()) for name in p["messages_text"] + [p["answer_text"]]]
+    assert entries == [{"role": role, "parts": [{"type": "text", "text": text}]} for role, text in (
+        ("system", "Be brief."), ("user", PROMPT), ("assistant", "The answer is 4."))]
+    assert {stat.S_IMODE(f.stat().st_mode) for f in store.iterdir()} == {0o600}
+    assert run_script("reasoning_ledger.py", "verify", "--text", call.ledger).returncode == 0
+    assert "reply: The answer is 4." in run_script("reasoning_ledger.py", "report", call.ledger).out
 
 
 # ----------------------------------------------------------------------------
