@@ -619,8 +619,9 @@ class _ProxyHandler(ask.RequestHandler):
         stored = self._store([("assistant", parts)]) if parts else None
         return stored and stored[0]
 
-    def _call(self, route, raw):
-        app, refused, self.relay = self.server, None, _Relay(self, False)
+    def _parse(self, route, raw):
+        """The body, its messages for the record and --store-text's entries, or why it is
+        refused."""
         try:
             twice = []  # a key given twice: re-encoded, upstream reads what the record says
             body = json.loads(
@@ -629,16 +630,21 @@ class _ProxyHandler(ask.RequestHandler):
             if type(body) is not dict:
                 raise ValueError("not a JSON object")
             # pinned, the body is re-encoded too: the model checked is the one sent
-            body, body.raw = _Body(body), None if app.model or twice else raw
+            body, body.raw = _Body(body), None if self.server.model or twice else raw
             if route.startswith("/messages"):
                 body.take = _take_messages
             messages, tokens = _client_messages(route, body)
-            entries = conversation(route, body) if app.args.store_text else []
+            entries = conversation(route, body) if self.server.args.store_text else []
+            return body, messages, tokens, entries, None
         except (ValueError, RecursionError) as exc:
-            body, messages, tokens, entries = {}, [], 0, []
             refused = ask.CallFailed(
                 "invalid_request", f"the request body cannot be read: {str(exc)[:200]}"
             )
+            return {}, [], 0, [], refused
+
+    def _call(self, route, raw):
+        app, self.relay = self.server, _Relay(self, False)
+        body, messages, tokens, entries, refused = self._parse(route, raw)
         model = body.get("model")
         if refused is None and (type(model) is not str or not model):
             refused = ask.CallFailed("model_missing", "the request has no model")
