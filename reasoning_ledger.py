@@ -8,6 +8,12 @@ Usage:
   python reasoning_ledger.py report PATH... [--all RUNS_DIR] [--kind K] [--stage S] [--run R]
                              [--since T] [--until T] [--json]
   python reasoning_ledger.py append PATH --kind K [--run-id R] [--payload JSON | < payload.json]
+  python reasoning_ledger.py keygen NAME --out FILE [--cosigner]
+  python reasoning_ledger.py checkpoint PATH --key FILE [--origin ORIGIN] [--append]
+  python reasoning_ledger.py verify PATH --checkpoint FILE --vkey KEY [--since FILE]
+                             [--witness VKEY]... [--witnesses-needed N]
+  python reasoning_ledger.py prove PATH SEQ --checkpoint FILE | prove PATH --consistency M [N]
+  python reasoning_ledger.py verify-proof PROOF --vkey KEY [--witness VKEY]... < line
 
 Library (copy this one file next to your code):
   from reasoning_ledger import Ledger, open_run, read_events, verify
