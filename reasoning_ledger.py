@@ -1909,8 +1909,12 @@ def _cli_keys(values, kind):
     return keys
 
 
-def _read_note(path):
-    return split_notes(Path(path).read_bytes().decode("utf-8", "replace"))[-1]
+def _read_text(path):
+    """A checkpoint or proof file's text; IntegrityError when it is not UTF-8, as notes must be."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise IntegrityError(path, None, f"not UTF-8 (byte {exc.start})") from None
 
 
 def _open_cli_checkpoint(args, text, where):
@@ -1923,18 +1927,20 @@ def _open_cli_checkpoint(args, text, where):
 
 
 def _verify_checkpoint(args):
-    if len(args.paths) != 1 or args.all:
-        raise UsageError("--checkpoint goes with exactly one PATH")
+    if len(args.paths) != 1 or args.all or not args.checkpoint:
+        raise UsageError("--checkpoint FILE (and --vkey, --since, --witness) go with one PATH")
     path, since, suffix = args.paths[0], None, ""
-    text = Path(args.checkpoint).read_bytes().decode("utf-8", "replace")
     try:
+        text = _read_text(args.checkpoint)
         checkpoint, signers, keys = _open_cli_checkpoint(args, text, args.checkpoint)
         earlier = []
         for note in split_notes(text)[:-1]:  # unverified: they only name a fork
             with contextlib.suppress(IntegrityError):
                 earlier.append(parse_checkpoint(note)[0])
         if args.since:
-            since = open_checkpoint(_read_note(args.since), keys, where=args.since)[0]
+            since = open_checkpoint(
+                split_notes(_read_text(args.since))[-1], keys, where=args.since
+            )[0]
             if (since.origin, since.size > checkpoint.size) != (checkpoint.origin, False):
                 raise IntegrityError(args.since, None, "not an earlier checkpoint of this log")
         result = check_against(path, checkpoint, earlier, since, cli_key(args))
@@ -1995,7 +2001,7 @@ def _cmd_prove(args):
         return EXIT_OK
     if not args.checkpoint:
         raise UsageError("prove SEQ needs --checkpoint FILE")
-    note = _read_note(args.checkpoint)
+    note = split_notes(_read_text(args.checkpoint))[-1]
     checkpoint = parse_checkpoint(note, args.checkpoint)[0]
     if not 0 < args.seq <= checkpoint.size:
         raise UsageError(f"line {args.seq} is not among the checkpoint's {checkpoint.size}")
@@ -2008,7 +2014,7 @@ def _cmd_prove(args):
 
 
 def _cmd_verify_proof(args):
-    text = Path(args.proof).read_bytes().decode("utf-8", "replace")
+    text = _read_text(args.proof)
     found = _PROOF_RE.match(text)
     if not found:
         raise IntegrityError(args.proof, None, "not a c2sp.org/tlog-proof@v1 proof")
@@ -2128,7 +2134,7 @@ def verified_line(result):
 
 
 def _cmd_verify(args):
-    if args.checkpoint:
+    if args.checkpoint or args.vkey or args.since or args.witness:
         return _verify_checkpoint(args)
     check_targets(args, "verify")
     if args.expect_head is not None and (len(args.paths) != 1 or args.all):

@@ -396,6 +396,10 @@ def test_bad_checkpoints_are_refused_each_with_its_own_message(signed, tmp_path)
         assert proc.returncode == 1 and words in proc.out, (case, proc.out, proc.err)
         seen.add(proc.out.splitlines()[0])
     assert len(seen) == len(cases) - 1  # "empty" and "truncated" share their words
+    bad.write_bytes(note.encode().replace(b"example.org/log\n", b"example.org/\xff\n", 1))
+    proc = cli("verify", ledger, "--checkpoint", bad, "--vkey", vkey)
+    assert proc.returncode == 1 and "not UTF-8" in proc.out
+    assert cli("verify", ledger, "--vkey", vkey).returncode == 2  # --vkey alone: no checkpoint to check
     # unknown signers beside a known one are ignored, as the signed-note rules say
     extra = note + "\u2014 stranger.example " + base64.b64encode(b"\0" * 68).decode() + "\n"
     (tmp_path / "extra").write_text(extra)
