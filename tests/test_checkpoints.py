@@ -193,6 +193,22 @@ def test_a_key_splits_at_its_first_two_plus_signs_only():
     assert rl.parse_key(rl.key_text(key, True), secret=True) == key
 
 
+def test_keys_and_notes_match_the_go_note_packages_published_example():
+    """golang.org/x/mod/sumdb/note's ExampleSign and ExampleOpen: the same key texts (a `+` in the
+    base64), the same key ID and the same signed note, byte for byte."""
+    skey = "PRIVATE+KEY+PeterNeumann+c74f20a3+AYEKFALVFGyNhPJEMzD1QIDr+Y7hfZx09iUvxdXHKDFz"
+    vkey = "PeterNeumann+c74f20a3+ARpc2QcUPDhMQegwxbzhKqiBfsVkmqq/LDE4izWy10TW"
+    text = "If you think cryptography is the answer to your problem,\nthen you don't know what your problem is.\n"
+    signed = text + ("\n\u2014 PeterNeumann x08go/ZJkuBS9UG/SffcvIAQxVBtiFupLLr8pAcElZInNIuGUgYN1FFYC2pZSNXgKvq"
+                     "fqdngotpRZb6KE6RyyBwJnAM=\n")
+    key = rl.parse_key(skey, secret=True)
+    assert rl.key_text(key) == vkey and rl.key_text(key, secret=True) == skey
+    assert rl.parse_key(vkey) == key._replace(seed=None)
+    assert rl.sign_note(text, key) == signed
+    raw = base64.b64decode(signed.split(" ")[-1])
+    assert rl.ed25519_verify(rl.parse_key(vkey).public, text.encode(), raw[4:])
+
+
 def test_bad_keys_are_refused_as_usage_errors(tmp_path):
     good = rl.key_text(rl.parse_key(rl.key_text(rl.NoteKey("a", rl._key_id("a", 1, rl.ed25519_public(
         b"\1" * 32)), 1, rl.ed25519_public(b"\1" * 32), None))))
