@@ -1504,8 +1504,9 @@ def add_key_env(parser):
 # Checkpoints and proofs (docs/checkpoints.md)
 # ----------------------------------------------------------------------------
 
-# The interface for our own rooms (fleet.py's witness): parse_key, read_signer_key, key_text,
-# open_checkpoint, parse_checkpoint, sign_note, cosign, tree_proof, verify_consistency.
+# The interface for our own rooms (fleet.py's witness), docs/checkpoints.md: parse_key,
+# read_signer_key, key_text, parse_checkpoint, open_checkpoint, split_notes, sign_note, cosign,
+# tree_proof, verify_inclusion, verify_consistency, check_against and the ed25519_* functions.
 
 
 def _node(left, right):
@@ -2070,7 +2071,9 @@ def _add_checkpoint_commands(sub, verify_parser):
         elif name == "prove":
             p.add_argument("seq", nargs="?", type=int, metavar="SEQ")
             p.add_argument("--checkpoint", metavar="FILE")
-            p.add_argument("--consistency", nargs="+", type=int, metavar="M")
+            p.add_argument(
+                "--consistency", nargs="+", type=int, metavar="M", help="M [N]: from size M to N"
+            )
         else:
             _add_key_options(p)
 
