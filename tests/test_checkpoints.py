@@ -347,6 +347,11 @@ def test_every_tamper_class_against_a_checkpoint_is_named(signed, tmp_path):
     # a line changed (its chain breaks at the next line)
     rewrite(ledger, original[:2] + [original[2].replace(b'"i":2', b'"i":9')] + original[3:])
     assert "a line changed" in verify() and "line 4" in verify()
+    # a line removed, two lines swapped, a line repeated: the chain breaks inside the checkpoint too
+    for lines in (original[:3] + original[4:], original[:3] + [original[4], original[3]] + original[5:],
+                  original[:4] + [original[3]] + original[4:]):
+        rewrite(ledger, lines)
+        assert "a line changed (line " in verify()
     # the last line changed: the chain cannot see it, the checkpoint does
     rewrite(ledger, original[:7] + [original[7].replace(b'"i":7', b'"i":9')])
     assert "rebuilt, or forked before any earlier checkpoint" not in verify()  # the early one matches
