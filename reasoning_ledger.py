@@ -400,6 +400,7 @@ _SHAPE_HINTS = (
     ("cookie", "authorization"),
     ("bearer", "basic"),
     ("sk-",),
+    ("private+key+",),
     ("gh", "github_pat_"),
     ("xox",),
     ("akia", "asia"),
