@@ -960,6 +960,38 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
 
 
 # ----------------------------------------------------------------------------
+# Events a stranger can cause (the daemon's rejections, the proxy's refusals): a bounded rate
+# ----------------------------------------------------------------------------
+
+
+class Bucket:
+    """A token bucket: `burst` at once, then `per_s` a second (default 50, then 5 a second: a flood
+    of refused requests cannot grow a ledger without bound); take() counts what it refuses."""
+
+    def __init__(self, per_s=5, burst=50):
+        self.per_s, self.burst, self.tokens, self.at, self.refused = (
+            per_s,
+            burst,
+            float(burst),
+            time.monotonic(),
+            0
+        )
+        self.lock = threading.Lock()
+
+    def take(self):
+        """None when refused, else how many were refused since the last one let through."""
+        with self.lock:
+            now = time.monotonic()
+            self.tokens, self.at = min(self.burst, self.tokens + (now - self.at) * self.per_s), now
+            if self.tokens < 1:
+                self.refused += 1
+                return None
+            self.tokens -= 1
+            refused, self.refused = self.refused, 0
+            return refused
+
+
+# ----------------------------------------------------------------------------
 # Reading and verifying
 # ----------------------------------------------------------------------------
 
