@@ -1121,8 +1121,7 @@ def _sse_chunk(data, state, problems, status, headers):
 
 def _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state):
     """Read server-sent events to [DONE], a finish_reason or response.completed; return the text.
-    Lines and the stream are capped; `relay(raw, chunk)` gets each event as sent, as it arrives (the
-    proxy)."""
+    Lines and the stream are capped; relay(raw, chunk) gets each event as it arrives."""
     status, headers = response.status, response.headers
     parts, raw, data, total, seen = [], [], [], 0, False
     state["chars"] = 0

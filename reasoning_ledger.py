@@ -39,7 +39,7 @@ from pathlib import Path
 __version__ = "1.1.0"
 
 # What a vendoring script needs; the toolkit's own scripts also use the CLI kit below (error,
-# write_out, ...).
+# write_out, ...) and Bucket.
 __all__ = [
     "Ledger",
     "Run",
