@@ -1286,8 +1286,8 @@ def _attempt(
 
 
 def finish(record, started, text, failure, problems, redactor, answered=False):
-    """The last steps of every attempt, one-shot, proxied, refused or /models: latency, sizes,
-    problems and the failure, if any, into `record`. Returns the failure (None on success)."""
+    """The last steps of every attempt, one-shot, proxied, refused or /models: latency, problems
+    and the failure, if any, into `record`. Returns the failure (None on success)."""
     record["latency_ms"] = ms_since(started)  # to the end of the body, or to the failure
     if problems:
         record["malformed"] = problems[:MAX_PROBLEMS]

@@ -442,3 +442,5 @@ def test_after_sigterm_a_request_already_sent_behind_one_in_flight_gets_503(star
     assert b"data: [DONE]" in received and b"HTTP/1.1 503 " in received.split(b"data: [DONE]")[1]
     assert proxy.stop(sig=None)[0] == 0  # signalled once only: a second SIGTERM could meet the exiting interpreter
     assert len(calls(proxy.ledger)) == 1 and len(upstream.requests) == 1
+    refused = calls(proxy.ledger, "proxy_refused")  # the 503 is a refusal of a client: recorded
+    assert [(line["status"], line["reason"]) for line in refused] == [(503, "unavailable")]
