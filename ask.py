@@ -1270,9 +1270,9 @@ def _attempt(
         failure = exc
     finally:
         deadline.cancel()
-    failure = deadline.why or failure  # stopped by the caller (proxy.py: its client went away)
+    # deadline.why: stopped by the caller (proxy.py: its client went away)
     answered = tools_answer and state.get("tools")
-    failure = finish(record, started, text, failure, problems, redactor, answered)
+    failure = finish(record, started, text, deadline.why or failure, problems, redactor, answered)
     if failure is None and checks:
         record["check"], record["check_detail"] = run_checks(
             text,

@@ -309,7 +309,8 @@ def test_past_max_connections_the_503_is_recorded(start, upstream):
     first.close(), second.close()
 
 
-def test_a_flood_of_bad_tokens_is_recorded_at_a_bounded_rate_and_every_refusal_counted(start, upstream):
+def test_a_flood_of_bad_tokens_is_recorded_at_a_bounded_rate_and_every_refusal_counted(start, upstream,
+                                                                                      tmp_path):
     proxy = start(upstream.base_url, PROXY_TOKEN=TOKEN)
     sock, sent = connect(proxy), 0
     bad = request("/models", b"", {"Authorization": f"Bearer {WRONG}"}, method="GET")
@@ -332,3 +333,6 @@ def test_a_flood_of_bad_tokens_is_recorded_at_a_bounded_rate_and_every_refusal_c
     assert recorded[-1]["unrecorded_before"] > 0 and upstream.requests == []
     assert {(line["status"], line["reason"], line["path"]) for line in recorded} == {
         (401, "invalid_api_key", "/v1/models")}
+    code, out, err = proxy.stop()
+    blob = all_bytes_under(tmp_path) + out.encode() + err.encode()
+    assert code == 0 and WRONG.encode() not in blob and TOKEN.encode() not in blob
