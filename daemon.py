@@ -634,9 +634,9 @@ class Daemon:
 
     def record_rejected(self, kind, payload):
         """A rejection event, rate-limited; the next one recorded counts those dropped."""
-        dropped = self.rejections.take()
-        if dropped is not None:
-            self.record(kind, dict(payload, unrecorded_before=dropped) if dropped else payload)
+        payload = self.rejections.counted(payload)
+        if payload is not None:
+            self.record(kind, payload)
 
     def connection_refused(self, remote):
         """A connection over the cap: logged, and recorded at most once every few seconds with the

@@ -241,14 +241,13 @@ class _ProxyServer(ask.CappedServer):
     def refused(self, client_address, status=503, reason="too_many_connections", handler=None):
         """A client refused (by a check, or over --max-connections): a proxy_refused line, at the
         daemon's bounded rate (the next line written counts those left out). Never a header."""
-        dropped = self.refusals.take()
-        if dropped is None:
-            return
         record = {"status": status, "reason": reason, "client_address": client_address[0]}
         if handler is not None and handler.method != "-":
             # the path without its query, where a key could ride
             record.update(method=handler.method[:16], path=handler.path.split("?")[0][:200])
-        self.append("proxy_refused", dict(record, unrecorded_before=dropped) if dropped else record)
+        record = self.refusals.counted(record)
+        if record is not None:
+            self.append("proxy_refused", record)
 
 
 class _ProxyHandler(ask.RequestHandler):

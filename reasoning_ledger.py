@@ -990,6 +990,14 @@ class Bucket:
             refused, self.refused = self.refused, 0
             return refused
 
+    def counted(self, payload):
+        """`payload` to record now, with `unrecorded_before` when some were left out since the last
+        one; None when it is left out."""
+        dropped = self.take()
+        if dropped is None:
+            return None
+        return dict(payload, unrecorded_before=dropped) if dropped else payload
+
 
 # ----------------------------------------------------------------------------
 # Reading and verifying
