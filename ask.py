@@ -79,15 +79,10 @@ MAX_ERROR_CHARS = 500
 MAX_PROBLEMS = 20
 EST_METHOD = "chars/4"
 RETRYABLE_STATUS = {408, 409, 429}
-RETRYABLE_ERRORS = {
-    "timeout",
-    "connection_refused",
-    "connection_error",
-    "rate_limited",
-    "server_error",
-    "truncated_response",
-    "truncated_stream"
-}
+RETRYABLE_ERRORS = set(
+    "timeout connection_refused connection_error rate_limited server_error truncated_response "
+    "truncated_stream".split()
+)
 # else 5xx/other
 STATUS_ERRORS = {401: "auth_error", 403: "auth_error", 404: "not_found", 429: "rate_limited"}
 USER_AGENT = f"reasoning-ledger-ask/{__version__}"
@@ -212,7 +207,7 @@ def settings_from_env(base_url=None, model=None, api_key=None, environ=None, nee
         if not value and (need_model or name != "MODEL_ID")
     ]
     if missing:
-        names = missing[0] if len(missing) == 1 else ", ".join(missing[:-1]) + " and " + missing[-1]
+        names = missing[0] if len(missing) == 1 else f"{', '.join(missing[:-1])} and {missing[-1]}"
         raise ConfigError(
             f"{names} {'is' if len(missing) == 1 else 'are'} not set; export BASE_URL (like "
             "https://host/v1), API_KEY (any value for servers that ignore it) and MODEL_ID "
@@ -394,7 +389,7 @@ def _error_from_body(raw, content_type):
         return err, None
     if "html" in (content_type or "") or text.lower().startswith(("<!doctype html", "<html")):
         title = re.search(r"<title[^>]*>(.*?)</title>", text, re.I | re.S)
-        return "an HTML page" + (f" titled {title.group(1).strip()[:200]!r}" if title else ""), None
+        return f"an HTML page{f' titled {title.group(1).strip()[:200]!r}' if title else ''}", None
     return text, None
 
 
@@ -417,7 +412,7 @@ def run_checks(
         fence = re.fullmatch(r"\s*```[a-zA-Z0-9_-]*\s*\n(.*?)\n?```\s*", text, re.S)
         try:
             json.loads(fence.group(1) if fence else text)
-            results.append((True, "valid JSON" + (" (inside a ``` fence)" if fence else "")))
+            results.append((True, f"valid JSON{' (inside a ``` fence)' if fence else ''}"))
         except (ValueError, RecursionError) as exc:
             results.append((False, f"not JSON: {exc}"))
     if strict_model:
@@ -481,7 +476,7 @@ class Deadline:
     def __init__(self, seconds):
         import heapq
 
-        self.seconds, self.expired, self.cancelled = seconds, False, False
+        self.seconds, self.expired, self.cancelled, self.why = seconds, False, False, None
         self.at = time.monotonic() + seconds if seconds else None
         self._sockets, self._lock = [], threading.Lock()
         if seconds:
@@ -501,10 +496,11 @@ class Deadline:
                 shut(sock, how)
         return sock
 
-    def expire(self):
+    def expire(self, why=None):
+        """Shut the sockets; `why`, a CallFailed: the caller's reason to stop, not time."""
         with self._lock:
             if not self.cancelled:
-                self.expired = True
+                self.expired, self.why = True, self.why or why
                 for sock, how in self._sockets:
                     shut(sock, how)
 
@@ -654,7 +650,7 @@ def http_answer(status, body, headers=(), close=False, chunked=False):
     head = [f"HTTP/1.1 {status} {http.client.responses.get(status, 'Status')}"]
     head += [f"{name}: {value}" for name, value in headers]
     if not any(name.lower() == "content-type" for name, _ in headers):
-        head.append("Content-Type: " + ("text/event-stream" if chunked else "application/json"))
+        head.append(f"Content-Type: {'text/event-stream' if chunked else 'application/json'}")
     head.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {len(body)}")
     if close:
         head.append("Connection: close")
@@ -1063,8 +1059,18 @@ def _choice_text(record, choice, key, where, state, problems):
     if type(part) is not dict:
         problems.append(f"{where}.{key} is a {type(part).__name__}, not an object")
         return ""
-    state["tools"] = state.get("tools") or bool(part.get("tool_calls") or part.get("function_call"))
+    calls = part.get("tool_calls") or part.get("function_call") or []
+    for call in calls if type(calls) is list else [calls]:
+        call = (call.get("function") or call) if type(call) is dict else {}
+        _add_tool(state, call.get("name"), call.get("arguments"))
     return _content_text(part.get("content"), f"{where}.{key}.content", problems)
+
+
+def _add_tool(state, *values):
+    """A tool call, or a stream's piece of one: the answer calls a tool, and its name and arguments
+    count as output (response_chars, est_output_tokens, ttft_ms)."""
+    state["tools"] = True
+    state["chars"] = state.get("chars", 0) + sum(len(v) for v in values if type(v) is str)
 
 
 RESPONSE_DONE = ("response.completed", "response.incomplete", "response.failed")
@@ -1075,6 +1081,8 @@ def _take_response(record, data, whole, state, problems, status, headers):
     kind = data.get("type")
     if kind == "response.output_text.delta":
         return _server_text(data.get("delta"), "delta", problems) or ""
+    if kind in ("response.function_call_arguments.delta", "response.custom_tool_call_input.delta"):
+        _add_tool(state, data.get("delta"))
     response = data if whole else data.get("response")
     if type(response) is dict:
         _fill_ids(record, response, problems)
@@ -1097,8 +1105,10 @@ def _take_response(record, data, whole, state, problems, status, headers):
             problems.append(f"an output item is a {type(item).__name__}, not an object")
         elif whole and item.get("type") == "message":
             texts.append(_content_text(item.get("content"), "output[].content", problems))
-        else:
-            state["tools"] = state.get("tools") or item.get("type") == "function_call"
+        elif item.get("type") in ("function_call", "custom_tool_call"):
+            # a stream's item comes again whole at .done: its arguments count from the deltas
+            named = whole or kind == "response.output_item.added"
+            _add_tool(state, *[item.get(k) for k in ("name", "arguments", "input") if named])
     return "".join(texts)
 
 
@@ -1117,10 +1127,10 @@ def _sse_chunk(data, state, problems, status, headers):
 
 def _read_stream(response, record, started, on_text, limit, deadline, problems, relay, state, take):
     """Read server-sent events to [DONE], a finish_reason or response.completed; return the text.
-    Lines and the stream are capped; `relay(raw, chunk)` gets each event as sent, as it arrives (the
-    proxy)."""
+    Lines and the stream are capped; relay(raw, chunk) gets each event as it arrives."""
     status, headers = response.status, response.headers
-    parts, raw, data, total = [], [], [], 0
+    parts, raw, data, total, seen = [], [], [], 0, False
+    state["chars"] = 0
     try:
         while not (state.get("done") or deadline.expired):
             line = response.readline(MAX_SSE_LINE_BYTES + 1)
@@ -1149,13 +1159,15 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems, 
             if not (line or data):
                 break
             chunk = _sse_chunk(data, state, problems, status, headers)
+            seen = seen or data not in ([], [b"[DONE]"])
             if relay is not None:
                 relay(b"".join(raw), chunk)
             raw, data = [], []
             piece = take(record, chunk, "delta", state, problems, status, headers) if chunk else ""
+            state["chars"] += len(piece)
+            if state["chars"] and record["ttft_ms"] is None:  # text or a tool call
+                record["ttft_ms"] = ms_since(started)
             if piece:
-                if record["ttft_ms"] is None:
-                    record["ttft_ms"] = ms_since(started)
                 parts.append(piece)
                 on_text(piece)
             if not line:
@@ -1164,13 +1176,11 @@ def _read_stream(response, record, started, on_text, limit, deadline, problems, 
             raise CallFailed(*_classify(None, deadline), status, headers)
     except (OSError, http.client.HTTPException) as exc:
         raise CallFailed(*_classify(exc, deadline), status, headers) from None
-    finally:
-        record["response_chars"] = sum(map(len, parts))
-        record["est_output_tokens"] = estimate_tokens(record["response_chars"])
-    if not (state.get("done") or state.get("finished")):
+    # empty: no data line but [DONE], if that (proxy.py relays it as it came, a 200 that ends)
+    if not (seen and (state.get("done") or state.get("finished"))):
         raise CallFailed(
-            "truncated_stream",
-            "the stream ended without a finish_reason or [DONE]",
+            "truncated_stream" if seen else "empty_stream",
+            f"the stream ended without {'a finish_reason or [DONE]' if seen else 'a data line'}",
             status,
             headers
         )
@@ -1196,17 +1206,16 @@ def _fill_head(record, headers, problems):
 def _one_attempt(
     url, body, record, started, api_key, deadline, limit, on_text, problems, relay, state
 ):
-    """Send once; fill `record` but latency_ms and `state` (status, headers, a parsed body's bytes);
-    return the text. Raises CallFailed."""
+    """Send once; fill `record` but latency_ms, and `state` (status, headers, a parsed body's bytes,
+    `chars` of text and tool calls); return the text. Raises CallFailed. `relay(raw, chunk)` gets a
+    stream's events as they arrive, or a whole body once it parses (proxy.py)."""
     take = getattr(body, "take", _take)  # a proxied body may name the reader of its API's answer
     with _open(
         url, record, problems, api_key=api_key, deadline=deadline, limit=limit, body=body
     ) as response:
-        state["status"], state["headers"] = response.status, response.headers
+        status, headers = state["status"], state["headers"] = response.status, response.headers
         try:
             if body.get("stream"):
-                if relay is not None:
-                    relay.headers = response.headers
                 return _read_stream(
                     response,
                     record,
@@ -1220,19 +1229,27 @@ def _one_attempt(
                     take
                 )
             raw = _read_body(response, limit, deadline)
-            data = _parse_json(raw, "body", problems, response.status, response.headers)
+            data = _parse_json(raw, "body", problems, status, headers)
             state["raw"] = raw
-            return take(record, data, "message", state, problems, response.status, response.headers)
+            if relay is not None:
+                relay(raw, data)
+            text = take(record, data, "message", state, problems, status, headers)
+            if text is not None:  # an embedding has none
+                state["chars"] = state.get("chars", 0) + len(text)
+            return text
         # a shape the readers did not foresee
         except (KeyError, TypeError, AttributeError, IndexError) as exc:
             raise CallFailed(
                 "malformed_response",
                 f"the answer's shape cannot be read ({type(exc).__name__})",
-                response.status,
-                response.headers
+                status,
+                headers
             ) from None
         finally:
             record.update(parse_usage(state.get("usage")))
+            if "chars" in state:
+                record["response_chars"] = state["chars"]
+                record["est_output_tokens"] = estimate_tokens(state["chars"])
             if (
                 state.get("embedding")
                 and record["input_tokens"] is not None
@@ -1259,6 +1276,8 @@ def _attempt(
     run_checks) and its text stored (`store`): (text, failure or None, state)."""
     text, failure, problems, state, started = None, None, [], {}, time.perf_counter()
     deadline = Deadline(seconds)
+    if relay is not None:
+        relay.start(deadline, state)
     try:
         text = _one_attempt(
             url, body, record, started, api_key, deadline, limit, on_text, problems, relay, state
@@ -1267,8 +1286,9 @@ def _attempt(
         failure = exc
     finally:
         deadline.cancel()
+    # deadline.why: stopped by the caller (proxy.py: its client went away)
     answered = tools_answer and state.get("tools")
-    failure = finish(record, started, text, failure, problems, redactor, answered)
+    failure = finish(record, started, text, deadline.why or failure, problems, redactor, answered)
     if failure is None and checks:
         record["check"], record["check_detail"] = run_checks(
             text,
@@ -1283,18 +1303,15 @@ def _attempt(
 
 
 def finish(record, started, text, failure, problems, redactor, answered=False):
-    """The last steps of every attempt, one-shot, proxied, refused or /models: latency, sizes,
-    problems and the failure, if any, into `record`. Returns the failure (None on success)."""
+    """The last steps of every attempt, one-shot, proxied, refused or /models: latency, problems
+    and the failure, if any, into `record`. Returns the failure (None on success)."""
     record["latency_ms"] = ms_since(started)  # to the end of the body, or to the failure
-    if text is not None:
-        record["response_chars"] = len(text)
-        record["est_output_tokens"] = estimate_tokens(len(text))
     if problems:
         record["malformed"] = problems[:MAX_PROBLEMS]
     if problems and failure is None:
         failure = CallFailed(
             "malformed_response",
-            "the answer arrived but the body is malformed: " + "; ".join(problems[:3]),
+            f"the answer arrived but the body is malformed: {'; '.join(problems[:3])}",
             record["http_status"]
         )
     if failure is None and not answered and not (text or "").strip():
@@ -1624,20 +1641,11 @@ def list_models(
 def models_call(redactor, split, api_key, timeout, limit):
     """GET /models once: (record, raw body or None, failure or None, response headers or None)."""
     request_base, recorded_base, host, port = split
-    record = {
-        "base_url": recorded_base,
-        "server_address": host,
-        "server_port": port,
-        "http_status": None,
-        "model_ids": None,
-        "count": None,
-        "latency_ms": None,
-        "request_id": None,
-        "ratelimit": {},
-        "error_type": None,
-        "error_code": None,
-        "error_message": None
-    }
+    record = dict.fromkeys(
+        "base_url server_address server_port http_status model_ids count latency_ms request_id "
+        "ratelimit error_type error_code error_message".split()
+    )
+    record.update(base_url=recorded_base, server_address=host, server_port=port, ratelimit={})
     started, deadline = time.perf_counter(), Deadline(timeout)
     problems, raw, failure, headers = [], None, None, None
     try:
@@ -1770,20 +1778,9 @@ def _build_parser():
 
 
 _ASK_FLAGS = (
-    "system",
-    "max_tokens",
-    "temperature",
-    "stream",
-    "retries",
-    "timeout",
-    "expect",
-    "expect_json",
-    "strict_model",
-    "store_text",
-    "backoff",
-    "max_wait",
-    "max_response_bytes"
-)
+    "system max_tokens temperature stream retries timeout expect expect_json strict_model "
+    "store_text backoff max_wait max_response_bytes"
+).split()
 
 
 def _run(args):

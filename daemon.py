@@ -64,8 +64,6 @@ MAX_SECRETS_FILE = 64 * 1024  # WEBHOOK_SECRET_FILE holds a few secrets, not a l
 RETRY_AFTER_S = 30  # a full queue asks the sender to come back after this
 # connections over the cap: at most one connection_limit event this often
 CONNECTION_EVENT_EVERY_S = 10
-# an unauthenticated flood must not grow the ledger without bound
-REJECTIONS_PER_S, REJECTIONS_BURST = 5, 50
 MAX_SIGNATURES = 16  # webhook-signature entries looked at
 MAX_EVENTS_SHOWN = 5000  # GET /runs/<id> shows at most this many events
 MAX_SHOWN_CHARS = 4000  # one value on the timeline page
@@ -486,32 +484,6 @@ class _Handler(ask.RequestHandler):
 # -- the daemon ------------------------------------------------------------------
 
 
-class _Bucket:
-    """A token bucket: `burst` at once, then `per_s` a second; take() counts what it refuses."""
-
-    def __init__(self, per_s, burst):
-        self.per_s, self.burst, self.tokens, self.at, self.refused = (
-            per_s,
-            burst,
-            float(burst),
-            time.monotonic(),
-            0
-        )
-        self.lock = threading.Lock()
-
-    def take(self):
-        """None when refused, else how many were refused since the last one let through."""
-        with self.lock:
-            now = time.monotonic()
-            self.tokens, self.at = min(self.burst, self.tokens + (now - self.at) * self.per_s), now
-            if self.tokens < 1:
-                self.refused += 1
-                return None
-            self.tokens -= 1
-            refused, self.refused = self.refused, 0
-            return refused
-
-
 def _wait(poll, until):
     """poll() -> (ended, exit code), asked every 0.1 s until it ends or until() has passed; its last
     answer."""
@@ -550,8 +522,8 @@ class Daemon:
             self.serving
         ) = None
         self.draining, self.started_at = False, time.monotonic()
-        self.rejections = _Bucket(REJECTIONS_PER_S, REJECTIONS_BURST)
-        self.connections = _Bucket(1 / CONNECTION_EVENT_EVERY_S, 1)
+        self.rejections = rl.Bucket()  # an unauthenticated flood: a bounded rate
+        self.connections = rl.Bucket(1 / CONNECTION_EVENT_EVERY_S, 1)
 
     def start(self):
         """Lock the runs directory, bind, recover what an earlier daemon left, serve. Returns
@@ -662,9 +634,9 @@ class Daemon:
 
     def record_rejected(self, kind, payload):
         """A rejection event, rate-limited; the next one recorded counts those dropped."""
-        dropped = self.rejections.take()
-        if dropped is not None:
-            self.record(kind, dict(payload, unrecorded_before=dropped) if dropped else payload)
+        payload = self.rejections.counted(payload)
+        if payload is not None:
+            self.record(kind, payload)
 
     def connection_refused(self, remote):
         """A connection over the cap: logged, and recorded at most once every few seconds with the

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import selectors
 import socket
 import sys
 import threading
@@ -87,7 +88,16 @@ _PASS_BACK = (
     "request-id",
     "openai-processing-ms"
 )
-_WHOLE_ERRORS = ("api_error", "malformed_response", "empty_content")  # the stream ended by itself
+# the stream ended by itself (an empty one too: relayed as it came, a 200 that ends)
+_WHOLE_ERRORS = (None, "api_error", "malformed_response", "empty_content", "empty_stream")
+_CODES = {
+    404: "not_found",
+    405: "method_not_allowed",
+    408: "request_timeout",
+    431: "headers_too_large"
+}
+# a bridged answer that came whole though its record faults it: completed, not failed
+_BRIDGED_WHOLE = ("malformed_response", "empty_content")
 _USAGE_ASKED = ("/chat/completions", "/completions")  # streams the proxy asks usage of
 _LAST_EVENTS = ask.RESPONSE_DONE + ("message_stop",)  # held until the line is written
 
@@ -391,6 +401,7 @@ class _ProxyServer(ask.CappedServer):
         # chained hashes of a call's messages -> its session, under the lock
         self.conversations = {}
         self.known = {}  # the hash of an entry as sent -> its name in the store (stored_text)
+        self.watcher, self.refusals = _Watcher(), rl.Bucket()
         busy = ask.http_answer(
             503,
             _error_json("too many connections; retry later", "busy"),
@@ -444,6 +455,17 @@ class _ProxyServer(ask.CappedServer):
         # the answer still goes to the client: a paid answer is never thrown away
         except ask.RecordError as exc:
             rl.error(str(exc), self.secrets)
+
+    def refused(self, client_address, status=503, reason="too_many_connections", handler=None):
+        """A client refused (by a check, or over --max-connections): a proxy_refused line, at the
+        daemon's bounded rate (the next line written counts those left out). Never a header."""
+        record = {"status": status, "reason": reason, "client_address": client_address[0]}
+        if handler is not None and handler.method != "-":
+            # the path without its query, where a key could ride
+            record.update(method=handler.method[:16], path=handler.path.split("?")[0][:200])
+        record = self.refusals.counted(record)
+        if record is not None:
+            self.append("proxy_refused", record)
 
 
 class _ProxyHandler(ask.RequestHandler):
@@ -536,19 +558,16 @@ class _ProxyHandler(ask.RequestHandler):
             self._read_and_call(self.server.args)
         finally:
             self.server.hold(-self.held)
+            self.server.watcher.forget(self.connection)
 
     def _read_and_call(self, args):
         try:
             raw = self.read_request(args.read_timeout, args.max_body_bytes)
         # nothing was sent upstream
         except ask.Refused as refused:
-            code = {404: "not_found", 405: "method_not_allowed"}.get(refused.status)
-            return self._error(
-                refused.status,
-                refused.message,
-                refused.reason or code or "invalid_request",
-                refused.headers
-            )
+            code = refused.reason or _CODES.get(refused.status) or "invalid_request"
+            self.server.refused(self.client_address, refused.status, code, self)
+            return self._error(refused.status, refused.message, code, refused.headers)
         # the body is in: from here the upstream's deadline bounds the request
         self.deadline.cancel()
         self.connection.settimeout(args.timeout + args.read_timeout)
@@ -643,7 +662,7 @@ class _ProxyHandler(ask.RequestHandler):
             return {}, [], 0, [], refused
 
     def _call(self, route, raw):
-        app, self.relay = self.server, _Relay(self, False)
+        app, self.relay = self.server, _Relay(self, False, False)
         body, messages, tokens, entries, refused = self._parse(route, raw)
         model = body.get("model")
         if refused is None and (type(model) is not str or not model):
@@ -683,17 +702,23 @@ class _ProxyHandler(ask.RequestHandler):
             timeout=app.args.timeout,
             limit=app.args.max_response_bytes,
             redactor=app.book.redactor,
-            relay=functools.partial(_Relay, self, injected) if stream else None,
+            relay=functools.partial(_Relay, self, injected, stream),
             tools_answer=True,
             store=self._answer_text if app.args.store_text else None
         )
+        app.hold(-self.held)  # the line is written: the body's bytes are given back
+        self.held = 0
         return self._answer(result, failure, state, out)
 
     def _answer(self, record, failure, state, out):
-        """Once the line is written: the stream's last event, the body as it came, the upstream's
-        error, or 502."""
-        if out is not None and (out.began or failure is None):
-            return out.end(failure is None or failure.error_type in _WHOLE_ERRORS)
+        """Once the line is written: the answer's last byte or event, the upstream's error, or 502;
+        nothing to a client gone."""
+        kind = failure and failure.error_type
+        if kind == "client_gone":
+            self.close = True
+            return None
+        if out is not None and (out.began or kind in (None, "empty_stream")):
+            return out.end(kind in _WHOLE_ERRORS)
         if "raw" in state:  # a body that parsed goes back as it is, whatever the record says of it
             return self._send(state["status"], state["raw"], _passed_back(state["headers"]))
         if failure.body is not None and failure.status >= 400:
@@ -735,22 +760,38 @@ class _ProxyHandler(ask.RequestHandler):
         self._send(status, _error_json(message, code, kind), list((headers or {}).items()))
 
 
-class _Relay:
-    """A stream's events to the client as they arrive (chunked); the usage chunk the proxy asked for
-    is dropped, and the last event is held until the ledger line is written."""
+_GONE = ask.CallFailed("client_gone", "the client closed the connection before its answer ended")
 
-    def __init__(self, handler, injected):
-        self.handler, self.injected, self.began, self.held, self.headers = (
+
+class _Relay:
+    """The client's side of one attempt: the answer goes out as it arrives (a stream's events,
+    chunked; a whole body once it parses), but its last event or byte waits for the ledger line.
+    The usage chunk the proxy asked for is dropped. A client that leaves stops the attempt: its
+    connection closed (the watcher sees it) or a write that fails."""
+
+    def __init__(self, handler, injected, stream):
+        self.handler, self.injected, self.stream, self.began, self.held = (
             handler,
             injected,
+            stream,
             False,
-            [],
-            None
+            []
         )
         self.answer = _Answer() if handler.server.args.store_text else None
         handler.relay = self  # its answer is --store-text's
 
+    def start(self, deadline, state):
+        self.deadline, self.state = deadline, state
+        self.handler.server.watcher.watch(self.handler.connection, self.gone)
+
+    def gone(self):
+        self.deadline.expire(_GONE)  # once the attempt is over, nothing
+
     def __call__(self, raw, chunk):
+        if not self.stream:  # a whole body: all but its last byte
+            answer = self._head(raw)
+            self.held = [answer[-1:]]
+            return self._out(answer[:-1])
         if self.answer is not None:
             self.answer.add(chunk)
         if (
@@ -769,29 +810,84 @@ class _Relay:
         ):
             self._write(raw)
 
+    def _head(self, body):
+        self.handler.status = self.state["status"]
+        return ask.http_answer(
+            self.state["status"],
+            body,
+            _passed_back(self.state["headers"]),
+            close=self.handler.close,
+            chunked=self.stream
+        )
+
     def _write(self, raw):
+        """One event, chunked (the head first)."""
+        self._out(
+            (b"" if self.began else self._head(b""))
+            + (b"%x\r\n%s\r\n" % (len(raw), raw) if raw else b"")
+        )
+
+    def _out(self, data):
+        self.began = True
         try:
-            if not self.began:
-                self.began = True
-                self.handler._send(200, b"", _passed_back(self.headers), chunked=True)
-            if raw:
-                self.handler.wfile.write(b"%x\r\n%s\r\n" % (len(raw), raw))
+            self.handler.wfile.write(data)
         except OSError:
             self.handler.close = True
-            raise ask.CallFailed(
-                "client_gone", "the client closed the connection during the stream"
-            ) from None
+            self.gone()
 
     def end(self, whole):
         """Send what was held; a whole stream ends cleanly, a broken one by closing the
         connection."""
-        try:
-            for raw in self.held + [b""]:
-                self._write(raw)
-            self.handler.wfile.write(b"0\r\n\r\n" if whole else b"")
-        except (ask.CallFailed, OSError):
-            whole = False
+        if not self.stream:
+            return self._out(self.held[0])
+        for raw in self.held + [b""]:
+            self._write(raw)
+        self._out(b"0\r\n\r\n" if whole else b"")
         self.handler.close = self.handler.close or not whole
+        return None
+
+
+class _Watcher:
+    """One thread watches the client connection of every attempt in flight: a client that closes
+    or resets it stops its attempt at once (client_gone), and the upstream request is cut."""
+
+    def __init__(self):
+        self.selector, self.lock, self.peers = selectors.DefaultSelector(), threading.Lock(), {}
+        self.idle = socket.socketpair()  # registered, never ready: no selector is ever empty
+        self.selector.register(self.idle[0], selectors.EVENT_READ)
+        threading.Thread(target=self._run, name="client-watch", daemon=True).start()
+
+    def watch(self, sock, gone):
+        """gone() once the client closes `sock`, until forget(sock)."""
+        self.forget(sock)
+        peer = sock.dup()  # non-blocking: a peek never waits, whatever the timeout of `sock`
+        peer.setblocking(False)
+        with self.lock:
+            self.peers[sock] = peer
+            self.selector.register(peer, selectors.EVENT_READ, gone)
+
+    def forget(self, sock):
+        with self.lock:
+            peer = self.peers.pop(sock, None)
+            if peer is not None:
+                if self.selector.get_map().get(peer) is not None:
+                    self.selector.unregister(peer)
+                peer.close()
+
+    def _run(self):
+        while True:
+            for key, _events in self.selector.select(1.0):  # the timeout: a late registration
+                try:
+                    gone = not key.fileobj.recv(1, socket.MSG_PEEK)
+                except BlockingIOError:
+                    continue
+                except OSError:  # reset, or forgotten meanwhile
+                    gone = True
+                with self.lock:  # a client that sent more is still there: no longer watched
+                    if self.selector.get_map().get(key.fd) is key:
+                        self.selector.unregister(key.fd)
+                if gone and key.data is not None:
+                    key.data()
 
 
 # ----------------------------------------------------------------------------
@@ -1153,7 +1249,7 @@ class _Bridge:
         )
         if out is not None and (out.began or failure is None):
             return out.finish(record, failure)
-        if "raw" in state and (failure is None or failure.error_type in _WHOLE_ERRORS[1:]):
+        if "raw" in state and (failure is None or failure.error_type in _BRIDGED_WHOLE):
             output = _Output(self.spaces)
             choices = _field(json.loads(state["raw"]), "choices", list)
             output.add(_field(choices[0] if choices else {}, "message", dict))
@@ -1168,14 +1264,15 @@ class _BridgeStream(_Relay):
     response.completed or response.failed, once the line is written."""
 
     def __init__(self, handler, bridge):
-        super().__init__(handler, True)
+        super().__init__(handler, True, True)
         self.bridge, self.output = bridge, _Output(bridge.spaces)
 
     def _start(self):
         """response.created, before anything is sent (the Content-Type is the proxy's)."""
         if self.began:
             return []
-        self.headers = {k: v for k, v in self.headers.items() if k.lower() != "content-type"}
+        headers = self.state["headers"] or {}
+        self.state["headers"] = {k: v for k, v in headers.items() if k.lower() != "content-type"}
         return [
             (
                 "response.created",
@@ -1193,7 +1290,7 @@ class _BridgeStream(_Relay):
         self._write(_events(events))
 
     def finish(self, record, failure):
-        whole = failure is None or failure.error_type in _WHOLE_ERRORS[1:]
+        whole = failure is None or failure.error_type in _BRIDGED_WHOLE
         status = "completed" if whole else "failed"
         events = self._start() + (self.output.done() if whole else [])
         body = self.bridge.response(record, self.output, status)

@@ -47,7 +47,7 @@ from pathlib import Path
 __version__ = "1.1.0"
 
 # What a vendoring script needs; the toolkit's own scripts also use the CLI kit below (error,
-# write_out, ...).
+# write_out, ...) and Bucket.
 __all__ = [
     "Ledger",
     "Run",
@@ -1019,6 +1019,46 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
         run_id,
         Ledger(runs_dir / run_id / EVENTS_NAME, run_id, key=key, fsync=fsync, secrets=secrets)
     )
+
+
+# ----------------------------------------------------------------------------
+# Events a stranger can cause (the daemon's rejections, the proxy's refusals): a bounded rate
+# ----------------------------------------------------------------------------
+
+
+class Bucket:
+    """A token bucket: `burst` at once, then `per_s` a second (default 50, then 5 a second: a flood
+    of refused requests cannot grow a ledger without bound); take() counts what it refuses."""
+
+    def __init__(self, per_s=5, burst=50):
+        self.per_s, self.burst, self.tokens, self.at, self.refused = (
+            per_s,
+            burst,
+            float(burst),
+            time.monotonic(),
+            0
+        )
+        self.lock = threading.Lock()
+
+    def take(self):
+        """None when refused, else how many were refused since the last one let through."""
+        with self.lock:
+            now = time.monotonic()
+            self.tokens, self.at = min(self.burst, self.tokens + (now - self.at) * self.per_s), now
+            if self.tokens < 1:
+                self.refused += 1
+                return None
+            self.tokens -= 1
+            refused, self.refused = self.refused, 0
+            return refused
+
+    def counted(self, payload):
+        """`payload` to record now, with `unrecorded_before` when some were left out since the last
+        one; None when it is left out."""
+        dropped = self.take()
+        if dropped is None:
+            return None
+        return dict(payload, unrecorded_before=dropped) if dropped else payload
 
 
 # ----------------------------------------------------------------------------

@@ -16,6 +16,8 @@ Scenarios (the next request takes the next one; then "ok"):
   reasoning a chat answer with reasoning_content (REASONING) before its text (streamed too)
   filter    a chat stream with Azure's content-filter chunk (empty choices, no usage) first
   gated     a stream whose first text event is sent, then `first_sent` is set and the rest waits for `gate`
+  held      nothing (a stream: the head and the first event), then `first_sent` is set, and the
+            connection is held until the proxy closes it (`closed` is set) or `gate` opens
   cut       a stream cut after two events (the connection closed)
   reject_options  400 "Unrecognized request argument supplied: stream_options" when the body has them
   error     {"status", "headers"}: an OpenAI error body with that status
@@ -28,6 +30,7 @@ and two headers the proxy must not pass back (Set-Cookie, X-Upstream-Private).
 """
 
 import json
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -194,6 +197,8 @@ class _Handler(BaseHTTPRequestHandler):
         if name == "reject_options" and "stream_options" in body:
             return self._json(400, {"error": {"message": "Unrecognized request argument supplied: stream_options",
                                               "type": "invalid_request_error", "code": None}})
+        if name == "held":
+            return self._held(up, route, model, body)
         if not body.get("stream"):
             return self._json(200, _answer(route, model, scenario))
         include = bool((body.get("stream_options") or {}).get("include_usage"))
@@ -212,6 +217,27 @@ class _Handler(BaseHTTPRequestHandler):
                 up.gate.wait(60)
 
 
+    def _held(self, up, route, model, body):
+        if body.get("stream"):
+            self._head(200, "text/event-stream")
+            self.wfile.write((_responses_events(model) if route == "/responses" else _chat_chunks(model, "ok", False))[0])
+            self.wfile.flush()
+        up.first_sent.set()
+        self.connection.settimeout(0.2)
+        while not up.gate.is_set():  # the proxy sends nothing more: data here is its close
+            try:
+                if not self.connection.recv(1):
+                    break
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+        else:
+            return
+        up.closed.set()
+        self.close_connection = True
+
+
 class Upstream:
     model = "up-model"  # what GET /v1/models lists
     default = {"name": "ok"}  # the scenario once the queue is empty
@@ -222,7 +248,7 @@ class Upstream:
         self.httpd.daemon_threads = True
         self.httpd.up = self
         self.scenarios, self.requests, self.lock = [], [], threading.Lock()
-        self.gate, self.first_sent = threading.Event(), threading.Event()
+        self.gate, self.first_sent, self.closed = threading.Event(), threading.Event(), threading.Event()
 
     @property
     def base_url(self):

@@ -350,8 +350,9 @@ HOSTILE_STREAMS = [  # (events, the last Responses event's type and error code)
     (['data: {"choices": [{"delta": {"content": "half"}}]}\n\n', "data: {\"choi"],
      ("response.failed", "truncated_stream")),
     (["event: error\ndata: {\"error\": {\"message\": \"overloaded\"}}\n\n"], ("response.failed", "api_error")),
-    (["data: [DONE]\n\n"], ("response.completed", None)),
-    ([": a comment, then the connection closes\n\n"], ("response.failed", "truncated_stream")),
+    # an upstream stream with no answer in it is a failure Codex is told of, never an empty turn
+    (["data: [DONE]\n\n"], ("response.failed", "empty_stream")),
+    ([": a comment, then the connection closes\n\n"], ("response.failed", "empty_stream")),
 ]
 
 

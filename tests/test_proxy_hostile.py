@@ -1,6 +1,7 @@
 """`proxy.py` against hostile upstreams (the raw-socket server: every case a 502 and one line), hostile
 clients (caps, deadlines, idle keep-alive, the connection bound) and shutdown (SIGTERM, kill -9)."""
 
+import http.client
 import json
 import signal
 import socket
@@ -195,7 +196,9 @@ def test_past_the_body_budget_the_answer_is_503_with_retry_after_before_the_body
     assert upstream.requests == [] and calls(proxy.ledger) == []
     body = json.dumps(CHAT).encode().ljust(4096)
     held[0].sendall(body)  # a held body that comes in is served, and gives its bytes back
-    assert held[0].recv(65536).startswith(b"HTTP/1.1 200 ")
+    answer = http.client.HTTPResponse(held[0])  # the whole answer: its last byte follows the line
+    answer.begin()
+    assert answer.status == 200 and answer.read()
     assert post(proxy.conn(), "/chat/completions", CHAT)[0].status == 200
     assert post(proxy.conn(), "/chat/completions", b"x" * 4097)[0].status == 413
     held[1].close()
@@ -354,9 +357,11 @@ def test_sigterm_closes_idle_connections_finishes_those_in_flight_and_exits_0(st
     body = json.dumps(CHAT).encode()
     idle.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s"
                  % (len(body), body))
-    answer = b""
-    while b"The answer is 4." not in answer:
-        answer += idle.recv(65536)
+    answer, idle_chunk = b"", b"-"
+    while b"The answer is 4." not in answer and idle_chunk:  # a closed connection ends the loop
+        idle_chunk = idle.recv(65536)
+        answer += idle_chunk
+    assert b"The answer is 4." in answer, answer
     busy = proxy.conn()
     busy.request("POST", "/v1/chat/completions", body=json.dumps(dict(CHAT, stream=True)), headers=JSON)
     response = busy.getresponse()
@@ -439,3 +444,5 @@ def test_after_sigterm_a_request_already_sent_behind_one_in_flight_gets_503(star
     assert b"data: [DONE]" in received and b"HTTP/1.1 503 " in received.split(b"data: [DONE]")[1]
     assert proxy.stop(sig=None)[0] == 0  # signalled once only: a second SIGTERM could meet the exiting interpreter
     assert len(calls(proxy.ledger)) == 1 and len(upstream.requests) == 1
+    refused = calls(proxy.ledger, "proxy_refused")  # the 503 is a refusal of a client: recorded
+    assert [(line["status"], line["reason"]) for line in refused] == [(503, "unavailable")]
