@@ -14,6 +14,8 @@ server, 2 usage, configuration or refusal, 5 stdout could not be written.
 """
 
 import argparse
+import base64
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -22,8 +24,10 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -779,6 +783,217 @@ def _cmd_verify(args):
 
 
 # ----------------------------------------------------------------------------
+# The witness: C2SP tlog-witness's add-checkpoint, served from the shared HTTP kit
+# ----------------------------------------------------------------------------
+
+
+WITNESS_MAX_BODY = 64 * 1024  # 63 proof hashes and a checkpoint fit many times over; 413 beyond
+WITNESS_TIMEOUT = 10.0  # seconds for one request, first byte to last
+WITNESS_CONNECTIONS = 16  # at once; more get 503
+WITNESS_LEDGER = "witness.jsonl"
+_TEXT, _SIZE = "text/plain; charset=utf-8", "text/x.tlog.size"
+_HASH_RE = re.compile(r"[A-Za-z0-9+/]{43}=\Z")
+
+
+def _refuse(status, message, reason=None):
+    return ask.Refused(status, reason, message, {"Content-Type": _SIZE if status == 409 else _TEXT})
+
+
+class Witness:
+    """Cosigns a log's checkpoint only when it extends the last one it cosigned. `logs`: a file of
+    `origin vkey` lines. Its state, each origin's last cosigned (size, base64 root), is its own
+    ledger: read (and verified) at start, and checked and written, fsync'd, under one lock before
+    an answer."""
+
+    def __init__(self, key_file, logs_file, ledger):
+        self.signer, self.logs, self.state = rl.read_signer_key(key_file), {}, {}
+        with open(logs_file, encoding="utf-8") as handle:
+            for line in handle:
+                origin, _, vkey = line.strip().rpartition(" ")
+                if line.strip() and not line.startswith("#"):
+                    self.logs.setdefault(origin.strip(), []).append(rl.parse_key(vkey))
+        for event in rl.read_events(ledger) if os.path.exists(ledger) else ():
+            held = event["payload"]
+            if event["kind"] == "witness_cosigned":
+                self.state[held["origin"]] = (held["size"], held["root"])
+        self.book = rl.Ledger(ledger, secrets=[rl.key_text(self.signer, secret=True)])
+        self.lock = threading.Lock()
+
+    def add(self, body):
+        """The cosignature line for an add-checkpoint body; else raise Refused, as the spec says."""
+        try:
+            head, _, note = body.decode("utf-8").partition("\n\n")
+            old, *proof = head.split("\n")
+            old = int(re.fullmatch(r"old (0|[1-9][0-9]{0,18})", old).group(1))
+            checkpoint = rl.parse_checkpoint(note, "the request")[0]
+            proof = [base64.b64decode(h, validate=True) for h in proof]
+        except (ValueError, AttributeError, rl.LedgerError) as exc:
+            raise _refuse(400, f"not an add-checkpoint body: {exc}") from None
+        origin, size, root = checkpoint.origin, checkpoint.size, checkpoint.body.split("\n")[2]
+        if len(proof) > 63 or {len(h) for h in proof} - {32}:
+            raise _refuse(400, "want at most 63 proof hashes, 32 bytes each")
+        if origin not in self.logs:
+            raise _refuse(404, "unknown origin")
+        try:
+            rl.open_checkpoint(note, self.logs[origin])
+        except rl.IntegrityError as exc:
+            raise _refuse(403, f"no signature of a key trusted for the origin verifies: {exc}")
+        if old > size:
+            raise _refuse(400, f"old size {old} is above the checkpoint's size {size}")
+        with self.lock:
+            held, held_root = self.state.get(origin, (0, ""))
+            fork = size == held and root != held_root
+            if old != held or fork:
+                self._record(fork and "fork", origin, old, note)
+                raise _refuse(409, str(held))
+            if not rl.verify_consistency(
+                old, base64.b64decode(held_root), size, checkpoint.root, proof
+            ):
+                self._record("bad_proof", origin, old, note)
+                raise _refuse(422, "the consistency proof does not verify")
+            stamp = int(time.time())
+            self.book.append(
+                "witness_cosigned", {"origin": origin, "size": size, "root": root, "time": stamp}
+            )
+            self.state[origin] = (size, root)
+        return rl.cosign(checkpoint.body, self.signer, stamp)
+
+    def _record(self, reason, origin, old, note):
+        if reason:  # a stale old size is the client's, not evidence: not recorded
+            self.book.append(
+                "witness_refused",
+                {"reason": reason, "origin": origin, "old": old, "checkpoint": note}
+            )
+
+
+class _WitnessHandler(ask.RequestHandler):
+    """One request a connection: POST /add-checkpoint, read under one deadline."""
+
+    def allowed(self, path):
+        return "POST" if path == "/add-checkpoint" else None
+
+    def handle(self):
+        status, head = 200, {"Content-Type": _TEXT}
+        try:
+            answer = self.server.witness.add(
+                self.read_request(self.server.timeout, WITNESS_MAX_BODY, socket.SHUT_RD)
+            )
+        except ask.Refused as refused:
+            status, head, answer = refused.status, refused.headers, refused.message + "\n"
+        except ConnectionAbortedError:
+            return
+        finally:
+            self.deadline.cancel()
+        with contextlib.suppress(OSError):
+            self.wfile.write(ask.http_answer(status, answer.encode(), head.items(), close=True))
+
+
+def serve_witness(args):
+    host, _, port = args.listen.rpartition(":")
+    witness = Witness(args.key, args.logs, args.ledger)
+    busy = ask.http_answer(503, b"busy\n", [("Content-Type", _TEXT), ("Retry-After", "1")], True)
+    try:
+        server = ask.CappedServer(
+            (host.strip("[]"), int(port)), _WitnessHandler, args.max_connections, busy
+        )
+    except (OSError, ValueError, OverflowError) as exc:
+        raise rl.UsageError(f"--listen {args.listen}: {rl.error_text(exc)}") from None
+    server.witness, server.timeout, stop = witness, args.request_timeout, threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True).start()
+    rl.write_out(f"witness: {witness.signer.name} on {host}:{server.server_address[1]}\n")
+    while not stop.wait(1.0):  # the signal handler runs between waits
+        pass
+    server.stop(args.request_timeout)
+    witness.book.close()
+    return rl.EXIT_OK
+
+
+# -- witness-push ---------------------------------------------------------
+
+
+def witness_push(ledger, url, vkey, timeout=WITNESS_TIMEOUT):
+    """Send LEDGER's newest checkpoint to the witness at `url` with the consistency proof from the
+    largest size it cosigned in LEDGER.checkpoints (or 0), once more from the size a 409 names;
+    append its cosignature under that checkpoint. Returns the Checkpoint, and False when it was
+    cosigned already."""
+    sidecar, witness = f"{ledger}.checkpoints", [rl.parse_key(vkey)]
+    with open(sidecar, encoding="utf-8") as handle:
+        text = handle.read()
+    notes, old = rl.split_notes(text), 0
+    newest = rl.parse_checkpoint(notes[-1], sidecar)[0]
+    for note in notes:
+        with contextlib.suppress(rl.IntegrityError):
+            old = max(old, rl.open_checkpoint(note, witness)[0].size)
+            if note is notes[-1]:
+                return newest, False
+    for attempt in (1, 2):
+        proof = rl.tree_proof(ledger, newest.size, old=old)[0] if old else []
+        body = (
+            f"old {old}\n"
+            + "".join(base64.b64encode(h).decode() + "\n" for h in proof)
+            + "\n"
+            + notes[-1]
+        )
+        status, kind, answer = _post(url.rstrip("/") + "/add-checkpoint", body.encode(), timeout)
+        if status == 409 and kind == _SIZE and attempt == 1 and answer.strip().isdigit():
+            old = int(answer)
+            continue
+        break
+    if status != 200:
+        raise rl.IntegrityError(
+            url, None, f"the witness refused: HTTP {status}: {rl.printable(answer[:200])}"
+        )
+    try:  # its cosignature, checked before it is kept
+        rl.open_checkpoint(notes[-1] + answer, witness)
+    except rl.IntegrityError as exc:
+        raise rl.IntegrityError(url, None, f"the witness's answer: {exc.reason}") from None
+    with open(sidecar, "r+", encoding="utf-8") as handle:
+        if handle.read() != text:
+            raise rl.UsageError(f"{sidecar} changed meanwhile; run witness-push again")
+        handle.write(answer)
+    return newest, True
+
+
+def _post(url, body, timeout):
+    """(status, content type, text) of a POST: an error status too."""
+    import http.client
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": _TEXT}, method="POST")
+    deadline = ask.Deadline(timeout)
+    try:
+        with ask.http_open(request, deadline) as response:
+            return (
+                response.status,
+                response.headers.get("Content-Type"),
+                response.read(65536).decode()
+            )
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return (
+                exc.code,
+                exc.headers.get("Content-Type"),
+                exc.read(65536).decode("utf-8", "replace")
+            )
+    except (urllib.error.URLError, OSError, http.client.HTTPException, UnicodeDecodeError) as exc:
+        raise rl.IntegrityError(
+            url,
+            None,
+            "no answer from the witness"
+            + (
+                " in time"
+                if deadline.expired
+                else f": {rl.error_text(getattr(exc, 'reason', exc))}"
+            )
+        ) from None
+    finally:
+        deadline.cancel()
+
+
+# ----------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------
 
@@ -800,7 +1015,31 @@ def _build_parser():
             "--table", default=SHIP_TABLE, metavar="T", help=f"default {SHIP_TABLE}"
         )
         rl.add_key_env(command)
+    command = sub.add_parser("witness", help="cosign checkpoints that extend the last (C2SP)")
+    command.set_defaults(func=serve_witness)
+    for flag, kind, default, text in (
+        ("--listen", str, None, "HOST:PORT to serve POST /add-checkpoint on"),
+        ("--key", str, None, "the witness's signer key (keygen --cosigner)"),
+        ("--logs", str, None, "a file of `origin vkey` lines: the logs it cosigns"),
+        ("--ledger", str, WITNESS_LEDGER, "its state and evidence"),
+        ("--request-timeout", float, WITNESS_TIMEOUT, "seconds a request"),
+        ("--max-connections", int, WITNESS_CONNECTIONS, "at once; more get 503")
+    ):
+        command.add_argument(flag, type=kind, default=default, required=default is None, help=text)
+    command = sub.add_parser("witness-push", help="get a witness's cosignature (for cron)")
+    command.set_defaults(func=_cmd_push)
+    command.add_argument("ledger", metavar="LEDGER")
+    command.add_argument("url", metavar="URL", help="the witness (its add-checkpoint's prefix)")
+    command.add_argument("--witness", required=True, metavar="VKEY", help="its verifier key")
     return parser
+
+
+def _cmd_push(args):
+    checkpoint, new = witness_push(args.ledger, args.url, args.witness)
+    rl.write_out(
+        f"{'cosigned' if new else 'cosigned already'}: {checkpoint.origin} {checkpoint.size}\n"
+    )
+    return rl.EXIT_OK
 
 
 def _ship_parser(sub):
