@@ -19,6 +19,8 @@ Exit codes are shared by every script of the toolkit: see EXIT_CODES.
 """
 
 import argparse
+import base64
+import collections
 import contextlib
 import datetime
 import errno
@@ -352,6 +354,7 @@ _SHAPES = (
     ),
     (r"(?i)\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=-]+)", _mask_scheme),
     (r"\bsk-[A-Za-z0-9_-]{8,}", REDACTED),
+    (r"PRIVATE\+KEY\+\S+", REDACTED),  # a signed-note signer key (docs/checkpoints.md)
     (r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", REDACTED),
     (r"\bxox[abposr]-[A-Za-z0-9-]{8,}", REDACTED),
     (r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", REDACTED),
@@ -375,6 +378,7 @@ def _may_match(text):
         or "@" in text
         or "-----BEGIN" in text
         or "sk-" in text
+        or "PRIVATE+KEY+" in text
         or "gh" in text
         or "github_pat_" in text
         or "xox" in text
@@ -1545,6 +1549,596 @@ def add_key_env(parser):
 
 
 # ----------------------------------------------------------------------------
+# Checkpoints and proofs (docs/checkpoints.md)
+# ----------------------------------------------------------------------------
+
+# The interface for our own rooms (fleet.py's witness): parse_key, read_signer_key, key_text,
+# open_checkpoint, parse_checkpoint, sign_note, cosign, tree_proof, verify_consistency.
+
+
+def _node(left, right):
+    return hashlib.sha256(b"\1" + left + right).digest()
+
+
+class _Tree:
+    """RFC 6962's Merkle tree hash, built leaf by leaf from the roots of its full subtrees: O(log n)
+    memory."""
+
+    def __init__(self):
+        self.size, self.stack = 0, []
+
+    def add(self, leaf):
+        self.size += 1
+        self.stack.append(hashlib.sha256(b"\0" + leaf).digest())
+        size = self.size
+        while not size & 1:
+            right = self.stack.pop()
+            self.stack[-1] = _node(self.stack[-1], right)
+            size >>= 1
+
+    def root(self):
+        root = self.stack[-1] if self.stack else hashlib.sha256().digest()
+        for left in reversed(self.stack[:-1]):
+            root = _node(left, root)
+        return root
+
+
+def ledger_leaves(path):
+    """A ledger's tree leaves: each complete line without its newline (a torn tail is none)."""
+    for raw in _file_lines(path):
+        if raw[-1:] == b"\n":
+            yield raw[:-1]
+
+
+def _split(size):  # RFC 6962's k: the largest power of two below size
+    return 1 << (size - 1).bit_length() - 1
+
+
+def _inclusion_ranges(index, lo, hi):  # PATH(index, D[lo:hi]) as the leaf ranges of its hashes
+    if hi - lo < 2:
+        return []
+    mid = lo + _split(hi - lo)
+    if index < mid:
+        return _inclusion_ranges(index, lo, mid) + [(mid, hi)]
+    return _inclusion_ranges(index, mid, hi) + [(lo, mid)]
+
+
+def _consistency_ranges(old, lo, hi, whole=True):  # SUBPROOF(old, D[lo:hi], whole)
+    if old == hi - lo:
+        return [] if whole else [(lo, hi)]
+    mid = lo + _split(hi - lo)
+    if old <= mid - lo:
+        return _consistency_ranges(old, lo, mid, whole) + [(mid, hi)]
+    return _consistency_ranges(old - mid + lo, mid, hi, False) + [(lo, mid)]
+
+
+def tree_proof(path, size, index=None, old=None):
+    """(proof, root) of the tree of a ledger's first `size` lines, in one pass: the inclusion proof
+    of leaf `index`, or the consistency proof from size `old` (RFC 6962, 2.1.1 and 2.1.2)."""
+    ranges = (
+        _inclusion_ranges(index, 0, size)
+        if old is None
+        else _consistency_ranges(old, 0, size) if 0 < old < size else []
+    )
+    ends, hashes, whole, part = dict(ranges), {}, _Tree(), None
+    for leaf in ledger_leaves(path):
+        if whole.size == size:
+            break
+        if whole.size in ends:
+            start, part = whole.size, _Tree()
+        whole.add(leaf)
+        if part:
+            part.add(leaf)
+            if start + part.size == ends[start]:
+                hashes[start], part = part.root(), None
+    if whole.size < size:
+        raise IntegrityError(path, None, f"cut: the ledger has {whole.size} lines, not {size}")
+    return [hashes[lo] for lo, _hi in ranges], whole.root()
+
+
+def verify_inclusion(leaf, index, size, proof, root):
+    """True when `proof` shows `leaf` is leaf `index` of the tree of `size` leaves with `root`
+    (RFC 9162, 2.1.3.2)."""
+    if not 0 <= index < size:
+        return False
+    node, fn, sn = hashlib.sha256(b"\0" + leaf).digest(), index, size - 1
+    for sibling in proof:
+        if sn == 0:
+            return False
+        if fn & 1 or fn == sn:
+            node = _node(sibling, node)
+            while fn and not fn & 1:
+                fn, sn = fn >> 1, sn >> 1
+        else:
+            node = _node(node, sibling)
+        fn, sn = fn >> 1, sn >> 1
+    return sn == 0 and node == root
+
+
+def verify_consistency(old_size, old_root, size, root, proof):
+    """True when `proof` shows the tree of `size` leaves with `root` extends the tree of `old_size`
+    with `old_root` (RFC 9162, 2.1.4.2); from size 0 every tree does, with an empty proof."""
+    if old_size in (0, size) or old_size > size:
+        return not proof and old_size <= size and (old_size == 0 or old_root == root)
+    proof = ([old_root] if old_size & (old_size - 1) == 0 else []) + list(proof)
+    if not proof:
+        return False
+    fn, sn = old_size - 1, size - 1
+    while fn & 1:
+        fn, sn = fn >> 1, sn >> 1
+    old_node = node = proof[0]
+    for sibling in proof[1:]:
+        if sn == 0:
+            return False
+        if fn & 1 or fn == sn:
+            old_node, node = _node(sibling, old_node), _node(sibling, node)
+            while fn and not fn & 1:
+                fn, sn = fn >> 1, sn >> 1
+        else:
+            node = _node(node, sibling)
+        fn, sn = fn >> 1, sn >> 1
+    return sn == 0 and old_node == old_root and node == root
+
+
+# Ed25519 (RFC 8032, 5.1) on points in extended coordinates (X, Y, Z, T), x = X/Z, y = Y/Z.
+_P = 2**255 - 19
+_L = 2**252 + 27742317777372353535851937790883648493
+_D = -121665 * pow(121666, _P - 2, _P) % _P
+
+
+def _ed_add(p, q):
+    a, b = (p[1] - p[0]) * (q[1] - q[0]) % _P, (p[1] + p[0]) * (q[1] + q[0]) % _P
+    c, d = 2 * p[3] * q[3] * _D % _P, 2 * p[2] * q[2] % _P
+    e, f, g, h = b - a, d - c, d + c, b + a
+    return e * f % _P, g * h % _P, f * g % _P, e * h % _P
+
+
+def _ed_mul(scalar, point):
+    result = (0, 1, 1, 0)
+    while scalar:
+        if scalar & 1:
+            result = _ed_add(result, point)
+        point, scalar = _ed_add(point, point), scalar >> 1
+    return result
+
+
+def _ed_encode(point):
+    inverse = pow(point[2], _P - 2, _P)
+    x, y = point[0] * inverse % _P, point[1] * inverse % _P
+    return (y | (x & 1) << 255).to_bytes(32, "little")
+
+
+def _ed_decode(data):  # the point, or None
+    y = int.from_bytes(data, "little")
+    sign, y = y >> 255, y & ((1 << 255) - 1)
+    x2 = (y * y - 1) * pow(_D * y * y + 1, _P - 2, _P) % _P
+    x = pow(x2, (_P + 3) // 8, _P)
+    if (x * x - x2) % _P:
+        x = x * pow(2, (_P - 1) // 4, _P) % _P
+    if y >= _P or (x * x - x2) % _P or (x == 0 and sign):
+        return None
+    x = _P - x if x & 1 != sign else x
+    return x, y, 1, x * y % _P
+
+
+_B = _ed_decode((4 * pow(5, _P - 2, _P) % _P).to_bytes(32, "little"))
+
+
+def _ed_int(*parts):
+    return int.from_bytes(hashlib.sha512(b"".join(parts)).digest(), "little")
+
+
+def _ed_secret(seed):
+    digest = hashlib.sha512(seed).digest()
+    return int.from_bytes(digest[:32], "little") & (1 << 254) - 8 | 1 << 254, digest[32:]
+
+
+def ed25519_public(seed):
+    """The 32-byte public key of a 32-byte Ed25519 seed (the RFC's secret key)."""
+    return _ed_encode(_ed_mul(_ed_secret(seed)[0], _B))
+
+
+def ed25519_sign(seed, message):
+    scalar, prefix = _ed_secret(seed)
+    nonce = _ed_int(prefix, message) % _L
+    r = _ed_encode(_ed_mul(nonce, _B))
+    k = _ed_int(r, _ed_encode(_ed_mul(scalar, _B)), message) % _L
+    return r + ((nonce + k * scalar) % _L).to_bytes(32, "little")
+
+
+def ed25519_verify(public, message, signature):
+    point = _ed_decode(public) if len(public) == 32 and len(signature) == 64 else None
+    s = int.from_bytes(signature[32:], "little")
+    if point is None or s >= _L:
+        return False
+    k = _ed_int(signature[:32], public, message) % _L
+    minus_a = (_P - point[0], point[1], 1, _P - point[3])
+    return _ed_encode(_ed_add(_ed_mul(s, _B), _ed_mul(k, minus_a))) == signature[:32]
+
+
+# C2SP signed notes: keys, notes, tlog-checkpoint bodies and tlog-cosignatures.
+NoteKey = collections.namedtuple("NoteKey", "name kid kind public seed")
+Checkpoint = collections.namedtuple("Checkpoint", "origin size root body")
+SIGNER, COSIGNER = 1, 4  # the key types: a log's signer, a witness's cosigner
+_PRIVATE = "PRIVATE+KEY+"
+_NAME_RE = re.compile(r"[^\s+\x00-\x1f\x7f]+\Z")
+_SIG_RE = re.compile("\u2014 ([^\\s+]+) ([A-Za-z0-9+/]+=*)\\Z")
+_CHECKPOINT_RE = re.compile(
+    r"([^\n]+)\n(0|[1-9][0-9]{0,18})\n([A-Za-z0-9+/]{43}=)\n(?:[^\n]+\n)*\Z"
+)
+_PROOF_RE = re.compile(
+    r"c2sp\.org/tlog-proof@v1\n(?:extra [A-Za-z0-9+/=]*\n)?index (0|[1-9][0-9]{0,18})\n"
+    r"((?:[A-Za-z0-9+/]{43}=\n){0,63})\n"
+)
+
+
+def _b64(data):
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text):  # b"" for what is not base64
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:
+        return b""
+
+
+def _key_id(name, kind, public):
+    return hashlib.sha256(name.encode() + b"\n" + bytes([kind]) + public).digest()[:4]
+
+
+def key_text(key, secret=False):
+    """A NoteKey as text: its verifier key, or with `secret` its signer key."""
+    data = bytes([key.kind]) + (key.seed if secret else key.public)
+    return (_PRIVATE if secret else "") + f"{key.name}+{key.kid.hex()}+{_b64(data)}"
+
+
+def parse_key(text, secret=False):
+    """A verifier key (NAME+KEYID+BASE64), or with `secret` a signer key (PRIVATE+KEY+...) -> NoteKey.
+    It splits at its first two `+` only, as base64 holds `+`. Raises UsageError."""
+    text = text.strip()
+    if text.startswith(_PRIVATE) != secret:
+        raise UsageError(
+            "want a signer key, as keygen writes it"
+            if secret
+            else "a signer key is a secret: give its verifier key (keygen printed it)"
+        )
+    name, kid, data = (text[len(_PRIVATE) * secret :].split("+", 2) + ["", ""])[:3]
+    raw = _unb64(data)
+    if not _NAME_RE.match(name) or len(raw) != 33 or raw[0] not in (SIGNER, COSIGNER):
+        raise UsageError(
+            f"not a signed-note Ed25519 key: {'…' if secret else printable(text[:80])}"
+        )
+    public = ed25519_public(raw[1:]) if secret else raw[1:]
+    if kid != _key_id(name, raw[0], public).hex():
+        raise UsageError(f"the key {name}: its key ID {kid} does not match the key")
+    return NoteKey(name, bytes.fromhex(kid), raw[0], public, raw[1:] if secret else None)
+
+
+def read_signer_key(path):
+    """The signer key in a file only its owner can read (any group or other bit is refused, as ssh
+    refuses)."""
+    with open(path, "rb") as handle:
+        mode, text = os.fstat(handle.fileno()).st_mode & 0o777, handle.read(4096)
+    if mode & 0o077:
+        raise UsageError(f"{path}: a signer key file must be private (mode {mode:o}): chmod 600 it")
+    return parse_key(text.decode("utf-8", "replace"), secret=True)
+
+
+def _signature_line(key, signature):
+    return f"\u2014 {key.name} {_b64(key.kid + signature)}\n"
+
+
+def sign_note(body, key):
+    """A signed note: `body` (lines ending in a newline), an empty line, `key`'s signature line."""
+    return body + "\n" + _signature_line(key, ed25519_sign(key.seed, body.encode()))
+
+
+def _cosigned(body, timestamp):
+    return f"cosignature/v1\ntime {timestamp}\n{body}".encode()
+
+
+def cosign(body, key, timestamp):
+    """A witness's tlog-cosignature line for a checkpoint body: a COSIGNER key, POSIX seconds."""
+    signature = ed25519_sign(key.seed, _cosigned(body, timestamp))
+    return _signature_line(key, timestamp.to_bytes(8, "big") + signature)
+
+
+def split_notes(text):
+    """The signed notes of a checkpoint file, oldest first (LEDGER.checkpoints holds several, one
+    empty line between)."""
+    parts = text.split("\n\n")
+    if len(parts) % 2:
+        return [text]
+    return [f"{parts[i]}\n\n{parts[i + 1]}\n" for i in range(0, len(parts) - 2, 2)] + [
+        "\n\n".join(parts[-2:])
+    ]
+
+
+def parse_checkpoint(text, where="checkpoint"):
+    """A signed checkpoint note, unverified -> (Checkpoint, [(name, key ID, signature)]). Raises
+    IntegrityError naming what is wrong."""
+    body, _sep, block = text.rpartition("\n\n")
+    problem = (
+        "a control character in the note"
+        if _CONTROL_RE.search(text.replace("\n", ""))
+        else (
+            "truncated: the note does not end in a newline"
+            if not text.endswith("\n")
+            else "not a signed note: no empty line before the signatures" if not body else None
+        )
+    )
+    signatures, match = [], _CHECKPOINT_RE.match(body + "\n")
+    for line in block[:-1].split("\n") if not problem else ():
+        found = _SIG_RE.match(line)
+        raw = _unb64(found.group(2)) if found else b""
+        if len(raw) < 5:
+            problem = f"malformed signature line {printable(line[:60])!r}"
+            break
+        signatures.append((found.group(1), raw[:4], raw[4:]))
+    if not problem and not match:
+        problem = "malformed checkpoint: want an origin, a tree size and a base64 root, one a line"
+    if problem:
+        raise IntegrityError(where, None, problem)
+    origin, size, root = match.groups()
+    return Checkpoint(origin, int(size), base64.b64decode(root), body + "\n"), signatures
+
+
+def open_checkpoint(text, keys, witnesses=(), needed=None, where="checkpoint"):
+    """A signed checkpoint checked by the signed-note rules -> (Checkpoint, names of its verified
+    signers): unknown signers are ignored, a known one's signature must verify, one of `keys` must
+    have signed and `needed` (default: all) of `witnesses` cosigned (tlog-cosignature/v1)."""
+    checkpoint, signatures = parse_checkpoint(text, where)
+    known, signed, other_ids = {(k.name, k.kid): k for k in (*keys, *witnesses)}, {}, []
+    for name, kid, signature in signatures:
+        key = known.get((name, kid))
+        message = checkpoint.body.encode()
+        if key and key.kind == COSIGNER:
+            message = _cosigned(checkpoint.body, int.from_bytes(signature[:8], "big"))
+            signature = signature[8:]
+        if key and not ed25519_verify(key.public, message, signature):
+            raise IntegrityError(where, None, f"the signature by {name} does not verify")
+        signed[key or name] = name
+        other_ids += [(name, kid, k.kid) for k in known.values() if not key and k.name == name]
+    needed = len(witnesses) if needed is None else needed
+    problem = (
+        "wrong key ID: the signature by {} has key ID {}, the key given {}".format(
+            other_ids[0][0], other_ids[0][1].hex(), other_ids[0][2].hex()
+        )
+        if not any(k in signed for k in keys) and other_ids
+        else (
+            f"signed by no key given (signers: {', '.join(s[0] for s in signatures)})"
+            if not any(k in signed for k in keys)
+            else (
+                f"cosigned by {sum(k in signed for k in witnesses)} of the {needed} witnesses needed"
+                if sum(k in signed for k in witnesses) < needed
+                else None
+            )
+        )
+    )
+    if problem:
+        raise IntegrityError(where, None, printable(problem))
+    return checkpoint, [name for key, name in signed.items() if key in known.values()]
+
+
+def check_against(path, checkpoint, earlier=(), since=None, key=None):
+    """Hold a ledger to a checkpoint: its first `size` lines give its root (and a verified `since`'s
+    size its root), then verify(path, key=key). A failure names a cut, a fork after one of the
+    `earlier` checkpoints, a changed line, or a rebuild."""
+    earlier = [*earlier, *([since] if since else [])]
+    sizes, tree = {c.size for c in earlier} | {checkpoint.size}, _Tree()
+    roots, top = {0: tree.root()}, max(sizes)
+    for leaf in ledger_leaves(path):
+        if tree.size == top:
+            break
+        tree.add(leaf)
+        if tree.size in sizes:
+            roots[tree.size] = tree.root()
+    try:
+        result = verify(path, key=key)
+    except IntegrityError as exc:
+        result = exc
+    size, matched = checkpoint.size, [c.size for c in earlier if roots.get(c.size) == c.root]
+    reason = (
+        f"cut: the checkpoint covers {size} lines, the ledger has {tree.size}"
+        if size not in roots
+        else (
+            None
+            if roots[size] == checkpoint.root
+            else (
+                f"forked: its first {max(matched)} lines match an earlier checkpoint, its first "
+                f"{size} do not give this one's root"
+                if matched
+                else (
+                    f"a line changed: its first {size} lines do not give the checkpoint's root; "
+                    + str(result)[len(result.path) + 2 :]
+                    if isinstance(result, IntegrityError)
+                    else f"rebuilt, or forked before any earlier checkpoint: its first {size} lines do not "
+                    "give the checkpoint's root (their chain is valid)"
+                )
+            )
+        )
+    )
+    if not reason and since and roots.get(since.size) != since.root:
+        reason = f"forked: the checkpoint does not extend the earlier one of size {since.size}"
+    if reason:
+        raise IntegrityError(path, None, reason)
+    if isinstance(result, IntegrityError):
+        raise result
+    return result
+
+
+def _cli_keys(values, kind):
+    """--vkey / --witness values: key texts, or files that hold them."""
+    keys = [parse_key(Path(v).read_text() if os.path.isfile(v) else v) for v in values or ()]
+    for key in keys:
+        if key.kind != kind:
+            raise UsageError(f"the key {key.name} is not a {'witness' if kind == 4 else 'log'} key")
+    return keys
+
+
+def _read_note(path):
+    return split_notes(Path(path).read_bytes().decode("utf-8", "replace"))[-1]
+
+
+def _open_cli_checkpoint(args, text, where):
+    """`text`'s newest note checked with --vkey and --witness -> (Checkpoint, signers, keys)."""
+    keys, witnesses = _cli_keys(args.vkey, SIGNER), _cli_keys(args.witness, COSIGNER)
+    needed = len(witnesses) if args.witnesses_needed is None else args.witnesses_needed
+    if not keys or not 0 <= needed <= len(witnesses):
+        raise UsageError("want --vkey KEY, and --witnesses-needed N up to the --witness keys given")
+    return (*open_checkpoint(split_notes(text)[-1], keys, witnesses, needed, where), keys)
+
+
+def _verify_checkpoint(args):
+    if len(args.paths) != 1 or args.all:
+        raise UsageError("--checkpoint goes with exactly one PATH")
+    path, since, suffix = args.paths[0], None, ""
+    text = Path(args.checkpoint).read_bytes().decode("utf-8", "replace")
+    try:
+        checkpoint, signers, keys = _open_cli_checkpoint(args, text, args.checkpoint)
+        earlier = []
+        for note in split_notes(text)[:-1]:  # unverified: they only name a fork
+            with contextlib.suppress(IntegrityError):
+                earlier.append(parse_checkpoint(note)[0])
+        if args.since:
+            since = open_checkpoint(_read_note(args.since), keys, where=args.since)[0]
+            if (since.origin, since.size > checkpoint.size) != (checkpoint.origin, False):
+                raise IntegrityError(args.since, None, "not an earlier checkpoint of this log")
+        result = check_against(path, checkpoint, earlier, since, cli_key(args))
+        suffix = f"  checkpoint {checkpoint.size} signed by {', '.join(signers)}"
+    except IntegrityError as exc:
+        result = exc
+    return tally([(path, result, suffix)], verified_line, "{}/{} ledgers valid".format)
+
+
+def _cmd_keygen(args):
+    if not _NAME_RE.match(args.name):
+        raise UsageError(f"a key name has no white space or `+`: {printable(args.name)!r}")
+    kind, seed = COSIGNER if args.cosigner else SIGNER, os.urandom(32)
+    public = ed25519_public(seed)
+    key = NoteKey(args.name, _key_id(args.name, kind, public), kind, public, seed)
+    try:
+        fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raise UsageError(f"{args.out} exists: keygen never overwrites a key") from None
+    with open(fd, "w") as handle:
+        handle.write(key_text(key, secret=True) + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    write_out(key_text(key) + "\n")
+    return EXIT_OK
+
+
+def _cmd_checkpoint(args):
+    key = read_signer_key(args.key)
+    origin = args.origin or key.name
+    if key.kind != SIGNER or not origin.strip() or _CONTROL_RE.search(origin):
+        raise UsageError("a checkpoint needs a log key (not --cosigner) and a one-line origin")
+    tree = _Tree()
+    try:
+        for _event, raw, _digest in verified_events(args.path):
+            tree.add(raw)
+    except TornTailError:
+        pass  # a writer is mid-append (or died there): its torn line is no leaf
+    note = sign_note(f"{origin}\n{tree.size}\n{_b64(tree.root())}\n", key)
+    if args.append:
+        with open(args.path + ".checkpoints", "a", encoding="utf-8") as handle:
+            handle.write(("\n" if handle.tell() else "") + note)
+            handle.flush()
+            os.fsync(handle.fileno())
+    write_out(note)
+    return EXIT_OK
+
+
+def _cmd_prove(args):
+    if (args.seq is None) == (args.consistency is None) or len(args.consistency or ()) > 2:
+        raise UsageError("prove takes SEQ --checkpoint FILE, or --consistency M [N]")
+    if args.consistency:
+        old, *size = args.consistency
+        size = size[0] if size else sum(1 for _leaf in ledger_leaves(args.path))
+        if not 0 <= old <= size:
+            raise UsageError(f"--consistency {old} {size}: want 0 <= M <= N")
+        write_out("".join(_b64(h) + "\n" for h in tree_proof(args.path, size, old=old)[0]))
+        return EXIT_OK
+    if not args.checkpoint:
+        raise UsageError("prove SEQ needs --checkpoint FILE")
+    note = _read_note(args.checkpoint)
+    checkpoint = parse_checkpoint(note, args.checkpoint)[0]
+    if not 0 < args.seq <= checkpoint.size:
+        raise UsageError(f"line {args.seq} is not among the checkpoint's {checkpoint.size}")
+    proof, root = tree_proof(args.path, checkpoint.size, index=args.seq - 1)
+    if root != checkpoint.root:
+        raise IntegrityError(args.path, None, "does not give the checkpoint's root: verify it")
+    hashes = "".join(_b64(h) + "\n" for h in proof)
+    write_out(f"c2sp.org/tlog-proof@v1\nindex {args.seq - 1}\n{hashes}\n{note}")
+    return EXIT_OK
+
+
+def _cmd_verify_proof(args):
+    text = Path(args.proof).read_bytes().decode("utf-8", "replace")
+    found = _PROOF_RE.match(text)
+    if not found:
+        raise IntegrityError(args.proof, None, "not a c2sp.org/tlog-proof@v1 proof")
+    checkpoint, signers, _keys = _open_cli_checkpoint(args, text[found.end() :], args.proof)
+    line, index = sys.stdin.buffer.read(), int(found.group(1))
+    line = line[:-1] if line.endswith(b"\n") else line
+    proof = [base64.b64decode(h) for h in found.group(2).split()]
+    if not verify_inclusion(line, index, checkpoint.size, proof, checkpoint.root):
+        raise IntegrityError(
+            args.proof, None, f"the line on stdin is not line {index + 1} of the log"
+        )
+    write_out(
+        f"ok    line {index + 1} of {printable(checkpoint.origin)} ({checkpoint.size} lines), "
+        f"signed by {printable(', '.join(signers))}\n"
+    )
+    return EXIT_OK
+
+
+def _add_key_options(parser):
+    parser.add_argument(
+        "--vkey", action="append", metavar="KEY", help="the log's verifier key, or its file"
+    )
+    parser.add_argument(
+        "--witness", action="append", metavar="VKEY", help="a witness's verifier key (repeatable)"
+    )
+    parser.add_argument(
+        "--witnesses-needed", type=int, metavar="N", help="default: every --witness"
+    )
+
+
+def _add_checkpoint_commands(sub, verify_parser):
+    verify_parser.add_argument(
+        "--checkpoint", metavar="FILE", help="hold PATH to a signed checkpoint"
+    )
+    verify_parser.add_argument("--since", metavar="FILE", help="an earlier checkpoint it extends")
+    _add_key_options(verify_parser)
+    for name, text, handler in (
+        ("keygen", "write a signer key to --out (mode 0600); print its verifier key", _cmd_keygen),
+        ("checkpoint", "verify a ledger, then print its signed checkpoint", _cmd_checkpoint),
+        ("prove", "an inclusion proof of line SEQ, or --consistency M [N]", _cmd_prove),
+        ("verify-proof", "check that the line on stdin is in the signed log", _cmd_verify_proof)
+    ):
+        p = sub.add_parser(name, help=text)
+        p.set_defaults(func=handler)
+        dest = {"keygen": "name", "verify-proof": "proof"}.get(name, "path")
+        p.add_argument(dest, metavar=dest.upper())
+        if name == "keygen":
+            p.add_argument("--out", required=True, metavar="FILE")
+            p.add_argument("--cosigner", action="store_true", help="a witness key (type 0x04)")
+        elif name == "checkpoint":
+            p.add_argument("--key", required=True, metavar="FILE", help="the signer key file")
+            p.add_argument("--origin", help="the log's name (default: the key's)")
+            p.add_argument("--append", action="store_true", help="also add it to PATH.checkpoints")
+        elif name == "prove":
+            p.add_argument("seq", nargs="?", type=int, metavar="SEQ")
+            p.add_argument("--checkpoint", metavar="FILE")
+            p.add_argument("--consistency", nargs="+", type=int, metavar="M")
+        else:
+            _add_key_options(p)
+
+
+# ----------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------
 
@@ -1603,6 +2197,8 @@ def verified_line(result):
 
 
 def _cmd_verify(args):
+    if args.checkpoint:
+        return _verify_checkpoint(args)
     check_targets(args, "verify")
     if args.expect_head is not None and (len(args.paths) != 1 or args.all):
         raise UsageError("--expect-head goes with exactly one PATH")
@@ -1770,6 +2366,7 @@ def _build_parser():
     p.add_argument(
         "--expect-head", metavar="SEQ:HASH", help="a head published earlier (finds truncation)"
     )
+    _add_checkpoint_commands(sub, p)
     p = commands["report"]
     p.add_argument("--kind", action="append", help="only this kind (repeatable)")
     p.add_argument("--stage", help="only decisions of this stage")
