@@ -996,13 +996,16 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=(), 
 
 
 def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
-    """A ledger's signed checkpoint, its chain verified first (a torn last line is no leaf); with
-    `append` also added to PATH.checkpoints, fsync'd."""
+    """A ledger's signed checkpoint (origin: the key's name), its chain verified first (a torn last
+    line is no leaf); with `append` also added to PATH.checkpoints, fsync'd."""
+    origin = origin or signer.name
+    if signer.kind != SIGNER or not origin.strip() or _CONTROL_RE.search(origin):
+        raise UsageError("a checkpoint needs a log key (not --cosigner) and a one-line origin")
     tree = _Tree()
     with contextlib.suppress(TornTailError):  # a writer is mid-append (or died there)
         for _event, raw, _digest in verified_events(path, key=key):
             tree.add(raw)
-    note = sign_note(f"{origin or signer.name}\n{tree.size}\n{_b64(tree.root())}\n", signer)
+    note = sign_note(f"{origin}\n{tree.size}\n{_b64(tree.root())}\n", signer)
     if append:
         with open(f"{path}.checkpoints", "a", encoding="utf-8") as handle:
             handle.write(("\n" if handle.tell() else "") + note)
@@ -2032,22 +2035,7 @@ def _cmd_keygen(args):
 
 def _cmd_checkpoint(args):
     key = read_signer_key(args.key)
-    origin = args.origin or key.name
-    if key.kind != SIGNER or not origin.strip() or _CONTROL_RE.search(origin):
-        raise UsageError("a checkpoint needs a log key (not --cosigner) and a one-line origin")
-    tree = _Tree()
-    try:
-        for _event, raw, _digest in verified_events(args.path):
-            tree.add(raw)
-    except TornTailError:
-        pass  # a writer is mid-append (or died there): its torn line is no leaf
-    note = sign_note(f"{origin}\n{tree.size}\n{_b64(tree.root())}\n", key)
-    if args.append:
-        with open(args.path + ".checkpoints", "a", encoding="utf-8") as handle:
-            handle.write(("\n" if handle.tell() else "") + note)
-            handle.flush()
-            os.fsync(handle.fileno())
-    write_out(note)
+    write_out(make_checkpoint(args.path, key, origin=args.origin, append=args.append))
     return EXIT_OK
 
 
