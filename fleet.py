@@ -15,6 +15,7 @@ server, 2 usage, configuration or refusal, 5 stdout could not be written.
 
 import argparse
 import base64
+import collections
 import contextlib
 import datetime
 import functools
@@ -316,6 +317,11 @@ class ClickHouse:
                     "was not made by this tool (or by another version); pick another with --table",
                     rl.EXIT_USAGE
                 )
+        if create:  # the signed checkpoints beside the lines: one row a note, whole
+            self.query(
+                f"CREATE TABLE IF NOT EXISTS {self.name}_checkpoints (ledger_id String, note "
+                "String) ENGINE = ReplacingMergeTree ORDER BY (ledger_id, note)"
+            )
 
     def require_table(self):
         """Raise (exit 2) when the table is missing: nothing was shipped to it yet."""
@@ -455,7 +461,7 @@ def ship(
         try:
             if isinstance(ids[path], OSError):
                 raise ids[path]
-            yield path, _ship_one(
+            shipped = _ship_one(
                 client,
                 path,
                 ids[path],
@@ -466,6 +472,7 @@ def ship(
                 batch_rows,
                 batch_bytes
             )
+            yield path, _ship_checkpoints(client, path, shipped)
         except (rl.IntegrityError, rl.KeyRequiredError, OSError) as exc:
             yield path, rl.named_error(exc, path)
 
@@ -529,6 +536,26 @@ def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, ba
     return Shipped(path, ledger_id, start + 1, last, head, torn, resend)
 
 
+def _ship_checkpoints(client, path, shipped):
+    """Send PATH.checkpoints' notes over lines ClickHouse holds now, each time: FINAL keeps one
+    row of each."""
+    try:
+        with open(f"{path}.checkpoints", encoding="utf-8") as handle:
+            notes = rl.split_notes(handle.read())
+    except FileNotFoundError:
+        return shipped
+    rows = [
+        rl.dumps({"ledger_id": shipped.ledger_id, "note": note})
+        for note in notes
+        if 0 < rl.parse_checkpoint(note, handle.name)[0].size <= shipped.last
+    ]
+    if rows:
+        client.query(
+            f"INSERT INTO {client.name}_checkpoints FORMAT JSONEachRow", "\n".join(rows).encode()
+        )
+    return shipped
+
+
 def _send(client, path, spool, marks):
     """INSERT the spooled rows batch by batch, marks [(last seq, spool offset)] apart."""
     start, last = marks[0][0], marks[-1][0]
@@ -558,10 +585,11 @@ def shipped_ledgers(client, condition=""):
     )
 
 
-def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, condition=None):
-    """Re-verify the raw lines ClickHouse holds, and each row's line_sha256, seq and ledger_id.
-    Yields (ledger as shipped_ledgers(), Verified or the error); `ledger_ids`: ids or their starts,
-    or a SQL WHERE `condition`."""
+def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, condition=None, vkeys=()):
+    """Re-verify the raw lines ClickHouse holds, each row's line_sha256, seq and ledger_id, and the
+    roots of the checkpoints shipped (signed by one of `vkeys`, if any). Yields (ledger as
+    shipped_ledgers(), Verified or the error); `ledger_ids`: ids or their starts, or a SQL WHERE
+    `condition`."""
     for prefix in ledger_ids:
         if not re.fullmatch(r"[0-9a-f]{1,64}", prefix):
             raise rl.UsageError(
@@ -582,6 +610,10 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
         )
     )
     listed = {row["ledger_id"]: row for row in shipped_ledgers(client, where)}
+    notes = collections.defaultdict(list)
+    if client.query(f"EXISTS TABLE {client.name}_checkpoints").strip() == b"1":
+        for row in client.rows(f"SELECT * FROM {client.name}_checkpoints FINAL {where}"):
+            notes[row["ledger_id"]].append(row["note"])
     if expect_head is not None and len(listed) > 1:
         raise rl.UsageError(f"--expect-head goes with exactly one ledger; {len(listed)} match")
     for prefix in ledger_ids:
@@ -604,16 +636,30 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
                 "last_host": None,
                 "last_path": None
             }
-            name = f"clickhouse:{ledger_id}"
+            name, roots = f"clickhouse:{ledger_id}", {}
             try:
-                yield ledger, rl.verify(
+                marks = [
+                    rl.open_checkpoint(n, vkeys, where=name) if vkeys else rl.parse_checkpoint(n)
+                    for n in notes[ledger_id]
+                ]
+                result = rl.verify(
                     name,
                     key=key,
                     expect_head=expect_head,
                     run_id=rl.run_dir_id(ledger["last_path"] or ""),
-                    lines=_stored_lines(name, ledger_id, rows),
+                    lines=_rooted(_stored_lines(name, ledger_id, rows), marks, roots),
                     truncated="the expected head is seq {} but ClickHouse holds up to seq {}"
                 )
+                for checkpoint, _signers in marks:
+                    if roots.get(checkpoint.size) != checkpoint.root:
+                        raise rl.IntegrityError(
+                            name,
+                            None,
+                            f"its first {checkpoint.size} rows do not give the root a checkpoint "
+                            "shipped with them signed: rows were rebuilt or deleted"
+                        )
+                result.checkpoints = len(marks)
+                yield ledger, result
             except (rl.IntegrityError, rl.KeyRequiredError) as exc:
                 yield ledger, exc
 
@@ -677,6 +723,16 @@ def _stored_rows(response, client):
             f"({rl.printable(rl.error_text(exc))})",
             rl.EXIT_USAGE
         ) from None
+
+
+def _rooted(lines, marks, roots):
+    """The lines, and into `roots` the tree's root at each size a checkpoint of `marks` names."""
+    tree, sizes = rl.Tree(), {checkpoint.size for checkpoint, _signers in marks}
+    for line in lines:
+        tree.add(line[:-1])
+        if tree.size in sizes:
+            roots[tree.size] = tree.root()
+        yield line
 
 
 def _stored_lines(name, ledger_id, rows):
@@ -758,7 +814,11 @@ def _cmd_verify(args):
 
     def rows():
         for ledger, result in verify_shipped(
-            client, ledger_ids=ids, key=rl.cli_key(args), expect_head=expect
+            client,
+            ledger_ids=ids,
+            key=rl.cli_key(args),
+            expect_head=expect,
+            vkeys=rl.cli_keys(args.vkey, rl.SIGNER)
         ):
             shown = ledger["last_path"] is not None and isinstance(
                 result, (rl.Verified, rl.IntegrityError)
@@ -767,7 +827,7 @@ def _cmd_verify(args):
                 f"  {rl.printable(ledger['last_host'])}:{rl.printable(ledger['last_path'])}"
                 if shown
                 else ""
-            )
+            ) + (f"  {result.checkpoints} checkpoints" if hasattr(result, "checkpoints") else "")
             yield f"clickhouse:{ledger['ledger_id']}", result, where
 
     try:
@@ -792,7 +852,6 @@ WITNESS_TIMEOUT = 10.0  # seconds for one request, first byte to last
 WITNESS_CONNECTIONS = 16  # at once; more get 503
 WITNESS_LEDGER = "witness.jsonl"
 _TEXT, _SIZE = "text/plain; charset=utf-8", "text/x.tlog.size"
-_HASH_RE = re.compile(r"[A-Za-z0-9+/]{43}=\Z")
 
 
 def _refuse(status, message, reason=None):
@@ -918,7 +977,7 @@ def witness_push(ledger, url, vkey, timeout=WITNESS_TIMEOUT):
     largest size it cosigned in LEDGER.checkpoints (or 0), once more from the size a 409 names;
     append its cosignature under that checkpoint. Returns the Checkpoint, and False when it was
     cosigned already."""
-    sidecar, witness = f"{ledger}.checkpoints", [rl.parse_key(vkey)]
+    sidecar, witness = f"{ledger}.checkpoints", rl.cli_keys([vkey], rl.COSIGNER)
     with open(sidecar, encoding="utf-8") as handle:
         text = handle.read()
     notes, old = rl.split_notes(text), 0
@@ -930,13 +989,10 @@ def witness_push(ledger, url, vkey, timeout=WITNESS_TIMEOUT):
                 return newest, False
     for attempt in (1, 2):
         proof = rl.tree_proof(ledger, newest.size, old=old)[0] if old else []
-        body = (
-            f"old {old}\n"
-            + "".join(base64.b64encode(h).decode() + "\n" for h in proof)
-            + "\n"
-            + notes[-1]
+        lines = [f"old {old}", *(base64.b64encode(h).decode() for h in proof), "", notes[-1]]
+        status, kind, answer = _post(
+            f"{url.rstrip('/')}/add-checkpoint", "\n".join(lines).encode(), timeout
         )
-        status, kind, answer = _post(url.rstrip("/") + "/add-checkpoint", body.encode(), timeout)
         if status == 409 and kind == _SIZE and attempt == 1 and answer.strip().isdigit():
             old = int(answer)
             continue
@@ -957,38 +1013,23 @@ def witness_push(ledger, url, vkey, timeout=WITNESS_TIMEOUT):
 
 
 def _post(url, body, timeout):
-    """(status, content type, text) of a POST: an error status too."""
+    """(status, content type, text) of a POST's answer, an error status's too."""
     import http.client
     import urllib.error
     import urllib.request
 
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": _TEXT}, method="POST")
     deadline = ask.Deadline(timeout)
     try:
-        with ask.http_open(request, deadline) as response:
-            return (
-                response.status,
-                response.headers.get("Content-Type"),
-                response.read(65536).decode()
-            )
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return (
-                exc.code,
-                exc.headers.get("Content-Type"),
-                exc.read(65536).decode("utf-8", "replace")
-            )
-    except (urllib.error.URLError, OSError, http.client.HTTPException, UnicodeDecodeError) as exc:
-        raise rl.IntegrityError(
-            url,
-            None,
-            "no answer from the witness"
-            + (
-                " in time"
-                if deadline.expired
-                else f": {rl.error_text(getattr(exc, 'reason', exc))}"
-            )
-        ) from None
+        try:
+            response = ask.http_open(urllib.request.Request(url, body), deadline)
+        except urllib.error.HTTPError as exc:
+            response = exc
+        with response:
+            kind, text = response.headers.get("Content-Type"), response.read(65536).decode()
+            return response.code, kind, text
+    except (OSError, http.client.HTTPException, UnicodeDecodeError) as exc:
+        why = "in time" if deadline.expired else rl.error_text(getattr(exc, "reason", exc))
+        raise rl.IntegrityError(url, None, f"no answer from the witness: {why}") from None
     finally:
         deadline.cancel()
 
@@ -1100,6 +1141,9 @@ def _verify_parser(sub):
     )
     command.add_argument(
         "--timeout", type=float, default=300.0, metavar="S", help="seconds a request (300)"
+    )
+    command.add_argument(
+        "--vkey", action="append", metavar="KEY", help="the shipped checkpoints' signers (or files)"
     )
     return command
 

@@ -995,31 +995,6 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=(), 
     )
 
 
-def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
-    """A ledger's signed checkpoint (origin: the key's name), its chain verified first (a torn last
-    line is no leaf); with `append` also added to PATH.checkpoints, fsync'd."""
-    origin = origin or signer.name
-    if signer.kind != SIGNER or not origin.strip() or _CONTROL_RE.search(origin):
-        raise UsageError("a checkpoint needs a log key (not --cosigner) and a one-line origin")
-    tree = _Tree()
-    with contextlib.suppress(TornTailError):  # a writer is mid-append (or died there)
-        for _event, raw, _digest in verified_events(path, key=key):
-            tree.add(raw)
-    note = sign_note(f"{origin}\n{tree.size}\n{_b64(tree.root())}\n", signer)
-    if append:
-        with open(f"{path}.checkpoints", "a", encoding="utf-8") as handle:
-            handle.write(("\n" if handle.tell() else "") + note)
-            handle.flush()
-            os.fsync(handle.fileno())
-    return note
-
-
-def env_signer():
-    """The signer key LEDGER_SIGNING_KEY_FILE names (a Ledger's `signer`), or None when unset."""
-    path = os.environ.get(SIGNING_KEY_ENV)
-    return read_signer_key(path) if path else None
-
-
 # ----------------------------------------------------------------------------
 # Reading and verifying
 # ----------------------------------------------------------------------------
@@ -2124,6 +2099,40 @@ def _add_checkpoint_commands(sub, verify_parser):
             p.add_argument("--consistency", nargs="+", type=int, metavar="M")
         else:
             _add_key_options(p)
+
+
+# ----------------------------------------------------------------------------
+# Checkpoints as ledgers are written (a signing Ledger), and the tree for other rooms
+# ----------------------------------------------------------------------------
+
+# for fleet.py: RFC 6962's tree leaf by leaf (to root the lines ClickHouse holds), and the keys of
+# --vkey and --witness
+Tree, cli_keys = _Tree, _cli_keys
+
+
+def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
+    """A ledger's signed checkpoint (origin: the key's name), its chain verified first (a torn last
+    line is no leaf); with `append` also added to PATH.checkpoints, fsync'd."""
+    origin = origin or signer.name
+    if signer.kind != SIGNER or not origin.strip() or _CONTROL_RE.search(origin):
+        raise UsageError("a checkpoint needs a log key (not --cosigner) and a one-line origin")
+    tree = _Tree()
+    with contextlib.suppress(TornTailError):  # a writer is mid-append (or died there)
+        for _event, raw, _digest in verified_events(path, key=key):
+            tree.add(raw)
+    note = sign_note(f"{origin}\n{tree.size}\n{_b64(tree.root())}\n", signer)
+    if append:
+        with open(f"{path}.checkpoints", "a", encoding="utf-8") as handle:
+            handle.write(("\n" if handle.tell() else "") + note)
+            handle.flush()
+            os.fsync(handle.fileno())
+    return note
+
+
+def env_signer():
+    """The signer key LEDGER_SIGNING_KEY_FILE names (a Ledger's `signer`), or None when unset."""
+    path = os.environ.get(SIGNING_KEY_ENV)
+    return read_signer_key(path) if path else None
 
 
 # ----------------------------------------------------------------------------
