@@ -2132,7 +2132,10 @@ def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
 def env_signer():
     """The signer key LEDGER_SIGNING_KEY_FILE names (a Ledger's `signer`), or None when unset."""
     path = os.environ.get(SIGNING_KEY_ENV)
-    return read_signer_key(path) if path else None
+    key = read_signer_key(path) if path else None
+    if key and key.kind != SIGNER:
+        raise UsageError(f"{SIGNING_KEY_ENV}: a log's key, not a witness's (--cosigner)")
+    return key
 
 
 # ----------------------------------------------------------------------------

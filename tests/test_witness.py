@@ -3,9 +3,7 @@
 clients on raw sockets. Nothing asserts a speed: a slow client is told apart by the answer it gets."""
 
 import http.client
-import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -275,3 +273,85 @@ def test_a_witness_refuses_to_start_without_its_files(tmp_path):
     for args in ([], ["--key", tmp_path / "none.key", "--logs", tmp_path / "none.txt"]):
         proc = run_script("fleet.py", "witness", "--listen", "127.0.0.1:0", *args)
         assert proc.returncode == 2 and proc.err.startswith("error: ")
+
+
+# ----------------------------------------------------------------------------
+# Where checkpoints are made: a signing Ledger, the proxy and the daemon at SIGTERM
+# ----------------------------------------------------------------------------
+
+def _sizes(ledger):
+    return [rl.parse_checkpoint(n)[0].size for n in rl.split_notes(Path(f"{ledger}.checkpoints").read_text())]
+
+
+def _verifies(ledger, vkey):
+    proc = run_script("reasoning_ledger.py", "verify", ledger, "--checkpoint", f"{ledger}.checkpoints",
+                      "--vkey", vkey)
+    assert proc.returncode == 0, proc.out + proc.err
+
+
+def test_a_signing_ledger_checkpoints_every_n_lines_or_m_seconds_and_at_close(tmp_path, monkeypatch):
+    key, vkey = keygen(tmp_path, "box.example/log")
+    signer, ledger = rl.read_signer_key(key), tmp_path / "l.jsonl"
+    monkeypatch.setattr(rl, "CHECKPOINT_EVERY", (3, 3600))
+    with rl.Ledger(ledger, "r1", signer=signer) as book:
+        for i in range(7):
+            book.append("note", {"i": i})
+        assert _sizes(ledger) == [3, 6]
+    assert _sizes(ledger) == [3, 6, 7]  # the close: the last line too
+    rl.Ledger(ledger, "r1", signer=signer).close()  # nothing new: no checkpoint
+    assert _sizes(ledger) == [3, 6, 7]
+    monkeypatch.setattr(rl, "CHECKPOINT_EVERY", (1000, 0))  # every line is M seconds after the last
+    with rl.Ledger(ledger, "r1", signer=signer) as book:
+        book.append("note")
+        book.append("note")
+    assert _sizes(ledger) == [3, 6, 7, 8, 9]
+    _verifies(ledger, vkey)
+    assert key.read_text().strip() not in ledger.read_text()
+
+
+def test_a_cosigner_or_readable_signing_key_is_refused_before_anything_is_written(tmp_path):
+    from proxy_helpers import Proxy
+    wkey, _ = keygen(tmp_path, "w.example", "--cosigner")
+    open_key, _ = keygen(tmp_path, "box.example/open")
+    open_key.chmod(0o644)
+    for key in (wkey, open_key, tmp_path / "missing.key"):
+        with pytest.raises(RuntimeError, match="error: "):
+            Proxy("http://127.0.0.1:9/v1", tmp_path / "calls.jsonl", LEDGER_SIGNING_KEY_FILE=str(key))
+        assert not (tmp_path / "calls.jsonl").exists()
+
+
+def test_the_proxy_checkpoints_its_ledger_at_sigterm(tmp_path):
+    from fake_upstream import Upstream
+    from proxy_helpers import Proxy, post
+    key, vkey = keygen(tmp_path, "box.example/proxy")
+    upstream = Upstream().start()
+    try:
+        proxy = Proxy(upstream.base_url, tmp_path / "calls.jsonl", LEDGER_SIGNING_KEY_FILE=str(key))
+        for _ in range(2):
+            response, _raw = post(proxy.conn(), "/chat/completions",
+                                  {"model": "up-model", "messages": [{"role": "user", "content": "2+2?"}]})
+            assert response.status == 200
+        code, _out, err = proxy.stop()
+    finally:
+        upstream.stop()
+    assert code == 0, err
+    assert _sizes(tmp_path / "calls.jsonl") == [len((tmp_path / "calls.jsonl").read_bytes().splitlines())]
+    _verifies(tmp_path / "calls.jsonl", vkey)
+
+
+def test_the_daemon_checkpoints_its_ledger_at_sigterm(tmp_path, server):
+    from test_daemon import Daemon
+    from conftest import KEY, make_repo, tools_json
+    key, vkey = keygen(tmp_path, "box.example/daemon")
+    runs = tmp_path / "runs"
+    argv = [sys.executable, str(ROOT / "daemon.py"), "--repo", str(make_repo(tmp_path / "repo")), "--port", "0",
+            "--runs-dir", str(runs), "--tools", str(tools_json(tmp_path / "tools.json"))]
+    env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="m", LEDGER_SIGNING_KEY_FILE=str(key))
+    daemon = Daemon(argv, env, runs, tmp_path / "daemon.err").start()
+    try:
+        assert daemon.stop() == 0, daemon.stderr()
+    finally:
+        daemon.kill()
+    ledger = runs / "daemon.jsonl"
+    assert _sizes(ledger) == [len(ledger.read_bytes().splitlines())]
+    _verifies(ledger, vkey)
