@@ -8,6 +8,12 @@ Usage:
   python reasoning_ledger.py report PATH... [--all RUNS_DIR] [--kind K] [--stage S] [--run R]
                              [--since T] [--until T] [--json]
   python reasoning_ledger.py append PATH --kind K [--run-id R] [--payload JSON | < payload.json]
+  python reasoning_ledger.py keygen NAME --out FILE [--cosigner]
+  python reasoning_ledger.py checkpoint PATH --key FILE [--origin ORIGIN] [--append]
+  python reasoning_ledger.py verify PATH --checkpoint FILE --vkey KEY [--since FILE]
+                             [--witness VKEY]... [--witnesses-needed N]
+  python reasoning_ledger.py prove PATH SEQ --checkpoint FILE | prove PATH --consistency M [N]
+  python reasoning_ledger.py verify-proof PROOF --vkey KEY [--witness VKEY]... < line
 
 Library (copy this one file next to your code):
   from reasoning_ledger import Ledger, open_run, read_events, verify
@@ -1614,23 +1620,27 @@ def tree_proof(path, size, index=None, old=None):
     return [hashes[lo] for lo, _hi in ranges], whole.root()
 
 
-def verify_inclusion(leaf, index, size, proof, root):
-    """True when `proof` shows `leaf` is leaf `index` of the tree of `size` leaves with `root`
-    (RFC 9162, 2.1.3.2)."""
-    if not 0 <= index < size:
-        return False
-    node, fn, sn = hashlib.sha256(b"\0" + leaf).digest(), index, size - 1
+def _climb(fn, sn, node, proof, old_node=None):
+    """RFC 9162's walk up a proof from node index fn of last index sn: (old_node, node), the roots
+    it gives, or (None, None)."""
     for sibling in proof:
         if sn == 0:
-            return False
+            return None, None
         if fn & 1 or fn == sn:
-            node = _node(sibling, node)
+            old_node, node = old_node and _node(sibling, old_node), _node(sibling, node)
             while fn and not fn & 1:
                 fn, sn = fn >> 1, sn >> 1
         else:
             node = _node(node, sibling)
         fn, sn = fn >> 1, sn >> 1
-    return sn == 0 and node == root
+    return (old_node, node) if sn == 0 else (None, None)
+
+
+def verify_inclusion(leaf, index, size, proof, root):
+    """True when `proof` shows `leaf` is leaf `index` of the tree of `size` leaves with `root`
+    (RFC 9162, 2.1.3.2)."""
+    leaf_hash = hashlib.sha256(b"\0" + leaf).digest()
+    return 0 <= index < size and _climb(index, size - 1, leaf_hash, proof)[1] == root
 
 
 def verify_consistency(old_size, old_root, size, root, proof):
@@ -1639,23 +1649,10 @@ def verify_consistency(old_size, old_root, size, root, proof):
     if old_size in (0, size) or old_size > size:
         return not proof and old_size <= size and (old_size == 0 or old_root == root)
     proof = ([old_root] if old_size & (old_size - 1) == 0 else []) + list(proof)
-    if not proof:
-        return False
     fn, sn = old_size - 1, size - 1
     while fn & 1:
         fn, sn = fn >> 1, sn >> 1
-    old_node = node = proof[0]
-    for sibling in proof[1:]:
-        if sn == 0:
-            return False
-        if fn & 1 or fn == sn:
-            old_node, node = _node(sibling, old_node), _node(sibling, node)
-            while fn and not fn & 1:
-                fn, sn = fn >> 1, sn >> 1
-        else:
-            node = _node(node, sibling)
-        fn, sn = fn >> 1, sn >> 1
-    return sn == 0 and old_node == old_root and node == root
+    return bool(proof) and _climb(fn, sn, proof[0], proof[1:], proof[0]) == (old_root, root)
 
 
 # Ed25519 (RFC 8032, 5.1) on points in extended coordinates (X, Y, Z, T), x = X/Z, y = Y/Z.
@@ -1772,8 +1769,8 @@ def key_text(key, secret=False):
 
 
 def parse_key(text, secret=False):
-    """A verifier key (NAME+KEYID+BASE64), or with `secret` a signer key (PRIVATE+KEY+...) -> NoteKey.
-    It splits at its first two `+` only, as base64 holds `+`. Raises UsageError."""
+    """A verifier key (NAME+KEYID+BASE64), or with `secret` a signer key (PRIVATE+KEY+...), as a
+    NoteKey. It splits at its first two `+` only, as base64 holds `+`. Raises UsageError."""
     text = text.strip()
     if text.startswith(_PRIVATE) != secret:
         raise UsageError(
@@ -1867,36 +1864,32 @@ def open_checkpoint(text, keys, witnesses=(), needed=None, where="checkpoint"):
     signers): unknown signers are ignored, a known one's signature must verify, one of `keys` must
     have signed and `needed` (default: all) of `witnesses` cosigned (tlog-cosignature/v1)."""
     checkpoint, signatures = parse_checkpoint(text, where)
-    known, signed, other_ids = {(k.name, k.kid): k for k in (*keys, *witnesses)}, {}, []
+    known, signed, wrong = {(k.name, k.kid): k for k in (*keys, *witnesses)}, [], None
     for name, kid, signature in signatures:
-        key = known.get((name, kid))
-        message = checkpoint.body.encode()
+        key, message = known.get((name, kid)), checkpoint.body.encode()
         if key and key.kind == COSIGNER:
             message = _cosigned(checkpoint.body, int.from_bytes(signature[:8], "big"))
             signature = signature[8:]
         if key and not ed25519_verify(key.public, message, signature):
             raise IntegrityError(where, None, f"the signature by {name} does not verify")
-        signed[key or name] = name
-        other_ids += [(name, kid, k.kid) for k in known.values() if not key and k.name == name]
+        signed += [key] if key else []
+        if not key and any(k.name == name for k in known.values()):
+            wrong = f"wrong key ID: the signature by {name} has key ID {kid.hex()}, not the key's"
     needed = len(witnesses) if needed is None else needed
+    cosigned = len(set(signed) & set(witnesses))
+    signers = ", ".join(s[0] for s in signatures)
     problem = (
-        "wrong key ID: the signature by {} has key ID {}, the key given {}".format(
-            other_ids[0][0], other_ids[0][1].hex(), other_ids[0][2].hex()
-        )
-        if not any(k in signed for k in keys) and other_ids
+        printable(wrong or f"signed by no key given (signers: {signers})")
+        if not set(signed) & set(keys)
         else (
-            f"signed by no key given (signers: {', '.join(s[0] for s in signatures)})"
-            if not any(k in signed for k in keys)
-            else (
-                f"cosigned by {sum(k in signed for k in witnesses)} of the {needed} witnesses needed"
-                if sum(k in signed for k in witnesses) < needed
-                else None
-            )
+            f"cosigned by {cosigned} of the {needed} witnesses needed"
+            if cosigned < needed
+            else None
         )
     )
     if problem:
-        raise IntegrityError(where, None, printable(problem))
-    return checkpoint, [name for key, name in signed.items() if key in known.values()]
+        raise IntegrityError(where, None, problem)
+    return checkpoint, [k.name for k in dict.fromkeys(signed)]
 
 
 def check_against(path, checkpoint, earlier=(), since=None, key=None):
@@ -1916,34 +1909,27 @@ def check_against(path, checkpoint, earlier=(), since=None, key=None):
         result = verify(path, key=key)
     except IntegrityError as exc:
         result = exc
-    size, matched = checkpoint.size, [c.size for c in earlier if roots.get(c.size) == c.root]
-    reason = (
-        f"cut: the checkpoint covers {size} lines, the ledger has {tree.size}"
-        if size not in roots
-        else (
-            None
-            if roots[size] == checkpoint.root
+    size = checkpoint.size
+    matched = max([c.size for c in earlier if roots.get(c.size) == c.root], default=0)
+    if size not in roots:
+        reason = f"cut: the checkpoint covers {size} lines, the ledger has {tree.size}"
+    elif roots[size] != checkpoint.root:
+        reason = (
+            f"forked after line {matched}, where an earlier checkpoint matches"
+            if matched
             else (
-                f"forked: its first {max(matched)} lines match an earlier checkpoint, its first "
-                f"{size} do not give this one's root"
-                if matched
-                else (
-                    f"a line changed: its first {size} lines do not give the checkpoint's root; "
-                    + str(result)[len(result.path) + 2 :]
-                    if isinstance(result, IntegrityError)
-                    else f"rebuilt, or forked before any earlier checkpoint: its first {size} lines do not "
-                    "give the checkpoint's root (their chain is valid)"
-                )
+                f"a line changed ({str(result)[len(result.path) + 2 :]})"
+                if isinstance(result, IntegrityError)
+                else "rebuilt, or forked before any earlier checkpoint"
             )
-        )
-    )
-    if not reason and since and roots.get(since.size) != since.root:
+        ) + f": its first {size} lines do not give the checkpoint's root"
+    elif since and roots[since.size] != since.root:
         reason = f"forked: the checkpoint does not extend the earlier one of size {since.size}"
-    if reason:
-        raise IntegrityError(path, None, reason)
-    if isinstance(result, IntegrityError):
+    elif isinstance(result, IntegrityError):
         raise result
-    return result
+    else:
+        return result
+    raise IntegrityError(path, None, reason)
 
 
 def _cli_keys(values, kind):
@@ -2044,8 +2030,7 @@ def _cmd_verify_proof(args):
     if not found:
         raise IntegrityError(args.proof, None, "not a c2sp.org/tlog-proof@v1 proof")
     checkpoint, signers, _keys = _open_cli_checkpoint(args, text[found.end() :], args.proof)
-    line, index = sys.stdin.buffer.read(), int(found.group(1))
-    line = line[:-1] if line.endswith(b"\n") else line
+    line, index = sys.stdin.buffer.read().removesuffix(b"\n"), int(found.group(1))
     proof = [base64.b64decode(h) for h in found.group(2).split()]
     if not verify_inclusion(line, index, checkpoint.size, proof, checkpoint.root):
         raise IntegrityError(

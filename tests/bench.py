@@ -2,7 +2,7 @@
 """bench.py -- `make bench`: speed as ratios against baselines measured in the same run.
 
 Usage:
-  python tests/bench.py [ledger] [ask] [audit] [agent] [daemon] [ship] [sandbox] [proxy]   # default: all
+  python tests/bench.py [ledger] [ask] [audit] [agent] [daemon] [ship] [sandbox] [proxy] [checkpoints]  # default: all
   BENCH_LINES=1000000 python tests/bench.py                            # the full figures (default 100,000)
   BENCH_KEEP=1 python tests/bench.py ledger                            # keep .bench/ (the big ledger) afterwards
 
@@ -369,7 +369,8 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     benches = {"ledger": bench_ledger, "ask": bench_ask, "audit": bench_audit, "agent": bench_agent,
                "daemon": lambda: bench_module("daemon"), "ship": lambda: bench_module("ship"),
-               "sandbox": lambda: bench_module("sandbox"), "proxy": lambda: bench_module("proxy")}
+               "sandbox": lambda: bench_module("sandbox"), "proxy": lambda: bench_module("proxy"),
+               "checkpoints": lambda: bench_module("checkpoints")}
     wanted = argv or list(benches)
     unknown = [name for name in wanted if name not in benches]
     if unknown:

@@ -114,6 +114,10 @@ def test_trees_of_every_size_up_to_70_match_the_naive_mth(seventy):
         assert (proof, root) == ([], mth(leaves[:size]))
     with pytest.raises(rl.IntegrityError, match="cut: the ledger has 70 lines, not 71"):
         rl.tree_proof(path, 71, old=0)
+    tree = rl._Tree()  # O(log n) memory: one subtree root per set bit of the size
+    for size in range(1, 5000):
+        tree.add(b"x")
+        assert len(tree.stack) == bin(size).count("1")
 
 
 def test_inclusion_proofs_for_every_leaf_of_every_tree_up_to_70(seventy):
@@ -330,7 +334,7 @@ def test_every_tamper_class_against_a_checkpoint_is_named(signed, tmp_path):
     # the last line changed: the chain cannot see it, the checkpoint does
     rewrite(ledger, original[:7] + [original[7].replace(b'"i":7', b'"i":9')])
     assert "rebuilt, or forked before any earlier checkpoint" not in verify()  # the early one matches
-    assert "forked: its first 5 lines match an earlier checkpoint" in verify()
+    assert "forked after line 5, where an earlier checkpoint matches" in verify()
     # a tail cut below the checkpoint's size
     rewrite(ledger, original[:6])
     assert "cut: the checkpoint covers 8 lines, the ledger has 6" in verify()
@@ -346,7 +350,7 @@ def test_every_tamper_class_against_a_checkpoint_is_named(signed, tmp_path):
     rewrite(ledger, original[:5])
     write(ledger, 3, start=50)
     assert cli("verify", ledger).returncode == 0
-    assert "forked: its first 5 lines match an earlier checkpoint, its first 8" in verify()
+    assert "forked after line 5, where an earlier checkpoint matches: its first 8" in verify()
     # the original verifies again
     rewrite(ledger, original)
     assert cli("verify", ledger, "--checkpoint", sidecar, "--vkey", vkey).returncode == 0

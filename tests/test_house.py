@@ -112,7 +112,7 @@ def test_a_moved_command_is_refused_even_without_its_new_home(tmp_path):
 
 def test_the_readme_names_what_a_vendoring_script_may_rely_on():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme[readme.index("### Vendoring"):readme.index("### Publishing the head")]
+    section = readme[readme.index("### Vendoring"):readme.index("### Anyone can check the record")]
     for name in SHIPPED:
         tree = _tree(name)
         names = next(ast.literal_eval(node.value) for node in tree.body if isinstance(node, ast.Assign)
