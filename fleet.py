@@ -610,10 +610,7 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
         )
     )
     listed = {row["ledger_id"]: row for row in shipped_ledgers(client, where)}
-    notes = collections.defaultdict(list)
-    if client.query(f"EXISTS TABLE {client.name}_checkpoints").strip() == b"1":
-        for row in client.rows(f"SELECT * FROM {client.name}_checkpoints FINAL {where}"):
-            notes[row["ledger_id"]].append(row["note"])
+    notes = _shipped_notes(client, where)
     if expect_head is not None and len(listed) > 1:
         raise rl.UsageError(f"--expect-head goes with exactly one ledger; {len(listed)} match")
     for prefix in ledger_ids:
@@ -636,32 +633,53 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
                 "last_host": None,
                 "last_path": None
             }
-            name, roots = f"clickhouse:{ledger_id}", {}
             try:
-                marks = [
-                    rl.open_checkpoint(n, vkeys, where=name) if vkeys else rl.parse_checkpoint(n)
-                    for n in notes[ledger_id]
-                ]
-                result = rl.verify(
-                    name,
+                yield ledger, _verify_stored(
+                    ledger_id,
+                    rows,
+                    notes[ledger_id],
+                    vkeys,
                     key=key,
                     expect_head=expect_head,
-                    run_id=rl.run_dir_id(ledger["last_path"] or ""),
-                    lines=_rooted(_stored_lines(name, ledger_id, rows), marks, roots),
-                    truncated="the expected head is seq {} but ClickHouse holds up to seq {}"
+                    run_id=rl.run_dir_id(ledger["last_path"] or "")
                 )
-                for checkpoint, _signers in marks:
-                    if roots.get(checkpoint.size) != checkpoint.root:
-                        raise rl.IntegrityError(
-                            name,
-                            None,
-                            f"its first {checkpoint.size} rows do not give the root a checkpoint "
-                            "shipped with them signed: rows were rebuilt or deleted"
-                        )
-                result.checkpoints = len(marks)
-                yield ledger, result
             except (rl.IntegrityError, rl.KeyRequiredError) as exc:
                 yield ledger, exc
+
+
+def _shipped_notes(client, where):
+    """{ledger_id: its checkpoints} as shipped (none in a table an earlier version made)."""
+    notes = collections.defaultdict(list)
+    if client.query(f"EXISTS TABLE {client.name}_checkpoints").strip() == b"1":
+        for row in client.rows(f"SELECT * FROM {client.name}_checkpoints FINAL {where}"):
+            notes[row["ledger_id"]].append(row["note"])
+    return notes
+
+
+def _verify_stored(ledger_id, rows, notes, vkeys, **options):
+    """verify() of a ledger's stored rows, then its root at each checkpoint shipped with them
+    (signed by one of `vkeys`, if any): Verified, with how many checkpoints it holds to."""
+    name, roots = f"clickhouse:{ledger_id}", {}
+    marks = [
+        rl.open_checkpoint(n, vkeys, where=name) if vkeys else rl.parse_checkpoint(n, name)
+        for n in notes
+    ]
+    result = rl.verify(
+        name,
+        lines=_rooted(_stored_lines(name, ledger_id, rows), marks, roots),
+        truncated="the expected head is seq {} but ClickHouse holds up to seq {}",
+        **options
+    )
+    for checkpoint, _signers in marks:
+        if roots.get(checkpoint.size) != checkpoint.root:
+            raise rl.IntegrityError(
+                name,
+                None,
+                f"its first {checkpoint.size} rows do not give the root a checkpoint shipped with "
+                "them signed: rows were rebuilt or deleted"
+            )
+    result.checkpoints = len(marks)
+    return result
 
 
 # -- audit.py --from ------------------------------------------------------
