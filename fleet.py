@@ -884,6 +884,8 @@ class Witness:
 
     def __init__(self, key_file, logs_file, ledger):
         self.signer, self.logs, self.state = rl.read_signer_key(key_file), {}, {}
+        if self.signer.kind != rl.COSIGNER:
+            raise rl.UsageError(f"{key_file}: not a witness's key (keygen --cosigner makes one)")
         with open(logs_file, encoding="utf-8") as handle:
             for line in handle:
                 origin, _, vkey = line.strip().rpartition(" ")

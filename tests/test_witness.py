@@ -269,10 +269,13 @@ def test_connections_over_the_cap_get_503(world):
             assert other.makefile("rb").readline().split()[1] == b"503"
 
 
-def test_a_witness_refuses_to_start_without_its_files(tmp_path):
-    for args in ([], ["--key", tmp_path / "none.key", "--logs", tmp_path / "none.txt"]):
+def test_a_witness_refuses_to_start_without_its_files_or_with_a_logs_key(tmp_path):
+    log_key, vkey = keygen(tmp_path, LOG1)
+    (tmp_path / "logs.txt").write_text(f"{LOG1} {vkey}\n")
+    for args in ([], ["--key", tmp_path / "none.key", "--logs", tmp_path / "logs.txt"],
+                 ["--key", log_key, "--logs", tmp_path / "logs.txt"]):
         proc = run_script("fleet.py", "witness", "--listen", "127.0.0.1:0", *args)
-        assert proc.returncode == 2 and proc.err.startswith("error: ")
+        assert proc.returncode == 2 and proc.err.startswith("error: ") and len(proc.err.splitlines()) == 1, proc.err
 
 
 # ----------------------------------------------------------------------------
