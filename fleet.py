@@ -3,11 +3,15 @@
 
 Usage:
   python3 fleet.py ship PATH... [--all RUNS_DIR] [--to URL]     # URL or LEDGER_SHIP_URL; for cron
-  python3 fleet.py verify [--from [URL]] [--ledger-id ID] [--expect-head SEQ:HASH]
+  python3 fleet.py verify [--from [URL]] [--ledger-id ID] [--expect-head SEQ:HASH] [--vkey KEY]
+  python3 fleet.py witness --listen HOST:PORT --key FILE --logs FILE [--ledger FILE]
+  python3 fleet.py witness-push LEDGER URL --witness VKEY       # for cron
 
 `ship` sends only lines it verified, resumes where ClickHouse stops, and never sends a torn tail;
 `verify` re-verifies every shipped ledger from its stored lines, as `reasoning_ledger.py verify`
-does a file. `audit.py --from URL` and `agent.py run --ship-to URL` read and write through here.
+does a file, and holds them to the signed checkpoints shipped beside them. `witness` is a C2SP
+tlog-witness on another box; `witness-push` gets its cosignature (docs/checkpoints.md).
+`audit.py --from URL` and `agent.py run --ship-to URL` read and write through here.
 ClickHouse's user and password come from CLICKHOUSE_USER and CLICKHOUSE_PASSWORD. Exit codes are
 the toolkit's (reasoning_ledger.EXIT_CODES): 0 ok, 1 an integrity failure or an unreachable
 server, 2 usage, configuration or refusal, 5 stdout could not be written.

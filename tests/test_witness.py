@@ -219,7 +219,8 @@ def test_each_bad_request_gets_the_answer_the_spec_names(world, tmp_path):
         if status == 409:
             assert (kind, text) == ("text/x.tlog.size", "5\n")
     # a checkpoint signed by a key the witness does not trust for the origin
-    other, _ = keygen(tmp_path / "o" if (tmp_path / "o").mkdir() is None else tmp_path, LOG1)
+    (tmp_path / "other").mkdir()
+    other, _ = keygen(tmp_path / "other", LOG1)
     note_other = run_script("reasoning_ledger.py", "checkpoint", ledger, "--key", other).out
     assert witness.post(body(5, note_other, proof))[0] == 403
     # only 422 (a bad proof) is evidence here: 400, 403, 404 and a stale size are the client's
