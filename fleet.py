@@ -849,7 +849,7 @@ def _cmd_verify(args):
                 f"  {rl.printable(ledger['last_host'])}:{rl.printable(ledger['last_path'])}"
                 if shown
                 else ""
-            ) + (f"  {result.checkpoints} checkpoints" if hasattr(result, "checkpoints") else "")
+            ) + (f"  {result.checkpoints} checkpoints" if getattr(result, "checkpoints", 0) else "")
             yield f"clickhouse:{ledger['ledger_id']}", result, where
 
     try:
@@ -895,10 +895,11 @@ class Witness:
                 origin, _, vkey = line.strip().rpartition(" ")
                 if line.strip() and not line.startswith("#"):
                     self.logs.setdefault(origin.strip(), []).append(rl.parse_key(vkey))
-        for event in rl.read_events(ledger) if os.path.exists(ledger) else ():
-            held = event["payload"]
-            if event["kind"] == "witness_cosigned":
-                self.state[held["origin"]] = (held["size"], held["root"])
+        with contextlib.suppress(rl.TornTailError):  # a line torn by a crash was never answered
+            for event in rl.read_events(ledger) if os.path.exists(ledger) else ():
+                held = event["payload"]
+                if event["kind"] == "witness_cosigned":
+                    self.state[held["origin"]] = (held["size"], held["root"])
         self.book = rl.Ledger(ledger, secrets=[rl.key_text(self.signer, secret=True)])
         self.lock = threading.Lock()
 

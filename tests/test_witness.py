@@ -124,6 +124,13 @@ def test_two_logs_are_cosigned_as_they_grow_and_verify_with_the_witness(world, t
     cosigned = witness.events("witness_cosigned")
     assert [(e["origin"], e["size"]) for e in cosigned] == [
         (LOG1, 3), (LOG1, 8), (LOG1, 9), (LOG2, 3), (LOG2, 8), (LOG2, 9)]
+    # the witness's key (and the logs' keys) never reach another file, nor its stderr
+    secrets = [p.read_text().strip() for p in tmp_path.glob("*.key")] + [(tmp_path / "w.key").read_text().strip()]
+    code, err = witness.stop()
+    assert code == 0 and not err
+    for path in tmp_path.iterdir():
+        if path.is_file() and path.suffix != ".key":
+            assert not any(secret.encode() in path.read_bytes() for secret in secrets), path
 
 
 def test_a_push_without_a_cosigned_size_in_the_sidecar_learns_it_from_the_409(world, tmp_path):
@@ -167,8 +174,10 @@ def test_a_fork_is_refused_recorded_and_still_refused_after_a_restart(world, tmp
     assert proc.returncode == 1 and "409" in proc.err
     refused = witness.events("witness_refused")
     assert refused and {e["reason"] for e in refused} == {"fork"} and refused[0]["checkpoint"] == note
-    # a restart keeps the state: the fork is refused again, the true log is cosigned again
+    # a restart keeps the state (a crash's torn last line was never answered): the fork is refused again
     witness.stop()
+    with open(tmp_path / "witness.jsonl", "ab") as torn:
+        torn.write(b'{"seq":9,"run_id":"x","kind":"witness_cosigned","payload":{"origin":"example.com/lo')
     witness.start()
     assert witness.post(body(6, note))[:2] == (409, "text/x.tlog.size")
     grow(fork, 2)
