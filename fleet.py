@@ -876,8 +876,8 @@ WITNESS_LEDGER = "witness.jsonl"
 _TEXT, _SIZE = "text/plain; charset=utf-8", "text/x.tlog.size"
 
 
-def _refuse(status, message, reason=None):
-    return ask.Refused(status, reason, message, {"Content-Type": _SIZE if status == 409 else _TEXT})
+def _refuse(status, message):
+    return ask.Refused(status, None, message, {"Content-Type": _SIZE if status == 409 else _TEXT})
 
 
 class Witness:
@@ -1091,7 +1091,13 @@ def _build_parser():
         ("--request-timeout", float, WITNESS_TIMEOUT, "seconds a request"),
         ("--max-connections", int, WITNESS_CONNECTIONS, "at once; more get 503")
     ):
-        command.add_argument(flag, type=kind, default=default, required=default is None, help=text)
+        command.add_argument(
+            flag,
+            type=kind,
+            default=default,
+            required=default is None,
+            help=text + (" (%(default)s)" if default else "")
+        )
     command = sub.add_parser("witness-push", help="get a witness's cosignature (for cron)")
     command.set_defaults(func=_cmd_push)
     command.add_argument("ledger", metavar="LEDGER")
