@@ -1536,8 +1536,9 @@ def add_key_env(parser):
 # Checkpoints and proofs (docs/checkpoints.md)
 # ----------------------------------------------------------------------------
 
-# The interface for our own rooms (fleet.py's witness): parse_key, read_signer_key, key_text,
-# open_checkpoint, parse_checkpoint, sign_note, cosign, tree_proof, verify_consistency.
+# The interface for our own rooms (fleet.py's witness), docs/checkpoints.md: parse_key,
+# read_signer_key, key_text, parse_checkpoint, open_checkpoint, split_notes, sign_note, cosign,
+# tree_proof, verify_inclusion, verify_consistency, check_against and the ed25519_* functions.
 
 
 def _node(left, right):
@@ -1692,7 +1693,8 @@ def _ed_decode(data):  # the point, or None
         x = x * pow(2, (_P - 1) // 4, _P) % _P
     if y >= _P or (x * x - x2) % _P or (x == 0 and sign):
         return None
-    x = _P - x if x & 1 != sign else x
+    if x & 1 != sign:
+        x = _P - x
     return x, y, 1, x * y % _P
 
 
@@ -1765,7 +1767,7 @@ def _key_id(name, kind, public):
 def key_text(key, secret=False):
     """A NoteKey as text: its verifier key, or with `secret` its signer key."""
     data = bytes([key.kind]) + (key.seed if secret else key.public)
-    return (_PRIVATE if secret else "") + f"{key.name}+{key.kid.hex()}+{_b64(data)}"
+    return f"{_PRIVATE if secret else ''}{key.name}+{key.kid.hex()}+{_b64(data)}"
 
 
 def parse_key(text, secret=False):
@@ -1781,9 +1783,7 @@ def parse_key(text, secret=False):
     name, kid, data = (text[len(_PRIVATE) * secret :].split("+", 2) + ["", ""])[:3]
     raw = _unb64(data)
     if not _NAME_RE.match(name) or len(raw) != 33 or raw[0] not in (SIGNER, COSIGNER):
-        raise UsageError(
-            f"not a signed-note Ed25519 key: {'…' if secret else printable(text[:80])}"
-        )
+        raise UsageError(f"not a signed-note Ed25519 key: {'…' if secret else text[:80]}")
     public = ed25519_public(raw[1:]) if secret else raw[1:]
     if kid != _key_id(name, raw[0], public).hex():
         raise UsageError(f"the key {name}: its key ID {kid} does not match the key")
@@ -1848,7 +1848,7 @@ def parse_checkpoint(text, where="checkpoint"):
         found = _SIG_RE.match(line)
         raw = _unb64(found.group(2)) if found else b""
         if len(raw) < 5:
-            problem = f"malformed signature line {printable(line[:60])!r}"
+            problem = f"malformed signature line {line[:60]!r}"
             break
         signatures.append((found.group(1), raw[:4], raw[4:]))
     if not problem and not match:
@@ -1879,7 +1879,7 @@ def open_checkpoint(text, keys, witnesses=(), needed=None, where="checkpoint"):
     cosigned = len(set(signed) & set(witnesses))
     signers = ", ".join(s[0] for s in signatures)
     problem = (
-        printable(wrong or f"signed by no key given (signers: {signers})")
+        wrong or f"signed by no key given (signers: {signers})"
         if not set(signed) & set(keys)
         else (
             f"cosigned by {cosigned} of the {needed} witnesses needed"
@@ -1911,18 +1911,20 @@ def check_against(path, checkpoint, earlier=(), since=None, key=None):
         result = exc
     size = checkpoint.size
     matched = max([c.size for c in earlier if roots.get(c.size) == c.root], default=0)
-    if size not in roots:
-        reason = f"cut: the checkpoint covers {size} lines, the ledger has {tree.size}"
-    elif roots[size] != checkpoint.root:
+    if roots.get(size) != checkpoint.root:
         reason = (
-            f"forked after line {matched}, where an earlier checkpoint matches"
-            if matched
+            f"a line changed ({str(result)[len(result.path) + 2 :]})"
+            if type(result) is IntegrityError  # the chain breaks; a torn tail is no change
             else (
-                f"a line changed ({str(result)[len(result.path) + 2 :]})"
-                if isinstance(result, IntegrityError)
-                else "rebuilt, or forked before any earlier checkpoint"
+                f"cut: the checkpoint covers {size} lines, the ledger has {tree.size}"
+                if size not in roots
+                else (
+                    f"forked after line {matched}, where an earlier checkpoint matches"
+                    if matched
+                    else "rebuilt, or forked before any earlier checkpoint"
+                )
             )
-        ) + f": its first {size} lines do not give the checkpoint's root"
+        ) + (f": its first {size} lines do not give the checkpoint's root" if size in roots else "")
     elif since and roots[since.size] != since.root:
         reason = f"forked: the checkpoint does not extend the earlier one of size {since.size}"
     elif isinstance(result, IntegrityError):
@@ -1937,12 +1939,16 @@ def _cli_keys(values, kind):
     keys = [parse_key(Path(v).read_text() if os.path.isfile(v) else v) for v in values or ()]
     for key in keys:
         if key.kind != kind:
-            raise UsageError(f"the key {key.name} is not a {'witness' if kind == 4 else 'log'} key")
+            raise UsageError(f"the key {key.name} has type {key.kind}, not {kind}")
     return keys
 
 
-def _read_note(path):
-    return split_notes(Path(path).read_bytes().decode("utf-8", "replace"))[-1]
+def _read_text(path):
+    """A checkpoint or proof file's text; IntegrityError when it is not UTF-8, as notes must be."""
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise IntegrityError(path, None, f"not UTF-8 (byte {exc.start})") from None
 
 
 def _open_cli_checkpoint(args, text, where):
@@ -1955,18 +1961,20 @@ def _open_cli_checkpoint(args, text, where):
 
 
 def _verify_checkpoint(args):
-    if len(args.paths) != 1 or args.all:
-        raise UsageError("--checkpoint goes with exactly one PATH")
+    if len(args.paths) != 1 or args.all or not args.checkpoint:
+        raise UsageError("--checkpoint FILE (and --vkey, --since, --witness) go with one PATH")
     path, since, suffix = args.paths[0], None, ""
-    text = Path(args.checkpoint).read_bytes().decode("utf-8", "replace")
     try:
+        text = _read_text(args.checkpoint)
         checkpoint, signers, keys = _open_cli_checkpoint(args, text, args.checkpoint)
         earlier = []
         for note in split_notes(text)[:-1]:  # unverified: they only name a fork
             with contextlib.suppress(IntegrityError):
                 earlier.append(parse_checkpoint(note)[0])
         if args.since:
-            since = open_checkpoint(_read_note(args.since), keys, where=args.since)[0]
+            since = open_checkpoint(
+                split_notes(_read_text(args.since))[-1], keys, where=args.since
+            )[0]
             if (since.origin, since.size > checkpoint.size) != (checkpoint.origin, False):
                 raise IntegrityError(args.since, None, "not an earlier checkpoint of this log")
         result = check_against(path, checkpoint, earlier, since, cli_key(args))
@@ -1978,7 +1986,7 @@ def _verify_checkpoint(args):
 
 def _cmd_keygen(args):
     if not _NAME_RE.match(args.name):
-        raise UsageError(f"a key name has no white space or `+`: {printable(args.name)!r}")
+        raise UsageError(f"a key name has no white space or `+`: {args.name!r}")
     kind, seed = COSIGNER if args.cosigner else SIGNER, os.urandom(32)
     public = ed25519_public(seed)
     key = NoteKey(args.name, _key_id(args.name, kind, public), kind, public, seed)
@@ -1987,10 +1995,10 @@ def _cmd_keygen(args):
     except FileExistsError:
         raise UsageError(f"{args.out} exists: keygen never overwrites a key") from None
     with open(fd, "w") as handle:
-        handle.write(key_text(key, secret=True) + "\n")
+        handle.write(f"{key_text(key, secret=True)}\n")
         handle.flush()
         os.fsync(handle.fileno())
-    write_out(key_text(key) + "\n")
+    write_out(f"{key_text(key)}\n")
     return EXIT_OK
 
 
@@ -2008,24 +2016,24 @@ def _cmd_prove(args):
         size = size[0] if size else sum(1 for _leaf in ledger_leaves(args.path))
         if not 0 <= old <= size:
             raise UsageError(f"--consistency {old} {size}: want 0 <= M <= N")
-        write_out("".join(_b64(h) + "\n" for h in tree_proof(args.path, size, old=old)[0]))
+        write_out("".join(f"{_b64(h)}\n" for h in tree_proof(args.path, size, old=old)[0]))
         return EXIT_OK
     if not args.checkpoint:
         raise UsageError("prove SEQ needs --checkpoint FILE")
-    note = _read_note(args.checkpoint)
+    note = split_notes(_read_text(args.checkpoint))[-1]
     checkpoint = parse_checkpoint(note, args.checkpoint)[0]
     if not 0 < args.seq <= checkpoint.size:
         raise UsageError(f"line {args.seq} is not among the checkpoint's {checkpoint.size}")
     proof, root = tree_proof(args.path, checkpoint.size, index=args.seq - 1)
     if root != checkpoint.root:
         raise IntegrityError(args.path, None, "does not give the checkpoint's root: verify it")
-    hashes = "".join(_b64(h) + "\n" for h in proof)
+    hashes = "".join(f"{_b64(h)}\n" for h in proof)
     write_out(f"c2sp.org/tlog-proof@v1\nindex {args.seq - 1}\n{hashes}\n{note}")
     return EXIT_OK
 
 
 def _cmd_verify_proof(args):
-    text = Path(args.proof).read_bytes().decode("utf-8", "replace")
+    text = _read_text(args.proof)
     found = _PROOF_RE.match(text)
     if not found:
         raise IntegrityError(args.proof, None, "not a c2sp.org/tlog-proof@v1 proof")
@@ -2037,8 +2045,8 @@ def _cmd_verify_proof(args):
             args.proof, None, f"the line on stdin is not line {index + 1} of the log"
         )
     write_out(
-        f"ok    line {index + 1} of {printable(checkpoint.origin)} ({checkpoint.size} lines), "
-        f"signed by {printable(', '.join(signers))}\n"
+        f"ok    line {index + 1} of {checkpoint.origin} ({checkpoint.size} lines), "
+        f"signed by {', '.join(signers)}\n"
     )
     return EXIT_OK
 
@@ -2081,7 +2089,9 @@ def _add_checkpoint_commands(sub, verify_parser):
         elif name == "prove":
             p.add_argument("seq", nargs="?", type=int, metavar="SEQ")
             p.add_argument("--checkpoint", metavar="FILE")
-            p.add_argument("--consistency", nargs="+", type=int, metavar="M")
+            p.add_argument(
+                "--consistency", nargs="+", type=int, metavar="M", help="M [N]: from size M to N"
+            )
         else:
             _add_key_options(p)
 
@@ -2182,7 +2192,7 @@ def verified_line(result):
 
 
 def _cmd_verify(args):
-    if args.checkpoint:
+    if args.checkpoint or args.vkey or args.since or args.witness:
         return _verify_checkpoint(args)
     check_targets(args, "verify")
     if args.expect_head is not None and (len(args.paths) != 1 or args.all):

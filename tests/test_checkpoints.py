@@ -193,6 +193,22 @@ def test_a_key_splits_at_its_first_two_plus_signs_only():
     assert rl.parse_key(rl.key_text(key, True), secret=True) == key
 
 
+def test_keys_and_notes_match_the_go_note_packages_published_example():
+    """golang.org/x/mod/sumdb/note's ExampleSign and ExampleOpen: the same key texts (a `+` in the
+    base64), the same key ID and the same signed note, byte for byte."""
+    skey = "PRIVATE+KEY+PeterNeumann+c74f20a3+AYEKFALVFGyNhPJEMzD1QIDr+Y7hfZx09iUvxdXHKDFz"
+    vkey = "PeterNeumann+c74f20a3+ARpc2QcUPDhMQegwxbzhKqiBfsVkmqq/LDE4izWy10TW"
+    text = "If you think cryptography is the answer to your problem,\nthen you don't know what your problem is.\n"
+    signed = text + ("\n\u2014 PeterNeumann x08go/ZJkuBS9UG/SffcvIAQxVBtiFupLLr8pAcElZInNIuGUgYN1FFYC2pZSNXgKvq"
+                     "fqdngotpRZb6KE6RyyBwJnAM=\n")
+    key = rl.parse_key(skey, secret=True)
+    assert rl.key_text(key) == vkey and rl.key_text(key, secret=True) == skey
+    assert rl.parse_key(vkey) == key._replace(seed=None)
+    assert rl.sign_note(text, key) == signed
+    raw = base64.b64decode(signed.split(" ")[-1])
+    assert rl.ed25519_verify(rl.parse_key(vkey).public, text.encode(), raw[4:])
+
+
 def test_bad_keys_are_refused_as_usage_errors(tmp_path):
     good = rl.key_text(rl.parse_key(rl.key_text(rl.NoteKey("a", rl._key_id("a", 1, rl.ed25519_public(
         b"\1" * 32)), 1, rl.ed25519_public(b"\1" * 32), None))))
@@ -331,6 +347,11 @@ def test_every_tamper_class_against_a_checkpoint_is_named(signed, tmp_path):
     # a line changed (its chain breaks at the next line)
     rewrite(ledger, original[:2] + [original[2].replace(b'"i":2', b'"i":9')] + original[3:])
     assert "a line changed" in verify() and "line 4" in verify()
+    # a line removed, two lines swapped, a line repeated: the chain breaks inside the checkpoint too
+    for lines in (original[:3] + original[4:], original[:3] + [original[4], original[3]] + original[5:],
+                  original[:4] + [original[3]] + original[4:]):
+        rewrite(ledger, lines)
+        assert "a line changed (line " in verify()
     # the last line changed: the chain cannot see it, the checkpoint does
     rewrite(ledger, original[:7] + [original[7].replace(b'"i":7', b'"i":9')])
     assert "rebuilt, or forked before any earlier checkpoint" not in verify()  # the early one matches
@@ -396,6 +417,10 @@ def test_bad_checkpoints_are_refused_each_with_its_own_message(signed, tmp_path)
         assert proc.returncode == 1 and words in proc.out, (case, proc.out, proc.err)
         seen.add(proc.out.splitlines()[0])
     assert len(seen) == len(cases) - 1  # "empty" and "truncated" share their words
+    bad.write_bytes(note.encode().replace(b"example.org/log\n", b"example.org/\xff\n", 1))
+    proc = cli("verify", ledger, "--checkpoint", bad, "--vkey", vkey)
+    assert proc.returncode == 1 and "not UTF-8" in proc.out
+    assert cli("verify", ledger, "--vkey", vkey).returncode == 2  # --vkey alone: no checkpoint to check
     # unknown signers beside a known one are ignored, as the signed-note rules say
     extra = note + "\u2014 stranger.example " + base64.b64encode(b"\0" * 68).decode() + "\n"
     (tmp_path / "extra").write_text(extra)
