@@ -899,7 +899,7 @@ class Witness:
             for event in rl.read_events(ledger) if os.path.exists(ledger) else ():
                 held = event["payload"]
                 if event["kind"] == "witness_cosigned":
-                    self.state[held["origin"]] = (held["size"], held["root"])
+                    self.state[held["origin"]] = (held["size"], base64.b64decode(held["root"]))
         self.book = rl.Ledger(ledger, secrets=[rl.key_text(self.signer, secret=True)])
         self.lock = threading.Lock()
 
@@ -925,21 +925,19 @@ class Witness:
         if old > size:
             raise _refuse(400, f"old size {old} is above the checkpoint's size {size}")
         with self.lock:
-            held, held_root = self.state.get(origin, (0, ""))
-            fork = size == held and root != held_root
+            held, held_root = self.state.get(origin, (0, b""))
+            fork = origin in self.state and size == held and checkpoint.root != held_root
             if old != held or fork:
                 self._record(fork and "fork", origin, old, note)
                 raise _refuse(409, str(held))
-            if not rl.verify_consistency(
-                old, base64.b64decode(held_root), size, checkpoint.root, proof
-            ):
+            if not rl.verify_consistency(old, held_root, size, checkpoint.root, proof):
                 self._record("bad_proof", origin, old, note)
                 raise _refuse(422, "the consistency proof does not verify")
             stamp = int(time.time())
             self.book.append(
                 "witness_cosigned", {"origin": origin, "size": size, "root": root, "time": stamp}
             )
-            self.state[origin] = (size, root)
+            self.state[origin] = (size, checkpoint.root)
         return rl.cosign(checkpoint.body, self.signer, stamp)
 
     def _record(self, reason, origin, old, note):

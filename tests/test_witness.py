@@ -236,6 +236,11 @@ def test_each_bad_request_gets_the_answer_the_spec_names(world, tmp_path):
     assert [e["reason"] for e in witness.events("witness_refused")] == ["bad_proof", "bad_proof"]
     status, _kind, text = witness.post(body(5, note10, proof))
     assert status == 200 and text.startswith("\u2014 " + WITNESS + " ")
+    # an empty log's first checkpoint (size 0) is no fork of anything
+    empty = tmp_path / "empty.jsonl"
+    empty.write_bytes(b"")
+    note0 = checkpoint(empty, logs[LOG2][0])
+    assert witness.post(body(0, note0))[0] == 200 and witness.post(body(0, note0))[0] == 200
 
 
 def test_a_body_over_64_kib_is_413_unread_and_a_wrong_route_or_method_is_refused(world):
