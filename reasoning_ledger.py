@@ -95,7 +95,7 @@ REDACTED = "[REDACTED]"
 # keeps the next three, its own, from it.
 SECRET_ENV_VARS = tuple(
     "API_KEY OPENAI_API_KEY LEDGER_KEY WEBHOOK_SECRET WEBHOOK_SECRET_FILE READ_TOKEN PROXY_TOKEN "
-    "CLICKHOUSE_PASSWORD".split()
+    "CLICKHOUSE_PASSWORD LEDGER_SIGNING_KEY_FILE".split()
 )
 REDACT_ENV_LIST = "LEDGER_REDACT_ENV"
 MIN_SECRET_CHARS = 8  # shorter env values ("none", "test") are too common to mask by value
