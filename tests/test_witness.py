@@ -373,3 +373,58 @@ def test_the_daemon_checkpoints_its_ledger_at_sigterm(tmp_path, server):
     ledger = runs / "daemon.jsonl"
     assert _sizes(ledger) == [len(ledger.read_bytes().splitlines())]
     _verifies(ledger, vkey)
+
+
+# ----------------------------------------------------------------------------
+# A hostile witness: witness-push keeps nothing it did not verify
+# ----------------------------------------------------------------------------
+
+def test_witness_push_keeps_nothing_a_hostile_witness_answers(tmp_path):
+    import http.server
+    import threading
+    key, _vkey = keygen(tmp_path, LOG1)
+    _wkey, wvkey = keygen(tmp_path, WITNESS, "--cosigner")
+    ledger = tmp_path / "l.jsonl"
+    grow(ledger, 3)
+    note = checkpoint(ledger, key)
+    sidecar = Path(f"{ledger}.checkpoints")
+    other_line = note.rsplit("\n\n", 1)[1]  # the log's own signature line: not the witness's
+    answers = [
+        (200, "text/plain", "garbage\n"),
+        (200, "text/plain", other_line),
+        (409, "text/x.tlog.size", "1\n"),  # twice: it retries once only
+        (422, "text/plain", "no\n"),
+        (302, "text/plain", ""),  # a redirect is not followed
+        (200, "text/plain", "stall"),
+    ]
+    stalled = threading.Event()
+
+    class Hostile(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            status, kind, text = answers[0]
+            if text == "stall":
+                stalled.wait(120)  # past witness-push's deadline
+                return
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Location", "http://127.0.0.1:9/")
+            self.send_header("Content-Length", str(len(text.encode())))
+            self.end_headers()
+            self.wfile.write(text.encode())
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        while answers:
+            proc = run_script("fleet.py", "witness-push", ledger, f"http://127.0.0.1:{server.server_port}",
+                              "--witness", wvkey, timeout=120)
+            assert proc.returncode == 1 and len(proc.err.splitlines()) == 1, (answers[0], proc.err)
+            assert sidecar.read_text() == note, answers[0]
+            answers.pop(0)
+    finally:
+        stalled.set()
+        server.shutdown()
