@@ -116,6 +116,13 @@ def test_two_logs_are_cosigned_as_they_grow_and_verify_with_the_witness(world, t
             assert proc.returncode == 0, proc.err
             ok = verify(ledger, vkey, "--witness", wvkey)
             assert ok.returncode == 0, ok.err
+        # a stranger's proof carries the cosignature too
+        proof = tmp_path / "2.tlog-proof"
+        proof.write_text(run_script("reasoning_ledger.py", "prove", ledger, "2", "--checkpoint",
+                                    f"{ledger}.checkpoints").out)
+        line = ledger.read_bytes().splitlines(True)[1]
+        ok = run_script("reasoning_ledger.py", "verify-proof", proof, "--vkey", vkey, "--witness", wvkey, input=line)
+        assert ok.returncode == 0 and WITNESS in ok.out, ok.err
         # the cron line again with nothing new: no request, the sidecar unchanged
         sidecar = Path(f"{ledger}.checkpoints").read_bytes()
         again = push(ledger, witness, wvkey)
