@@ -2365,7 +2365,8 @@ def run_agent(
         run = rl.open_run(
             runs_dir,
             run_id=run_id,
-            secrets=[settings[2]] + repo_secrets(repo, commit if ref else None)
+            secrets=[settings[2]] + repo_secrets(repo, commit if ref else None),
+            signer=rl.env_signer()
         )
         started = time.monotonic()
         # every temp dir of the run is in it

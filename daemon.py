@@ -548,7 +548,9 @@ class Daemon:
             ) from None
         host, port = self.server.server_address[:2]
         address = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        self.ledger = rl.Ledger(path, f"daemon-{rl.new_run_id()}", secrets=s.secrets)
+        self.ledger = rl.Ledger(
+            path, f"daemon-{rl.new_run_id()}", secrets=s.secrets, signer=rl.env_signer()
+        )
         self.record("daemon_started", self._started(address))
         self._recover()
         self.say(f"serving on {address}")  # before the worker can say a run started

@@ -3,17 +3,24 @@
 
 Usage:
   python3 fleet.py ship PATH... [--all RUNS_DIR] [--to URL]     # URL or LEDGER_SHIP_URL; for cron
-  python3 fleet.py verify [--from [URL]] [--ledger-id ID] [--expect-head SEQ:HASH]
+  python3 fleet.py verify [--from [URL]] [--ledger-id ID] [--expect-head SEQ:HASH] [--vkey KEY]
+  python3 fleet.py witness --listen HOST:PORT --key FILE --logs FILE [--ledger FILE]
+  python3 fleet.py witness-push LEDGER URL --witness VKEY       # for cron
 
 `ship` sends only lines it verified, resumes where ClickHouse stops, and never sends a torn tail;
 `verify` re-verifies every shipped ledger from its stored lines, as `reasoning_ledger.py verify`
-does a file. `audit.py --from URL` and `agent.py run --ship-to URL` read and write through here.
+does a file, and holds them to the signed checkpoints shipped beside them. `witness` is a C2SP
+tlog-witness on another box; `witness-push` gets its cosignature (docs/checkpoints.md).
+`audit.py --from URL` and `agent.py run --ship-to URL` read and write through here.
 ClickHouse's user and password come from CLICKHOUSE_USER and CLICKHOUSE_PASSWORD. Exit codes are
 the toolkit's (reasoning_ledger.EXIT_CODES): 0 ok, 1 an integrity failure or an unreachable
 server, 2 usage, configuration or refusal, 5 stdout could not be written.
 """
 
 import argparse
+import base64
+import collections
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -22,8 +29,10 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -312,6 +321,11 @@ class ClickHouse:
                     "was not made by this tool (or by another version); pick another with --table",
                     rl.EXIT_USAGE
                 )
+        if create:  # the signed checkpoints beside the lines: one row a note, whole
+            self.query(
+                f"CREATE TABLE IF NOT EXISTS {self.name}_checkpoints (ledger_id String, note "
+                "String) ENGINE = ReplacingMergeTree ORDER BY (ledger_id, note)"
+            )
 
     def require_table(self):
         """Raise (exit 2) when the table is missing: nothing was shipped to it yet."""
@@ -451,7 +465,7 @@ def ship(
         try:
             if isinstance(ids[path], OSError):
                 raise ids[path]
-            yield path, _ship_one(
+            shipped = _ship_one(
                 client,
                 path,
                 ids[path],
@@ -462,6 +476,7 @@ def ship(
                 batch_rows,
                 batch_bytes
             )
+            yield path, _ship_checkpoints(client, path, shipped)
         except (rl.IntegrityError, rl.KeyRequiredError, OSError) as exc:
             yield path, rl.named_error(exc, path)
 
@@ -525,6 +540,26 @@ def _ship_one(client, path, ledger_id, server, key, expect, host, batch_rows, ba
     return Shipped(path, ledger_id, start + 1, last, head, torn, resend)
 
 
+def _ship_checkpoints(client, path, shipped):
+    """Send PATH.checkpoints' notes over lines ClickHouse holds now, each time: FINAL keeps one
+    row of each."""
+    try:
+        with open(f"{path}.checkpoints", encoding="utf-8") as handle:
+            notes = rl.split_notes(handle.read())
+    except FileNotFoundError:
+        return shipped
+    rows = [
+        rl.dumps({"ledger_id": shipped.ledger_id, "note": note})
+        for note in notes
+        if 0 < rl.parse_checkpoint(note, handle.name)[0].size <= shipped.last
+    ]
+    if rows:
+        client.query(
+            f"INSERT INTO {client.name}_checkpoints FORMAT JSONEachRow", "\n".join(rows).encode()
+        )
+    return shipped
+
+
 def _send(client, path, spool, marks):
     """INSERT the spooled rows batch by batch, marks [(last seq, spool offset)] apart."""
     start, last = marks[0][0], marks[-1][0]
@@ -554,10 +589,11 @@ def shipped_ledgers(client, condition=""):
     )
 
 
-def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, condition=None):
-    """Re-verify the raw lines ClickHouse holds, and each row's line_sha256, seq and ledger_id.
-    Yields (ledger as shipped_ledgers(), Verified or the error); `ledger_ids`: ids or their starts,
-    or a SQL WHERE `condition`."""
+def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, condition=None, vkeys=()):
+    """Re-verify the raw lines ClickHouse holds, each row's line_sha256, seq and ledger_id, and the
+    roots of the checkpoints shipped (signed by one of `vkeys`, if any). Yields (ledger as
+    shipped_ledgers(), Verified or the error); `ledger_ids`: ids or their starts, or a SQL WHERE
+    `condition`."""
     for prefix in ledger_ids:
         if not re.fullmatch(r"[0-9a-f]{1,64}", prefix):
             raise rl.UsageError(
@@ -578,6 +614,7 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
         )
     )
     listed = {row["ledger_id"]: row for row in shipped_ledgers(client, where)}
+    notes = _shipped_notes(client, where)
     if expect_head is not None and len(listed) > 1:
         raise rl.UsageError(f"--expect-head goes with exactly one ledger; {len(listed)} match")
     for prefix in ledger_ids:
@@ -600,18 +637,53 @@ def verify_shipped(client, *, ledger_ids=(), key=None, expect_head=None, conditi
                 "last_host": None,
                 "last_path": None
             }
-            name = f"clickhouse:{ledger_id}"
             try:
-                yield ledger, rl.verify(
-                    name,
+                yield ledger, _verify_stored(
+                    ledger_id,
+                    rows,
+                    notes[ledger_id],
+                    vkeys,
                     key=key,
                     expect_head=expect_head,
-                    run_id=rl.run_dir_id(ledger["last_path"] or ""),
-                    lines=_stored_lines(name, ledger_id, rows),
-                    truncated="the expected head is seq {} but ClickHouse holds up to seq {}"
+                    run_id=rl.run_dir_id(ledger["last_path"] or "")
                 )
             except (rl.IntegrityError, rl.KeyRequiredError) as exc:
                 yield ledger, exc
+
+
+def _shipped_notes(client, where):
+    """{ledger_id: its checkpoints} as shipped (none in a table an earlier version made)."""
+    notes = collections.defaultdict(list)
+    if client.query(f"EXISTS TABLE {client.name}_checkpoints").strip() == b"1":
+        for row in client.rows(f"SELECT * FROM {client.name}_checkpoints FINAL {where}"):
+            notes[row["ledger_id"]].append(row["note"])
+    return notes
+
+
+def _verify_stored(ledger_id, rows, notes, vkeys, **options):
+    """verify() of a ledger's stored rows, then its root at each checkpoint shipped with them
+    (signed by one of `vkeys`, if any): Verified, with how many checkpoints it holds to."""
+    name, roots = f"clickhouse:{ledger_id}", {}
+    marks = [
+        rl.open_checkpoint(n, vkeys, where=name) if vkeys else rl.parse_checkpoint(n, name)
+        for n in notes
+    ]
+    result = rl.verify(
+        name,
+        lines=_rooted(_stored_lines(name, ledger_id, rows), marks, roots),
+        truncated="the expected head is seq {} but ClickHouse holds up to seq {}",
+        **options
+    )
+    for checkpoint, _signers in marks:
+        if roots.get(checkpoint.size) != checkpoint.root:
+            raise rl.IntegrityError(
+                name,
+                None,
+                f"its first {checkpoint.size} rows do not give the root a checkpoint shipped with "
+                "them signed: rows were rebuilt or deleted"
+            )
+    result.checkpoints = len(marks)
+    return result
 
 
 # -- audit.py --from ------------------------------------------------------
@@ -673,6 +745,16 @@ def _stored_rows(response, client):
             f"({rl.printable(rl.error_text(exc))})",
             rl.EXIT_USAGE
         ) from None
+
+
+def _rooted(lines, marks, roots):
+    """The lines, and into `roots` the tree's root at each size a checkpoint of `marks` names."""
+    tree, sizes = rl.Tree(), {checkpoint.size for checkpoint, _signers in marks}
+    for line in lines:
+        tree.add(line[:-1])
+        if tree.size in sizes:
+            roots[tree.size] = tree.root()
+        yield line
 
 
 def _stored_lines(name, ledger_id, rows):
@@ -754,7 +836,11 @@ def _cmd_verify(args):
 
     def rows():
         for ledger, result in verify_shipped(
-            client, ledger_ids=ids, key=rl.cli_key(args), expect_head=expect
+            client,
+            ledger_ids=ids,
+            key=rl.cli_key(args),
+            expect_head=expect,
+            vkeys=rl.cli_keys(args.vkey, rl.SIGNER)
         ):
             shown = ledger["last_path"] is not None and isinstance(
                 result, (rl.Verified, rl.IntegrityError)
@@ -763,7 +849,7 @@ def _cmd_verify(args):
                 f"  {rl.printable(ledger['last_host'])}:{rl.printable(ledger['last_path'])}"
                 if shown
                 else ""
-            )
+            ) + (f"  {result.checkpoints} checkpoints" if getattr(result, "checkpoints", 0) else "")
             yield f"clickhouse:{ledger['ledger_id']}", result, where
 
     try:
@@ -776,6 +862,199 @@ def _cmd_verify(args):
     except ClickHouseError as exc:  # ClickHouse could not be read: like a file that cannot be read
         exc.exit_code = rl.EXIT_USAGE
         raise
+
+
+# ----------------------------------------------------------------------------
+# The witness: C2SP tlog-witness's add-checkpoint, served from the shared HTTP kit
+# ----------------------------------------------------------------------------
+
+
+WITNESS_MAX_BODY = 64 * 1024  # 63 proof hashes and a checkpoint fit many times over; 413 beyond
+WITNESS_TIMEOUT = 10.0  # seconds for one request, first byte to last
+WITNESS_CONNECTIONS = 16  # at once; more get 503
+WITNESS_LEDGER = "witness.jsonl"
+_TEXT, _SIZE = "text/plain; charset=utf-8", "text/x.tlog.size"
+
+
+def _refuse(status, message):
+    return ask.Refused(status, None, message, {"Content-Type": _SIZE if status == 409 else _TEXT})
+
+
+class Witness:
+    """Cosigns a log's checkpoint only when it extends the last one it cosigned. `logs`: a file of
+    `origin vkey` lines. Its state, each origin's last cosigned (size, base64 root), is its own
+    ledger: read (and verified) at start, and checked and written, fsync'd, under one lock before
+    an answer."""
+
+    def __init__(self, key_file, logs_file, ledger):
+        self.signer, self.logs, self.state = rl.read_signer_key(key_file), {}, {}
+        if self.signer.kind != rl.COSIGNER:
+            raise rl.UsageError(f"{key_file}: not a witness's key (keygen --cosigner makes one)")
+        with open(logs_file, encoding="utf-8") as handle:
+            for line in handle:
+                origin, _, vkey = line.strip().rpartition(" ")
+                if line.strip() and not line.startswith("#"):
+                    self.logs.setdefault(origin.strip(), []).append(rl.parse_key(vkey))
+        with contextlib.suppress(rl.TornTailError):  # a line torn by a crash was never answered
+            for event in rl.read_events(ledger) if os.path.exists(ledger) else ():
+                held = event["payload"]
+                if event["kind"] == "witness_cosigned":
+                    self.state[held["origin"]] = (held["size"], base64.b64decode(held["root"]))
+        self.book = rl.Ledger(ledger, secrets=[rl.key_text(self.signer, secret=True)])
+        self.lock = threading.Lock()
+
+    def add(self, body):
+        """The cosignature line for an add-checkpoint body; else raise Refused, as the spec says."""
+        try:
+            head, _, note = body.decode("utf-8").partition("\n\n")
+            old, *proof = head.split("\n")
+            old = int(re.fullmatch(r"old (0|[1-9][0-9]{0,18})", old).group(1))
+            checkpoint = rl.parse_checkpoint(note, "the request")[0]
+            proof = [base64.b64decode(h, validate=True) for h in proof]
+        except (ValueError, AttributeError, rl.LedgerError) as exc:
+            raise _refuse(400, f"not an add-checkpoint body: {exc}") from None
+        origin, size, root = checkpoint.origin, checkpoint.size, checkpoint.body.split("\n")[2]
+        if len(proof) > 63 or {len(h) for h in proof} - {32}:
+            raise _refuse(400, "want at most 63 proof hashes, 32 bytes each")
+        if origin not in self.logs:
+            raise _refuse(404, "unknown origin")
+        try:
+            rl.open_checkpoint(note, self.logs[origin])
+        except rl.IntegrityError as exc:
+            raise _refuse(403, f"no signature of a key trusted for the origin verifies: {exc}")
+        if old > size:
+            raise _refuse(400, f"old size {old} is above the checkpoint's size {size}")
+        with self.lock:
+            held, held_root = self.state.get(origin, (0, b""))
+            fork = origin in self.state and size == held and checkpoint.root != held_root
+            if old != held or fork:
+                self._record(fork and "fork", origin, old, note)
+                raise _refuse(409, str(held))
+            if not rl.verify_consistency(old, held_root, size, checkpoint.root, proof):
+                self._record("bad_proof", origin, old, note)
+                raise _refuse(422, "the consistency proof does not verify")
+            stamp = int(time.time())
+            self.book.append(
+                "witness_cosigned", {"origin": origin, "size": size, "root": root, "time": stamp}
+            )
+            self.state[origin] = (size, checkpoint.root)
+        return rl.cosign(checkpoint.body, self.signer, stamp)
+
+    def _record(self, reason, origin, old, note):
+        if reason:  # a stale old size is the client's, not evidence: not recorded
+            self.book.append(
+                "witness_refused",
+                {"reason": reason, "origin": origin, "old": old, "checkpoint": note}
+            )
+
+
+class _WitnessHandler(ask.RequestHandler):
+    """One request a connection: POST /add-checkpoint, read under one deadline."""
+
+    def allowed(self, path):
+        return "POST" if path == "/add-checkpoint" else None
+
+    def handle(self):
+        status, head = 200, {"Content-Type": _TEXT}
+        try:
+            answer = self.server.witness.add(
+                self.read_request(self.server.timeout, WITNESS_MAX_BODY, socket.SHUT_RD)
+            )
+        except ask.Refused as refused:
+            status, head, answer = refused.status, refused.headers, refused.message + "\n"
+        except ConnectionAbortedError:
+            return
+        finally:
+            self.deadline.cancel()
+        with contextlib.suppress(OSError):
+            self.wfile.write(ask.http_answer(status, answer.encode(), head.items(), close=True))
+
+
+def serve_witness(args):
+    host, _, port = args.listen.rpartition(":")
+    witness = Witness(args.key, args.logs, args.ledger)
+    busy = ask.http_answer(503, b"busy\n", [("Content-Type", _TEXT), ("Retry-After", "1")], True)
+    try:
+        server = ask.CappedServer(
+            (host.strip("[]"), int(port)), _WitnessHandler, args.max_connections, busy
+        )
+    except (OSError, ValueError, OverflowError) as exc:
+        raise rl.UsageError(f"--listen {args.listen}: {rl.error_text(exc)}") from None
+    server.witness, server.timeout, stop = witness, args.request_timeout, threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    threading.Thread(target=server.serve_forever, args=(0.2,), daemon=True).start()
+    rl.write_out(f"witness: {witness.signer.name} on {host}:{server.server_address[1]}\n")
+    while not stop.wait(1.0):  # the signal handler runs between waits
+        pass
+    server.stop(args.request_timeout)
+    witness.book.close()
+    return rl.EXIT_OK
+
+
+# -- witness-push ---------------------------------------------------------
+
+
+def witness_push(ledger, url, vkey, timeout=WITNESS_TIMEOUT):
+    """Send LEDGER's newest checkpoint to the witness at `url` with the consistency proof from the
+    largest size it cosigned in LEDGER.checkpoints (or 0), once more from the size a 409 names;
+    append its cosignature under that checkpoint. Returns the Checkpoint, and False when it was
+    cosigned already."""
+    sidecar, witness = f"{ledger}.checkpoints", rl.cli_keys([vkey], rl.COSIGNER)
+    with open(sidecar, encoding="utf-8") as handle:
+        text = handle.read()
+    notes, old = rl.split_notes(text), 0
+    newest = rl.parse_checkpoint(notes[-1], sidecar)[0]
+    for note in notes:
+        with contextlib.suppress(rl.IntegrityError):
+            old = max(old, rl.open_checkpoint(note, witness)[0].size)
+            if note is notes[-1]:
+                return newest, False
+    for attempt in (1, 2):
+        proof = rl.tree_proof(ledger, newest.size, old=old)[0] if old else []
+        lines = [f"old {old}", *(base64.b64encode(h).decode() for h in proof), "", notes[-1]]
+        status, kind, answer = _post(
+            f"{url.rstrip('/')}/add-checkpoint", "\n".join(lines).encode(), timeout
+        )
+        if status == 409 and kind == _SIZE and attempt == 1 and answer.strip().isdigit():
+            old = int(answer)
+            continue
+        break
+    if status != 200:
+        raise rl.IntegrityError(
+            url, None, f"the witness refused: HTTP {status}: {rl.printable(answer[:200])}"
+        )
+    try:  # its cosignature, checked before it is kept
+        rl.open_checkpoint(notes[-1] + answer, witness)
+    except rl.IntegrityError as exc:
+        raise rl.IntegrityError(url, None, f"the witness's answer: {exc.reason}") from None
+    with open(sidecar, "r+", encoding="utf-8") as handle:
+        if handle.read() != text:
+            raise rl.UsageError(f"{sidecar} changed meanwhile; run witness-push again")
+        handle.write(answer)
+    return newest, True
+
+
+def _post(url, body, timeout):
+    """(status, content type, text) of a POST's answer, an error status's too."""
+    import http.client
+    import urllib.error
+    import urllib.request
+
+    deadline = ask.Deadline(timeout)
+    try:
+        try:
+            response = ask.http_open(urllib.request.Request(url, body), deadline)
+        except urllib.error.HTTPError as exc:
+            response = exc
+        with response:
+            kind, text = response.headers.get("Content-Type"), response.read(65536).decode()
+            return response.code, kind, text
+    except (OSError, http.client.HTTPException, UnicodeDecodeError) as exc:
+        why = "in time" if deadline.expired else rl.error_text(getattr(exc, "reason", exc))
+        raise rl.IntegrityError(url, None, f"no answer from the witness: {why}") from None
+    finally:
+        deadline.cancel()
 
 
 # ----------------------------------------------------------------------------
@@ -800,7 +1079,37 @@ def _build_parser():
             "--table", default=SHIP_TABLE, metavar="T", help=f"default {SHIP_TABLE}"
         )
         rl.add_key_env(command)
+    command = sub.add_parser("witness", help="cosign checkpoints that extend the last (C2SP)")
+    command.set_defaults(func=serve_witness)
+    for flag, kind, default, text in (
+        ("--listen", str, None, "HOST:PORT to serve POST /add-checkpoint on"),
+        ("--key", str, None, "the witness's signer key (keygen --cosigner)"),
+        ("--logs", str, None, "a file of `origin vkey` lines: the logs it cosigns"),
+        ("--ledger", str, WITNESS_LEDGER, "its state and evidence"),
+        ("--request-timeout", float, WITNESS_TIMEOUT, "seconds a request"),
+        ("--max-connections", int, WITNESS_CONNECTIONS, "at once; more get 503")
+    ):
+        command.add_argument(
+            flag,
+            type=kind,
+            default=default,
+            required=default is None,
+            help=text + (" (%(default)s)" if default else "")
+        )
+    command = sub.add_parser("witness-push", help="get a witness's cosignature (for cron)")
+    command.set_defaults(func=_cmd_push)
+    command.add_argument("ledger", metavar="LEDGER")
+    command.add_argument("url", metavar="URL", help="the witness (its add-checkpoint's prefix)")
+    command.add_argument("--witness", required=True, metavar="VKEY", help="its verifier key")
     return parser
+
+
+def _cmd_push(args):
+    checkpoint, new = witness_push(args.ledger, args.url, args.witness)
+    rl.write_out(
+        f"{'cosigned' if new else 'cosigned already'}: {checkpoint.origin} {checkpoint.size}\n"
+    )
+    return rl.EXIT_OK
 
 
 def _ship_parser(sub):
@@ -861,6 +1170,9 @@ def _verify_parser(sub):
     )
     command.add_argument(
         "--timeout", type=float, default=300.0, metavar="S", help="seconds a request (300)"
+    )
+    command.add_argument(
+        "--vkey", action="append", metavar="KEY", help="the shipped checkpoints' signers (or files)"
     )
     return command
 

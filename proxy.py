@@ -394,7 +394,8 @@ class _ProxyServer(ask.CappedServer):
             args.ledger,
             os.environ.get("LEDGER_RUN_ID") or None,
             fsync=not args.no_fsync,
-            secrets=self.secrets
+            secrets=self.secrets,
+            signer=rl.env_signer()
         )
         ask.check_ledger(self.book)
         self.in_flight = 0  # request-body bytes admitted and not yet done with, under the lock
@@ -1377,6 +1378,7 @@ def _run_proxy(args):
     while not stop.wait(1.0):
         pass
     server.stop(args.grace)  # new requests 503, idle connections closed; then no new connections
+    server.book.close()  # its last checkpoint, with a signer key
     return rl.EXIT_OK
 
 

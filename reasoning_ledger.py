@@ -95,12 +95,16 @@ REDACTED = "[REDACTED]"
 # keeps the next three, its own, from it.
 SECRET_ENV_VARS = tuple(
     "API_KEY OPENAI_API_KEY LEDGER_KEY WEBHOOK_SECRET WEBHOOK_SECRET_FILE READ_TOKEN PROXY_TOKEN "
-    "CLICKHOUSE_PASSWORD".split()
+    "CLICKHOUSE_PASSWORD LEDGER_SIGNING_KEY_FILE".split()
 )
 REDACT_ENV_LIST = "LEDGER_REDACT_ENV"
 MIN_SECRET_CHARS = 8  # shorter env values ("none", "test") are too common to mask by value
 INDEX_NAME = "index.jsonl"
 EVENTS_NAME = "events.jsonl"
+SIGNING_KEY_ENV = "LEDGER_SIGNING_KEY_FILE"
+# a Ledger with a signer key checkpoints after this many of its lines, or its first line after this
+# many seconds since its last checkpoint, and at close
+CHECKPOINT_EVERY = (10000, 300)
 
 # One exit-code table for every script of the toolkit.
 (
@@ -678,7 +682,8 @@ class Ledger:
         fsync=True,
         max_line_bytes=MAX_LINE_BYTES,
         secrets=(),
-        clock=utc_now
+        clock=utc_now,
+        signer=None
     ):
         self.path = Path(path)
         own = run_dir_id(self.path)  # runs/<run id>/events.jsonl holds that run's lines only
@@ -699,6 +704,9 @@ class Ledger:
         self.redactor = Redactor(secret_values(self.extra_secrets))  # env read once, not per append
         self.head = None  # (seq, hash) of the last line this object wrote
         self._fd, self._mode_checked, self._lock = None, False, threading.Lock()
+        # with a signer key: a checkpoint every CHECKPOINT_EVERY, and at close (docs/checkpoints.md)
+        self.signer, self._unsigned, self._signed_at = signer, 0, time.monotonic()
+        self.add_secret(signer and key_text(signer, secret=True))
         _LIVE_LEDGERS.add(self)
 
     def add_secret(self, value):
@@ -714,6 +722,8 @@ class Ledger:
         self.close()
 
     def close(self):
+        if self.signer and self._unsigned:
+            self.checkpoint()
         with self._lock:
             if self._fd is not None:
                 os.close(self._fd)
@@ -795,9 +805,21 @@ class Ledger:
             end, last = _scan_tail(fd, size, self.path)
             if end != size:
                 end, last = self._recover_torn_tail(fd, size, end, last)
+            self._unsigned += 1
             return self._write_event(fd, end, last, kind, clean, payload_json)
 
-        return self._locked(write)
+        event = self._locked(write)
+        lines, seconds = CHECKPOINT_EVERY
+        if self.signer and (
+            self._unsigned >= lines or time.monotonic() - self._signed_at >= seconds
+        ):
+            self.checkpoint()
+        return event
+
+    def checkpoint(self):
+        """Sign the ledger's tree as it is now and append it to PATH.checkpoints; the note."""
+        self._unsigned, self._signed_at = 0, time.monotonic()
+        return make_checkpoint(self.path, self.signer, key=self.key or b"", append=True)
 
     def _next(self, end, last):
         """(seq, prev) for the line after `last`, the file's last complete line."""
@@ -975,12 +997,14 @@ class Run:
             {"outcome": outcome, **{k: v for k, v in summary.items() if v is not None}}
         )
         seq, digest = self.ledger.head
+        signer = self.ledger.signer
         with Ledger(
             self.runs_dir / INDEX_NAME,
             self.run_id,
             key=self.ledger.key or b"",
             fsync=self.ledger.fsync,
-            secrets=self.ledger.extra_secrets
+            secrets=self.ledger.extra_secrets,
+            signer=signer
         ) as index:
             index.append(
                 "run_closed",
@@ -989,7 +1013,8 @@ class Run:
                     "events": f"{self.run_id}/{EVENTS_NAME}",
                     "head_seq": seq,
                     "head_hash": digest,
-                    "outcome": outcome
+                    "outcome": outcome,
+                    **({"checkpoint": self.ledger.checkpoint()} if signer else {})
                 }
             )
         self.ledger.close()
@@ -997,7 +1022,7 @@ class Run:
         return seq, digest
 
 
-def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
+def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=(), signer=None):
     """Create runs_dir/<run id>/ (never reused, a given run_id too) and return a Run writing to its
     events.jsonl."""
     runs_dir, given = Path(runs_dir), run_id
@@ -1017,7 +1042,14 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=()):
     return Run(
         runs_dir,
         run_id,
-        Ledger(runs_dir / run_id / EVENTS_NAME, run_id, key=key, fsync=fsync, secrets=secrets)
+        Ledger(
+            runs_dir / run_id / EVENTS_NAME,
+            run_id,
+            key=key,
+            fsync=fsync,
+            secrets=secrets,
+            signer=signer
+        )
     )
 
 
@@ -2096,22 +2128,7 @@ def _cmd_keygen(args):
 
 def _cmd_checkpoint(args):
     key = read_signer_key(args.key)
-    origin = args.origin or key.name
-    if key.kind != SIGNER or not origin.strip() or _CONTROL_RE.search(origin):
-        raise UsageError("a checkpoint needs a log key (not --cosigner) and a one-line origin")
-    tree = _Tree()
-    try:
-        for _event, raw, _digest in verified_events(args.path):
-            tree.add(raw)
-    except TornTailError:
-        pass  # a writer is mid-append (or died there): its torn line is no leaf
-    note = sign_note(f"{origin}\n{tree.size}\n{_b64(tree.root())}\n", key)
-    if args.append:
-        with open(args.path + ".checkpoints", "a", encoding="utf-8") as handle:
-            handle.write(("\n" if handle.tell() else "") + note)
-            handle.flush()
-            os.fsync(handle.fileno())
-    write_out(note)
+    write_out(make_checkpoint(args.path, key, origin=args.origin, append=args.append))
     return EXIT_OK
 
 
@@ -2201,6 +2218,43 @@ def _add_checkpoint_commands(sub, verify_parser):
             )
         else:
             _add_key_options(p)
+
+
+# ----------------------------------------------------------------------------
+# Checkpoints as ledgers are written (a signing Ledger), and the tree for other rooms
+# ----------------------------------------------------------------------------
+
+# for fleet.py: RFC 6962's tree leaf by leaf (to root the lines ClickHouse holds), and the keys of
+# --vkey and --witness
+Tree, cli_keys = _Tree, _cli_keys
+
+
+def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
+    """A ledger's signed checkpoint (origin: the key's name), its chain verified first (a torn last
+    line is no leaf); with `append` also added to PATH.checkpoints, fsync'd."""
+    origin = origin or signer.name
+    if signer.kind != SIGNER or not origin.strip() or _CONTROL_RE.search(origin):
+        raise UsageError("a checkpoint needs a log key (not --cosigner) and a one-line origin")
+    tree = _Tree()
+    with contextlib.suppress(TornTailError):  # a writer is mid-append (or died there)
+        for _event, raw, _digest in verified_events(path, key=key):
+            tree.add(raw)
+    note = sign_note(f"{origin}\n{tree.size}\n{_b64(tree.root())}\n", signer)
+    if append:
+        with open(f"{path}.checkpoints", "a", encoding="utf-8") as handle:
+            handle.write(("\n" if handle.tell() else "") + note)
+            handle.flush()
+            os.fsync(handle.fileno())
+    return note
+
+
+def env_signer():
+    """The signer key LEDGER_SIGNING_KEY_FILE names (a Ledger's `signer`), or None when unset."""
+    path = os.environ.get(SIGNING_KEY_ENV)
+    key = read_signer_key(path) if path else None
+    if key and key.kind != SIGNER:
+        raise UsageError(f"{SIGNING_KEY_ENV}: a log's key, not a witness's (--cosigner)")
+    return key
 
 
 # ----------------------------------------------------------------------------

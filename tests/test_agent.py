@@ -851,3 +851,21 @@ def test_runs_refuses_a_broken_index_rather_than_vouch_for_the_runs_it_anchors(a
     proc = run_script("agent.py", "runs", "--runs-dir", agent.runs)
     assert proc.returncode == 1 and proc.out == "", (proc.returncode, proc.out)
     assert len(error_lines(proc.err)) == 1 == len(proc.err.splitlines()) and "index.jsonl" in proc.err, proc.err
+
+
+def test_a_signing_key_checkpoints_the_run_and_the_index_at_close(agent, tmp_path):
+    key = tmp_path / "log.key"
+    vkey = run_script("reasoning_ledger.py", "keygen", "box.example/agent", "--out", key).out.strip()
+    proc, run_dir, events = agent(make_repo(tmp_path / "repo"), [propose(FIX)],
+                                  env={"LEDGER_SIGNING_KEY_FILE": str(key)})
+    assert proc.returncode == rl.EXIT_PROPOSAL, proc.err
+    index, ledger = agent.runs / rl.INDEX_NAME, run_dir / rl.EVENTS_NAME
+    closing = list(rl.read_events(index))[-1]["payload"]
+    # the run's closing line in the index carries the run ledger's checkpoint, of every line to run_closed
+    assert Path(f"{ledger}.checkpoints").read_text() == closing["checkpoint"]
+    assert rl.parse_checkpoint(closing["checkpoint"])[0].size == closing["head_seq"] == len(events)
+    for path in (ledger, index):
+        ok = run_script("reasoning_ledger.py", "verify", path, "--checkpoint", f"{path}.checkpoints", "--vkey", vkey)
+        assert ok.returncode == 0, ok.out + ok.err
+    assert key.read_text().strip().encode() not in all_bytes_under(agent.runs)
+    _verifies(agent.runs)

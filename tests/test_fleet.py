@@ -436,6 +436,41 @@ def test_verify_from_proves_the_copy_and_finds_an_altered_or_deleted_row(clickho
     assert f"FAIL  clickhouse:{lid}: line 2: missing from ClickHouse: the next row stored is seq 3" in proc.out
 
 
+def test_checkpoints_ship_beside_the_lines_and_catch_rows_rebuilt_or_cut_in_clickhouse(clickhouse, db, tmp_path):
+    ledger = tmp_path / "a.jsonl"
+    key = tmp_path / "log.key"
+    vkey = run_script("reasoning_ledger.py", "keygen", "box1.example/a", "--out", key).out.strip()
+    for n in (4, 3):
+        notes(ledger, n, start=10 * n)
+        assert run_script("reasoning_ledger.py", "checkpoint", ledger, "--key", key, "--append").returncode == 0
+    notes(ledger, 2, start=90)  # lines after the newest checkpoint ship too
+    assert ship(clickhouse, db, ledger).returncode == 0
+    assert ship(clickhouse, db, ledger).returncode == 0  # sent again: FINAL keeps one row a note
+    stored = rows(clickhouse, f"SELECT note FROM {db}.ledger_lines_checkpoints FINAL")
+    assert sorted(r["note"] for r in stored) == sorted(rl.split_notes(Path(f"{ledger}.checkpoints").read_text()))
+    proc = verify_from(clickhouse, db, "--vkey", vkey)
+    assert proc.returncode == 0 and "9 lines" in proc.out and "2 checkpoints" in proc.out, proc.out + proc.err
+    other = tmp_path / "other.key"
+    other_vkey = run_script("reasoning_ledger.py", "keygen", "box1.example/a", "--out", other).out.strip()
+    proc = verify_from(clickhouse, db, "--vkey", other_vkey)
+    assert proc.returncode == 1 and "wrong key ID" in proc.out
+    # Whoever holds ClickHouse rebuilds lines 5..9 with a fresh, valid chain: only the checkpoint tells.
+    lid = ledger_id(ledger)
+    fresh = tmp_path / "fresh.jsonl"
+    fresh.write_bytes(b"".join(ledger.read_bytes().splitlines(True)[:4]))
+    notes(fresh, 5, start=500)
+    for seq, raw in enumerate(fresh.read_bytes().splitlines()[4:], 5):
+        _replace_row(clickhouse, db, lid, seq, lambda _raw, raw=raw: raw.decode())
+    assert run_script("reasoning_ledger.py", "verify", fresh).returncode == 0
+    proc = verify_from(clickhouse, db)
+    assert proc.returncode == 1 and "its first 7 rows do not give the root" in proc.out, proc.out
+    # Rows deleted at the end: the chain left is valid, the checkpoint of 7 lines is not met.
+    clickhouse.query(f"ALTER TABLE {db}.ledger_lines DELETE WHERE ledger_id = '{lid}' AND seq >= 5")
+    wait_for_mutations(clickhouse, db)
+    proc = verify_from(clickhouse, db)
+    assert proc.returncode == 1 and "its first 7 rows do not give the root" in proc.out, proc.out
+
+
 def test_verify_from_without_a_url_reads_the_environment_as_the_cron_line_does(clickhouse, db, tmp_path):
     ledger = tmp_path / "a.jsonl"
     notes(ledger, 2)
