@@ -21,6 +21,7 @@ VENV ?= $(HERE).venv/py$(PY_TAG)
 help:
 	@echo "make test    run the tests with PYTHON's pytest, or a venv per Python with pytest in it (PYTHON=python3.9)"
 	@echo "make demo    the whole agent loop against a local stand-in model, in a temp dir, in seconds"
+	@echo "             REPO=DIR [PATCH=FILE]: on your repository; the stand-in proposes your patch"
 	@echo "make verify  verify $(LEDGER), the daemon's $(RUNS)/daemon.jsonl and every run under $(RUNS)/"
 	@echo "make audit   what each model string did, day by day (AUDIT_ARGS=... for more)"
 	@echo "make drill   the endpoint's /models list, each prompts/*.txt $(DRILL_REPEAT)x through ask.py, then the audit; exit 1 if any call or check failed"
@@ -70,7 +71,7 @@ drill:
 	[ $$failed -eq 0 ]
 
 demo:
-	@$(PYTHON) $(HERE)tests/demo.py
+	@$(PYTHON) $(HERE)tests/demo.py $(if $(REPO),--repo "$(REPO)") $(if $(PATCH),--patch "$(PATCH)") $(if $(TOOLS),--tools "$(TOOLS)")
 
 bench:
 	BENCH_LINES=$(BENCH_LINES) $(PYTHON) $(HERE)tests/bench.py $(BENCH)

@@ -518,7 +518,8 @@ def test_max_steps_ends_the_run_cleanly(agent, tmp_path):
     assert proc.returncode == rl.EXIT_BUDGET == 7 and proc.out.split()[1] == "budget_exhausted"
     (spent,) = payload(events, "budget_exhausted")
     assert spent["limit"] == "max_steps" and spent["used"] == 3 and spent["max"] == 3
-    assert proc.err.splitlines() == [f"warning: run {run_dir.name}: budget exhausted: max_steps (3 of 3)"]
+    assert proc.err.splitlines() == [f"warning: run {run_dir.name}: budget exhausted: max_steps (3 of 3); "
+                                 f"its record: {run_dir}"]
     _verifies(agent.runs)
     _replays(run_dir)
 
