@@ -691,11 +691,9 @@ def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
             + (" and cut names whole" if cut else "")
         )
     out += _text_notes(sums) + [line for line in warnings if not line.startswith("warning:")]
-    out += [""]
-    out.append(
-        "Changes: not compared by session (--by day compares days)"
-        if by == "session"
-        else f"Changes (day over day): {len(changes)}"
+    out += ["", f"Changes (day over day): {len(changes)}"]
+    out[-1] = (
+        "Changes: not compared by session (--by day compares days)" if by == "session" else out[-1]
     )
     for change in changes:
         who = change["request_model"] if change["request_model"] is not None else "(models list)"
@@ -885,13 +883,13 @@ _HEADINGS = {
     "request_model": "Model (requested)",
     "base_url": "Endpoint",
     "passed": "Checks passed",
-    "input_tokens": "Input tokens (reported)",
-    "output_tokens": "Output tokens (reported)",
-    "est_input_tokens": "Input tokens (estimated)",
-    "est_output_tokens": "Output tokens (estimated)",
-    "latency_p50_ms": "Latency p50 (ms)",
-    "latency_p95_ms": "Latency p95 (ms)",
-    "latency_max_ms": "Latency max (ms)",
+    "input_tokens": "In tokens",
+    "output_tokens": "Out tokens",
+    "est_input_tokens": "In tokens~",
+    "est_output_tokens": "Out tokens~",
+    "latency_p50_ms": "p50 ms",
+    "latency_p95_ms": "p95 ms",
+    "latency_max_ms": "Max ms",
     "response_models": "Served models",
     "run_id": "Run",
     "started": "Started (UTC)",
@@ -941,10 +939,10 @@ _CSS = (
     ".cards{display:flex;flex-wrap:wrap;gap:10px}.v{font-size:22px;font-weight:600}"
     ".card{border:1px solid #ddd;border-radius:8px;padding:8px 12px;min-width:140px}"
     ".scroll{overflow:auto;max-height:80vh;border:1px solid #ddd}table{border-collapse:collapse;"
-    "width:100%}th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;"
+    "width:100%}th,td{padding:4px 6px;border-bottom:1px solid #eee;text-align:right;"
     "vertical-align:top;white-space:nowrap}th{background:#f3f4f6;position:sticky;top:0;"
-    "white-space:normal;min-width:6ch}.t{text-align:left;white-space:normal;"
-    "overflow-wrap:break-word;min-width:12ch}.null{color:#aaa}"
+    "white-space:normal}.t{text-align:left;white-space:normal;"
+    "overflow-wrap:break-word;min-width:10ch}.null{color:#aaa}"
     ".key{display:inline-block;width:11px;height:11px;margin-right:6px}"
     ".dash{background:repeating-linear-gradient(90deg,#8c8c8c 0 4px,#fff 4px 6px)!important}"
     ".legend{list-style:none;padding:0;display:flex;flex-wrap:wrap;gap:4px 18px}figure{margin:0}"
@@ -1514,9 +1512,9 @@ def _models_section(rows, order, by_day, colours, by="day"):
     return [
         f'<h2 id="models">Models{" by " + by if by_day else ""}</h2><p class="note">One row per '
         f'model string (the model asked for, at its endpoint){" and " + by if by_day else ""}, '
-        "busiest first. Reported tokens are what servers said; estimated tokens are chars/4 and "
-        "are never added to them. \u2013 means nothing was reported. OK calls, malformed payloads,"
-        " minimum latency and fingerprints: --json or --csv."
+        "busiest first. Tokens are what servers reported; tokens~ are chars/4 estimates, never "
+        "added to them; latency in ms of ok calls. \u2013 means nothing was reported. OK calls, "
+        "malformed payloads, minimum latency and fingerprints: --json or --csv."
         + (
             f" The {len(shown):,} busiest rows; --json or --csv has all {len(rows):,}."
             if len(rows) > len(shown)

@@ -460,7 +460,8 @@ class _Handler(ask.RequestHandler):
             return self._reply(200, index_html(self.app.runs()))
         match = _FILE_URL_RE.match(path)
         if match:  # a file of the run: served as text, never as a page
-            data = self.app.run_file(*match.groups())
+            run_id, name = match.groups()
+            data = read_run_file(self.app.settings.runs_dir, self.app.run_events(run_id), name)
             if data is None:
                 raise Refused(404, None, "no such file in that run's ledger")
             return self._reply(200, data, {"Content-Type": "text/plain; charset=utf-8"})
@@ -1058,11 +1059,6 @@ class Daemon:
             row["delivery"] = origin.get(row["run_id"])
         return rows
 
-    def run_file(self, run_id, name):
-        """GET /runs/<id>/<name>: a file of that run that its own ledger names; None: not one."""
-        found = self.run_events(run_id)
-        return None if found is None else read_run_file(self.settings.runs_dir, found, name)
-
     def run_events(self, run_id):
         """GET /runs/<id> (an id of new_run_id()'s shape): its events as far as they verify;
         None: no such run."""
@@ -1110,7 +1106,7 @@ _PAGE_STYLE = (
     "dt{font-weight:600}dd{margin:0 0 .3em 1em}"
     ".decision{background:#eef6ff}.allowed{background:#effaef}.denied{background:#fff0f0}"
     ".verdict{background:#fff8e6}.bad{color:#a00}.diff{border:1px solid #ddd;padding:.5em}"
-    ".diff span{display:block}.add{background:#e6ffec;color:#116329}"
+    ".diff span{display:block;min-height:1.45em}.add{background:#e6ffec;color:#116329}"
     ".del{background:#ffebe9;color:#82071e}.hunk{color:#0550ae}.file{font-weight:600}"
 )
 
@@ -1141,9 +1137,8 @@ def run_files(events):
 def read_run_file(runs_dir, found, name):
     """A file the run's ledger lists, read without following a link anywhere below RUNS (a link,
     a FIFO or a directory is not served); at most MAX_FILE_BYTES of it. None: not one."""
-    runs = os.path.realpath(runs_dir)
-    path = os.path.join(runs, found["run_id"], name)
-    if name not in run_files(found["events"]) or os.path.realpath(path) != path:
+    path = os.path.join(os.path.realpath(runs_dir), found["run_id"] if found else "", name)
+    if not found or name not in run_files(found["events"]) or os.path.realpath(path) != path:
         return None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -1163,7 +1158,7 @@ def _diff_html(text):
         f"{html.escape(line)}</span>"
         for line in text.splitlines()
     )
-    return '<pre class="diff">' + "\n".join(lines) + "</pre>"
+    return '<pre class="diff">' + "".join(lines) + "</pre>"
 
 
 def timeline_html(found, run_dir):
@@ -1205,10 +1200,8 @@ def timeline_html(found, run_dir):
     shown = _diff_html(patch.decode("utf-8", "replace")) if patch is not None else ""
     return _page(
         f"run {found['run_id']}",
-        f"<dl class=\"summary\">{summary}</dl>{shown}<p>{len(found['events'])} events"
-        f"{more}, {status}</p>"
-        + _table(("seq", "at", "kind", "what"), rows)
-        + (f"<h2>Files</h2><ul>{links}</ul>" if links else "")
+        f"<dl class=\"summary\">{summary}</dl>{shown}<ul>{links}</ul><p>{len(found['events'])}"
+        f" events{more}, {status}</p>" + _table(("seq", "at", "kind", "what"), rows)
     )
 
 
