@@ -820,7 +820,7 @@ def test_runs_lists_every_run_and_whether_it_verifies(agent, tmp_path):
     agent(make_repo(tmp_path / "repo"), ["not json"], "--max-steps", "1")
     proc = run_script("agent.py", "runs", "--runs-dir", agent.runs)
     assert proc.returncode == 0, proc.err
-    rows = proc.out.splitlines()[1:]  # under a header line
+    rows = proc.out.splitlines()[1:-1]  # under a header line, over the pointer to `report`
     assert len(rows) == 2 and "no_action" in rows[0] and "budget_exhausted" in rows[1]
     assert all(row.split()[5] == "ok" for row in rows) and rows[1].split()[3:5] == ["1", "27"]
     assert rows[0].split()[4] == "-"
