@@ -21,9 +21,10 @@ VENV ?= $(HERE).venv/py$(PY_TAG)
 help:
 	@echo "make test    run the tests with PYTHON's pytest, or a venv per Python with pytest in it (PYTHON=python3.9)"
 	@echo "make demo    the whole agent loop against a local stand-in model, in a temp dir, in seconds"
+	@echo "             REPO=DIR [PATCH=FILE]: on your repository; the stand-in proposes your patch"
 	@echo "make verify  verify $(LEDGER), the daemon's $(RUNS)/daemon.jsonl and every run under $(RUNS)/"
 	@echo "make audit   what each model string did, day by day (AUDIT_ARGS=... for more)"
-	@echo "make drill   the endpoint's /models list, each prompts/*.txt $(DRILL_REPEAT)x through ask.py, then the audit; exit 1 if any call or check failed"
+	@echo "make drill   the endpoint's /models list, each prompts/*.txt $(DRILL_REPEAT)x through ask.py, then the audit; a failed call or a check not passed: make's exit 2 (sh drill.sh: 1)"
 	@echo "make bench   speed ratios against baselines measured in the same run (BENCH_LINES=1000000 for the full figures)"
 	@echo "make house   each script's code tokens and lines against its budgets (asserts nothing)"
 	@echo "make clean   remove venvs, caches and bench files"
@@ -47,30 +48,13 @@ verify:
 audit:
 	$(PYTHON) $(HERE)audit.py --by day $(AUDIT_ARGS)
 
-# The drill first records the endpoint's /models list (some servers answer to any model name; the audit
-# flags a model the list does not name). A configuration error (exit 2) stops the drill at once; failed
-# calls and checks are counted, summed up at the end, and make the drill exit 1, so cron sees them.
+# The drill's loop lives in drill.sh, whose exit codes mean what README's table says (0, 1, 2); make
+# reports any non-zero exit of a recipe as its own 2, so cron runs drill.sh itself (docs/cron.md).
 drill:
-	@ls $(PROMPTS)/*.txt >/dev/null || exit 2; calls=0; failed=0; \
-	$(PYTHON) $(HERE)ask.py --ledger "$(LEDGER)" --models > /dev/null; rc=$$?; \
-	if [ $$rc -eq 2 ]; then echo "drill: stopped: configuration error (see above)" >&2; exit 2; fi; \
-	if [ $$rc -ne 0 ]; then echo "drill: the /models list could not be recorded (exit $$rc)" >&2; fi; \
-	for prompt in $(PROMPTS)/*.txt; do \
-	  expect="$${prompt%.txt}.expect"; \
-	  for i in $$(seq $(DRILL_REPEAT)); do \
-	    if [ -f "$$expect" ]; then set -- --expect "$$(cat "$$expect")"; else set --; fi; \
-	    calls=$$((calls + 1)); \
-	    $(PYTHON) $(HERE)ask.py --ledger "$(LEDGER)" --temperature 0 "$$@" < "$$prompt" > /dev/null; rc=$$?; \
-	    if [ $$rc -eq 2 ]; then echo "drill: stopped: configuration error on $$prompt (see above)" >&2; exit 2; fi; \
-	    if [ $$rc -ne 0 ]; then failed=$$((failed + 1)); echo "drill: $$prompt run $$i exited $$rc" >&2; fi; \
-	  done; \
-	done; \
-	$(PYTHON) $(HERE)audit.py --by day "$(LEDGER)" || exit $$?; \
-	echo "drill: $$calls calls, $$failed failed (a failed call or check)"; \
-	[ $$failed -eq 0 ]
+	@LEDGER="$(LEDGER)" PROMPTS="$(PROMPTS)" DRILL_REPEAT="$(DRILL_REPEAT)" PYTHON="$(PYTHON)" sh $(HERE)drill.sh
 
 demo:
-	@$(PYTHON) $(HERE)tests/demo.py
+	@$(PYTHON) $(HERE)tests/demo.py $(if $(REPO),--repo "$(REPO)") $(if $(PATCH),--patch "$(PATCH)") $(if $(TOOLS),--tools "$(TOOLS)")
 
 bench:
 	BENCH_LINES=$(BENCH_LINES) $(PYTHON) $(HERE)tests/bench.py $(BENCH)

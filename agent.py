@@ -3406,10 +3406,10 @@ def _cmd_run(args):
     elif outcome == "budget_exhausted" and ended:
         rl.warn(
             f"run {run_id}: budget exhausted: {ended.get('limit')} "
-            f"({ended.get('used')} of {ended.get('max')})"
+            f"({ended.get('used')} of {ended.get('max')}); its record: {runs / run_id}"
         )
     elif outcome == "stuck":
-        rl.warn(f"run {run_id}: {summed['why'] or ''}")
+        rl.warn(f"run {run_id}: {summed['why'] or ''}; its record: {runs / run_id}")
     # bounded: a ClickHouse that hangs delays the run's exit by SHIP_RUN_DEADLINE_S at most
     if args.ship_to:
         _ship_run(
@@ -3520,20 +3520,25 @@ def _cmd_runs(args):
         )
     if not rows:
         rl.write_out(f"no runs in {args.runs_dir}\n")
+    else:
+        rl.write_out(
+            f"a run step by step: reasoning_ledger.py report {args.runs_dir}/RUN/events.jsonl\n"
+        )
     return rl.EXIT_FAILED if any(r["verified"] != "ok" for r in rows) else rl.EXIT_OK
 
 
 def _build_parser():
+    raw = argparse.RawDescriptionHelpFormatter
     parser = rl.ArgumentParser(
         prog="agent.py",
         description="The host of a coding agent.",
         epilog=rl.exit_codes_epilog(*rl.EXIT_CODES),  # agent.py answers with every one of them
-        formatter_class=argparse.RawDescriptionHelpFormatter
+        formatter_class=raw
     )
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, func, help, arguments in _COMMANDS:
-        command = sub.add_parser(name, help=help)
+        command = sub.add_parser(name, help=help, epilog=_EPILOGS.get(name), formatter_class=raw)
         command.set_defaults(func=func)
         for flag, help, *options in arguments:
             command.add_argument(flag, help=help, **dict(*options))
@@ -3541,6 +3546,10 @@ def _build_parser():
 
 
 _HIDDEN = argparse.SUPPRESS
+_EPILOGS = {
+    "run": "needs BASE_URL, API_KEY and MODEL_ID in the environment (no defaults, no fallback).\n"
+    + rl.exit_codes_epilog(0, 8, 3, 7, 9, 6, 1, 2)
+}
 # Each command: its name, its function, its help, and its arguments (flag, help, other options)
 _COMMANDS = (
     (

@@ -1839,7 +1839,7 @@ def _run(args):
             secrets
         )
     if record["check"] is False:
-        rl.error(f"check failed: {record['check_detail']}", secrets)
+        rl.error(f"check not passed: {record['check_detail']}", secrets)
         return rl.EXIT_CHECK
     return rl.EXIT_OK
 

@@ -61,6 +61,8 @@ DEFAULT_RATE_JUMP = 0.2
 MIN_LATENCY_SAMPLES = 3
 DEFAULT_LATENCY_FLOOR_MS = 50.0
 NO_USAGE_STATUSES = ("absent", "zero", "malformed")
+# the proxy's refusals, recorded with no HTTP status: the request never left (docs/proxy.md)
+UNSENT = ("model_missing", "model_not_allowed", "invalid_request")
 # distinct (request_model, base_url) pairs kept apart; the rest share one row
 MAX_MODEL_STRINGS = 1000
 MAX_LABELS = 50  # distinct served models, fingerprints or error types kept per row
@@ -279,6 +281,7 @@ class Audit:
         self.ledgers = []  # {"path", "status", "lines", "reason"}
         self._heads = {}  # index.jsonl -> {run id: (head seq, head hash)}
         self.imported = {}  # (agent, session, file name) -> (version, [its transcript payloads])
+        self.unsent = {}  # error type -> calls the proxy refused before sending: never served
 
     def add_file(self, path, verify=True):
         """Stream one ledger in; returns its status. Raises IntegrityError / KeyRequiredError."""
@@ -333,6 +336,9 @@ class Audit:
                 call, malformed = model_call_view(payload)
                 model, base = call["request_model"], call["base_url"]
                 if only is not None and model != only:
+                    continue
+                if call["error_type"] in UNSENT and payload.get("http_status") is None:
+                    _add(self.unsent, call["error_type"], 1)
                     continue
                 session = payload.get("session_id")
                 day = (session if type(session) is str else "-") if by_session else at[:10]
@@ -639,14 +645,14 @@ def _elide(text, width, where="middle"):
     return text[:head] + ELLIPSIS + text[len(text) - (width - 1 - head) :]
 
 
-def _model_table(rows, by_day, wide, endpoints):
+def _model_table(rows, by_day, wide, endpoints, by="day"):
     """The models table: every column whole with --wide; else fitted to TEXT_WIDTH
     (docs/audit.md)."""
 
     def tokens(value):
         return _num(value) if value is None or wide or value < 10000 else _short(value)
 
-    day = " day" if by_day else ""
+    day = f" {by}" if by_day else ""
     columns = (
         f"model base_url{day} calls ok failed no_usage checks in_tok out_tok est_in~ est_out~ "
         "min_ms p50_ms p95_ms max_ms retries served"
@@ -673,6 +679,7 @@ def _model_table(rows, by_day, wide, endpoints):
             "model": _label(r["request_model"]),
             "base_url": _label(r["base_url"]),
             "day": r["day"],
+            "session": r["day"],
             "at": endpoints[r["base_url"]],
             "est~": tokens(est),
             "in_tok": tokens(r["input_tokens"]),
@@ -692,7 +699,7 @@ def _model_table(rows, by_day, wide, endpoints):
     return _table(
         columns,
         body,
-        {"model", "base_url", "at", "day", "served"},
+        {"model", "base_url", "at", "day", "session", "served"},
         None if wide else {"served": "middle", "model": "middle"},
         None if wide else TEXT_WIDTH
     )
@@ -736,16 +743,15 @@ def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
     sums, warnings = _sums(rows), _warnings(audit)
     files = len(audit.ledgers)
     mark = "verified" if verified else "UNVERIFIED (--no-verify): the chain was not checked"
-    out = [
-        f"audit: {files} ledger{'s' if files != 1 else ''}, {sums['calls']:,} model calls, {mark}"
-    ]
+    out = [f"audit: {rl.plural(files, 'ledger')}, {rl.plural(sums['calls'], 'model call')}, {mark}"]
     out += [line for line in warnings if line.startswith("warning:")] + [""]
     endpoints = {}  # base_url -> "#n", the short name the narrow table gives each endpoint
     for base in [r["base_url"] for r in rows] + [c["base_url"] for c in changes]:
         endpoints.setdefault(base, f"#{len(endpoints) + 1}")
-    out.append("Models" + (" by day" if by_day else "") + " (request_model @ base_url)")
+    by = _by(audit, by_day)
+    out.append("Models" + (f" by {by}" if by_day else "") + " (request_model @ base_url)")
     table, cut = (
-        _model_table(rows, by_day, wide, endpoints) if rows else (["(no model calls)"], False)
+        _model_table(rows, by_day, wide, endpoints, by) if rows else (["(no model calls)"], False)
     )
     out += table
     if rows and not wide:
@@ -764,6 +770,9 @@ def render_text(audit, rows, changes, runs, verified, by_day, wide=False):
         )
     out += _text_notes(sums) + [line for line in warnings if not line.startswith("warning:")]
     out += ["", f"Changes (day over day): {len(changes)}"]
+    out[-1] = (
+        "Changes: not compared by session (--by day compares days)" if by == "session" else out[-1]
+    )
     for change in changes:
         who = change["request_model"] if change["request_model"] is not None else "(models list)"
         where = _label(change["base_url"]) if wide else endpoints.get(change["base_url"], "-")
@@ -797,7 +806,7 @@ def _sums(rows):
         k: sum(r[k] or 0 for r in rows)
         for k in (
             "calls ok no_usage malformed usage_calls input_tokens output_tokens est_input_tokens "
-            "est_output_tokens"
+            "est_output_tokens checked passed"
         ).split()
     }
     sums["errors"] = {}
@@ -819,25 +828,41 @@ def _warnings(audit):
                 f"warning: {ledger['path']}: {ledger['skipped']:,} lines are not ledger events and "
                 "were skipped"
             )
+    if audit.unsent:
+        n = sum(audit.unsent.values())
+        out.append(
+            f"not sent: {rl.plural(n, 'call')} refused by the proxy before sending ("
+            + ", ".join(f"{k} {v:,}" for k, v in sorted(audit.unsent.items()))
+            + "); counted apart: none was served"
+        )
     if audit.folded:
         out.append(
             f"warning: more than {MAX_MODEL_STRINGS:,} model strings; {audit.folded:,} calls are "
             f"counted under {OTHER}"
         )
     return out + [
-        f"not listed: {item['request_model']} @ {item['base_url']} ({item['calls']:,} calls) is "
-        f"not in that endpoint's /models list of {item['listed_at'][:10]}: a server that answers "
-        "to any model name served it"
+        f"not listed: {item['request_model']} @ {item['base_url']} "
+        f"({rl.plural(item['calls'], 'call')}) is not in that endpoint's /models list of "
+        f"{item['listed_at'][:10]}: a server that answers to any model name served it"
         for item in audit.unlisted()
     ]
 
 
+def _by(audit, by_day):
+    """What the rows are grouped by, as --by names it: model, day or session."""
+    return "session" if audit.by_session else "day" if by_day else "model"
+
+
 def _text_notes(sums):
     ok, measured = sums["ok"], sums["usage_calls"]
-    share = f"{measured / ok:.0%}" if ok else "-"
     out = [
-        f"usage: {sums['no_usage']:,} of {ok:,} ok calls lacked usage; in_tok/out_tok are what "
-        f"servers reported and cover {measured:,} call{'' if measured == 1 else 's'} ({share}).",
+        (
+            f"usage: {sums['no_usage']:,} of {rl.plural(ok, 'ok call')} lacked usage; "
+            f"in_tok/out_tok are what servers reported and cover {rl.plural(measured, 'call')} "
+            f"({measured / ok:.0%})."
+            if ok
+            else "usage: no ok calls, so no usage to count."
+        ),
         "est: est~ (est_in~ + est_out~) are chars/4 estimates, never added in."
     ]
     if sums["malformed"]:
@@ -860,7 +885,7 @@ def render_json(audit, rows, changes, runs, verified, by_day):
             {
                 "version": 2,
                 "verified": verified,
-                "by": "day" if by_day else "model",
+                "by": _by(audit, by_day),
                 "ledgers": audit.ledgers,
                 "summary": {
                     "model_calls": sums["calls"],
@@ -870,7 +895,8 @@ def render_json(audit, rows, changes, runs, verified, by_day):
                     "folded_calls": audit.folded,
                     "changes": len(changes),
                     "agent_runs": len(runs),
-                    "unlisted": len(unlisted)
+                    "unlisted": len(unlisted),
+                    "not_sent": audit.unsent
                 },
                 "models": rows,
                 "changes": changes,
@@ -937,13 +963,13 @@ _HEADINGS = {
     "request_model": "Model (requested)",
     "base_url": "Endpoint",
     "passed": "Checks passed",
-    "input_tokens": "Input tokens (reported)",
-    "output_tokens": "Output tokens (reported)",
-    "est_input_tokens": "Input tokens (estimated)",
-    "est_output_tokens": "Output tokens (estimated)",
-    "latency_p50_ms": "Latency p50 (ms)",
-    "latency_p95_ms": "Latency p95 (ms)",
-    "latency_max_ms": "Latency max (ms)",
+    "input_tokens": "In tokens",
+    "output_tokens": "Out tokens",
+    "est_input_tokens": "In tokens~",
+    "est_output_tokens": "Out tokens~",
+    "latency_p50_ms": "p50 ms",
+    "latency_p95_ms": "p95 ms",
+    "latency_max_ms": "Max ms",
     "response_models": "Served models",
     "run_id": "Run",
     "started": "Started (UTC)",
@@ -955,7 +981,8 @@ _HEADINGS = {
     "lines": "Events",
     "reason": "Note",
     "label": "Model",
-    "reported": "Tokens (reported)"
+    "reported": "Tokens (reported)",
+    "session_id": "Session"
 }
 # The tables lead with what is read first, so a narrow window scrolls only past the token counts.
 _HTML_MODEL_COLUMNS = (
@@ -979,7 +1006,8 @@ _WHAT = {
 }
 _TEXT_FIELDS = set(
     (
-        "request_model base_url day response_models errors run_id started outcome judge_verdict "
+        "request_model base_url day session_id response_models errors run_id started outcome "
+        "judge_verdict "
         "what detail previous_day path status reason why label"
     ).split()
 )
@@ -991,9 +1019,10 @@ _CSS = (
     ".cards{display:flex;flex-wrap:wrap;gap:10px}.v{font-size:22px;font-weight:600}"
     ".card{border:1px solid #ddd;border-radius:8px;padding:8px 12px;min-width:140px}"
     ".scroll{overflow:auto;max-height:80vh;border:1px solid #ddd}table{border-collapse:collapse;"
-    "width:100%}th,td{padding:4px 8px;border-bottom:1px solid #eee;text-align:right;"
-    "vertical-align:top;white-space:nowrap}th{background:#f3f4f6;position:sticky;top:0}"
-    ".t{text-align:left;white-space:normal;overflow-wrap:anywhere}.null{color:#aaa}"
+    "width:100%}th,td{padding:4px 6px;border-bottom:1px solid #eee;text-align:right;"
+    "vertical-align:top;white-space:nowrap}th{background:#f3f4f6;position:sticky;top:0;"
+    "white-space:normal}.t{text-align:left;white-space:normal;"
+    "overflow-wrap:break-word;min-width:10ch}.null{color:#aaa}"
     ".key{display:inline-block;width:11px;height:11px;margin-right:6px}"
     ".dash{background:repeating-linear-gradient(90deg,#8c8c8c 0 4px,#fff 4px 6px)!important}"
     ".legend{list-style:none;padding:0;display:flex;flex-wrap:wrap;gap:4px 18px}figure{margin:0}"
@@ -1151,13 +1180,18 @@ def _rect(x, y, width, height, colour, title, error_type=None):
     )
 
 
+def _wrap(value):
+    """Text that may wrap after a / (a URL, an org/model name) as well as at spaces."""
+    return _e(value).replace("/", "/<wbr>")
+
+
 def _td(field, row, colours, runs_url):
     value = row.get(field)
     if field == "request_model":
         if value is None and "what" in row:
             return '<td class="t">(models list)</td>'
         key = _key(colours.get((value, row["base_url"]), _GREY))
-        return f'<td class="t">{key}{_e(_label(value))}</td>'
+        return f'<td class="t">{key}{_wrap(_label(value))}</td>'
     if value in (None, {}, ""):
         return f'<td class="null">{_DASH}</td>'
     if isinstance(value, dict):
@@ -1170,7 +1204,7 @@ def _td(field, row, colours, runs_url):
         return (
             '<td class="t">'
             + ", ".join(
-                f"{_e(_label(name))}\u00a0\u00d7{n:,}" for name, n in ranked[:_MAX_CELL_LABELS]
+                f"{_wrap(_label(name))}\u00a0\u00d7{n:,}" for name, n in ranked[:_MAX_CELL_LABELS]
             )
             + f"{more}</td>"
         )
@@ -1180,7 +1214,7 @@ def _td(field, row, colours, runs_url):
     if field == "what":
         return f'<td class="t" title="{_e(value)}">{_e(_WHAT.get(value, value))}</td>'
     if isinstance(value, str) or field in _TEXT_FIELDS:
-        return f'<td class="t">{_e(value)}</td>'
+        return f'<td class="t">{_wrap(value)}</td>'
     bad = ' class="bad"' if field in ("failed", "tools_denied", "errors") and value else ""
     return f"<td{bad}>{_fmt_ms(value) if field.endswith('_ms') else _num(value)}</td>"
 
@@ -1502,10 +1536,23 @@ def _day_axis(audit):
 def _cards(audit, sums, days):
     calls, ok, measured = sums["calls"], sums["ok"], sums["usage_calls"]
     latencies = sorted(v for g in audit.groups.values() for v in g.latencies)
-    strings = f"{len(audit.model_strings):,}{'+' if audit.folded else ''} model strings"
+    strings = rl.plural(len(audit.model_strings), "model string") + (
+        " and more" if audit.folded else ""
+    )
+    checked, passed = sums["checked"], sums["passed"]
     cards = [
-        ("Model calls", f"{calls:,}", f"{strings} \u00b7 {len(days):,} days"),
-        ("Failed", f"{calls - ok:,}", f"{(calls - ok) / calls:.1%} of calls" if calls else ""),
+        ("Model calls", f"{calls:,}", f"{strings} \u00b7 {rl.plural(len(days), 'day')}"),
+        (
+            "Failed",
+            f"{calls - ok + checked - passed:,}",
+            f"{rl.plural(calls - ok, 'call')} failed (no answer) \u00b7 "
+            f"{rl.plural(checked - passed, 'check')} not passed (an answer that did not pass)"
+        ),
+        (
+            "Checks passed",
+            f"{passed:,} / {checked:,}" if checked else _DASH,
+            "--expect, --expect-json, --strict-model" if checked else "no call was checked"
+        ),
         ("No usage reported", f"{sums['no_usage']:,}", f"of {ok:,} ok calls"),
         (
             "Tokens reported",
@@ -1534,16 +1581,16 @@ def _cards(audit, sums, days):
     )
 
 
-def _models_section(rows, order, by_day, colours):
+def _models_section(rows, order, by_day, colours, by="day"):
     rank = {key: i for i, key in enumerate(order)}
     shown = sorted(rows, key=lambda r: rank.get((r["request_model"], r["base_url"]), len(rank)))
     shown = shown[:_MAX_TABLE_ROWS]
     return [
-        f'<h2 id="models">Models{" by day" if by_day else ""}</h2><p class="note">One row per '
-        f'model string (the model asked for, at its endpoint){" and day" if by_day else ""}, '
-        "busiest first. Reported tokens are what servers said; estimated tokens are chars/4 and "
-        "are never added to them. \u2013 means nothing was reported. OK calls, malformed payloads,"
-        " minimum latency and fingerprints: --json or --csv."
+        f'<h2 id="models">Models{" by " + by if by_day else ""}</h2><p class="note">One row per '
+        f'model string (the model asked for, at its endpoint){" and " + by if by_day else ""}, '
+        "busiest first. Tokens are what servers reported; tokens~ are chars/4 estimates, never "
+        "added to them; latency in ms of ok calls. \u2013 means nothing was reported. OK calls, "
+        "malformed payloads, minimum latency and fingerprints: --json or --csv."
         + (
             f" The {len(shown):,} busiest rows; --json or --csv has all {len(rows):,}."
             if len(rows) > len(shown)
@@ -1551,7 +1598,14 @@ def _models_section(rows, order, by_day, colours):
         )
         + "</p>",
         _html_table(
-            "models", [c for c in _HTML_MODEL_COLUMNS if by_day or c != "day"], shown, colours
+            "models",
+            [
+                c if c != "day" or by == "day" else "session_id"
+                for c in _HTML_MODEL_COLUMNS
+                if by_day or c != "day"
+            ],
+            shown,
+            colours
         )
     ]
 
@@ -1580,7 +1634,8 @@ def render_html(audit, rows, changes, runs, verified, by_day, runs_url=DEFAULT_R
         + '<a href="#ledgers">Ledgers</a></nav>'
     ]
     out += [f'<p class="warn">{_e(line)}</p>' for line in _warnings(audit)[:_MAX_LIST_ROWS]]
-    out += _cards(audit, sums, axis[0]) + _models_section(rows, order, by_day, colours)
+    out += _cards(audit, sums, axis[0])
+    out += _models_section(rows, order, by_day, colours, _by(audit, by_day))
     out += _per_day_section(series, axis) + _errors_section(series, axis) + _latency_section(series)
     out += _lists_sections(audit, changes, runs, runs_url, colours) + ["</body></html>"]
     return "\n".join(out) + "\n"
@@ -1786,7 +1841,8 @@ def _build_parser():
             "answers (proxy.py --store-text); with --html also as a page",
             {"metavar": "SESSION"}
         ),
-        (p, "--fail-on-change", "exit 4 when the Changes section is not empty", flag)
+        (p, "--fail-on-change", "exit 4 when the Changes section is not empty", flag),
+        (p, "--allow-empty", "no ledger found is an empty report, not exit 2", flag)
     ):
         where.add_argument(name, help=about, **options)
     for name, default, metavar, about, _zero in _THRESHOLDS:
@@ -1877,11 +1933,14 @@ def _run(args):
         return rl.EXIT_FAILED
     if not audit.ledgers:
         where = ", ".join(map(str, args.paths)) or "./calls.jsonl, ./transcripts.jsonl, ./runs/"
-        rl.warn(
+        found = (
             f"no ledgers found (looked in {where})"
             if args.from_url is None
             else "no ledgers found in ClickHouse (nothing shipped in that time range)"
         )
+        if not args.allow_empty:
+            raise AuditError(f"{found}: nothing to audit (--allow-empty reports it anyway)")
+        rl.warn(found)
     # by session: the session in the day column
     by_day, by_session = args.by != "model", args.by == "session"
     rows = audit.model_rows(by_day)

@@ -27,6 +27,7 @@ import os
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -87,6 +88,10 @@ _GITHUB_SIG_RE = re.compile(r"sha256=([0-9a-fA-F]{64})\Z")
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}(?:[0-9a-f]{24})?\Z")
 # new_run_id()'s shape only
 _RUN_URL_RE = re.compile(r"/runs/([0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8})\Z")
+# a run's files, by the names its ledger gives them: the proposal and the artifacts
+_FILE_RE = re.compile(r"proposal\.patch|artifacts/[0-9a-f]{64}")
+_FILE_URL_RE = re.compile(_RUN_URL_RE.pattern[:-2] + "/(" + _FILE_RE.pattern + r")\Z")
+MAX_FILE_BYTES = 16 << 20  # GET /runs/<id>/<file> serves at most this much of a file
 Refused = ask.Refused
 
 # github, standard or unsigned; id; event
@@ -451,6 +456,13 @@ class _Handler(ask.RequestHandler):
             return self._reply(200, {"runs": self.app.runs()})
         if path == "/":
             return self._reply(200, index_html(self.app.runs()))
+        match = _FILE_URL_RE.match(path)
+        if match:  # a file of the run: served as text, never as a page
+            run_id, name = match.groups()
+            data = read_run_file(self.app.settings.runs_dir, self.app.run_events(run_id), name)
+            if data is None:
+                raise Refused(404, None, "no such file in that run's ledger")
+            return self._reply(200, data, {"Content-Type": "text/plain; charset=utf-8"})
         match = _RUN_URL_RE.match(path)  # before the file system is touched
         found = self.app.run_events(match.group(1)) if match else None
         if found is None:
@@ -463,7 +475,11 @@ class _Handler(ask.RequestHandler):
         """The answer, then the connection closes: a str is an HTML page (under a policy that runs
         nothing)."""
         page = type(body) is str
-        data = (body if page else json.dumps(body, ensure_ascii=False) + "\n").encode("utf-8")
+        data = (
+            body
+            if type(body) is bytes
+            else (body if page else json.dumps(body, ensure_ascii=False) + "\n").encode("utf-8")
+        )
         head = dict(_HEADERS, Date=email.utils.formatdate(usegmt=True), **(headers or {}))
         if page:
             head.update(
@@ -1063,7 +1079,9 @@ _PAGE_STYLE = (
     "pre{white-space:pre-wrap;word-break:break-word;margin:0}"
     "dt{font-weight:600}dd{margin:0 0 .3em 1em}"
     ".decision{background:#eef6ff}.allowed{background:#effaef}.denied{background:#fff0f0}"
-    ".verdict{background:#fff8e6}.bad{color:#a00}"
+    ".verdict{background:#fff8e6}.bad{color:#a00}.diff{border:1px solid #ddd;padding:.5em}"
+    ".diff span{display:block;min-height:1.45em}.add{background:#e6ffec;color:#116329}"
+    ".del{background:#ffebe9;color:#82071e}.hunk{color:#0550ae}.file{font-weight:600}"
 )
 
 
@@ -1072,6 +1090,49 @@ def _shown(value):
     if len(text) > MAX_SHOWN_CHARS:
         text = text[:MAX_SHOWN_CHARS] + f"\n[... {len(text) - MAX_SHOWN_CHARS:,} more characters]"
     return html.escape(text, quote=True)
+
+
+def run_files(events):
+    """{name: where the ledger names it}: the files of a run that its events list."""
+    found = {}
+
+    def walk(value, where):
+        for key, item in value.items() if type(value) is dict else enumerate(value):
+            if key in ("path", "proposal") and type(item) is str and _FILE_RE.fullmatch(item):
+                found.setdefault(item, where)
+            elif type(item) in (dict, list):
+                walk(item, f"{where} {key}" if type(key) is str else where)
+
+    for event in events:
+        walk(event["payload"], f"#{event['seq']} {event['kind']}")
+    return found
+
+
+def read_run_file(runs_dir, found, name):
+    """A file the run's ledger lists, read without following a link anywhere below RUNS (a link,
+    a FIFO or a directory is not served); at most MAX_FILE_BYTES of it. None: not one."""
+    path = os.path.join(os.path.realpath(runs_dir), found["run_id"] if found else "", name)
+    if not found or name not in run_files(found["events"]) or os.path.realpath(path) != path:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read(MAX_FILE_BYTES) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+
+
+_DIFF_CLASSES = (("+++", "file"), ("---", "file"), ("+", "add"), ("-", "del"), ("@@", "hunk"))
+
+
+def _diff_html(text):
+    """A patch as a diff with line colours: added, removed, hunk and file lines."""
+    lines = (
+        f'<span class="{next((c for p, c in _DIFF_CLASSES if line.startswith(p)), "")}">'
+        f"{html.escape(line)}</span>"
+        for line in text.splitlines()
+    )
+    return '<pre class="diff">' + "".join(lines) + "</pre>"
 
 
 def timeline_html(found, run_dir):
@@ -1105,10 +1166,16 @@ def timeline_html(found, run_dir):
             ("verdict", run["judge_verdict"])
         )
     )
+    links = "".join(
+        f"<li><a href=\"/runs/{_shown(found['run_id'])}/{name}\">{name}</a> ({_shown(where)})</li>"
+        for name, where in run_files(found["events"]).items()
+    )
+    patch = read_run_file(run_dir.parent, found, "proposal.patch")
+    shown = _diff_html(patch.decode("utf-8", "replace")) if patch is not None else ""
     return _page(
         f"run {found['run_id']}",
-        f"<dl class=\"summary\">{summary}</dl><p>{len(found['events'])} events"
-        f"{more}, {status}</p>" + _table(("seq", "at", "kind", "what"), rows)
+        f"<dl class=\"summary\">{summary}</dl>{shown}<ul>{links}</ul><p>{len(found['events'])}"
+        f" events{more}, {status}</p>" + _table(("seq", "at", "kind", "what"), rows)
     )
 
 
@@ -1127,7 +1194,8 @@ def index_html(rows):
             f"{cells}</tr>"
         )
     return _page(
-        "runs", f"<p>{len(rows)} runs, newest first</p>" + _table(("run_id",) + names, body)
+        "runs",
+        f"<p>{rl.plural(len(rows), 'run')}, newest first</p>" + _table(("run_id",) + names, body)
     )
 
 

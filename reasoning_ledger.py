@@ -268,7 +268,10 @@ def parse_head(text):
     """'SEQ HASH' or 'SEQ:HASH' -> (seq, hash)."""
     match = re.fullmatch(r"([0-9]+)[:\s]+([0-9a-fA-F]{64})", text.strip())
     if not match:
-        raise UsageError(f"not a ledger head (want SEQ:HASH): {printable(text)!r}")
+        raise UsageError(
+            f"not a ledger head (want SEQ:HASH, the whole 64-hex hash `head` prints): "
+            f"{printable(text)!r}"
+        )
     return int(match.group(1)), match.group(2).lower()
 
 
@@ -333,11 +336,18 @@ def _mask_param(m):
     return m.group(1) + name + "=" + REDACTED if secret and m.group(3) != REDACTED else m.group(0)
 
 
+_PROSE_RE = re.compile(r"[ \t]+[A-Za-z]")
+
+
 def _mask_assignment(m):
     double, single, bare = m.group(3, 4, 5)
     value = next(v for v in (double, single, bare) if v is not None)
+    # a word that a sentence goes on after ("a webhook secret: set WEBHOOK_SECRET") is prose, not
+    # a value: the program's own messages keep their words
+    prose = bare and ":" in m.group(2) and bare.isalpha() and _PROSE_RE.match(m.string, m.end())
     if (
-        not is_secret_key(m.group(1))
+        prose
+        or not is_secret_key(m.group(1))
         or value in ("", REDACTED)
         or value.lower() in ("bearer", "basic")
     ):
@@ -1496,6 +1506,11 @@ def add_run_event(run, event):
 _CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
+def plural(count, word, many=None):
+    """'1 call', '2 calls', '1,000 calls' (`many`: the plural when it is not word + s)."""
+    return f"{count:,} {word if count == 1 else many or word + 's'}"
+
+
 def printable(value):
     """str(value) with control characters escaped (\\n, \\x1b, \\u2028), so text from a ledger or a
     server can neither forge a line nor drive a terminal."""
@@ -2280,14 +2295,14 @@ def tally(results, good, summary, inside="", after=""):
     """One line per (path, result, suffix): good(result), FAIL or ERROR; then summary(ok, total).
     Returns the exit code: a FAIL (1) outranks an ERROR (2). `after` may hold {} for 'it' or 'them',
     the failed ledgers."""
-    counts = {"ok": 0, "fail": 0, "error": 0}
+    counts, keyless = {"ok": 0, "fail": 0, "error": 0}, 0
     for path, result, suffix in results:
         if not isinstance(result, BaseException):
             state, line = "ok", good(result)
         elif isinstance(result, IntegrityError):
             state, line = "fail", f"FAIL  {printable(result)}"
         else:
-            text = error_text(result)
+            text, keyless = error_text(result), keyless + isinstance(result, KeyRequiredError)
             state, line = (
                 "error",
                 f"ERROR {printable(text if text.startswith(str(path)) else f'{path}: {text}')}"
@@ -2303,7 +2318,11 @@ def tally(results, good, summary, inside="", after=""):
         )
         return EXIT_FAILED
     if counts["error"]:
-        error("some ledgers could not be read or need a key")
+        n = counts["error"]
+        error(
+            f"{n} ledger{'s' if n > 1 else ''} could not be read"
+            + (f" ({keyless} need{'s' if keyless == 1 else ''} a key)" if keyless else "")
+        )
         return EXIT_USAGE
     return EXIT_OK
 

@@ -3,6 +3,7 @@
 
 Usage:
   python tests/demo.py            # against the local STAND-IN model (scripted; not a real model)
+  python tests/demo.py --repo DIR [--patch FILE] [--tools FILE]   # make demo REPO=DIR PATCH=FILE
   BASE_URL=... API_KEY=... MODEL_ID=... python tests/demo.py   # the same run against a real endpoint
 
 It starts tests/fake_openai.py on 127.0.0.1 as a stand-in for the model, creates a small sample repository
@@ -11,6 +12,10 @@ allowlist escape attempt, which the host denies, then proposes a patch. The demo
 rule behind it, the proposal, the judge's verdict, `agent.py runs`, the audit and `verify`. The sample
 repository's tests use unittest, so a bare python3 runs it; the demo's tools.json is the shipped one with
 that test command. Exit 0 when the loop went as it should.
+
+With --repo, the run is on your repository (never changed: the agent only proposes) with tools.json
+(or --tools): the scripted model lists the files, reads those the patch touches, runs the tests and
+proposes --patch FILE, or without one runs out of steps. Exit 0 when that run closed without an error.
 """
 
 import json
@@ -45,6 +50,20 @@ def _script():
                 alternatives=["rewrite add with sum()"])]
 
 
+def _your_script(patch):
+    """The stand-in's script on your repository: look, read what the patch touches, test, propose."""
+    def act(tool, reason, **args):
+        return json.dumps({"tool": tool, "args": args, "reason": reason})
+    touched = sorted({line[6:].strip() for line in (patch or "").splitlines() if line.startswith("+++ b/")})
+    script = [act("list_files", "see what is in the repository")]
+    script += [act("read_file", "the patch changes this file", path=path) for path in touched]
+    script.append(act("run_tests", "see what fails"))
+    if patch:
+        script.append(act("propose_patch", "the patch given to the demo", patch=patch,
+                          rationale="the patch given with PATCH=FILE", alternatives=[]))
+    return script
+
+
 def _sample_repo(path):
     path.mkdir()
     (path / "calc.py").write_text(CALC)
@@ -70,8 +89,27 @@ def _section(title):
     print(f"\n== {title}")
 
 
+def _args(argv):
+    import argparse
+    parser = argparse.ArgumentParser(prog="demo.py", description="The agent loop against a scripted stand-in.")
+    parser.add_argument("--repo", help="your repository (a git work tree) instead of the sample one")
+    parser.add_argument("--patch", help="with --repo: the unified diff the scripted model proposes")
+    parser.add_argument("--tools", help="with --repo: the allowlist (default: the tools.json beside agent.py)")
+    args = parser.parse_args(argv)
+    if (args.patch or args.tools) and not args.repo:
+        parser.error("--patch and --tools need --repo (make demo REPO=DIR PATCH=FILE)")
+    return args
+
+
 def main(argv=None):
     started = time.monotonic()
+    args = _args(argv)
+    try:
+        patch = Path(args.patch).read_text(encoding="utf-8") if args.patch else None
+    except OSError as exc:
+        print(f"error: cannot read {args.patch}: {exc.strerror}", file=sys.stderr)
+        return 2
+    script = _your_script(patch) if args.repo else _script()
     real = all(os.environ.get(name) for name in ("BASE_URL", "API_KEY", "MODEL_ID"))
     server = None
     env = {k: v for k, v in os.environ.items() if not k.lower().endswith("_proxy")}
@@ -79,17 +117,23 @@ def main(argv=None):
         print(f"model: {os.environ['MODEL_ID']} at {os.environ['BASE_URL']} (a real endpoint)")
     else:
         import fake_openai
-        server = fake_openai.start()
-        server.queue(*[{"name": "ok", "answer": reply} for reply in _script()])
+        server = fake_openai.FakeServer(models=["stand-in-model"], counted=True).start()
+        server.queue(*[{"name": "ok", "answer": reply} for reply in script])
         env.update(BASE_URL=server.base_url, API_KEY="stand-in-key-not-a-secret", MODEL_ID="stand-in-model")
         print(f"model: a STAND-IN at {server.base_url}: scripted answers from tests/demo.py, not a real model.\n"
               f"       Set BASE_URL, API_KEY and MODEL_ID to run the same demo against a real endpoint.")
     work = Path(tempfile.mkdtemp(prefix="reasoning-ledger-demo-"))
     repo, runs, tools = work / "repo", work / "runs", work / "tools.json"
     try:
-        _sample_repo(repo)
-        _tools(tools)
-        print(f"sample repository: {repo} (calc.py and test_calc.py: test_add fails)")
+        if args.repo:
+            repo = Path(args.repo).resolve()
+            _your_tools(tools, args.tools, None if patch or real else len(script))
+            print(f"your repository: {repo} (never changed: the agent only proposes)"
+                  + ("" if patch or real else "; no PATCH given, so the scripted model proposes nothing"))
+        else:
+            _sample_repo(repo)
+            _tools(tools)
+            print(f"sample repository: {repo} (calc.py and test_calc.py: test_add fails)")
         _section(f"python3 agent.py run --repo {repo} --runs-dir {runs} --tools {tools}")
         proc = _run(ROOT / "agent.py", "run", "--repo", repo, "--runs-dir", runs, "--tools", tools, env=env)
         print(proc.stdout.strip() or "(nothing on stdout)")
@@ -100,7 +144,7 @@ def main(argv=None):
             return 1
         run_dir = runs / proc.stdout.split()[0]
         events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-        ok = _show(events, run_dir)
+        ok = _show(events, run_dir, expect_denial=not args.repo)
         _section(f"python3 agent.py runs --runs-dir {runs}")
         print(_run(ROOT / "agent.py", "runs", "--runs-dir", runs, env=env).stdout.rstrip())
         _section(f"python3 audit.py {runs}")
@@ -110,14 +154,25 @@ def main(argv=None):
         print(verified.stdout.rstrip())
         kept = "the run's ledger, artifacts and proposal.patch" if (run_dir / "proposal.patch").exists() else \
             "the run's ledger and artifacts; this run ended without a proposal"
-        print(f"\ndone in {time.monotonic() - started:.1f} s; the files stay in {work} ({kept}) -- look, then rm -rf it")
+        print(f"\nthe run step by step: python3 {ROOT / 'reasoning_ledger.py'} report {run_dir / 'events.jsonl'}")
+        print(f"done in {time.monotonic() - started:.1f} s; the files stay in {work} ({kept}) -- look, then rm -rf it")
+        if args.repo:
+            return 0 if proc.returncode not in (1, 2) and verified.returncode == 0 else 1
         return 0 if ok and verified.returncode == 0 and (real or proc.returncode == 8) else 1
     finally:
         if server is not None:
             server.stop()
 
 
-def _show(events, run_dir):
+def _your_tools(path, given, max_steps):
+    """Your allowlist (or the shipped one); without a patch, as many steps as the script has."""
+    data = json.loads(Path(given or ROOT / "tools.json").read_text(encoding="utf-8"))
+    if max_steps:
+        data.setdefault("budget", {})["max_steps"] = max_steps
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def _show(events, run_dir, expect_denial=True):
     _section("what the host denied, and the rule behind it")
     denials = [e["payload"] for e in events if e["kind"] == "tool_denied"]
     for denial in denials:
@@ -138,7 +193,7 @@ def _show(events, run_dir):
               f"tests_passed={verdict['tests_passed']} touched_tests={verdict['touched_tests']}")
     if not verdicts:
         print("  (no verdict)")
-    return bool(denials) and bool(verdicts) and verdicts[-1]["verdict"] == "accept"
+    return (bool(denials) or not expect_denial) and bool(verdicts) and verdicts[-1]["verdict"] == "accept"
 
 
 if __name__ == "__main__":

@@ -3,13 +3,19 @@
 
 Usage:
   python tests/fake_openai.py [PORT]            # serves the "ok" scenario until Ctrl-C
+  python tests/fake_openai.py PORT --replies FILE   # FILE: one JSON value per line, each the content of
+                                                 # one assistant reply in order (a string as is, anything
+                                                 # else as its JSON text); then "ok" again
   from fake_openai import start
   server = start()                               # 127.0.0.1, port 0
   server.queue("rate_limited", "ok")             # the next requests, in order; then "ok" again
   ... server.base_url, server.requests, server.stop()
   server.window = (2048, "llama.cpp")            # enforce a context window, refused in that server's words
 
-Every scenario is one thing real endpoints do (wrong): see SCENARIOS below.
+Every scenario is one thing real endpoints do (wrong): see SCENARIOS below. It answers like a real server
+on /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings and GET /v1/models, and 404 off
+/v1 (a BASE_URL without /v1 is a mistake real servers do not forgive). The command line's server lists
+the model it is told to serve and reports usage counted from the request (chars/4), as a real one would.
 """
 
 import json
@@ -41,6 +47,44 @@ OVERFLOW = {
     "llama.cpp": lambda w, p, m: ("request (%d tokens) exceeds the available context size (%d tokens)" % (p, w),
                                   400),
 }
+
+
+ROUTES = ("chat/completions", "completions", "responses", "embeddings")
+
+
+def _route(path):
+    """The route after /v1/ ("chat/completions", "models", ...), or None off /v1."""
+    head, sep, tail = path.split("?")[0].rstrip("/").rpartition("/v1/")
+    return tail if sep else None
+
+
+def _tokens(text):
+    return -(-len(text) // 4) if text else 0
+
+
+def _counted(body, answer):
+    """Usage counted from the request, as a server's tokenizer would: chars/4 plus a few per message."""
+    messages = body.get("messages") or []
+    prompt = sum(_tokens(json.dumps(m.get("content"))) + 4 for m in messages if isinstance(m, dict))
+    prompt += _tokens(json.dumps(body.get("input") or body.get("prompt") or ""))
+    out = _tokens(answer or "")
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
+
+
+def read_replies(path):
+    """FILE's replies, in order: one JSON value per line (blank lines skipped). Raises ValueError naming the
+    line of the first one that is not JSON."""
+    replies = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{path} line {number}: not a JSON value ({exc.msg})") from None
+            replies.append(value if isinstance(value, str) else json.dumps(value))
+    return replies
 
 
 def _completion(model, answer=ANSWER, usage=USAGE, served=None, finish="stop"):
@@ -114,7 +158,7 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self):
         fake = self.server.fake
         scenario, request = fake.next_request(self, None)
-        if not self.path.split("?")[0].rstrip("/").endswith("/models"):
+        if _route(self.path) != "models":
             return self._error(404, f"no route {self.path}")
         if scenario.get("name") == "http_401":
             return self._error(401, "Incorrect API key provided", "invalid_api_key")
@@ -153,16 +197,19 @@ class Handler(BaseHTTPRequestHandler):
         except ValueError:
             body = None
         scenario, request = fake.next_request(self, body)
-        if not self.path.split("?")[0].rstrip("/").endswith("/chat/completions"):
+        route = _route(self.path)
+        if route not in ROUTES:
             return self._error(404, f"no route {self.path}")
-        if body is None:
-            return self._error(400, "body is not JSON")
+        if not isinstance(body, dict):
+            return self._error(400, "body is not a JSON object")
         model = body.get("model")
         name = scenario.get("name", "ok")
         answer = scenario.get("answer", ANSWER)
         auth = self.headers.get("Authorization", "")
         if fake.api_key and auth != f"Bearer {fake.api_key}":
             return self._error(401, f"Incorrect API key provided: {auth[7:]}", "invalid_api_key")
+        if route != "chat/completions":
+            return self._other(route, model, answer, body)
         if scenario.get("sleep"):
             time.sleep(scenario["sleep"])
         if scenario.get("hold") is not None:  # a threading.Event: answer only once the test sets it
@@ -170,6 +217,8 @@ class Handler(BaseHTTPRequestHandler):
         if fake.window and self._overflow(body, scenario):
             return None
         usage = dict(USAGE, prompt_tokens=fake.prompt_tokens[-1]) if fake.window else USAGE
+        if fake.counted:
+            usage = _counted(body, answer)
         stream = bool(body.get("stream"))
         if name == "reject_stream_options" and "stream_options" in body:
             return self._error(400, "Unrecognized request argument supplied: stream_options")
@@ -232,14 +281,55 @@ class Handler(BaseHTTPRequestHandler):
             return None
         return self._error(500, f"unknown scenario {name}")
 
+    def _other(self, route, model, answer, body):
+        """The "ok" answer on the routes other than chat: completions, responses, embeddings."""
+        usage = _counted(body, answer) if self.server.fake.counted else USAGE
+        if route == "embeddings":
+            inputs = body.get("input")
+            inputs = inputs if isinstance(inputs, list) else [inputs]
+            return self._send(200, {"object": "list", "model": model, "data": [
+                {"object": "embedding", "index": i, "embedding": [0.1, -0.2, 0.3]}
+                for i in range(len(inputs))], "usage": {"prompt_tokens": usage["prompt_tokens"],
+                                                        "total_tokens": usage["prompt_tokens"]}})
+        if route == "completions":
+            done = {"id": "cmpl-fake123", "object": "text_completion", "created": 1764400000, "model": model,
+                    "choices": [{"index": 0, "text": answer, "finish_reason": "stop"}], "usage": usage}
+            if not body.get("stream"):
+                return self._send(200, done)
+            return self._sse([dict(done, usage=None)])
+        response = {"id": "resp_fake123", "object": "response", "created_at": 1764400000, "model": model,
+                    "status": "completed", "output": [{"type": "message", "id": "msg_fake", "role": "assistant",
+                                                       "status": "completed", "content": [
+                                                           {"type": "output_text", "text": answer,
+                                                            "annotations": []}]}],
+                    "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"],
+                              "total_tokens": usage["total_tokens"]}}
+        if not body.get("stream"):
+            return self._send(200, response)
+        events = [("response.created", {"response": dict(response, status="in_progress", output=[],
+                                                         usage=None)}),
+                  ("response.output_text.delta", {"item_id": "msg_fake", "output_index": 0,
+                                                  "content_index": 0, "delta": answer}),
+                  ("response.completed", {"response": response})]
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        for number, (kind, data) in enumerate(events):
+            data = dict(data, type=kind, sequence_number=number)
+            self.wfile.write(b"event: %s\ndata: %s\n\n" % (kind.encode(), json.dumps(data).encode()))
+        self.close_connection = True
+        return None
+
 
 class FakeServer:
-    def __init__(self, host="127.0.0.1", port=0, api_key=None, models=MODELS):
+    def __init__(self, host="127.0.0.1", port=0, api_key=None, models=MODELS, counted=False):
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
         self.httpd.fake = self
         self.api_key = api_key
         self.models = models
+        self.counted = counted     # usage counted from each request (chars/4) instead of the canned USAGE
         self.scenarios = []
         self.requests = []
         self.gets = []             # GET requests (the /models listing), kept apart from the chat calls
@@ -291,14 +381,28 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="fake_openai.py", description="A stand-in OpenAI-compatible endpoint "
                                      "on 127.0.0.1 that answers every chat call with the 'ok' scenario.")
     parser.add_argument("port", nargs="?", type=int, default=0, help="the port (default: any free one)")
+    parser.add_argument("--replies", metavar="FILE", help="one JSON value per line, each the content of one "
+                        "assistant reply in order (for agent.py: one action object, docs/agent.md); after the "
+                        "last, the usual answer")
+    parser.add_argument("--model", default=CLI_MODELS[0], help="the model id it lists (default: %(default)s)")
     args = parser.parse_args(argv)
     try:
-        server = FakeServer(port=args.port, models=CLI_MODELS)
+        replies = read_replies(args.replies) if args.replies else []
+    except OSError as exc:
+        print(f"error: cannot read {args.replies}: {exc.strerror}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        server = FakeServer(port=args.port, models=[args.model], counted=True)
     except OSError as exc:
         print(f"error: cannot listen on 127.0.0.1:{args.port}: {exc.strerror}", file=sys.stderr)
         return 2
-    print(f"fake OpenAI-compatible server at {server.base_url} (any API_KEY; it lists {', '.join(CLI_MODELS)} "
-          "but answers to any MODEL_ID; Ctrl-C stops it)", flush=True)
+    server.queue(*[{"name": "ok", "answer": reply} for reply in replies])
+    scripted = f"; {len(replies)} scripted repl{'y' if len(replies) == 1 else 'ies'} first" if replies else ""
+    print(f"fake OpenAI-compatible server at {server.base_url} (any API_KEY; it lists {args.model} "
+          f"but answers to any MODEL_ID{scripted}; Ctrl-C stops it)", flush=True)
     try:
         server.httpd.serve_forever()
     except KeyboardInterrupt:

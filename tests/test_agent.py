@@ -518,7 +518,8 @@ def test_max_steps_ends_the_run_cleanly(agent, tmp_path):
     assert proc.returncode == rl.EXIT_BUDGET == 7 and proc.out.split()[1] == "budget_exhausted"
     (spent,) = payload(events, "budget_exhausted")
     assert spent["limit"] == "max_steps" and spent["used"] == 3 and spent["max"] == 3
-    assert proc.err.splitlines() == [f"warning: run {run_dir.name}: budget exhausted: max_steps (3 of 3)"]
+    assert proc.err.splitlines() == [f"warning: run {run_dir.name}: budget exhausted: max_steps (3 of 3); "
+                                 f"its record: {run_dir}"]
     _verifies(agent.runs)
     _replays(run_dir)
 
@@ -819,7 +820,7 @@ def test_runs_lists_every_run_and_whether_it_verifies(agent, tmp_path):
     agent(make_repo(tmp_path / "repo"), ["not json"], "--max-steps", "1")
     proc = run_script("agent.py", "runs", "--runs-dir", agent.runs)
     assert proc.returncode == 0, proc.err
-    rows = proc.out.splitlines()[1:]  # under a header line
+    rows = proc.out.splitlines()[1:-1]  # under a header line, over the pointer to `report`
     assert len(rows) == 2 and "no_action" in rows[0] and "budget_exhausted" in rows[1]
     assert all(row.split()[5] == "ok" for row in rows) and rows[1].split()[3:5] == ["1", "27"]
     assert rows[0].split()[4] == "-"

@@ -259,7 +259,7 @@ def test_expect_passes_and_fails(call):
     proc, events = call("--expect", r"\b5\b")
     assert proc.returncode == 3
     assert proc.out == "The answer is 4.\n"  # the answer is still shown
-    assert proc.err.strip().endswith(r"error: check failed: no match for /\b5\b/")
+    assert proc.err.strip().endswith(r"error: check not passed: no match for /\b5\b/")
     p = _only(events)
     assert p["check"] is False and p["error_type"] is None
 

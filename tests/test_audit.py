@@ -266,7 +266,7 @@ def test_make_drill_runs_the_prompts_and_audits(tmp_path, server):
     assert len(events) == 15
     assert all(e["payload"]["check"] is True and e["payload"]["temperature"] == 0 for e in events)
     assert "fake-model" in proc.stdout and "Changes (day over day): 0" in proc.stdout
-    assert "drill: 15 calls, 0 failed" in proc.stdout
+    assert "drill: 15 calls: 0 failed, 0 checks not passed" in proc.stdout
     bodies = [r["body"]["messages"][0]["content"] for r in server.requests]  # the chat calls (GETs are apart)
     assert len(set(bodies)) == 3
 
@@ -399,4 +399,5 @@ def test_make_drill_sums_up_and_fails_when_a_call_or_check_failed(tmp_path, serv
                            f"PROMPTS={prompts}", "DRILL_REPEAT=1"], capture_output=True, text=True, env=env,
                           timeout=300)
     assert proc.returncode != 0
-    assert "drill: 3 calls, 3 failed" in proc.stdout  # the server error, and two checks the fake cannot pass
+    # the server error, and two checks the fake cannot pass: one word for each
+    assert "drill: 3 calls: 1 failed, 2 checks not passed" in proc.stdout

@@ -178,7 +178,7 @@ def test_a_model_the_endpoints_models_list_does_not_name_is_flagged(tmp_path, se
         assert proc.returncode == 0, proc.err
     text = audit(ledger).out
     flagged = [line for line in text.splitlines() if line.startswith("not listed:")]
-    assert len(flagged) == 1 and flagged[0].startswith(f"not listed: gpt-4o @ {server.base_url} (1 calls)")
+    assert len(flagged) == 1 and flagged[0].startswith(f"not listed: gpt-4o @ {server.base_url} (1 call)")
     data = json.loads(audit(ledger, "--json").out)
     assert [(u["request_model"], u["calls"]) for u in data["unlisted"]] == [("gpt-4o", 1)]
     page = tmp_path / "page.html"

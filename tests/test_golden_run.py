@@ -63,7 +63,7 @@ def test_verify_refuses_one_changed_byte(runs):
 def test_runs_lists_the_old_run_as_verified(runs):
     proc = run_script("agent.py", "runs", "--runs-dir", runs)
     assert (proc.returncode, proc.err) == (0, "")
-    header, row = proc.out.splitlines()
+    header, row, _hint = proc.out.splitlines()
     assert header.split() == ["RUN", "STARTED", "OUTCOME", "STEPS", "TOKENS", "VERIFIED", "WHY"]
     fields = row.split()
     assert fields[:6] == [RUN_ID, "2026-12-01T11:15:35.066601Z", "proposal_accepted", "4", "108", "ok"]

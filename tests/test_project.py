@@ -134,7 +134,7 @@ def test_make_audit_and_verify_work_in_crons_environment(tmp_path, environ):
         ledger.append("model_call", {"request_model": "m", "base_url": "http://h/v1", "error_type": None})
     audit = _make("audit", env=environ, cwd=tmp_path)
     assert audit.returncode == 0, audit.stderr
-    assert "1 model calls" in audit.stdout
+    assert "1 model call," in audit.stdout
     verify = _make("verify", env=environ, cwd=tmp_path)
     assert verify.returncode == 0 and "1/1 ledgers valid" in verify.stdout, verify.stderr
 

@@ -43,9 +43,9 @@ def test_runs_has_headers_and_says_why_each_run_ended(agent, tmp_path):
     agent(repo, env={"BASE_URL": down})
     proc = run_script("agent.py", "runs", "--runs-dir", agent.runs)
     assert proc.returncode == 0, proc.err
-    header, *rows = proc.out.splitlines()
+    header, *rows, hint = proc.out.splitlines()
     assert header.split() == ["RUN", "STARTED", "OUTCOME", "STEPS", "TOKENS", "VERIFIED", "WHY"]
-    assert len(rows) == 4
+    assert len(rows) == 4 and hint.startswith("a run step by step: reasoning_ledger.py report ")
     why = {row.split()[2]: row.split("  ok  ", 1)[1].strip() for row in rows}
     assert why["proposal_accepted"].startswith("judge accept: ")
     assert why["budget_exhausted"] == "budget max_steps: 1 of 1"

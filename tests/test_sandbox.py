@@ -52,11 +52,26 @@ def need_root():
         pytest.skip("running as another user needs root")
 
 
+def open_to_others(path):
+    """True when another user may pass through every directory from / down to `path` (o+x)."""
+    path = Path(path).resolve()
+    return all(os.stat(p).st_mode & 0o001 for p in [path, *path.parents])
+
+
+def base_parent():
+    """Where `base` goes: the clone when other users can reach it, else /var/tmp (hidden from the box too),
+    else the temp dir; the clone itself when none of them is open (a test as another user then skips)."""
+    for where in (ROOT, Path("/var/tmp"), Path(tempfile.gettempdir())):
+        if where.is_dir() and open_to_others(where):
+            return where
+    return ROOT
+
+
 @pytest.fixture
 def base():
-    """A directory outside /tmp and $HOME: the repository, the runs directory, HOME and the lock directory
-    live here, so that hiding /tmp and $HOME is not the whole test."""
-    path = Path(tempfile.mkdtemp(prefix=".sandbox-test-", dir=ROOT))
+    """A directory outside /tmp and $HOME where it can be: the repository, the runs directory, HOME and the
+    lock directory live here, so that hiding /tmp and $HOME is not the whole test."""
+    path = Path(tempfile.mkdtemp(prefix=".sandbox-test-", dir=base_parent()))
     os.chmod(path, 0o755)
     yield path
     subprocess.run(["chmod", "-R", "u+rwX", str(path)], check=False)
@@ -124,10 +139,10 @@ def alive_with(marker):
     return found
 
 
-def agent_run(server, repo, runs, tools, replies, env, user=None, python=None, args=(), timeout=300):
-    """agent.py run as a user runs it; returns (proc, run_dir, events)."""
+def agent_run(server, repo, runs, tools, replies, env, user=None, python=None, args=(), timeout=300, code=ROOT):
+    """agent.py (from `code`) run as a user runs it; returns (proc, run_dir, events)."""
     server.queue(*[{"name": "ok", "answer": r} for r in replies])
-    cmd = [python or sys.executable, str(ROOT / "agent.py"), "run", "--repo", str(repo), "--runs-dir", str(runs),
+    cmd = [python or sys.executable, str(code / "agent.py"), "run", "--repo", str(repo), "--runs-dir", str(runs),
            "--tools", str(tools), *args]
     kwargs = {"user": user, "group": user, "extra_groups": []} if user is not None else {}
     proc = subprocess.run(cmd, capture_output=True, env=env, timeout=timeout, cwd=str(runs.parent), **kwargs)
@@ -160,7 +175,11 @@ def world(base, user=None):
         python = make_venv(home / "venv", sys.executable, site=True)
         repo = make_repo(base / "repo")
         command = [str(python), "-m", "pytest", "-q", "-s"]  # -s: what the attack prints shows in the output
-    else:
+    else:  # the user runs a copy of the scripts: the clone may sit where that user cannot read
+        code = base / "code"
+        code.mkdir()
+        for path in list(ROOT.glob("*.py")) + [ROOT / "tools.json"]:
+            shutil.copy2(path, code / path.name)
         python = make_venv(home / "venv", SYSTEM_PYTHON, site=False)
         repo = make_repo(base / "repo", tests=UNITTESTS)
         (repo / "test_calc.py").rename(repo / "tests.py")
@@ -186,7 +205,8 @@ def attacked_run(server, base, user=None, python=None, env_extra=None, tools_ext
     targets = [home, repo, runs, locks, base, Path("/tmp"), Path("/var/tmp"), Path("/dev/shm")]
     patch = attack(tag, listener.getsockname()[1], targets, runs if ledger else base / "nowhere", canary, marker)
     env.update(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="stand-in-model", **(env_extra or {}))
-    proc, run_dir, events = agent_run(server, repo, runs, tools, [propose(patch)], env, user=user, python=python)
+    proc, run_dir, events = agent_run(server, repo, runs, tools, [propose(patch)], env, user=user, python=python,
+                                      code=ROOT if user is None else base / "code")
     listener.setblocking(False)
     try:
         listener.accept()
@@ -235,6 +255,9 @@ def test_the_attack_takes_no_effect_as_an_unprivileged_user(server, base):
     need_root()
     if not os.access(SYSTEM_PYTHON, os.X_OK):
         pytest.skip(f"{SYSTEM_PYTHON} is needed to run agent.py as uid {NOBODY}")
+    if not open_to_others(base):
+        pytest.skip(f"no directory uid {NOBODY} can reach for a copy of the scripts: the clone, /var/tmp and "
+                    f"{tempfile.gettempdir()} are all closed to other users")
     found = attacked_run(server, base, user=NOBODY, python=SYSTEM_PYTHON)
     assert_boxed(found)
 

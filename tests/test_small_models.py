@@ -78,7 +78,7 @@ def test_a_model_that_repeats_an_unusable_reply_is_stopped_after_max_repeats(age
     (stuck,) = payload(events, "stuck")
     assert stuck["step"] == 3 and stuck["repeats"] == 3 and stuck["unusable"].startswith("no action found")
     assert proc.err.splitlines() == [f"warning: run {run_dir.name}: stuck: the same unusable reply 3 times "
-                                     f"(no action found)"]
+                                     f"(no action found); its record: {run_dir}"]
     assert events[-1]["payload"]["outcome"] == "stuck"
     _verifies(agent.runs)
     _replays(run_dir)
@@ -89,7 +89,8 @@ def test_identical_actions_are_stopped_too_and_max_repeats_is_a_budget_key(agent
     proc, run_dir, events = agent(repo, [action("read_file", path="calc.py")] * 10)
     assert proc.returncode == 9 and len(payload(events, "tool_allowed")) == 3, proc.err
     assert payload(events, "stuck")[0]["unusable"] is None
-    assert proc.err.splitlines() == [f"warning: run {run_dir.name}: stuck: the same reply 3 times"]
+    assert proc.err.splitlines() == [f"warning: run {run_dir.name}: stuck: the same reply 3 times; "
+                                     f"its record: {run_dir}"]
     server.scenarios.clear()  # the replies the stopped run did not take
     patient = tools_json(tmp_path / "patient.json", budget={"max_repeats": 5})
     proc, run_dir, events = agent(repo, ["not json", "still not json"] * 2 + [action("list_files")] * 5,
