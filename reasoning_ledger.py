@@ -609,7 +609,7 @@ def _after_fork_in_child():
     # A fork copies the fd (one open file description: its flock would be shared with the parent)
     # and the thread lock (maybe held by a thread that does not exist here). Start both afresh.
     for ledger in list(_LIVE_LEDGERS):
-        ledger._lock = threading.Lock()
+        ledger._lock, ledger._sync, ledger._syncing = threading.Lock(), threading.Condition(), False
         if ledger._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(ledger._fd)
@@ -654,6 +654,9 @@ class Ledger:
         self.redactor = Redactor(secret_values(self.extra_secrets))  # env read once, not per append
         self.head = None  # (seq, hash) of the last line this object wrote
         self._fd, self._mode_checked, self._lock = None, False, threading.Lock()
+        # group commit: lines this object wrote, made durable, lost to a failed fsync
+        self._sync, self._syncing = threading.Condition(), False
+        self._written = self._synced = self._lost = 0
         _LIVE_LEDGERS.add(self)
 
     def add_secret(self, value):
@@ -669,7 +672,7 @@ class Ledger:
         self.close()
 
     def close(self):
-        with self._lock:
+        with self._lock, self._sync:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
@@ -750,9 +753,43 @@ class Ledger:
             end, last = _scan_tail(fd, size, self.path)
             if end != size:
                 end, last = self._recover_torn_tail(fd, size, end, last)
-            return self._write_event(fd, end, last, kind, clean, payload_json)
+            event = self._write_event(fd, end, last, kind, clean, payload_json)
+            self._written += 1
+            return event, self._written
 
-        return self._locked(write)
+        event, ticket = self._locked(write)
+        if self.fsync:
+            self._commit(ticket)
+        return event
+
+    def _commit(self, ticket):
+        """Return once this object's line number `ticket` is on disk: fsync every line written so
+        far, or wait for the fsync in progress, which may cover it (group commit)."""
+        with self._sync:
+            while ticket > self._synced:
+                if ticket <= self._lost:  # the line may be in the file; it was never acknowledged
+                    raise OSError(errno.EIO, "the fsync after this append failed", str(self.path))
+                if self._syncing:
+                    self._sync.wait()
+                    continue
+                upto, self._syncing, fd = self._written, True, self._fd
+                try:
+                    fd = (
+                        os.open(self.path, os.O_RDONLY | os.O_CLOEXEC) if fd is None else os.dup(fd)
+                    )
+                    self._sync.release()
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                        self._sync.acquire()
+                    self._synced = upto
+                except OSError as exc:
+                    self._lost = self._written
+                    raise named_error(exc, self.path) from None
+                finally:
+                    self._syncing = False
+                    self._sync.notify_all()
 
     def _next(self, end, last):
         """(seq, prev) for the line after `last`, the file's last complete line."""
@@ -792,7 +829,7 @@ class Ledger:
             raise PayloadError(
                 f"event is {len(raw) + 1} bytes, over the {self.max_line_bytes}-byte line limit"
             )
-        _write_or_undo(fd, raw + b"\n", size, self.fsync)
+        _write_or_undo(fd, raw + b"\n", size, False)  # append() makes it durable
         self.head = (seq, line_hash(raw, self.key))
         return dict(zip(FIELDS, (seq, self.run_id, kind, at, clean, prev)))
 
@@ -1073,15 +1110,18 @@ def _chain_error(path, lineno, prev, key):
     )
 
 
-def _file_lines(path):
+def _file_lines(path, offset=0):
     with open(path, "rb") as handle:
+        if offset:  # a pipe cannot seek
+            handle.seek(offset)
         yield from iter(functools.partial(handle.readline, MAX_LINE_BYTES), b"")
 
 
-def _check_lines(path, lines, key, run_id):
-    # `key`: bytes or None
-    expected_prev, known, sha256 = genesis(key), set(), hashlib.sha256
-    lineno = offset = 0
+def _check_lines(path, lines, key, run_id, expect=None, start=None):
+    # The one line check. `key`: bytes or None; `expect`: a head (seq, hash) to hold the lines to;
+    # `start`: (seq, hash, byte offset) of the line before the first one.
+    known, sha256 = set(), hashlib.sha256
+    lineno, expected_prev, offset = start or (0, genesis(key), 0)
     for raw in lines:
         lineno += 1
         if raw[-1:] != b"\n":
@@ -1125,6 +1165,10 @@ def _check_lines(path, lines, key, run_id):
             if event["prev"] != expected_prev:
                 raise _chain_error(path, lineno, event["prev"], key)
         expected_prev = (hmac.new(key, body, sha256) if key else sha256(body)).hexdigest()
+        if expect and lineno == expect[0] and expected_prev != expect[1]:
+            raise IntegrityError(
+                path, lineno, "does not match the expected head: the history up to it was rewritten"
+            )
         yield event, body, expected_prev
 
 
@@ -1135,7 +1179,15 @@ def read_events(path, *, key=None, run_id=None):
 
 
 def verified_events(
-    path, *, key=None, expect=None, run_id=None, closed=False, lines=None, truncated=TRUNCATED
+    path,
+    *,
+    key=None,
+    expect=None,
+    run_id=None,
+    closed=False,
+    lines=None,
+    truncated=TRUNCATED,
+    _start=None
 ):
     """Yield (event, raw line, its hash) for each line of a ledger, verifying as it goes;
     TornTailError after every good line of a torn file. `expect` = (seq, hash), a head published
@@ -1148,18 +1200,11 @@ def verified_events(
         raise IntegrityError(path, None, "the index entry for this run has no valid head")
     if closed and expect and not os.path.exists(path):
         raise IntegrityError(path, None, "closed in the index but its events.jsonl is missing")
-    run_id, count = run_dir_id(path) if run_id is None else run_id, 0
+    run_id, count = run_dir_id(path) if run_id is None else run_id, _start[0] if _start else 0
+    lines = _file_lines(path, _start[2] if _start else 0) if lines is None else lines
     try:
-        for event, raw, digest in _check_lines(
-            path, _file_lines(path) if lines is None else lines, key, run_id
-        ):
+        for event, raw, digest in _check_lines(path, lines, key, run_id, expect, _start):
             count = event["seq"]
-            if expect and count == expect[0] and digest != expect[1]:
-                raise IntegrityError(
-                    path,
-                    count,
-                    "does not match the expected head: the history up to it was rewritten"
-                )
             yield event, raw, digest
     except TornTailError:
         _check_end(path, expect, count, key, closed, truncated)  # a cut outranks a torn tail
@@ -1193,14 +1238,111 @@ class Verified:
         return f"{self.head[0]} {self.head[1]}"
 
 
-def verify(path, *, key=None, expect_head=None, **options):
+def verify(path, *, key=None, expect_head=None, jobs=1, **options):
     """Verify a whole ledger, held to `expect_head` and the options of verified_events(); return
-    Verified or raise."""
-    key = resolve_key(key)
-    head = (0, genesis(key))
-    for event, _raw, digest in verified_events(path, key=key or b"", expect=expect_head, **options):
+    Verified or raise. `jobs`: worker processes for a regular file (None: one per core, at most 8,
+    from PARALLEL_BYTES up); the outcome is the same."""
+    key = resolve_key(key) or b""
+    start = None
+    if jobs != 1 and options.get("lines") is None:
+        run_id = options.get("run_id")
+        run_id = run_dir_id(path) if run_id is None else run_id
+        start = _parallel_start(path, key, expect_head, jobs, run_id)
+    head = tuple(start[:2]) if start else (0, genesis(key))
+    for event, _raw, digest in verified_events(
+        path, key=key, expect=expect_head, _start=start, **options
+    ):
         head = (event["seq"], digest)
     return Verified(path, head)
+
+
+# ----------------------------------------------------------------------------
+# Parallel verify: workers vouch for byte ranges, this process continues the check after them
+# ----------------------------------------------------------------------------
+
+PARALLEL_BYTES = 4 << 20  # below this, forking costs more than it saves (make bench)
+
+
+def _parallel_start(path, key, expect, jobs, run_id):
+    """Check a ledger's lines in forked workers, one range of whole lines each, and return the
+    (seq, hash, offset) after the last line they vouch for in one unbroken chain from line 1, or
+    None. The check continues from there in this process, so any failure, a torn tail and the end
+    are found and worded by the one-process path."""
+    # a pipe or device reads once; a thread could hold a lock the child would wait on forever
+    if not os.path.isfile(path) or threading.active_count() > 1:
+        return None
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        jobs = jobs or (min(os.cpu_count() or 1, 8) if size >= PARALLEL_BYTES else 1)
+        cuts = [_rfind_newline(fd, size * i // jobs) for i in range(1, jobs + 1)]
+    finally:
+        os.close(fd)
+    if jobs < 2 or None in cuts:  # a line over the limit: the one-process path names it
+        return None
+    bounds = sorted({0, *(cut + 1 for cut in cuts)})
+    state = [0, genesis(key), 0]
+    for result in _in_children(
+        _check_range, [(path, key, expect, run_id, *pair) for pair in zip(bounds, bounds[1:])]
+    ):
+        if not result or result[0] != state:
+            break
+        state = result[1]
+        if result[2]:
+            break
+    return state
+
+
+def _check_range(path, key, expect, run_id, begin, stop):
+    """In a worker: check the lines from byte `begin` to `stop`, from the seq and prev the first
+    one claims. Returns (that claimed state, the state after the last good line, whether a line
+    failed); a state is [seq, hash, offset]."""
+    with open(path, "rb") as handle:
+        handle.seek(begin)
+        first = handle.readline(MAX_LINE_BYTES)[:-1]
+    seq, prev = _SEQ_PREFIX_RE.match(first), _PREV_SUFFIX_RE.search(first)
+    if not (seq and prev):
+        return None
+    state = claimed = [int(seq.group(1)) - 1, prev.group(1).decode(), begin]
+    try:
+        for _event, body, digest in _check_lines(
+            path, _file_lines(path, begin), key, run_id, expect, claimed
+        ):
+            state = [state[0] + 1, digest, state[2] + len(body) + 1]
+            if state[2] >= stop:
+                break
+    except (LedgerError, OSError):
+        return claimed, state, True
+    return claimed, state, False
+
+
+def _in_children(work, calls):
+    """[work(*args) for args in calls], each in a child forked for it that sends its answer back as
+    JSON on a pipe; None for a child that failed or could not be forked."""
+    children = []
+    for args in calls:
+        try:
+            rfd, wfd = os.pipe()
+        except OSError:
+            break
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(rfd), os.close(wfd)
+            break
+        if pid == 0:
+            try:  # one write of well under PIPE_BUF bytes: whole or nothing
+                os.write(wfd, json.dumps(work(*args)).encode())
+            finally:
+                os._exit(0)
+        os.close(wfd)
+        children.append((pid, rfd))
+    answers = []
+    for pid, rfd in children:
+        with open(rfd, "rb") as pipe:
+            answers.append(json.loads(pipe.read() or "null"))
+        os.waitpid(pid, 0)
+    return answers
 
 
 def run_heads(runs_dir, *, key=None):
@@ -1228,12 +1370,12 @@ def run_ledgers(runs_dir, key=None):
     ]
 
 
-def verify_runs(runs_dir, *, key=None):
+def verify_runs(runs_dir, *, key=None, jobs=1):
     """Yield (path, Verified or the exception) for each of run_ledgers(), a closed run held to its
     index head (`closed`)."""
     for path, expect in run_ledgers(runs_dir, key):
         try:
-            yield path, verify(path, key=key, expect_head=expect, closed=True)
+            yield path, verify(path, key=key, expect_head=expect, closed=True, jobs=jobs)
         except (LedgerError, OSError) as exc:
             yield path, exc
 
@@ -1553,20 +1695,24 @@ def _cmd_verify(args):
     if args.expect_head is not None and (len(args.paths) != 1 or args.all):
         raise UsageError("--expect-head goes with exactly one PATH")
     expect = parse_head(args.expect_head) if args.expect_head is not None else None
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError("--jobs must be 1 or more")
     key, results = cli_key(args), []
     for path in args.paths:
         try:
-            results.append((path, verify(path, key=key, expect_head=expect), ""))
+            results.append((path, verify(path, key=key, expect_head=expect, jobs=args.jobs), ""))
         except (LedgerError, OSError) as exc:
             results.append((path, exc, ""))
     results += (
-        [(path, result, "") for path, result in verify_runs(args.all, key=key)] if args.all else []
+        [(path, result, "") for path, result in verify_runs(args.all, key=key, jobs=args.jobs)]
+        if args.all
+        else []
     )
     return tally(results, verified_line, "{}/{} ledgers valid".format)
 
 
 def _cmd_head(args):
-    write_out(verify(args.path, key=cli_key(args)).head_text() + "\n")
+    write_out(verify(args.path, key=cli_key(args), jobs=None).head_text() + "\n")
     return EXIT_OK
 
 
@@ -1715,6 +1861,12 @@ def _build_parser():
     p = commands["verify"]
     p.add_argument(
         "--expect-head", metavar="SEQ:HASH", help="a head published earlier (finds truncation)"
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="worker processes per ledger (default: one per core, at most 8, for 4 MiB or more)"
     )
     p = commands["report"]
     p.add_argument("--kind", action="append", help="only this kind (repeatable)")
