@@ -1243,11 +1243,7 @@ def verify(path, *, key=None, expect_head=None, jobs=1, **options):
     Verified or raise. `jobs`: worker processes for a regular file (None: one per core, at most 8,
     from PARALLEL_BYTES up); the outcome is the same."""
     key = resolve_key(key) or b""
-    start = None
-    if jobs != 1 and options.get("lines") is None:
-        run_id = options.get("run_id")
-        run_id = run_dir_id(path) if run_id is None else run_id
-        start = _parallel_start(path, key, expect_head, jobs, run_id)
+    start = jobs != 1 and _parallel_start(path, key, expect_head, jobs, **options)
     head = tuple(start[:2]) if start else (0, genesis(key))
     for event, _raw, digest in verified_events(
         path, key=key, expect=expect_head, _start=start, **options
@@ -1263,14 +1259,15 @@ def verify(path, *, key=None, expect_head=None, jobs=1, **options):
 PARALLEL_BYTES = 4 << 20  # below this, forking costs more than it saves (make bench)
 
 
-def _parallel_start(path, key, expect, jobs, run_id):
+def _parallel_start(path, key, expect, jobs, run_id=None, lines=None, **_options):
     """Check a ledger's lines in forked workers, one range of whole lines each, and return the
     (seq, hash, offset) after the last line they vouch for in one unbroken chain from line 1, or
     None. The check continues from there in this process, so any failure, a torn tail and the end
     are found and worded by the one-process path."""
     # a pipe or device reads once; a thread could hold a lock the child would wait on forever
-    if not os.path.isfile(path) or threading.active_count() > 1:
+    if lines is not None or not os.path.isfile(path) or threading.active_count() > 1:
         return None
+    run_id = run_dir_id(path) if run_id is None else run_id
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
