@@ -1259,28 +1259,41 @@ def verify(path, *, key=None, expect_head=None, jobs=1, **options):
 PARALLEL_BYTES = 4 << 20  # below this, forking costs more than it saves (make bench)
 
 
-def _parallel_start(path, key, expect, jobs, run_id=None, lines=None, **_options):
-    """Check a ledger's lines in forked workers, one range of whole lines each, and return the
-    (seq, hash, offset) after the last line they vouch for in one unbroken chain from line 1, or
-    None. The check continues from there in this process, so any failure, a torn tail and the end
-    are found and worded by the one-process path."""
-    # a pipe or device reads once; a thread could hold a lock the child would wait on forever
-    if lines is not None or not os.path.isfile(path) or threading.active_count() > 1:
+def _line_ranges(path, jobs):
+    """[(begin, stop), ...]: a regular file cut at line ends into `jobs` byte ranges (None: one per
+    core, at most 8, from PARALLEL_BYTES up), the bytes after its last newline left out; None: read
+    it in one process (not a regular file, which may read only once; a line over the limit)."""
+    if not os.path.isfile(path):
         return None
-    run_id = run_dir_id(path) if run_id is None else run_id
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # the one-process path says why, in its turn
+        return None
     try:
         size = os.fstat(fd).st_size
         jobs = jobs or (min(os.cpu_count() or 1, 8) if size >= PARALLEL_BYTES else 1)
         cuts = [_rfind_newline(fd, size * i // jobs) for i in range(1, jobs + 1)]
     finally:
         os.close(fd)
-    if jobs < 2 or None in cuts:  # a line over the limit: the one-process path names it
+    if jobs < 2 or None in cuts:
         return None
     bounds = sorted({0, *(cut + 1 for cut in cuts)})
+    return list(zip(bounds, bounds[1:]))
+
+
+def _parallel_start(path, key, expect, jobs, run_id=None, lines=None, **_options):
+    """Check a ledger's lines in forked workers, one of _line_ranges() each, and return the [seq,
+    hash, offset] after the last line they vouch for in one unbroken chain from line 1, or None.
+    The check continues from there in this process, so any failure, a torn tail and the end are
+    found and worded by the one-process path. (A thread could hold a lock that a forked child
+    would wait on forever.)"""
+    ranges = lines is None and _line_ranges(path, jobs)
+    if not ranges or threading.active_count() > 1:
+        return None
+    run_id = run_dir_id(path) if run_id is None else run_id
     state = [0, genesis(key), 0]
     for result in _in_children(
-        _check_range, [(path, key, expect, run_id, *pair) for pair in zip(bounds, bounds[1:])]
+        _check_range, [(path, key, expect, run_id, *pair) for pair in ranges]
     ):
         if not result or result[0] != state:
             break
