@@ -154,8 +154,8 @@ def bench_ledger():
                 for raw in handle:
                     loads(raw)
 
-        def verify_pass():
-            rl.verify(big, key=b"")
+        def verify_pass(jobs):
+            return lambda: rl.verify(big, key=b"", jobs=jobs)
 
         def floor_pass():  # what the format's strictness needs at the least: parse, re-encode, hash
             loads, sha256 = json.loads, __import__("hashlib").sha256
@@ -167,24 +167,27 @@ def bench_ledger():
                     dumps(loads(text)) == text
                     sha256(body).hexdigest()
 
-        base = _median_time(loads_pass, 3)
-        ver = _median_time(verify_pass, 3)
-        floor = _median_time(floor_pass, 3)
+        passes = {"loads": loads_pass, "floor": floor_pass, 1: verify_pass(1), 2: verify_pass(2), 4: verify_pass(4)}
+        times = {name: [] for name in passes}
+        for _ in range(3):  # interleaved rounds, so a load that comes and goes hits every figure alike
+            for name, run in passes.items():
+                times[name].append(_median_time(run, 1))
+        base, ver, floor = (statistics.median(times[name]) for name in ("loads", 1, "floor"))
         _line("verify throughput vs bare json.loads per line", base / ver, ">= 0.6",
               f"{BIG_LINES / ver / 1e3:.0f}k lines/s")
-        bench_parallel_verify(big, base, ver)
+        bench_parallel_verify(big, base, ver, times)
         _line("verify throughput vs bare parse + re-encode + sha256 per line", floor / ver, "(info)",
               "the least the v1 strictness costs")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def bench_parallel_verify(big, base, one):
+def bench_parallel_verify(big, base, one, times):
     """verify --jobs 2 and 4 against --jobs 1 (`one`) and json.loads (`base`); then where workers start
     to pay off, which sets rl.PARALLEL_BYTES."""
     cpus = os.cpu_count() or 1
     for jobs in (2, 4):
-        took = _median_time(lambda: rl.verify(big, key=b"", jobs=jobs), 3)
+        took = statistics.median(times[jobs])
         _line(f"verify, {jobs} workers, vs bare json.loads per line", base / took,
               ">= 0.9 at 2", f"{one / took:.2f}x of 1 worker; {(one / took - 1) / (min(jobs, cpus) - 1):.2f} "
               f"of an ideal core per added core ({cpus} cpus)")
@@ -194,8 +197,11 @@ def bench_parallel_verify(big, base, one):
     for size in (rl.PARALLEL_BYTES, rl.PARALLEL_BYTES // 4):
         with open(small, "r+b") as handle:  # the first `size` bytes, cut at a line's end
             handle.truncate(handle.read(size).rfind(b"\n") + 1)
-        one_t = _median_time(lambda: rl.verify(small, key=b"", jobs=1), 5)
-        two_t = _median_time(lambda: rl.verify(small, key=b"", jobs=2), 5)
+        one_t, two_t = [], []
+        for _ in range(7):
+            one_t.append(_median_time(lambda: rl.verify(small, key=b"", jobs=1), 1))
+            two_t.append(_median_time(lambda: rl.verify(small, key=b"", jobs=2), 1))
+        one_t, two_t = statistics.median(one_t), statistics.median(two_t)
         _line(f"verify of {size >> 10} KiB, 2 workers vs 1", one_t / two_t,
               "> 1 at PARALLEL_BYTES", f"PARALLEL_BYTES is {rl.PARALLEL_BYTES >> 10} KiB")
     small.unlink()
