@@ -668,7 +668,7 @@ def _after_fork_in_child():
     # A fork copies the fd (one open file description: its flock would be shared with the parent)
     # and the thread lock (maybe held by a thread that does not exist here). Start both afresh.
     for ledger in list(_LIVE_LEDGERS):
-        ledger._lock = threading.Lock()
+        ledger._lock, ledger._sync, ledger._syncing = threading.Lock(), threading.Condition(), False
         if ledger._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(ledger._fd)
@@ -717,6 +717,9 @@ class Ledger:
         # with a signer key: a checkpoint every CHECKPOINT_EVERY, and at close (docs/checkpoints.md)
         self.signer, self._unsigned, self._signed_at = signer, 0, time.monotonic()
         self.add_secret(signer and key_text(signer, secret=True))
+        # group commit: lines this object wrote, made durable, lost to a failed fsync
+        self._sync, self._syncing = threading.Condition(), False
+        self._written = self._synced = self._lost = 0
         _LIVE_LEDGERS.add(self)
 
     def add_secret(self, value):
@@ -734,7 +737,7 @@ class Ledger:
     def close(self):
         if self.signer and self._unsigned:
             self.checkpoint()
-        with self._lock:
+        with self._lock, self._sync:
             if self._fd is not None:
                 os.close(self._fd)
                 self._fd = None
@@ -815,10 +818,14 @@ class Ledger:
             end, last = _scan_tail(fd, size, self.path)
             if end != size:
                 end, last = self._recover_torn_tail(fd, size, end, last)
+            event = self._write_event(fd, end, last, kind, clean, payload_json)
+            self._written += 1
             self._unsigned += 1
-            return self._write_event(fd, end, last, kind, clean, payload_json)
+            return event, self._written
 
-        event = self._locked(write)
+        event, ticket = self._locked(write)
+        if self.fsync:
+            self._commit(ticket)
         lines, seconds = CHECKPOINT_EVERY
         if self.signer and (
             self._unsigned >= lines or time.monotonic() - self._signed_at >= seconds
@@ -830,6 +837,35 @@ class Ledger:
         """Sign the ledger's tree as it is now and append it to PATH.checkpoints; the note."""
         self._unsigned, self._signed_at = 0, time.monotonic()
         return make_checkpoint(self.path, self.signer, key=self.key or b"", append=True)
+
+    def _commit(self, ticket):
+        """Return once this object's line number `ticket` is on disk: fsync every line written so
+        far, or wait for the fsync in progress, which may cover it (group commit)."""
+        with self._sync:
+            while ticket > self._synced:
+                if ticket <= self._lost:  # the line may be in the file; it was never acknowledged
+                    raise OSError(errno.EIO, "the fsync after this append failed", str(self.path))
+                if self._syncing:
+                    self._sync.wait()
+                    continue
+                upto, self._syncing, fd = self._written, True, self._fd
+                try:
+                    fd = (
+                        os.open(self.path, os.O_RDONLY | os.O_CLOEXEC) if fd is None else os.dup(fd)
+                    )
+                    self._sync.release()
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                        self._sync.acquire()
+                    self._synced = upto
+                except OSError as exc:
+                    self._lost = self._written
+                    raise named_error(exc, self.path) from None
+                finally:
+                    self._syncing = False
+                    self._sync.notify_all()
 
     def _next(self, end, last):
         """(seq, prev) for the line after `last`, the file's last complete line."""
@@ -869,7 +905,7 @@ class Ledger:
             raise PayloadError(
                 f"event is {len(raw) + 1} bytes, over the {self.max_line_bytes}-byte line limit"
             )
-        _write_or_undo(fd, raw + b"\n", size, self.fsync)
+        _write_or_undo(fd, raw + b"\n", size, False)  # append() makes it durable
         self.head = (seq, line_hash(raw, self.key))
         return dict(zip(FIELDS, (seq, self.run_id, kind, at, clean, prev)))
 
@@ -1217,15 +1253,18 @@ def _chain_error(path, lineno, prev, key):
     )
 
 
-def _file_lines(path):
+def _file_lines(path, offset=0):
     with open(path, "rb") as handle:
+        if offset:  # a pipe cannot seek
+            handle.seek(offset)
         yield from iter(functools.partial(handle.readline, MAX_LINE_BYTES), b"")
 
 
-def _check_lines(path, lines, key, run_id):
-    # `key`: bytes or None
-    expected_prev, known, sha256 = genesis(key), set(), hashlib.sha256
-    lineno = offset = 0
+def _check_lines(path, lines, key, run_id, expect=None, start=None):
+    # The one line check. `key`: bytes or None; `expect`: a head (seq, hash) to hold the lines to;
+    # `start`: (seq, hash, byte offset) of the line before the first one.
+    known, sha256 = set(), hashlib.sha256
+    lineno, expected_prev, offset = start or (0, genesis(key), 0)
     for raw in lines:
         lineno += 1
         if raw[-1:] != b"\n":
@@ -1269,6 +1308,10 @@ def _check_lines(path, lines, key, run_id):
             if event["prev"] != expected_prev:
                 raise _chain_error(path, lineno, event["prev"], key)
         expected_prev = (hmac.new(key, body, sha256) if key else sha256(body)).hexdigest()
+        if expect and lineno == expect[0] and expected_prev != expect[1]:
+            raise IntegrityError(
+                path, lineno, "does not match the expected head: the history up to it was rewritten"
+            )
         yield event, body, expected_prev
 
 
@@ -1279,7 +1322,15 @@ def read_events(path, *, key=None, run_id=None):
 
 
 def verified_events(
-    path, *, key=None, expect=None, run_id=None, closed=False, lines=None, truncated=TRUNCATED
+    path,
+    *,
+    key=None,
+    expect=None,
+    run_id=None,
+    closed=False,
+    lines=None,
+    truncated=TRUNCATED,
+    _start=None
 ):
     """Yield (event, raw line, its hash) for each line of a ledger, verifying as it goes;
     TornTailError after every good line of a torn file. `expect` = (seq, hash), a head published
@@ -1292,18 +1343,11 @@ def verified_events(
         raise IntegrityError(path, None, "the index entry for this run has no valid head")
     if closed and expect and not os.path.exists(path):
         raise IntegrityError(path, None, "closed in the index but its events.jsonl is missing")
-    run_id, count = run_dir_id(path) if run_id is None else run_id, 0
+    run_id, count = run_dir_id(path) if run_id is None else run_id, _start[0] if _start else 0
+    lines = _file_lines(path, _start[2] if _start else 0) if lines is None else lines
     try:
-        for event, raw, digest in _check_lines(
-            path, _file_lines(path) if lines is None else lines, key, run_id
-        ):
+        for event, raw, digest in _check_lines(path, lines, key, run_id, expect, _start):
             count = event["seq"]
-            if expect and count == expect[0] and digest != expect[1]:
-                raise IntegrityError(
-                    path,
-                    count,
-                    "does not match the expected head: the history up to it was rewritten"
-                )
             yield event, raw, digest
     except TornTailError:
         _check_end(path, expect, count, key, closed, truncated)  # a cut outranks a torn tail
@@ -1338,12 +1382,16 @@ class Verified:
         return f"{self.head[0]} {self.head[1]}"
 
 
-def verify(path, *, key=None, expect_head=None, **options):
+def verify(path, *, key=None, expect_head=None, jobs=1, **options):
     """Verify a whole ledger, held to `expect_head` and the options of verified_events(); return
-    Verified or raise."""
-    key, texts = resolve_key(key), set()
-    head = (0, genesis(key))
-    for event, _raw, digest in verified_events(path, key=key or b"", expect=expect_head, **options):
+    Verified or raise. `jobs`: worker processes for a regular file (None: one per core, at most 8,
+    from PARALLEL_BYTES up); the outcome is the same."""
+    key, texts = resolve_key(key) or b"", set()
+    start = jobs != 1 and _parallel_start(path, key, expect_head, jobs, **options)
+    head = tuple(start[:2]) if start else (0, genesis(key))
+    for event, _raw, digest in verified_events(
+        path, key=key, expect=expect_head, _start=start, **options
+    ):
         head, named = (event["seq"], digest), event["payload"].get("messages_text")
         named = (named if type(named) is list else []) + [event["payload"].get("answer_text")]
         texts.update(name for name in named if type(name) is str)
@@ -1379,6 +1427,122 @@ def _text_checked(path, result, strict):
     return result
 
 
+# ----------------------------------------------------------------------------
+# Parallel verify: workers vouch for byte ranges, this process continues the check after them
+# ----------------------------------------------------------------------------
+
+PARALLEL_BYTES = 4 << 20  # below this, forking costs more than it saves (make bench)
+
+
+def _line_ranges(path, jobs):
+    """[(begin, stop), ...]: a regular file cut at line ends into `jobs` byte ranges (None: one per
+    core, at most 8, from PARALLEL_BYTES up), the bytes after its last newline left out; None: read
+    it in one process (not a regular file, which may read only once; a line over the limit)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:  # the one-process path says why, in its turn
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        jobs = jobs or (min(os.cpu_count() or 1, 8) if size >= PARALLEL_BYTES else 1)
+        cuts = [_rfind_newline(fd, size * i // jobs) for i in range(1, jobs + 1)]
+    finally:
+        os.close(fd)
+    if jobs < 2 or None in cuts:
+        return None
+    bounds = sorted({0, *(cut + 1 for cut in cuts)})
+    return list(zip(bounds, bounds[1:]))
+
+
+def _parallel_start(path, key, expect, jobs, run_id=None, lines=None, **_options):
+    """Check a ledger's lines in forked workers, one of _line_ranges() each, and return the [seq,
+    hash, offset] after the last line they vouch for in one unbroken chain from line 1, or None.
+    The check continues from there in this process, so any failure, a torn tail and the end are
+    found and worded by the one-process path. (A thread could hold a lock that a forked child
+    would wait on forever.)"""
+    ranges = lines is None and _line_ranges(path, jobs)
+    if not ranges or threading.active_count() > 1 or _names_text(path):
+        return None
+    run_id = run_dir_id(path) if run_id is None else run_id
+    state = [0, genesis(key), 0]
+    for result in _in_children(
+        _check_range, [(path, key, expect, run_id, *pair) for pair in ranges]
+    ):
+        if not result or result[0] != state:
+            break
+        state = result[1]
+        if result[2]:
+            break
+    return state
+
+
+def _names_text(path):
+    """Whether a line may name text-store files (--store-text): verify then reads every line in
+    this process, which gathers the names; workers return none. A bare key can only be a key: a
+    quote inside a JSON string is escaped."""
+    keys, tail = (b'"messages_text":', b'"answer_text":'), b""
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            if any(k in tail + chunk for k in keys):
+                return True
+            tail = chunk[-16:]
+    return False
+
+
+def _check_range(path, key, expect, run_id, begin, stop):
+    """In a worker: check the lines from byte `begin` to `stop`, from the seq and prev the first
+    one claims. Returns (that claimed state, the state after the last good line, whether a line
+    failed); a state is [seq, hash, offset]."""
+    with open(path, "rb") as handle:
+        handle.seek(begin)
+        first = handle.readline(MAX_LINE_BYTES)[:-1]
+    seq, prev = _SEQ_PREFIX_RE.match(first), _PREV_SUFFIX_RE.search(first)
+    if not (seq and prev):
+        return None
+    state = claimed = [int(seq.group(1)) - 1, prev.group(1).decode(), begin]
+    try:
+        for _event, body, digest in _check_lines(
+            path, _file_lines(path, begin), key, run_id, expect, claimed
+        ):
+            state = [state[0] + 1, digest, state[2] + len(body) + 1]
+            if state[2] >= stop:
+                break
+    except (LedgerError, OSError):
+        return claimed, state, True
+    return claimed, state, False
+
+
+def _in_children(work, calls):
+    """[work(*args) for args in calls], each in a child forked for it that sends its answer back as
+    JSON on a pipe; None for a child that failed or could not be forked."""
+    children = []
+    for args in calls:
+        try:
+            rfd, wfd = os.pipe()
+        except OSError:
+            break
+        try:
+            pid = os.fork()
+        except OSError:
+            os.close(rfd), os.close(wfd)
+            break
+        if pid == 0:
+            try:  # one write of well under PIPE_BUF bytes: whole or nothing
+                os.write(wfd, json.dumps(work(*args)).encode())
+            finally:
+                os._exit(0)
+        os.close(wfd)
+        children.append((pid, rfd))
+    answers = []
+    for pid, rfd in children:
+        with open(rfd, "rb") as pipe:
+            answers.append(json.loads(pipe.read() or "null"))
+        os.waitpid(pid, 0)
+    return answers
+
+
 def run_heads(runs_dir, *, key=None):
     """Yield (run id, (head seq, head hash)) for each closed run runs_dir/index.jsonl records,
     reading the index as read_events() does (nothing when there is none)."""
@@ -1404,12 +1568,12 @@ def run_ledgers(runs_dir, key=None):
     ]
 
 
-def verify_runs(runs_dir, *, key=None):
+def verify_runs(runs_dir, *, key=None, jobs=1):
     """Yield (path, Verified or the exception) for each of run_ledgers(), a closed run held to its
     index head (`closed`)."""
     for path, expect in run_ledgers(runs_dir, key):
         try:
-            yield path, verify(path, key=key, expect_head=expect, closed=True)
+            yield path, verify(path, key=key, expect_head=expect, closed=True, jobs=jobs)
         except (LedgerError, OSError) as exc:
             yield path, exc
 
@@ -2341,14 +2505,18 @@ def _cmd_verify(args):
     if args.expect_head is not None and (len(args.paths) != 1 or args.all):
         raise UsageError("--expect-head goes with exactly one PATH")
     expect = parse_head(args.expect_head) if args.expect_head is not None else None
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError("--jobs must be 1 or more")
     key, results = cli_key(args), []
     for path in args.paths:
         try:
-            results.append((path, verify(path, key=key, expect_head=expect), ""))
+            results.append((path, verify(path, key=key, expect_head=expect, jobs=args.jobs), ""))
         except (LedgerError, OSError) as exc:
             results.append((path, exc, ""))
     results += (
-        [(path, result, "") for path, result in verify_runs(args.all, key=key)] if args.all else []
+        [(path, result, "") for path, result in verify_runs(args.all, key=key, jobs=args.jobs)]
+        if args.all
+        else []
     )
     results = [
         (p, r if isinstance(r, BaseException) else _text_checked(p, r, args.text), suffix)
@@ -2358,7 +2526,7 @@ def _cmd_verify(args):
 
 
 def _cmd_head(args):
-    write_out(verify(args.path, key=cli_key(args)).head_text() + "\n")
+    write_out(verify(args.path, key=cli_key(args), jobs=None).head_text() + "\n")
     return EXIT_OK
 
 
@@ -2527,6 +2695,12 @@ def _build_parser():
         "--text",
         action="store_true",
         help="a missing or changed file of the text store (LEDGER.text/) fails (default: a warning)"
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="worker processes per ledger (default: one per core, at most 8, for 4 MiB or more)"
     )
     _add_checkpoint_commands(sub, p)
     p = commands["report"]
