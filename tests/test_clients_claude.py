@@ -44,7 +44,7 @@ def test_claude_code_tool_round_trip_through_the_proxy(claude, tmp_path, token):
     ledger = tmp_path / "ledger" / "calls.jsonl"
     ledger.parent.mkdir()
     with ScriptedAnthropic(turns) as fake:
-        proxy = Proxy(fake.base_url + "/v1", ledger, PROXY_TOKEN=token)
+        proxy = Proxy(fake.base_url + "/v1", ledger, "--store-text", PROXY_TOKEN=token)
         try:
             # docs/proxy.md's recipe: the proxy's address, without /v1; the client's own key
             env = offline_env(
@@ -95,6 +95,13 @@ def test_claude_code_tool_round_trip_through_the_proxy(claude, tmp_path, token):
     audited = run_script("audit.py", "--by", "session", ledger)
     assert audited.returncode == 0, audited.err
     assert session in audited.out
+    # the conversation is on the record: the prompt, the thinking, the tool call and its result, the answer
+    assert run_script("reasoning_ledger.py", "verify", "--text", ledger).returncode == 0
+    shown = run_script("audit.py", "--conversation", session[:8], ledger)
+    assert shown.returncode == 0, shown.err
+    for said in ("Make a file called made.txt here.", "The user wants a file", "Bash",
+                 f"echo made > {target}", "toolu_fake0001", "Made made.txt."):
+        assert said in shown.out, (said, shown.out[-3000:])
     # no key in any file written: the ledger, the client's home and config, the work dir
     blob = all_bytes_under(tmp_path)
     assert client_key.encode() not in blob and KEY.encode() not in blob

@@ -60,7 +60,8 @@ def test_codex_exec_runs_a_shell_tool_through_the_bridge_offline(tmp_path):
              {"text": "Created made-by-codex.txt."}]
     refuser = Refuser()
     with ScriptedChat(turns) as chat:
-        proxy = Proxy(chat.base_url, tmp_path / "calls.jsonl", UPSTREAM_API="chat", PROXY_TOKEN=TOKEN)
+        proxy = Proxy(chat.base_url, tmp_path / "calls.jsonl", "--store-text", UPSTREAM_API="chat",
+                      PROXY_TOKEN=TOKEN)
         try:
             via = {name: refuser.url for name in ("HTTPS_PROXY", "HTTP_PROXY", "ALL_PROXY", "https_proxy",
                                                   "http_proxy", "all_proxy")}
@@ -102,3 +103,11 @@ def test_codex_exec_runs_a_shell_tool_through_the_bridge_offline(tmp_path):
     assert run_script("reasoning_ledger.py", "verify", tmp_path / "calls.jsonl").returncode == 0
     audit = run_script("audit.py", "--by", "session", tmp_path / "calls.jsonl")
     assert audit.returncode == 0 and "codex" in audit.out, audit.err
+    # the conversation is on the record: the prompt, the reasoning, the tool call and its result, the answer
+    ledger = tmp_path / "calls.jsonl"
+    assert run_script("reasoning_ledger.py", "verify", "--text", ledger).returncode == 0
+    shown = run_script("audit.py", "--conversation", "codex", ledger)
+    assert shown.returncode == 0, shown.err
+    for said in ("Create the file made-by-codex.txt here.", "A file is asked for.", "exec_command",
+                 "touch made-by-codex.txt", call["tool_calls"][0]["id"], "Created made-by-codex.txt."):
+        assert said in shown.out, (said, shown.out[-3000:])
