@@ -374,8 +374,11 @@ def test_a_line_over_the_cap_is_named_not_stored_in_bounded_memory(tmp_path, mad
             handle.write(b"x" * (1 << 20))
         handle.write(b'"}\n')
         handle.write(b"".join(lines[2:]))
-    code = ("import resource, sys, transcripts; rc = transcripts.main(sys.argv[1:]); "
-            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+    # VmHWM is this process's own peak: ru_maxrss would carry the forking test process's size
+    # across exec, and that grows with whatever ran before in the same pytest process
+    code = ("import sys, transcripts; rc = transcripts.main(sys.argv[1:]); "
+            "print([line.split()[1] for line in open('/proc/self/status') "
+            "if line.startswith('VmHWM:')][0]); sys.exit(rc)")
     proc = subprocess.run([sys.executable, "-c", code, "import", "--claude", str(tmp_path / "c")],
                           cwd=tmp_path, env=clean_env(PYTHONPATH=str(ROOT)), capture_output=True,
                           text=True, timeout=600)
