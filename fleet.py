@@ -1022,7 +1022,7 @@ def witness_push(ledger, url, vkey, timeout=WITNESS_TIMEOUT):
         break
     if status != 200:
         raise rl.IntegrityError(
-            url, None, f"the witness refused: HTTP {status}: {rl.printable(answer[:200])}"
+            url, None, f"the witness refused: HTTP {status}: {rl.printable(answer[:200].strip())}"
         )
     try:  # its cosignature, checked before it is kept
         rl.open_checkpoint(notes[-1] + answer, witness)

@@ -517,7 +517,7 @@ def import_transcripts(ledger_path, claude=(), codex=()):
     """Import what was added to the transcripts under the given directories; return counts of the
     ledger lines written by kind. An import that overlaps another waits for it (a lock on the
     store), then reads the ledger's state."""
-    store, counts = Path(str(ledger_path) + ".text"), dict.fromkeys(KINDS, 0)
+    store, counts = rl.text_dir(ledger_path), dict.fromkeys(KINDS, 0)
     store.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock = os.open(str(store), os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -611,9 +611,13 @@ def restore(ledger_path, session, out):
         k for k in files if str(k[1]).startswith(session)
     ]
     if len({k[1] for k in keys}) != 1:
-        found = "no session" if not keys else f"{len({k[1] for k in keys})} sessions"
-        raise rl.UsageError(f"{found} in {ledger_path} match {rl.printable(session)!r}")
-    store, out = Path(str(ledger_path) + ".text"), Path(out)
+        found = (
+            "no session in {} matches {!r}"
+            if not keys
+            else f"{len({k[1] for k in keys})} sessions in {{}} match {{!r}}: give more of the id"
+        )
+        raise rl.UsageError(found.format(ledger_path, rl.printable(session)))
+    store, out = rl.text_dir(ledger_path), Path(out)
     plan = [(name, parts) for key in keys for name, parts in files[key].items()]
     for name, _parts in plan:
         if not re.fullmatch(r"[\w][\w.-]*", name) or (out / name).exists():
@@ -674,8 +678,8 @@ def _cmd_import(args):
     claude, codex = [os.path.abspath(d) for d in claude], [os.path.abspath(d) for d in codex]
     counts = import_transcripts(_default_ledger(args), claude, codex)
     rl.write_out(
-        "imported {transcript} segments; {transcript_changed} changed, {transcript_gone} gone, "
-        "{transcript_moved} moved\n".format(**counts)
+        f"imported {rl.plural(counts['transcript'], 'segment')}; {counts['transcript_changed']} "
+        f"changed, {counts['transcript_gone']} gone, {counts['transcript_moved']} moved\n"
     )
     return rl.EXIT_OK
 
