@@ -2354,51 +2354,6 @@ def _cmd_verify_proof(args):
     return EXIT_OK
 
 
-def _add_key_options(parser):
-    parser.add_argument(
-        "--vkey", action="append", metavar="KEY", help="the log's verifier key, or its file"
-    )
-    parser.add_argument(
-        "--witness", action="append", metavar="VKEY", help="a witness's verifier key (repeatable)"
-    )
-    parser.add_argument(
-        "--witnesses-needed", type=int, metavar="N", help="default: every --witness"
-    )
-
-
-def _add_checkpoint_commands(sub, verify_parser):
-    verify_parser.add_argument(
-        "--checkpoint", metavar="FILE", help="hold PATH to a signed checkpoint"
-    )
-    verify_parser.add_argument("--since", metavar="FILE", help="an earlier checkpoint it extends")
-    _add_key_options(verify_parser)
-    for name, text, handler in (
-        ("keygen", "write a signer key to --out (mode 0600); print its verifier key", _cmd_keygen),
-        ("checkpoint", "verify a ledger, then print its signed checkpoint", _cmd_checkpoint),
-        ("prove", "an inclusion proof of line SEQ, or --consistency M [N]", _cmd_prove),
-        ("verify-proof", "check that the line on stdin is in the signed log", _cmd_verify_proof)
-    ):
-        p = sub.add_parser(name, help=text)
-        p.set_defaults(func=handler)
-        dest = {"keygen": "name", "verify-proof": "proof"}.get(name, "path")
-        p.add_argument(dest, metavar=dest.upper())
-        if name == "keygen":
-            p.add_argument("--out", required=True, metavar="FILE")
-            p.add_argument("--cosigner", action="store_true", help="a witness key (type 0x04)")
-        elif name == "checkpoint":
-            p.add_argument("--key", required=True, metavar="FILE", help="the signer key file")
-            p.add_argument("--origin", help="the log's name (default: the key's)")
-            p.add_argument("--append", action="store_true", help="also add it to PATH.checkpoints")
-        elif name == "prove":
-            p.add_argument("seq", nargs="?", type=int, metavar="SEQ")
-            p.add_argument("--checkpoint", metavar="FILE")
-            p.add_argument(
-                "--consistency", nargs="+", type=int, metavar="M", help="M [N]: from size M to N"
-            )
-        else:
-            _add_key_options(p)
-
-
 # ----------------------------------------------------------------------------
 # Checkpoints as ledgers are written (a signing Ledger), and the tree for other rooms
 # ----------------------------------------------------------------------------
@@ -2665,6 +2620,58 @@ def _cmd_append(args):
     return EXIT_OK
 
 
+def _add_options(name, add):
+    """The options of subcommand `name` after its PATH and --key-env."""
+    if name == "verify":
+        add("--expect-head", metavar="SEQ:HASH", help="a head published earlier (finds truncation)")
+        add(
+            "--text",
+            action="store_true",
+            help="a missing or changed file of the text store (LEDGER.text/) fails "
+            "(default: a warning)"
+        )
+        add(
+            "--jobs",
+            type=int,
+            metavar="N",
+            help="worker processes per ledger "
+            "(default: one per core, at most 8, for 4 MiB or more)"
+        )
+        add("--checkpoint", metavar="FILE", help="hold PATH to a signed checkpoint")
+        add("--since", metavar="FILE", help="an earlier checkpoint it extends")
+    elif name == "report":
+        add("--kind", action="append", help="only this kind (repeatable)")
+        add("--stage", help="only decisions of this stage")
+        add("--run", help="only this run id (or prefix)")
+        add("--since", help="date or ISO time (UTC)")
+        add("--until", help="date (inclusive) or ISO time")
+        add("--json", action="store_true", help="print the matching lines unchanged")
+    elif name == "append":
+        add("--kind", required=True)
+        add("--run-id", help="default: $LEDGER_RUN_ID or a new id")
+        add("--payload", help="a JSON object (default: stdin when it is not a terminal)")
+    elif name == "keygen":
+        add("--out", required=True, metavar="FILE")
+        add("--cosigner", action="store_true", help="a witness key (type 0x04)")
+    elif name == "checkpoint":
+        add("--key", required=True, metavar="FILE", help="the signer key file")
+        add("--origin", help="the log's name (default: the key's)")
+        add("--append", action="store_true", help="also add it to PATH.checkpoints")
+    elif name == "prove":
+        add("seq", nargs="?", type=int, metavar="SEQ")
+        add("--checkpoint", metavar="FILE")
+        add("--consistency", nargs="+", type=int, metavar="M", help="M [N]: from size M to N")
+    if name in ("verify", "verify-proof"):
+        add("--vkey", action="append", metavar="KEY", help="the log's verifier key, or its file")
+        add(
+            "--witness",
+            action="append",
+            metavar="VKEY",
+            help="a witness's verifier key (repeatable)"
+        )
+        add("--witnesses-needed", type=int, metavar="N", help="default: every --witness")
+
+
 def _build_parser():
     parser = ArgumentParser(
         prog="reasoning_ledger.py",
@@ -2673,47 +2680,28 @@ def _build_parser():
         formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=__version__)
-    sub, commands = parser.add_subparsers(dest="command", metavar="COMMAND"), {}
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, text, handler in (
         ("verify", "check ledgers; exit 1 on any integrity failure", _cmd_verify),
         ("head", "print the anchor 'SEQ HASH' of a verified ledger", _cmd_head),
         ("report", "one readable line per event: what it says and what it means", _cmd_report),
-        ("append", "append one event; prints the new head", _cmd_append)
+        ("append", "append one event; prints the new head", _cmd_append),
+        ("keygen", "write a signer key to --out (mode 0600); print its verifier key", _cmd_keygen),
+        ("checkpoint", "verify a ledger, then print its signed checkpoint", _cmd_checkpoint),
+        ("prove", "an inclusion proof of line SEQ, or --consistency M [N]", _cmd_prove),
+        ("verify-proof", "check that the line on stdin is in the signed log", _cmd_verify_proof)
     ):
-        p = commands[name] = sub.add_parser(name, help=text)
+        p = sub.add_parser(name, help=text)
         p.set_defaults(func=handler)
-        if name in ("head", "append"):
-            p.add_argument("path", metavar="PATH")
-        else:
+        add = p.add_argument
+        if name in ("verify", "report"):
             add_targets(p)
-        add_key_env(p)
-    p = commands["verify"]
-    p.add_argument(
-        "--expect-head", metavar="SEQ:HASH", help="a head published earlier (finds truncation)"
-    )
-    p.add_argument(
-        "--text",
-        action="store_true",
-        help="a missing or changed file of the text store (LEDGER.text/) fails (default: a warning)"
-    )
-    p.add_argument(
-        "--jobs",
-        type=int,
-        metavar="N",
-        help="worker processes per ledger (default: one per core, at most 8, for 4 MiB or more)"
-    )
-    _add_checkpoint_commands(sub, p)
-    p = commands["report"]
-    p.add_argument("--kind", action="append", help="only this kind (repeatable)")
-    p.add_argument("--stage", help="only decisions of this stage")
-    p.add_argument("--run", help="only this run id (or prefix)")
-    p.add_argument("--since", help="date or ISO time (UTC)")
-    p.add_argument("--until", help="date (inclusive) or ISO time")
-    p.add_argument("--json", action="store_true", help="print the matching lines unchanged")
-    p = commands["append"]
-    p.add_argument("--kind", required=True)
-    p.add_argument("--run-id", help="default: $LEDGER_RUN_ID or a new id")
-    p.add_argument("--payload", help="a JSON object (default: stdin when it is not a terminal)")
+        else:
+            dest = {"keygen": "name", "verify-proof": "proof"}.get(name, "path")
+            add(dest, metavar=dest.upper())
+        if name in ("verify", "head", "report", "append"):
+            add_key_env(p)
+        _add_options(name, add)
     return parser
 
 
