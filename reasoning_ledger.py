@@ -146,6 +146,14 @@ RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
 OUR_RUN_ID_RE = re.compile(r"[0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8}\Z")
 _SEQ_PREFIX_RE = re.compile(rb'\{"seq":([1-9][0-9]*),')
 _PREV_SUFFIX_RE = re.compile(rb',"prev":"([0-9a-f]{64})"\}\Z')
+
+
+def _claim(line):
+    """(seq, prev) as a line's bytes claim them, without parsing it; None: not a ledger line."""
+    seq, prev = _SEQ_PREFIX_RE.match(line), _PREV_SUFFIX_RE.search(line)
+    return seq and prev and (int(seq.group(1)), prev.group(1).decode())
+
+
 # Python 3.11+ refuses to print longer ints; a line must read back everywhere
 _INT_LIMIT = 10**4300
 
@@ -773,10 +781,10 @@ class Ledger:
         first, newline, _rest = first.partition(b"\n")
         if not newline:  # empty (or one torn fragment): the line about to be written sets the mode
             return
-        match = _PREV_SUFFIX_RE.search(first)
-        if not match or not _SEQ_PREFIX_RE.match(first):
+        claim = _claim(first)
+        if not claim:
             raise IntegrityError(self.path, 1, "not a ledger line; refusing to append")
-        prev = match.group(1).decode()
+        prev = claim[1]
         if prev != genesis(self.key):
             if not self.key:
                 raise KeyRequiredError(self.path)
@@ -1498,10 +1506,10 @@ def _check_range(path, key, expect, run_id, begin, stop):
     with open(path, "rb") as handle:
         handle.seek(begin)
         first = handle.readline(MAX_LINE_BYTES)[:-1]
-    seq, prev = _SEQ_PREFIX_RE.match(first), _PREV_SUFFIX_RE.search(first)
-    if not (seq and prev):
+    claim = _claim(first)
+    if not claim:
         return None
-    state = claimed = [int(seq.group(1)) - 1, prev.group(1).decode(), begin]
+    state = claimed = [claim[0] - 1, claim[1], begin]
     try:
         for _event, body, digest in _check_lines(
             path, _file_lines(path, begin), key, run_id, expect, claimed
@@ -2022,7 +2030,7 @@ def ed25519_sign(seed, message):
     scalar, prefix = _ed_secret(seed)
     nonce = _ed_int(prefix, message) % _L
     r = _ed_encode(_ed_mul(nonce, _B))
-    k = _ed_int(r, _ed_encode(_ed_mul(scalar, _B)), message) % _L
+    k = _ed_int(r, ed25519_public(seed), message) % _L
     return r + ((nonce + k * scalar) % _L).to_bytes(32, "little")
 
 
@@ -2056,7 +2064,12 @@ def _b64(data):
     return base64.b64encode(data).decode("ascii")
 
 
+def _proof_lines(hashes):
+    return "".join(f"{_b64(h)}\n" for h in hashes)
+
+
 def _unb64(text):  # b"" for what is not base64
+
     try:
         return base64.b64decode(text, validate=True)
     except ValueError:
@@ -2319,7 +2332,7 @@ def _cmd_prove(args):
         size = size[0] if size else sum(1 for _leaf in ledger_leaves(args.path))
         if not 0 <= old <= size:
             raise UsageError(f"--consistency {old} {size}: want 0 <= M <= N")
-        write_out("".join(f"{_b64(h)}\n" for h in tree_proof(args.path, size, old=old)[0]))
+        write_out(_proof_lines(tree_proof(args.path, size, old=old)[0]))
         return EXIT_OK
     if not args.checkpoint:
         raise UsageError("prove SEQ needs --checkpoint FILE")
@@ -2330,8 +2343,7 @@ def _cmd_prove(args):
     proof, root = tree_proof(args.path, checkpoint.size, index=args.seq - 1)
     if root != checkpoint.root:
         raise IntegrityError(args.path, None, "does not give the checkpoint's root: verify it")
-    hashes = "".join(f"{_b64(h)}\n" for h in proof)
-    write_out(f"c2sp.org/tlog-proof@v1\nindex {args.seq - 1}\n{hashes}\n{note}")
+    write_out(f"c2sp.org/tlog-proof@v1\nindex {args.seq - 1}\n{_proof_lines(proof)}\n{note}")
     return EXIT_OK
 
 
@@ -2465,19 +2477,18 @@ def _cmd_verify(args):
     key, results = cli_key(args), []
     for path in args.paths:
         try:
-            results.append((path, verify(path, key=key, expect_head=expect, jobs=args.jobs), ""))
+            results.append((path, verify(path, key=key, expect_head=expect, jobs=args.jobs)))
         except (LedgerError, OSError) as exc:
-            results.append((path, exc, ""))
-    results += (
-        [(path, result, "") for path, result in verify_runs(args.all, key=key, jobs=args.jobs)]
-        if args.all
-        else []
+            results.append((path, exc))
+    results += verify_runs(args.all, key=key, jobs=args.jobs) if args.all else []
+    return tally(
+        [
+            (p, r if isinstance(r, BaseException) else _text_checked(p, r, args.text), "")
+            for p, r in results
+        ],
+        verified_line,
+        "{}/{} ledgers valid".format
     )
-    results = [
-        (p, r if isinstance(r, BaseException) else _text_checked(p, r, args.text), suffix)
-        for p, r, suffix in results
-    ]
-    return tally(results, verified_line, "{}/{} ledgers valid".format)
 
 
 def _cmd_head(args):
