@@ -119,22 +119,24 @@ CHECKPOINT_EVERY = (10000, 300)
     EXIT_PROPOSAL,
     EXIT_STUCK
 ) = range(10)
-EXIT_CODES = {
-    EXIT_OK: "ok",
-    EXIT_FAILED: (
-        "failed: integrity failure (verify, audit, ship), failed call (ask), error outcome (agent)"
-    ),
-    EXIT_USAGE: "usage, configuration or I/O error; nothing was done",
-    EXIT_CHECK: "answer received but a check failed (ask); proposal rejected by the judge (agent)",
-    EXIT_CHANGED: (
-        "changes found: audit --fail-on-change; decisions another tools.json flips (agent replay)"
-    ),
-    EXIT_OUTPUT: "stdout could not be written; the result was recorded",
-    EXIT_LOCKED: "another run holds the repository's lock (agent)",
-    EXIT_BUDGET: "budget exhausted (agent)",
-    EXIT_PROPOSAL: "proposal accepted by the judge, waiting for review (agent)",
-    EXIT_STUCK: "the model repeated itself until the run stopped it (agent)"
-}
+EXIT_CODES = dict(
+    enumerate(
+        (
+            "ok",
+            "failed: integrity failure (verify, audit, ship), failed call (ask), error outcome "
+            "(agent)",
+            "usage, configuration or I/O error; nothing was done",
+            "answer received but a check failed (ask); proposal rejected by the judge (agent)",
+            "changes found: audit --fail-on-change; decisions another tools.json flips (agent "
+            "replay)",
+            "stdout could not be written; the result was recorded",
+            "another run holds the repository's lock (agent)",
+            "budget exhausted (agent)",
+            "proposal accepted by the judge, waiting for review (agent)",
+            "the model repeated itself until the run stopped it (agent)"
+        )
+    )
+)
 
 _KIND_RE = re.compile(r"[a-z][a-z0-9_.]*\Z")
 _AT_RE = re.compile(
@@ -224,10 +226,8 @@ class OutputError(LedgerError):
 
 def utc_now():
     """Current UTC time as the ledger writes it: 2026-11-29T12:00:00.123456Z."""
-    micros = time.time_ns() // 1000
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(micros // 1000000)) + ".%06dZ" % (
-        micros % 1000000
-    )
+    seconds, micros = divmod(time.time_ns() // 1000, 1000000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + ".%06dZ" % micros
 
 
 def new_run_id():
@@ -245,15 +245,17 @@ def _day_exists(day):
     return True
 
 
+def _matches(regex, value):
+    return type(value) is str and regex.match(value) is not None
+
+
 def _at_ok(at):
     """`at` as the writer writes it: the exact shape, ASCII digits, and a date that exists."""
     return type(at) is str and _AT_RE.match(at) is not None and _day_exists(at[:10])
 
 
 def _key_bytes(key):
-    if not key:
-        return None
-    return key.encode("utf-8") if isinstance(key, str) else bytes(key)
+    return (key.encode("utf-8") if isinstance(key, str) else bytes(key)) if key else None
 
 
 def resolve_key(key):
@@ -710,7 +712,7 @@ class Ledger:
                 f"{self.path} holds run {own}'s events only; not {printable(run_id)!r}"
             )
         self.run_id = run_id or own or new_run_id()
-        if type(self.run_id) is not str or not RUN_ID_RE.match(self.run_id):
+        if not _matches(RUN_ID_RE, self.run_id):
             raise UsageError(
                 f"bad run id {printable(self.run_id)!r}: letters, digits and _.:- only, at most 128"
             )
@@ -811,7 +813,7 @@ class Ledger:
     def append(self, kind, payload=None):
         """Append one event; return it as written (payload masked). PayloadError: nothing was
         written."""
-        if type(kind) is not str or not _KIND_RE.match(kind):
+        if not _matches(_KIND_RE, kind):
             raise PayloadError(f"bad kind {printable(kind)!r}: lower-case [a-z][a-z0-9_.]*")
         payload = {} if payload is None else payload
         if type(payload) is not dict:
@@ -1046,18 +1048,18 @@ class Run:
 
     def close(self, outcome, **summary):
         """Append run_closed, then anchor this run's head in runs/index.jsonl."""
-        self.ledger.append(
+        ledger = self.ledger
+        ledger.append(
             "run_closed",
             {"outcome": outcome, **{k: v for k, v in summary.items() if v is not None}}
         )
-        seq, digest = self.ledger.head
-        signer = self.ledger.signer
+        (seq, digest), signer = ledger.head, ledger.signer
         with Ledger(
             self.runs_dir / INDEX_NAME,
             self.run_id,
-            key=self.ledger.key or b"",
-            fsync=self.ledger.fsync,
-            secrets=self.ledger.extra_secrets,
+            key=ledger.key or b"",
+            fsync=ledger.fsync,
+            secrets=ledger.extra_secrets,
             signer=signer
         ) as index:
             index.append(
@@ -1068,10 +1070,11 @@ class Run:
                     "head_seq": seq,
                     "head_hash": digest,
                     "outcome": outcome,
-                    **({"checkpoint": self.ledger.checkpoint()} if signer else {})
+                    **({"checkpoint": ledger.checkpoint()} if signer else {})
                 }
             )
-        self.ledger.close()
+        ledger.close()
+
         self.closed = True
         return seq, digest
 
@@ -1081,7 +1084,7 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=(), 
     events.jsonl."""
     runs_dir, given = Path(runs_dir), run_id
     runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if given is not None and (type(given) is not str or not RUN_ID_RE.match(given)):
+    if given is not None and not _matches(RUN_ID_RE, given):
         raise UsageError(f"bad run id {printable(given)!r}")
     while True:
         run_id = given or new_run_id()
@@ -1226,11 +1229,11 @@ def _envelope_problem(event, lineno, run_id, known):
             if type(seq) is not int
             else " (gap in seq)" if seq > lineno else " (duplicate or repeated seq)"
         )
-    if type(rid) is not str or not RUN_ID_RE.match(rid):
+    if not _matches(RUN_ID_RE, rid):
         return f"bad run_id {rid!r}"
     if run_id not in (None, rid):
         return f"run_id {rid!r} differs from the run directory's {run_id!r}"
-    if type(kind) is not str or not _KIND_RE.match(kind):
+    if not _matches(_KIND_RE, kind):
         return f"bad kind {kind!r}"
     if not _at_ok(at):
         return f"bad timestamp {at!r} (want a real UTC time as YYYY-MM-DDTHH:MM:SS.ffffffZ)"
@@ -1423,11 +1426,7 @@ def _text_problem(directory, name):
 def _text_checked(path, result, strict):
     """A verified ledger's named text files: any missing or changed is a failure with --text (
     `strict`), else a warning."""
-    problems = [
-        problem
-        for problem in (_text_problem(text_dir(path), n) for n in sorted(result.texts))
-        if problem
-    ]
+    problems = list(filter(None, (_text_problem(text_dir(path), n) for n in sorted(result.texts))))
     if problems and strict:
         return IntegrityError(path, None, f"text store: {len(problems)} bad; {problems[0]}")
     if problems:
@@ -1629,16 +1628,20 @@ def add_run_event(run, event):
     """Add one event to a run_summary(). A field of a type agent.py or ask.py does not write is
     absent."""
     kind, get = event["kind"], event["payload"].get
+
+    def typed(name, want=str, default=None):
+        value = get(name)
+        return value if type(value) is want else default
+
     run["started"], why = run["started"] or event["at"], None
     if kind == "model_call":
         for name, total in _CALL_TOKENS.items():
-            run[total] += get(name) if type(get(name)) is int else 0
+            run[total] += typed(name, int, 0)
         run["model_calls"] += 1
         run["usage_calls"] += type(get("input_tokens")) is int or type(get("output_tokens")) is int
         run["errors"] += type(get("error_type")) is str
     elif kind in ("model_proposed", "proposal_malformed"):
-        step = get("step")
-        run["steps"] = max(run["steps"], step if type(step) is int else run["steps"] + 1)
+        run["steps"] = max(run["steps"], typed("step", int, run["steps"] + 1))
     elif kind in ("tool_allowed", "tool_denied"):
         run[kind.replace("tool_", "tools_")] += 1
     elif kind == "error":
@@ -1650,12 +1653,14 @@ def add_run_event(run, event):
             else f"{get('stage') or 'model'}: {get('error_type')}{f' ({code})' if code else ''}"
         )
     elif kind == "judge_verdict":
-        run["judge_verdict"] = get("verdict") if type(get("verdict")) is str else None
+        run["judge_verdict"] = typed("verdict")
         why = f"judge {get('verdict')}: {get('reason')}"
     elif kind == "run_closed":
-        run["outcome"] = get("outcome") if type(get("outcome")) is str else "closed"
-        run["proposal"] = get("proposal") if type(get("proposal")) is str else None
-        why = get("why") if type(get("why")) is str else None
+        run["outcome"], run["proposal"], why = (
+            typed("outcome", str, "closed"),
+            typed("proposal"),
+            typed("why")
+        )
     elif kind == "run_started" and get("sandbox") == "none":
         run["unboxed"] = get("sandbox_reason") or "no reason recorded"
     elif kind == "budget_exhausted":
@@ -1726,12 +1731,10 @@ def write_out(text):
             )
         )
         _stdout_dead.append(OutputError(reason, pipe=pipe))
-        try:
+        with contextlib.suppress(OSError, ValueError):
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
-        except (OSError, ValueError):
-            pass
         raise _stdout_dead[0] from None
 
 
@@ -1742,19 +1745,6 @@ def error_text(exc):
     return str(exc) or type(exc).__name__
 
 
-def run_cli(command, args, secrets=()):
-    """command(args); our errors and OS errors become one error line and their exit code (others are
-    bugs)."""
-    try:
-        return command(args)
-    except (LedgerError, OSError) as exc:
-        error(error_text(exc), secrets)
-        return exc.exit_code if isinstance(exc, LedgerError) else EXIT_USAGE
-    except KeyboardInterrupt:
-        error("interrupted")
-        return 130
-
-
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, with a usage error as the toolkit's one `error: …` line (and a pointer to
     --help)."""
@@ -1762,14 +1752,6 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         error(f"{self.prog}: {message} (see {self.prog} --help)")
         raise SystemExit(EXIT_USAGE)
-
-
-def parse_cli(parser, argv):
-    """(args, None), or (None, exit code) when argparse printed help (0) or a usage error (2)."""
-    try:
-        return parser.parse_args(argv), None
-    except SystemExit as exc:
-        return None, (EXIT_USAGE if exc.code else EXIT_OK)
 
 
 def exit_codes_epilog(*codes):
@@ -1808,7 +1790,7 @@ MOVED = {"ship": "fleet.py ship", "verify --from": "fleet.py verify --from"}
 def run_main(parser, argv=None, command=None, moved=None):
     """A script's main(): the one error line of a command that moved (`moved`: old spelling -> new;
     answered without importing the new home), else argv parsed and `command`, or the chosen
-    subcommand, run under run_cli. No subcommand shows the help (exit 2)."""
+    subcommand, run. No subcommand shows the help (exit 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     for old, new in (moved or {}).items():
         first, *options = old.split()
@@ -1817,14 +1799,22 @@ def run_main(parser, argv=None, command=None, moved=None):
         ):
             error(f"`{parser.prog} {old}` has moved: run `python3 {new}` (see CHANGELOG.md)")
             return EXIT_USAGE
-    args, code = parse_cli(parser, argv)
-    if args is None:
-        return code
+    try:  # argparse exits 0 after the help, or 2 on a usage error
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return EXIT_USAGE if exc.code else EXIT_OK
     command = command or getattr(args, "func", None)
     if command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    return run_cli(command, args)
+    try:  # our errors and OS errors become one error line and their exit code (others are bugs)
+        return command(args)
+    except (LedgerError, OSError) as exc:
+        error(error_text(exc))
+        return exc.exit_code if isinstance(exc, LedgerError) else EXIT_USAGE
+    except KeyboardInterrupt:
+        error("interrupted")
+        return 130
 
 
 def add_targets(parser):
@@ -1970,7 +1960,7 @@ def verify_consistency(old_size, old_root, size, root, proof):
 # Ed25519 (RFC 8032, 5.1) on points in extended coordinates (X, Y, Z, T), x = X/Z, y = Y/Z.
 _P = 2**255 - 19
 _L = 2**252 + 27742317777372353535851937790883648493
-_D = -121665 * pow(121666, _P - 2, _P) % _P
+_D = -121665 * pow(121666, -1, _P) % _P
 
 
 def _ed_add(p, q):
@@ -1990,7 +1980,7 @@ def _ed_mul(scalar, point):
 
 
 def _ed_encode(point):
-    inverse = pow(point[2], _P - 2, _P)
+    inverse = pow(point[2], -1, _P)
     x, y = point[0] * inverse % _P, point[1] * inverse % _P
     return (y | (x & 1) << 255).to_bytes(32, "little")
 
@@ -1998,7 +1988,7 @@ def _ed_encode(point):
 def _ed_decode(data):  # the point, or None
     y = int.from_bytes(data, "little")
     sign, y = y >> 255, y & ((1 << 255) - 1)
-    x2 = (y * y - 1) * pow(_D * y * y + 1, _P - 2, _P) % _P
+    x2 = (y * y - 1) * pow(_D * y * y + 1, -1, _P) % _P
     x = pow(x2, (_P + 3) // 8, _P)
     if (x * x - x2) % _P:
         x = x * pow(2, (_P - 1) // 4, _P) % _P
@@ -2009,7 +1999,7 @@ def _ed_decode(data):  # the point, or None
     return x, y, 1, x * y % _P
 
 
-_B = _ed_decode((4 * pow(5, _P - 2, _P) % _P).to_bytes(32, "little"))
+_B = _ed_decode((4 * pow(5, -1, _P) % _P).to_bytes(32, "little"))
 
 
 def _ed_int(*parts):
@@ -2426,7 +2416,7 @@ def tally(results, good, summary, inside="", after=""):
     """One line per (path, result, suffix): good(result), FAIL or ERROR; then summary(ok, total).
     Returns the exit code: a FAIL (1) outranks an ERROR (2). `after` may hold {} for 'it' or 'them',
     the failed ledgers."""
-    counts, keyless = {"ok": 0, "fail": 0, "error": 0}, 0
+    counts, keyless = collections.Counter(), 0
     for path, result, suffix in results:
         if not isinstance(result, BaseException):
             state, line = "ok", good(result)
@@ -2441,15 +2431,14 @@ def tally(results, good, summary, inside="", after=""):
         counts[state] += 1
         write_out(line + suffix + "\n")
     write_out(summary(counts["ok"], sum(counts.values())) + "\n")
-    failed = counts["fail"]
+    failed, n = counts["fail"], counts["error"]
     if failed:
         error(
             f"integrity check failed ({failed} ledger{'s' if failed > 1 else ''}{inside})"
             + after.format("them" if failed > 1 else "it")
         )
         return EXIT_FAILED
-    if counts["error"]:
-        n = counts["error"]
+    if n:
         error(
             f"{n} ledger{'s' if n > 1 else ''} could not be read"
             + (f" ({keyless} need{'s' if keyless == 1 else ''} a key)" if keyless else "")
