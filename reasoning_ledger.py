@@ -457,14 +457,7 @@ class Redactor:
     assignments)."""
 
     def __init__(self, values=()):
-        self.values = tuple(
-            sorted(
-                {v for v in values if isinstance(v, str) and len(v) >= MIN_SECRET_CHARS},
-                # longest first: a secret holding another goes whole
-                key=len,
-                reverse=True
-            )
-        )
+        self.values = tuple(_longest_first(values))
 
     def text(self, text):
         for value in self.values:
@@ -513,7 +506,16 @@ def secret_values(extra=()):
         if name in SECRET_ENV_VARS or name in listed or is_secret_env_name(name)
     }
     values.update(v for v in extra if v)
-    return sorted((v for v in values if len(v) >= MIN_SECRET_CHARS), key=len, reverse=True)
+    return _longest_first(values)
+
+
+def _longest_first(values):
+    # longest first: a secret holding another goes whole
+    return sorted(
+        {v for v in values if isinstance(v, str) and len(v) >= MIN_SECRET_CHARS},
+        key=len,
+        reverse=True
+    )
 
 
 def redact_text(text, values=None):
@@ -1145,9 +1147,11 @@ class Bucket:
         """`payload` to record now, with `unrecorded_before` when some were left out since the last
         one; None when it is left out."""
         dropped = self.take()
-        if dropped is None:
-            return None
-        return dict(payload, unrecorded_before=dropped) if dropped else payload
+        return (
+            dict(payload, unrecorded_before=dropped)
+            if dropped
+            else None if dropped is None else payload
+        )
 
 
 # ----------------------------------------------------------------------------
@@ -2300,10 +2304,10 @@ def _cmd_keygen(args):
         fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         raise UsageError(f"{args.out} exists: keygen never overwrites a key") from None
-    with open(fd, "w") as handle:
-        handle.write(f"{key_text(key, secret=True)}\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        _write_or_undo(fd, f"{key_text(key, secret=True)}\n".encode(), 0)
+    finally:
+        os.close(fd)
     write_out(f"{key_text(key)}\n")
     return EXIT_OK
 
@@ -2494,11 +2498,7 @@ _ARTIFACT_RE = re.compile(r"artifacts/[0-9a-f]{64}\Z")
 
 
 def _artifact(ledger_path, ref):
-    if (
-        type(ref) is not dict
-        or type(ref.get("path")) is not str
-        or not _ARTIFACT_RE.match(ref["path"])
-    ):
+    if type(ref) is not dict or not _matches(_ARTIFACT_RE, ref.get("path")):
         return ""
     try:
         with open(Path(ledger_path).parent / ref["path"], "rb") as handle:
