@@ -1859,12 +1859,10 @@ class _Tree:
 
     def add(self, leaf):
         self.size += 1
-        self.stack.append(hashlib.sha256(b"\0" + leaf).digest())
-        size = self.size
-        while not size & 1:
-            right = self.stack.pop()
-            self.stack[-1] = _node(self.stack[-1], right)
-            size >>= 1
+        node, size = hashlib.sha256(b"\0" + leaf).digest(), self.size
+        while not size & 1:  # a full subtree: it and the one to its left make one
+            node, size = _node(self.stack.pop(), node), size >> 1
+        self.stack.append(node)
 
     def root(self):
         root = self.stack[-1] if self.stack else hashlib.sha256().digest()
