@@ -119,22 +119,24 @@ CHECKPOINT_EVERY = (10000, 300)
     EXIT_PROPOSAL,
     EXIT_STUCK
 ) = range(10)
-EXIT_CODES = {
-    EXIT_OK: "ok",
-    EXIT_FAILED: (
-        "failed: integrity failure (verify, audit, ship), failed call (ask), error outcome (agent)"
-    ),
-    EXIT_USAGE: "usage, configuration or I/O error; nothing was done",
-    EXIT_CHECK: "answer received but a check failed (ask); proposal rejected by the judge (agent)",
-    EXIT_CHANGED: (
-        "changes found: audit --fail-on-change; decisions another tools.json flips (agent replay)"
-    ),
-    EXIT_OUTPUT: "stdout could not be written; the result was recorded",
-    EXIT_LOCKED: "another run holds the repository's lock (agent)",
-    EXIT_BUDGET: "budget exhausted (agent)",
-    EXIT_PROPOSAL: "proposal accepted by the judge, waiting for review (agent)",
-    EXIT_STUCK: "the model repeated itself until the run stopped it (agent)"
-}
+EXIT_CODES = dict(
+    enumerate(
+        (
+            "ok",
+            "failed: integrity failure (verify, audit, ship), failed call (ask), error outcome "
+            "(agent)",
+            "usage, configuration or I/O error; nothing was done",
+            "answer received but a check failed (ask); proposal rejected by the judge (agent)",
+            "changes found: audit --fail-on-change; decisions another tools.json flips (agent "
+            "replay)",
+            "stdout could not be written; the result was recorded",
+            "another run holds the repository's lock (agent)",
+            "budget exhausted (agent)",
+            "proposal accepted by the judge, waiting for review (agent)",
+            "the model repeated itself until the run stopped it (agent)"
+        )
+    )
+)
 
 _KIND_RE = re.compile(r"[a-z][a-z0-9_.]*\Z")
 _AT_RE = re.compile(
@@ -146,6 +148,14 @@ RUN_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}\Z")
 OUR_RUN_ID_RE = re.compile(r"[0-9]{8}T[0-9]{6}\.[0-9]{6}Z-[0-9a-f]{8}\Z")
 _SEQ_PREFIX_RE = re.compile(rb'\{"seq":([1-9][0-9]*),')
 _PREV_SUFFIX_RE = re.compile(rb',"prev":"([0-9a-f]{64})"\}\Z')
+
+
+def _claim(line):
+    """(seq, prev) as a line's bytes claim them, without parsing it; None: not a ledger line."""
+    seq, prev = _SEQ_PREFIX_RE.match(line), _PREV_SUFFIX_RE.search(line)
+    return seq and prev and (int(seq.group(1)), prev.group(1).decode())
+
+
 # Python 3.11+ refuses to print longer ints; a line must read back everywhere
 _INT_LIMIT = 10**4300
 
@@ -216,10 +226,8 @@ class OutputError(LedgerError):
 
 def utc_now():
     """Current UTC time as the ledger writes it: 2026-11-29T12:00:00.123456Z."""
-    micros = time.time_ns() // 1000
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(micros // 1000000)) + ".%06dZ" % (
-        micros % 1000000
-    )
+    seconds, micros = divmod(time.time_ns() // 1000, 1000000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + ".%06dZ" % micros
 
 
 def new_run_id():
@@ -237,15 +245,17 @@ def _day_exists(day):
     return True
 
 
+def _matches(regex, value):
+    return type(value) is str and regex.match(value) is not None
+
+
 def _at_ok(at):
     """`at` as the writer writes it: the exact shape, ASCII digits, and a date that exists."""
     return type(at) is str and _AT_RE.match(at) is not None and _day_exists(at[:10])
 
 
 def _key_bytes(key):
-    if not key:
-        return None
-    return key.encode("utf-8") if isinstance(key, str) else bytes(key)
+    return (key.encode("utf-8") if isinstance(key, str) else bytes(key)) if key else None
 
 
 def resolve_key(key):
@@ -447,14 +457,7 @@ class Redactor:
     assignments)."""
 
     def __init__(self, values=()):
-        self.values = tuple(
-            sorted(
-                {v for v in values if isinstance(v, str) and len(v) >= MIN_SECRET_CHARS},
-                # longest first: a secret holding another goes whole
-                key=len,
-                reverse=True
-            )
-        )
+        self.values = tuple(_longest_first(values))
 
     def text(self, text):
         for value in self.values:
@@ -503,7 +506,16 @@ def secret_values(extra=()):
         if name in SECRET_ENV_VARS or name in listed or is_secret_env_name(name)
     }
     values.update(v for v in extra if v)
-    return sorted((v for v in values if len(v) >= MIN_SECRET_CHARS), key=len, reverse=True)
+    return _longest_first(values)
+
+
+def _longest_first(values):
+    # longest first: a secret holding another goes whole
+    return sorted(
+        {v for v in values if isinstance(v, str) and len(v) >= MIN_SECRET_CHARS},
+        key=len,
+        reverse=True
+    )
 
 
 def redact_text(text, values=None):
@@ -702,7 +714,7 @@ class Ledger:
                 f"{self.path} holds run {own}'s events only; not {printable(run_id)!r}"
             )
         self.run_id = run_id or own or new_run_id()
-        if type(self.run_id) is not str or not RUN_ID_RE.match(self.run_id):
+        if not _matches(RUN_ID_RE, self.run_id):
             raise UsageError(
                 f"bad run id {printable(self.run_id)!r}: letters, digits and _.:- only, at most 128"
             )
@@ -773,10 +785,10 @@ class Ledger:
         first, newline, _rest = first.partition(b"\n")
         if not newline:  # empty (or one torn fragment): the line about to be written sets the mode
             return
-        match = _PREV_SUFFIX_RE.search(first)
-        if not match or not _SEQ_PREFIX_RE.match(first):
+        claim = _claim(first)
+        if not claim:
             raise IntegrityError(self.path, 1, "not a ledger line; refusing to append")
-        prev = match.group(1).decode()
+        prev = claim[1]
         if prev != genesis(self.key):
             if not self.key:
                 raise KeyRequiredError(self.path)
@@ -803,7 +815,7 @@ class Ledger:
     def append(self, kind, payload=None):
         """Append one event; return it as written (payload masked). PayloadError: nothing was
         written."""
-        if type(kind) is not str or not _KIND_RE.match(kind):
+        if not _matches(_KIND_RE, kind):
             raise PayloadError(f"bad kind {printable(kind)!r}: lower-case [a-z][a-z0-9_.]*")
         payload = {} if payload is None else payload
         if type(payload) is not dict:
@@ -1038,18 +1050,18 @@ class Run:
 
     def close(self, outcome, **summary):
         """Append run_closed, then anchor this run's head in runs/index.jsonl."""
-        self.ledger.append(
+        ledger = self.ledger
+        ledger.append(
             "run_closed",
             {"outcome": outcome, **{k: v for k, v in summary.items() if v is not None}}
         )
-        seq, digest = self.ledger.head
-        signer = self.ledger.signer
+        (seq, digest), signer = ledger.head, ledger.signer
         with Ledger(
             self.runs_dir / INDEX_NAME,
             self.run_id,
-            key=self.ledger.key or b"",
-            fsync=self.ledger.fsync,
-            secrets=self.ledger.extra_secrets,
+            key=ledger.key or b"",
+            fsync=ledger.fsync,
+            secrets=ledger.extra_secrets,
             signer=signer
         ) as index:
             index.append(
@@ -1060,10 +1072,11 @@ class Run:
                     "head_seq": seq,
                     "head_hash": digest,
                     "outcome": outcome,
-                    **({"checkpoint": self.ledger.checkpoint()} if signer else {})
+                    **({"checkpoint": ledger.checkpoint()} if signer else {})
                 }
             )
-        self.ledger.close()
+        ledger.close()
+
         self.closed = True
         return seq, digest
 
@@ -1073,7 +1086,7 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=(), 
     events.jsonl."""
     runs_dir, given = Path(runs_dir), run_id
     runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if given is not None and (type(given) is not str or not RUN_ID_RE.match(given)):
+    if given is not None and not _matches(RUN_ID_RE, given):
         raise UsageError(f"bad run id {printable(given)!r}")
     while True:
         run_id = given or new_run_id()
@@ -1134,9 +1147,11 @@ class Bucket:
         """`payload` to record now, with `unrecorded_before` when some were left out since the last
         one; None when it is left out."""
         dropped = self.take()
-        if dropped is None:
-            return None
-        return dict(payload, unrecorded_before=dropped) if dropped else payload
+        return (
+            dict(payload, unrecorded_before=dropped)
+            if dropped
+            else None if dropped is None else payload
+        )
 
 
 # ----------------------------------------------------------------------------
@@ -1218,11 +1233,11 @@ def _envelope_problem(event, lineno, run_id, known):
             if type(seq) is not int
             else " (gap in seq)" if seq > lineno else " (duplicate or repeated seq)"
         )
-    if type(rid) is not str or not RUN_ID_RE.match(rid):
+    if not _matches(RUN_ID_RE, rid):
         return f"bad run_id {rid!r}"
     if run_id not in (None, rid):
         return f"run_id {rid!r} differs from the run directory's {run_id!r}"
-    if type(kind) is not str or not _KIND_RE.match(kind):
+    if not _matches(_KIND_RE, kind):
         return f"bad kind {kind!r}"
     if not _at_ok(at):
         return f"bad timestamp {at!r} (want a real UTC time as YYYY-MM-DDTHH:MM:SS.ffffffZ)"
@@ -1415,11 +1430,7 @@ def _text_problem(directory, name):
 def _text_checked(path, result, strict):
     """A verified ledger's named text files: any missing or changed is a failure with --text (
     `strict`), else a warning."""
-    problems = [
-        problem
-        for problem in (_text_problem(text_dir(path), n) for n in sorted(result.texts))
-        if problem
-    ]
+    problems = list(filter(None, (_text_problem(text_dir(path), n) for n in sorted(result.texts))))
     if problems and strict:
         return IntegrityError(path, None, f"text store: {len(problems)} bad; {problems[0]}")
     if problems:
@@ -1498,10 +1509,10 @@ def _check_range(path, key, expect, run_id, begin, stop):
     with open(path, "rb") as handle:
         handle.seek(begin)
         first = handle.readline(MAX_LINE_BYTES)[:-1]
-    seq, prev = _SEQ_PREFIX_RE.match(first), _PREV_SUFFIX_RE.search(first)
-    if not (seq and prev):
+    claim = _claim(first)
+    if not claim:
         return None
-    state = claimed = [int(seq.group(1)) - 1, prev.group(1).decode(), begin]
+    state = claimed = [claim[0] - 1, claim[1], begin]
     try:
         for _event, body, digest in _check_lines(
             path, _file_lines(path, begin), key, run_id, expect, claimed
@@ -1621,16 +1632,20 @@ def add_run_event(run, event):
     """Add one event to a run_summary(). A field of a type agent.py or ask.py does not write is
     absent."""
     kind, get = event["kind"], event["payload"].get
+
+    def typed(name, want=str, default=None):
+        value = get(name)
+        return value if type(value) is want else default
+
     run["started"], why = run["started"] or event["at"], None
     if kind == "model_call":
         for name, total in _CALL_TOKENS.items():
-            run[total] += get(name) if type(get(name)) is int else 0
+            run[total] += typed(name, int, 0)
         run["model_calls"] += 1
         run["usage_calls"] += type(get("input_tokens")) is int or type(get("output_tokens")) is int
         run["errors"] += type(get("error_type")) is str
     elif kind in ("model_proposed", "proposal_malformed"):
-        step = get("step")
-        run["steps"] = max(run["steps"], step if type(step) is int else run["steps"] + 1)
+        run["steps"] = max(run["steps"], typed("step", int, run["steps"] + 1))
     elif kind in ("tool_allowed", "tool_denied"):
         run[kind.replace("tool_", "tools_")] += 1
     elif kind == "error":
@@ -1642,12 +1657,14 @@ def add_run_event(run, event):
             else f"{get('stage') or 'model'}: {get('error_type')}{f' ({code})' if code else ''}"
         )
     elif kind == "judge_verdict":
-        run["judge_verdict"] = get("verdict") if type(get("verdict")) is str else None
+        run["judge_verdict"] = typed("verdict")
         why = f"judge {get('verdict')}: {get('reason')}"
     elif kind == "run_closed":
-        run["outcome"] = get("outcome") if type(get("outcome")) is str else "closed"
-        run["proposal"] = get("proposal") if type(get("proposal")) is str else None
-        why = get("why") if type(get("why")) is str else None
+        run["outcome"], run["proposal"], why = (
+            typed("outcome", str, "closed"),
+            typed("proposal"),
+            typed("why")
+        )
     elif kind == "run_started" and get("sandbox") == "none":
         run["unboxed"] = get("sandbox_reason") or "no reason recorded"
     elif kind == "budget_exhausted":
@@ -1718,12 +1735,10 @@ def write_out(text):
             )
         )
         _stdout_dead.append(OutputError(reason, pipe=pipe))
-        try:
+        with contextlib.suppress(OSError, ValueError):
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, sys.stdout.fileno())
             os.close(devnull)
-        except (OSError, ValueError):
-            pass
         raise _stdout_dead[0] from None
 
 
@@ -1734,19 +1749,6 @@ def error_text(exc):
     return str(exc) or type(exc).__name__
 
 
-def run_cli(command, args, secrets=()):
-    """command(args); our errors and OS errors become one error line and their exit code (others are
-    bugs)."""
-    try:
-        return command(args)
-    except (LedgerError, OSError) as exc:
-        error(error_text(exc), secrets)
-        return exc.exit_code if isinstance(exc, LedgerError) else EXIT_USAGE
-    except KeyboardInterrupt:
-        error("interrupted")
-        return 130
-
-
 class ArgumentParser(argparse.ArgumentParser):
     """argparse, with a usage error as the toolkit's one `error: …` line (and a pointer to
     --help)."""
@@ -1754,14 +1756,6 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):
         error(f"{self.prog}: {message} (see {self.prog} --help)")
         raise SystemExit(EXIT_USAGE)
-
-
-def parse_cli(parser, argv):
-    """(args, None), or (None, exit code) when argparse printed help (0) or a usage error (2)."""
-    try:
-        return parser.parse_args(argv), None
-    except SystemExit as exc:
-        return None, (EXIT_USAGE if exc.code else EXIT_OK)
 
 
 def exit_codes_epilog(*codes):
@@ -1800,7 +1794,7 @@ MOVED = {"ship": "fleet.py ship", "verify --from": "fleet.py verify --from"}
 def run_main(parser, argv=None, command=None, moved=None):
     """A script's main(): the one error line of a command that moved (`moved`: old spelling -> new;
     answered without importing the new home), else argv parsed and `command`, or the chosen
-    subcommand, run under run_cli. No subcommand shows the help (exit 2)."""
+    subcommand, run. No subcommand shows the help (exit 2)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     for old, new in (moved or {}).items():
         first, *options = old.split()
@@ -1809,14 +1803,22 @@ def run_main(parser, argv=None, command=None, moved=None):
         ):
             error(f"`{parser.prog} {old}` has moved: run `python3 {new}` (see CHANGELOG.md)")
             return EXIT_USAGE
-    args, code = parse_cli(parser, argv)
-    if args is None:
-        return code
+    try:  # argparse exits 0 after the help, or 2 on a usage error
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return EXIT_USAGE if exc.code else EXIT_OK
     command = command or getattr(args, "func", None)
     if command is None:
         parser.print_help(sys.stderr)
         return EXIT_USAGE
-    return run_cli(command, args)
+    try:  # our errors and OS errors become one error line and their exit code (others are bugs)
+        return command(args)
+    except (LedgerError, OSError) as exc:
+        error(error_text(exc))
+        return exc.exit_code if isinstance(exc, LedgerError) else EXIT_USAGE
+    except KeyboardInterrupt:
+        error("interrupted")
+        return 130
 
 
 def add_targets(parser):
@@ -1857,12 +1859,10 @@ class _Tree:
 
     def add(self, leaf):
         self.size += 1
-        self.stack.append(hashlib.sha256(b"\0" + leaf).digest())
-        size = self.size
-        while not size & 1:
-            right = self.stack.pop()
-            self.stack[-1] = _node(self.stack[-1], right)
-            size >>= 1
+        node, size = hashlib.sha256(b"\0" + leaf).digest(), self.size
+        while not size & 1:  # a full subtree: it and the one to its left make one
+            node, size = _node(self.stack.pop(), node), size >> 1
+        self.stack.append(node)
 
     def root(self):
         root = self.stack[-1] if self.stack else hashlib.sha256().digest()
@@ -1962,7 +1962,7 @@ def verify_consistency(old_size, old_root, size, root, proof):
 # Ed25519 (RFC 8032, 5.1) on points in extended coordinates (X, Y, Z, T), x = X/Z, y = Y/Z.
 _P = 2**255 - 19
 _L = 2**252 + 27742317777372353535851937790883648493
-_D = -121665 * pow(121666, _P - 2, _P) % _P
+_D = -121665 * pow(121666, -1, _P) % _P
 
 
 def _ed_add(p, q):
@@ -1982,7 +1982,7 @@ def _ed_mul(scalar, point):
 
 
 def _ed_encode(point):
-    inverse = pow(point[2], _P - 2, _P)
+    inverse = pow(point[2], -1, _P)
     x, y = point[0] * inverse % _P, point[1] * inverse % _P
     return (y | (x & 1) << 255).to_bytes(32, "little")
 
@@ -1990,7 +1990,7 @@ def _ed_encode(point):
 def _ed_decode(data):  # the point, or None
     y = int.from_bytes(data, "little")
     sign, y = y >> 255, y & ((1 << 255) - 1)
-    x2 = (y * y - 1) * pow(_D * y * y + 1, _P - 2, _P) % _P
+    x2 = (y * y - 1) * pow(_D * y * y + 1, -1, _P) % _P
     x = pow(x2, (_P + 3) // 8, _P)
     if (x * x - x2) % _P:
         x = x * pow(2, (_P - 1) // 4, _P) % _P
@@ -2001,7 +2001,7 @@ def _ed_decode(data):  # the point, or None
     return x, y, 1, x * y % _P
 
 
-_B = _ed_decode((4 * pow(5, _P - 2, _P) % _P).to_bytes(32, "little"))
+_B = _ed_decode((4 * pow(5, -1, _P) % _P).to_bytes(32, "little"))
 
 
 def _ed_int(*parts):
@@ -2022,7 +2022,7 @@ def ed25519_sign(seed, message):
     scalar, prefix = _ed_secret(seed)
     nonce = _ed_int(prefix, message) % _L
     r = _ed_encode(_ed_mul(nonce, _B))
-    k = _ed_int(r, _ed_encode(_ed_mul(scalar, _B)), message) % _L
+    k = _ed_int(r, ed25519_public(seed), message) % _L
     return r + ((nonce + k * scalar) % _L).to_bytes(32, "little")
 
 
@@ -2056,7 +2056,12 @@ def _b64(data):
     return base64.b64encode(data).decode("ascii")
 
 
+def _proof_lines(hashes):
+    return "".join(f"{_b64(h)}\n" for h in hashes)
+
+
 def _unb64(text):  # b"" for what is not base64
+
     try:
         return base64.b64decode(text, validate=True)
     except ValueError:
@@ -2297,10 +2302,10 @@ def _cmd_keygen(args):
         fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         raise UsageError(f"{args.out} exists: keygen never overwrites a key") from None
-    with open(fd, "w") as handle:
-        handle.write(f"{key_text(key, secret=True)}\n")
-        handle.flush()
-        os.fsync(handle.fileno())
+    try:
+        _write_or_undo(fd, f"{key_text(key, secret=True)}\n".encode(), 0)
+    finally:
+        os.close(fd)
     write_out(f"{key_text(key)}\n")
     return EXIT_OK
 
@@ -2319,7 +2324,7 @@ def _cmd_prove(args):
         size = size[0] if size else sum(1 for _leaf in ledger_leaves(args.path))
         if not 0 <= old <= size:
             raise UsageError(f"--consistency {old} {size}: want 0 <= M <= N")
-        write_out("".join(f"{_b64(h)}\n" for h in tree_proof(args.path, size, old=old)[0]))
+        write_out(_proof_lines(tree_proof(args.path, size, old=old)[0]))
         return EXIT_OK
     if not args.checkpoint:
         raise UsageError("prove SEQ needs --checkpoint FILE")
@@ -2330,8 +2335,7 @@ def _cmd_prove(args):
     proof, root = tree_proof(args.path, checkpoint.size, index=args.seq - 1)
     if root != checkpoint.root:
         raise IntegrityError(args.path, None, "does not give the checkpoint's root: verify it")
-    hashes = "".join(f"{_b64(h)}\n" for h in proof)
-    write_out(f"c2sp.org/tlog-proof@v1\nindex {args.seq - 1}\n{hashes}\n{note}")
+    write_out(f"c2sp.org/tlog-proof@v1\nindex {args.seq - 1}\n{_proof_lines(proof)}\n{note}")
     return EXIT_OK
 
 
@@ -2352,51 +2356,6 @@ def _cmd_verify_proof(args):
         f"signed by {', '.join(signers)}\n"
     )
     return EXIT_OK
-
-
-def _add_key_options(parser):
-    parser.add_argument(
-        "--vkey", action="append", metavar="KEY", help="the log's verifier key, or its file"
-    )
-    parser.add_argument(
-        "--witness", action="append", metavar="VKEY", help="a witness's verifier key (repeatable)"
-    )
-    parser.add_argument(
-        "--witnesses-needed", type=int, metavar="N", help="default: every --witness"
-    )
-
-
-def _add_checkpoint_commands(sub, verify_parser):
-    verify_parser.add_argument(
-        "--checkpoint", metavar="FILE", help="hold PATH to a signed checkpoint"
-    )
-    verify_parser.add_argument("--since", metavar="FILE", help="an earlier checkpoint it extends")
-    _add_key_options(verify_parser)
-    for name, text, handler in (
-        ("keygen", "write a signer key to --out (mode 0600); print its verifier key", _cmd_keygen),
-        ("checkpoint", "verify a ledger, then print its signed checkpoint", _cmd_checkpoint),
-        ("prove", "an inclusion proof of line SEQ, or --consistency M [N]", _cmd_prove),
-        ("verify-proof", "check that the line on stdin is in the signed log", _cmd_verify_proof)
-    ):
-        p = sub.add_parser(name, help=text)
-        p.set_defaults(func=handler)
-        dest = {"keygen": "name", "verify-proof": "proof"}.get(name, "path")
-        p.add_argument(dest, metavar=dest.upper())
-        if name == "keygen":
-            p.add_argument("--out", required=True, metavar="FILE")
-            p.add_argument("--cosigner", action="store_true", help="a witness key (type 0x04)")
-        elif name == "checkpoint":
-            p.add_argument("--key", required=True, metavar="FILE", help="the signer key file")
-            p.add_argument("--origin", help="the log's name (default: the key's)")
-            p.add_argument("--append", action="store_true", help="also add it to PATH.checkpoints")
-        elif name == "prove":
-            p.add_argument("seq", nargs="?", type=int, metavar="SEQ")
-            p.add_argument("--checkpoint", metavar="FILE")
-            p.add_argument(
-                "--consistency", nargs="+", type=int, metavar="M", help="M [N]: from size M to N"
-            )
-        else:
-            _add_key_options(p)
 
 
 # ----------------------------------------------------------------------------
@@ -2459,7 +2418,7 @@ def tally(results, good, summary, inside="", after=""):
     """One line per (path, result, suffix): good(result), FAIL or ERROR; then summary(ok, total).
     Returns the exit code: a FAIL (1) outranks an ERROR (2). `after` may hold {} for 'it' or 'them',
     the failed ledgers."""
-    counts, keyless = {"ok": 0, "fail": 0, "error": 0}, 0
+    counts, keyless = collections.Counter(), 0
     for path, result, suffix in results:
         if not isinstance(result, BaseException):
             state, line = "ok", good(result)
@@ -2474,15 +2433,14 @@ def tally(results, good, summary, inside="", after=""):
         counts[state] += 1
         write_out(line + suffix + "\n")
     write_out(summary(counts["ok"], sum(counts.values())) + "\n")
-    failed = counts["fail"]
+    failed, n = counts["fail"], counts["error"]
     if failed:
         error(
             f"integrity check failed ({failed} ledger{'s' if failed > 1 else ''}{inside})"
             + after.format("them" if failed > 1 else "it")
         )
         return EXIT_FAILED
-    if counts["error"]:
-        n = counts["error"]
+    if n:
         error(
             f"{n} ledger{'s' if n > 1 else ''} could not be read"
             + (f" ({keyless} need{'s' if keyless == 1 else ''} a key)" if keyless else "")
@@ -2510,19 +2468,18 @@ def _cmd_verify(args):
     key, results = cli_key(args), []
     for path in args.paths:
         try:
-            results.append((path, verify(path, key=key, expect_head=expect, jobs=args.jobs), ""))
+            results.append((path, verify(path, key=key, expect_head=expect, jobs=args.jobs)))
         except (LedgerError, OSError) as exc:
-            results.append((path, exc, ""))
-    results += (
-        [(path, result, "") for path, result in verify_runs(args.all, key=key, jobs=args.jobs)]
-        if args.all
-        else []
+            results.append((path, exc))
+    results += verify_runs(args.all, key=key, jobs=args.jobs) if args.all else []
+    return tally(
+        [
+            (p, r if isinstance(r, BaseException) else _text_checked(p, r, args.text), "")
+            for p, r in results
+        ],
+        verified_line,
+        "{}/{} ledgers valid".format
     )
-    results = [
-        (p, r if isinstance(r, BaseException) else _text_checked(p, r, args.text), suffix)
-        for p, r, suffix in results
-    ]
-    return tally(results, verified_line, "{}/{} ledgers valid".format)
 
 
 def _cmd_head(args):
@@ -2539,11 +2496,7 @@ _ARTIFACT_RE = re.compile(r"artifacts/[0-9a-f]{64}\Z")
 
 
 def _artifact(ledger_path, ref):
-    if (
-        type(ref) is not dict
-        or type(ref.get("path")) is not str
-        or not _ARTIFACT_RE.match(ref["path"])
-    ):
+    if type(ref) is not dict or not _matches(_ARTIFACT_RE, ref.get("path")):
         return ""
     try:
         with open(Path(ledger_path).parent / ref["path"], "rb") as handle:
@@ -2665,6 +2618,58 @@ def _cmd_append(args):
     return EXIT_OK
 
 
+def _add_options(name, add):
+    """The options of subcommand `name` after its PATH and --key-env."""
+    if name == "verify":
+        add("--expect-head", metavar="SEQ:HASH", help="a head published earlier (finds truncation)")
+        add(
+            "--text",
+            action="store_true",
+            help="a missing or changed file of the text store (LEDGER.text/) fails "
+            "(default: a warning)"
+        )
+        add(
+            "--jobs",
+            type=int,
+            metavar="N",
+            help="worker processes per ledger "
+            "(default: one per core, at most 8, for 4 MiB or more)"
+        )
+        add("--checkpoint", metavar="FILE", help="hold PATH to a signed checkpoint")
+        add("--since", metavar="FILE", help="an earlier checkpoint it extends")
+    elif name == "report":
+        add("--kind", action="append", help="only this kind (repeatable)")
+        add("--stage", help="only decisions of this stage")
+        add("--run", help="only this run id (or prefix)")
+        add("--since", help="date or ISO time (UTC)")
+        add("--until", help="date (inclusive) or ISO time")
+        add("--json", action="store_true", help="print the matching lines unchanged")
+    elif name == "append":
+        add("--kind", required=True)
+        add("--run-id", help="default: $LEDGER_RUN_ID or a new id")
+        add("--payload", help="a JSON object (default: stdin when it is not a terminal)")
+    elif name == "keygen":
+        add("--out", required=True, metavar="FILE")
+        add("--cosigner", action="store_true", help="a witness key (type 0x04)")
+    elif name == "checkpoint":
+        add("--key", required=True, metavar="FILE", help="the signer key file")
+        add("--origin", help="the log's name (default: the key's)")
+        add("--append", action="store_true", help="also add it to PATH.checkpoints")
+    elif name == "prove":
+        add("seq", nargs="?", type=int, metavar="SEQ")
+        add("--checkpoint", metavar="FILE")
+        add("--consistency", nargs="+", type=int, metavar="M", help="M [N]: from size M to N")
+    if name in ("verify", "verify-proof"):
+        add("--vkey", action="append", metavar="KEY", help="the log's verifier key, or its file")
+        add(
+            "--witness",
+            action="append",
+            metavar="VKEY",
+            help="a witness's verifier key (repeatable)"
+        )
+        add("--witnesses-needed", type=int, metavar="N", help="default: every --witness")
+
+
 def _build_parser():
     parser = ArgumentParser(
         prog="reasoning_ledger.py",
@@ -2673,47 +2678,28 @@ def _build_parser():
         formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--version", action="version", version=__version__)
-    sub, commands = parser.add_subparsers(dest="command", metavar="COMMAND"), {}
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, text, handler in (
         ("verify", "check ledgers; exit 1 on any integrity failure", _cmd_verify),
         ("head", "print the anchor 'SEQ HASH' of a verified ledger", _cmd_head),
         ("report", "one readable line per event: what it says and what it means", _cmd_report),
-        ("append", "append one event; prints the new head", _cmd_append)
+        ("append", "append one event; prints the new head", _cmd_append),
+        ("keygen", "write a signer key to --out (mode 0600); print its verifier key", _cmd_keygen),
+        ("checkpoint", "verify a ledger, then print its signed checkpoint", _cmd_checkpoint),
+        ("prove", "an inclusion proof of line SEQ, or --consistency M [N]", _cmd_prove),
+        ("verify-proof", "check that the line on stdin is in the signed log", _cmd_verify_proof)
     ):
-        p = commands[name] = sub.add_parser(name, help=text)
+        p = sub.add_parser(name, help=text)
         p.set_defaults(func=handler)
-        if name in ("head", "append"):
-            p.add_argument("path", metavar="PATH")
-        else:
+        add = p.add_argument
+        if name in ("verify", "report"):
             add_targets(p)
-        add_key_env(p)
-    p = commands["verify"]
-    p.add_argument(
-        "--expect-head", metavar="SEQ:HASH", help="a head published earlier (finds truncation)"
-    )
-    p.add_argument(
-        "--text",
-        action="store_true",
-        help="a missing or changed file of the text store (LEDGER.text/) fails (default: a warning)"
-    )
-    p.add_argument(
-        "--jobs",
-        type=int,
-        metavar="N",
-        help="worker processes per ledger (default: one per core, at most 8, for 4 MiB or more)"
-    )
-    _add_checkpoint_commands(sub, p)
-    p = commands["report"]
-    p.add_argument("--kind", action="append", help="only this kind (repeatable)")
-    p.add_argument("--stage", help="only decisions of this stage")
-    p.add_argument("--run", help="only this run id (or prefix)")
-    p.add_argument("--since", help="date or ISO time (UTC)")
-    p.add_argument("--until", help="date (inclusive) or ISO time")
-    p.add_argument("--json", action="store_true", help="print the matching lines unchanged")
-    p = commands["append"]
-    p.add_argument("--kind", required=True)
-    p.add_argument("--run-id", help="default: $LEDGER_RUN_ID or a new id")
-    p.add_argument("--payload", help="a JSON object (default: stdin when it is not a terminal)")
+        else:
+            dest = {"keygen": "name", "verify-proof": "proof"}.get(name, "path")
+            add(dest, metavar=dest.upper())
+        if name in ("verify", "head", "report", "append"):
+            add_key_env(p)
+        _add_options(name, add)
     return parser
 
 
