@@ -284,7 +284,7 @@ def _count(value):
 
 def _code(value):
     return (
-        str(value)[:100] if isinstance(value, (str, int)) and not isinstance(value, bool) else None
+        str(value)[:100] if type(value) in (str, int) else None  # JSON's own types: bool is not int
     )
 
 
@@ -387,7 +387,7 @@ def _error_from_body(raw, content_type):
         return message, _code(err.get("code"))
     if isinstance(err, str):
         return err, None
-    if "html" in (content_type or "") or text.lower().startswith(("<!doctype html", "<html")):
+    if "html" in content_type or text.lower().startswith(("<!doctype html", "<html")):
         title = re.search(r"<title[^>]*>(.*?)</title>", text, re.I | re.S)
         return f"an HTML page{f' titled {title.group(1).strip()[:200]!r}' if title else ''}", None
     return text, None
@@ -816,9 +816,10 @@ def _classify(exc, deadline):  # a failure below a complete HTTP answer
 
 # api_key: a key, sent as a bearer token, or a dict of the headers that carry it (the proxy's
 # UPSTREAM_AUTH and the anthropic-* headers)
-def _open(url, record, problems, *, api_key, deadline, limit, body=None):
-    """Send one request (GET without a body); return the response of a 2xx, its head in `record`.
-    Raises CallFailed for anything else, or for a body announced over `limit`."""
+def _open(url, record, problems, *, api_key, deadline, limit, body=None, opener=None):
+    """Send one request (GET without a body) through `opener` (http_open's contract; proxy.py's
+    pool); return the response of a 2xx, its head in `record`. Raises CallFailed for anything else,
+    or for a body announced over `limit`."""
     stream = bool(body and body.get("stream"))
     headers = {
         "User-Agent": USER_AGENT,
@@ -830,14 +831,17 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
     # \u escapes: lone surrogates go out too; a proxied body nothing changed goes as it came (.raw)
     data = None if body is None else getattr(body, "raw", None) or json.dumps(body).encode("ascii")
     try:
-        response = http_open(urllib.request.Request(url, data=data, headers=headers), deadline)
+        response = (opener or http_open)(
+            urllib.request.Request(url, data=data, headers=headers), deadline
+        )
     except urllib.error.HTTPError as exc:
+        found = exc.headers or {}
         with exc:
             raw = _read_body(exc, MAX_ERROR_BODY_BYTES, deadline, tolerant=True)
         if 300 <= exc.code < 400:
-            location = exc.headers.get("Location", "") if exc.headers else ""
             host = (
-                urllib.parse.urlsplit(location).netloc.rpartition("@")[2][:200] or "(no Location)"
+                urllib.parse.urlsplit(found.get("Location", "")).netloc.rpartition("@")[2][:200]
+                or "(no Location)"
             )
             raise CallFailed(
                 "redirect",
@@ -847,9 +851,7 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None):
                 exc.headers,
                 redirect_host=host
             ) from None
-        message, code = _error_from_body(
-            raw, exc.headers.get("Content-Type", "") if exc.headers else ""
-        )
+        message, code = _error_from_body(raw, found.get("Content-Type", ""))
         error_type = STATUS_ERRORS.get(
             exc.code, "server_error" if exc.code >= 500 else "http_error"
         )
@@ -1204,14 +1206,21 @@ def _fill_head(record, headers, problems):
 
 
 def _one_attempt(
-    url, body, record, started, api_key, deadline, limit, on_text, problems, relay, state
+    url, body, record, started, api_key, deadline, limit, on_text, problems, relay, state, opener
 ):
     """Send once; fill `record` but latency_ms, and `state` (status, headers, a parsed body's bytes,
     `chars` of text and tool calls); return the text. Raises CallFailed. `relay(raw, chunk)` gets a
     stream's events as they arrive, or a whole body once it parses (proxy.py)."""
     take = getattr(body, "take", _take)  # a proxied body may name the reader of its API's answer
     with _open(
-        url, record, problems, api_key=api_key, deadline=deadline, limit=limit, body=body
+        url,
+        record,
+        problems,
+        api_key=api_key,
+        deadline=deadline,
+        limit=limit,
+        body=body,
+        opener=opener
     ) as response:
         status, headers = state["status"], state["headers"] = response.status, response.headers
         try:
@@ -1270,7 +1279,8 @@ def _attempt(
     redactor,
     tools_answer,
     checks,
-    store
+    store,
+    opener
 ):
     """One attempt under a deadline of `seconds`, its record finished, checked (`checks` for
     run_checks) and its text stored (`store`): (text, failure or None, state)."""
@@ -1280,7 +1290,18 @@ def _attempt(
         relay.start(deadline, state)
     try:
         text = _one_attempt(
-            url, body, record, started, api_key, deadline, limit, on_text, problems, relay, state
+            url,
+            body,
+            record,
+            started,
+            api_key,
+            deadline,
+            limit,
+            on_text,
+            problems,
+            relay,
+            state,
+            opener
         )
     except CallFailed as exc:
         failure = exc
@@ -1410,14 +1431,15 @@ def attempts(
     sleep=time.sleep,
     relay=None,
     tools_answer=False,
-    until=None
+    until=None,
+    opener=None
 ):
     """Every attempt of one call, each one model_call line through `append`, retried as _retry_wait
-    says. Returns (result, failure, state, relay) of the last attempt; result is its record plus
-    "text"."""
+    says; each request sent by `opener` (None: http_open). Returns (result, failure, state, relay)
+    of the last attempt; result is its record plus "text"."""
     attempt, options = 0, "stream_options" in body
     # the same each attempt
-    call = (url, body, api_key, limit, redactor, tools_answer, checks, store)
+    call = (url, body, api_key, limit, redactor, tools_answer, checks, store, opener)
     while True:
         attempt += 1
         record, printer, out = new_record(attempt), _Printer(on_text), relay() if relay else None
@@ -1482,7 +1504,7 @@ def append_record(book, kind, record):
         book.append(kind, record)
     except (rl.LedgerError, OSError) as exc:
         raise RecordError(
-            f"the call was made but its ledger line could not be written: " f"{rl.error_text(exc)}",
+            f"the call was made but its ledger line could not be written: {rl.error_text(exc)}",
             record
         ) from exc
 
