@@ -18,15 +18,19 @@ Exit codes: 0 stopped by SIGTERM or SIGINT, 2 usage or configuration error. See 
 import argparse
 import functools
 import hashlib
+import http.client
 import json
 import math
 import os
 import re
+import select
 import selectors
 import socket
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 
 # the toolkit beside us, even under -I
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -62,6 +66,7 @@ _PROXY_OPTIONS = (  # flag, type, default, least value (None: above 0), help
         "request-body bytes held at once, all connections (past it, 503 with Retry-After)"
     ),
     ("--max-connections", int, 64, 1, "past this many at once, 503 with Retry-After"),
+    ("--upstream-idle", int, 16, 0, "idle keep-alive connections kept per upstream host"),
     ("--grace", float, 10.0, 0, "seconds for the requests in flight at SIGTERM"),
     ("--idle-timeout", float, 15.0, None, "seconds a keep-alive connection may idle"),
     ("--read-timeout", float, 30.0, None, "seconds to read one request, head and body"),
@@ -402,7 +407,7 @@ class _ProxyServer(ask.CappedServer):
         # chained hashes of a call's messages -> its session, under the lock
         self.conversations = {}
         self.known = {}  # the hash of an entry as sent -> its name in the store (stored_text)
-        self.watcher, self.refusals = _Watcher(), rl.Bucket()
+        self.watcher, self.refusals, self.pool = _Watcher(), rl.Bucket(), _Pool(args.upstream_idle)
         busy = ask.http_answer(
             503,
             _error_json("too many connections; retry later", "busy"),
@@ -705,7 +710,8 @@ class _ProxyHandler(ask.RequestHandler):
             redactor=app.book.redactor,
             relay=functools.partial(_Relay, self, injected, stream),
             tools_answer=True,
-            store=self._answer_text if app.args.store_text else None
+            store=self._answer_text if app.args.store_text else None,
+            opener=app.pool.open
         )
         app.hold(-self.held)  # the line is written: the body's bytes are given back
         self.held = 0
@@ -889,6 +895,166 @@ class _Watcher:
                         self.selector.unregister(key.fd)
                 if gone and key.data is not None:
                     key.data()
+
+
+# ----------------------------------------------------------------------------
+# The upstream's connections: kept alive, at most --upstream-idle idle per (scheme, host, port)
+# ----------------------------------------------------------------------------
+
+# what a stream's end (its last chunk) may cost to keep its socket
+DRAIN_S, DRAIN_BYTES = 0.5, 65536
+
+
+class _Use:
+    """One attempt's hold on a connection: what its Deadline watches and shuts, until end(). A
+    finished attempt's Deadline must never shut the socket a later attempt holds."""
+
+    def __init__(self, pool, conn, deadline):
+        self.pool, self.conn, self.sock, self.deadline = pool, conn, conn.sock, deadline
+        self.lock = threading.Lock()
+
+    def shutdown(self, how):
+        with self.lock:
+            if self.sock is not None:  # the fd, under TLS too: its reader sees the end
+                try:
+                    socket.socket.shutdown(self.sock, how)
+                except OSError:
+                    pass
+
+    def end(self):
+        with self.lock:
+            self.sock = None
+
+
+class _Response(http.client.HTTPResponse):
+    """An upstream answer that gives its connection back to the pool once closed, if its body was
+    read to the end and nothing came after it. A stream read to its last event has its last chunk
+    read at close (at most DRAIN_S, DRAIN_BYTES)."""
+
+    use = None
+
+    def _close_conn(self):  # the body's end: its reader is kept, to see any byte past it
+        self.rest, self.fp = self.fp, None
+
+    def _read_and_discard_trailer(self):  # a chunked body ended, as a Content-Length one: length 0
+        super()._read_and_discard_trailer()
+        self.length = 0
+
+    def close(self):
+        use, self.use = self.use, None
+        if use and self.fp and not (self.will_close or use.deadline.expired):
+            try:
+                use.sock.settimeout(min(DRAIN_S, use.deadline.remaining() or DRAIN_S))
+                self.read(DRAIN_BYTES)
+            except (OSError, http.client.HTTPException):
+                pass
+        super().close()
+        if use:
+            use.pool.release(use, self)
+
+
+def _quiet(sock, reader=None):
+    """Nothing to read on an idle connection: a byte there (or past a body, in `reader`) is the
+    upstream's close or stray bytes, and the connection is not used again."""
+    poll = select.poll()
+    poll.register(sock, select.POLLIN)
+    if poll.poll(0) or getattr(sock, "pending", int)():
+        return False
+    sock.settimeout(0.0)
+    try:
+        return not (reader and reader.peek(1))
+    except OSError as exc:  # TLS says "nothing yet" by raising
+        import ssl
+
+        return isinstance(exc, ssl.SSLWantReadError)
+
+
+class _Pool:
+    """ask.http_open's contract over kept connections: open() returns the response of a 2xx and
+    raises HTTPError for anything else (a 3xx too: never a redirect). A connection is used again
+    only when idle and quiet, so a request is never sent twice; an upstream behind a proxy from the
+    environment goes through http_open."""
+
+    def __init__(self, bound):
+        self.bound, self.lock, self.idle, self.sessions, self.direct = (
+            bound,
+            threading.Lock(),
+            {},
+            {},
+            {}
+        )
+
+    def open(self, request, deadline, timeout=None):
+        key, seconds = (request.type, request.host), timeout or deadline.remaining()
+        if key not in self.direct:
+            proxies = urllib.request.getproxies()
+            self.direct[key] = not (
+                (proxies.get(key[0]) or proxies.get("all"))
+                and not urllib.request.proxy_bypass(key[1])
+            )
+        if not self.direct[key]:
+            return ask.http_open(request, deadline, timeout)
+        conn = self._take(key)
+        fresh = conn is None
+        if fresh:
+            conn = http.client.HTTPConnection(key[1], timeout=seconds)
+            conn.response_class, conn.key = _Response, key
+            conn.connect()
+            if key[0] == "https":  # the session of an earlier connection resumed where it can be
+                conn.sock = ask._tls_context().wrap_socket(
+                    conn.sock,
+                    server_hostname=conn.host,
+                    session=self.sessions.get(key),
+                    do_handshake_on_connect=False
+                )
+        use = deadline.watch(_Use(self, conn, deadline))
+        try:
+            conn.sock.settimeout(seconds)
+            if fresh and key[0] == "https":
+                conn.sock.do_handshake()
+            conn.request(
+                request.get_method(), request.selector, request.data, dict(request.header_items())
+            )
+            response = conn.getresponse()
+        except (OSError, http.client.HTTPException):
+            use.end()
+            conn.close()
+            raise
+        response.use = use
+        if 200 <= response.status < 300:
+            return response
+        raise urllib.error.HTTPError(
+            request.full_url, response.status, response.reason, response.headers, response
+        )
+
+    def _take(self, key):
+        while True:
+            with self.lock:
+                idle = self.idle.get(key)
+                conn = idle.pop() if idle else None
+            if conn is None or _quiet(conn.sock):
+                return conn
+            conn.close()
+
+    def release(self, use, response):
+        """Keep the connection of a response read to its end, not cut, nothing after it."""
+        use.end()
+        conn, rest = use.conn, response.rest
+        keep = (
+            response.length == 0
+            and not (response.will_close or use.deadline.expired)
+            and _quiet(conn.sock, rest)
+        )
+        if rest:
+            rest.close()
+        with self.lock:
+            idle = self.idle.setdefault(conn.key, [])
+            if keep and len(idle) < self.bound:
+                idle.append(conn)
+                if hasattr(conn.sock, "session"):
+                    self.sessions[conn.key] = conn.sock.session
+                return
+        conn.close()
 
 
 # ----------------------------------------------------------------------------
@@ -1246,7 +1412,8 @@ class _Bridge:
             redactor=app.book.redactor,
             relay=functools.partial(_BridgeStream, handler, self) if self.chat["stream"] else None,
             tools_answer=True,
-            store=handler._answer_text if app.args.store_text else None
+            store=handler._answer_text if app.args.store_text else None,
+            opener=app.pool.open
         )
         if out is not None and (out.began or failure is None):
             return out.finish(record, failure)
