@@ -25,7 +25,7 @@ help:
 	@echo "make verify  verify $(LEDGER), the daemon's $(RUNS)/daemon.jsonl and every run under $(RUNS)/"
 	@echo "make audit   what each model string did, day by day (AUDIT_ARGS=... for more)"
 	@echo "make drill   the endpoint's /models list, each prompts/*.txt $(DRILL_REPEAT)x through ask.py, then the audit; a failed call or a check not passed: make's exit 2 (sh drill.sh: 1)"
-	@echo "make bench   speed ratios against baselines measured in the same run (BENCH_LINES=1000000 for the full figures)"
+	@echo "make bench   speed ratios against baselines measured in the same run (BENCH_LINES=1000000 for the full figures; PEERS=1: LiteLLM beside the proxy)"
 	@echo "make house   each script's code tokens and lines against its budgets (asserts nothing)"
 	@echo "make clean   remove venvs, caches and bench files"
 	@echo "make help    this list"
@@ -57,7 +57,7 @@ demo:
 	@$(PYTHON) $(HERE)tests/demo.py $(if $(REPO),--repo "$(REPO)") $(if $(PATCH),--patch "$(PATCH)") $(if $(TOOLS),--tools "$(TOOLS)")
 
 bench:
-	BENCH_LINES=$(BENCH_LINES) $(PYTHON) $(HERE)tests/bench.py $(BENCH)
+	PEERS=$(PEERS) BENCH_LINES=$(BENCH_LINES) $(PYTHON) $(HERE)tests/bench.py $(BENCH)
 
 house:
 	@$(PYTHON) $(HERE)tests/house.py
