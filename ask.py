@@ -831,9 +831,7 @@ def _open(url, record, problems, *, api_key, deadline, limit, body=None, opener=
     # \u escapes: lone surrogates go out too; a proxied body nothing changed goes as it came (.raw)
     data = None if body is None else getattr(body, "raw", None) or json.dumps(body).encode("ascii")
     try:
-        response = (opener or http_open)(
-            urllib.request.Request(url, data=data, headers=headers), deadline
-        )
+        response = (opener or http_open)(urllib.request.Request(url, data, headers), deadline)
     except urllib.error.HTTPError as exc:
         found = exc.headers or {}
         with exc:

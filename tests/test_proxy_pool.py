@@ -39,7 +39,8 @@ class KeepAlive:
       conn_close  the answer with `Connection: close`, the connection left open
       http10      an HTTP/1.0 answer with Content-Length, the connection left open
       held        a stream's head and first event, `first_sent` set, then nothing until the proxy closes
-      barrier     waits until `barrier` (a threading.Barrier) is full, then the answer"""
+      barrier     waits until `barrier` (a threading.Barrier) is full, then the answer
+      trickle     a head announcing 1000 bytes, then a byte every 50 ms until the proxy closes"""
 
     def __init__(self, tls=None):
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -137,6 +138,11 @@ class KeepAlive:
             sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                          b"Transfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n")
             return True
+        if name == "trickle":
+            sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
+            while not self.closed.wait(0.05):  # each byte well inside the read timeout: only a deadline ends it
+                sock.sendall(b" ")
+            return False
         data = json.dumps(_answer("/chat/completions", body["model"], {"name": "ok"})).encode()
         head = b"HTTP/1.0 200 OK\r\n" if name == "http10" else b"HTTP/1.1 200 OK\r\n"
         if name == "conn_close":
@@ -316,6 +322,21 @@ def test_tls_one_handshake_for_many_calls_and_the_session_resumed(run, tmp_path)
     _ok(client)  # a new connection, its TLS session the first one's
     assert upstream.handshakes == 2 and upstream.reused == [False, True]
     assert [line["error_type"] for line in calls(proxy.ledger)] == [None] * 10
+
+
+def test_tls_the_deadline_cuts_a_kept_connection(run, tmp_path):
+    cert, server = _certificate(tmp_path)
+    upstream = KeepAlive(tls=server)
+    upstream.queue("ok", "trickle")
+    proxy = run(upstream, "--timeout", "2", SSL_CERT_FILE=cert)
+    client = proxy.conn()
+    _ok(client)
+    response, raw = post(client, "/chat/completions", CHAT)  # ends at the deadline, not the body's end
+    upstream.closed.set()
+    assert response.status == 502 and json.loads(raw)["error"]["code"] == "timeout"
+    _ok(proxy.conn())
+    assert _numbers(upstream) == [1, 1, 2]
+    assert [line["error_type"] for line in calls(proxy.ledger)] == [None, "timeout", None]
 
 
 def test_tls_an_untrusted_certificate_is_refused(run, tmp_path):
