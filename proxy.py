@@ -1038,8 +1038,9 @@ class _Pool:
 
     def release(self, use, response):
         """Keep the connection of a response read to its end, not cut, nothing after it."""
+        sock, conn, rest = use.sock, use.conn, response.rest
         use.end()
-        conn, rest = use.conn, response.rest
+        session = getattr(sock, "session", None)  # TLS: resumed by the next new connection
         keep = (
             response.length == 0
             and not (response.will_close or use.deadline.expired)
@@ -1048,11 +1049,11 @@ class _Pool:
         if rest:
             rest.close()
         with self.lock:
+            if session is not None:
+                self.sessions[conn.key] = session
             idle = self.idle.setdefault(conn.key, [])
             if keep and len(idle) < self.bound:
                 idle.append(conn)
-                if hasattr(conn.sock, "session"):
-                    self.sessions[conn.key] = conn.sock.session
                 return
         conn.close()
 

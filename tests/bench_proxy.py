@@ -269,7 +269,9 @@ class _LiteLLM:
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
                 conn.request("GET", "/health/liveliness")
-                if conn.getresponse().status == 200:
+                response = conn.getresponse()
+                response.read()
+                if response.status == 200:
                     _call(conn)  # its first call loads what calls need
                     return
             except (OSError, http.client.HTTPException):
