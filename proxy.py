@@ -901,7 +901,7 @@ class _Watcher:
 # The upstream's connections: kept alive, at most --upstream-idle idle per (scheme, host, port)
 # ----------------------------------------------------------------------------
 
-# what a stream's end (its last chunk) may cost to keep its socket
+# what reading a stream's end (its last chunk, after the last event) may cost to keep its socket
 DRAIN_S, DRAIN_BYTES = 0.5, 65536
 
 
@@ -943,11 +943,13 @@ class _Response(http.client.HTTPResponse):
     def close(self):
         use, self.use = self.use, None
         if use and self.fp and not (self.will_close or use.deadline.expired):
+            drain = ask.Deadline(DRAIN_S)  # past it the socket is shut, and not kept
+            drain.watch(use)
             try:
-                use.sock.settimeout(min(DRAIN_S, use.deadline.remaining() or DRAIN_S))
                 self.read(DRAIN_BYTES)
             except (OSError, http.client.HTTPException):
                 pass
+            drain.cancel()
         super().close()
         if use:
             use.pool.release(use, self)

@@ -40,7 +40,9 @@ class KeepAlive:
       http10      an HTTP/1.0 answer with Content-Length, the connection left open
       held        a stream's head and first event, `first_sent` set, then nothing until the proxy closes
       barrier     waits until `barrier` (a threading.Barrier) is full, then the answer
-      trickle     a head announcing 1000 bytes, then a byte every 50 ms until the proxy closes"""
+      trickle     a head announcing 1000 bytes, then a byte every 50 ms until the proxy closes
+      long_tail   a stream whose last event is followed by 100 KiB more before its last chunk
+      no_end      a stream's events to [DONE] without its last chunk, then nothing until the proxy closes"""
 
     def __init__(self, tls=None):
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -137,10 +139,13 @@ class KeepAlive:
                     pass
                 self.closed.set()
                 return False
+            events += [b": more\n\n" * 1000] * 10 if name == "long_tail" else []
             chunks = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
             sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                         b"Transfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n")
-            return True
+                         b"Transfer-Encoding: chunked\r\n\r\n" + chunks + (b"" if name == "no_end" else b"0\r\n\r\n"))
+            while name == "no_end" and sock.recv(1):
+                pass
+            return name != "no_end"
         if name == "trickle":
             sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
             while not self.closed.wait(0.05):  # each byte well inside the read timeout: only a deadline ends it
@@ -206,6 +211,19 @@ def test_a_connection_the_upstream_ended_or_spoiled_is_not_used_again(run, scena
         upstream.wait_for(lambda: upstream.open == 0)
     _ok(client)  # on a fresh connection, sent once
     _ok(client)  # which is kept
+    assert _numbers(upstream) == [1, 2, 2]
+    assert [line["error_type"] for line in calls(proxy.ledger)] == [None] * 3
+
+
+@pytest.mark.parametrize("scenario", ["long_tail", "no_end"])
+def test_a_stream_not_read_to_its_end_gives_up_its_connection(run, scenario):
+    upstream = KeepAlive()
+    upstream.queue(scenario)
+    proxy = run(upstream)
+    client = proxy.conn()
+    _ok(client, STREAM)  # whole for the client: its last event came
+    _ok(client, STREAM)
+    _ok(client, STREAM)
     assert _numbers(upstream) == [1, 2, 2]
     assert [line["error_type"] for line in calls(proxy.ledger)] == [None] * 3
 
