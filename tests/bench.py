@@ -6,6 +6,7 @@ Usage:
     [checkpoints]  # default: all
   BENCH_LINES=1000000 python tests/bench.py                            # the full figures (default 100,000)
   BENCH_KEEP=1 python tests/bench.py ledger                            # keep .bench/ (the big ledger) afterwards
+  PEERS=1 python tests/bench.py proxy                                  # LiteLLM's proxy beside proxy.py (its venv: ~/.cache)
 
 Each figure is a ratio of two medians taken in this run on this machine, so a noisy shared box
 moves both sides alike. Nothing here asserts a time; it prints what it measured. The figures and what
