@@ -960,7 +960,7 @@ def _quiet(sock, reader=None):
     upstream's close or stray bytes, and the connection is not used again."""
     poll = select.poll()
     poll.register(sock, select.POLLIN)
-    if poll.poll(0) or getattr(sock, "pending", int)():
+    if poll.poll(0) or getattr(sock, "pending", int)():  # TLS: bytes decrypted, not yet read
         return False
     sock.settimeout(0.0)
     try:
