@@ -320,7 +320,7 @@ def _certificate(tmp_path):
     if shutil.which("openssl") is None:
         reason = "the openssl CLI is not installed"
         if os.environ.get("TLS_REQUIRED") == "1" or os.environ.get("CLIENTS_REQUIRED") == "1":
-            pytest.fail("TLS_REQUIRED=1 but " + reason, pytrace=False)
+            pytest.fail("TLS_REQUIRED=1 (or CLIENTS_REQUIRED=1) but " + reason, pytrace=False)
         pytest.skip(reason)
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
