@@ -443,7 +443,11 @@ def _parallel(audit, path):
     verified and gathered its lines up to there and their shares were merged into `audit`; None:
     one process reads it all, and words any failure."""
     got = rl._parallel_start(
-        path, rl.resolve_key(None), None, audit.jobs, fold=lambda events: _share(audit, events)
+        path,
+        rl.resolve_key(None),
+        None,
+        audit.jobs,
+        fold=lambda lines: _share(audit, (event for event, _raw in lines))
     )
     if not got or None in got[1] or not _fold_exact(audit, got[1]):
         return None

@@ -84,6 +84,11 @@ def same_for_every_jobs(*args, env=None, tmp=None):
     return one
 
 
+def workers_used(path, jobs=3):
+    """Whether `--jobs 3` merges workers' shares for this ledger (else one process reads it all)."""
+    return bool(audit._parallel(audit.Audit(jobs=jobs), path))
+
+
 REPORTS = [
     (), ("--by", "day"), ("--by", "session"), ("--json",), ("--json", "--by", "day"), ("--csv", "--by", "day"),
     ("--since", DAYS[1]), ("--until", DAYS[1], "--json"), ("--model", "beta", "--by", "day"),
@@ -95,7 +100,7 @@ REPORTS = [
 def test_every_report_is_the_same_at_every_jobs(tmp_path, report):
     rich(tmp_path / "calls.jsonl", calls=90)
     out, _err, code, page = same_for_every_jobs(tmp_path / "calls.jsonl", *report, tmp=tmp_path)
-    assert code == 0 and "llm0.example.net" in out and page
+    assert code == 0 and "llm0.example.net" in out and page and workers_used(tmp_path / "calls.jsonl")
     if "--json" in report and "--since" not in report and "--model" not in report:
         doc = json.loads(out)
         assert doc["imported"]["agents"] and doc["ledgers"][0]["lines"] > 90
@@ -122,7 +127,7 @@ def many_models(path, strings, labels=None):
 def test_model_strings_past_the_limit_fold_first_come_at_every_jobs(tmp_path, report):
     many_models(tmp_path / "calls.jsonl", audit.MAX_MODEL_STRINGS + 300, labels=lambda i: f"served-{i % 4}")
     out, _err, code, _page = same_for_every_jobs(tmp_path / "calls.jsonl", *report, tmp=tmp_path)
-    assert code == 0 and audit.OTHER in out
+    assert code == 0 and audit.OTHER in out and workers_used(tmp_path / "calls.jsonl")
 
 
 def test_a_folded_row_with_many_labels_is_the_same_at_every_jobs(tmp_path):
@@ -131,6 +136,7 @@ def test_a_folded_row_with_many_labels_is_the_same_at_every_jobs(tmp_path):
     out, _err, code, _page = same_for_every_jobs(tmp_path / "calls.jsonl", "--json", "--by", "day")
     folded = [r for r in json.loads(out)["models"] if r["request_model"] == audit.OTHER]
     assert code == 0 and any(audit.OTHER in r["response_models"] for r in folded)
+    assert not workers_used(tmp_path / "calls.jsonl")  # their (other) rows would gather labels out of order
 
 
 @pytest.mark.parametrize("what", ["model strings", "labels"])
@@ -141,7 +147,7 @@ def test_more_than_a_worker_keeps_is_the_same_at_every_jobs(tmp_path, what):
     else:
         rich(tmp_path / "calls.jsonl", calls=6 * audit.WORKER_LABELS + 60, models=("solo",), labels=str)
     out, _err, code, _page = same_for_every_jobs(tmp_path / "calls.jsonl", "--json", "--by", "day")
-    assert code == 0 and json.loads(out)["models"]
+    assert code == 0 and json.loads(out)["models"] and not workers_used(tmp_path / "calls.jsonl", jobs=2)
 
 
 def flip(line):  # a payload byte changed, the JSON still valid: the next line's prev no longer matches
