@@ -354,7 +354,7 @@ def bench_parallel():
         t = {name: statistics.median(values) for name, values in times.items()}
         base = t["loads"]
         for what, words, target in (("verify", "throughput", ">= 0.9 at 2"),
-                                    ("audit", "time, lower is better,", "<= 1.5 at 2")):
+                                    ("audit", "time", "<= 1.5 at 2, lower is better")):
             for jobs in (1, 2, 4):
                 took, gain = t[(what, jobs)], t[(what, 1)] / t[(what, jobs)]
                 per_core = f"; {(gain - 1) / (min(jobs, cpus) - 1):.2f} of an ideal core per added core" \
