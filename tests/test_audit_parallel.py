@@ -4,6 +4,7 @@ MAX_MODEL_STRINGS first seen in later ranges, several days, each day's listings 
 ranges, imported transcripts, sessions, errors, retries, calls never sent; and over every tamper class
 placed on each side of every place a worker's range can begin or end."""
 
+import hashlib
 import json
 
 import pytest
@@ -160,11 +161,25 @@ def forged(line):
     return rl.dumps(event).encode() + b"\n"
 
 
+def rechained(lines, i):
+    """From line i+1 on, other content chained anew with plain SHA-256: a whole ledger that verifies
+    without a key, and fails at line i+1 with one."""
+    out, prev = lines[:i], hashlib.sha256(lines[i - 1][:-1]).hexdigest() if i else "0" * 64
+    for raw in lines[i:]:
+        event = json.loads(raw)
+        event.update(payload=dict(event["payload"], rebuilt=True), prev=prev)
+        body = rl.dumps(event).encode()
+        out.append(body + b"\n")
+        prev = hashlib.sha256(body).hexdigest()
+    return out
+
+
 TAMPER = {
     "flipped byte": lambda lines, i: lines[:i] + [flip(lines[i])] + lines[i + 1:],
     "lost line": lambda lines, i: lines[:i] + lines[i + 1:],
     "reordered": lambda lines, i: lines[:i] + lines[i + 1:i + 2] + lines[i:i + 1] + lines[i + 2:],
     "rebuilt line": lambda lines, i: lines[:i] + [forged(lines[i])] + lines[i + 1:],
+    "rebuilt chain": rechained,
     "duplicated line": lambda lines, i: lines[:i + 1] + lines[i:],
     "cut tail": lambda lines, i: lines[:i],
     "torn last line": lambda lines, i: lines[:i] + [lines[i][: len(lines[i]) // 2]],
@@ -182,7 +197,9 @@ def test_every_tamper_at_every_line_says_the_same_at_every_jobs(tmp_path, name, 
         paths.append(tmp_path / f"at-{i:03d}.jsonl")
         paths[-1].write_bytes(b"".join(TAMPER[name](lines, i)))
     out, err, code, _page = same_for_every_jobs(*paths, "--json", env=clean_env(LEDGER_KEY=key or None))
-    if name in ("cut tail", "torn last line"):  # a shorter ledger, or one a writer is mid-append to
+    if name == "rebuilt chain":  # nothing tells a plain ledger rebuilt by its writer's rules
+        assert code == (1 if keyed else 0), err
+    elif name in ("cut tail", "torn last line"):  # a shorter ledger, or one a writer is mid-append to
         ledgers = json.loads(out)["ledgers"]
         assert code == 0 and [x["lines"] for x in ledgers] == list(range(len(lines)))
         assert {x["status"] for x in ledgers} == {"ok" if name == "cut tail" else "torn"}
