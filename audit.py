@@ -67,6 +67,8 @@ UNSENT = ("model_missing", "model_not_allowed", "invalid_request")
 MAX_MODEL_STRINGS = 1000
 MAX_LABELS = 50  # distinct served models, fingerprints or error types kept per row
 MAX_LISTINGS = 100000  # (base_url, day) /models listings kept
+# what a worker keeps apart for the merge to fold in file order; past it, one process reads the file
+WORKER_MODEL_STRINGS, WORKER_LABELS = 4 * MAX_MODEL_STRINGS, 4 * MAX_LABELS
 OTHER = "(other)"
 # the HTML draws per-model charts for the busiest; the rest are summarised
 MAX_CHART_MODELS = 8
@@ -269,8 +271,8 @@ class Group:
 class Audit:
     """Everything the reports need, gathered in one pass over the events."""
 
-    def __init__(self, since=None, until=None, model=None, by_session=False):
-        self.since, self.until, self.model = since, until, model
+    def __init__(self, since=None, until=None, model=None, by_session=False, jobs=1):
+        self.since, self.until, self.model, self.jobs = since, until, model, jobs
         self.by_session = by_session  # the proxy's X-Ledger-Session in the day's place
         self.groups = {}  # (request_model, base_url, day) -> Group
         self.model_strings = set()  # the (request_model, base_url) pairs kept apart
@@ -287,17 +289,19 @@ class Audit:
         """Stream one ledger in; returns its status. Raises IntegrityError / KeyRequiredError."""
         path = Path(path)
         info = {"path": str(path), "status": "ok", "lines": 0, "reason": None}
-        events = self._verified(path, info) if verify else _unverified(path, info)
+        start = verify and path.name != rl.EVENTS_NAME and _parallel(self, path)
+        events = self._verified(path, info, start or None) if verify else _unverified(path, info)
         self._consume(events, path.name == rl.EVENTS_NAME, path)
         self.ledgers.append(info)
         return info
 
-    def _verified(self, path, info):
-        """A closed run is held to the head its index recorded, as `verify --all` holds it."""
-        count = 0
+    def _verified(self, path, info, start=None):
+        """A closed run is held to the head its index recorded, as `verify --all` holds it. `start`:
+        where workers stopped (_parallel)."""
+        count = start[0] if start else 0
         try:
             for event, _raw, _digest in rl.verified_events(
-                path, expect=self._index_head(path), closed=True
+                path, expect=self._index_head(path), closed=True, _start=start
             ):
                 count += 1
                 yield event
@@ -323,7 +327,7 @@ class Audit:
         for event in events:
             kind, at, payload = event["kind"], event["at"], event["payload"]
             if kind == "transcript":  # counted by the transcript's own days, not the import's
-                _imported(self.imported, payload)
+                self._transcript(payload)
                 continue
             if at < since or until is not None and at > until:
                 continue
@@ -354,6 +358,9 @@ class Audit:
                 group.add(call, malformed, payload.get("error_code"))
             elif kind == "models_list":
                 self._listing(payload, at)
+
+    def _transcript(self, payload):
+        _imported(self.imported, payload)
 
     def _listing(self, payload, at):
         ids, base = payload.get("model_ids"), payload.get("base_url")
@@ -426,6 +433,78 @@ class Audit:
                 row["input_tokens"] = row["output_tokens"] = None
             rows.append(row)
         return rows
+
+
+# == Parallel: workers gather byte ranges of one ledger, merged in file order as one pass reads ==
+
+
+def _parallel(audit, path):
+    """Where the one pass goes on in `path` (rl's _parallel_start state) after forked workers
+    verified and gathered its lines up to there and their shares were merged into `audit`; None:
+    one process reads it all, and words any failure."""
+    got = rl._parallel_start(
+        path,
+        rl.resolve_key(None),
+        None,
+        audit.jobs,
+        fold=lambda lines: _share(audit, (event for event, _raw in lines))
+    )
+    if not got or None in got[1] or not _fold_exact(audit, got[1]):
+        return None
+    for share in got[1]:
+        _merge(audit, share)
+    return got[0]
+
+
+def _share(audit, events):
+    """In a forked worker: its range's (groups, listings, transcripts, unsent), model strings and
+    labels kept apart up to WORKER_* for _merge() to fold; None past a limit."""
+    global MAX_MODEL_STRINGS, MAX_LABELS  # this child's own copies
+    MAX_MODEL_STRINGS, MAX_LABELS = WORKER_MODEL_STRINGS, WORKER_LABELS
+    share, transcripts = Audit(audit.since, audit.until, audit.model, audit.by_session), []
+    share._transcript = transcripts.append
+    share._consume(events, False, None)
+    labels = (len(getattr(g, name)) for g in share.groups.values() for name in Group.LABELS)
+    if share.folded or len(share.listings) >= MAX_LISTINGS or max(labels, default=0) >= MAX_LABELS:
+        return None
+    return share.groups, share.listings, transcripts, share.unsent
+
+
+def _merge(audit, share):
+    """Add a worker's share as one pass reads its lines: model strings folded first come, labels
+    (Group.merge), the day's last listing, transcripts read again in order."""
+    groups, listings, transcripts, unsent = share
+    for (model, base, day), part in groups.items():
+        if (model, base) not in audit.model_strings:
+            if len(audit.model_strings) >= MAX_MODEL_STRINGS:
+                audit.folded += part.calls
+                model = base = OTHER
+            else:
+                audit.model_strings.add((model, base))
+        audit.groups.setdefault((model, base, day), Group()).merge(part)
+    for (base, day), (at, ids) in listings.items():
+        audit._listing({"model_ids": ids, "base_url": base}, at)
+    for payload in transcripts:
+        _imported(audit.imported, payload)
+    for name, n in unsent.items():
+        _add(audit.unsent, name, n)
+
+
+def _fold_exact(audit, shares):
+    """Whether _merge() gives what one pass gives: a folded row gathers its labels model string by
+    model string, not in file order, which tells only once the (other) rows hold more than
+    MAX_LABELS of a kind between them."""
+    strings, kinds = set(audit.model_strings), {name: set() for name in Group.LABELS}
+    rows = [g for (model, base, _), g in audit.groups.items() if model == base == OTHER]
+    for groups, *_rest in shares:
+        for (model, base, _day), group in groups.items():
+            if (model, base) not in strings and len(strings) < MAX_MODEL_STRINGS:
+                strings.add((model, base))
+            rows += [group] if (model, base) not in strings or model == base == OTHER else []
+    for group in rows:
+        for name, seen in kinds.items():
+            seen.update(getattr(group, name))
+    return all(len(seen) <= MAX_LABELS for seen in kinds.values())
 
 
 def _unverified(path, info):
@@ -1836,6 +1915,13 @@ def _build_parser():
         (p, "--no-verify", "audit without checking the chain (marked UNVERIFIED)", flag),
         (
             p,
+            "--jobs",
+            "worker processes per ledger (default: one per core, at most 8, for 4 MiB or more); "
+            "the report is the same",
+            {"type": int, "metavar": "N"}
+        ),
+        (
+            p,
             "--conversation",
             "one session (its id or a unique prefix) as a timeline of messages, tool calls and "
             "answers (proxy.py --store-text); with --html also as a page",
@@ -1876,9 +1962,10 @@ def _from_options(p):
     )
 
 
-def run_audit(paths, *, verify=True, since=None, until=None, model=None, by_session=False):
-    """Audit the given ledgers. Returns (audit, failures): failures lists the IntegrityErrors."""
-    audit, failures = Audit(since=since, until=until, model=model, by_session=by_session), []
+def run_audit(paths, *, verify=True, since=None, until=None, model=None, by_session=False, jobs=1):
+    """Audit the given ledgers. Returns (audit, failures): failures lists the IntegrityErrors.
+    `jobs`: worker processes per ledger, as rl.verify()'s."""
+    audit, failures = Audit(since, until, model, by_session, jobs), []
     for path in find_ledgers(paths):
         try:
             audit.add_file(path, verify=verify)
@@ -1895,8 +1982,10 @@ def _gather(args):
         model=args.model,
         verify=not args.no_verify
     )
+    if args.jobs is not None and args.jobs < 1:
+        raise AuditError("--jobs must be 1 or more")
     if args.from_url is None:
-        return run_audit(args.paths, by_session=args.by == "session", **kw)
+        return run_audit(args.paths, by_session=args.by == "session", jobs=args.jobs, **kw)
     if args.paths or args.by == "session":
         raise AuditError(
             "--from reads ClickHouse: it takes no PATH"

@@ -37,6 +37,7 @@ import hmac
 import json
 import math
 import os
+import pickle
 import re
 import sys
 import threading
@@ -1467,26 +1468,29 @@ def _line_ranges(path, jobs):
     return list(zip(bounds, bounds[1:]))
 
 
-def _parallel_start(path, key, expect, jobs, run_id=None, lines=None, **_options):
+def _parallel_start(path, key, expect, jobs, run_id=None, lines=None, fold=None, **_options):
     """Check a ledger's lines in forked workers, one of _line_ranges() each, and return the [seq,
     hash, offset] after the last line they vouch for in one unbroken chain from line 1, or None.
     The check continues from there in this process, so any failure, a torn tail and the end are
     found and worded by the one-process path. (A thread could hold a lock that a forked child
-    would wait on forever.)"""
+    would wait on forever.) With `fold`, each worker also returns fold(its (event, raw line)
+    pairs); then this returns (state, [fold's answers in file order]) only when every range was
+    vouched for."""
     ranges = lines is None and _line_ranges(path, jobs)
-    if not ranges or threading.active_count() > 1 or _names_text(path):
+    if not ranges or threading.active_count() > 1 or not fold and _names_text(path):
         return None
-    run_id = run_dir_id(path) if run_id is None else run_id
+    run_id, folds = run_dir_id(path) if run_id is None else run_id, []
     state = [0, genesis(key), 0]
     for result in _in_children(
-        _check_range, [(path, key, expect, run_id, *pair) for pair in ranges]
+        _check_range, [(path, key, expect, run_id, *pair, fold) for pair in ranges]
     ):
         if not result or result[0] != state:
             break
         state = result[1]
         if result[2]:
             break
-    return state
+        folds.append(result[3])
+    return state if fold is None else len(folds) == len(ranges) and (state, folds)
 
 
 def _names_text(path):
@@ -1502,10 +1506,11 @@ def _names_text(path):
     return False
 
 
-def _check_range(path, key, expect, run_id, begin, stop):
+def _check_range(path, key, expect, run_id, begin, stop, fold=None):
     """In a worker: check the lines from byte `begin` to `stop`, from the seq and prev the first
     one claims. Returns (that claimed state, the state after the last good line, whether a line
-    failed); a state is [seq, hash, offset]."""
+    failed, what `fold` returned for their (event, raw line) pairs); a state is [seq, hash,
+    offset]."""
     with open(path, "rb") as handle:
         handle.seek(begin)
         first = handle.readline(MAX_LINE_BYTES)[:-1]
@@ -1513,21 +1518,33 @@ def _check_range(path, key, expect, run_id, begin, stop):
     if not claim:
         return None
     state = claimed = [claim[0] - 1, claim[1], begin]
-    try:
-        for _event, body, digest in _check_lines(
+
+    def lines():
+        nonlocal state
+        for event, body, digest in _check_lines(
             path, _file_lines(path, begin), key, run_id, expect, claimed
         ):
             state = [state[0] + 1, digest, state[2] + len(body) + 1]
+            yield event, body
             if state[2] >= stop:
                 break
+
+    try:  # verify's fold, all(), reads every pair and keeps none
+        folded = (fold or all)(lines())
     except (LedgerError, OSError):
-        return claimed, state, True
-    return claimed, state, False
+        return claimed, state, True, None
+    return claimed, state, False, folded
+
+
+def _leaf_hashes(lines):
+    """make_checkpoint()'s fold: the tree leaf hash of each line."""
+    return [hashlib.sha256(b"\0" + body).digest() for _event, body in lines]
 
 
 def _in_children(work, calls):
-    """[work(*args) for args in calls], each in a child forked for it that sends its answer back as
-    JSON on a pipe; None for a child that failed or could not be forked."""
+    """[work(*args) for args in calls], each in a child forked for it that sends its answer back
+    pickled on a pipe, written in full and read to the end child by child (an answer may be
+    megabytes); None for a child that failed or could not be forked."""
     children = []
     for args in calls:
         try:
@@ -1540,8 +1557,10 @@ def _in_children(work, calls):
             os.close(rfd), os.close(wfd)
             break
         if pid == 0:
-            try:  # one write of well under PIPE_BUF bytes: whole or nothing
-                os.write(wfd, json.dumps(work(*args)).encode())
+            try:
+                answer = memoryview(pickle.dumps(work(*args)))
+                while answer:
+                    answer = answer[os.write(wfd, answer) :]
             finally:
                 os._exit(0)
         os.close(wfd)
@@ -1549,8 +1568,9 @@ def _in_children(work, calls):
     answers = []
     for pid, rfd in children:
         with open(rfd, "rb") as pipe:
-            answers.append(json.loads(pipe.read() or "null"))
-        os.waitpid(pid, 0)
+            answer = pipe.read()
+        # a child killed on its way (a status) may have sent part of an answer
+        answers.append(None if os.waitpid(pid, 0)[1] or not answer else pickle.loads(answer))
     return answers
 
 
@@ -1857,9 +1877,9 @@ class _Tree:
     def __init__(self):
         self.size, self.stack = 0, []
 
-    def add(self, leaf):
+    def add(self, leaf, node=None):  # node: the leaf's hash, when a worker made it
         self.size += 1
-        node, size = hashlib.sha256(b"\0" + leaf).digest(), self.size
+        node, size = node or hashlib.sha256(b"\0" + leaf).digest(), self.size
         while not size & 1:  # a full subtree: it and the one to its left make one
             node, size = _node(self.stack.pop(), node), size >> 1
         self.stack.append(node)
@@ -2373,9 +2393,12 @@ def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
     origin = origin or signer.name
     if signer.kind != SIGNER or not origin.strip() or _CONTROL_RE.search(origin):
         raise UsageError("a checkpoint needs a log key (not --cosigner) and a one-line origin")
-    tree = _Tree()
+    tree, got = _Tree(), _parallel_start(path, resolve_key(key), None, None, fold=_leaf_hashes)
+    for leaves in got[1] if got else ():
+        for leaf in leaves:
+            tree.add(None, leaf)
     with contextlib.suppress(TornTailError):  # a writer is mid-append (or died there)
-        for _event, raw, _digest in verified_events(path, key=key):
+        for _event, raw, _digest in verified_events(path, key=key, _start=got and got[0]):
             tree.add(raw)
     note = sign_note(f"{origin}\n{tree.size}\n{_b64(tree.root())}\n", signer)
     if append:

@@ -2,7 +2,7 @@
 """bench.py -- `make bench`: speed as ratios against baselines measured in the same run.
 
 Usage:
-  python tests/bench.py [ledger] [ask] [audit] [agent] [daemon] [ship] [sandbox] [proxy] [transcripts]
+  python tests/bench.py [ledger] [ask] [audit] [parallel] [agent] [daemon] [ship] [sandbox] [proxy] [transcripts]
     [checkpoints]  # default: all
   BENCH_LINES=1000000 python tests/bench.py                            # the full figures (default 100,000)
   BENCH_KEEP=1 python tests/bench.py ledger                            # keep .bench/ (the big ledger) afterwards
@@ -321,6 +321,55 @@ def bench_audit():
 
 
 # ----------------------------------------------------------------------------
+# verify and audit across workers (issue 29): 1, 2 and 4 of them, at 100k lines and BENCH_LINES
+# ----------------------------------------------------------------------------
+
+JQ_GROUP_BY = ('[.[] | select(.kind=="model_call") | .payload] | group_by(.request_model, .base_url) '
+               '| map({model: .[0].request_model, runs: length, ok: map(select(.error_type==null)) | length,'
+               ' input: map(.input_tokens // 0) | add, latency: (map(.latency_ms) | sort)})')
+
+
+def bench_parallel():
+    """verify (in this process) and audit.py (a whole process) at --jobs 1, 2 and 4, each against one
+    json.loads pass over the same file, and the gain per added core: (speed-up - 1) / (cores added),
+    1.0 being ideal; cores beyond the box's count add nothing."""
+    cpus = os.cpu_count() or 1
+    print(f"verify and audit across workers ({cpus} cpus)")
+    for lines in sorted({100000, BIG_LINES}):
+        big = big_ledger(lines)
+        loads_cmd = [sys.executable, "-c", "import json,sys\nfor l in open(sys.argv[1],'rb'): json.loads(l)",
+                     str(big)]
+        runs = {"loads": lambda: subprocess.run(loads_cmd, check=True)}
+        for jobs in (1, 2, 4):
+            runs[("verify", jobs)] = (lambda j: lambda: rl.verify(big, key=b"", jobs=j))(jobs)
+            cmd = [sys.executable, str(ROOT / "audit.py"), str(big), "--jobs", str(jobs)]
+            runs[("audit", jobs)] = (lambda c: lambda: subprocess.run(c, stdout=subprocess.DEVNULL, check=True))(cmd)
+        jq = shutil.which("jq")
+        if jq:
+            runs["jq"] = lambda: subprocess.run([jq, "-s", JQ_GROUP_BY, str(big)], stdout=subprocess.DEVNULL,
+                                                check=True)
+        times = {name: [] for name in runs}
+        for _ in range(3):  # interleaved rounds: a load that comes and goes hits every figure alike
+            for name, run in runs.items():
+                times[name].append(_median_time(run, 1))
+        t = {name: statistics.median(values) for name, values in times.items()}
+        base = t["loads"]
+        for what, words, target in (("verify", "throughput", ">= 0.9 at 2"),
+                                    ("audit", "time", "<= 1.5 at 2, lower is better")):
+            for jobs in (1, 2, 4):
+                took, gain = t[(what, jobs)], t[(what, 1)] / t[(what, jobs)]
+                per_core = f"; {(gain - 1) / (min(jobs, cpus) - 1):.2f} of an ideal core per added core" \
+                    if min(jobs, cpus) > 1 else ""
+                _line(f"{what} {lines // 1000:,}k lines, {jobs} worker(s): {words} vs json.loads",
+                      base / took if what == "verify" else took / base, target,
+                      f"{took:.1f} s, {gain:.2f}x of 1 worker{per_core}")
+        if jq:
+            best = min(t[("audit", jobs)] for jobs in (1, 2, 4))
+            _line(f"jq -s group_by vs the fastest audit.py, {lines // 1000:,}k lines", t["jq"] / best, ">= 2",
+                  f"{t['jq']:.1f} s for jq")
+
+
+# ----------------------------------------------------------------------------
 # agent.py: the host's own overhead per step
 # ----------------------------------------------------------------------------
 
@@ -411,7 +460,8 @@ def bench_module(name):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    benches = {"ledger": bench_ledger, "ask": bench_ask, "audit": bench_audit, "agent": bench_agent,
+    benches = {"ledger": bench_ledger, "ask": bench_ask, "audit": bench_audit,
+               "parallel": bench_parallel, "agent": bench_agent,
                "daemon": lambda: bench_module("daemon"), "ship": lambda: bench_module("ship"),
                "sandbox": lambda: bench_module("sandbox"), "proxy": lambda: bench_module("proxy"),
                "transcripts": lambda: bench_module("transcripts"),

@@ -2,7 +2,9 @@
 every tamper class and every place a worker's range can begin or end; concurrent appends share fsyncs and a
 kill -9 loses no append that returned."""
 
+import base64
 import json
+import os
 import random
 import signal
 import subprocess
@@ -213,3 +215,36 @@ def test_kill_9_of_threads_sharing_fsyncs_loses_no_append_that_returned(tmp_path
     assert len(returned) > 12, "the writers never got to append"
     for seq, (name, i) in returned.items():  # every append that returned is there, unchanged
         assert by_seq[seq]["payload"] == {"writer": name, "i": i}
+
+
+def test_a_checkpoint_of_a_big_ledger_signs_the_root_one_process_computes(tmp_path):
+    """`checkpoint` over a ledger big enough for workers (PARALLEL_BYTES): they verify the lines and hash
+    the leaves; the root and size are the ones the plain tree gives, a torn tail is no leaf, and a changed
+    line fails at the line after it, as in one process."""
+    key = tmp_path / "log.key"
+    assert run_script("reasoning_ledger.py", "keygen", "example.org/log", "--out", key).returncode == 0
+    big = tmp_path / "big.jsonl"
+    with rl.Ledger(big, "r1", key=NO_KEY, fsync=False) as book:
+        for _ in range(rl.PARALLEL_BYTES // 1000 + 10):
+            book.append("note", {"text": "abcdefgh" * 125})
+    lines = big.read_bytes().splitlines(keepends=True)
+    assert rl._line_ranges(big, None) or (os.cpu_count() or 1) < 2  # workers, where there are cores
+    for name, data in (("good", lines), ("torn", lines + [lines[5][:40]])):
+        path = tmp_path / f"{name}.jsonl"
+        path.write_bytes(b"".join(data))
+        tree = rl.Tree()
+        for raw in lines:
+            tree.add(raw[:-1])
+        proc = run_script("reasoning_ledger.py", "checkpoint", path, "--key", key)
+        assert proc.returncode == 0, proc.err
+        origin, size, root = proc.out.split("\n")[:3]
+        assert (origin, int(size), root) == ("example.org/log", len(lines), base64.b64encode(tree.root()).decode())
+    for i in (1, len(lines) // 3, len(lines) // 2, len(lines) - 2):
+        path = tmp_path / f"at-{i}.jsonl"
+        path.write_bytes(b"".join(lines[:i] + [flip_payload(lines[i])] + lines[i + 1:]))
+        proc = run_script("reasoning_ledger.py", "checkpoint", path, "--key", key)
+        assert proc.returncode == 1 and f"line {i + 2}: prev does not match line {i + 1}" in proc.err, proc.err
+
+
+def flip_payload(line):
+    return line.replace(b'"text":"a', b'"text":"b', 1)
