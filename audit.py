@@ -628,10 +628,14 @@ def remote_audit(client, *, since=None, until=None, model=None, verify=True):
 
 def _imported(files, payload):
     # only the latest version of a file that changed counts; its segments add up
-    key = (payload.get("agent"), payload.get("session_id"), Path(str(payload.get("source"))).name)
+    # any JSON a hostile line holds: the key's parts as text, a version only as an int
+    key = (str(payload.get("agent")), str(payload.get("session_id")))
+    key += (Path(str(payload.get("source"))).name,)
     (version, parts), new = files.get(key, (None, [])), payload.get("version")
+    if type(new) is not int:
+        return
     if version != new:
-        if version is not None and not (type(new) is int and new > version):
+        if version is not None and new < version:
             return
         files[key] = version, parts = new, []
     parts.append({k: payload.get(k) for k in ("usage", "agent_version")})
