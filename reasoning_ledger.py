@@ -673,6 +673,17 @@ def _write_or_undo(fd, data, size, fsync=True):
         raise
 
 
+def _write_file(path, data, flags=os.O_APPEND, fsync=True, lead=b""):
+    """Write `data` (after `lead` when the file is not empty) to the end of `path`, created with
+    mode 0600, and fsync it unless `fsync` is False; on failure the file is cut back as it was."""
+    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        _write_or_undo(fd, (lead if size else b"") + data, size, fsync)
+    finally:
+        os.close(fd)
+
+
 _LIVE_LEDGERS = weakref.WeakSet()
 
 
@@ -929,13 +940,7 @@ class Ledger:
             f"torn offset={end} length={len(fragment)} sha256={digest} at={utc_now()}\n".encode()
         )
         try:
-            sfd = os.open(
-                str(sidecar), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
-            )
-            try:
-                _write_or_undo(sfd, header + fragment + b"\n", os.fstat(sfd).st_size)
-            finally:
-                os.close(sfd)
+            _write_file(sidecar, header + fragment + b"\n")
         except OSError as exc:
             raise named_error(exc, sidecar) from None
         os.ftruncate(fd, end)
@@ -1009,14 +1014,12 @@ def store_artifact(
         if not target.exists():
             # one per writer, even in one process
             tmp = directory / f".{digest[:16]}.{os.urandom(8).hex()}.tmp"
-            fd = os.open(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                _write_or_undo(fd, data, 0, fsync)
+                _write_file(tmp, data, os.O_EXCL, fsync)
             except OSError:
-                os.unlink(str(tmp))
+                with contextlib.suppress(OSError):  # the error to name is the first
+                    os.unlink(str(tmp))
                 raise
-            finally:
-                os.close(fd)
             os.replace(str(tmp), str(target))
             if fsync:
                 _fsync_dir(target)
@@ -2299,13 +2302,9 @@ def _cmd_keygen(args):
     public = ed25519_public(seed)
     key = NoteKey(args.name, _key_id(args.name, kind, public), kind, public, seed)
     try:
-        fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        _write_file(args.out, f"{key_text(key, secret=True)}\n".encode(), os.O_EXCL)
     except FileExistsError:
         raise UsageError(f"{args.out} exists: keygen never overwrites a key") from None
-    try:
-        _write_or_undo(fd, f"{key_text(key, secret=True)}\n".encode(), 0)
-    finally:
-        os.close(fd)
     write_out(f"{key_text(key)}\n")
     return EXIT_OK
 
@@ -2379,10 +2378,7 @@ def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
             tree.add(raw)
     note = sign_note(f"{origin}\n{tree.size}\n{_b64(tree.root())}\n", signer)
     if append:
-        with open(f"{path}.checkpoints", "a", encoding="utf-8") as handle:
-            handle.write(("\n" if handle.tell() else "") + note)
-            handle.flush()
-            os.fsync(handle.fileno())
+        _write_file(f"{path}.checkpoints", note.encode(), lead=b"\n")
     return note
 
 
