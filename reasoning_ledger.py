@@ -1808,20 +1808,33 @@ def run_main(parser, argv=None, command=None, moved=None):
         return 130
 
 
+# Arguments as text, "NAME KEY=VALUE...: help": add_argument's keywords, with type=int and
+# required=true as those values.
+_VALUES = {"int": int, "true": True}
+_TARGETS = (
+    "paths nargs=* metavar=PATH",
+    "--all metavar=RUNS_DIR: also RUNS_DIR/index.jsonl and every run in it"
+)
+_KEY_ENV = (
+    f"--key-env default={KEY_ENV} metavar=NAME: environment variable holding the HMAC key "
+    f"(default {KEY_ENV})",
+)
+
+
+def add_arguments(parser, specs):
+    for spec in specs:
+        words, _sep, text = spec.partition(": ")
+        name, *pairs = words.split()
+        options = {k: _VALUES.get(v, v) for k, v in (pair.split("=") for pair in pairs)}
+        parser.add_argument(name, help=text or None, **options)
+
+
 def add_targets(parser):
-    parser.add_argument("paths", nargs="*", metavar="PATH")
-    parser.add_argument(
-        "--all", metavar="RUNS_DIR", help="also RUNS_DIR/index.jsonl and every run in it"
-    )
+    add_arguments(parser, _TARGETS)
 
 
 def add_key_env(parser):
-    parser.add_argument(
-        "--key-env",
-        default=KEY_ENV,
-        metavar="NAME",
-        help=f"environment variable holding the HMAC key (default {KEY_ENV})"
-    )
+    add_arguments(parser, _KEY_ENV)
 
 
 # ----------------------------------------------------------------------------
@@ -2598,56 +2611,94 @@ def _cmd_append(args):
     return EXIT_OK
 
 
-def _add_options(name, add):
-    """The options of subcommand `name` after its PATH and --key-env."""
-    if name == "verify":
-        add("--expect-head", metavar="SEQ:HASH", help="a head published earlier (finds truncation)")
-        add(
-            "--text",
-            action="store_true",
-            help="a missing or changed file of the text store (LEDGER.text/) fails "
-            "(default: a warning)"
+_VKEYS = (
+    "--vkey action=append metavar=KEY: the log's verifier key, or its file",
+    "--witness action=append metavar=VKEY: a witness's verifier key (repeatable)",
+    "--witnesses-needed type=int metavar=N: default: every --witness"
+)
+# Each subcommand: its help, its handler and its arguments (as add_arguments() reads them).
+_COMMANDS = {
+    "verify": (
+        "check ledgers; exit 1 on any integrity failure",
+        _cmd_verify,
+        _TARGETS
+        + _KEY_ENV
+        + (
+            "--expect-head metavar=SEQ:HASH: a head published earlier (finds truncation)",
+            "--text action=store_true: a missing or changed file of the text store (LEDGER.text/) "
+            "fails (default: a warning)",
+            "--jobs type=int metavar=N: worker processes per ledger (default: one per core, at "
+            "most 8, for 4 MiB or more)",
+            "--checkpoint metavar=FILE: hold PATH to a signed checkpoint",
+            "--since metavar=FILE: an earlier checkpoint it extends"
         )
-        add(
-            "--jobs",
-            type=int,
-            metavar="N",
-            help="worker processes per ledger "
-            "(default: one per core, at most 8, for 4 MiB or more)"
+        + _VKEYS
+    ),
+    "head": (
+        "print the anchor 'SEQ HASH' of a verified ledger",
+        _cmd_head,
+        ("path metavar=PATH",) + _KEY_ENV
+    ),
+    "report": (
+        "one readable line per event: what it says and what it means",
+        _cmd_report,
+        _TARGETS
+        + _KEY_ENV
+        + (
+            "--kind action=append: only this kind (repeatable)",
+            "--stage: only decisions of this stage",
+            "--run: only this run id (or prefix)",
+            "--since: date or ISO time (UTC)",
+            "--until: date (inclusive) or ISO time",
+            "--json action=store_true: print the matching lines unchanged"
         )
-        add("--checkpoint", metavar="FILE", help="hold PATH to a signed checkpoint")
-        add("--since", metavar="FILE", help="an earlier checkpoint it extends")
-    elif name == "report":
-        add("--kind", action="append", help="only this kind (repeatable)")
-        add("--stage", help="only decisions of this stage")
-        add("--run", help="only this run id (or prefix)")
-        add("--since", help="date or ISO time (UTC)")
-        add("--until", help="date (inclusive) or ISO time")
-        add("--json", action="store_true", help="print the matching lines unchanged")
-    elif name == "append":
-        add("--kind", required=True)
-        add("--run-id", help="default: $LEDGER_RUN_ID or a new id")
-        add("--payload", help="a JSON object (default: stdin when it is not a terminal)")
-    elif name == "keygen":
-        add("--out", required=True, metavar="FILE")
-        add("--cosigner", action="store_true", help="a witness key (type 0x04)")
-    elif name == "checkpoint":
-        add("--key", required=True, metavar="FILE", help="the signer key file")
-        add("--origin", help="the log's name (default: the key's)")
-        add("--append", action="store_true", help="also add it to PATH.checkpoints")
-    elif name == "prove":
-        add("seq", nargs="?", type=int, metavar="SEQ")
-        add("--checkpoint", metavar="FILE")
-        add("--consistency", nargs="+", type=int, metavar="M", help="M [N]: from size M to N")
-    if name in ("verify", "verify-proof"):
-        add("--vkey", action="append", metavar="KEY", help="the log's verifier key, or its file")
-        add(
-            "--witness",
-            action="append",
-            metavar="VKEY",
-            help="a witness's verifier key (repeatable)"
+    ),
+    "append": (
+        "append one event; prints the new head",
+        _cmd_append,
+        ("path metavar=PATH",)
+        + _KEY_ENV
+        + (
+            "--kind required=true",
+            "--run-id: default: $LEDGER_RUN_ID or a new id",
+            "--payload: a JSON object (default: stdin when it is not a terminal)"
         )
-        add("--witnesses-needed", type=int, metavar="N", help="default: every --witness")
+    ),
+    "keygen": (
+        "write a signer key to --out (mode 0600); print its verifier key",
+        _cmd_keygen,
+        (
+            "name metavar=NAME",
+            "--out required=true metavar=FILE",
+            "--cosigner action=store_true: a witness key (type 0x04)"
+        )
+    ),
+    "checkpoint": (
+        "verify a ledger, then print its signed checkpoint",
+        _cmd_checkpoint,
+        (
+            "path metavar=PATH",
+            "--key required=true metavar=FILE: the signer key file",
+            "--origin: the log's name (default: the key's)",
+            "--append action=store_true: also add it to PATH.checkpoints"
+        )
+    ),
+    "prove": (
+        "an inclusion proof of line SEQ, or --consistency M [N]",
+        _cmd_prove,
+        (
+            "path metavar=PATH",
+            "seq nargs=? type=int metavar=SEQ",
+            "--checkpoint metavar=FILE",
+            "--consistency nargs=+ type=int metavar=M: M [N]: from size M to N"
+        )
+    ),
+    "verify-proof": (
+        "check that the line on stdin is in the signed log",
+        _cmd_verify_proof,
+        ("proof metavar=PROOF",) + _VKEYS
+    )
+}
 
 
 def _build_parser():
@@ -2659,27 +2710,10 @@ def _build_parser():
     )
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, text, handler in (
-        ("verify", "check ledgers; exit 1 on any integrity failure", _cmd_verify),
-        ("head", "print the anchor 'SEQ HASH' of a verified ledger", _cmd_head),
-        ("report", "one readable line per event: what it says and what it means", _cmd_report),
-        ("append", "append one event; prints the new head", _cmd_append),
-        ("keygen", "write a signer key to --out (mode 0600); print its verifier key", _cmd_keygen),
-        ("checkpoint", "verify a ledger, then print its signed checkpoint", _cmd_checkpoint),
-        ("prove", "an inclusion proof of line SEQ, or --consistency M [N]", _cmd_prove),
-        ("verify-proof", "check that the line on stdin is in the signed log", _cmd_verify_proof)
-    ):
-        p = sub.add_parser(name, help=text)
-        p.set_defaults(func=handler)
-        add = p.add_argument
-        if name in ("verify", "report"):
-            add_targets(p)
-        else:
-            dest = {"keygen": "name", "verify-proof": "proof"}.get(name, "path")
-            add(dest, metavar=dest.upper())
-        if name in ("verify", "head", "report", "append"):
-            add_key_env(p)
-        _add_options(name, add)
+    for name, (text, handler, specs) in _COMMANDS.items():
+        command = sub.add_parser(name, help=text)
+        command.set_defaults(func=handler)
+        add_arguments(command, specs)
     return parser
 
 
