@@ -237,9 +237,9 @@ def new_run_id():
 
 
 @functools.lru_cache(maxsize=4096)  # a ledger's lines share a few days
-def _day_exists(day):
+def _day_exists(day):  # YYYY-MM-DD in ASCII digits
     try:
-        datetime.date(int(day[:4]), int(day[5:7]), int(day[8:10]))
+        datetime.date.fromisoformat(day)
     except ValueError:
         return False
     return True
@@ -351,7 +351,7 @@ _PROSE_RE = re.compile(r"[ \t]+[A-Za-z]")
 
 def _mask_assignment(m):
     double, single, bare = m.group(3, 4, 5)
-    value = next(v for v in (double, single, bare) if v is not None)
+    value = double or single or bare or ""
     # a word that a sentence goes on after ("a webhook secret: set WEBHOOK_SECRET") is prose, not
     # a value: the program's own messages keep their words
     prose = bare and ":" in m.group(2) and bare.isalpha() and _PROSE_RE.match(m.string, m.end())
@@ -523,9 +523,9 @@ def _clean(value, redactor, depth=1):
         raise _BadValue("an integer longer than 4300 digits cannot be read back on Python 3.11+")
     if kind is float and not math.isfinite(value):
         raise _BadValue(f"{value!r} is not valid JSON (NaN/Infinity)")
-    if value is None or kind is bool or kind is int or kind is float:
+    if value is None or kind in (bool, int, float):
         return value
-    if kind is not dict and kind is not list and kind is not tuple:
+    if kind not in (dict, list, tuple):
         raise _BadValue(f"a {kind.__name__} is not a JSON type")
     if depth > MAX_DEPTH:
         raise _BadValue(f"nested deeper than {MAX_DEPTH} levels (or circular)")
@@ -2242,8 +2242,8 @@ def check_against(path, checkpoint, earlier=(), since=None, key=None):
     raise IntegrityError(path, None, reason)
 
 
-def _cli_keys(values, kind):
-    """--vkey / --witness values: key texts, or files that hold them."""
+def cli_keys(values, kind):
+    """--vkey / --witness values (fleet.py's too): key texts, or files that hold them."""
     keys = [parse_key(Path(v).read_text() if os.path.isfile(v) else v) for v in values or ()]
     for key in keys:
         if key.kind != kind:
@@ -2261,7 +2261,7 @@ def _read_text(path):
 
 def _open_cli_checkpoint(args, text, where):
     """`text`'s newest note checked with --vkey and --witness -> (Checkpoint, signers, keys)."""
-    keys, witnesses = _cli_keys(args.vkey, SIGNER), _cli_keys(args.witness, COSIGNER)
+    keys, witnesses = cli_keys(args.vkey, SIGNER), cli_keys(args.witness, COSIGNER)
     needed = len(witnesses) if args.witnesses_needed is None else args.witnesses_needed
     if not keys or not 0 <= needed <= len(witnesses):
         raise UsageError("want --vkey KEY, and --witnesses-needed N up to the --witness keys given")
@@ -2358,9 +2358,8 @@ def _cmd_verify_proof(args):
 # Checkpoints as ledgers are written (a signing Ledger), and the tree for other rooms
 # ----------------------------------------------------------------------------
 
-# for fleet.py: RFC 6962's tree leaf by leaf (to root the lines ClickHouse holds), and the keys of
-# --vkey and --witness
-Tree, cli_keys = _Tree, _cli_keys
+# for fleet.py: RFC 6962's tree leaf by leaf (to root the lines ClickHouse holds)
+Tree = _Tree
 
 
 def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
