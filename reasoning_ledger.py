@@ -192,7 +192,7 @@ class IntegrityError(LedgerError):
 
     def __init__(self, path, line, reason):
         self.path, self.line, self.reason = str(path), line, reason
-        super().__init__(f"{path}: line {line}: {reason}" if line else f"{path}: {reason}")
+        super().__init__(f"{path}: {f'line {line}: ' if line else ''}{reason}")
 
 
 class TornTailError(IntegrityError):
@@ -1068,9 +1068,9 @@ class Run:
         return seq, digest
 
 
-def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=(), signer=None):
+def open_run(runs_dir="runs", *, run_id=None, **options):
     """Create runs_dir/<run id>/ (never reused, a given run_id too) and return a Run writing to its
-    events.jsonl."""
+    events.jsonl; `options` are the Ledger's (key, fsync, secrets, signer)."""
     runs_dir, given = Path(runs_dir), run_id
     runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     if given is not None and not _matches(RUN_ID_RE, given):
@@ -1085,18 +1085,7 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=(), 
                 raise UsageError(
                     f"{runs_dir / run_id}: that run already exists (never reused)"
                 ) from None
-    return Run(
-        runs_dir,
-        run_id,
-        Ledger(
-            runs_dir / run_id / EVENTS_NAME,
-            run_id,
-            key=key,
-            fsync=fsync,
-            secrets=secrets,
-            signer=signer
-        )
-    )
+    return Run(runs_dir, run_id, Ledger(runs_dir / run_id / EVENTS_NAME, run_id, **options))
 
 
 # ----------------------------------------------------------------------------
@@ -1808,21 +1797,19 @@ def run_main(parser, argv=None, command=None, moved=None):
         return 130
 
 
-# Arguments as text, "NAME KEY=VALUE...: help": add_argument's keywords, with type=int and
-# required=true as those values.
+# Arguments as text, one a line: "NAME KEY=VALUE...: help", add_argument's keywords (type=int and
+# required=true as those values); a line indented further goes on with the help.
 _VALUES = {"int": int, "true": True}
-_TARGETS = (
-    "paths nargs=* metavar=PATH",
-    "--all metavar=RUNS_DIR: also RUNS_DIR/index.jsonl and every run in it"
-)
-_KEY_ENV = (
-    f"--key-env default={KEY_ENV} metavar=NAME: environment variable holding the HMAC key "
-    f"(default {KEY_ENV})",
-)
+_TARGETS = """
+  paths nargs=* metavar=PATH
+  --all metavar=RUNS_DIR: also RUNS_DIR/index.jsonl and every run in it"""
+_KEY_ENV = f"""
+  --key-env default={KEY_ENV} metavar=NAME: environment variable holding the HMAC key
+    (default {KEY_ENV})"""
 
 
 def add_arguments(parser, specs):
-    for spec in specs:
+    for spec in re.sub(r"\n {3,}", " ", specs).strip().split("\n"):
         words, _sep, text = spec.partition(": ")
         name, *pairs = words.split()
         options = {k: _VALUES.get(v, v) for k, v in (pair.split("=") for pair in pairs)}
@@ -2259,6 +2246,10 @@ def _read_text(path):
         raise IntegrityError(path, None, f"not UTF-8 (byte {exc.start})") from None
 
 
+def _newest_note(path):
+    return split_notes(_read_text(path))[-1]
+
+
 def _open_cli_checkpoint(args, text, where):
     """`text`'s newest note checked with --vkey and --witness -> (Checkpoint, signers, keys)."""
     keys, witnesses = cli_keys(args.vkey, SIGNER), cli_keys(args.witness, COSIGNER)
@@ -2280,9 +2271,7 @@ def _verify_checkpoint(args):
             with contextlib.suppress(IntegrityError):
                 earlier.append(parse_checkpoint(note)[0])
         if args.since:
-            since = open_checkpoint(
-                split_notes(_read_text(args.since))[-1], keys, where=args.since
-            )[0]
+            since = open_checkpoint(_newest_note(args.since), keys, where=args.since)[0]
             if (since.origin, since.size > checkpoint.size) != (checkpoint.origin, False):
                 raise IntegrityError(args.since, None, "not an earlier checkpoint of this log")
         result = check_against(path, checkpoint, earlier, since, cli_key(args))
@@ -2324,7 +2313,7 @@ def _cmd_prove(args):
         return EXIT_OK
     if not args.checkpoint:
         raise UsageError("prove SEQ needs --checkpoint FILE")
-    note = split_notes(_read_text(args.checkpoint))[-1]
+    note = _newest_note(args.checkpoint)
     checkpoint = parse_checkpoint(note, args.checkpoint)[0]
     if not 0 < args.seq <= checkpoint.size:
         raise UsageError(f"line {args.seq} is not among the checkpoint's {checkpoint.size}")
@@ -2429,7 +2418,7 @@ def tally(results, good, summary, inside="", after=""):
     if failed:
         error(
             f"integrity check failed ({failed} ledger{'s' if failed > 1 else ''}{inside})"
-            + after.format("them" if failed > 1 else "it")
+            f"{after.format('them' if failed > 1 else 'it')}"
         )
         return EXIT_FAILED
     if n:
@@ -2560,9 +2549,8 @@ def _cmd_report(args):
     targets = [(Path(p), None) for p in args.paths] + (
         run_ledgers(args.all, key) if args.all else []
     )
-    since, until = args.since and parse_time(args.since), args.until and parse_time(
-        args.until, True
-    )
+    since = parse_time(args.since) if args.since else ""
+    until = parse_time(args.until, True) if args.until else "~"  # after any `at`
     try:
         for path, expect in targets:
             if len(targets) > 1 and not args.json:
@@ -2572,8 +2560,7 @@ def _cmd_report(args):
                     (args.kind and event["kind"] not in args.kind)
                     or (args.stage and event["payload"].get("stage") != args.stage)
                     or (args.run and not event["run_id"].startswith(args.run))
-                    or (since and event["at"] < since)
-                    or (until and event["at"] > until)
+                    or not since <= event["at"] <= until
                 ):
                     write_out(
                         (raw.decode("utf-8") if args.json else _event_summary(path, event)) + "\n"
@@ -2610,94 +2597,51 @@ def _cmd_append(args):
     return EXIT_OK
 
 
-_VKEYS = (
-    "--vkey action=append metavar=KEY: the log's verifier key, or its file",
-    "--witness action=append metavar=VKEY: a witness's verifier key (repeatable)",
-    "--witnesses-needed type=int metavar=N: default: every --witness"
-)
-# Each subcommand: its help, its handler and its arguments (as add_arguments() reads them).
-_COMMANDS = {
-    "verify": (
-        "check ledgers; exit 1 on any integrity failure",
-        _cmd_verify,
-        _TARGETS
-        + _KEY_ENV
-        + (
-            "--expect-head metavar=SEQ:HASH: a head published earlier (finds truncation)",
-            "--text action=store_true: a missing or changed file of the text store (LEDGER.text/) "
-            "fails (default: a warning)",
-            "--jobs type=int metavar=N: worker processes per ledger (default: one per core, at "
-            "most 8, for 4 MiB or more)",
-            "--checkpoint metavar=FILE: hold PATH to a signed checkpoint",
-            "--since metavar=FILE: an earlier checkpoint it extends"
-        )
-        + _VKEYS
-    ),
-    "head": (
-        "print the anchor 'SEQ HASH' of a verified ledger",
-        _cmd_head,
-        ("path metavar=PATH",) + _KEY_ENV
-    ),
-    "report": (
-        "one readable line per event: what it says and what it means",
-        _cmd_report,
-        _TARGETS
-        + _KEY_ENV
-        + (
-            "--kind action=append: only this kind (repeatable)",
-            "--stage: only decisions of this stage",
-            "--run: only this run id (or prefix)",
-            "--since: date or ISO time (UTC)",
-            "--until: date (inclusive) or ISO time",
-            "--json action=store_true: print the matching lines unchanged"
-        )
-    ),
-    "append": (
-        "append one event; prints the new head",
-        _cmd_append,
-        ("path metavar=PATH",)
-        + _KEY_ENV
-        + (
-            "--kind required=true",
-            "--run-id: default: $LEDGER_RUN_ID or a new id",
-            "--payload: a JSON object (default: stdin when it is not a terminal)"
-        )
-    ),
-    "keygen": (
-        "write a signer key to --out (mode 0600); print its verifier key",
-        _cmd_keygen,
-        (
-            "name metavar=NAME",
-            "--out required=true metavar=FILE",
-            "--cosigner action=store_true: a witness key (type 0x04)"
-        )
-    ),
-    "checkpoint": (
-        "verify a ledger, then print its signed checkpoint",
-        _cmd_checkpoint,
-        (
-            "path metavar=PATH",
-            "--key required=true metavar=FILE: the signer key file",
-            "--origin: the log's name (default: the key's)",
-            "--append action=store_true: also add it to PATH.checkpoints"
-        )
-    ),
-    "prove": (
-        "an inclusion proof of line SEQ, or --consistency M [N]",
-        _cmd_prove,
-        (
-            "path metavar=PATH",
-            "seq nargs=? type=int metavar=SEQ",
-            "--checkpoint metavar=FILE",
-            "--consistency nargs=+ type=int metavar=M: M [N]: from size M to N"
-        )
-    ),
-    "verify-proof": (
-        "check that the line on stdin is in the signed log",
-        _cmd_verify_proof,
-        ("proof metavar=PROOF",) + _VKEYS
-    )
-}
+_VKEYS = """
+  --vkey action=append metavar=KEY: the log's verifier key, or its file
+  --witness action=append metavar=VKEY: a witness's verifier key (repeatable)
+  --witnesses-needed type=int metavar=N: default: every --witness"""
+# The subcommands, as "NAME: help" and their arguments below (as add_arguments() reads them); each
+# runs _cmd_NAME.
+_COMMANDS = f"""
+verify: check ledgers; exit 1 on any integrity failure{_TARGETS}{_KEY_ENV}
+  --expect-head metavar=SEQ:HASH: a head published earlier (finds truncation)
+  --text action=store_true: a missing or changed file of the text store (LEDGER.text/) fails
+    (default: a warning)
+  --jobs type=int metavar=N: worker processes per ledger (default: one per core, at most 8, for 4
+    MiB or more)
+  --checkpoint metavar=FILE: hold PATH to a signed checkpoint
+  --since metavar=FILE: an earlier checkpoint it extends{_VKEYS}
+head: print the anchor 'SEQ HASH' of a verified ledger
+  path metavar=PATH{_KEY_ENV}
+report: one readable line per event: what it says and what it means{_TARGETS}{_KEY_ENV}
+  --kind action=append: only this kind (repeatable)
+  --stage: only decisions of this stage
+  --run: only this run id (or prefix)
+  --since: date or ISO time (UTC)
+  --until: date (inclusive) or ISO time
+  --json action=store_true: print the matching lines unchanged
+append: append one event; prints the new head
+  path metavar=PATH{_KEY_ENV}
+  --kind required=true
+  --run-id: default: $LEDGER_RUN_ID or a new id
+  --payload: a JSON object (default: stdin when it is not a terminal)
+keygen: write a signer key to --out (mode 0600); print its verifier key
+  name metavar=NAME
+  --out required=true metavar=FILE
+  --cosigner action=store_true: a witness key (type 0x04)
+checkpoint: verify a ledger, then print its signed checkpoint
+  path metavar=PATH
+  --key required=true metavar=FILE: the signer key file
+  --origin: the log's name (default: the key's)
+  --append action=store_true: also add it to PATH.checkpoints
+prove: an inclusion proof of line SEQ, or --consistency M [N]
+  path metavar=PATH
+  seq nargs=? type=int metavar=SEQ
+  --checkpoint metavar=FILE
+  --consistency nargs=+ type=int metavar=M: M [N]: from size M to N
+verify-proof: check that the line on stdin is in the signed log
+  proof metavar=PROOF{_VKEYS}"""
 
 
 def _build_parser():
@@ -2709,9 +2653,11 @@ def _build_parser():
     )
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (text, handler, specs) in _COMMANDS.items():
+    for block in re.split(r"\n(?=\S)", _COMMANDS.strip()):
+        line, _nl, specs = block.partition("\n")
+        name, _sep, text = line.partition(": ")
         command = sub.add_parser(name, help=text)
-        command.set_defaults(func=handler)
+        command.set_defaults(func=globals()["_cmd_" + name.replace("-", "_")])
         add_arguments(command, specs)
     return parser
 
