@@ -153,7 +153,7 @@ _PREV_SUFFIX_RE = re.compile(rb',"prev":"([0-9a-f]{64})"\}\Z')
 def _claim(line):
     """(seq, prev) as a line's bytes claim them, without parsing it; None: not a ledger line."""
     seq, prev = _SEQ_PREFIX_RE.match(line), _PREV_SUFFIX_RE.search(line)
-    return seq and prev and (int(seq.group(1)), prev.group(1).decode())
+    return seq and prev and (int(seq[1]), prev[1].decode())
 
 
 # Python 3.11+ refuses to print longer ints; a line must read back everywhere
@@ -282,7 +282,7 @@ def parse_head(text):
             f"not a ledger head (want SEQ:HASH, the whole 64-hex hash `head` prints): "
             f"{printable(text)!r}"
         )
-    return int(match.group(1)), match.group(2).lower()
+    return int(match[1]), match[2].lower()
 
 
 # ----------------------------------------------------------------------------
@@ -324,26 +324,26 @@ def is_secret_key(name):
 def _mask_scheme(m):
     # a credential, not prose ("a bearer token"): 20+ characters, or 8+ with a digit, token
     # punctuation or a capital after the first letter
-    word = m.group(3).rstrip(".")
+    word = m[3].rstrip(".")
     credential = (
         len(word) >= 20
         or len(word) >= 8
         and (any(c.isdigit() or c in "_~+/=" for c in word) or any(c.isupper() for c in word[1:]))
     )
-    return m.group(1) + m.group(2) + REDACTED if credential else m.group(0)
+    return f"{m[1]}{m[2]}{REDACTED}" if credential else m[0]
 
 
 def _mask_userinfo(m):
     # a URL's user part with a password, or one that is a token (16+ characters, letters and digits)
-    user = m.group(2)
+    user = m[2]
     token = len(user) >= 16 and any(c.isdigit() for c in user) and any(c.isalpha() for c in user)
-    return m.group(1) + REDACTED + "@" if ":" in user or token else m.group(0)
+    return f"{m[1]}{REDACTED}@" if ":" in user or token else m[0]
 
 
 def _mask_param(m):
-    name = m.group(2)
+    name = m[2]
     secret = is_secret_key(name) or name.lower().replace("-", "_") in _SECRET_PARAMS
-    return m.group(1) + name + "=" + REDACTED if secret and m.group(3) != REDACTED else m.group(0)
+    return f"{m[1]}{name}={REDACTED}" if secret and m[3] != REDACTED else m[0]
 
 
 _PROSE_RE = re.compile(r"[ \t]+[A-Za-z]")
@@ -354,16 +354,16 @@ def _mask_assignment(m):
     value = double or single or bare or ""
     # a word that a sentence goes on after ("a webhook secret: set WEBHOOK_SECRET") is prose, not
     # a value: the program's own messages keep their words
-    prose = bare and ":" in m.group(2) and bare.isalpha() and _PROSE_RE.match(m.string, m.end())
+    prose = bare and ":" in m[2] and bare.isalpha() and _PROSE_RE.match(m.string, m.end())
     if (
         prose
-        or not is_secret_key(m.group(1))
+        or not is_secret_key(m[1])
         or value in ("", REDACTED)
         or value.lower() in ("bearer", "basic")
     ):
-        return m.group(0)
+        return m[0]
     quote = '"' if double is not None else "'" if single is not None else ""
-    return m.group(1) + m.group(2) + quote + REDACTED + quote
+    return f"{m[1]}{m[2]}{quote}{REDACTED}{quote}"
 
 
 # Secret shapes masked inside any string, run in this order: a later shape leaves an earlier one's
@@ -893,7 +893,7 @@ class Ledger:
             raise IntegrityError(
                 self.path, None, f"the last line is {what}; refusing to append (run verify)"
             )
-        return int(match.group(1)) + 1, line_hash(last, self.key)
+        return int(match[1]) + 1, line_hash(last, self.key)
 
     def _write_event(self, fd, size, last, kind, clean, payload_json):
         seq, prev = self._next(size, last)
@@ -1672,7 +1672,7 @@ def printable(value):
     """str(value) with control characters escaped (\\n, \\x1b, \\u2028), so text from a ledger or a
     server can neither forge a line nor drive a terminal."""
     return _CONTROL_RE.sub(
-        lambda match: repr(match.group())[1:-1], value if type(value) is str else str(value)
+        lambda match: repr(match[0])[1:-1], value if type(value) is str else str(value)
     )
 
 
@@ -1749,7 +1749,7 @@ def parse_time(text, end=False, now=None):
     age = re.fullmatch(r"([0-9]{1,5})([hd])", text)
     try:
         if age:
-            moment = now - timedelta(hours=int(age.group(1)) * (24 if age.group(2) == "d" else 1))
+            moment = now - timedelta(hours=int(age[1]) * (24 if age[2] == "d" else 1))
         else:  # a date is its first microsecond, or its last with `end`
             moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
             moment = moment if moment.tzinfo else moment.replace(tzinfo=utc)
@@ -2141,11 +2141,11 @@ def parse_checkpoint(text, where="checkpoint"):
     signatures, match = [], _CHECKPOINT_RE.match(body + "\n")
     for line in block[:-1].split("\n") if not problem else ():
         found = _SIG_RE.match(line)
-        raw = _unb64(found.group(2)) if found else b""
+        raw = _unb64(found[2]) if found else b""
         if len(raw) < 5:
             problem = f"malformed signature line {line[:60]!r}"
             break
-        signatures.append((found.group(1), raw[:4], raw[4:]))
+        signatures.append((found[1], raw[:4], raw[4:]))
     if not problem and not match:
         problem = "malformed checkpoint: want an origin, a tree size and a base64 root, one a line"
     if problem:
@@ -2330,8 +2330,8 @@ def _cmd_verify_proof(args):
     if not found:
         raise IntegrityError(args.proof, None, "not a c2sp.org/tlog-proof@v1 proof")
     checkpoint, signers, _keys = _open_cli_checkpoint(args, text[found.end() :], args.proof)
-    line, index = sys.stdin.buffer.read().removesuffix(b"\n"), int(found.group(1))
-    proof = [base64.b64decode(h) for h in found.group(2).split()]
+    line, index = sys.stdin.buffer.read().removesuffix(b"\n"), int(found[1])
+    proof = [base64.b64decode(h) for h in found[2].split()]
     if not verify_inclusion(line, index, checkpoint.size, proof, checkpoint.root):
         raise IntegrityError(
             args.proof, None, f"the line on stdin is not line {index + 1} of the log"
