@@ -119,24 +119,16 @@ CHECKPOINT_EVERY = (10000, 300)
     EXIT_PROPOSAL,
     EXIT_STUCK
 ) = range(10)
-EXIT_CODES = dict(
-    enumerate(
-        (
-            "ok",
-            "failed: integrity failure (verify, audit, ship), failed call (ask), error outcome "
-            "(agent)",
-            "usage, configuration or I/O error; nothing was done",
-            "answer received but a check failed (ask); proposal rejected by the judge (agent)",
-            "changes found: audit --fail-on-change; decisions another tools.json flips (agent "
-            "replay)",
-            "stdout could not be written; the result was recorded",
-            "another run holds the repository's lock (agent)",
-            "budget exhausted (agent)",
-            "proposal accepted by the judge, waiting for review (agent)",
-            "the model repeated itself until the run stopped it (agent)"
-        )
-    )
-)
+EXIT_CODES = dict(enumerate("""ok
+failed: integrity failure (verify, audit, ship), failed call (ask), error outcome (agent)
+usage, configuration or I/O error; nothing was done
+answer received but a check failed (ask); proposal rejected by the judge (agent)
+changes found: audit --fail-on-change; decisions another tools.json flips (agent replay)
+stdout could not be written; the result was recorded
+another run holds the repository's lock (agent)
+budget exhausted (agent)
+proposal accepted by the judge, waiting for review (agent)
+the model repeated itself until the run stopped it (agent)""".split("\n")))
 
 _KIND_RE = re.compile(r"[a-z][a-z0-9_.]*\Z")
 _AT_RE = re.compile(
@@ -1569,21 +1561,13 @@ def verify_runs(runs_dir, *, key=None, jobs=1):
 # A run summed up: agent.py writes the events, and every reader of a run asks here
 # ----------------------------------------------------------------------------
 
-# A run's summary, field by field, as it starts (docs/audit.md, "Agent runs").
-_RUN = dict(
-    run_id=None,
-    started=None,
-    outcome="open",
-    judge_verdict=None,
-    **dict.fromkeys(
-        "steps tools_allowed tools_denied model_calls input_tokens output_tokens usage_calls "
-        "est_tokens errors".split(),
-        0
-    ),
-    why=None,
-    proposal=None,
-    unboxed=None
+# A run's summary, field by field, as it starts (docs/audit.md, "Agent runs"): the counts, steps
+# to errors, at 0.
+_RUN = dict.fromkeys(
+    "run_id started outcome judge_verdict steps tools_allowed tools_denied model_calls "
+    "input_tokens output_tokens usage_calls est_tokens errors why proposal unboxed".split()
 )
+_RUN.update(dict.fromkeys(list(_RUN)[4:13], 0), outcome="open")
 # A model_call's token fields, each summed into this field of the run.
 _CALL_TOKENS = {
     "input_tokens": "input_tokens",
