@@ -905,13 +905,13 @@ class Ledger:
                 f"event is {len(raw) + 1} bytes, over the {self.max_line_bytes}-byte line limit"
             )
         _write_or_undo(fd, raw + b"\n", size, False)  # append() makes it durable
-        self.head = (seq, line_hash(raw, self.key))
+        self.head = seq, line_hash(raw, self.key)
         return dict(zip(FIELDS, (seq, self.run_id, kind, at, clean, prev)))
 
     def _recover_torn_tail(self, fd, size, end, last):
         fragment = os.pread(fd, size - end, end)
         digest = hashlib.sha256(fragment).hexdigest()
-        sidecar = Path(str(self.path) + ".torn")
+        sidecar = Path(f"{self.path}.torn")
         header = (
             f"torn offset={end} length={len(fragment)} sha256={digest} at={utc_now()}\n".encode()
         )
@@ -2146,28 +2146,30 @@ def open_checkpoint(text, keys, witnesses=(), needed=None, where="checkpoint"):
     known, signed, wrong = {(k.name, k.kid): k for k in (*keys, *witnesses)}, [], None
     for name, kid, signature in signatures:
         key, message = known.get((name, kid)), checkpoint.body.encode()
-        if key and key.kind == COSIGNER:
+        if not key:
+            if any(k.name == name for k in known.values()):
+                wrong = (
+                    f"wrong key ID: the signature by {name} has key ID {kid.hex()}, not the key's"
+                )
+            continue
+        if key.kind == COSIGNER:
             message = _cosigned(checkpoint.body, int.from_bytes(signature[:8], "big"))
             signature = signature[8:]
-        if key and not ed25519_verify(key.public, message, signature):
+        if not ed25519_verify(key.public, message, signature):
             raise IntegrityError(where, None, f"the signature by {name} does not verify")
-        signed += [key] if key else []
-        if not key and any(k.name == name for k in known.values()):
-            wrong = f"wrong key ID: the signature by {name} has key ID {kid.hex()}, not the key's"
+        signed.append(key)
     needed = len(witnesses) if needed is None else needed
     cosigned = len(set(signed) & set(witnesses))
-    signers = ", ".join(s[0] for s in signatures)
-    problem = (
-        wrong or f"signed by no key given (signers: {signers})"
-        if not set(signed) & set(keys)
-        else (
-            f"cosigned by {cosigned} of the {needed} witnesses needed"
-            if cosigned < needed
-            else None
+    if not set(signed) & set(keys):
+        raise IntegrityError(
+            where,
+            None,
+            wrong or f"signed by no key given (signers: {', '.join(s[0] for s in signatures)})"
         )
-    )
-    if problem:
-        raise IntegrityError(where, None, problem)
+    if cosigned < needed:
+        raise IntegrityError(
+            where, None, f"cosigned by {cosigned} of the {needed} witnesses needed"
+        )
     return checkpoint, [k.name for k in dict.fromkeys(signed)]
 
 
@@ -2175,7 +2177,7 @@ def check_against(path, checkpoint, earlier=(), since=None, key=None):
     """Hold a ledger to a checkpoint: its first `size` lines give its root (and a verified `since`'s
     size its root), then verify(path, key=key). A failure names a cut, a fork after one of the
     `earlier` checkpoints, a changed line, or a rebuild."""
-    earlier = [*earlier, *([since] if since else [])]
+    earlier = [*earlier, since] if since else earlier
     sizes, tree = {c.size for c in earlier} | {checkpoint.size}, _Tree()
     roots, top = {0: tree.root()}, max(sizes)
     for leaf in ledger_leaves(path):
@@ -2471,7 +2473,8 @@ def _artifact(ledger_path, ref):
 
 
 def _answer_text(ledger_path, name):
-    """The text of an answer in the ledger's text store (answer_text), or ""."""
+    """The text of an answer in the ledger's text store (answer_text), or "" (`name` may be any
+    JSON value)."""
     try:
         entry = (
             json.loads((text_dir(ledger_path) / name).read_bytes())
@@ -2489,15 +2492,13 @@ def _tests_meaning(path, payload):
     if payload.get("passed") is True:
         return f"tests passed ({tally})" if tally else "tests passed"
     why = "timed out" if payload.get("timed_out") else f"exit {payload.get('returncode')}"
-    try:
+    try:  # not JSON, or not an object: no names
         outcomes = json.loads(_artifact(path, payload.get("outcomes_artifact")) or "{}")
-    except ValueError:
-        outcomes = {}
-    failed = (
-        sorted(name for name, outcome in outcomes.items() if outcome in ("failed", "error"))
-        if type(outcomes) is dict
-        else []
-    )
+        failed = sorted(
+            name for name, outcome in outcomes.items() if outcome in ("failed", "error")
+        )
+    except (ValueError, AttributeError):
+        failed = []
     shown = ", ".join(failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")
     return f"tests FAILED ({why}{'; ' + tally if tally else ''})" + (f": {shown}" if shown else "")
 
@@ -2517,8 +2518,7 @@ def _event_summary(path, event):
         parts.append(_tests_meaning(path, payload))
     call = payload.get("call") if type(payload.get("call")) is dict else {}
     reply = _artifact(path, payload.get("response_artifact") or call.get("reply_artifact"))
-    if type(payload.get("answer_text")) is str:
-        reply = reply or _answer_text(path, payload["answer_text"])
+    reply = reply or _answer_text(path, payload.get("answer_text"))
     line = next((s.strip() for s in reply.splitlines() if s.strip()), "")
     if line:
         parts.append(f"reply: {line if len(line) <= 120 else line[:119] + '…'}")
