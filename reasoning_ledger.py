@@ -593,7 +593,7 @@ def named_error(exc, path):
 
 
 def _fsync_dir(path):
-    fd = os.open(str(Path(path).parent) or ".", os.O_RDONLY)
+    fd = os.open(str(Path(path).parent), os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -1655,9 +1655,7 @@ def plural(count, word, many=None):
 def printable(value):
     """str(value) with control characters escaped (\\n, \\x1b, \\u2028), so text from a ledger or a
     server can neither forge a line nor drive a terminal."""
-    return _CONTROL_RE.sub(
-        lambda match: repr(match[0])[1:-1], value if type(value) is str else str(value)
-    )
+    return _CONTROL_RE.sub(lambda match: repr(match[0])[1:-1], str(value))
 
 
 def error(message, secrets=(), label="error"):
@@ -1775,7 +1773,7 @@ def run_main(parser, argv=None, command=None, moved=None):
         return command(args)
     except (LedgerError, OSError) as exc:
         error(error_text(exc))
-        return exc.exit_code if isinstance(exc, LedgerError) else EXIT_USAGE
+        return getattr(exc, "exit_code", EXIT_USAGE)
     except KeyboardInterrupt:
         error("interrupted")
         return 130
@@ -1937,8 +1935,9 @@ _D = -121665 * pow(121666, -1, _P) % _P
 
 
 def _ed_add(p, q):
-    a, b = (p[1] - p[0]) * (q[1] - q[0]) % _P, (p[1] + p[0]) * (q[1] + q[0]) % _P
-    c, d = 2 * p[3] * q[3] * _D % _P, 2 * p[2] * q[2] % _P
+    (x1, y1, z1, t1), (x2, y2, z2, t2) = p, q
+    a, b = (y1 - x1) * (y2 - x2) % _P, (y1 + x1) * (y2 + x2) % _P
+    c, d = 2 * t1 * t2 * _D % _P, 2 * z1 * z2 % _P
     e, f, g, h = b - a, d - c, d + c, b + a
     return e * f % _P, g * h % _P, f * g % _P, e * h % _P
 
