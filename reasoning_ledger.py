@@ -1770,7 +1770,7 @@ def run_main(parser, argv=None, command=None, moved=None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:  # our errors and OS errors become one error line and their exit code (others are bugs)
-        return command(args)
+        return command(args) or EXIT_OK  # a command that returns nothing succeeded
     except (LedgerError, OSError) as exc:
         error(error_text(exc))
         return getattr(exc, "exit_code", EXIT_USAGE)
@@ -2277,13 +2277,11 @@ def _cmd_keygen(args):
     except FileExistsError:
         raise UsageError(f"{args.out} exists: keygen never overwrites a key") from None
     write_out(f"{key_text(key)}\n")
-    return EXIT_OK
 
 
 def _cmd_checkpoint(args):
     key = read_signer_key(args.key)
     write_out(make_checkpoint(args.path, key, origin=args.origin, append=args.append))
-    return EXIT_OK
 
 
 def _cmd_prove(args):
@@ -2294,8 +2292,7 @@ def _cmd_prove(args):
         size = size[0] if size else sum(1 for _leaf in ledger_leaves(args.path))
         if not 0 <= old <= size:
             raise UsageError(f"--consistency {old} {size}: want 0 <= M <= N")
-        write_out(_proof_lines(tree_proof(args.path, size, old=old)[0]))
-        return EXIT_OK
+        return write_out(_proof_lines(tree_proof(args.path, size, old=old)[0]))
     if not args.checkpoint:
         raise UsageError("prove SEQ needs --checkpoint FILE")
     note = _newest_note(args.checkpoint)
@@ -2306,7 +2303,6 @@ def _cmd_prove(args):
     if root != checkpoint.root:
         raise IntegrityError(args.path, None, "does not give the checkpoint's root: verify it")
     write_out(f"c2sp.org/tlog-proof@v1\nindex {args.seq - 1}\n{_proof_lines(proof)}\n{note}")
-    return EXIT_OK
 
 
 def _cmd_verify_proof(args):
@@ -2325,7 +2321,6 @@ def _cmd_verify_proof(args):
         f"ok    line {index + 1} of {checkpoint.origin} ({checkpoint.size} lines), "
         f"signed by {', '.join(signers)}\n"
     )
-    return EXIT_OK
 
 
 # ----------------------------------------------------------------------------
@@ -2450,7 +2445,6 @@ def _cmd_verify(args):
 
 def _cmd_head(args):
     write_out(verify(args.path, key=cli_key(args), jobs=None).head_text() + "\n")
-    return EXIT_OK
 
 
 # Payload fields that say what happened, shown on an event's line by `report`.
@@ -2551,7 +2545,6 @@ def _cmd_report(args):
     except OutputError as exc:
         if not exc.pipe:  # `report | head`: the reader has all it wanted
             raise
-    return EXIT_OK
 
 
 def _cmd_append(args):
@@ -2577,7 +2570,6 @@ def _cmd_append(args):
     ) as ledger:
         ledger.append(args.kind, payload)
         write_out(f"{ledger.head[0]} {ledger.head[1]}\n")
-    return EXIT_OK
 
 
 _VKEYS = """
