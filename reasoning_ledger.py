@@ -359,23 +359,20 @@ def _mask_assignment(m):
 
 
 # Secret shapes masked inside any string, run in this order: a later shape leaves an earlier one's
-# mask alone.
+# mask alone. A shape without its replacement is replaced whole by [REDACTED].
 _SHAPES = (
-    (
-        r"(?s)-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
-        REDACTED
-    ),
+    r"(?s)-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
     (
         r"(?i)\b((?:set-)?cookie|(?:proxy-)?authorization)"
         r"([ \t]*:[ \t]*)(?!\[REDACTED\])\S[^\r\n]*",
-        r"\1\2" + REDACTED
+        r"\1\2[REDACTED]"
     ),
     (r"(?i)\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=-]+)", _mask_scheme),
-    (r"\bsk-[A-Za-z0-9_-]{8,}", REDACTED),
-    (r"PRIVATE\+KEY\+\S+", REDACTED),  # a signed-note signer key (docs/checkpoints.md)
-    (r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", REDACTED),
-    (r"\bxox[abposr]-[A-Za-z0-9-]{8,}", REDACTED),
-    (r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", REDACTED),
+    r"\bsk-[A-Za-z0-9_-]{8,}",
+    r"PRIVATE\+KEY\+\S+",  # a signed-note signer key (docs/checkpoints.md)
+    r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})",
+    r"\bxox[abposr]-[A-Za-z0-9-]{8,}",
+    r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b",
     (r"\b([a-zA-Z][a-zA-Z0-9+.-]{0,31}://)([^\s/?#\"'<>]+)@", _mask_userinfo),
     (r"([?&;#])([A-Za-z0-9_.\[\]-]{1,64})=([^&#\s\"'<>]+)", _mask_param),
     (
@@ -425,7 +422,9 @@ def _folded(text):
 
 @functools.lru_cache(maxsize=1)
 def _compiled_shapes():  # on first use: verify never needs them
-    return tuple((re.compile(src), repl) for src, repl in _SHAPES)
+    return tuple(
+        (re.compile(s), REDACTED) if type(s) is str else (re.compile(s[0]), s[1]) for s in _SHAPES
+    )
 
 
 class Redactor:
@@ -667,11 +666,10 @@ def _after_fork_in_child():
     # A fork copies the fd (one open file description: its flock would be shared with the parent)
     # and the thread lock (maybe held by a thread that does not exist here). Start both afresh.
     for ledger in list(_LIVE_LEDGERS):
-        ledger._lock, ledger._sync, ledger._syncing = threading.Lock(), threading.Condition(), False
         if ledger._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(ledger._fd)
-            ledger._fd = None
+        ledger._afresh()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -712,14 +710,22 @@ class Ledger:
         self.extra_secrets = tuple(s for s in secrets if s)
         self.redactor = Redactor(secret_values(self.extra_secrets))  # env read once, not per append
         self.head = None  # (seq, hash) of the last line this object wrote
-        self._fd, self._mode_checked, self._lock = None, False, threading.Lock()
+        self._mode_checked = False
         # with a signer key: a checkpoint every CHECKPOINT_EVERY, and at close (docs/checkpoints.md)
         self.signer, self._unsigned, self._signed_at = signer, 0, time.monotonic()
         self.add_secret(signer and key_text(signer, secret=True))
         # group commit: lines this object wrote, made durable, lost to a failed fsync
-        self._sync, self._syncing = threading.Condition(), False
         self._written = self._synced = self._lost = 0
+        self._afresh()
         _LIVE_LEDGERS.add(self)
+
+    def _afresh(self):  # no file open, no lock held, no fsync under way
+        self._fd, self._lock, self._sync, self._syncing = (
+            None,
+            threading.Lock(),
+            threading.Condition(),
+            False
+        )
 
     def add_secret(self, value):
         """Mask this exact value too (an API key passed as an argument rather than in the env)."""
