@@ -971,7 +971,7 @@ class Ledger:
 def text_dir(path):
     """The text store of the ledger at `path`: the directory PATH.text/ beside it, one file per
     SHA-256."""
-    return Path(str(path) + ".text")
+    return Path(f"{path}.text")
 
 
 def store_artifact(
@@ -1352,7 +1352,7 @@ def _check_end(path, expect, count, key, closed, truncated):
         )
     if seq > count:
         raise IntegrityError(
-            path, count + 1 if count else None, "truncated: " + truncated.format(seq, count)
+            path, count + 1 if count else None, f"truncated: {truncated.format(seq, count)}"
         )
     if closed and count > seq:
         raise IntegrityError(
@@ -2237,10 +2237,6 @@ def _read_text(path):
         raise IntegrityError(path, None, f"not UTF-8 (byte {exc.start})") from None
 
 
-def _newest_note(path):
-    return split_notes(_read_text(path))[-1]
-
-
 def _open_cli_checkpoint(args, text, where):
     """`text`'s newest note checked with --vkey and --witness -> (Checkpoint, signers, keys)."""
     keys, witnesses = cli_keys(args.vkey, SIGNER), cli_keys(args.witness, COSIGNER)
@@ -2262,7 +2258,9 @@ def _verify_checkpoint(args):
             with contextlib.suppress(IntegrityError):
                 earlier.append(parse_checkpoint(note)[0])
         if args.since:
-            since = open_checkpoint(_newest_note(args.since), keys, where=args.since)[0]
+            since = open_checkpoint(
+                split_notes(_read_text(args.since))[-1], keys, where=args.since
+            )[0]
             if (since.origin, since.size > checkpoint.size) != (checkpoint.origin, False):
                 raise IntegrityError(args.since, None, "not an earlier checkpoint of this log")
         result = check_against(path, checkpoint, earlier, since, cli_key(args))
@@ -2301,7 +2299,7 @@ def _cmd_prove(args):
         return write_out(_proof_lines(tree_proof(args.path, size, old=old)[0]))
     if not args.checkpoint:
         raise UsageError("prove SEQ needs --checkpoint FILE")
-    note = _newest_note(args.checkpoint)
+    note = split_notes(_read_text(args.checkpoint))[-1]
     checkpoint = parse_checkpoint(note, args.checkpoint)[0]
     if not 0 < args.seq <= checkpoint.size:
         raise UsageError(f"line {args.seq} is not among the checkpoint's {checkpoint.size}")
@@ -2400,16 +2398,15 @@ def tally(results, good, summary, inside="", after=""):
         counts[state] += 1
         write_out(line + suffix + "\n")
     write_out(summary(counts["ok"], sum(counts.values())) + "\n")
-    failed, n = counts["fail"], counts["error"]
-    if failed:
+    if counts["fail"]:
         error(
-            f"integrity check failed ({failed} ledger{'s' if failed > 1 else ''}{inside})"
-            f"{after.format('them' if failed > 1 else 'it')}"
+            f"integrity check failed ({counts['fail']} ledger{'s' if counts['fail'] > 1 else ''}"
+            f"{inside}){after.format('them' if counts['fail'] > 1 else 'it')}"
         )
         return EXIT_FAILED
-    if n:
+    if counts["error"]:
         error(
-            f"{n} ledger{'s' if n > 1 else ''} could not be read"
+            f"{counts['error']} ledger{'s' if counts['error'] > 1 else ''} could not be read"
             + (f" ({keyless} need{'s' if keyless == 1 else ''} a key)" if keyless else "")
         )
         return EXIT_USAGE
