@@ -1666,7 +1666,7 @@ def printable(value):
 
 def error(message, secrets=(), label="error"):
     """One 'error: …' line on stderr: secrets masked, control characters escaped."""
-    text = Redactor(secret_values(secrets)).text(str(message))
+    text = redact_text(str(message), secret_values(secrets))
     print(f"{label}: {printable(text)}", file=sys.stderr, flush=True)
 
 
@@ -2495,8 +2495,8 @@ def _tests_meaning(path, payload):
         )
     except (ValueError, AttributeError):
         failed = []
-    shown = ", ".join(failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")
-    return f"tests FAILED ({why}{'; ' + tally if tally else ''})" + (f": {shown}" if shown else "")
+    shown = f"{', '.join(failed[:5])}{f' and {len(failed) - 5} more' if len(failed) > 5 else ''}"
+    return f"tests FAILED ({why}{'; ' + tally if tally else ''}){': ' + shown if shown else ''}"
 
 
 def _event_summary(path, event):
@@ -2512,8 +2512,10 @@ def _event_summary(path, event):
         parts.append(f"CHECK FAILED: {payload.get('check_detail') or 'no detail'}")
     if event["kind"] == "tests_run":
         parts.append(_tests_meaning(path, payload))
-    call = payload.get("call") if type(payload.get("call")) is dict else {}
-    reply = _artifact(path, payload.get("response_artifact") or call.get("reply_artifact"))
+    call = payload.get("call")
+    reply = _artifact(
+        path, payload.get("response_artifact") or type(call) is dict and call.get("reply_artifact")
+    )
     reply = reply or _answer_text(path, payload.get("answer_text"))
     line = next((s.strip() for s in reply.splitlines() if s.strip()), "")
     if line:
