@@ -247,7 +247,7 @@ def _at_ok(at):
 
 
 def _key_bytes(key):
-    return (key.encode("utf-8") if isinstance(key, str) else bytes(key)) if key else None
+    return (key.encode() if isinstance(key, str) else bytes(key)) if key else None
 
 
 def resolve_key(key):
@@ -545,7 +545,7 @@ def _clean_payload(payload, redactor):
     try:
         clean = _clean(payload, redactor)
         text = dumps(clean)
-        text.encode("utf-8")
+        text.encode()
     except _BadValue as exc:
         raise PayloadError(
             f"payload{''.join(exc.where[::-1])}: {exc.reason}; nothing was written"
@@ -565,11 +565,7 @@ def payload_problem(payload, limit=MAX_LINE_BYTES // 2):
         _stored, text = _clean_payload(payload, Redactor())
     except PayloadError as exc:
         return str(exc).replace("; nothing was written", "")
-    return (
-        f"payload is larger than {limit} bytes of JSON"
-        if len(text.encode("utf-8")) > limit
-        else None
-    )
+    return f"payload is larger than {limit} bytes of JSON" if len(text.encode()) > limit else None
 
 
 _SCANNER = json.JSONDecoder().scan_once
@@ -905,7 +901,7 @@ class Ledger:
         raw = (
             '{"seq":%d,"run_id":"%s","kind":"%s","at":"%s","payload":%s,"prev":"%s"}'
             % (seq, self.run_id, kind, at, payload_json, prev)
-        ).encode("utf-8")
+        ).encode()
         if len(raw) + 1 > self.max_line_bytes:
             raise PayloadError(
                 f"event is {len(raw) + 1} bytes, over the {self.max_line_bytes}-byte line limit"
@@ -983,11 +979,7 @@ def store_artifact(
         data = data.encode("utf-8", "backslashreplace")  # a lone surrogate stays visible as \\udXXX
     if redact_secrets:
         with contextlib.suppress(UnicodeDecodeError):  # not UTF-8 text: stored as it is
-            data = (
-                (redactor or Redactor(secret_values(extra_secrets)))
-                .text(data.decode("utf-8"))
-                .encode("utf-8")
-            )
+            data = (redactor or Redactor(secret_values(extra_secrets))).text(data.decode()).encode()
     directory = Path(directory)
     digest = hashlib.sha256(data).hexdigest()
     target = directory / digest
@@ -1172,10 +1164,7 @@ def _form_problem(body):
         return "NUL byte in line"
     try:
         json.loads(
-            body.decode("utf-8"),
-            object_pairs_hook=unique,
-            parse_constant=constant,
-            parse_float=finite
+            body.decode(), object_pairs_hook=unique, parse_constant=constant, parse_float=finite
         )
     except UnicodeDecodeError as exc:
         return f"not UTF-8 (byte {exc.start})"
@@ -1267,7 +1256,7 @@ def _check_lines(path, lines, key, run_id, expect=None, start=None):
         # exactly the writer's bytes: encoded again by the writer's own encoder, the line gives back
         # its text
         try:
-            text = body.decode("utf-8")
+            text = body.decode()
             event, end = _SCANNER(text, 0)
             canonical = end == len(text) and dumps(event) == text
         except (ValueError, StopIteration, RecursionError):
@@ -2232,7 +2221,7 @@ def cli_keys(values, kind):
 def _read_text(path):
     """A checkpoint or proof file's text; IntegrityError when it is not UTF-8, as notes must be."""
     try:
-        return Path(path).read_bytes().decode("utf-8")
+        return Path(path).read_bytes().decode()
     except UnicodeDecodeError as exc:
         raise IntegrityError(path, None, f"not UTF-8 (byte {exc.start})") from None
 
@@ -2544,9 +2533,7 @@ def _cmd_report(args):
                     or (args.run and not event["run_id"].startswith(args.run))
                     or not since <= event["at"] <= until
                 ):
-                    write_out(
-                        (raw.decode("utf-8") if args.json else _event_summary(path, event)) + "\n"
-                    )
+                    write_out((raw.decode() if args.json else _event_summary(path, event)) + "\n")
     except OutputError as exc:
         if not exc.pipe:  # `report | head`: the reader has all it wanted
             raise
@@ -2556,7 +2543,7 @@ def _cmd_append(args):
     text = args.payload
     try:
         if text is None and not sys.stdin.isatty():
-            text = sys.stdin.buffer.read().decode("utf-8")
+            text = sys.stdin.buffer.read().decode()
         payload = json.loads(text) if text and text.strip() else {}
     except UnicodeDecodeError as exc:
         raise PayloadError(f"payload is not UTF-8 (byte {exc.start})") from None
