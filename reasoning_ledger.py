@@ -797,11 +797,10 @@ class Ledger:
         """The file's head (seq, hash) if the next append can succeed (a torn tail it recovers);
         writes nothing."""
 
-        def tail(fd):
-            seq, prev = self._next(*_scan_tail(fd, os.fstat(fd).st_size, self.path))
-            return seq - 1, prev
-
-        return self._locked(tail)
+        seq, prev = self._locked(
+            lambda fd: self._next(*_scan_tail(fd, os.fstat(fd).st_size, self.path))
+        )
+        return seq - 1, prev
 
     def append(self, kind, payload=None):
         """Append one event; return it as written (payload masked). PayloadError: nothing was
@@ -916,11 +915,9 @@ class Ledger:
         fragment = os.pread(fd, size - end, end)
         digest = hashlib.sha256(fragment).hexdigest()
         sidecar = Path(f"{self.path}.torn")
-        header = (
-            f"torn offset={end} length={len(fragment)} sha256={digest} at={utc_now()}\n".encode()
-        )
+        header = f"torn offset={end} length={len(fragment)} sha256={digest} at={utc_now()}\n"
         try:
-            _write_file(sidecar, header + fragment + b"\n")
+            _write_file(sidecar, header.encode() + fragment + b"\n")
         except OSError as exc:
             raise named_error(exc, sidecar) from None
         os.ftruncate(fd, end)
@@ -1566,12 +1563,11 @@ _RUN = dict.fromkeys(
 )
 _RUN.update(dict.fromkeys(list(_RUN)[4:13], 0), outcome="open")
 # A model_call's token fields, each summed into this field of the run.
-_CALL_TOKENS = {
-    "input_tokens": "input_tokens",
-    "output_tokens": "output_tokens",
-    "est_input_tokens": "est_tokens",
-    "est_output_tokens": "est_tokens"
-}
+_CALL_TOKENS = dict(
+    pair.split(":")
+    for pair in "input_tokens:input_tokens output_tokens:output_tokens est_input_tokens:est_tokens "
+    "est_output_tokens:est_tokens".split()
+)
 
 
 def run_summary(events=(), **fields):
@@ -1599,7 +1595,7 @@ def add_run_event(run, event):
         for name, total in _CALL_TOKENS.items():
             run[total] += typed(name, int, 0)
         run["model_calls"] += 1
-        run["usage_calls"] += type(get("input_tokens")) is int or type(get("output_tokens")) is int
+        run["usage_calls"] += int in (type(get("input_tokens")), type(get("output_tokens")))
         run["errors"] += type(get("error_type")) is str
     elif kind in ("model_proposed", "proposal_malformed"):
         run["steps"] = max(run["steps"], typed("step", int, run["steps"] + 1))
@@ -1816,9 +1812,9 @@ def _node(left, right):
     return hashlib.sha256(b"\1" + left + right).digest()
 
 
-class _Tree:
+class Tree:
     """RFC 6962's Merkle tree hash, built leaf by leaf from the roots of its full subtrees: O(log n)
-    memory."""
+    memory (fleet.py roots the lines ClickHouse holds with it)."""
 
     def __init__(self):
         self.size, self.stack = 0, []
@@ -1874,12 +1870,12 @@ def tree_proof(path, size, index=None, old=None):
         if old is None
         else _consistency_ranges(old, 0, size) if 0 < old < size else []
     )
-    ends, hashes, whole, part = dict(ranges), {}, _Tree(), None
+    ends, hashes, whole, part = dict(ranges), {}, Tree(), None
     for leaf in ledger_leaves(path):
         if whole.size == size:
             break
         if whole.size in ends:
-            start, part = whole.size, _Tree()
+            start, part = whole.size, Tree()
         whole.add(leaf)
         if part:
             part.add(leaf)
@@ -1971,8 +1967,8 @@ def _ed_decode(data):  # the point, or None
 _B = _ed_decode((4 * pow(5, -1, _P) % _P).to_bytes(32, "little"))
 
 
-def _ed_int(*parts):
-    return int.from_bytes(hashlib.sha512(b"".join(parts)).digest(), "little")
+def _ed_int(*parts):  # a hash as a scalar
+    return int.from_bytes(hashlib.sha512(b"".join(parts)).digest(), "little") % _L
 
 
 def _ed_secret(seed):
@@ -1987,9 +1983,9 @@ def ed25519_public(seed):
 
 def ed25519_sign(seed, message):
     scalar, prefix = _ed_secret(seed)
-    nonce = _ed_int(prefix, message) % _L
+    nonce = _ed_int(prefix, message)
     r = _ed_encode(_ed_mul(nonce, _B))
-    k = _ed_int(r, ed25519_public(seed), message) % _L
+    k = _ed_int(r, ed25519_public(seed), message)
     return r + ((nonce + k * scalar) % _L).to_bytes(32, "little")
 
 
@@ -1998,7 +1994,7 @@ def ed25519_verify(public, message, signature):
     s = int.from_bytes(signature[32:], "little")
     if point is None or s >= _L:
         return False
-    k = _ed_int(signature[:32], public, message) % _L
+    k = _ed_int(signature[:32], public, message)
     minus_a = (_P - point[0], point[1], 1, _P - point[3])
     return _ed_encode(_ed_add(_ed_mul(s, _B), _ed_mul(k, minus_a))) == signature[:32]
 
@@ -2174,7 +2170,7 @@ def check_against(path, checkpoint, earlier=(), since=None, key=None):
     size its root), then verify(path, key=key). A failure names a cut, a fork after one of the
     `earlier` checkpoints, a changed line, or a rebuild."""
     earlier = [*earlier, since] if since else earlier
-    sizes, tree = {c.size for c in earlier} | {checkpoint.size}, _Tree()
+    sizes, tree = {c.size for c in earlier} | {checkpoint.size}, Tree()
     roots, top = {0: tree.root()}, max(sizes)
     for leaf in ledger_leaves(path):
         if tree.size == top:
@@ -2322,9 +2318,6 @@ def _cmd_verify_proof(args):
 # Checkpoints as ledgers are written (a signing Ledger), and the tree for other rooms
 # ----------------------------------------------------------------------------
 
-# for fleet.py: RFC 6962's tree leaf by leaf (to root the lines ClickHouse holds)
-Tree = _Tree
-
 
 def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
     """A ledger's signed checkpoint (origin: the key's name), its chain verified first (a torn last
@@ -2332,7 +2325,7 @@ def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
     origin = origin or signer.name
     if signer.kind != SIGNER or not origin.strip() or _CONTROL_RE.search(origin):
         raise UsageError("a checkpoint needs a log key (not --cosigner) and a one-line origin")
-    tree = _Tree()
+    tree = Tree()
     with contextlib.suppress(TornTailError):  # a writer is mid-append (or died there)
         for _event, raw, _digest in verified_events(path, key=key):
             tree.add(raw)

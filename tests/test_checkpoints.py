@@ -114,7 +114,7 @@ def test_trees_of_every_size_up_to_70_match_the_naive_mth(seventy):
         assert (proof, root) == ([], mth(leaves[:size]))
     with pytest.raises(rl.IntegrityError, match="cut: the ledger has 70 lines, not 71"):
         rl.tree_proof(path, 71, old=0)
-    tree = rl._Tree()  # O(log n) memory: one subtree root per set bit of the size
+    tree = rl.Tree()  # O(log n) memory: one subtree root per set bit of the size
     for size in range(1, 5000):
         tree.add(b"x")
         assert len(tree.stack) == bin(size).count("1")
