@@ -219,13 +219,13 @@ class OutputError(LedgerError):
 def utc_now():
     """Current UTC time as the ledger writes it: 2026-11-29T12:00:00.123456Z."""
     seconds, micros = divmod(time.time_ns() // 1000, 1000000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + ".%06dZ" % micros
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(seconds))}.{micros:06d}Z"
 
 
 def new_run_id():
     """A run id that sorts by creation time and carries a random suffix:
     20261129T120000.123456Z-1a2b3c4d."""
-    return utc_now().replace("-", "").replace(":", "") + "-" + os.urandom(4).hex()
+    return f"{utc_now().replace('-', '').replace(':', '')}-{os.urandom(4).hex()}"
 
 
 @functools.lru_cache(maxsize=4096)  # a ledger's lines share a few days
@@ -900,8 +900,8 @@ class Ledger:
         # run_id, kind, at and prev are validated plain ASCII: this is exactly what json.dumps would
         # write
         raw = (
-            '{"seq":%d,"run_id":"%s","kind":"%s","at":"%s","payload":%s,"prev":"%s"}'
-            % (seq, self.run_id, kind, at, payload_json, prev)
+            f'{{"seq":{seq},"run_id":"{self.run_id}","kind":"{kind}","at":"{at}",'
+            f'"payload":{payload_json},"prev":"{prev}"}}'
         ).encode()
         if len(raw) + 1 > self.max_line_bytes:
             raise PayloadError(
@@ -2077,7 +2077,7 @@ def _signature_line(key, signature):
 
 def sign_note(body, key):
     """A signed note: `body` (lines ending in a newline), an empty line, `key`'s signature line."""
-    return body + "\n" + _signature_line(key, ed25519_sign(key.seed, body.encode()))
+    return f"{body}\n{_signature_line(key, ed25519_sign(key.seed, body.encode()))}"
 
 
 def _cosigned(body, timestamp):
@@ -2114,7 +2114,7 @@ def parse_checkpoint(text, where="checkpoint"):
             else "not a signed note: no empty line before the signatures" if not body else None
         )
     )
-    signatures, match = [], _CHECKPOINT_RE.match(body + "\n")
+    signatures, match = [], _CHECKPOINT_RE.match(f"{body}\n")
     for line in block[:-1].split("\n") if not problem else ():
         found = _SIG_RE.match(line)
         raw = _unb64(found[2]) if found else b""
@@ -2127,7 +2127,7 @@ def parse_checkpoint(text, where="checkpoint"):
     if problem:
         raise IntegrityError(where, None, problem)
     origin, size, root = match.groups()
-    return Checkpoint(origin, int(size), base64.b64decode(root), body + "\n"), signatures
+    return Checkpoint(origin, int(size), base64.b64decode(root), f"{body}\n"), signatures
 
 
 def open_checkpoint(text, keys, witnesses=(), needed=None, where="checkpoint"):
@@ -2388,8 +2388,8 @@ def tally(results, good=verified_line, summary="{}/{} ledgers valid".format, ins
                 f"ERROR {printable(text if text.startswith(str(path)) else f'{path}: {text}')}"
             )
         counts[state] += 1
-        write_out(line + suffix + "\n")
-    write_out(summary(counts["ok"], sum(counts.values())) + "\n")
+        write_out(f"{line}{suffix}\n")
+    write_out(f"{summary(counts['ok'], sum(counts.values()))}\n")
     if counts["fail"]:
         error(
             f"integrity check failed ({counts['fail']} ledger{'s' if counts['fail'] > 1 else ''}"
@@ -2430,7 +2430,7 @@ def _cmd_verify(args):
 
 
 def _cmd_head(args):
-    write_out(verify(args.path, key=cli_key(args), jobs=None).head_text() + "\n")
+    write_out(f"{verify(args.path, key=cli_key(args), jobs=None).head_text()}\n")
 
 
 # Payload fields that say what happened, shown on an event's line by `report`.
@@ -2527,7 +2527,7 @@ def _cmd_report(args):
                     or (args.run and not event["run_id"].startswith(args.run))
                     or not since <= event["at"] <= until
                 ):
-                    write_out((raw.decode() if args.json else _event_summary(path, event)) + "\n")
+                    write_out(f"{raw.decode() if args.json else _event_summary(path, event)}\n")
     except OutputError as exc:
         if not exc.pipe:  # `report | head`: the reader has all it wanted
             raise
@@ -2618,7 +2618,7 @@ def _build_parser():
         line, _nl, specs = block.partition("\n")
         name, _sep, text = line.partition(": ")
         command = sub.add_parser(name, help=text)
-        command.set_defaults(func=globals()["_cmd_" + name.replace("-", "_")])
+        command.set_defaults(func=globals()[f"_cmd_{name.replace('-', '_')}"])
         add_arguments(command, specs)
     return parser
 
