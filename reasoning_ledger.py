@@ -257,7 +257,8 @@ def resolve_key(key):
 
 
 def line_hash(raw, key=None):
-    """SHA-256 (or HMAC-SHA256 with `key`) of one stored line, without its newline."""
+    """SHA-256 (or HMAC-SHA256 with `key`) in hex of one stored line, without its newline (or of
+    any bytes)."""
     return (hmac.new(key, raw, hashlib.sha256) if key else hashlib.sha256(raw)).hexdigest()
 
 
@@ -913,7 +914,7 @@ class Ledger:
 
     def _recover_torn_tail(self, fd, size, end, last):
         fragment = os.pread(fd, size - end, end)
-        digest = hashlib.sha256(fragment).hexdigest()
+        digest = line_hash(fragment)
         sidecar = Path(f"{self.path}.torn")
         header = f"torn offset={end} length={len(fragment)} sha256={digest} at={utc_now()}\n"
         try:
@@ -980,7 +981,7 @@ def store_artifact(
         with contextlib.suppress(UnicodeDecodeError):  # not UTF-8 text: stored as it is
             data = (redactor or Redactor(secret_values(extra_secrets))).text(data.decode()).encode()
     directory = Path(directory)
-    digest = hashlib.sha256(data).hexdigest()
+    digest = line_hash(data)
     target = directory / digest
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -1386,7 +1387,7 @@ def _text_problem(directory, name):
         data = (directory / name).read_bytes()
     except OSError as exc:
         return error_text(named_error(exc, directory / name))
-    return None if hashlib.sha256(data).hexdigest() == name else f"{directory / name}: changed"
+    return None if line_hash(data) == name else f"{directory / name}: changed"
 
 
 def _text_checked(path, result, strict):
@@ -1648,7 +1649,7 @@ def plural(count, word, many=None):
 def printable(value):
     """str(value) with control characters escaped (\\n, \\x1b, \\u2028), so text from a ledger or a
     server can neither forge a line nor drive a terminal."""
-    return _CONTROL_RE.sub(lambda match: repr(match[0])[1:-1], f"{value}")
+    return _CONTROL_RE.sub(lambda match: f"{match[0]!r}"[1:-1], f"{value}")
 
 
 def error(message, secrets=(), label="error"):
@@ -1720,7 +1721,7 @@ def parse_time(text, end=False, now=None):
     utc, timedelta = datetime.timezone.utc, datetime.timedelta
     text, now = text.strip(), now or datetime.datetime.now(utc)
     if text in ("today", "yesterday"):
-        text = (now - timedelta(days=text == "yesterday")).strftime("%Y-%m-%d")
+        text = f"{now - timedelta(days=text == 'yesterday'):%Y-%m-%d}"
     age = re.fullmatch(r"([0-9]{1,5})([hd])", text)
     try:
         if age:
@@ -1734,7 +1735,7 @@ def parse_time(text, end=False, now=None):
         raise UsageError(
             f"not a date, an ISO time, today, yesterday or an age like 7d: {printable(text)!r}"
         ) from None
-    return moment.astimezone(utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return f"{moment.astimezone(utc):%Y-%m-%dT%H:%M:%S.%fZ}"
 
 
 # Commands that moved to another script answer with one error line naming the new one
@@ -2016,7 +2017,7 @@ _PROOF_RE = re.compile(
 
 
 def _b64(data):
-    return base64.b64encode(data).decode("ascii")
+    return base64.b64encode(data).decode()
 
 
 def _proof_lines(hashes):
