@@ -120,24 +120,16 @@ CHECKPOINT_EVERY = (10000, 300)
     EXIT_PROPOSAL,
     EXIT_STUCK
 ) = range(10)
-EXIT_CODES = dict(
-    enumerate(
-        (
-            "ok",
-            "failed: integrity failure (verify, audit, ship), failed call (ask), error outcome "
-            "(agent)",
-            "usage, configuration or I/O error; nothing was done",
-            "answer received but a check failed (ask); proposal rejected by the judge (agent)",
-            "changes found: audit --fail-on-change; decisions another tools.json flips (agent "
-            "replay)",
-            "stdout could not be written; the result was recorded",
-            "another run holds the repository's lock (agent)",
-            "budget exhausted (agent)",
-            "proposal accepted by the judge, waiting for review (agent)",
-            "the model repeated itself until the run stopped it (agent)"
-        )
-    )
-)
+EXIT_CODES = dict(enumerate("""ok
+failed: integrity failure (verify, audit, ship), failed call (ask), error outcome (agent)
+usage, configuration or I/O error; nothing was done
+answer received but a check failed (ask); proposal rejected by the judge (agent)
+changes found: audit --fail-on-change; decisions another tools.json flips (agent replay)
+stdout could not be written; the result was recorded
+another run holds the repository's lock (agent)
+budget exhausted (agent)
+proposal accepted by the judge, waiting for review (agent)
+the model repeated itself until the run stopped it (agent)""".split("\n")))
 
 _KIND_RE = re.compile(r"[a-z][a-z0-9_.]*\Z")
 _AT_RE = re.compile(
@@ -154,7 +146,7 @@ _PREV_SUFFIX_RE = re.compile(rb',"prev":"([0-9a-f]{64})"\}\Z')
 def _claim(line):
     """(seq, prev) as a line's bytes claim them, without parsing it; None: not a ledger line."""
     seq, prev = _SEQ_PREFIX_RE.match(line), _PREV_SUFFIX_RE.search(line)
-    return seq and prev and (int(seq.group(1)), prev.group(1).decode())
+    return seq and prev and (int(seq[1]), prev[1].decode())
 
 
 # Python 3.11+ refuses to print longer ints; a line must read back everywhere
@@ -179,7 +171,7 @@ class KeyRequiredError(UsageError):
     """The ledger is keyed (HMAC) and no key was given."""
 
     def __init__(self, path):
-        self.path = str(path)
+        self.path = f"{path}"
         super().__init__(
             f"{path}: ledger is keyed (line 1's prev is not all zeros); "
             f"a key is needed: set {KEY_ENV} or pass --key-env NAME"
@@ -192,8 +184,8 @@ class IntegrityError(LedgerError):
     exit_code = EXIT_FAILED
 
     def __init__(self, path, line, reason):
-        self.path, self.line, self.reason = str(path), line, reason
-        super().__init__(f"{path}: line {line}: {reason}" if line else f"{path}: {reason}")
+        self.path, self.line, self.reason = f"{path}", line, reason
+        super().__init__(f"{path}: {f'line {line}: ' if line else ''}{reason}")
 
 
 class TornTailError(IntegrityError):
@@ -228,19 +220,19 @@ class OutputError(LedgerError):
 def utc_now():
     """Current UTC time as the ledger writes it: 2026-11-29T12:00:00.123456Z."""
     seconds, micros = divmod(time.time_ns() // 1000, 1000000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + ".%06dZ" % micros
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(seconds))}.{micros:06d}Z"
 
 
 def new_run_id():
     """A run id that sorts by creation time and carries a random suffix:
     20261129T120000.123456Z-1a2b3c4d."""
-    return utc_now().replace("-", "").replace(":", "") + "-" + os.urandom(4).hex()
+    return f"{utc_now().replace('-', '').replace(':', '')}-{os.urandom(4).hex()}"
 
 
 @functools.lru_cache(maxsize=4096)  # a ledger's lines share a few days
-def _day_exists(day):
+def _day_exists(day):  # YYYY-MM-DD in ASCII digits
     try:
-        datetime.date(int(day[:4]), int(day[5:7]), int(day[8:10]))
+        datetime.date.fromisoformat(day)
     except ValueError:
         return False
     return True
@@ -256,7 +248,7 @@ def _at_ok(at):
 
 
 def _key_bytes(key):
-    return (key.encode("utf-8") if isinstance(key, str) else bytes(key)) if key else None
+    return (key.encode() if isinstance(key, str) else bytes(key)) if key else None
 
 
 def resolve_key(key):
@@ -266,7 +258,8 @@ def resolve_key(key):
 
 
 def line_hash(raw, key=None):
-    """SHA-256 (or HMAC-SHA256 with `key`) of one stored line, without its newline."""
+    """SHA-256 (or HMAC-SHA256 with `key`) in hex of one stored line, without its newline (or of
+    any bytes)."""
     return (hmac.new(key, raw, hashlib.sha256) if key else hashlib.sha256(raw)).hexdigest()
 
 
@@ -283,7 +276,7 @@ def parse_head(text):
             f"not a ledger head (want SEQ:HASH, the whole 64-hex hash `head` prints): "
             f"{printable(text)!r}"
         )
-    return int(match.group(1)), match.group(2).lower()
+    return int(match[1]), match[2].lower()
 
 
 # ----------------------------------------------------------------------------
@@ -325,26 +318,26 @@ def is_secret_key(name):
 def _mask_scheme(m):
     # a credential, not prose ("a bearer token"): 20+ characters, or 8+ with a digit, token
     # punctuation or a capital after the first letter
-    word = m.group(3).rstrip(".")
+    word = m[3].rstrip(".")
     credential = (
         len(word) >= 20
         or len(word) >= 8
         and (any(c.isdigit() or c in "_~+/=" for c in word) or any(c.isupper() for c in word[1:]))
     )
-    return m.group(1) + m.group(2) + REDACTED if credential else m.group(0)
+    return f"{m[1]}{m[2]}{REDACTED}" if credential else m[0]
 
 
 def _mask_userinfo(m):
     # a URL's user part with a password, or one that is a token (16+ characters, letters and digits)
-    user = m.group(2)
+    user = m[2]
     token = len(user) >= 16 and any(c.isdigit() for c in user) and any(c.isalpha() for c in user)
-    return m.group(1) + REDACTED + "@" if ":" in user or token else m.group(0)
+    return f"{m[1]}{REDACTED}@" if ":" in user or token else m[0]
 
 
 def _mask_param(m):
-    name = m.group(2)
+    name = m[2]
     secret = is_secret_key(name) or name.lower().replace("-", "_") in _SECRET_PARAMS
-    return m.group(1) + name + "=" + REDACTED if secret and m.group(3) != REDACTED else m.group(0)
+    return f"{m[1]}{name}={REDACTED}" if secret and m[3] != REDACTED else m[0]
 
 
 _PROSE_RE = re.compile(r"[ \t]+[A-Za-z]")
@@ -352,39 +345,36 @@ _PROSE_RE = re.compile(r"[ \t]+[A-Za-z]")
 
 def _mask_assignment(m):
     double, single, bare = m.group(3, 4, 5)
-    value = next(v for v in (double, single, bare) if v is not None)
+    value = double or single or bare or ""
     # a word that a sentence goes on after ("a webhook secret: set WEBHOOK_SECRET") is prose, not
     # a value: the program's own messages keep their words
-    prose = bare and ":" in m.group(2) and bare.isalpha() and _PROSE_RE.match(m.string, m.end())
+    prose = bare and ":" in m[2] and bare.isalpha() and _PROSE_RE.match(m.string, m.end())
     if (
         prose
-        or not is_secret_key(m.group(1))
+        or not is_secret_key(m[1])
         or value in ("", REDACTED)
         or value.lower() in ("bearer", "basic")
     ):
-        return m.group(0)
+        return m[0]
     quote = '"' if double is not None else "'" if single is not None else ""
-    return m.group(1) + m.group(2) + quote + REDACTED + quote
+    return f"{m[1]}{m[2]}{quote}{REDACTED}{quote}"
 
 
 # Secret shapes masked inside any string, run in this order: a later shape leaves an earlier one's
-# mask alone.
+# mask alone. A shape without its replacement is replaced whole by [REDACTED].
 _SHAPES = (
-    (
-        r"(?s)-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
-        REDACTED
-    ),
+    r"(?s)-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
     (
         r"(?i)\b((?:set-)?cookie|(?:proxy-)?authorization)"
         r"([ \t]*:[ \t]*)(?!\[REDACTED\])\S[^\r\n]*",
-        r"\1\2" + REDACTED
+        r"\1\2[REDACTED]"
     ),
     (r"(?i)\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=-]+)", _mask_scheme),
-    (r"\bsk-[A-Za-z0-9_-]{8,}", REDACTED),
-    (r"PRIVATE\+KEY\+\S+", REDACTED),  # a signed-note signer key (docs/checkpoints.md)
-    (r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", REDACTED),
-    (r"\bxox[abposr]-[A-Za-z0-9-]{8,}", REDACTED),
-    (r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", REDACTED),
+    r"\bsk-[A-Za-z0-9_-]{8,}",
+    r"PRIVATE\+KEY\+\S+",  # a signed-note signer key (docs/checkpoints.md)
+    r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})",
+    r"\bxox[abposr]-[A-Za-z0-9-]{8,}",
+    r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b",
     (r"\b([a-zA-Z][a-zA-Z0-9+.-]{0,31}://)([^\s/?#\"'<>]+)@", _mask_userinfo),
     (r"([?&;#])([A-Za-z0-9_.\[\]-]{1,64})=([^&#\s\"'<>]+)", _mask_param),
     (
@@ -396,43 +386,27 @@ _SHAPES = (
 # What every shape needs to match at all (tests/test_redaction.py holds this to the shapes): a
 # string with none of these skips the shapes, at a tenth of their cost (tests/BENCH.md).
 _SCHEME_WORD = re.compile(r"b(?:earer|asic)\s", re.I)
+_LITERALS = tuple(": = @ -----BEGIN sk- PRIVATE+KEY+ gh github_pat_ xox AKIA ASIA".split())
 
 
 def _may_match(text):
-    return (
-        ":" in text
-        or "=" in text
-        or "@" in text
-        or "-----BEGIN" in text
-        or "sk-" in text
-        or "PRIVATE+KEY+" in text
-        or "gh" in text
-        or "github_pat_" in text
-        or "xox" in text
-        or "AKIA" in text
-        or "ASIA" in text
-        # without white space (a hash, an id) the scheme word cannot match: the search is skipped
-        or (not text.isalnum() and _SCHEME_WORD.search(text) is not None)
-    )
+    for literal in _LITERALS:  # `in` is a fast search: a regex is slower over long strings
+        if literal in text:
+            return True
+    # without white space (a hash, an id) the scheme word cannot match: the search is skipped
+    return not text.isalnum() and _SCHEME_WORD.search(text) is not None
 
 
-# Each shape's own prefilter, on the text folded to lower case: literals of which it needs one (it
-# cannot match without), or None for the assignment shape, which changes a name only where a secret
-# word ends it (_ASSIGNMENT_HINT). A shape's mask adds "[REDACTED]" only, so it never makes a later
-# hint true. The same output, several times faster over transcripts (tests/test_redaction.py).
-_SHAPE_HINTS = (
-    ("-----begin",),
-    ("cookie", "authorization"),
-    ("bearer", "basic"),
-    ("sk-",),
-    ("private+key+",),
-    ("gh", "github_pat_"),
-    ("xox",),
-    ("akia", "asia"),
-    ("@",),
-    ("=",),
-    None
-)
+# Each shape's own prefilter, on the text folded to lower case (a comma between shapes): literals of
+# which it needs one (it cannot match without), or None for the assignment shape, which changes a
+# name only where a secret word ends it (_ASSIGNMENT_HINT). A shape's mask adds "[REDACTED]" only,
+# so it never makes a later hint true. The same output, several times faster over transcripts
+# (tests/test_redaction.py).
+_SHAPE_HINTS = [
+    hint.split()
+    for hint in "-----begin,cookie authorization,bearer basic,sk-,private+key+,gh github_pat_,xox,"
+    "akia asia,@,=".split(",")
+] + [None]
 # A secret word ending a name, then what the assignment shape needs before the value.
 _ASSIGNMENT_HINT = re.compile(
     r"(?:token|secret|passw(?:or)?d|passphrase|credentials?|session|cookie|authorization|key)"
@@ -443,14 +417,18 @@ _ASSIGNMENT_HINT = re.compile(
 def _folded(text):
     # lower case, and the letters re.IGNORECASE matches to ASCII ones (ſ, ı, İ, K) as those
     low = text.lower()
-    if text.isascii():
-        return low
-    return low.replace("\u017f", "s").replace("\u0131", "i").replace("i\u0307", "i")
+    return (
+        low
+        if text.isascii()
+        else low.replace("\u017f", "s").replace("\u0131", "i").replace("i\u0307", "i")
+    )
 
 
 @functools.lru_cache(maxsize=1)
 def _compiled_shapes():  # on first use: verify never needs them
-    return tuple((re.compile(src), repl) for src, repl in _SHAPES)
+    return tuple(
+        (re.compile(s), REDACTED) if type(s) is str else (re.compile(s[0]), s[1]) for s in _SHAPES
+    )
 
 
 class Redactor:
@@ -462,7 +440,7 @@ class Redactor:
 
     def text(self, text):
         for value in self.values:
-            if value in text:
+            if value in text:  # faster than replace() over text without it
                 text = text.replace(value, REDACTED)
         if _may_match(text):
             low = _folded(text)
@@ -540,9 +518,9 @@ def _clean(value, redactor, depth=1):
         raise _BadValue("an integer longer than 4300 digits cannot be read back on Python 3.11+")
     if kind is float and not math.isfinite(value):
         raise _BadValue(f"{value!r} is not valid JSON (NaN/Infinity)")
-    if value is None or kind is bool or kind is int or kind is float:
+    if value is None or kind in (bool, int, float):
         return value
-    if kind is not dict and kind is not list and kind is not tuple:
+    if kind not in (dict, list, tuple):
         raise _BadValue(f"a {kind.__name__} is not a JSON type")
     if depth > MAX_DEPTH:
         raise _BadValue(f"nested deeper than {MAX_DEPTH} levels (or circular)")
@@ -571,7 +549,7 @@ def _clean_payload(payload, redactor):
     try:
         clean = _clean(payload, redactor)
         text = dumps(clean)
-        text.encode("utf-8")
+        text.encode()
     except _BadValue as exc:
         raise PayloadError(
             f"payload{''.join(exc.where[::-1])}: {exc.reason}; nothing was written"
@@ -590,12 +568,8 @@ def payload_problem(payload, limit=MAX_LINE_BYTES // 2):
     try:
         _stored, text = _clean_payload(payload, Redactor())
     except PayloadError as exc:
-        return str(exc).replace("; nothing was written", "")
-    return (
-        f"payload is larger than {limit} bytes of JSON"
-        if len(text.encode("utf-8")) > limit
-        else None
-    )
+        return f"{exc}".replace("; nothing was written", "")
+    return f"payload is larger than {limit} bytes of JSON" if len(text.encode()) > limit else None
 
 
 _SCANNER = json.JSONDecoder().scan_once
@@ -613,12 +587,12 @@ dumps = json.JSONEncoder(
 def named_error(exc, path):
     """An OSError that names no file, named `path`; any other error as it is."""
     if isinstance(exc, OSError) and not exc.filename:
-        return OSError(exc.errno, exc.strerror or str(exc), str(path))
+        return OSError(exc.errno, exc.strerror or f"{exc}", f"{path}")
     return exc
 
 
 def _fsync_dir(path):
-    fd = os.open(str(Path(path).parent) or ".", os.O_RDONLY)
+    fd = os.open(f"{Path(path).parent}", os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -674,6 +648,17 @@ def _write_or_undo(fd, data, size, fsync=True):
         raise
 
 
+def _write_file(path, data, flags=os.O_APPEND, fsync=True, lead=b""):
+    """Write `data` (after `lead` when the file is not empty) to the end of `path`, created with
+    mode 0600, and fsync it unless `fsync` is False; on failure the file is cut back as it was."""
+    fd = os.open(f"{path}", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o600)
+    try:
+        size = os.fstat(fd).st_size
+        _write_or_undo(fd, (lead if size else b"") + data, size, fsync)
+    finally:
+        os.close(fd)
+
+
 _LIVE_LEDGERS = weakref.WeakSet()
 
 
@@ -681,11 +666,10 @@ def _after_fork_in_child():
     # A fork copies the fd (one open file description: its flock would be shared with the parent)
     # and the thread lock (maybe held by a thread that does not exist here). Start both afresh.
     for ledger in list(_LIVE_LEDGERS):
-        ledger._lock, ledger._sync, ledger._syncing = threading.Lock(), threading.Condition(), False
         if ledger._fd is not None:
             with contextlib.suppress(OSError):
                 os.close(ledger._fd)
-            ledger._fd = None
+        ledger._afresh()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -726,14 +710,22 @@ class Ledger:
         self.extra_secrets = tuple(s for s in secrets if s)
         self.redactor = Redactor(secret_values(self.extra_secrets))  # env read once, not per append
         self.head = None  # (seq, hash) of the last line this object wrote
-        self._fd, self._mode_checked, self._lock = None, False, threading.Lock()
+        self._mode_checked = False
         # with a signer key: a checkpoint every CHECKPOINT_EVERY, and at close (docs/checkpoints.md)
         self.signer, self._unsigned, self._signed_at = signer, 0, time.monotonic()
         self.add_secret(signer and key_text(signer, secret=True))
         # group commit: lines this object wrote, made durable, lost to a failed fsync
-        self._sync, self._syncing = threading.Condition(), False
         self._written = self._synced = self._lost = 0
+        self._afresh()
         _LIVE_LEDGERS.add(self)
+
+    def _afresh(self):  # no file open, no lock held, no fsync under way
+        self._fd, self._lock, self._sync, self._syncing = (
+            None,
+            threading.Lock(),
+            threading.Condition(),
+            False
+        )
 
     def add_secret(self, value):
         """Mask this exact value too (an API key passed as an argument rather than in the env)."""
@@ -764,7 +756,7 @@ class Ledger:
                     created = not self.path.exists()
                     self.path.parent.mkdir(parents=True, exist_ok=True)
                     self._fd = os.open(
-                        str(self.path), os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
+                        f"{self.path}", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
                     )
                     if created and self.fsync:
                         _fsync_dir(self.path)
@@ -807,11 +799,10 @@ class Ledger:
         """The file's head (seq, hash) if the next append can succeed (a torn tail it recovers);
         writes nothing."""
 
-        def tail(fd):
-            seq, prev = self._next(*_scan_tail(fd, os.fstat(fd).st_size, self.path))
-            return seq - 1, prev
-
-        return self._locked(tail)
+        seq, prev = self._locked(
+            lambda fd: self._next(*_scan_tail(fd, os.fstat(fd).st_size, self.path))
+        )
+        return seq - 1, prev
 
     def append(self, kind, payload=None):
         """Append one event; return it as written (payload masked). PayloadError: nothing was
@@ -857,7 +848,7 @@ class Ledger:
         with self._sync:
             while ticket > self._synced:
                 if ticket <= self._lost:  # the line may be in the file; it was never acknowledged
-                    raise OSError(errno.EIO, "the fsync after this append failed", str(self.path))
+                    raise OSError(errno.EIO, "the fsync after this append failed", f"{self.path}")
                 if self._syncing:
                     self._sync.wait()
                     continue
@@ -899,7 +890,7 @@ class Ledger:
             raise IntegrityError(
                 self.path, None, f"the last line is {what}; refusing to append (run verify)"
             )
-        return int(match.group(1)) + 1, line_hash(last, self.key)
+        return int(match[1]) + 1, line_hash(last, self.key)
 
     def _write_event(self, fd, size, last, kind, clean, payload_json):
         seq, prev = self._next(size, last)
@@ -911,32 +902,24 @@ class Ledger:
         # run_id, kind, at and prev are validated plain ASCII: this is exactly what json.dumps would
         # write
         raw = (
-            '{"seq":%d,"run_id":"%s","kind":"%s","at":"%s","payload":%s,"prev":"%s"}'
-            % (seq, self.run_id, kind, at, payload_json, prev)
-        ).encode("utf-8")
+            f'{{"seq":{seq},"run_id":"{self.run_id}","kind":"{kind}","at":"{at}",'
+            f'"payload":{payload_json},"prev":"{prev}"}}'
+        ).encode()
         if len(raw) + 1 > self.max_line_bytes:
             raise PayloadError(
                 f"event is {len(raw) + 1} bytes, over the {self.max_line_bytes}-byte line limit"
             )
         _write_or_undo(fd, raw + b"\n", size, False)  # append() makes it durable
-        self.head = (seq, line_hash(raw, self.key))
+        self.head = seq, line_hash(raw, self.key)
         return dict(zip(FIELDS, (seq, self.run_id, kind, at, clean, prev)))
 
     def _recover_torn_tail(self, fd, size, end, last):
         fragment = os.pread(fd, size - end, end)
-        digest = hashlib.sha256(fragment).hexdigest()
-        sidecar = Path(str(self.path) + ".torn")
-        header = (
-            f"torn offset={end} length={len(fragment)} sha256={digest} at={utc_now()}\n".encode()
-        )
+        digest = line_hash(fragment)
+        sidecar = Path(f"{self.path}.torn")
+        header = f"torn offset={end} length={len(fragment)} sha256={digest} at={utc_now()}\n"
         try:
-            sfd = os.open(
-                str(sidecar), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
-            )
-            try:
-                _write_or_undo(sfd, header + fragment + b"\n", os.fstat(sfd).st_size)
-            finally:
-                os.close(sfd)
+            _write_file(sidecar, header.encode() + fragment + b"\n")
         except OSError as exc:
             raise named_error(exc, sidecar) from None
         os.ftruncate(fd, end)
@@ -985,7 +968,7 @@ class Ledger:
 def text_dir(path):
     """The text store of the ledger at `path`: the directory PATH.text/ beside it, one file per
     SHA-256."""
-    return Path(str(path) + ".text")
+    return Path(f"{path}.text")
 
 
 def store_artifact(
@@ -997,28 +980,22 @@ def store_artifact(
         data = data.encode("utf-8", "backslashreplace")  # a lone surrogate stays visible as \\udXXX
     if redact_secrets:
         with contextlib.suppress(UnicodeDecodeError):  # not UTF-8 text: stored as it is
-            data = (
-                (redactor or Redactor(secret_values(extra_secrets)))
-                .text(data.decode("utf-8"))
-                .encode("utf-8")
-            )
+            data = (redactor or Redactor(secret_values(extra_secrets))).text(data.decode()).encode()
     directory = Path(directory)
-    digest = hashlib.sha256(data).hexdigest()
+    digest = line_hash(data)
     target = directory / digest
     try:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not target.exists():
             # one per writer, even in one process
             tmp = directory / f".{digest[:16]}.{os.urandom(8).hex()}.tmp"
-            fd = os.open(str(tmp), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:
-                _write_or_undo(fd, data, 0, fsync)
+                _write_file(tmp, data, os.O_EXCL, fsync)
             except OSError:
-                os.unlink(str(tmp))
+                with contextlib.suppress(OSError):  # the error to name is the first
+                    os.unlink(f"{tmp}")
                 raise
-            finally:
-                os.close(fd)
-            os.replace(str(tmp), str(target))
+            os.replace(f"{tmp}", f"{target}")
             if fsync:
                 _fsync_dir(target)
     except OSError as exc:
@@ -1082,9 +1059,9 @@ class Run:
         return seq, digest
 
 
-def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=(), signer=None):
+def open_run(runs_dir="runs", *, run_id=None, **options):
     """Create runs_dir/<run id>/ (never reused, a given run_id too) and return a Run writing to its
-    events.jsonl."""
+    events.jsonl; `options` are the Ledger's (key, fsync, secrets, signer)."""
     runs_dir, given = Path(runs_dir), run_id
     runs_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     if given is not None and not _matches(RUN_ID_RE, given):
@@ -1099,18 +1076,7 @@ def open_run(runs_dir="runs", *, run_id=None, key=None, fsync=True, secrets=(), 
                 raise UsageError(
                     f"{runs_dir / run_id}: that run already exists (never reused)"
                 ) from None
-    return Run(
-        runs_dir,
-        run_id,
-        Ledger(
-            runs_dir / run_id / EVENTS_NAME,
-            run_id,
-            key=key,
-            fsync=fsync,
-            secrets=secrets,
-            signer=signer
-        )
-    )
+    return Run(runs_dir, run_id, Ledger(runs_dir / run_id / EVENTS_NAME, run_id, **options))
 
 
 # ----------------------------------------------------------------------------
@@ -1199,10 +1165,7 @@ def _form_problem(body):
         return "NUL byte in line"
     try:
         json.loads(
-            body.decode("utf-8"),
-            object_pairs_hook=unique,
-            parse_constant=constant,
-            parse_float=finite
+            body.decode(), object_pairs_hook=unique, parse_constant=constant, parse_float=finite
         )
     except UnicodeDecodeError as exc:
         return f"not UTF-8 (byte {exc.start})"
@@ -1294,7 +1257,7 @@ def _check_lines(path, lines, key, run_id, expect=None, start=None):
         # exactly the writer's bytes: encoded again by the writer's own encoder, the line gives back
         # its text
         try:
-            text = body.decode("utf-8")
+            text = body.decode()
             event, end = _SCANNER(text, 0)
             canonical = end == len(text) and dumps(event) == text
         except (ValueError, StopIteration, RecursionError):
@@ -1379,7 +1342,7 @@ def _check_end(path, expect, count, key, closed, truncated):
         )
     if seq > count:
         raise IntegrityError(
-            path, count + 1 if count else None, "truncated: " + truncated.format(seq, count)
+            path, count + 1 if count else None, f"truncated: {truncated.format(seq, count)}"
         )
     if closed and count > seq:
         raise IntegrityError(
@@ -1425,7 +1388,7 @@ def _text_problem(directory, name):
         data = (directory / name).read_bytes()
     except OSError as exc:
         return error_text(named_error(exc, directory / name))
-    return None if hashlib.sha256(data).hexdigest() == name else f"{directory / name}: changed"
+    return None if line_hash(data) == name else f"{directory / name}: changed"
 
 
 def _text_checked(path, result, strict):
@@ -1613,28 +1576,19 @@ def verify_runs(runs_dir, *, key=None, jobs=1):
 # A run summed up: agent.py writes the events, and every reader of a run asks here
 # ----------------------------------------------------------------------------
 
-# A run's summary, field by field, as it starts (docs/audit.md, "Agent runs").
-_RUN = dict(
-    run_id=None,
-    started=None,
-    outcome="open",
-    judge_verdict=None,
-    **dict.fromkeys(
-        "steps tools_allowed tools_denied model_calls input_tokens output_tokens usage_calls "
-        "est_tokens errors".split(),
-        0
-    ),
-    why=None,
-    proposal=None,
-    unboxed=None
+# A run's summary, field by field, as it starts (docs/audit.md, "Agent runs"): the counts, steps
+# to errors, at 0.
+_RUN = dict.fromkeys(
+    "run_id started outcome judge_verdict steps tools_allowed tools_denied model_calls "
+    "input_tokens output_tokens usage_calls est_tokens errors why proposal unboxed".split()
 )
+_RUN.update(dict.fromkeys(list(_RUN)[4:13], 0), outcome="open")
 # A model_call's token fields, each summed into this field of the run.
-_CALL_TOKENS = {
-    "input_tokens": "input_tokens",
-    "output_tokens": "output_tokens",
-    "est_input_tokens": "est_tokens",
-    "est_output_tokens": "est_tokens"
-}
+_CALL_TOKENS = dict(
+    pair.split(":")
+    for pair in "input_tokens:input_tokens output_tokens:output_tokens est_input_tokens:est_tokens "
+    "est_output_tokens:est_tokens".split()
+)
 
 
 def run_summary(events=(), **fields):
@@ -1662,7 +1616,7 @@ def add_run_event(run, event):
         for name, total in _CALL_TOKENS.items():
             run[total] += typed(name, int, 0)
         run["model_calls"] += 1
-        run["usage_calls"] += type(get("input_tokens")) is int or type(get("output_tokens")) is int
+        run["usage_calls"] += int in (type(get("input_tokens")), type(get("output_tokens")))
         run["errors"] += type(get("error_type")) is str
     elif kind in ("model_proposed", "proposal_malformed"):
         run["steps"] = max(run["steps"], typed("step", int, run["steps"] + 1))
@@ -1690,7 +1644,7 @@ def add_run_event(run, event):
     elif kind == "budget_exhausted":
         why = f"budget {get('limit')}: {get('used')} of {get('max')}"
     elif kind == "stuck":
-        unusable = str(get("unusable") or "").split(":")[0]
+        unusable = f"{get('unusable') or ''}".split(":")[0]
         why = (
             f"stuck: the same {'unusable ' if unusable else ''}reply {get('repeats')} times"
             f"{f' ({unusable})' if unusable else ''}"
@@ -1715,14 +1669,12 @@ def plural(count, word, many=None):
 def printable(value):
     """str(value) with control characters escaped (\\n, \\x1b, \\u2028), so text from a ledger or a
     server can neither forge a line nor drive a terminal."""
-    return _CONTROL_RE.sub(
-        lambda match: repr(match.group())[1:-1], value if type(value) is str else str(value)
-    )
+    return _CONTROL_RE.sub(lambda match: f"{match[0]!r}"[1:-1], f"{value}")
 
 
 def error(message, secrets=(), label="error"):
     """One 'error: …' line on stderr: secrets masked, control characters escaped."""
-    text = Redactor(secret_values(secrets)).text(str(message))
+    text = redact_text(f"{message}", secret_values(secrets))
     print(f"{label}: {printable(text)}", file=sys.stderr, flush=True)
 
 
@@ -1766,7 +1718,7 @@ def error_text(exc):
     """One line for an error: 'path: No such file or directory' for OSError, str() otherwise."""
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
-    return str(exc) or type(exc).__name__
+    return f"{exc}" or type(exc).__name__
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -1789,11 +1741,11 @@ def parse_time(text, end=False, now=None):
     utc, timedelta = datetime.timezone.utc, datetime.timedelta
     text, now = text.strip(), now or datetime.datetime.now(utc)
     if text in ("today", "yesterday"):
-        text = (now - timedelta(days=text == "yesterday")).strftime("%Y-%m-%d")
+        text = f"{now - timedelta(days=text == 'yesterday'):%Y-%m-%d}"
     age = re.fullmatch(r"([0-9]{1,5})([hd])", text)
     try:
         if age:
-            moment = now - timedelta(hours=int(age.group(1)) * (24 if age.group(2) == "d" else 1))
+            moment = now - timedelta(hours=int(age[1]) * (24 if age[2] == "d" else 1))
         else:  # a date is its first microsecond, or its last with `end`
             moment = datetime.datetime.fromisoformat(text.replace("Z", "+00:00"))
             moment = moment if moment.tzinfo else moment.replace(tzinfo=utc)
@@ -1803,7 +1755,7 @@ def parse_time(text, end=False, now=None):
         raise UsageError(
             f"not a date, an ISO time, today, yesterday or an age like 7d: {printable(text)!r}"
         ) from None
-    return moment.astimezone(utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return f"{moment.astimezone(utc):%Y-%m-%dT%H:%M:%S.%fZ}"
 
 
 # Commands that moved to another script answer with one error line naming the new one
@@ -1832,29 +1784,40 @@ def run_main(parser, argv=None, command=None, moved=None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE
     try:  # our errors and OS errors become one error line and their exit code (others are bugs)
-        return command(args)
+        return command(args) or EXIT_OK  # a command that returns nothing succeeded
     except (LedgerError, OSError) as exc:
         error(error_text(exc))
-        return exc.exit_code if isinstance(exc, LedgerError) else EXIT_USAGE
+        return getattr(exc, "exit_code", EXIT_USAGE)
     except KeyboardInterrupt:
         error("interrupted")
         return 130
 
 
+# Arguments as text, one a line: "NAME KEY=VALUE...: help", add_argument's keywords (type=int and
+# required=true as those values); a line indented further goes on with the help.
+_VALUES = {"int": int, "true": True}
+_TARGETS = """
+  paths nargs=* metavar=PATH
+  --all metavar=RUNS_DIR: also RUNS_DIR/index.jsonl and every run in it"""
+_KEY_ENV = f"""
+  --key-env default={KEY_ENV} metavar=NAME: environment variable holding the HMAC key
+    (default {KEY_ENV})"""
+
+
+def add_arguments(parser, specs):
+    for spec in re.sub(r"\n {3,}", " ", specs).strip().split("\n"):
+        words, _sep, text = spec.partition(": ")
+        name, *pairs = words.split()
+        options = {k: _VALUES.get(v, v) for k, v in (pair.split("=") for pair in pairs)}
+        parser.add_argument(name, help=text or None, **options)
+
+
 def add_targets(parser):
-    parser.add_argument("paths", nargs="*", metavar="PATH")
-    parser.add_argument(
-        "--all", metavar="RUNS_DIR", help="also RUNS_DIR/index.jsonl and every run in it"
-    )
+    add_arguments(parser, _TARGETS)
 
 
 def add_key_env(parser):
-    parser.add_argument(
-        "--key-env",
-        default=KEY_ENV,
-        metavar="NAME",
-        help=f"environment variable holding the HMAC key (default {KEY_ENV})"
-    )
+    add_arguments(parser, _KEY_ENV)
 
 
 # ----------------------------------------------------------------------------
@@ -1870,9 +1833,9 @@ def _node(left, right):
     return hashlib.sha256(b"\1" + left + right).digest()
 
 
-class _Tree:
+class Tree:
     """RFC 6962's Merkle tree hash, built leaf by leaf from the roots of its full subtrees: O(log n)
-    memory."""
+    memory (fleet.py roots the lines ClickHouse holds with it)."""
 
     def __init__(self):
         self.size, self.stack = 0, []
@@ -1928,12 +1891,12 @@ def tree_proof(path, size, index=None, old=None):
         if old is None
         else _consistency_ranges(old, 0, size) if 0 < old < size else []
     )
-    ends, hashes, whole, part = dict(ranges), {}, _Tree(), None
+    ends, hashes, whole, part = dict(ranges), {}, Tree(), None
     for leaf in ledger_leaves(path):
         if whole.size == size:
             break
         if whole.size in ends:
-            start, part = whole.size, _Tree()
+            start, part = whole.size, Tree()
         whole.add(leaf)
         if part:
             part.add(leaf)
@@ -1986,8 +1949,9 @@ _D = -121665 * pow(121666, -1, _P) % _P
 
 
 def _ed_add(p, q):
-    a, b = (p[1] - p[0]) * (q[1] - q[0]) % _P, (p[1] + p[0]) * (q[1] + q[0]) % _P
-    c, d = 2 * p[3] * q[3] * _D % _P, 2 * p[2] * q[2] % _P
+    (x1, y1, z1, t1), (x2, y2, z2, t2) = p, q
+    a, b = (y1 - x1) * (y2 - x2) % _P, (y1 + x1) * (y2 + x2) % _P
+    c, d = 2 * t1 * t2 * _D % _P, 2 * z1 * z2 % _P
     e, f, g, h = b - a, d - c, d + c, b + a
     return e * f % _P, g * h % _P, f * g % _P, e * h % _P
 
@@ -2024,8 +1988,8 @@ def _ed_decode(data):  # the point, or None
 _B = _ed_decode((4 * pow(5, -1, _P) % _P).to_bytes(32, "little"))
 
 
-def _ed_int(*parts):
-    return int.from_bytes(hashlib.sha512(b"".join(parts)).digest(), "little")
+def _ed_int(*parts):  # a hash as a scalar
+    return int.from_bytes(hashlib.sha512(b"".join(parts)).digest(), "little") % _L
 
 
 def _ed_secret(seed):
@@ -2040,9 +2004,9 @@ def ed25519_public(seed):
 
 def ed25519_sign(seed, message):
     scalar, prefix = _ed_secret(seed)
-    nonce = _ed_int(prefix, message) % _L
+    nonce = _ed_int(prefix, message)
     r = _ed_encode(_ed_mul(nonce, _B))
-    k = _ed_int(r, ed25519_public(seed), message) % _L
+    k = _ed_int(r, ed25519_public(seed), message)
     return r + ((nonce + k * scalar) % _L).to_bytes(32, "little")
 
 
@@ -2051,7 +2015,7 @@ def ed25519_verify(public, message, signature):
     s = int.from_bytes(signature[32:], "little")
     if point is None or s >= _L:
         return False
-    k = _ed_int(signature[:32], public, message) % _L
+    k = _ed_int(signature[:32], public, message)
     minus_a = (_P - point[0], point[1], 1, _P - point[3])
     return _ed_encode(_ed_add(_ed_mul(s, _B), _ed_mul(k, minus_a))) == signature[:32]
 
@@ -2073,7 +2037,7 @@ _PROOF_RE = re.compile(
 
 
 def _b64(data):
-    return base64.b64encode(data).decode("ascii")
+    return base64.b64encode(data).decode()
 
 
 def _proof_lines(hashes):
@@ -2134,7 +2098,7 @@ def _signature_line(key, signature):
 
 def sign_note(body, key):
     """A signed note: `body` (lines ending in a newline), an empty line, `key`'s signature line."""
-    return body + "\n" + _signature_line(key, ed25519_sign(key.seed, body.encode()))
+    return f"{body}\n{_signature_line(key, ed25519_sign(key.seed, body.encode()))}"
 
 
 def _cosigned(body, timestamp):
@@ -2171,20 +2135,20 @@ def parse_checkpoint(text, where="checkpoint"):
             else "not a signed note: no empty line before the signatures" if not body else None
         )
     )
-    signatures, match = [], _CHECKPOINT_RE.match(body + "\n")
+    signatures, match = [], _CHECKPOINT_RE.match(f"{body}\n")
     for line in block[:-1].split("\n") if not problem else ():
         found = _SIG_RE.match(line)
-        raw = _unb64(found.group(2)) if found else b""
+        raw = _unb64(found[2]) if found else b""
         if len(raw) < 5:
             problem = f"malformed signature line {line[:60]!r}"
             break
-        signatures.append((found.group(1), raw[:4], raw[4:]))
+        signatures.append((found[1], raw[:4], raw[4:]))
     if not problem and not match:
         problem = "malformed checkpoint: want an origin, a tree size and a base64 root, one a line"
     if problem:
         raise IntegrityError(where, None, problem)
     origin, size, root = match.groups()
-    return Checkpoint(origin, int(size), base64.b64decode(root), body + "\n"), signatures
+    return Checkpoint(origin, int(size), base64.b64decode(root), f"{body}\n"), signatures
 
 
 def open_checkpoint(text, keys, witnesses=(), needed=None, where="checkpoint"):
@@ -2195,28 +2159,30 @@ def open_checkpoint(text, keys, witnesses=(), needed=None, where="checkpoint"):
     known, signed, wrong = {(k.name, k.kid): k for k in (*keys, *witnesses)}, [], None
     for name, kid, signature in signatures:
         key, message = known.get((name, kid)), checkpoint.body.encode()
-        if key and key.kind == COSIGNER:
+        if not key:
+            if any(k.name == name for k in known.values()):
+                wrong = (
+                    f"wrong key ID: the signature by {name} has key ID {kid.hex()}, not the key's"
+                )
+            continue
+        if key.kind == COSIGNER:
             message = _cosigned(checkpoint.body, int.from_bytes(signature[:8], "big"))
             signature = signature[8:]
-        if key and not ed25519_verify(key.public, message, signature):
+        if not ed25519_verify(key.public, message, signature):
             raise IntegrityError(where, None, f"the signature by {name} does not verify")
-        signed += [key] if key else []
-        if not key and any(k.name == name for k in known.values()):
-            wrong = f"wrong key ID: the signature by {name} has key ID {kid.hex()}, not the key's"
+        signed.append(key)
     needed = len(witnesses) if needed is None else needed
     cosigned = len(set(signed) & set(witnesses))
-    signers = ", ".join(s[0] for s in signatures)
-    problem = (
-        wrong or f"signed by no key given (signers: {signers})"
-        if not set(signed) & set(keys)
-        else (
-            f"cosigned by {cosigned} of the {needed} witnesses needed"
-            if cosigned < needed
-            else None
+    if not set(signed) & set(keys):
+        raise IntegrityError(
+            where,
+            None,
+            wrong or f"signed by no key given (signers: {', '.join(s[0] for s in signatures)})"
         )
-    )
-    if problem:
-        raise IntegrityError(where, None, problem)
+    if cosigned < needed:
+        raise IntegrityError(
+            where, None, f"cosigned by {cosigned} of the {needed} witnesses needed"
+        )
     return checkpoint, [k.name for k in dict.fromkeys(signed)]
 
 
@@ -2224,8 +2190,8 @@ def check_against(path, checkpoint, earlier=(), since=None, key=None):
     """Hold a ledger to a checkpoint: its first `size` lines give its root (and a verified `since`'s
     size its root), then verify(path, key=key). A failure names a cut, a fork after one of the
     `earlier` checkpoints, a changed line, or a rebuild."""
-    earlier = [*earlier, *([since] if since else [])]
-    sizes, tree = {c.size for c in earlier} | {checkpoint.size}, _Tree()
+    earlier = [*earlier, since] if since else earlier
+    sizes, tree = {c.size for c in earlier} | {checkpoint.size}, Tree()
     roots, top = {0: tree.root()}, max(sizes)
     for leaf in ledger_leaves(path):
         if tree.size == top:
@@ -2262,8 +2228,8 @@ def check_against(path, checkpoint, earlier=(), since=None, key=None):
     raise IntegrityError(path, None, reason)
 
 
-def _cli_keys(values, kind):
-    """--vkey / --witness values: key texts, or files that hold them."""
+def cli_keys(values, kind):
+    """--vkey / --witness values (fleet.py's too): key texts, or files that hold them."""
     keys = [parse_key(Path(v).read_text() if os.path.isfile(v) else v) for v in values or ()]
     for key in keys:
         if key.kind != kind:
@@ -2274,14 +2240,14 @@ def _cli_keys(values, kind):
 def _read_text(path):
     """A checkpoint or proof file's text; IntegrityError when it is not UTF-8, as notes must be."""
     try:
-        return Path(path).read_bytes().decode("utf-8")
+        return Path(path).read_bytes().decode()
     except UnicodeDecodeError as exc:
         raise IntegrityError(path, None, f"not UTF-8 (byte {exc.start})") from None
 
 
 def _open_cli_checkpoint(args, text, where):
     """`text`'s newest note checked with --vkey and --witness -> (Checkpoint, signers, keys)."""
-    keys, witnesses = _cli_keys(args.vkey, SIGNER), _cli_keys(args.witness, COSIGNER)
+    keys, witnesses = cli_keys(args.vkey, SIGNER), cli_keys(args.witness, COSIGNER)
     needed = len(witnesses) if args.witnesses_needed is None else args.witnesses_needed
     if not keys or not 0 <= needed <= len(witnesses):
         raise UsageError("want --vkey KEY, and --witnesses-needed N up to the --witness keys given")
@@ -2309,7 +2275,7 @@ def _verify_checkpoint(args):
         suffix = f"  checkpoint {checkpoint.size} signed by {', '.join(signers)}"
     except IntegrityError as exc:
         result = exc
-    return tally([(path, result, suffix)], verified_line, "{}/{} ledgers valid".format)
+    return tally([(path, result, suffix)])
 
 
 def _cmd_keygen(args):
@@ -2319,21 +2285,15 @@ def _cmd_keygen(args):
     public = ed25519_public(seed)
     key = NoteKey(args.name, _key_id(args.name, kind, public), kind, public, seed)
     try:
-        fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        _write_file(args.out, f"{key_text(key, secret=True)}\n".encode(), os.O_EXCL)
     except FileExistsError:
         raise UsageError(f"{args.out} exists: keygen never overwrites a key") from None
-    try:
-        _write_or_undo(fd, f"{key_text(key, secret=True)}\n".encode(), 0)
-    finally:
-        os.close(fd)
     write_out(f"{key_text(key)}\n")
-    return EXIT_OK
 
 
 def _cmd_checkpoint(args):
     key = read_signer_key(args.key)
     write_out(make_checkpoint(args.path, key, origin=args.origin, append=args.append))
-    return EXIT_OK
 
 
 def _cmd_prove(args):
@@ -2344,8 +2304,7 @@ def _cmd_prove(args):
         size = size[0] if size else sum(1 for _leaf in ledger_leaves(args.path))
         if not 0 <= old <= size:
             raise UsageError(f"--consistency {old} {size}: want 0 <= M <= N")
-        write_out(_proof_lines(tree_proof(args.path, size, old=old)[0]))
-        return EXIT_OK
+        return write_out(_proof_lines(tree_proof(args.path, size, old=old)[0]))
     if not args.checkpoint:
         raise UsageError("prove SEQ needs --checkpoint FILE")
     note = split_notes(_read_text(args.checkpoint))[-1]
@@ -2356,7 +2315,6 @@ def _cmd_prove(args):
     if root != checkpoint.root:
         raise IntegrityError(args.path, None, "does not give the checkpoint's root: verify it")
     write_out(f"c2sp.org/tlog-proof@v1\nindex {args.seq - 1}\n{_proof_lines(proof)}\n{note}")
-    return EXIT_OK
 
 
 def _cmd_verify_proof(args):
@@ -2365,8 +2323,8 @@ def _cmd_verify_proof(args):
     if not found:
         raise IntegrityError(args.proof, None, "not a c2sp.org/tlog-proof@v1 proof")
     checkpoint, signers, _keys = _open_cli_checkpoint(args, text[found.end() :], args.proof)
-    line, index = sys.stdin.buffer.read().removesuffix(b"\n"), int(found.group(1))
-    proof = [base64.b64decode(h) for h in found.group(2).split()]
+    line, index = sys.stdin.buffer.read().removesuffix(b"\n"), int(found[1])
+    proof = [base64.b64decode(h) for h in found[2].split()]
     if not verify_inclusion(line, index, checkpoint.size, proof, checkpoint.root):
         raise IntegrityError(
             args.proof, None, f"the line on stdin is not line {index + 1} of the log"
@@ -2375,16 +2333,11 @@ def _cmd_verify_proof(args):
         f"ok    line {index + 1} of {checkpoint.origin} ({checkpoint.size} lines), "
         f"signed by {', '.join(signers)}\n"
     )
-    return EXIT_OK
 
 
 # ----------------------------------------------------------------------------
 # Checkpoints as ledgers are written (a signing Ledger), and the tree for other rooms
 # ----------------------------------------------------------------------------
-
-# for fleet.py: RFC 6962's tree leaf by leaf (to root the lines ClickHouse holds), and the keys of
-# --vkey and --witness
-Tree, cli_keys = _Tree, _cli_keys
 
 
 def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
@@ -2393,7 +2346,7 @@ def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
     origin = origin or signer.name
     if signer.kind != SIGNER or not origin.strip() or _CONTROL_RE.search(origin):
         raise UsageError("a checkpoint needs a log key (not --cosigner) and a one-line origin")
-    tree, got = _Tree(), _parallel_start(path, resolve_key(key), None, None, fold=_leaf_hashes)
+    tree, got = Tree(), _parallel_start(path, resolve_key(key), None, None, fold=_leaf_hashes)
     for leaves in got[1] if got else ():
         for leaf in leaves:
             tree.add(None, leaf)
@@ -2402,10 +2355,7 @@ def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
             tree.add(raw)
     note = sign_note(f"{origin}\n{tree.size}\n{_b64(tree.root())}\n", signer)
     if append:
-        with open(f"{path}.checkpoints", "a", encoding="utf-8") as handle:
-            handle.write(("\n" if handle.tell() else "") + note)
-            handle.flush()
-            os.fsync(handle.fileno())
+        _write_file(f"{path}.checkpoints", note.encode(), lead=b"\n")
     return note
 
 
@@ -2437,8 +2387,16 @@ def check_targets(args, command):
         raise UsageError(f"--all: no such directory: {args.all}")
 
 
-def tally(results, good, summary, inside="", after=""):
-    """One line per (path, result, suffix): good(result), FAIL or ERROR; then summary(ok, total).
+def verified_line(result):
+    return (
+        f"ok    {printable(result.path)}  {result.count} line{'' if result.count == 1 else 's'}  "
+        f"head {result.head_text()}"
+    )
+
+
+def tally(results, good=verified_line, summary="{}/{} ledgers valid".format, inside="", after=""):
+    """One line per (path, result, suffix): good(result) (default: verified_line), FAIL or ERROR;
+    then summary(ok, total) (default: N/M ledgers valid).
     Returns the exit code: a FAIL (1) outranks an ERROR (2). `after` may hold {} for 'it' or 'them',
     the failed ledgers."""
     counts, keyless = collections.Counter(), 0
@@ -2454,29 +2412,21 @@ def tally(results, good, summary, inside="", after=""):
                 f"ERROR {printable(text if text.startswith(str(path)) else f'{path}: {text}')}"
             )
         counts[state] += 1
-        write_out(line + suffix + "\n")
-    write_out(summary(counts["ok"], sum(counts.values())) + "\n")
-    failed, n = counts["fail"], counts["error"]
-    if failed:
+        write_out(f"{line}{suffix}\n")
+    write_out(f"{summary(counts['ok'], sum(counts.values()))}\n")
+    if counts["fail"]:
         error(
-            f"integrity check failed ({failed} ledger{'s' if failed > 1 else ''}{inside})"
-            + after.format("them" if failed > 1 else "it")
+            f"integrity check failed ({counts['fail']} ledger{'s' if counts['fail'] > 1 else ''}"
+            f"{inside}){after.format('them' if counts['fail'] > 1 else 'it')}"
         )
         return EXIT_FAILED
-    if n:
+    if counts["error"]:
         error(
-            f"{n} ledger{'s' if n > 1 else ''} could not be read"
+            f"{counts['error']} ledger{'s' if counts['error'] > 1 else ''} could not be read"
             + (f" ({keyless} need{'s' if keyless == 1 else ''} a key)" if keyless else "")
         )
         return EXIT_USAGE
     return EXIT_OK
-
-
-def verified_line(result):
-    return (
-        f"ok    {printable(result.path)}  {result.count} line{'' if result.count == 1 else 's'}  "
-        f"head {result.head_text()}"
-    )
 
 
 def _cmd_verify(args):
@@ -2499,15 +2449,12 @@ def _cmd_verify(args):
         [
             (p, r if isinstance(r, BaseException) else _text_checked(p, r, args.text), "")
             for p, r in results
-        ],
-        verified_line,
-        "{}/{} ledgers valid".format
+        ]
     )
 
 
 def _cmd_head(args):
-    write_out(verify(args.path, key=cli_key(args), jobs=None).head_text() + "\n")
-    return EXIT_OK
+    write_out(f"{verify(args.path, key=cli_key(args), jobs=None).head_text()}\n")
 
 
 # Payload fields that say what happened, shown on an event's line by `report`.
@@ -2529,7 +2476,8 @@ def _artifact(ledger_path, ref):
 
 
 def _answer_text(ledger_path, name):
-    """The text of an answer in the ledger's text store (answer_text), or ""."""
+    """The text of an answer in the ledger's text store (answer_text), or "" (`name` may be any
+    JSON value)."""
     try:
         entry = (
             json.loads((text_dir(ledger_path) / name).read_bytes())
@@ -2547,17 +2495,15 @@ def _tests_meaning(path, payload):
     if payload.get("passed") is True:
         return f"tests passed ({tally})" if tally else "tests passed"
     why = "timed out" if payload.get("timed_out") else f"exit {payload.get('returncode')}"
-    try:
+    try:  # not JSON, or not an object: no names
         outcomes = json.loads(_artifact(path, payload.get("outcomes_artifact")) or "{}")
-    except ValueError:
-        outcomes = {}
-    failed = (
-        sorted(name for name, outcome in outcomes.items() if outcome in ("failed", "error"))
-        if type(outcomes) is dict
-        else []
-    )
-    shown = ", ".join(failed[:5]) + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")
-    return f"tests FAILED ({why}{'; ' + tally if tally else ''})" + (f": {shown}" if shown else "")
+        failed = sorted(
+            name for name, outcome in outcomes.items() if outcome in ("failed", "error")
+        )
+    except (ValueError, AttributeError):
+        failed = []
+    shown = f"{', '.join(failed[:5])}{f' and {len(failed) - 5} more' if len(failed) > 5 else ''}"
+    return f"tests FAILED ({why}{'; ' + tally if tally else ''}){': ' + shown if shown else ''}"
 
 
 def _event_summary(path, event):
@@ -2573,10 +2519,11 @@ def _event_summary(path, event):
         parts.append(f"CHECK FAILED: {payload.get('check_detail') or 'no detail'}")
     if event["kind"] == "tests_run":
         parts.append(_tests_meaning(path, payload))
-    call = payload.get("call") if type(payload.get("call")) is dict else {}
-    reply = _artifact(path, payload.get("response_artifact") or call.get("reply_artifact"))
-    if type(payload.get("answer_text")) is str:
-        reply = reply or _answer_text(path, payload["answer_text"])
+    call = payload.get("call")
+    reply = _artifact(
+        path, payload.get("response_artifact") or type(call) is dict and call.get("reply_artifact")
+    )
+    reply = reply or _answer_text(path, payload.get("answer_text"))
     line = next((s.strip() for s in reply.splitlines() if s.strip()), "")
     if line:
         parts.append(f"reply: {line if len(line) <= 120 else line[:119] + '…'}")
@@ -2591,9 +2538,8 @@ def _cmd_report(args):
     targets = [(Path(p), None) for p in args.paths] + (
         run_ledgers(args.all, key) if args.all else []
     )
-    since, until = args.since and parse_time(args.since), args.until and parse_time(
-        args.until, True
-    )
+    since = parse_time(args.since) if args.since else ""
+    until = parse_time(args.until, True) if args.until else "~"  # after any `at`
     try:
         for path, expect in targets:
             if len(targets) > 1 and not args.json:
@@ -2603,23 +2549,19 @@ def _cmd_report(args):
                     (args.kind and event["kind"] not in args.kind)
                     or (args.stage and event["payload"].get("stage") != args.stage)
                     or (args.run and not event["run_id"].startswith(args.run))
-                    or (since and event["at"] < since)
-                    or (until and event["at"] > until)
+                    or not since <= event["at"] <= until
                 ):
-                    write_out(
-                        (raw.decode("utf-8") if args.json else _event_summary(path, event)) + "\n"
-                    )
+                    write_out(f"{raw.decode() if args.json else _event_summary(path, event)}\n")
     except OutputError as exc:
         if not exc.pipe:  # `report | head`: the reader has all it wanted
             raise
-    return EXIT_OK
 
 
 def _cmd_append(args):
     text = args.payload
     try:
         if text is None and not sys.stdin.isatty():
-            text = sys.stdin.buffer.read().decode("utf-8")
+            text = sys.stdin.buffer.read().decode()
         payload = json.loads(text) if text and text.strip() else {}
     except UnicodeDecodeError as exc:
         raise PayloadError(f"payload is not UTF-8 (byte {exc.start})") from None
@@ -2638,59 +2580,53 @@ def _cmd_append(args):
     ) as ledger:
         ledger.append(args.kind, payload)
         write_out(f"{ledger.head[0]} {ledger.head[1]}\n")
-    return EXIT_OK
 
 
-def _add_options(name, add):
-    """The options of subcommand `name` after its PATH and --key-env."""
-    if name == "verify":
-        add("--expect-head", metavar="SEQ:HASH", help="a head published earlier (finds truncation)")
-        add(
-            "--text",
-            action="store_true",
-            help="a missing or changed file of the text store (LEDGER.text/) fails "
-            "(default: a warning)"
-        )
-        add(
-            "--jobs",
-            type=int,
-            metavar="N",
-            help="worker processes per ledger "
-            "(default: one per core, at most 8, for 4 MiB or more)"
-        )
-        add("--checkpoint", metavar="FILE", help="hold PATH to a signed checkpoint")
-        add("--since", metavar="FILE", help="an earlier checkpoint it extends")
-    elif name == "report":
-        add("--kind", action="append", help="only this kind (repeatable)")
-        add("--stage", help="only decisions of this stage")
-        add("--run", help="only this run id (or prefix)")
-        add("--since", help="date or ISO time (UTC)")
-        add("--until", help="date (inclusive) or ISO time")
-        add("--json", action="store_true", help="print the matching lines unchanged")
-    elif name == "append":
-        add("--kind", required=True)
-        add("--run-id", help="default: $LEDGER_RUN_ID or a new id")
-        add("--payload", help="a JSON object (default: stdin when it is not a terminal)")
-    elif name == "keygen":
-        add("--out", required=True, metavar="FILE")
-        add("--cosigner", action="store_true", help="a witness key (type 0x04)")
-    elif name == "checkpoint":
-        add("--key", required=True, metavar="FILE", help="the signer key file")
-        add("--origin", help="the log's name (default: the key's)")
-        add("--append", action="store_true", help="also add it to PATH.checkpoints")
-    elif name == "prove":
-        add("seq", nargs="?", type=int, metavar="SEQ")
-        add("--checkpoint", metavar="FILE")
-        add("--consistency", nargs="+", type=int, metavar="M", help="M [N]: from size M to N")
-    if name in ("verify", "verify-proof"):
-        add("--vkey", action="append", metavar="KEY", help="the log's verifier key, or its file")
-        add(
-            "--witness",
-            action="append",
-            metavar="VKEY",
-            help="a witness's verifier key (repeatable)"
-        )
-        add("--witnesses-needed", type=int, metavar="N", help="default: every --witness")
+_VKEYS = """
+  --vkey action=append metavar=KEY: the log's verifier key, or its file
+  --witness action=append metavar=VKEY: a witness's verifier key (repeatable)
+  --witnesses-needed type=int metavar=N: default: every --witness"""
+# The subcommands, as "NAME: help" and their arguments below (as add_arguments() reads them); each
+# runs _cmd_NAME.
+_COMMANDS = f"""
+verify: check ledgers; exit 1 on any integrity failure{_TARGETS}{_KEY_ENV}
+  --expect-head metavar=SEQ:HASH: a head published earlier (finds truncation)
+  --text action=store_true: a missing or changed file of the text store (LEDGER.text/) fails
+    (default: a warning)
+  --jobs type=int metavar=N: worker processes per ledger (default: one per core, at most 8, for 4
+    MiB or more)
+  --checkpoint metavar=FILE: hold PATH to a signed checkpoint
+  --since metavar=FILE: an earlier checkpoint it extends{_VKEYS}
+head: print the anchor 'SEQ HASH' of a verified ledger
+  path metavar=PATH{_KEY_ENV}
+report: one readable line per event: what it says and what it means{_TARGETS}{_KEY_ENV}
+  --kind action=append: only this kind (repeatable)
+  --stage: only decisions of this stage
+  --run: only this run id (or prefix)
+  --since: date or ISO time (UTC)
+  --until: date (inclusive) or ISO time
+  --json action=store_true: print the matching lines unchanged
+append: append one event; prints the new head
+  path metavar=PATH{_KEY_ENV}
+  --kind required=true
+  --run-id: default: $LEDGER_RUN_ID or a new id
+  --payload: a JSON object (default: stdin when it is not a terminal)
+keygen: write a signer key to --out (mode 0600); print its verifier key
+  name metavar=NAME
+  --out required=true metavar=FILE
+  --cosigner action=store_true: a witness key (type 0x04)
+checkpoint: verify a ledger, then print its signed checkpoint
+  path metavar=PATH
+  --key required=true metavar=FILE: the signer key file
+  --origin: the log's name (default: the key's)
+  --append action=store_true: also add it to PATH.checkpoints
+prove: an inclusion proof of line SEQ, or --consistency M [N]
+  path metavar=PATH
+  seq nargs=? type=int metavar=SEQ
+  --checkpoint metavar=FILE
+  --consistency nargs=+ type=int metavar=M: M [N]: from size M to N
+verify-proof: check that the line on stdin is in the signed log
+  proof metavar=PROOF{_VKEYS}"""
 
 
 def _build_parser():
@@ -2702,27 +2638,12 @@ def _build_parser():
     )
     parser.add_argument("--version", action="version", version=__version__)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, text, handler in (
-        ("verify", "check ledgers; exit 1 on any integrity failure", _cmd_verify),
-        ("head", "print the anchor 'SEQ HASH' of a verified ledger", _cmd_head),
-        ("report", "one readable line per event: what it says and what it means", _cmd_report),
-        ("append", "append one event; prints the new head", _cmd_append),
-        ("keygen", "write a signer key to --out (mode 0600); print its verifier key", _cmd_keygen),
-        ("checkpoint", "verify a ledger, then print its signed checkpoint", _cmd_checkpoint),
-        ("prove", "an inclusion proof of line SEQ, or --consistency M [N]", _cmd_prove),
-        ("verify-proof", "check that the line on stdin is in the signed log", _cmd_verify_proof)
-    ):
-        p = sub.add_parser(name, help=text)
-        p.set_defaults(func=handler)
-        add = p.add_argument
-        if name in ("verify", "report"):
-            add_targets(p)
-        else:
-            dest = {"keygen": "name", "verify-proof": "proof"}.get(name, "path")
-            add(dest, metavar=dest.upper())
-        if name in ("verify", "head", "report", "append"):
-            add_key_env(p)
-        _add_options(name, add)
+    for block in re.split(r"\n(?=\S)", _COMMANDS.strip()):
+        line, _nl, specs = block.partition("\n")
+        name, _sep, text = line.partition(": ")
+        command = sub.add_parser(name, help=text)
+        command.set_defaults(func=globals()[f"_cmd_{name.replace('-', '_')}"])
+        add_arguments(command, specs)
     return parser
 
 

@@ -42,7 +42,7 @@ def bench(quick=True):
     vkey = key._replace(seed=None)
 
     def checkpoint_pass():  # what `checkpoint` does before it signs
-        tree = rl._Tree()
+        tree = rl.Tree()
         for _event, raw, _digest in rl.verified_events(big, key=b""):
             tree.add(raw)
         return f"{key.name}\n{tree.size}\n{rl._b64(tree.root())}\n"

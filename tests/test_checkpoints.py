@@ -114,7 +114,7 @@ def test_trees_of_every_size_up_to_70_match_the_naive_mth(seventy):
         assert (proof, root) == ([], mth(leaves[:size]))
     with pytest.raises(rl.IntegrityError, match="cut: the ledger has 70 lines, not 71"):
         rl.tree_proof(path, 71, old=0)
-    tree = rl._Tree()  # O(log n) memory: one subtree root per set bit of the size
+    tree = rl.Tree()  # O(log n) memory: one subtree root per set bit of the size
     for size in range(1, 5000):
         tree.add(b"x")
         assert len(tree.stack) == bin(size).count("1")
@@ -307,11 +307,16 @@ def test_checkpoint_reads_a_keyed_ledger_with_its_key_only(tmp_path):
 
 def test_the_sidecar_holds_notes_one_empty_line_apart_and_verify_uses_the_newest(signed):
     ledger, key, vkey = signed
-    first = checkpoint(ledger, key, "--append")
+    old_umask = os.umask(0o022)  # the CLI inherits it: a file made with the umask's mode is 0644
+    try:
+        first = checkpoint(ledger, key, "--append")
+    finally:
+        os.umask(old_umask)
     write(ledger, 2, start=5)
     second = checkpoint(ledger, key, "--append")
     sidecar = ledger.parent / (ledger.name + ".checkpoints")
     assert sidecar.read_text() == first + "\n" + second
+    assert stat.S_IMODE(sidecar.stat().st_mode) == 0o600  # private like its ledger, whatever the umask
     assert rl.split_notes(sidecar.read_text()) == [first, second]
     proc = cli("verify", ledger, "--checkpoint", sidecar, "--vkey", vkey)
     assert proc.returncode == 0, proc.err
