@@ -447,11 +447,6 @@ def _folded(text):
     return low.replace("\u017f", "s").replace("\u0131", "i").replace("i\u0307", "i")
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_shapes():  # on first use: verify never needs them
-    return tuple((re.compile(src), repl) for src, repl in _SHAPES)
-
-
 class Redactor:
     """Masks known secret values and secret shapes (tokens, credentials in URLs, key=value
     assignments)."""
@@ -465,9 +460,10 @@ class Redactor:
                 text = text.replace(value, REDACTED)
         if _may_match(text):
             low = _folded(text)
-            for (pattern, repl), hint in zip(_compiled_shapes(), _SHAPE_HINTS):
+            # re compiles (and caches) a shape on its first use: most strings need none
+            for (pattern, repl), hint in zip(_SHAPES, _SHAPE_HINTS):
                 if any(map(low.__contains__, hint)) if hint else _ASSIGNMENT_HINT.search(low):
-                    text = pattern.sub(repl, text)
+                    text = re.sub(pattern, repl, text)
         return text
 
 
@@ -480,10 +476,15 @@ SECRET_ENV_NAMES = tuple(
 )
 
 
-def is_secret_env_name(name):
-    """An environment variable's name that names a secret, by the five rules of docs/secrets.md."""
+@functools.lru_cache(maxsize=1)
+def _secret_env_re():  # SECRET_ENV_NAMES as one regex, built on first use
     import fnmatch
 
+    return re.compile("|".join(map(fnmatch.translate, SECRET_ENV_NAMES)))
+
+
+def is_secret_env_name(name):
+    """An environment variable's name that names a secret, by the five rules of docs/secrets.md."""
     segments = _segments(name)
     last = segments[-1] if segments else ""
     return (
@@ -492,7 +493,7 @@ def is_secret_env_name(name):
         or "webhook" in segments
         or last.endswith(("password", "passwd", "passphrase", "token", "secret"))
         or (len(segments) > 1 and last in ("pwd", "pass", "pw", "auth"))
-        or any(fnmatch.fnmatchcase(name.upper(), pattern) for pattern in SECRET_ENV_NAMES)
+        or _secret_env_re().match(name.upper()) is not None
     )
 
 
@@ -1684,7 +1685,7 @@ def add_run_event(run, event):
 # Command line helpers shared by the toolkit's scripts
 # ----------------------------------------------------------------------------
 
-_CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_CONTROL_RE = "[\x00-\x1f\x7f-\x9f\u2028\u2029]"  # compiled by re on first use
 
 
 def plural(count, word, many=None):
@@ -1695,8 +1696,10 @@ def plural(count, word, many=None):
 def printable(value):
     """str(value) with control characters escaped (\\n, \\x1b, \\u2028), so text from a ledger or a
     server can neither forge a line nor drive a terminal."""
-    return _CONTROL_RE.sub(
-        lambda match: repr(match.group())[1:-1], value if type(value) is str else str(value)
+    return re.sub(
+        _CONTROL_RE,
+        lambda match: repr(match.group())[1:-1],
+        value if type(value) is str else str(value)
     )
 
 
@@ -2041,12 +2044,11 @@ NoteKey = collections.namedtuple("NoteKey", "name kid kind public seed")
 Checkpoint = collections.namedtuple("Checkpoint", "origin size root body")
 SIGNER, COSIGNER = 1, 4  # the key types: a log's signer, a witness's cosigner
 _PRIVATE = "PRIVATE+KEY+"
-_NAME_RE = re.compile(r"[^\s+\x00-\x1f\x7f]+\Z")
-_SIG_RE = re.compile("\u2014 ([^\\s+]+) ([A-Za-z0-9+/]+=*)\\Z")
-_CHECKPOINT_RE = re.compile(
-    r"([^\n]+)\n(0|[1-9][0-9]{0,18})\n([A-Za-z0-9+/]{43}=)\n(?:[^\n]+\n)*\Z"
-)
-_PROOF_RE = re.compile(
+# patterns that re compiles on first use: a plain append never needs them
+_NAME_RE = r"[^\s+\x00-\x1f\x7f]+\Z"
+_SIG_RE = "\u2014 ([^\\s+]+) ([A-Za-z0-9+/]+=*)\\Z"
+_CHECKPOINT_RE = r"([^\n]+)\n(0|[1-9][0-9]{0,18})\n([A-Za-z0-9+/]{43}=)\n(?:[^\n]+\n)*\Z"
+_PROOF_RE = (
     r"c2sp\.org/tlog-proof@v1\n(?:extra [A-Za-z0-9+/=]*\n)?index (0|[1-9][0-9]{0,18})\n"
     r"((?:[A-Za-z0-9+/]{43}=\n){0,63})\n"
 )
@@ -2090,7 +2092,7 @@ def parse_key(text, secret=False):
         )
     name, kid, data = (text[len(_PRIVATE) * secret :].split("+", 2) + ["", ""])[:3]
     raw = _unb64(data)
-    if not _NAME_RE.match(name) or len(raw) != 33 or raw[0] not in (SIGNER, COSIGNER):
+    if not re.match(_NAME_RE, name) or len(raw) != 33 or raw[0] not in (SIGNER, COSIGNER):
         raise UsageError(f"not a signed-note Ed25519 key: {'…' if secret else text[:80]}")
     public = ed25519_public(raw[1:]) if secret else raw[1:]
     if kid != _key_id(name, raw[0], public).hex():
@@ -2144,16 +2146,16 @@ def parse_checkpoint(text, where="checkpoint"):
     body, _sep, block = text.rpartition("\n\n")
     problem = (
         "a control character in the note"
-        if _CONTROL_RE.search(text.replace("\n", ""))
+        if re.search(_CONTROL_RE, text.replace("\n", ""))
         else (
             "truncated: the note does not end in a newline"
             if not text.endswith("\n")
             else "not a signed note: no empty line before the signatures" if not body else None
         )
     )
-    signatures, match = [], _CHECKPOINT_RE.match(body + "\n")
+    signatures, match = [], re.match(_CHECKPOINT_RE, body + "\n")
     for line in block[:-1].split("\n") if not problem else ():
-        found = _SIG_RE.match(line)
+        found = re.match(_SIG_RE, line)
         raw = _unb64(found.group(2)) if found else b""
         if len(raw) < 5:
             problem = f"malformed signature line {line[:60]!r}"
@@ -2293,7 +2295,7 @@ def _verify_checkpoint(args):
 
 
 def _cmd_keygen(args):
-    if not _NAME_RE.match(args.name):
+    if not re.match(_NAME_RE, args.name):
         raise UsageError(f"a key name has no white space or `+`: {args.name!r}")
     kind, seed = COSIGNER if args.cosigner else SIGNER, os.urandom(32)
     public = ed25519_public(seed)
@@ -2341,7 +2343,7 @@ def _cmd_prove(args):
 
 def _cmd_verify_proof(args):
     text = _read_text(args.proof)
-    found = _PROOF_RE.match(text)
+    found = re.match(_PROOF_RE, text)
     if not found:
         raise IntegrityError(args.proof, None, "not a c2sp.org/tlog-proof@v1 proof")
     checkpoint, signers, _keys = _open_cli_checkpoint(args, text[found.end() :], args.proof)
@@ -2371,7 +2373,7 @@ def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
     """A ledger's signed checkpoint (origin: the key's name), its chain verified first (a torn last
     line is no leaf); with `append` also added to PATH.checkpoints, fsync'd."""
     origin = origin or signer.name
-    if signer.kind != SIGNER or not origin.strip() or _CONTROL_RE.search(origin):
+    if signer.kind != SIGNER or not origin.strip() or re.search(_CONTROL_RE, origin):
         raise UsageError("a checkpoint needs a log key (not --cosigner) and a one-line origin")
     tree = _Tree()
     with contextlib.suppress(TornTailError):  # a writer is mid-append (or died there)
