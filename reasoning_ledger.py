@@ -447,6 +447,10 @@ def _folded(text):
     return low.replace("\u017f", "s").replace("\u0131", "i").replace("i\u0307", "i")
 
 
+# a shape compiles on its first use: most strings need none, and verify none at all
+_compiled = functools.cache(re.compile)
+
+
 class Redactor:
     """Masks known secret values and secret shapes (tokens, credentials in URLs, key=value
     assignments)."""
@@ -460,10 +464,9 @@ class Redactor:
                 text = text.replace(value, REDACTED)
         if _may_match(text):
             low = _folded(text)
-            # re compiles (and caches) a shape on its first use: most strings need none
             for (pattern, repl), hint in zip(_SHAPES, _SHAPE_HINTS):
                 if any(map(low.__contains__, hint)) if hint else _ASSIGNMENT_HINT.search(low):
-                    text = re.sub(pattern, repl, text)
+                    text = _compiled(pattern).sub(repl, text)
         return text
 
 
@@ -476,7 +479,7 @@ SECRET_ENV_NAMES = tuple(
 )
 
 
-@functools.lru_cache(maxsize=1)
+@functools.cache
 def _secret_env_re():  # SECRET_ENV_NAMES as one regex, built on first use
     import fnmatch
 
