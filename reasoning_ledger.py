@@ -479,15 +479,10 @@ SECRET_ENV_NAMES = tuple(
 )
 
 
-@functools.cache
-def _secret_env_re():  # SECRET_ENV_NAMES as one regex, built on first use
-    import fnmatch
-
-    return re.compile("|".join(map(fnmatch.translate, SECRET_ENV_NAMES)))
-
-
 def is_secret_env_name(name):
     """An environment variable's name that names a secret, by the five rules of docs/secrets.md."""
+    import fnmatch
+
     segments = _segments(name)
     last = segments[-1] if segments else ""
     return (
@@ -496,7 +491,9 @@ def is_secret_env_name(name):
         or "webhook" in segments
         or last.endswith(("password", "passwd", "passphrase", "token", "secret"))
         or (len(segments) > 1 and last in ("pwd", "pass", "pw", "auth"))
-        or _secret_env_re().match(name.upper()) is not None
+        or name.upper() in SECRET_ENV_NAMES
+        # a pattern compiles on first use: the plain names need no regex
+        or any(fnmatch.fnmatchcase(name.upper(), p) for p in SECRET_ENV_NAMES if "*" in p)
     )
 
 
