@@ -447,7 +447,7 @@ def _folded(text):
     return low.replace("\u017f", "s").replace("\u0131", "i").replace("i\u0307", "i")
 
 
-# a shape compiles on its first use: most strings need none, and verify none at all
+# a pattern compiled on its first use: most strings need no secret shape, and verify none at all
 _compiled = functools.cache(re.compile)
 
 
@@ -1685,7 +1685,7 @@ def add_run_event(run, event):
 # Command line helpers shared by the toolkit's scripts
 # ----------------------------------------------------------------------------
 
-_CONTROL_RE = "[\x00-\x1f\x7f-\x9f\u2028\u2029]"  # compiled by re on first use
+_CONTROL_RE = "[\x00-\x1f\x7f-\x9f\u2028\u2029]"  # compiled on first use (_compiled)
 
 
 def plural(count, word, many=None):
@@ -1696,10 +1696,8 @@ def plural(count, word, many=None):
 def printable(value):
     """str(value) with control characters escaped (\\n, \\x1b, \\u2028), so text from a ledger or a
     server can neither forge a line nor drive a terminal."""
-    return re.sub(
-        _CONTROL_RE,
-        lambda match: repr(match.group())[1:-1],
-        value if type(value) is str else str(value)
+    return _compiled(_CONTROL_RE).sub(
+        lambda match: repr(match.group())[1:-1], value if type(value) is str else str(value)
     )
 
 
@@ -2044,7 +2042,7 @@ NoteKey = collections.namedtuple("NoteKey", "name kid kind public seed")
 Checkpoint = collections.namedtuple("Checkpoint", "origin size root body")
 SIGNER, COSIGNER = 1, 4  # the key types: a log's signer, a witness's cosigner
 _PRIVATE = "PRIVATE+KEY+"
-# patterns that re compiles on first use: a plain append never needs them
+# patterns compiled on first use (_compiled): a plain append never needs them
 _NAME_RE = r"[^\s+\x00-\x1f\x7f]+\Z"
 _SIG_RE = "\u2014 ([^\\s+]+) ([A-Za-z0-9+/]+=*)\\Z"
 _CHECKPOINT_RE = r"([^\n]+)\n(0|[1-9][0-9]{0,18})\n([A-Za-z0-9+/]{43}=)\n(?:[^\n]+\n)*\Z"
@@ -2092,7 +2090,7 @@ def parse_key(text, secret=False):
         )
     name, kid, data = (text[len(_PRIVATE) * secret :].split("+", 2) + ["", ""])[:3]
     raw = _unb64(data)
-    if not re.match(_NAME_RE, name) or len(raw) != 33 or raw[0] not in (SIGNER, COSIGNER):
+    if not _compiled(_NAME_RE).match(name) or len(raw) != 33 or raw[0] not in (SIGNER, COSIGNER):
         raise UsageError(f"not a signed-note Ed25519 key: {'…' if secret else text[:80]}")
     public = ed25519_public(raw[1:]) if secret else raw[1:]
     if kid != _key_id(name, raw[0], public).hex():
@@ -2146,16 +2144,16 @@ def parse_checkpoint(text, where="checkpoint"):
     body, _sep, block = text.rpartition("\n\n")
     problem = (
         "a control character in the note"
-        if re.search(_CONTROL_RE, text.replace("\n", ""))
+        if _compiled(_CONTROL_RE).search(text.replace("\n", ""))
         else (
             "truncated: the note does not end in a newline"
             if not text.endswith("\n")
             else "not a signed note: no empty line before the signatures" if not body else None
         )
     )
-    signatures, match = [], re.match(_CHECKPOINT_RE, body + "\n")
+    signatures, match = [], _compiled(_CHECKPOINT_RE).match(body + "\n")
     for line in block[:-1].split("\n") if not problem else ():
-        found = re.match(_SIG_RE, line)
+        found = _compiled(_SIG_RE).match(line)
         raw = _unb64(found.group(2)) if found else b""
         if len(raw) < 5:
             problem = f"malformed signature line {line[:60]!r}"
@@ -2295,7 +2293,7 @@ def _verify_checkpoint(args):
 
 
 def _cmd_keygen(args):
-    if not re.match(_NAME_RE, args.name):
+    if not _compiled(_NAME_RE).match(args.name):
         raise UsageError(f"a key name has no white space or `+`: {args.name!r}")
     kind, seed = COSIGNER if args.cosigner else SIGNER, os.urandom(32)
     public = ed25519_public(seed)
@@ -2343,7 +2341,7 @@ def _cmd_prove(args):
 
 def _cmd_verify_proof(args):
     text = _read_text(args.proof)
-    found = re.match(_PROOF_RE, text)
+    found = _compiled(_PROOF_RE).match(text)
     if not found:
         raise IntegrityError(args.proof, None, "not a c2sp.org/tlog-proof@v1 proof")
     checkpoint, signers, _keys = _open_cli_checkpoint(args, text[found.end() :], args.proof)
@@ -2373,7 +2371,7 @@ def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
     """A ledger's signed checkpoint (origin: the key's name), its chain verified first (a torn last
     line is no leaf); with `append` also added to PATH.checkpoints, fsync'd."""
     origin = origin or signer.name
-    if signer.kind != SIGNER or not origin.strip() or re.search(_CONTROL_RE, origin):
+    if signer.kind != SIGNER or not origin.strip() or _compiled(_CONTROL_RE).search(origin):
         raise UsageError("a checkpoint needs a log key (not --cosigner) and a one-line origin")
     tree = _Tree()
     with contextlib.suppress(TornTailError):  # a writer is mid-append (or died there)
