@@ -21,6 +21,7 @@ import argparse
 import contextlib
 import functools
 import hashlib
+import heapq
 import hmac
 import http.client
 import ipaddress
@@ -229,23 +230,21 @@ def check_api_key(api_key):
 def split_base_url(base_url):
     """(request_base, recorded_base, host, port): the first keeps a query string (api-version=...),
     the recorded one drops user:password, query and fragment. Raises ConfigError for a bad URL."""
-    # no query, fragment or credentials
-    safe = rl.redact_text(re.split(r"[?#]", base_url, maxsplit=1)[0])
     try:
         parts = urllib.parse.urlsplit(base_url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
         (parts.hostname or "").encode("idna")
-    except (ValueError, UnicodeError):
-        raise ConfigError(f"BASE_URL has a bad host or port: {safe!r}") from None
-    if (
-        re.search(r"[\x00-\x20\x7f]", base_url)
-        or parts.scheme not in ("http", "https")
-        or not parts.hostname
-    ):
-        raise ConfigError(
-            "BASE_URL must be an http(s) URL like https://host/v1, with no white space, "
-            f"not {safe!r}"
+        bad = (
+            "must be an http(s) URL like https://host/v1, with no white space, not"
+            if re.search(r"[\x00-\x20\x7f]", base_url)
+            or parts.scheme not in ("http", "https")
+            or not parts.hostname
+            else None
         )
+    except (ValueError, UnicodeError):
+        bad = "has a bad host or port:"
+    if bad:  # shown without query, fragment or credentials
+        raise ConfigError(f"BASE_URL {bad} {rl.redact_text(re.split(r'[?#]', base_url)[0])!r}")
     host = parts.hostname
     netloc = (f"[{host}]" if ":" in host else host) + (f":{parts.port}" if parts.port else "")
     path = parts.path.rstrip("/")
@@ -274,7 +273,7 @@ def check_number(name, value, minimum=None, above=None):
 
 
 def estimate_tokens(chars):
-    return int(math.ceil(chars / 4)) if chars else 0
+    return math.ceil(chars / 4) if chars else 0
 
 
 def _count(value):
@@ -283,9 +282,7 @@ def _count(value):
 
 
 def _code(value):
-    return (
-        str(value)[:100] if type(value) in (str, int) else None  # JSON's own types: bool is not int
-    )
+    return str(value)[:100] if type(value) in (str, int) else None  # JSON's: a bool is no code
 
 
 def parse_usage(usage):
@@ -316,9 +313,6 @@ def parse_usage(usage):
     return dict(fields, usage_reported=bool(known), usage_status=status)
 
 
-_SURROGATE_RE = re.compile("[\ud800-\udfff]")
-
-
 def _server_text(value, where, problems, limit=None):
     """A string the server chose, safe to record: another type, a lone surrogate or an over-long
     value is noted."""
@@ -326,9 +320,11 @@ def _server_text(value, where, problems, limit=None):
         if value is not None:
             problems.append(f"{where} is a {type(value).__name__}, not a string")
         return None
-    if _SURROGATE_RE.search(value):
+    try:
+        value.encode()  # fails on a lone surrogate only: no regex for the common text
+    except UnicodeEncodeError:
         problems.append(f"{where} holds a lone surrogate (not Unicode text)")
-        value = _SURROGATE_RE.sub("\ufffd", value)
+        value = re.sub("[\ud800-\udfff]", "\ufffd", value)
     if limit is not None and len(value) > limit:
         problems.append(f"{where} was cut from {len(value)} to {limit} characters")
     return value[:limit]
@@ -439,8 +435,6 @@ _timers = {}
 
 
 def _timer():
-    import heapq
-
     fresh = ([], threading.Condition())
     heap, wake = timer = _timers.setdefault(os.getpid(), fresh)
 
@@ -474,8 +468,6 @@ class Deadline:
     Deadline(None) has none."""
 
     def __init__(self, seconds):
-        import heapq
-
         self.seconds, self.expired, self.cancelled, self.why = seconds, False, False, None
         self.at = time.monotonic() + seconds if seconds else None
         self._sockets, self._lock = [], threading.Lock()
@@ -486,7 +478,7 @@ class Deadline:
                 wake.notify()
 
     def remaining(self):
-        return max(0.001, self.at - time.monotonic()) if self.at is not None else None
+        return self.at and max(0.001, self.at - time.monotonic())  # None: no deadline
 
     def watch(self, sock, how=socket.SHUT_RDWR):
         """Shut `sock` (both ways, or `how`) when the deadline passes."""
@@ -555,7 +547,7 @@ def http_open(request, deadline, timeout=None):
     )
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tls_context():
     import ssl
 
@@ -626,9 +618,6 @@ class CappedServer(socketserver.ThreadingMixIn, socketserver.TCPServer):
 
 # --- The one HTTP request reader, of proxy.py and daemon.py ---
 
-# Host: name[:port], [v6][:port]
-_HOST_RE = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9_.-]+))(?::[0-9]{1,5})?\Z")
-
 
 class Refused(Exception):
     """An error answer: `reason` a short code (the proxy sends it, the daemon records it; None: a
@@ -660,7 +649,10 @@ def http_answer(status, body, headers=(), close=False, chunked=False):
 def host_name(value):
     """The name a Host header (or an Origin's host) gives, lowercased, without its port, brackets or
     final dot; None when it is not one."""
-    match = _HOST_RE.match(value.strip().lower())
+    # Host: name[:port], [v6][:port]
+    match = re.match(
+        r"(?:\[([0-9a-f:.]+)\]|([a-z0-9_.-]+))(?::[0-9]{1,5})?\Z", value.strip().lower()
+    )
     return (match.group(1) or match.group(2)).rstrip(".") if match else None
 
 
@@ -916,8 +908,7 @@ def _parse_json(raw, what, problems, status, headers):
     """A JSON object from raw bytes. NaN and Infinity are noted in problems and read as null."""
     try:
         data = json.loads(
-            raw.decode("utf-8"),
-            parse_constant=lambda name: problems.append(f"{name} in the {what}")
+            raw.decode(), parse_constant=lambda name: problems.append(f"{name} in the {what}")
         )
     except UnicodeDecodeError:
         raise CallFailed(
@@ -1474,11 +1465,7 @@ def _opened(ledger, api_key):
     after)."""
     ledger = ledger.ledger if isinstance(ledger, rl.Run) else ledger
     owned = not isinstance(ledger, rl.Ledger)
-    book = (
-        rl.Ledger(ledger, os.environ.get("LEDGER_RUN_ID") or None, secrets=(api_key,))
-        if owned
-        else ledger
-    )
+    book = rl.Ledger(ledger, os.environ.get("LEDGER_RUN_ID") or None) if owned else ledger
     book.add_secret(api_key)
     try:
         check_ledger(book)
@@ -1545,7 +1532,8 @@ def chat(
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     with _opened(ledger, api_key) as book:
-        texts = {"messages_text": _stored(book, messages)} if store_text else {}
+        stored = [_store(book, m["role"], m["content"]) for m in messages if store_text]
+        texts = {"messages_text": stored} if store_text else {}
         return attempts(
             endpoint(split[0], "/chat/completions"),
             body,
@@ -1616,10 +1604,6 @@ def _check_chat(args):
         return re.compile(expect) if isinstance(expect, str) else expect
     except re.error as exc:
         raise ConfigError(f"--expect is not a valid regular expression: {exc}") from None
-
-
-def _stored(book, messages):
-    return [_store(book, m["role"], m["content"]) for m in messages]
 
 
 def _store(book, role, text, _state=None):
@@ -1728,9 +1712,9 @@ def _read_prompt(source):
         raise ConfigError("no prompt: pipe one in (python ask.py < prompt.txt) or name a file")
     try:
         if source in (None, "-"):
-            return sys.stdin.buffer.read().decode("utf-8")
+            return sys.stdin.buffer.read().decode()
         with open(source, "rb") as handle:
-            return handle.read().decode("utf-8")
+            return handle.read().decode()
     except UnicodeDecodeError as exc:
         raise ConfigError(f"the prompt is not UTF-8 (byte {exc.start})") from None
 
@@ -1773,7 +1757,7 @@ def _build_parser():
         "--timeout",
         type=float,
         default=DEFAULT_TIMEOUT,
-        help="seconds for a whole attempt, connect to " f"last byte (default {DEFAULT_TIMEOUT:g})"
+        help=f"seconds for a whole attempt, connect to last byte (default {DEFAULT_TIMEOUT:g})"
     )
     p.add_argument(
         "--max-response-bytes",
@@ -1784,16 +1768,13 @@ def _build_parser():
     p.add_argument(
         "--expect", metavar="REGEX", help="the answer must match this regex (else exit 3)"
     )
-    p.add_argument(
-        "--expect-json", action="store_true", help="the answer must be JSON (else exit 3)"
-    )
-    p.add_argument(
-        "--strict-model",
-        action="store_true",
-        help="the served model must be the one asked (else exit 3)"
-    )
-    p.add_argument("--store-text", action="store_true", help="keep the text in LEDGER.text/")
-    p.add_argument("--json", action="store_true", help="print the whole record instead of the text")
+    for flag, text in (
+        ("--expect-json", "the answer must be JSON (else exit 3)"),
+        ("--strict-model", "the served model must be the one asked (else exit 3)"),
+        ("--store-text", "keep the text in LEDGER.text/"),
+        ("--json", "print the whole record instead of the text")
+    ):
+        p.add_argument(flag, action="store_true", help=text)
     return p
 
 

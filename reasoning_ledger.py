@@ -363,18 +363,21 @@ def _mask_assignment(m):
 # Secret shapes masked inside any string, run in this order: a later shape leaves an earlier one's
 # mask alone. A shape without its replacement is replaced whole by [REDACTED].
 _SHAPES = (
-    r"(?s)-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
+    (
+        r"(?s)-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----.*?(?:-----END [A-Z0-9 ]*PRIVATE KEY-----|\Z)",
+        REDACTED
+    ),
     (
         r"(?i)\b((?:set-)?cookie|(?:proxy-)?authorization)"
         r"([ \t]*:[ \t]*)(?!\[REDACTED\])\S[^\r\n]*",
-        r"\1\2[REDACTED]"
+        r"\1\2" + REDACTED
     ),
     (r"(?i)\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=-]+)", _mask_scheme),
-    r"\bsk-[A-Za-z0-9_-]{8,}",
-    r"PRIVATE\+KEY\+\S+",  # a signed-note signer key (docs/checkpoints.md)
-    r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})",
-    r"\bxox[abposr]-[A-Za-z0-9-]{8,}",
-    r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b",
+    (r"\bsk-[A-Za-z0-9_-]{8,}", REDACTED),
+    (r"PRIVATE\+KEY\+\S+", REDACTED),  # a signed-note signer key (docs/checkpoints.md)
+    (r"\b(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})", REDACTED),
+    (r"\bxox[abposr]-[A-Za-z0-9-]{8,}", REDACTED),
+    (r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b", REDACTED),
     (r"\b([a-zA-Z][a-zA-Z0-9+.-]{0,31}://)([^\s/?#\"'<>]+)@", _mask_userinfo),
     (r"([?&;#])([A-Za-z0-9_.\[\]-]{1,64})=([^&#\s\"'<>]+)", _mask_param),
     (
@@ -424,11 +427,8 @@ def _folded(text):
     )
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled_shapes():  # on first use: verify never needs them
-    return tuple(
-        (re.compile(s), REDACTED) if type(s) is str else (re.compile(s[0]), s[1]) for s in _SHAPES
-    )
+# a pattern compiled on its first use: most strings need no secret shape, and verify none at all
+_compiled = functools.cache(re.compile)
 
 
 class Redactor:
@@ -444,9 +444,9 @@ class Redactor:
                 text = text.replace(value, REDACTED)
         if _may_match(text):
             low = _folded(text)
-            for (pattern, repl), hint in zip(_compiled_shapes(), _SHAPE_HINTS):
+            for (pattern, repl), hint in zip(_SHAPES, _SHAPE_HINTS):
                 if any(map(low.__contains__, hint)) if hint else _ASSIGNMENT_HINT.search(low):
-                    text = pattern.sub(repl, text)
+                    text = _compiled(pattern).sub(repl, text)
         return text
 
 
@@ -471,7 +471,9 @@ def is_secret_env_name(name):
         or "webhook" in segments
         or last.endswith(("password", "passwd", "passphrase", "token", "secret"))
         or (len(segments) > 1 and last in ("pwd", "pass", "pw", "auth"))
-        or any(fnmatch.fnmatchcase(name.upper(), pattern) for pattern in SECRET_ENV_NAMES)
+        or name.upper() in SECRET_ENV_NAMES
+        # a pattern compiles on first use: the plain names need no regex
+        or any(fnmatch.fnmatchcase(name.upper(), p) for p in SECRET_ENV_NAMES if "*" in p)
     )
 
 
@@ -1658,7 +1660,7 @@ def add_run_event(run, event):
 # Command line helpers shared by the toolkit's scripts
 # ----------------------------------------------------------------------------
 
-_CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+_CONTROL_RE = "[\x00-\x1f\x7f-\x9f\u2028\u2029]"  # compiled on first use (_compiled)
 
 
 def plural(count, word, many=None):
@@ -1669,7 +1671,7 @@ def plural(count, word, many=None):
 def printable(value):
     """str(value) with control characters escaped (\\n, \\x1b, \\u2028), so text from a ledger or a
     server can neither forge a line nor drive a terminal."""
-    return _CONTROL_RE.sub(lambda match: f"{match[0]!r}"[1:-1], f"{value}")
+    return _compiled(_CONTROL_RE).sub(lambda match: repr(match[0])[1:-1], str(value))
 
 
 def error(message, secrets=(), label="error"):
@@ -2025,12 +2027,11 @@ NoteKey = collections.namedtuple("NoteKey", "name kid kind public seed")
 Checkpoint = collections.namedtuple("Checkpoint", "origin size root body")
 SIGNER, COSIGNER = 1, 4  # the key types: a log's signer, a witness's cosigner
 _PRIVATE = "PRIVATE+KEY+"
-_NAME_RE = re.compile(r"[^\s+\x00-\x1f\x7f]+\Z")
-_SIG_RE = re.compile("\u2014 ([^\\s+]+) ([A-Za-z0-9+/]+=*)\\Z")
-_CHECKPOINT_RE = re.compile(
-    r"([^\n]+)\n(0|[1-9][0-9]{0,18})\n([A-Za-z0-9+/]{43}=)\n(?:[^\n]+\n)*\Z"
-)
-_PROOF_RE = re.compile(
+# patterns compiled on first use (_compiled): a plain append never needs them
+_NAME_RE = r"[^\s+\x00-\x1f\x7f]+\Z"
+_SIG_RE = "\u2014 ([^\\s+]+) ([A-Za-z0-9+/]+=*)\\Z"
+_CHECKPOINT_RE = r"([^\n]+)\n(0|[1-9][0-9]{0,18})\n([A-Za-z0-9+/]{43}=)\n(?:[^\n]+\n)*\Z"
+_PROOF_RE = (
     r"c2sp\.org/tlog-proof@v1\n(?:extra [A-Za-z0-9+/=]*\n)?index (0|[1-9][0-9]{0,18})\n"
     r"((?:[A-Za-z0-9+/]{43}=\n){0,63})\n"
 )
@@ -2074,7 +2075,7 @@ def parse_key(text, secret=False):
         )
     name, kid, data = (text[len(_PRIVATE) * secret :].split("+", 2) + ["", ""])[:3]
     raw = _unb64(data)
-    if not _NAME_RE.match(name) or len(raw) != 33 or raw[0] not in (SIGNER, COSIGNER):
+    if not _compiled(_NAME_RE).match(name) or len(raw) != 33 or raw[0] not in (SIGNER, COSIGNER):
         raise UsageError(f"not a signed-note Ed25519 key: {'…' if secret else text[:80]}")
     public = ed25519_public(raw[1:]) if secret else raw[1:]
     if kid != _key_id(name, raw[0], public).hex():
@@ -2128,16 +2129,16 @@ def parse_checkpoint(text, where="checkpoint"):
     body, _sep, block = text.rpartition("\n\n")
     problem = (
         "a control character in the note"
-        if _CONTROL_RE.search(text.replace("\n", ""))
+        if _compiled(_CONTROL_RE).search(text.replace("\n", ""))
         else (
             "truncated: the note does not end in a newline"
             if not text.endswith("\n")
             else "not a signed note: no empty line before the signatures" if not body else None
         )
     )
-    signatures, match = [], _CHECKPOINT_RE.match(f"{body}\n")
+    signatures, match = [], _compiled(_CHECKPOINT_RE).match(body + "\n")
     for line in block[:-1].split("\n") if not problem else ():
-        found = _SIG_RE.match(line)
+        found = _compiled(_SIG_RE).match(line)
         raw = _unb64(found[2]) if found else b""
         if len(raw) < 5:
             problem = f"malformed signature line {line[:60]!r}"
@@ -2279,7 +2280,7 @@ def _verify_checkpoint(args):
 
 
 def _cmd_keygen(args):
-    if not _NAME_RE.match(args.name):
+    if not _compiled(_NAME_RE).match(args.name):
         raise UsageError(f"a key name has no white space or `+`: {args.name!r}")
     kind, seed = COSIGNER if args.cosigner else SIGNER, os.urandom(32)
     public = ed25519_public(seed)
@@ -2319,7 +2320,7 @@ def _cmd_prove(args):
 
 def _cmd_verify_proof(args):
     text = _read_text(args.proof)
-    found = _PROOF_RE.match(text)
+    found = _compiled(_PROOF_RE).match(text)
     if not found:
         raise IntegrityError(args.proof, None, "not a c2sp.org/tlog-proof@v1 proof")
     checkpoint, signers, _keys = _open_cli_checkpoint(args, text[found.end() :], args.proof)
@@ -2344,7 +2345,7 @@ def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
     """A ledger's signed checkpoint (origin: the key's name), its chain verified first (a torn last
     line is no leaf); with `append` also added to PATH.checkpoints, fsync'd."""
     origin = origin or signer.name
-    if signer.kind != SIGNER or not origin.strip() or _CONTROL_RE.search(origin):
+    if signer.kind != SIGNER or not origin.strip() or _compiled(_CONTROL_RE).search(origin):
         raise UsageError("a checkpoint needs a log key (not --cosigner) and a one-line origin")
     tree, got = Tree(), _parallel_start(path, resolve_key(key), None, None, fold=_leaf_hashes)
     for leaves in got[1] if got else ():

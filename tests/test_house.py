@@ -3,13 +3,14 @@ the ledger with no cycle, at most 100 columns a line, at most 60 lines a functio
 that moved naming their new home. The token budgets are reported by `make house`, not held here."""
 
 import ast
+import json
 import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, run_script
+from conftest import KEY, ROOT, clean_env, run_script
 from house import ROOMS
 
 # Each room and the rooms it may import: a layering, so no cycle is possible.
@@ -63,6 +64,48 @@ def test_the_ledger_opens_no_socket_not_even_lazily():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=60).stdout.strip()
     assert out == "['reasoning_ledger']", out
+
+
+# Runs ask.py as `python ask.py` does (runpy, as __main__), recording every pattern re compiles, then
+# prints the modules loaded and those patterns.
+_PLAIN_CALL = r"""
+import json, re, runpy, sys
+compiled, compile = set(), re._compile
+re._compile = lambda pattern, flags: compiled.add(pattern) or compile(pattern, flags)
+try:
+    runpy.run_path(sys.argv[1], run_name="__main__")
+except SystemExit as exc:
+    code = exc.code
+print(json.dumps({"code": code, "modules": sorted(sys.modules),
+                  "compiled": sorted(p for p in compiled if isinstance(p, str))}))
+"""
+# What a plain call never needs: the other rooms (the proxy, ClickHouse, reports, the agent), HTML,
+# servers, child processes and worker pools.
+_NOT_FOR_A_PLAIN_CALL = {name[:-3] for name in ROOMS} - {"ask", "reasoning_ledger"} | {
+    "html", "http.server", "subprocess", "multiprocessing", "concurrent", "asyncio", "xml", "sqlite3"}
+
+
+def test_a_plain_ask_call_loads_and_compiles_only_what_it_uses(tmp_path, server):
+    """The start is most of a call's cost (tests/BENCH.md): modules, the redaction shapes, the
+    checkpoint and control-character patterns load or compile on first use, not on every call."""
+    import fnmatch
+
+    import reasoning_ledger as rl
+
+    env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="fake-model", LEDGER="calls.jsonl")
+    bare = json.loads(subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(list(sys.modules)))"],
+                                     env=env, capture_output=True, text=True, timeout=60).stdout)
+    proc = subprocess.run([sys.executable, "-c", _PLAIN_CALL, str(ROOT / "ask.py")], input="What is 2 + 2?",
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    seen = json.loads(proc.stdout.splitlines()[-1])
+    assert seen["code"] == 0 and len((tmp_path / "calls.jsonl").read_text().splitlines()) == 1, proc.stderr
+    loaded = {m for m in set(seen["modules"]) - set(bare) if m.split(".")[0] in _NOT_FOR_A_PLAIN_CALL
+              or m in _NOT_FOR_A_PLAIN_CALL}
+    assert not loaded, sorted(loaded)
+    lazy = [p for p, _ in rl._SHAPES] + [rl._CONTROL_RE, rl._NAME_RE, rl._SIG_RE, rl._CHECKPOINT_RE, rl._PROOF_RE]
+    lazy += [fnmatch.translate(n) for n in rl.SECRET_ENV_NAMES if "*" not in n]  # names need no regex
+    assert not set(lazy) & set(seen["compiled"]), set(lazy) & set(seen["compiled"])
+    assert seen["compiled"], "no pattern recorded: the recorder itself is broken"
 
 
 @pytest.mark.parametrize("name", SHIPPED)

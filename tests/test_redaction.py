@@ -248,10 +248,10 @@ def test_the_prefilter_lets_through_every_string_a_shape_changes():
     samples |= {s.upper() for s in samples} | {s.lower() for s in samples}
     changed = 0
     for sample in samples:
-        for pattern, repl in rl._compiled_shapes():
-            if pattern.sub(repl, sample) != sample:
+        for pattern, repl in rl._SHAPES:
+            if re.sub(pattern, repl, sample) != sample:
                 changed += 1
-                assert rl._may_match(sample), (pattern.pattern, sample)
+                assert rl._may_match(sample), (pattern, sample)
     assert changed > len(SHAPE_CASES) * 10  # the cuts reach matches beyond the examples themselves
 
 
@@ -259,8 +259,8 @@ def _reference(redactor, text):
     """The Redactor as it was before its per-shape hints: every shape over every string."""
     for value in redactor.values:
         text = text.replace(value, rl.REDACTED)
-    for pattern, repl in rl._compiled_shapes():
-        text = pattern.sub(repl, text)
+    for pattern, repl in rl._SHAPES:
+        text = re.sub(pattern, repl, text)
     return text
 
 
