@@ -1876,6 +1876,50 @@ _THRESHOLDS = (
 )
 
 
+_FLAG = {"action": "store_true"}
+# (group, name, help, options) of the report options; group "output": one of them at most
+_OPTIONS = (
+    (
+        "",
+        "--by",
+        "one row per model, per model and day, or per model and proxy session "
+        "(X-Ledger-Session)",
+        {"choices": ("model", "day", "session"), "default": "model"}
+    ),
+    ("", "--since", "date (UTC) or ISO time", {}),
+    ("", "--until", "date (inclusive) or ISO time", {}),
+    ("", "--model", "only this request_model", {}),
+    ("output", "--json", "machine-readable output, stable keys", _FLAG),
+    ("output", "--csv", "the model table as CSV", _FLAG),
+    ("", "--wide", f"every column, names whole (default: fit {TEXT_WIDTH} columns)", _FLAG),
+    ("", "--html", "also write a self-contained page with charts", {"metavar": "FILE"}),
+    (
+        "",
+        "--runs-url",
+        "with --html: run ids link to URL + id, e.g. the daemon's http://HOST:PORT/runs/ "
+        f"(default {DEFAULT_RUNS_URL!r}, relative to the page)",
+        {"default": DEFAULT_RUNS_URL, "metavar": "URL"}
+    ),
+    ("", "--no-verify", "audit without checking the chain (marked UNVERIFIED)", _FLAG),
+    (
+        "",
+        "--jobs",
+        "worker processes per ledger (default: one per core, at most 8, for 4 MiB or more); "
+        "the report is the same",
+        {"type": int, "metavar": "N"}
+    ),
+    (
+        "",
+        "--conversation",
+        "one session (its id or a unique prefix) as a timeline of messages, tool calls and "
+        "answers (proxy.py --store-text); with --html also as a page",
+        {"metavar": "SESSION"}
+    ),
+    ("", "--fail-on-change", "exit 4 when the Changes section is not empty", _FLAG),
+    ("", "--allow-empty", "no ledger found is an empty report, not exit 2", _FLAG)
+)
+
+
 def _build_parser():
     p = rl.ArgumentParser(
         prog="audit.py",
@@ -1893,48 +1937,9 @@ def _build_parser():
         "runs/*/events.jsonl)"
     )
     p.add_argument("--version", action="version", version=__version__)
-    output, flag = p.add_mutually_exclusive_group(), {"action": "store_true"}
-    for where, name, about, options in (
-        (
-            p,
-            "--by",
-            "one row per model, per model and day, or per model and proxy session "
-            "(X-Ledger-Session)",
-            {"choices": ("model", "day", "session"), "default": "model"}
-        ),
-        (p, "--since", "date (UTC) or ISO time", {}),
-        (p, "--until", "date (inclusive) or ISO time", {}),
-        (p, "--model", "only this request_model", {}),
-        (output, "--json", "machine-readable output, stable keys", flag),
-        (output, "--csv", "the model table as CSV", flag),
-        (p, "--wide", f"every column, names whole (default: fit {TEXT_WIDTH} columns)", flag),
-        (p, "--html", "also write a self-contained page with charts", {"metavar": "FILE"}),
-        (
-            p,
-            "--runs-url",
-            "with --html: run ids link to URL + id, e.g. the daemon's http://HOST:PORT/runs/ "
-            f"(default {DEFAULT_RUNS_URL!r}, relative to the page)",
-            {"default": DEFAULT_RUNS_URL, "metavar": "URL"}
-        ),
-        (p, "--no-verify", "audit without checking the chain (marked UNVERIFIED)", flag),
-        (
-            p,
-            "--jobs",
-            "worker processes per ledger (default: one per core, at most 8, for 4 MiB or more); "
-            "the report is the same",
-            {"type": int, "metavar": "N"}
-        ),
-        (
-            p,
-            "--conversation",
-            "one session (its id or a unique prefix) as a timeline of messages, tool calls and "
-            "answers (proxy.py --store-text); with --html also as a page",
-            {"metavar": "SESSION"}
-        ),
-        (p, "--fail-on-change", "exit 4 when the Changes section is not empty", flag),
-        (p, "--allow-empty", "no ledger found is an empty report, not exit 2", flag)
-    ):
-        where.add_argument(name, help=about, **options)
+    output = p.add_mutually_exclusive_group()
+    for where, name, about, options in _OPTIONS:
+        (output if where else p).add_argument(name, help=about, **options)
     for name, default, metavar, about, _zero in _THRESHOLDS:
         p.add_argument(name, type=float, default=default, metavar=metavar, help=about)
     _from_options(p)
