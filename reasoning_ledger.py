@@ -171,7 +171,7 @@ class KeyRequiredError(UsageError):
     """The ledger is keyed (HMAC) and no key was given."""
 
     def __init__(self, path):
-        self.path = f"{path}"
+        self.path = str(path)
         super().__init__(
             f"{path}: ledger is keyed (line 1's prev is not all zeros); "
             f"a key is needed: set {KEY_ENV} or pass --key-env NAME"
@@ -184,7 +184,7 @@ class IntegrityError(LedgerError):
     exit_code = EXIT_FAILED
 
     def __init__(self, path, line, reason):
-        self.path, self.line, self.reason = f"{path}", line, reason
+        self.path, self.line, self.reason = str(path), line, reason
         super().__init__(f"{path}: {f'line {line}: ' if line else ''}{reason}")
 
 
@@ -570,7 +570,7 @@ def payload_problem(payload, limit=MAX_LINE_BYTES // 2):
     try:
         _stored, text = _clean_payload(payload, Redactor())
     except PayloadError as exc:
-        return f"{exc}".replace("; nothing was written", "")
+        return str(exc).replace("; nothing was written", "")
     return f"payload is larger than {limit} bytes of JSON" if len(text.encode()) > limit else None
 
 
@@ -589,12 +589,12 @@ dumps = json.JSONEncoder(
 def named_error(exc, path):
     """An OSError that names no file, named `path`; any other error as it is."""
     if isinstance(exc, OSError) and not exc.filename:
-        return OSError(exc.errno, exc.strerror or f"{exc}", f"{path}")
+        return OSError(exc.errno, exc.strerror or str(exc), str(path))
     return exc
 
 
 def _fsync_dir(path):
-    fd = os.open(f"{Path(path).parent}", os.O_RDONLY)
+    fd = os.open(str(Path(path).parent), os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -653,7 +653,7 @@ def _write_or_undo(fd, data, size, fsync=True):
 def _write_file(path, data, flags=os.O_APPEND, fsync=True, lead=b""):
     """Write `data` (after `lead` when the file is not empty) to the end of `path`, created with
     mode 0600, and fsync it unless `fsync` is False; on failure the file is cut back as it was."""
-    fd = os.open(f"{path}", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o600)
+    fd = os.open(str(path), os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | flags, 0o600)
     try:
         size = os.fstat(fd).st_size
         _write_or_undo(fd, (lead if size else b"") + data, size, fsync)
@@ -758,7 +758,7 @@ class Ledger:
                     created = not self.path.exists()
                     self.path.parent.mkdir(parents=True, exist_ok=True)
                     self._fd = os.open(
-                        f"{self.path}", os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
+                        str(self.path), os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
                     )
                     if created and self.fsync:
                         _fsync_dir(self.path)
@@ -850,7 +850,7 @@ class Ledger:
         with self._sync:
             while ticket > self._synced:
                 if ticket <= self._lost:  # the line may be in the file; it was never acknowledged
-                    raise OSError(errno.EIO, "the fsync after this append failed", f"{self.path}")
+                    raise OSError(errno.EIO, "the fsync after this append failed", str(self.path))
                 if self._syncing:
                     self._sync.wait()
                     continue
@@ -995,9 +995,9 @@ def store_artifact(
                 _write_file(tmp, data, os.O_EXCL, fsync)
             except OSError:
                 with contextlib.suppress(OSError):  # the error to name is the first
-                    os.unlink(f"{tmp}")
+                    os.unlink(str(tmp))
                 raise
-            os.replace(f"{tmp}", f"{target}")
+            os.replace(str(tmp), str(target))
             if fsync:
                 _fsync_dir(target)
     except OSError as exc:
@@ -1646,7 +1646,7 @@ def add_run_event(run, event):
     elif kind == "budget_exhausted":
         why = f"budget {get('limit')}: {get('used')} of {get('max')}"
     elif kind == "stuck":
-        unusable = f"{get('unusable') or ''}".split(":")[0]
+        unusable = str(get("unusable") or "").split(":")[0]
         why = (
             f"stuck: the same {'unusable ' if unusable else ''}reply {get('repeats')} times"
             f"{f' ({unusable})' if unusable else ''}"
@@ -1676,7 +1676,7 @@ def printable(value):
 
 def error(message, secrets=(), label="error"):
     """One 'error: …' line on stderr: secrets masked, control characters escaped."""
-    text = redact_text(f"{message}", secret_values(secrets))
+    text = redact_text(str(message), secret_values(secrets))
     print(f"{label}: {printable(text)}", file=sys.stderr, flush=True)
 
 
@@ -1720,7 +1720,7 @@ def error_text(exc):
     """One line for an error: 'path: No such file or directory' for OSError, str() otherwise."""
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror
-    return f"{exc}" or type(exc).__name__
+    return str(exc) or type(exc).__name__
 
 
 class ArgumentParser(argparse.ArgumentParser):
