@@ -470,7 +470,7 @@ class Deadline:
     def __init__(self, seconds):
         self.seconds, self.expired, self.cancelled, self.why = seconds, False, False, None
         self.at = time.monotonic() + seconds if seconds else None
-        self._sockets, self._lock = [], threading.Lock()
+        self._sockets, self._held, self._lock = [], [], threading.Lock()
         if seconds:
             heap, wake = _timers.get(os.getpid()) or _timer()
             with wake:
@@ -488,6 +488,12 @@ class Deadline:
                 shut(sock, how)
         return sock
 
+    def hold(self, sock):
+        """watch() a duplicate of a new connection's socket, closed at cancel(): TLS takes the
+        descriptor of the socket it wraps, which then can no longer be shut."""
+        self._held.append(self.watch(sock.dup()))
+        return sock
+
     def expire(self, why=None):
         """Shut the sockets; `why`, a CallFailed: the caller's reason to stop, not time."""
         with self._lock:
@@ -499,6 +505,8 @@ class Deadline:
     def cancel(self):
         with self._lock:
             self.cancelled = True
+            for sock in self._held:
+                sock.close()
 
 
 # this thread's opener (one costs more to build than a local call), and its deadline
@@ -515,7 +523,7 @@ def http_open(request, deadline, timeout=None):
             def make(host, **kwargs):
                 conn = connection_class(host, **kwargs)
                 create, deadline = conn._create_connection, _http.deadline
-                conn._create_connection = lambda *args, **kw: deadline.watch(create(*args, **kw))
+                conn._create_connection = lambda *args, **kw: deadline.hold(create(*args, **kw))
                 return conn
 
             return make

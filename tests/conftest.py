@@ -4,6 +4,8 @@ sockets on 127.0.0.1); only the model is a stand-in (fake_openai.py, hostile_ser
 import hashlib
 import json
 import os
+import shutil
+import ssl
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -238,3 +240,21 @@ def pytest_collection_modifyitems(config, items):
     index, count = (int(part) for part in shard.split("/"))
     config.hook.pytest_deselected(items=[item for k, item in enumerate(items) if k % count != index])
     items[:] = [item for k, item in enumerate(items) if k % count == index]
+
+
+def tls_certificate(tmp_path):
+    """(a self-signed certificate for 127.0.0.1 and localhost, made by the openssl CLI, and a server
+    SSLContext serving it); a client trusts it through SSL_CERT_FILE."""
+    if shutil.which("openssl") is None:
+        reason = "the openssl CLI is not installed"
+        if os.environ.get("TLS_REQUIRED") == "1" or os.environ.get("CLIENTS_REQUIRED") == "1":
+            pytest.fail("TLS_REQUIRED=1 (or CLIENTS_REQUIRED=1) but " + reason, pytrace=False)
+        pytest.skip(reason)
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
+                   check=True, capture_output=True, timeout=60)
+    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server.load_cert_chain(cert, key)
+    return cert, server

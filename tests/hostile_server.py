@@ -313,8 +313,9 @@ def _normalise(scenario):
 class HostileServer:
     """A raw-socket HTTP server that acts out one queued scenario per connection (see the module doc)."""
 
-    def __init__(self, host=HOST, port=0, default="ok"):
-        self.default = _normalise(default)
+    def __init__(self, host=HOST, port=0, default="ok", tls=None):
+        self.default, self.tls = _normalise(default), tls  # tls: a server SSLContext
+        self.cut = threading.Event()  # a scenario ended early: the client left or reset
         self.requests = []
         self._scenarios = []
         self._lock = threading.Lock()
@@ -335,7 +336,7 @@ class HostileServer:
 
     @property
     def base_url(self):
-        return "http://%s:%d/v1" % (self.host, self.port)
+        return "%s://%s:%d/v1" % ("https" if self.tls else "http", self.host, self.port)
 
     def queue(self, *scenarios):
         """The next connections get these scenarios in order; once the queue is empty, the default ("ok")."""
@@ -363,8 +364,8 @@ class HostileServer:
         with self._lock:
             conns, threads = list(self._conns), list(self._threads)
         for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
+            try:  # the descriptor's shutdown, under TLS too (SSLSocket.shutdown would unwrap)
+                socket.socket.shutdown(conn, socket.SHUT_RDWR)
             except OSError:
                 pass
         for thread in threads:
@@ -406,6 +407,11 @@ class HostileServer:
     def _serve(self, conn):
         graceful = True
         try:
+            if self.tls:  # the handshake in this connection's thread; stop() shuts the TLS socket
+                raw, conn = conn, self.tls.wrap_socket(conn, server_side=True)
+                with self._lock:
+                    self._conns.discard(raw)
+                    self._conns.add(conn)
             request = _read_request(conn)
             if request is None or self._stopping.is_set():
                 return
@@ -415,7 +421,7 @@ class HostileServer:
             conn.settimeout(SEND_TIMEOUT_S)
             graceful = getattr(self, "_do_" + scenario["name"])(conn, request, scenario) is not False
         except OSError:   # the client went away, reset us, or stop() shut the socket: all expected
-            pass
+            self.cut.set()
         finally:
             self._close(conn, graceful)
             with self._lock:

@@ -11,7 +11,8 @@ import pytest
 
 import ask
 import reasoning_ledger as rl
-from conftest import KEY, ROOT, all_bytes_under, clean_env, error_lines, lines_of, run_script
+from conftest import (KEY, ROOT, all_bytes_under, clean_env, error_lines, lines_of, run_script,
+                      tls_certificate)
 from hostile_server import HostileServer
 
 PROMPT = "What is 2 + 2?"
@@ -132,6 +133,27 @@ def test_timeout_is_a_deadline_for_the_whole_attempt(call, flags, scenario):
     # every read was fast; only a deadline for the whole attempt ends this long before the server's 300 s
     assert 900 <= payload["latency_ms"] < 150000
     assert elapsed < 150
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["http", "https"])
+@pytest.mark.parametrize("flags,scenario", [
+    ([], {"name": "trickle", "interval": 0.5, "total_seconds": 600}),
+    (["--stream"], {"name": "sse_keepalive", "interval": 0.1, "total_seconds": 600}),
+])
+def test_the_deadline_cuts_the_connection_over_tls_too(tmp_path, tls, flags, scenario):
+    # the answer would take minutes to arrive; the attempt ends at its deadline and the server sees
+    # the connection cut then, not at the answer's end. TLS takes over the descriptor of the socket
+    # it wraps: the deadline must still reach it.
+    cert, context = tls_certificate(tmp_path) if tls else (None, None)
+    with HostileServer(tls=context).start() as server:
+        server.queue(scenario)
+        env = clean_env(BASE_URL=server.base_url, API_KEY=KEY, MODEL_ID="hostile-model",
+                        LEDGER=tmp_path / "calls.jsonl", **({"SSL_CERT_FILE": cert} if tls else {}))
+        proc = run_script("ask.py", "--timeout", "2", *flags, input=PROMPT, env=env, cwd=tmp_path,
+                          timeout=900)
+        events = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_bytes().splitlines()]
+        _check_one_line(proc, events, "timeout")
+        assert server.cut.wait(120) and len(server.requests) == 1
 
 
 # ----------------------------------------------------------------------------

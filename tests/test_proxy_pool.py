@@ -6,16 +6,12 @@ The TLS test makes a self-signed certificate with the `openssl` CLI; without it 
 fails when TLS_REQUIRED=1 or CLIENTS_REQUIRED=1 (CI)."""
 
 import json
-import os
-import shutil
 import socket
-import ssl
-import subprocess
 import threading
 
 import pytest
 
-from conftest import KEY, all_bytes_under
+from conftest import KEY, all_bytes_under, tls_certificate
 from fake_upstream import _answer, _chat_chunks
 from proxy_helpers import Proxy, post
 from test_proxy import CHAT, calls
@@ -316,24 +312,8 @@ class _Named:
         self.upstream.stop()
 
 
-def _certificate(tmp_path):
-    if shutil.which("openssl") is None:
-        reason = "the openssl CLI is not installed"
-        if os.environ.get("TLS_REQUIRED") == "1" or os.environ.get("CLIENTS_REQUIRED") == "1":
-            pytest.fail("TLS_REQUIRED=1 (or CLIENTS_REQUIRED=1) but " + reason, pytrace=False)
-        pytest.skip(reason)
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
-                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "2", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost"],
-                   check=True, capture_output=True, timeout=HANG_GUARD_S)
-    server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    server.load_cert_chain(cert, key)
-    return cert, server
-
-
 def test_tls_one_handshake_for_many_calls_and_the_session_resumed(run, tmp_path):
-    cert, server = _certificate(tmp_path)
+    cert, server = tls_certificate(tmp_path)
     upstream = KeepAlive(tls=server)
     proxy = run(upstream, SSL_CERT_FILE=cert)
     client = proxy.conn()
@@ -349,7 +329,7 @@ def test_tls_one_handshake_for_many_calls_and_the_session_resumed(run, tmp_path)
 
 
 def test_tls_the_deadline_cuts_a_kept_connection(run, tmp_path):
-    cert, server = _certificate(tmp_path)
+    cert, server = tls_certificate(tmp_path)
     upstream = KeepAlive(tls=server)
     upstream.queue("ok", "trickle")
     proxy = run(upstream, "--timeout", "2", SSL_CERT_FILE=cert)
@@ -364,7 +344,7 @@ def test_tls_the_deadline_cuts_a_kept_connection(run, tmp_path):
 
 
 def test_tls_an_untrusted_certificate_is_refused(run, tmp_path):
-    _cert, server = _certificate(tmp_path)
+    _cert, server = tls_certificate(tmp_path)
     proxy = run(KeepAlive(tls=server))  # SSL_CERT_FILE not set: the system's roots only
     response, raw = post(proxy.conn(), "/chat/completions", CHAT)
     assert response.status == 502 and json.loads(raw)["error"]["code"] == "tls_error"
