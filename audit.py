@@ -301,7 +301,7 @@ class Audit:
         count = start[0] if start else 0
         try:
             for event, _raw, _digest in rl.verified_events(
-                path, expect=self._index_head(path), closed=True, _start=start
+                path, expect=self._index_head(path), closed=True, after=start
             ):
                 count += 1
                 yield event
@@ -439,10 +439,10 @@ class Audit:
 
 
 def _parallel(audit, path):
-    """Where the one pass goes on in `path` (rl's _parallel_start state) after forked workers
+    """Where the one pass goes on in `path` (rl's parallel_start state) after forked workers
     verified and gathered its lines up to there and their shares were merged into `audit`; None:
     one process reads it all, and words any failure."""
-    got = rl._parallel_start(
+    got = rl.parallel_start(
         path,
         rl.resolve_key(None),
         None,

@@ -1311,23 +1311,24 @@ def verified_events(
     closed=False,
     lines=None,
     truncated=TRUNCATED,
-    _start=None
+    after=None
 ):
     """Yield (event, raw line, its hash) for each line of a ledger, verifying as it goes;
     TornTailError after every good line of a torn file. `expect` = (seq, hash), a head published
     earlier, holds the ledger to it; with `closed` it is the head index.jsonl recorded when the run
     closed, where the ledger must end. `run_id`: the one run id of its lines (default: the run
     directory's). `lines`: its raw lines from elsewhere (ClickHouse's rows; default: the file's);
-    `truncated`: the words for a ledger short of `expect`, as TRUNCATED."""
+    `truncated`: the words for a ledger short of `expect`, as TRUNCATED. `after`: the [seq, hash,
+    offset] parallel_start() vouched for, where the check goes on."""
     key = resolve_key(key)
     if expect is not None and (type(expect[0]) is not int or type(expect[1]) is not str):
         raise IntegrityError(path, None, "the index entry for this run has no valid head")
     if closed and expect and not os.path.exists(path):
         raise IntegrityError(path, None, "closed in the index but its events.jsonl is missing")
-    run_id, count = run_dir_id(path) if run_id is None else run_id, _start[0] if _start else 0
-    lines = _file_lines(path, _start[2] if _start else 0) if lines is None else lines
+    run_id, count = run_dir_id(path) if run_id is None else run_id, after[0] if after else 0
+    lines = _file_lines(path, after[2] if after else 0) if lines is None else lines
     try:
-        for event, raw, digest in _check_lines(path, lines, key, run_id, expect, _start):
+        for event, raw, digest in _check_lines(path, lines, key, run_id, expect, after):
             count = event["seq"]
             yield event, raw, digest
     except TornTailError:
@@ -1368,10 +1369,10 @@ def verify(path, *, key=None, expect_head=None, jobs=1, **options):
     Verified or raise. `jobs`: worker processes for a regular file (None: one per core, at most 8,
     from PARALLEL_BYTES up); the outcome is the same."""
     key, texts = resolve_key(key) or b"", set()
-    start = jobs != 1 and _parallel_start(path, key, expect_head, jobs, **options)
+    start = jobs != 1 and parallel_start(path, key, expect_head, jobs, **options)
     head = tuple(start[:2]) if start else (0, genesis(key))
     for event, _raw, digest in verified_events(
-        path, key=key, expect=expect_head, _start=start, **options
+        path, key=key, expect=expect_head, after=start, **options
     ):
         head, named = (event["seq"], digest), event["payload"].get("messages_text")
         named = (named if type(named) is list else []) + [event["payload"].get("answer_text")]
@@ -1433,7 +1434,7 @@ def _line_ranges(path, jobs):
     return list(zip(bounds, bounds[1:]))
 
 
-def _parallel_start(path, key, expect, jobs, run_id=None, lines=None, fold=None, **_options):
+def parallel_start(path, key, expect, jobs, run_id=None, lines=None, fold=None, **_options):
     """Check a ledger's lines in forked workers, one of _line_ranges() each, and return the [seq,
     hash, offset] after the last line they vouch for in one unbroken chain from line 1, or None.
     The check continues from there in this process, so any failure, a torn tail and the end are
@@ -2347,12 +2348,12 @@ def make_checkpoint(path, signer, *, origin=None, key=None, append=False):
     origin = origin or signer.name
     if signer.kind != SIGNER or not origin.strip() or _compiled(_CONTROL_RE).search(origin):
         raise UsageError("a checkpoint needs a log key (not --cosigner) and a one-line origin")
-    tree, got = Tree(), _parallel_start(path, resolve_key(key), None, None, fold=_leaf_hashes)
+    tree, got = Tree(), parallel_start(path, resolve_key(key), None, None, fold=_leaf_hashes)
     for leaves in got[1] if got else ():
         for leaf in leaves:
             tree.add(None, leaf)
     with contextlib.suppress(TornTailError):  # a writer is mid-append (or died there)
-        for _event, raw, _digest in verified_events(path, key=key, _start=got and got[0]):
+        for _event, raw, _digest in verified_events(path, key=key, after=got and got[0]):
             tree.add(raw)
     note = sign_note(f"{origin}\n{tree.size}\n{_b64(tree.root())}\n", signer)
     if append:

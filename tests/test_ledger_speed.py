@@ -123,7 +123,7 @@ def test_parallel_verify_of_runs_and_of_a_pipe(tmp_path):
 
 
 VOUCHED = "import sys; sys.path.insert(0, sys.argv[1]); import reasoning_ledger as rl; " \
-          "print(rl._parallel_start(sys.argv[2], b'', None, int(sys.argv[3]), None))"
+          "print(rl.parallel_start(sys.argv[2], b'', None, int(sys.argv[3]), None))"
 
 
 def test_the_workers_do_the_checking(tmp_path):
