@@ -6,12 +6,14 @@ placed on each side of every place a worker's range can begin or end."""
 
 import hashlib
 import json
+import subprocess
+import sys
 
 import pytest
 
 import audit
 import reasoning_ledger as rl
-from conftest import clean_env, run_script
+from conftest import ROOT, clean_env, run_script
 
 KEY = "k3y-for-parallel-audit"
 DAYS = ("2026-11-01", "2026-11-02", "2026-11-03")
@@ -108,9 +110,20 @@ def same_for_every_jobs(*args, env=None, tmp=None):
     return one
 
 
+WORKERS_USED = (
+    "import sys, audit; "
+    "print(bool(audit._parallel(audit.Audit(jobs=int(sys.argv[2])), sys.argv[1])))"
+)
+
+
 def workers_used(path, jobs=3):
-    """Whether `--jobs 3` merges workers' shares for this ledger (else one process reads it all)."""
-    return bool(audit._parallel(audit.Audit(jobs=jobs), path))
+    """Whether `--jobs N` merges workers' shares for this ledger (else one process reads it all). In
+    a fresh interpreter: workers are never forked from a process with threads, and the suite's
+    process may hold some (servers other tests started)."""
+    proc = subprocess.run([sys.executable, "-c", WORKERS_USED, str(path), str(jobs)], capture_output=True,
+                          cwd=ROOT, env=clean_env(PYTHONPATH=str(ROOT)), timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout == b"True\n"
 
 
 REPORTS = [
