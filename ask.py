@@ -509,6 +509,12 @@ class Deadline:
                 sock.close()
 
 
+class _Answer(http.client.HTTPResponse):
+    def _read_status(self):  # an interim answer (103 Early Hints) is skipped as 100 Continue is
+        version, status, reason = super()._read_status()
+        return version, 100 if 101 < status < 200 else status, reason
+
+
 # this thread's opener (one costs more to build than a local call), and its deadline
 _http = threading.local()
 
@@ -524,6 +530,7 @@ def http_open(request, deadline, timeout=None):
                 conn = connection_class(host, **kwargs)
                 create, deadline = conn._create_connection, _http.deadline
                 conn._create_connection = lambda *args, **kw: deadline.hold(create(*args, **kw))
+                conn.response_class = _Answer
                 return conn
 
             return make

@@ -926,7 +926,7 @@ class _Use:
             self.sock = None
 
 
-class _Response(http.client.HTTPResponse):
+class _Response(ask._Answer):
     """An upstream answer that gives its connection back to the pool once closed, if its body was
     read to the end and nothing came after it. A stream read to its last event has its last chunk
     read at close (at most DRAIN_S, DRAIN_BYTES)."""

@@ -62,6 +62,7 @@ HUGE_SIZE = 200_000_000
 SCENARIOS = {
     "ok": (("headers",), "valid completion (SSE if the body asks stream: true); GET .../models lists models"),
     "redirect": (("status", "location", "headers"), "3xx (default 302) to `location`, small body"),
+    "interim": (("status", "headers"), "an interim answer (default 103 Early Hints), then the valid completion"),
     "short_body": (("content_length", "sent", "headers"),
                    "Content-Length: 500 (content_length) but only 100 (sent) bytes of JSON, then close"),
     "garbage_status": (("line",), "a first line that is not a status line (default HELLO WORLD), then close"),
@@ -455,6 +456,11 @@ class HostileServer:
     # -- the scenarios: each gets (conn, request, scenario); returning False means "no FIN, just close"
 
     def _do_ok(self, conn, request, s):
+        conn.sendall(_ok_bytes(request, s.get("headers")))
+
+    def _do_interim(self, conn, request, s):
+        status = int(s.get("status", 103))
+        conn.sendall(b"HTTP/1.1 %d Early Hints\r\nLink: </style.css>; rel=preload\r\n\r\n" % status)
         conn.sendall(_ok_bytes(request, s.get("headers")))
 
     def _do_redirect(self, conn, request, s):

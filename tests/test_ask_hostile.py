@@ -469,3 +469,12 @@ def test_isolated_mode_from_another_directory(hostile, tmp_path):
     proc = subprocess.run([sys.executable, "-I", str(vendored / "audit.py")], capture_output=True, env=env,
                           cwd=work, timeout=60)
     assert proc.returncode == 0 and b"hostile-model" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("status", [102, 103, 199])
+@pytest.mark.parametrize("flags", [[], ["--stream"]])
+def test_an_interim_answer_before_the_answer_is_skipped(call, status, flags):
+    proc, events = call(*flags, scenarios=[{"name": "interim", "status": status}])
+    assert proc.returncode == 0, proc.err
+    assert len(events) == 1 and events[0]["payload"]["http_status"] == 200
+    assert events[0]["payload"]["error_type"] is None

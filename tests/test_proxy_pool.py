@@ -38,6 +38,7 @@ class KeepAlive:
       barrier     waits until `barrier` (a threading.Barrier) is full, then the answer
       trickle     a head announcing 1000 bytes, then a byte every 50 ms until the proxy closes
       long_tail   a stream whose last event is followed by 100 KiB more before its last chunk
+      interim     a 103 Early Hints, then the answer as "ok" gives it
       no_end      a stream's events to [DONE] without its last chunk, then nothing until the proxy closes"""
 
     def __init__(self, tls=None):
@@ -142,6 +143,8 @@ class KeepAlive:
             while name == "no_end" and sock.recv(1):
                 pass
             return name != "no_end"
+        if name == "interim":  # 103 Early Hints before the answer, as a CDN may send
+            sock.sendall(b"HTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\n")
         if name == "trickle":
             sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n")
             while not self.closed.wait(0.05):  # each byte well inside the read timeout: only a deadline ends it
@@ -348,3 +351,15 @@ def test_tls_an_untrusted_certificate_is_refused(run, tmp_path):
     proxy = run(KeepAlive(tls=server))  # SSL_CERT_FILE not set: the system's roots only
     response, raw = post(proxy.conn(), "/chat/completions", CHAT)
     assert response.status == 502 and json.loads(raw)["error"]["code"] == "tls_error"
+
+
+def test_an_interim_answer_is_skipped_and_the_connection_kept(run):
+    upstream = KeepAlive()
+    upstream.queue("interim", "interim")
+    proxy = run(upstream)
+    client = proxy.conn()
+    for body in (CHAT, STREAM):
+        _ok(client, body)
+    assert upstream.accepts == 1 and len(upstream.requests) == 2
+    lines = calls(proxy.ledger)
+    assert [(line["error_type"], line["http_status"]) for line in lines] == [(None, 200)] * 2
