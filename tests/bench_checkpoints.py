@@ -13,7 +13,6 @@ bench(quick) returns rows (name, figure, target, note), each taken in this run:
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,16 +21,7 @@ for entry in (str(ROOT), str(ROOT / "tests")):
         sys.path.insert(0, entry)
 
 import reasoning_ledger as rl  # noqa: E402
-from bench import BIG_LINES, big_ledger  # noqa: E402
-
-
-def _median(fn, repeat):
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+from bench import BIG_LINES, _median_time as _median, big_ledger  # noqa: E402
 
 
 def bench(quick=True):
